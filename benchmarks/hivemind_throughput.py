@@ -1,0 +1,540 @@
+"""Throughput baseline: hivemind (the reference Learning@home implementation) on this machine.
+
+What it measures
+    One hivemind MoE server (``hivemind.moe.Server.create``) hosts ``--experts`` experts of
+    hivemind's built-in expert class ``"ffn"`` (Linear H->4H, GELU, Linear 4H->H, LayerNorm)
+    with hidden size ``--hidden`` and an Adam optimizer, using hivemind's default batching
+    settings (``Server.create`` defaults: max_batch_size 4096, 8 connection handlers per
+    expert). ``--clients`` client processes each hold ``RemoteExpert`` handles to every
+    expert and run ``--batches-per-client`` training steps: pick the next expert (round
+    robin), forward a random ``--batch`` x ``--hidden`` float32 batch that requires grad,
+    then ``out.sum().backward()``. That is one forward RPC and one backward RPC (which
+    also applies the expert's optimizer step on the server) per step, through hivemind's
+    normal client path (p2pd + libp2p streams).
+
+    The clock starts when every client has connected, fetched expert info and done its
+    untimed warm-up steps, and is released by a shared event; it stops when the last client
+    reports that it finished. The result is printed as ONE JSON line on stdout::
+
+        {"system": "hivemind", "version": ..., "hidden": H, "batch": B, "experts": E,
+         "clients": C, "batches_per_client": N, "samples": C*N*B, "seconds": s,
+         "samples_per_s": x}
+
+    Logs go to stderr. The exit status is non-zero if any client failed.
+
+Network
+    Every p2p daemon (the server's and each client's) listens on 127.0.0.1 only, with NAT
+    port mapping off and no bootstrap peers, so no traffic leaves the machine.
+
+Cleanup
+    The script makes itself a child subreaper, so p2p daemons orphaned by a dead client are
+    re-parented to it; on exit (normal, error, Ctrl-C or SIGTERM) it shuts the server down and
+    then terminates every process still descended from it.
+
+How to run (with hivemind's own virtual environment, see benchmarks/setup_hivemind.sh)::
+
+    /work/hivemind-venv/bin/python benchmarks/hivemind_throughput.py \\
+        --hidden 1024 --batch 512 --experts 2 --clients 2
+
+This script deliberately imports nothing from volunteerd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.moe.client.expert import RemoteExpert
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.moe.expert_uid import ExpertInfo
+from hivemind.moe.server import Server
+from hivemind.p2p import P2P, PeerID
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
+PR_SET_CHILD_SUBREAPER = 36
+MAX_ERROR_CHARS = 4000
+
+
+class Interrupted(BaseException):
+    """Raised from the SIGTERM handler so that ``finally`` blocks run."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Everything a client process needs; picklable for the spawn start method."""
+
+    index: int
+    server_peer_id: bytes
+    server_maddrs: list[str]
+    expert_uids: list[str]
+    hidden: int
+    batch: int
+    batches: int
+    warmup: int
+    timeout: float
+    log_level: str
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Measure hivemind MoE forward+backward throughput on 127.0.0.1.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--hidden", type=_positive_int, default=1024, help="expert hidden size")
+    parser.add_argument("--batch", type=_positive_int, default=512, help="samples per request")
+    parser.add_argument("--experts", type=_positive_int, default=2, help="experts on the server")
+    parser.add_argument("--clients", type=_positive_int, default=2, help="client processes")
+    parser.add_argument(
+        "--batches-per-client", type=_positive_int, default=10, help="timed steps per client"
+    )
+    parser.add_argument(
+        "--warmup-batches", type=_non_negative_int, default=1, help="untimed steps per client"
+    )
+    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=None,
+        help="server max_batch_size (default: hivemind's Server.create default, 4096)",
+    )
+    parser.add_argument(
+        "--num-handlers",
+        type=_positive_int,
+        default=None,
+        help="server connection handlers (default: hivemind's, 8 per expert)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds allowed for each phase (client start-up, timed run)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level for this script and for hivemind (stderr)",
+    )
+    return parser.parse_args(argv)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level,
+        format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
+    )
+    # hivemind installs its own stderr handler on the "hivemind" logger.
+    logging.getLogger("hivemind").setLevel(level)
+
+
+_HANDLER_PID: list[int] = []
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM handler for the driver and the clients.
+
+    hivemind forks its task pools and connection handlers from the driver, so they inherit
+    this handler; there it falls back to the default action (die), as hivemind expects.
+    """
+    if os.getpid() not in _HANDLER_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise Interrupted(f"received signal {signum}")
+
+
+def _install_sigterm_handler() -> None:
+    _HANDLER_PID[:] = [os.getpid()]
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+# ---------------------------------------------------------------------------------------------
+# process bookkeeping
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) < 2 or fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def _descendants(root: int) -> list[int]:
+    children = _children_map()
+    found: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
+
+
+def _cmdline(pid: int, limit: int = 4096) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
+
+
+def _exits_by_itself(pid: int) -> bool:
+    """Helpers that must outlive the driver's last tensor and exit on their own after it.
+
+    multiprocessing's resource tracker ignores SIGTERM; killing torch_shm_manager while the
+    driver still holds shared tensors makes torch abort the driver ("Broken pipe").
+    """
+    cmdline = _cmdline(pid)
+    return "multiprocessing.resource_tracker" in cmdline or "torch_shm_manager" in cmdline
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _kill_descendants(grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, every live process below this one (p2pd, handlers, clients)."""
+    me = os.getpid()
+    pids = [pid for pid in _descendants(me) if not _exits_by_itself(pid)]
+    if not pids:
+        return
+    logger.info(
+        "terminating %d leftover process(es): %s",
+        len(pids),
+        {pid: _cmdline(pid, 80) for pid in pids},
+    )
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        for pid in pids:
+            _reap(pid)
+        if not any(_is_running(pid) for pid in pids):
+            break
+        time.sleep(0.1)
+    for pid in set(pids) | set(_descendants(me)):
+        if _is_running(pid) and not _exits_by_itself(pid):
+            logger.warning("process %d ignored SIGTERM; sending SIGKILL", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    time.sleep(0.1)
+    for pid in pids:
+        _reap(pid)
+
+
+def _become_subreaper() -> None:
+    """Adopt orphaned descendants (e.g. a dead client's p2pd) so cleanup can find them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        logger.warning("cannot become a child subreaper: %s", exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# client process
+
+
+def _client_step(expert: RemoteExpert, inputs: torch.Tensor) -> None:
+    x = inputs.detach().requires_grad_(True)
+    out = expert(x)
+    if out.shape != x.shape:
+        raise RuntimeError(f"expert {expert.uid} returned shape {tuple(out.shape)}")
+    out.sum().backward()
+    if x.grad is None:
+        raise RuntimeError(f"expert {expert.uid} returned no input gradient")
+
+
+def _client_main(cfg: ClientConfig, messages: Any, go: Any) -> None:
+    """Entry point of one client process: connect, warm up, wait for ``go``, run, report."""
+    _setup_logging(cfg.log_level)
+    _install_sigterm_handler()
+    torch.set_num_threads(1)
+    p2p: P2P | None = None
+    exit_code = 0
+    try:
+        p2p = RemoteExpertWorker.run_coroutine(
+            P2P.create(
+                initial_peers=cfg.server_maddrs,
+                host_maddrs=LOOPBACK_MADDRS,
+                nat_port_map=False,
+            )
+        )
+        peer_id = PeerID(cfg.server_peer_id)
+        experts = [
+            RemoteExpert(ExpertInfo(uid=uid, peer_id=peer_id), p2p) for uid in cfg.expert_uids
+        ]
+        for expert in experts:
+            _ = expert.info  # rpc_info round trip, outside the timed region
+        generator = torch.Generator().manual_seed(cfg.index)
+        inputs = torch.randn(cfg.batch, cfg.hidden, generator=generator, dtype=torch.float32)
+        step = 0
+        for _ in range(cfg.warmup):
+            _client_step(experts[step % len(experts)], inputs)
+            step += 1
+        messages.put(("ready", cfg.index, None))
+        if not go.wait(cfg.timeout):
+            raise TimeoutError(f"no start signal within {cfg.timeout} s")
+        started = time.perf_counter()
+        for _ in range(cfg.batches):
+            _client_step(experts[step % len(experts)], inputs)
+            step += 1
+        messages.put(("done", cfg.index, time.perf_counter() - started))
+    except BaseException:
+        exit_code = 1
+        messages.put(("error", cfg.index, traceback.format_exc()[-MAX_ERROR_CHARS:]))
+    finally:
+        if p2p is not None:
+            with contextlib.suppress(BaseException):
+                RemoteExpertWorker.run_coroutine(p2p.shutdown())
+    if exit_code:
+        sys.exit(exit_code)
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+class ClientFailed(RuntimeError):
+    pass
+
+
+def _collect(
+    messages: Any,
+    clients: list[Any],
+    kind: str,
+    timeout: float,
+) -> dict[int, Any]:
+    """Wait until every client sent a ``kind`` message; fail fast on errors or dead clients."""
+    received: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(received) < len(clients):
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(clients))) - set(received))
+            raise ClientFailed(f"clients {missing} sent no '{kind}' within {timeout} s")
+        try:
+            what, index, payload = messages.get(timeout=0.5)
+        except queue.Empty:
+            for index, proc in enumerate(clients):
+                if index not in received and proc.exitcode is not None:
+                    raise ClientFailed(
+                        f"client {index} exited with code {proc.exitcode} before '{kind}'"
+                    ) from None
+            continue
+        if what == "error":
+            raise ClientFailed(f"client {index} failed:\n{payload}")
+        if what != kind:
+            raise ClientFailed(f"client {index} sent '{what}' while waiting for '{kind}'")
+        received[index] = payload
+    return received
+
+
+def _shutdown_server(server: Server, timeout: float = 20.0) -> None:
+    def _stop() -> None:
+        server.shutdown()
+        server.join()
+
+    stopper = threading.Thread(target=_stop, name="server-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(timeout)
+    if stopper.is_alive():
+        logger.warning("hivemind server did not shut down within %.0f s", timeout)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    server: Server | None = None
+    clients: list[Any] = []
+    began = time.perf_counter()
+    try:
+        expert_uids = [f"expert.{i}" for i in range(args.experts)]
+        create_kwargs: dict[str, Any] = {}
+        if args.max_batch_size is not None:
+            create_kwargs["max_batch_size"] = args.max_batch_size
+        if args.num_handlers is not None:
+            create_kwargs["num_handlers"] = args.num_handlers
+        server = Server.create(
+            expert_uids=expert_uids,
+            expert_cls="ffn",
+            hidden_dim=args.hidden,
+            optim_cls=functools.partial(torch.optim.Adam, lr=args.lr),
+            device="cpu",
+            start=True,
+            # forwarded to the DHT's p2p daemon: loopback only, no NAT port mapping
+            host_maddrs=LOOPBACK_MADDRS,
+            nat_port_map=False,
+            **create_kwargs,
+        )
+        maddrs = [str(a) for a in server.dht.get_visible_maddrs()]
+        loopback = [a for a in maddrs if a.startswith("/ip4/127.0.0.1/")]
+        if not loopback:
+            raise RuntimeError(f"server has no 127.0.0.1 address: {maddrs}")
+        logger.info(
+            "server ready in %.1f s: %d expert(s), %d handler(s), maddrs %s",
+            time.perf_counter() - began,
+            args.experts,
+            len(server.conn_handlers),
+            loopback,
+        )
+
+        ctx = mp.get_context("spawn")
+        messages = ctx.Queue()
+        go = ctx.Event()
+        for index in range(args.clients):
+            cfg = ClientConfig(
+                index=index,
+                server_peer_id=server.dht.peer_id.to_bytes(),
+                server_maddrs=loopback,
+                expert_uids=expert_uids,
+                hidden=args.hidden,
+                batch=args.batch,
+                batches=args.batches_per_client,
+                warmup=args.warmup_batches,
+                timeout=args.timeout,
+                log_level=args.log_level,
+            )
+            proc = ctx.Process(
+                target=_client_main,
+                args=(cfg, messages, go),
+                name=f"hivemind-client-{index}",
+                daemon=True,
+            )
+            proc.start()
+            clients.append(proc)
+
+        _collect(messages, clients, "ready", args.timeout)
+        logger.info("all %d clients ready after %.1f s", args.clients, time.perf_counter() - began)
+        started = time.perf_counter()
+        go.set()
+        per_client = _collect(messages, clients, "done", args.timeout)
+        seconds = time.perf_counter() - started
+        for index, elapsed in sorted(per_client.items()):
+            logger.info("client %d: %.3f s", index, elapsed)
+
+        for proc in clients:
+            proc.join(30)
+        failed = [i for i, proc in enumerate(clients) if proc.exitcode != 0]
+        if failed:
+            raise ClientFailed(f"clients {failed} exited non-zero")
+    finally:
+        for proc in clients:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in clients:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        if server is not None:
+            dead = {
+                handler.pid: handler.exitcode
+                for handler in server.conn_handlers
+                if handler.exitcode is not None
+            }
+            if dead:
+                logger.warning("hivemind connection handlers died early (pid: exit code): %s", dead)
+            _shutdown_server(server)
+        _kill_descendants()
+        logger.info("total wall time %.1f s", time.perf_counter() - began)
+
+    samples = args.clients * args.batches_per_client * args.batch
+    return {
+        "system": "hivemind",
+        "version": hivemind.__version__,
+        "hidden": args.hidden,
+        "batch": args.batch,
+        "experts": args.experts,
+        "clients": args.clients,
+        "batches_per_client": args.batches_per_client,
+        "samples": samples,
+        "seconds": round(seconds, 4),
+        "samples_per_s": round(samples / seconds, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _setup_logging(args.log_level)
+    _become_subreaper()
+    _install_sigterm_handler()
+    logger.info("config: %s", json.dumps(vars(args)))
+    try:
+        result = run(args)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        logger.error("interrupted (%s)", type(exc).__name__)
+        return 130
+    except ClientFailed as exc:
+        logger.error("%s", exc)
+        return 1
+    except Exception:
+        logger.exception("benchmark failed")
+        return 1
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

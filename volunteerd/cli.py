@@ -1,0 +1,210 @@
+"""The command line: the only argument parser. Maps signals and errors to exit codes.
+
+Exit codes (``errors.ExitCode``): 0 ok, 1 unexpected error, 2 bad usage, 3 invalid
+configuration, 5 a needed resource is unavailable, 130 stopped by a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from volunteerd import __version__
+from volunteerd.config import Config, dump_toml, load_config
+from volunteerd.errors import ExitCode, VolunteerdError, exit_code
+from volunteerd.logs import configure_logging
+from volunteerd.paths import Paths
+
+__all__ = ["main"]
+
+logger = logging.getLogger("volunteerd.cli")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="config file (default: per-user)")
+    parser.add_argument("--data-dir", metavar="DIR", help="where the key and checkpoints live")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value, e.g. --set network.port=4001 (repeatable)",
+    )
+
+
+def _network_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen-host", metavar="IP", help="address to listen on")
+    parser.add_argument("--port", type=int, metavar="N", help="TCP port (0 = any free one)")
+    parser.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="peer to join through, /ip4/.../tcp/.../p2p/<id> (repeatable)",
+    )
+    parser.add_argument(
+        "--ready-file",
+        metavar="FILE",
+        help="write {peer_id, multiaddrs} as JSON here once the node is serving",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="volunteerd",
+        description="Train huge neural networks together on home PCs.",
+    )
+    parser.add_argument("--version", action="version", version=f"volunteerd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon: host experts and serve them")
+    _common(serve)
+    _network_flags(serve)
+    serve.add_argument(
+        "--experts", metavar="PATTERN", help='experts to host, e.g. "ffn.[0:4].[0:4]"'
+    )
+
+    boot = sub.add_parser("bootstrap", help="run a DHT-only node for others to join through")
+    _common(boot)
+    _network_flags(boot)
+
+    config = sub.add_parser("config", help="show, check or locate the configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    for name, text in (
+        ("show", "print the effective configuration as TOML"),
+        ("validate", "check the configuration; exit 3 if it is invalid"),
+        ("path", "print the config file's location"),
+    ):
+        _common(config_sub.add_parser(name, help=text))
+
+    ident = sub.add_parser("id", help="print this node's peer id (creating its key if needed)")
+    _common(ident)
+
+    paths = sub.add_parser("paths", help="print where volunteerd keeps its files")
+    _common(paths)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    out = list(args.overrides)
+    if getattr(args, "listen_host", None):
+        out.append(f'network.listen_host="{args.listen_host}"')
+    if getattr(args, "port", None) is not None:
+        out.append(f"network.port={args.port}")
+    if getattr(args, "bootstrap", None):
+        out.append("network.bootstrap_peers=" + json.dumps(args.bootstrap))
+    if getattr(args, "experts", None):
+        out.append("experts.uids=" + json.dumps(args.experts))
+    return out
+
+
+def _load(args: argparse.Namespace) -> tuple[Config, Paths]:
+    paths = Paths.resolve(config_file=args.config, data_dir=args.data_dir)
+    explicit = args.config is not None or "VOLUNTEERD_CONFIG" in os.environ
+    config = load_config(paths.config_file, required=explicit, overrides=_overrides(args))
+    return config, paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(_dispatch(args))
+    except VolunteerdError as exc:
+        print(f"volunteerd: {exc}", file=sys.stderr)
+        return int(exit_code(exc))
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+
+
+def _dispatch(args: argparse.Namespace) -> ExitCode:
+    config, paths = _load(args)
+    if args.command == "config":
+        if args.config_command == "path":
+            print(paths.config_file)
+        elif args.config_command == "validate":
+            where = paths.config_file if paths.config_file.exists() else "defaults"
+            print(f"configuration is valid ({where})")
+        else:
+            sys.stdout.write(dump_toml(config))
+        return ExitCode.OK
+    if args.command == "paths":
+        for name, value in paths.as_dict().items():
+            print(f"{name:16} {value}")
+        return ExitCode.OK
+    if args.command == "id":
+        from volunteerd.identity import load_or_create_identity
+        from volunteerd.net import peer_id_for
+
+        print(peer_id_for(load_or_create_identity(paths.identity_file)))
+        return ExitCode.OK
+
+    configure_logging(config.logging.level)
+    if args.command == "serve":
+        from volunteerd.daemon import Daemon
+
+        daemon = Daemon(config, paths)
+
+        async def start_serve(nursery: trio.Nursery) -> Any:
+            return await nursery.start(daemon.serve)
+
+        return trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
+    if args.command == "bootstrap":
+        from volunteerd.daemon import bootstrap_only
+
+        async def start_boot(nursery: trio.Nursery) -> Any:
+            return await nursery.start(bootstrap_only, config, paths)
+
+        return trio.run(_run_service, start_boot, None, args.ready_file)
+    raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
+
+
+async def _run_service(
+    start: Callable[[trio.Nursery], Awaitable[Any]],
+    request_stop: Callable[[], None] | None,
+    ready_file: str | None,
+) -> ExitCode:
+    """Run a service until it ends or a signal arrives. The first SIGINT/SIGTERM asks it
+    to stop gracefully; a second one (or the first, for a service without a graceful
+    stop) cancels it."""
+    signalled = 0
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as outer:
+            service_scope = trio.CancelScope()
+
+            async def watch_signals() -> None:
+                nonlocal signalled
+                async for signum in signals:
+                    signalled += 1
+                    logger.info("received %s, stopping", signal.Signals(signum).name)
+                    if request_stop is not None and signalled == 1:
+                        request_stop()
+                    else:
+                        service_scope.cancel()
+
+            outer.start_soon(watch_signals)
+            with service_scope:
+                async with trio.open_nursery() as inner:
+                    running = await start(inner)
+                    if ready_file:
+                        _write_ready_file(Path(ready_file), running)
+            outer.cancel_scope.cancel()
+    return ExitCode.INTERRUPTED if signalled else ExitCode.OK
+
+
+def _write_ready_file(path: Path, running: Any) -> None:
+    node = getattr(running, "node", running)
+    data = {"peer_id": node.peer_id, "multiaddrs": node.multiaddrs, "pid": os.getpid()}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)

@@ -1,0 +1,33 @@
+"""Configuration: typed models, and loading them from file, environment and flags."""
+
+from __future__ import annotations
+
+from volunteerd.config.loading import dump_toml, load_config, parse_override
+from volunteerd.config.models import (
+    CONFIG_VERSION,
+    Config,
+    DHTConfig,
+    ExpertsConfig,
+    LoggingConfig,
+    NetworkConfig,
+    OptimizerConfig,
+    RuntimeConfig,
+    TimeoutsConfig,
+    WireLimits,
+)
+
+__all__ = [
+    "CONFIG_VERSION",
+    "Config",
+    "DHTConfig",
+    "ExpertsConfig",
+    "LoggingConfig",
+    "NetworkConfig",
+    "OptimizerConfig",
+    "RuntimeConfig",
+    "TimeoutsConfig",
+    "WireLimits",
+    "dump_toml",
+    "load_config",
+    "parse_override",
+]

@@ -1,0 +1,136 @@
+"""Load the configuration: TOML file, then environment, then command-line overrides.
+
+Later sources win. An environment variable ``VOLUNTEERD_<SECTION>__<KEY>`` (double
+underscore between levels) and a flag ``--set section.key=value`` both take a TOML
+value (``8080``, ``"text"``, ``[1, 2]``); a bare word is read as a string.
+Every error names the key, the value and where the value came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import ValidationError
+
+from volunteerd.config.models import Config
+from volunteerd.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "dump_toml", "load_config", "parse_override"]
+
+ENV_PREFIX = "VOLUNTEERD_"
+
+
+def load_config(
+    path: Path | None,
+    *,
+    required: bool = False,
+    env: Mapping[str, str] | None = None,
+    overrides: Iterable[str] = (),
+) -> Config:
+    """Build the effective configuration.
+
+    ``path`` is read if it exists; a missing file means defaults, unless ``required``
+    (the user named the file explicitly). Raises ConfigError naming the key, the value
+    and its source for every problem found.
+    """
+    data: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    if path is not None and path.exists():
+        try:
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        _record_sources(data, (), f"file {path}", sources)
+    elif path is not None and required:
+        raise ConfigError(f"config file not found: {path}")
+
+    for name, raw in sorted((os.environ if env is None else env).items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name[len(ENV_PREFIX) :]:
+            continue
+        keys = tuple(k.lower() for k in name[len(ENV_PREFIX) :].split("__"))
+        _set_path(data, keys, _parse_value(raw), f"environment {name}", sources)
+
+    for item in overrides:
+        keys, value = parse_override(item)
+        _set_path(data, keys, value, f"flag --set {item}", sources)
+
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, sources)) from None
+
+
+def parse_override(item: str) -> tuple[tuple[str, ...], Any]:
+    """``"network.port=4001"`` -> ``(("network", "port"), 4001)``."""
+    name, sep, raw = item.partition("=")
+    keys = tuple(k.strip() for k in name.split("."))
+    if not sep or not all(keys):
+        raise ConfigError(f"bad override {item!r}: expected section.key=value")
+    return keys, _parse_value(raw.strip())
+
+
+def dump_toml(config: Config) -> str:
+    return tomli_w.dumps(config.model_dump(mode="json"))
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_path(
+    data: dict[str, Any],
+    keys: tuple[str, ...],
+    value: Any,
+    source: str,
+    sources: dict[tuple[str, ...], str],
+) -> None:
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(keys[: i + 1])} is not a section ({source})")
+        node = child
+    node[keys[-1]] = value
+    sources[keys] = source
+
+
+def _record_sources(
+    node: Mapping[str, Any],
+    prefix: tuple[str, ...],
+    source: str,
+    sources: dict[tuple[str, ...], str],
+) -> None:
+    for key, value in node.items():
+        sources[(*prefix, key)] = source
+        if isinstance(value, dict):
+            _record_sources(value, (*prefix, key), source, sources)
+
+
+def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> str:
+    lines = ["invalid configuration:"]
+    for error in exc.errors():
+        loc = tuple(str(p) for p in error["loc"])
+        key = ".".join(loc) or "(top level)"
+        source = next(
+            (sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources),
+            "defaults",
+        )
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        if "input" in error and error["type"] != "missing" and not isinstance(error["input"], dict):
+            lines.append(f"  {key} = {error['input']!r}: {message} ({source})")
+        else:
+            lines.append(f"  {key}: {message} ({source})")
+    return "\n".join(lines)

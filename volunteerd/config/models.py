@@ -1,0 +1,206 @@
+"""The typed configuration: one frozen pydantic model per component.
+
+Every component receives its own slice (``Runtime(config.runtime)``), never a pile of
+keyword arguments. Times carry their unit in the name; all timeouts live in
+``TimeoutsConfig``. The commented default file is ``config/default.toml`` at the top of
+the repository; ``config/schema.json`` is generated from these models.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from volunteerd import uids
+
+__all__ = [
+    "CONFIG_VERSION",
+    "Config",
+    "DHTConfig",
+    "ExpertsConfig",
+    "LoggingConfig",
+    "NetworkConfig",
+    "OptimizerConfig",
+    "RuntimeConfig",
+    "TimeoutsConfig",
+    "WireLimits",
+]
+
+CONFIG_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class NetworkConfig(_Model):
+    listen_host: str = Field(
+        "0.0.0.0", description="IP address to listen on (0.0.0.0 = every interface)"
+    )
+    port: int = Field(38400, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    announce_addrs: list[str] = Field(
+        default_factory=list,
+        description="multiaddrs to advertise instead of the listening ones (e.g. after "
+        "forwarding a port on the router)",
+    )
+    bootstrap_peers: list[str] = Field(
+        default_factory=list,
+        description="multiaddrs of peers to join through, each ending in /p2p/<peer id>",
+    )
+
+    @field_validator("listen_host")
+    @classmethod
+    def _ip_address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"not an IP address: {value!r}") from None
+        return value
+
+    @field_validator("bootstrap_peers", "announce_addrs")
+    @classmethod
+    def _multiaddrs(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value.startswith("/"):
+                raise ValueError(f"not a multiaddr: {value!r} (expected /ip4/.../tcp/...)")
+        return values
+
+
+class DHTConfig(_Model):
+    announce_period_s: float = Field(
+        15.0, gt=0, le=3600, description="how often a server re-announces its experts"
+    )
+    record_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        le=7200,
+        description="lifetime of an announcement; a stopped server's "
+        "experts vanish from lookups after at most this long",
+    )
+    replication: int = Field(5, ge=1, le=20, description="peers that store each record")
+    max_record_ttl_s: float = Field(
+        600.0, gt=0, description="longest record lifetime accepted from other peers"
+    )
+    max_clock_skew_s: float = Field(
+        30.0, ge=0, description="how far in the future a record's issue time may be"
+    )
+    max_records_per_key: int = Field(1024, ge=1, description="servers remembered per key")
+    max_keys: int = Field(100_000, ge=1, description="keys this node stores for others")
+
+    @model_validator(mode="after")
+    def _ttl_outlives_period(self) -> Self:
+        if self.record_ttl_s <= self.announce_period_s:
+            raise ValueError(
+                f"record_ttl_s ({self.record_ttl_s}) must be longer than announce_period_s "
+                f"({self.announce_period_s}), or announcements lapse between refreshes"
+            )
+        if self.record_ttl_s > self.max_record_ttl_s:
+            raise ValueError("record_ttl_s must not exceed max_record_ttl_s")
+        return self
+
+
+class OptimizerConfig(_Model):
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(1e-3, gt=0, le=10)
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ExpertsConfig(_Model):
+    uids: str = Field(
+        "ffn.[0:4].[0:4]", description="experts to host: a grid pattern, comma-separated"
+    )
+    type: Literal["ffn", "transformer"] = "ffn"
+    hidden_dim: int = Field(1024, ge=8, le=65536)
+    num_heads: int = Field(8, ge=1, le=256, description="transformer only")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = Field(0, ge=0, description="initial weights are derived from seed and uid")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+    @field_validator("uids")
+    @classmethod
+    def _pattern(cls, value: str) -> str:
+        uids.expand_pattern(value)  # raises ValueError naming the bad part
+        return value
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> Self:
+        if self.type == "transformer" and self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"hidden_dim ({self.hidden_dim}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        return self
+
+    def uid_list(self) -> list[str]:
+        return uids.expand_pattern(self.uids)
+
+
+class RuntimeConfig(_Model):
+    device: str = Field("auto", description='"auto", "cpu", "cuda", "cuda:N" or "mps"')
+    max_batch_size: int = Field(
+        2048, ge=1, le=1 << 20, description="samples the batcher puts into one batch"
+    )
+    max_batch_wait_s: float = Field(
+        0.005, ge=0, le=10, description="how long a batch waits for more requests"
+    )
+    queue_size: int = Field(
+        64, ge=1, le=100_000, description="requests waiting per expert; beyond it: busy"
+    )
+    torch_threads: int = Field(0, ge=0, le=1024, description="0 = torch's default")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        head, _, index = value.partition(":")
+        if head not in {"auto", "cpu", "cuda", "mps"} or (
+            index and (head != "cuda" or not index.isdigit())
+        ):
+            raise ValueError(f'unknown device {value!r}: use "auto", "cpu", "cuda:0" or "mps"')
+        return value
+
+
+class WireLimits(_Model):
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 << 20)
+    max_body_bytes: int = Field(256 << 20, ge=1024, le=4 << 30)
+    max_tensors: int = Field(8, ge=1, le=64)
+    max_request_samples: int = Field(8192, ge=1, le=1 << 20)
+
+
+class TimeoutsConfig(_Model):
+    connect_s: float = Field(10.0, gt=0, description="open a connection and a stream")
+    request_s: float = Field(60.0, gt=0, description="a peer answers a request")
+    frame_read_s: float = Field(
+        30.0, gt=0, description="a started frame must arrive completely within this"
+    )
+    stream_idle_s: float = Field(120.0, gt=0, description="server closes idle streams")
+    pool_idle_s: float = Field(60.0, gt=0, description="client drops pooled idle streams")
+    dht_rpc_s: float = Field(5.0, gt=0, description="one DHT store or find request")
+    dht_lookup_s: float = Field(15.0, gt=0, description="a whole DHT lookup")
+    shutdown_grace_s: float = Field(5.0, ge=0, le=600, description="drain work on stop")
+
+    @model_validator(mode="after")
+    def _pool_expires_first(self) -> Self:
+        if self.pool_idle_s >= self.stream_idle_s:
+            raise ValueError(
+                "pool_idle_s must be shorter than stream_idle_s, or clients reuse streams "
+                "the server is closing"
+            )
+        return self
+
+
+class LoggingConfig(_Model):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class Config(_Model):
+    version: Literal[1] = Field(CONFIG_VERSION, description="format of this file")
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    dht: DHTConfig = Field(default_factory=DHTConfig)
+    experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    wire: WireLimits = Field(default_factory=WireLimits)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)

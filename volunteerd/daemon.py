@@ -1,0 +1,128 @@
+"""The composition root: builds every service from the config and runs them in order.
+
+Start order: identity -> device -> expert runtime -> libp2p node (host, Kademlia,
+verbs) -> announcer. Stop order is the reverse and gentle: withdraw the experts from
+the DHT, stop taking requests, let queued ones finish (bounded by
+``shutdown_grace_s``), then close the node.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from volunteerd import __version__
+from volunteerd.config import Config
+from volunteerd.identity import Identity, load_or_create_identity
+from volunteerd.net import Announcer, Handler, Node, Reply, Request, Verb, open_node
+from volunteerd.paths import Paths
+from volunteerd.runtime import ExpertRuntime, choose_device
+
+__all__ = ["Daemon", "bootstrap_only", "expert_handlers"]
+
+logger = logging.getLogger(__name__)
+
+
+def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
+    """Bind the runtime's calls to the forward, backward and info verbs."""
+
+    async def forward(request: Request) -> Reply:
+        header, buffers = await runtime.forward(request.header.uid, request.tensors)
+        return Reply(header, buffers)
+
+    async def backward(request: Request) -> Reply:
+        header, buffers = await runtime.backward(request.header.uid, request.tensors)
+        return Reply(header, buffers)
+
+    async def info(request: Request) -> Reply:
+        return Reply(runtime.info(request.header.uid))
+
+    return {Verb.FORWARD: forward, Verb.BACKWARD: backward, Verb.INFO: info}
+
+
+@dataclass(slots=True)
+class Running:
+    """What a started daemon exposes to its owner (the CLI, tests)."""
+
+    node: Node
+    runtime: ExpertRuntime
+    announcer: Announcer
+
+
+class Daemon:
+    """``volunteerd serve``. Start with ``await nursery.start(daemon.serve)``; stop with
+    ``request_stop()`` (graceful) or by cancelling (the same, without waiting for a
+    second signal)."""
+
+    def __init__(self, config: Config, paths: Paths, identity: Identity | None = None) -> None:
+        self.config = config
+        self.paths = paths
+        self._identity = identity
+        self._stop = trio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        config = self.config
+        identity = self._identity or load_or_create_identity(self.paths.identity_file)
+        device = choose_device(config.runtime.device)
+        if config.runtime.torch_threads:
+            torch.set_num_threads(config.runtime.torch_threads)
+        uids = config.experts.uid_list()
+        runtime = ExpertRuntime(uids, config.experts, config.runtime, config.wire, device)
+        async with (
+            open_node(identity, config, expert_handlers(runtime)) as node,
+            trio.open_nursery() as compute,
+        ):
+            await compute.start(runtime.serve)
+            announcer = Announcer(
+                node.dht, identity, node.peer_id, node.addrs, config.dht, config.timeouts
+            )
+            announcer.set_uids(uids)
+            try:
+                async with trio.open_nursery() as announcing:
+                    await announcing.start(announcer.serve)
+                    logger.info(
+                        "volunteerd %s serving %d %s experts on %s as %s",
+                        __version__,
+                        len(uids),
+                        config.experts.type,
+                        device,
+                        node.peer_id,
+                    )
+                    for addr in node.multiaddrs:
+                        logger.info("reachable at %s", addr)
+                    task_status.started(Running(node, runtime, announcer))
+                    await self._stop.wait()
+                    announcing.cancel_scope.cancel()  # withdraws the announcements
+            finally:
+                runtime.close()
+                with (
+                    trio.CancelScope(shield=True),
+                    trio.move_on_after(config.timeouts.shutdown_grace_s),
+                ):
+                    await runtime.drained()
+                compute.cancel_scope.cancel()
+        logger.info("stopped")
+
+
+async def bootstrap_only(
+    config: Config,
+    paths: Paths,
+    *,
+    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """``volunteerd bootstrap``: a DHT node with no experts, for others to join through."""
+    identity = load_or_create_identity(paths.identity_file)
+    async with open_node(identity, config) as node:
+        logger.info("bootstrap node %s", node.peer_id)
+        for addr in node.multiaddrs:
+            logger.info("join with --bootstrap %s", addr)
+        task_status.started(node)
+        await trio.sleep_forever()

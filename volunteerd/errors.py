@@ -1,0 +1,179 @@
+"""The one exception tree of volunteerd, and its two mappings.
+
+::
+
+    VolunteerdError
+    ├── ConfigError            bad config file, environment variable or flag
+    ├── IdentityError          unreadable or invalid key file
+    ├── WireError              bad input from the network (each has a wire code)
+    │   ├── FrameTooLarge      a declared size is over a cap          -> "too_large"
+    │   ├── MalformedFrame     bytes that do not parse                -> "malformed"
+    │   ├── UnsupportedVersion a frame version we do not speak        -> "unsupported_version"
+    │   ├── BadDtype           tensor dtype not allowed by the schema -> "bad_dtype"
+    │   └── BadShape           tensor shape not allowed by the schema -> "bad_shape"
+    ├── UnknownExpert          no such expert on this server          -> "unknown_expert"
+    ├── Busy                   the expert's queue is full             -> "busy"
+    ├── InvalidRecord          a DHT record failed validation
+    ├── PeerError              talking to a peer failed (client side)
+    │   ├── PeerUnreachable    could not open a stream to the peer
+    │   ├── RequestTimeout     the peer did not answer in time
+    │   └── RemoteError        the peer answered with a typed error (``.code``)
+    └── ShuttingDown           the service is stopping                -> "shutting_down"
+
+``wire_code`` maps an exception to the error code sent to a peer (anything not in
+the tree is an internal error and never leaks its message). ``exit_code`` maps an
+exception that ended the process to the exit status that service managers rely on.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = [
+    "BadDtype",
+    "BadShape",
+    "Busy",
+    "ConfigError",
+    "ExitCode",
+    "FrameTooLarge",
+    "IdentityError",
+    "InvalidRecord",
+    "MalformedFrame",
+    "PeerError",
+    "PeerUnreachable",
+    "RemoteError",
+    "RequestTimeout",
+    "ShuttingDown",
+    "UnknownExpert",
+    "UnsupportedVersion",
+    "VolunteerdError",
+    "WireError",
+    "exit_code",
+    "wire_code",
+]
+
+
+class VolunteerdError(Exception):
+    """Base of every error volunteerd raises on purpose."""
+
+    code = "internal"
+
+
+class ConfigError(VolunteerdError):
+    """The configuration (file, environment or flags) is invalid."""
+
+
+class IdentityError(VolunteerdError):
+    """The node's key file cannot be read or is not a valid Ed25519 key."""
+
+
+class WireError(VolunteerdError):
+    """Bytes from the network that we refuse; ``code`` is sent back to the peer."""
+
+    code = "malformed"
+
+
+class FrameTooLarge(WireError):
+    code = "too_large"
+
+
+class MalformedFrame(WireError):
+    code = "malformed"
+
+
+class UnsupportedVersion(WireError):
+    code = "unsupported_version"
+
+
+class BadDtype(WireError):
+    code = "bad_dtype"
+
+
+class BadShape(WireError):
+    code = "bad_shape"
+
+
+class UnknownExpert(VolunteerdError):
+    code = "unknown_expert"
+
+
+class Busy(VolunteerdError):
+    code = "busy"
+
+
+class InvalidRecord(VolunteerdError):
+    """A DHT record that failed validation (signature, expiry, size or form)."""
+
+    code = "invalid_record"
+
+
+class ShuttingDown(VolunteerdError):
+    code = "shutting_down"
+
+
+class PeerError(VolunteerdError):
+    """A request to a peer failed; the peer may be fine for other requests."""
+
+
+class PeerUnreachable(PeerError):
+    code = "unreachable"
+
+
+class RequestTimeout(PeerError):
+    code = "timeout"
+
+
+class RemoteError(PeerError):
+    """The peer answered with a typed error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# Codes a peer may send us; anything else is reported as "internal".
+WIRE_CODES = frozenset(
+    {
+        "malformed",
+        "too_large",
+        "unsupported_version",
+        "bad_dtype",
+        "bad_shape",
+        "unknown_expert",
+        "busy",
+        "invalid_record",
+        "shutting_down",
+        "internal",
+    }
+)
+
+
+def wire_code(exc: BaseException) -> str:
+    """The error code to send to a peer for ``exc``; unknown failures are "internal"."""
+    if isinstance(exc, VolunteerdError) and exc.code in WIRE_CODES:
+        return exc.code
+    return "internal"
+
+
+class ExitCode(IntEnum):
+    """Process exit statuses; packaging/ service units rely on these numbers."""
+
+    OK = 0
+    ERROR = 1  # unexpected failure: a bug
+    USAGE = 2  # bad command line (argparse's own convention)
+    CONFIG = 3  # the configuration is invalid: restarting will not help
+    RESTART = 4  # a restart was requested; service managers restart on it
+    UNAVAILABLE = 5  # a needed resource (port, key file) is not available
+    INTERRUPTED = 130  # stopped by SIGINT/SIGTERM, cleanly
+
+
+def exit_code(exc: BaseException) -> ExitCode:
+    """The process exit status for an exception that ended a command."""
+    if isinstance(exc, ConfigError):
+        return ExitCode.CONFIG
+    if isinstance(exc, IdentityError | OSError):
+        return ExitCode.UNAVAILABLE
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    return ExitCode.ERROR

@@ -1,0 +1,22 @@
+"""Expert modules, their schemas, and the backend that computes and updates one expert."""
+
+from __future__ import annotations
+
+from volunteerd.experts.backend import ExpertBackend, make_optimizer
+from volunteerd.experts.layers import FeedForwardExpert, TransformerBlockExpert
+from volunteerd.experts.registry import EXPERT_TYPES, ExpertType, build_module, schemas_for
+from volunteerd.experts.tensor_codec import TORCH_DTYPES, from_wire, to_wire
+
+__all__ = [
+    "EXPERT_TYPES",
+    "TORCH_DTYPES",
+    "ExpertBackend",
+    "ExpertType",
+    "FeedForwardExpert",
+    "TransformerBlockExpert",
+    "build_module",
+    "from_wire",
+    "make_optimizer",
+    "schemas_for",
+    "to_wire",
+]

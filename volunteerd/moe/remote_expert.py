@@ -1,0 +1,126 @@
+"""RemoteExpert: an ``nn.Module`` whose forward and backward run on a remote server.
+
+Use it from ordinary synchronous torch code; the calls go through a
+``BackgroundNode``. Forward sends the inputs; backward sends the inputs again with the
+gradients of the outputs, and the server returns the input gradients after stepping
+the expert's optimizer (Learning@home's stateless backward). Backward runs even when
+the inputs need no gradient, so the expert still learns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from volunteerd.errors import BadShape
+from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
+from volunteerd.net import PeerAddress, Verb
+from volunteerd.net.background import BackgroundNode
+from volunteerd.wire import (
+    BackwardRequest,
+    ExpertInfo,
+    ForwardRequest,
+    InfoRequest,
+    TensorMeta,
+    check_against_schema,
+)
+
+__all__ = ["RemoteExpert"]
+
+
+class RemoteExpert(nn.Module):
+    """The expert ``uid`` served by ``peer``, reached through ``node``."""
+
+    def __init__(self, uid: str, peer: PeerAddress, node: BackgroundNode) -> None:
+        super().__init__()
+        self.uid = uid
+        self.peer = peer
+        self._node = node
+        self._info: ExpertInfo | None = None
+        # Makes autograd call our backward even when no input requires grad.
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    @property
+    def info(self) -> ExpertInfo:
+        """The server's description of the expert (fetched once)."""
+        if self._info is None:
+            reply, _ = self._node.run(
+                self._node.node.rpc.call, self.peer, Verb.INFO, InfoRequest(uid=self.uid)
+            )
+            self._info = reply
+        return self._info
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        info = self.info
+        wire_inputs = [
+            x.to(TORCH_DTYPES[s.dtype]) for x, s in zip(inputs, info.inputs, strict=True)
+        ]
+        check_against_schema(
+            [to_meta(x) for x in wire_inputs], info.inputs, max_samples=info.max_batch_size
+        )
+        outputs = _RemoteCall.apply(self._dummy, self, inputs[0].dtype, *wire_inputs)
+        return outputs
+
+    def call(self, verb: Verb, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One blocking request with ``tensors``; returns the reply's tensors (CPU)."""
+        encoded = [to_wire(t) for t in tensors]
+        metas = [m for m, _ in encoded]
+        header = (
+            ForwardRequest(uid=self.uid, tensors=metas)
+            if verb is Verb.FORWARD
+            else BackwardRequest(uid=self.uid, tensors=metas)
+        )
+        _, reply_tensors = self._node.run(
+            self._node.node.rpc.call, self.peer, verb, header, [b for _, b in encoded]
+        )
+        return [from_wire(t) for t in reply_tensors]
+
+    def extra_repr(self) -> str:
+        return f"uid={self.uid!r}, peer={self.peer.peer_id[-8:]}"
+
+
+def to_meta(tensor: torch.Tensor) -> TensorMeta:
+    name = next((k for k, v in TORCH_DTYPES.items() if v == tensor.dtype), None)
+    if name is None:
+        raise BadShape(f"dtype {tensor.dtype} cannot be sent")
+    return TensorMeta(dtype=name, shape=tuple(tensor.shape))  # type: ignore[arg-type]
+
+
+class _RemoteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        _dummy: torch.Tensor,
+        expert: RemoteExpert,
+        out_dtype: torch.dtype,
+        *inputs: torch.Tensor,
+    ) -> Any:
+        ctx.expert = expert
+        ctx.out_dtype = out_dtype
+        ctx.devices = [x.device for x in inputs]
+        ctx.save_for_backward(*inputs)
+        outputs = expert.call(Verb.FORWARD, inputs)
+        device = inputs[0].device
+        result = [o.to(device, out_dtype) for o in outputs]
+        return result[0] if len(result) == 1 else tuple(result)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
+        expert: RemoteExpert = ctx.expert
+        inputs = ctx.saved_tensors
+        info = expert.info
+        grads = [
+            g.to(TORCH_DTYPES[s.dtype]) for g, s in zip(grad_outputs, info.outputs, strict=True)
+        ]
+        grad_inputs = expert.call(Verb.BACKWARD, [*inputs, *grads])
+        return (
+            None,
+            None,
+            None,
+            *(g.to(dev, ctx.out_dtype) for g, dev in zip(grad_inputs, ctx.devices, strict=True)),
+        )

@@ -1,0 +1,40 @@
+"""Networking: the only package that imports libp2p (never torch).
+
+host (TCP + Noise + Yamux), request/response verbs over pooled streams, and expert
+discovery through signed, expiring records stored on the Kademlia-closest peers.
+"""
+
+from __future__ import annotations
+
+from volunteerd.net.announce import Announcer, children_by_key
+from volunteerd.net.dht import ExpertDHT, StoreOutcome
+from volunteerd.net.node import Node, open_node
+from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr, peer_id_for, short
+from volunteerd.net.protocols import PROTOCOLS, ProtocolSpec, Verb
+from volunteerd.net.records import ExpertRecord, RecordStore, sign_record, validate_record
+from volunteerd.net.rpc import Handler, Reply, Request, RpcClient, RpcServer
+
+__all__ = [
+    "PROTOCOLS",
+    "Announcer",
+    "ExpertDHT",
+    "ExpertRecord",
+    "Handler",
+    "Node",
+    "PeerAddress",
+    "ProtocolSpec",
+    "RecordStore",
+    "Reply",
+    "Request",
+    "RpcClient",
+    "RpcServer",
+    "StoreOutcome",
+    "Verb",
+    "children_by_key",
+    "open_node",
+    "parse_peer_multiaddr",
+    "peer_id_for",
+    "short",
+    "sign_record",
+    "validate_record",
+]

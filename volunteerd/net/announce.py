@@ -1,0 +1,121 @@
+"""The announcer: keeps this server's experts findable, and withdraws them on exit.
+
+Every ``announce_period_s`` it signs fresh records (lifetime ``record_ttl_s``) for
+every key of every hosted uid and stores them on the closest peers. Leaving
+``serve`` (cancellation) publishes withdrawn records within a shielded, bounded grace
+period, so a cleanly stopped server vanishes from lookups at once; a crashed one
+vanishes when its last records expire, within ``record_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import trio
+
+from volunteerd.config import DHTConfig, TimeoutsConfig
+from volunteerd.identity import Identity
+from volunteerd.net.dht import ExpertDHT, StoreOutcome
+from volunteerd.net.records import ExpertRecord, sign_record
+from volunteerd.uids import split_uid, uid_prefixes
+
+__all__ = ["Announcer", "children_by_key"]
+
+logger = logging.getLogger(__name__)
+
+
+def children_by_key(uids: Iterable[str]) -> dict[str, set[int]]:
+    """Every key to announce for ``uids`` -> the next coordinates under it (empty for a uid)."""
+    out: dict[str, set[int]] = {}
+    for uid in uids:
+        _, coords = split_uid(uid)
+        for depth, key in enumerate(uid_prefixes(uid)):
+            children = out.setdefault(key, set())
+            if depth < len(coords):
+                children.add(coords[depth])
+    return out
+
+
+class Announcer:
+    def __init__(
+        self,
+        dht: ExpertDHT,
+        identity: Identity,
+        peer_id: str,
+        addrs: Iterable[str],
+        config: DHTConfig,
+        timeouts: TimeoutsConfig,
+    ) -> None:
+        self._dht = dht
+        self._identity = identity
+        self._peer_id = peer_id
+        self._addrs = tuple(addrs)
+        self._config = config
+        self._timeouts = timeouts
+        self._uids: set[str] = set()
+        self._announced: set[str] = set()
+        self._wake = trio.Event()
+        self.last_outcome: StoreOutcome | None = None
+
+    def set_uids(self, uids: Iterable[str]) -> None:
+        """Announce exactly these uids from the next round on (which starts at once)."""
+        self._uids = set(uids)
+        self._wake.set()
+
+    def records(self, *, withdraw: Iterable[str] = ()) -> list[ExpertRecord]:
+        active = children_by_key(self._uids)
+        gone = children_by_key(withdraw)
+        out = [
+            sign_record(
+                self._identity,
+                self._peer_id,
+                key=key,
+                addrs=self._addrs,
+                children=children,
+                ttl_s=self._config.record_ttl_s,
+            )
+            for key, children in active.items()
+        ]
+        out.extend(
+            sign_record(
+                self._identity,
+                self._peer_id,
+                key=key,
+                addrs=self._addrs,
+                ttl_s=self._config.record_ttl_s,
+                active=False,
+            )
+            for key in gone
+            if key not in active
+        )
+        return out
+
+    async def announce_now(self) -> StoreOutcome:
+        withdrawn = self._announced - self._uids
+        outcome = await self._dht.put(self.records(withdraw=withdrawn))
+        self._announced = set(self._uids)
+        self.last_outcome = outcome
+        if outcome.acks and outcome.min_acks == 0:
+            logger.warning("an announcement reached no peer; retrying next round")
+        return outcome
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self.announce_now()
+            logger.info("announced %d experts", len(self._uids))
+            task_status.started()
+            while True:
+                with trio.move_on_after(self._config.announce_period_s):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                try:
+                    await self.announce_now()
+                except Exception:  # a bad round must not end the server: next round retries
+                    logger.exception("announcement round failed")
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self._timeouts.shutdown_grace_s):
+                self._uids, withdrawn = set(), self._announced
+                if withdrawn:
+                    await self._dht.put(self.records(withdraw=withdrawn))
+                    logger.info("withdrew %d experts from the DHT", len(withdrawn))

@@ -1,0 +1,272 @@
+"""Expert discovery: py-libp2p's Kademlia for routing, our own record protocol for storage.
+
+py-libp2p's KadDHT finds the peers closest to a key well, but its value store keeps
+one value per key for 24 h, answers from a local cache first and ignores expiry, and
+its provider records never forget a dead provider (see docs/decisions/0002). So the
+routing table and iterative lookups are KadDHT's, while records live on the
+``replication`` closest peers (this node included when it is among them) through the
+``dht-store`` and ``dht-find`` verbs, in a ``RecordStore`` that honours each
+record's own expiry and keeps one record per (key, peer).
+
+Every record that arrives, whether in a store request or in a find reply, is checked
+by ``validate_record``: a storing peer cannot forge or revive another peer's record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+from libp2p.peer.id import ID
+
+from volunteerd.config import DHTConfig, TimeoutsConfig
+from volunteerd.errors import InvalidRecord, PeerError
+from volunteerd.net.peers import PeerAddress, public_key_of, short
+from volunteerd.net.protocols import Verb
+from volunteerd.net.records import (
+    ExpertRecord,
+    FindReply,
+    FindRequest,
+    RecordStore,
+    StoreReply,
+    StoreRequest,
+    merge_newest,
+    validate_record,
+)
+from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
+
+__all__ = ["ExpertDHT", "StoreOutcome"]
+
+logger = logging.getLogger(__name__)
+
+_LOOKUP_CACHE_S = 10.0
+_FIND_BATCH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    """How many peers (this node included) accepted each key's record."""
+
+    acks: dict[str, int]
+
+    @property
+    def min_acks(self) -> int:
+        return min(self.acks.values(), default=0)
+
+
+class ExpertDHT:
+    """Stores and finds expert records. Constructed by ``open_node``; no I/O here."""
+
+    def __init__(
+        self,
+        host: IHost,
+        kad: KadDHT,
+        rpc: RpcClient,
+        config: DHTConfig,
+        timeouts: TimeoutsConfig,
+    ) -> None:
+        self._host = host
+        self._kad = kad
+        self._rpc = rpc
+        self._config = config
+        self._timeouts = timeouts
+        self._self_id = host.get_id()
+        self.store = RecordStore(config, public_key_of)
+        self._closest_cache: dict[str, tuple[float, list[ID]]] = {}
+        # Peers serve at most 12 concurrent Kademlia streams and reset the rest.
+        self._lookups = trio.CapacityLimiter(4)
+
+    # -- serving other peers ----------------------------------------------------------
+
+    def handlers(self) -> dict[Verb, Handler]:
+        return {Verb.DHT_STORE: self._on_store, Verb.DHT_FIND: self._on_find}
+
+    async def _on_store(self, request: Request) -> Reply:
+        body: StoreRequest = request.header
+        stored = sum(self.store.put(record) for record in body.records)
+        return Reply(StoreReply(stored=stored, rejected=len(body.records) - stored))
+
+    async def _on_find(self, request: Request) -> Reply:
+        body: FindRequest = request.header
+        records = [r for key in dict.fromkeys(body.keys) for r in self.store.get(key)]
+        return Reply(FindReply(records=records[:16384]))
+
+    # -- membership -------------------------------------------------------------------
+
+    async def bootstrap(self, peers: Sequence[PeerAddress]) -> int:
+        """Connect to ``peers`` and fill the routing table; returns how many answered."""
+        joined = 0
+
+        async def join(peer: PeerAddress) -> None:
+            nonlocal joined
+            try:
+                with trio.fail_after(self._timeouts.connect_s):
+                    await self._host.connect(peer.peer_info())
+                    if await self._kad.routing_table.add_peer(ID.from_base58(peer.peer_id)):
+                        joined += 1
+            except (trio.TooSlowError, Exception) as exc:
+                logger.warning("bootstrap peer %s did not answer: %s", peer, exc or type(exc))
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                if peer.peer_id != str(self._self_id):
+                    nursery.start_soon(join, peer)
+        if joined:
+            with trio.move_on_after(self._timeouts.dht_lookup_s):
+                await self._kad.peer_routing.find_closest_peers_network(self._self_id.to_bytes())
+        return joined
+
+    def routing_table_size(self) -> int:
+        return int(self._kad.get_routing_table_size())
+
+    def forget_peer(self, peer_id: str) -> None:
+        """Stop routing through a peer that failed to answer."""
+        try:
+            self._kad.routing_table.remove_peer(ID.from_base58(peer_id))
+        except Exception:  # unknown or malformed peer id: nothing to forget
+            pass
+        self._rpc.forget(peer_id)
+        self._closest_cache.clear()
+
+    async def _closest(self, key: str) -> list[ID]:
+        """The ``replication`` closest peers to ``key``, this node included."""
+        now = time.monotonic()
+        cached = self._closest_cache.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        found: list[ID] = []
+        async with self._lookups:
+            with trio.move_on_after(self._timeouts.dht_lookup_s):
+                found = await self._kad.peer_routing.find_closest_peers_network(
+                    key.encode(), count=self._config.replication
+                )
+        candidates = list(dict.fromkeys([*found, self._self_id]))
+        closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
+            : self._config.replication
+        ]
+        self._closest_cache[key] = (now + _LOOKUP_CACHE_S, closest)
+        return closest
+
+    def _address(self, peer_id: ID) -> PeerAddress:
+        addrs = self._host.get_peerstore().addrs(peer_id)
+        return PeerAddress(str(peer_id), tuple(str(a).split("/p2p/")[0] for a in addrs))
+
+    async def _group_by_peer(self, keys: Iterable[str]) -> dict[ID, list[str]]:
+        keys = list(dict.fromkeys(keys))
+        closest: dict[str, list[ID]] = {}
+
+        async def lookup(key: str) -> None:
+            closest[key] = await self._closest(key)
+
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(lookup, key)
+        by_peer: dict[ID, list[str]] = {}
+        for key in keys:
+            for peer_id in closest[key]:
+                by_peer.setdefault(peer_id, []).append(key)
+        return by_peer
+
+    # -- storing and finding ----------------------------------------------------------
+
+    async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
+        """Store each record on the closest peers to its key; returns the acks per key."""
+        by_key: dict[str, list[ExpertRecord]] = {}
+        for record in records:
+            by_key.setdefault(record.key, []).append(record)
+        by_peer = await self._group_by_peer(by_key)
+        acks = dict.fromkeys(by_key, 0)
+
+        async def store_on(peer_id: ID, keys: list[str]) -> None:
+            batch = [r for k in keys for r in by_key[k]]
+            if peer_id == self._self_id:
+                accepted = {r.key for r in batch if self.store.put(r)}
+            else:
+                accepted = set()
+                for start in range(0, len(batch), 256):
+                    chunk = batch[start : start + 256]
+                    try:
+                        with trio.fail_after(self._timeouts.dht_rpc_s):
+                            reply, _ = await self._rpc.call(
+                                self._address(peer_id), Verb.DHT_STORE, StoreRequest(records=chunk)
+                            )
+                    except (PeerError, trio.TooSlowError) as exc:
+                        logger.debug("store on %s failed: %s", short(peer_id), exc)
+                        self.forget_peer(str(peer_id))
+                        return
+                    if isinstance(reply, StoreReply) and reply.stored == len(chunk):
+                        accepted.update(r.key for r in chunk)
+            for key in keys:
+                if key in accepted:
+                    acks[key] += 1
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, keys in by_peer.items():
+                nursery.start_soon(store_on, peer_id, keys)
+        return StoreOutcome(acks)
+
+    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
+        """Active, valid, unexpired records per key, newest per peer, from the closest peers."""
+        by_peer = await self._group_by_peer(keys)
+        found: list[ExpertRecord] = []
+
+        async def find_on(peer_id: ID, peer_keys: list[str]) -> None:
+            if peer_id == self._self_id:
+                found.extend(r for k in peer_keys for r in self.store.get(k))
+                return
+            for start in range(0, len(peer_keys), _FIND_BATCH):
+                chunk = peer_keys[start : start + _FIND_BATCH]
+                try:
+                    with trio.fail_after(self._timeouts.dht_rpc_s):
+                        reply, _ = await self._rpc.call(
+                            self._address(peer_id), Verb.DHT_FIND, FindRequest(keys=chunk)
+                        )
+                except (PeerError, trio.TooSlowError) as exc:
+                    logger.debug("find on %s failed: %s", short(peer_id), exc)
+                    self.forget_peer(str(peer_id))
+                    return
+                wanted = set(chunk)
+                found.extend(r for r in reply.records if r.key in wanted and self._valid(r))
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, peer_keys in by_peer.items():
+                nursery.start_soon(find_on, peer_id, peer_keys)
+        result: dict[str, list[ExpertRecord]] = {key: [] for key in keys}
+        for record in merge_newest(found):
+            if record.active:
+                result[record.key].append(record)
+        return result
+
+    def _valid(self, record: ExpertRecord) -> bool:
+        try:
+            validate_record(
+                record,
+                public_key_of=public_key_of,
+                now=time.time(),
+                max_ttl_s=self._config.max_record_ttl_s,
+                max_clock_skew_s=self._config.max_clock_skew_s,
+            )
+        except InvalidRecord as exc:
+            logger.info("dropped a record from the DHT: %s", exc)
+            return False
+        return True
+
+    async def find_expert(self, uid: str) -> list[PeerAddress]:
+        """Servers announcing ``uid`` now."""
+        records = (await self.get([uid]))[uid]
+        return [PeerAddress(r.peer_id, r.addrs) for r in records]
+
+    async def children(self, prefix: str) -> Mapping[int, list[PeerAddress]]:
+        """For a prefix key (``"ffn."``, ``"ffn.3."``): alive next coordinates, and who
+        announces them."""
+        out: dict[int, list[PeerAddress]] = {}
+        for record in (await self.get([prefix]))[prefix]:
+            for child in record.children:
+                out.setdefault(child, []).append(PeerAddress(record.peer_id, record.addrs))
+        return out

@@ -1,0 +1,62 @@
+"""Reading and writing whole frames on a libp2p stream, with every size capped.
+
+py-libp2p raises ``StreamEOF`` when the remote closes instead of returning ``b""``;
+here a clean close between frames is ``None`` and a close inside a frame is
+``MalformedFrame`` ("truncated").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamEOF
+
+from volunteerd.config import WireLimits
+from volunteerd.errors import MalformedFrame
+from volunteerd.wire import PREFIX, parse_prefix
+
+__all__ = ["RawFrame", "read_exactly", "read_frame_rest", "read_prefix"]
+
+
+@dataclass(slots=True)
+class RawFrame:
+    header: bytes
+    body: memoryview
+
+
+async def read_exactly(stream: INetStream, n: int, *, started: bool) -> bytearray | None:
+    """Exactly ``n`` bytes. If the stream ends before the first byte and ``started`` is
+    False, returns None (a clean close); any other early end is a truncated frame."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            chunk = await stream.read(n - got)
+        except StreamEOF:
+            chunk = b""
+        if not chunk:
+            if got == 0 and not started:
+                return None
+            raise MalformedFrame(f"stream ended inside a frame ({got} of {n} bytes)")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return buf
+
+
+async def read_prefix(stream: INetStream) -> bytearray | None:
+    """The next frame's 16-byte prefix, or None if the peer closed between frames."""
+    return await read_exactly(stream, PREFIX.size, started=False)
+
+
+async def read_frame_rest(stream: INetStream, prefix: bytes, limits: WireLimits) -> RawFrame:
+    """Header and body of the frame whose prefix was just read (caps checked first)."""
+    sizes = parse_prefix(
+        prefix, max_header_bytes=limits.max_header_bytes, max_body_bytes=limits.max_body_bytes
+    )
+    rest = await read_exactly(stream, sizes.header_bytes + sizes.body_bytes, started=True)
+    if rest is None:  # pragma: no cover - started=True never returns None
+        raise MalformedFrame("stream ended inside a frame")
+    view = memoryview(rest)
+    return RawFrame(header=bytes(view[: sizes.header_bytes]), body=view[sizes.header_bytes :])

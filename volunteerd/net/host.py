@@ -1,0 +1,65 @@
+"""The libp2p host: TCP, Noise and Yamux only.
+
+py-libp2p's ``new_host()`` offers plaintext and secio next to Noise unless told
+otherwise, and mplex next to Yamux; both are slow or unsafe, so the transports are
+passed explicitly here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import multiaddr
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from volunteerd.identity import Identity
+from volunteerd.net.peers import key_pair_for
+
+__all__ = ["listen_multiaddr", "open_host", "transport_addrs"]
+
+logger = logging.getLogger(__name__)
+
+
+def listen_multiaddr(host: str, port: int) -> str:
+    family = "ip6" if ":" in host else "ip4"
+    return f"/{family}/{host}/tcp/{port}"
+
+
+def build_host(identity: Identity, announce_addrs: Sequence[str] = ()) -> IHost:
+    key_pair = key_pair_for(identity)
+    noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        announce_addrs=[multiaddr.Multiaddr(a) for a in announce_addrs] or None,
+    )
+
+
+@asynccontextmanager
+async def open_host(
+    identity: Identity, listen_addr: str, announce_addrs: Sequence[str] = ()
+) -> AsyncIterator[IHost]:
+    """A running host listening on ``listen_addr``; closed when the block exits."""
+    host = build_host(identity, announce_addrs)
+    async with host.run([multiaddr.Multiaddr(listen_addr)]):
+        logger.info("listening on %s", ", ".join(transport_addrs(host)))
+        yield host
+
+
+def transport_addrs(host: IHost) -> list[str]:
+    """The host's dialable addresses without the /p2p/ suffix."""
+    out = []
+    for addr in host.get_addrs():
+        text = str(addr)
+        out.append(text.split("/p2p/")[0])
+    return list(dict.fromkeys(out))

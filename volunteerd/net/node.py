@@ -1,0 +1,96 @@
+"""A running libp2p node: host, Kademlia routing, our RPC server and client, the DHT.
+
+``open_node`` is the one way to get one; the node lives inside its ``async with``.
+Daemons and trainers both run their DHT in server mode: py-libp2p's client-mode
+nodes pollute the routing tables of servers (docs/decisions/0002).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.tools.anyio_service import background_trio_service
+
+from volunteerd.config import Config
+from volunteerd.identity import Identity
+from volunteerd.net.dht import ExpertDHT
+from volunteerd.net.host import listen_multiaddr, open_host, transport_addrs
+from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
+from volunteerd.net.protocols import Verb
+from volunteerd.net.rpc import Handler, RpcClient, RpcServer
+
+__all__ = ["Node", "open_node"]
+
+logger = logging.getLogger(__name__)
+
+_EXPIRE_EVERY_S = 10.0
+
+
+@dataclass(slots=True)
+class Node:
+    host: IHost
+    identity: Identity
+    peer_id: str
+    rpc: RpcClient
+    server: RpcServer
+    dht: ExpertDHT
+
+    @property
+    def addrs(self) -> list[str]:
+        """Dialable transport addresses (announce addresses if configured)."""
+        return transport_addrs(self.host)
+
+    @property
+    def address(self) -> PeerAddress:
+        return PeerAddress(self.peer_id, tuple(self.addrs))
+
+    @property
+    def multiaddrs(self) -> list[str]:
+        return [f"{a}/p2p/{self.peer_id}" for a in self.addrs]
+
+
+@asynccontextmanager
+async def open_node(
+    identity: Identity,
+    config: Config,
+    handlers: Mapping[Verb, Handler] | None = None,
+) -> AsyncIterator[Node]:
+    """Start a node, join the swarm through ``config.network.bootstrap_peers``, and
+    serve ``handlers`` next to the DHT's own verbs."""
+    network = config.network
+    bootstrap = [parse_peer_multiaddr(a) for a in network.bootstrap_peers]
+    listen = listen_multiaddr(network.listen_host, network.port)
+    async with open_host(identity, listen, network.announce_addrs) as host:
+        kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
+        async with background_trio_service(kad), trio.open_nursery() as nursery:
+            rpc = RpcClient(host, config.wire, config.timeouts)
+            dht = ExpertDHT(host, kad, rpc, config.dht, config.timeouts)
+            server = RpcServer(
+                host, {**dht.handlers(), **(handlers or {})}, config.wire, config.timeouts
+            )
+            server.install()
+            node = Node(host, identity, str(host.get_id()), rpc, server, dht)
+            nursery.start_soon(_expire_records, dht)
+            if bootstrap:
+                joined = await dht.bootstrap(bootstrap)
+                logger.info(
+                    "joined the swarm through %d of %d bootstrap peers", joined, len(bootstrap)
+                )
+            try:
+                yield node
+            finally:
+                nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await rpc.aclose()
+
+
+async def _expire_records(dht: ExpertDHT) -> None:
+    while True:
+        await trio.sleep(_EXPIRE_EVERY_S)
+        dht.store.expire()

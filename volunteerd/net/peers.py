@@ -1,0 +1,84 @@
+"""Peer ids and addresses: libp2p's view of a node's identity.
+
+The peer id of an Ed25519 node embeds its public key (identity multihash), so a
+signature can be checked against the peer id alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import multiaddr
+from libp2p.crypto.ed25519 import Ed25519PublicKey, create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from volunteerd.errors import ConfigError
+from volunteerd.identity import Identity
+
+__all__ = [
+    "PeerAddress",
+    "key_pair_for",
+    "parse_peer_multiaddr",
+    "peer_id_for",
+    "public_key_of",
+    "short",
+]
+
+
+def key_pair_for(identity: Identity) -> KeyPair:
+    return create_new_key_pair(identity.seed)
+
+
+def peer_id_for(identity: Identity) -> ID:
+    return ID.from_pubkey(key_pair_for(identity).public_key)
+
+
+def public_key_of(peer_id: str) -> bytes | None:
+    """The raw Ed25519 public key embedded in a base58 peer id, or None."""
+    try:
+        key = ID.from_base58(peer_id).extract_public_key()
+    except Exception:  # any undecodable text is simply "no key"
+        return None
+    if not isinstance(key, Ed25519PublicKey):
+        return None
+    raw: bytes = key.to_bytes()
+    return raw
+
+
+def short(peer_id: object) -> str:
+    """A short form of a peer id for logs: the last 8 characters."""
+    text = str(peer_id)
+    return f"…{text[-8:]}" if len(text) > 8 else text
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """A peer id (base58) and the multiaddrs it can be dialled at (without /p2p/)."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+
+    def peer_info(self) -> PeerInfo:
+        return PeerInfo(ID.from_base58(self.peer_id), [multiaddr.Multiaddr(a) for a in self.addrs])
+
+    def __str__(self) -> str:
+        return f"{self.addrs[0] if self.addrs else ''}/p2p/{self.peer_id}"
+
+
+def parse_peer_multiaddr(text: str) -> PeerAddress:
+    """``/ip4/1.2.3.4/tcp/38400/p2p/12D3...`` -> PeerAddress; raises ConfigError."""
+    try:
+        addr = multiaddr.Multiaddr(text)
+        peer_id = addr.value_for_protocol("p2p")
+    except Exception as exc:
+        raise ConfigError(f"not a valid multiaddr: {text!r} ({exc})") from None
+    if not peer_id:
+        raise ConfigError(f"multiaddr {text!r} has no /p2p/<peer id> part")
+    try:
+        ID.from_base58(peer_id)
+    except Exception:
+        raise ConfigError(f"multiaddr {text!r} has an invalid peer id") from None
+    transport = text.split("/p2p/")[0]
+    return PeerAddress(peer_id=peer_id, addrs=(transport,) if transport else ())

@@ -1,0 +1,69 @@
+"""Every file location volunteerd uses, with one name each. The only user of appdirs.
+
+A location comes from, in order: an explicit argument (a command-line flag), an
+environment variable, then the platform's per-user directory (XDG on Linux,
+``~/Library/Application Support`` on macOS, ``%LOCALAPPDATA%`` on Windows).
+
+=====================  ==============================  ======================
+name                   default                         override
+=====================  ==============================  ======================
+``config_file``        <user config dir>/config.toml   ``--config``, ``VOLUNTEERD_CONFIG``
+``data_dir``           <user data dir>                 ``--data-dir``, ``VOLUNTEERD_DATA_DIR``
+``identity_file``      <data dir>/identity.key
+``checkpoints_dir``    <data dir>/checkpoints
+``cache_dir``          <user cache dir>                ``VOLUNTEERD_CACHE_DIR``
+=====================  ==============================  ======================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import appdirs
+
+APP_NAME = "volunteerd"
+ENV_CONFIG = "VOLUNTEERD_CONFIG"
+ENV_DATA_DIR = "VOLUNTEERD_DATA_DIR"
+ENV_CACHE_DIR = "VOLUNTEERD_CACHE_DIR"
+
+
+@dataclass(frozen=True, slots=True)
+class Paths:
+    config_file: Path
+    data_dir: Path
+    cache_dir: Path
+
+    @property
+    def identity_file(self) -> Path:
+        return self.data_dir / "identity.key"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @classmethod
+    def resolve(
+        cls, *, config_file: str | Path | None = None, data_dir: str | Path | None = None
+    ) -> Paths:
+        """Locations from flags, then the environment, then the platform defaults."""
+        config = config_file or os.environ.get(ENV_CONFIG)
+        data = data_dir or os.environ.get(ENV_DATA_DIR)
+        cache = os.environ.get(ENV_CACHE_DIR)
+        return cls(
+            config_file=Path(config).expanduser()
+            if config
+            else Path(appdirs.user_config_dir(APP_NAME)) / "config.toml",
+            data_dir=Path(data).expanduser() if data else Path(appdirs.user_data_dir(APP_NAME)),
+            cache_dir=Path(cache).expanduser() if cache else Path(appdirs.user_cache_dir(APP_NAME)),
+        )
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "config_file": str(self.config_file),
+            "data_dir": str(self.data_dir),
+            "identity_file": str(self.identity_file),
+            "checkpoints_dir": str(self.checkpoints_dir),
+            "cache_dir": str(self.cache_dir),
+        }

@@ -1,0 +1,18 @@
+"""The expert runtime: bounded per-expert queues, batching, and one worker per device."""
+
+from __future__ import annotations
+
+from volunteerd.runtime.batching import BatchQueue, QueueStats
+from volunteerd.runtime.devices import choose_device
+from volunteerd.runtime.executor import DeviceExecutor, ExecutorStats
+from volunteerd.runtime.service import ExpertRuntime, ExpertStats
+
+__all__ = [
+    "BatchQueue",
+    "DeviceExecutor",
+    "ExecutorStats",
+    "ExpertRuntime",
+    "ExpertStats",
+    "QueueStats",
+    "choose_device",
+]

@@ -1,0 +1,7 @@
+"""Shipped helpers for tests and benchmarks: real local swarms on 127.0.0.1."""
+
+from __future__ import annotations
+
+from volunteerd.testing.swarm import local_config, open_daemon, open_peer
+
+__all__ = ["local_config", "open_daemon", "open_peer"]

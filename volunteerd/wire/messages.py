@@ -1,0 +1,77 @@
+"""Headers of the expert protocols (forward, backward, info) and the error reply.
+
+Every reply carries ``status``: ``"ok"`` for the verb's own reply model, ``"error"``
+for ``ErrorReply``. A request for the tensors verbs lists its tensors in order:
+forward sends the inputs, backward sends the inputs followed by the gradients of the
+outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from volunteerd import uids
+from volunteerd.wire.tensors import TensorMeta, TensorSchema
+
+__all__ = [
+    "BackwardRequest",
+    "ErrorReply",
+    "ExpertInfo",
+    "ForwardRequest",
+    "InfoRequest",
+    "TensorReply",
+    "Uid",
+]
+
+
+def _check_uid(value: str) -> str:
+    if not uids.is_valid_uid(value):
+        raise ValueError("not a valid expert uid")
+    return value
+
+
+Uid = Annotated[str, Field(max_length=uids.MAX_UID_LENGTH), AfterValidator(_check_uid)]
+TensorList = Annotated[list[TensorMeta], Field(max_length=64)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ForwardRequest(_Wire):
+    uid: Uid
+    tensors: TensorList
+
+
+class BackwardRequest(_Wire):
+    uid: Uid
+    tensors: TensorList
+
+
+class InfoRequest(_Wire):
+    uid: Uid
+
+
+class TensorReply(_Wire):
+    status: Literal["ok"] = "ok"
+    tensors: TensorList
+
+
+class ExpertInfo(_Wire):
+    """What a server says about one expert: enough for a client to call it correctly."""
+
+    status: Literal["ok"] = "ok"
+    uid: Uid
+    expert_type: Annotated[str, Field(max_length=32)]
+    hidden_dim: Annotated[int, Field(ge=1)]
+    inputs: Annotated[list[TensorSchema], Field(min_length=1, max_length=16)]
+    outputs: Annotated[list[TensorSchema], Field(min_length=1, max_length=16)]
+    max_batch_size: Annotated[int, Field(ge=1)]
+
+
+class ErrorReply(_Wire):
+    status: Literal["error"] = "error"
+    code: Annotated[str, Field(max_length=32)]
+    message: Annotated[str, Field(max_length=1000)] = ""
