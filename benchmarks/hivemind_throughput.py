@@ -494,7 +494,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if handler.exitcode is not None
             }
             if dead:
-                logger.warning("hivemind connection handlers died early (pid: exit code): %s", dead)
+                logger.warning("hivemind connection handlers already exited (pid: code): %s", dead)
             _shutdown_server(server)
         _kill_descendants()
         logger.info("total wall time %.1f s", time.perf_counter() - began)

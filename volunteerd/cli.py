@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("show", "print the effective configuration as TOML"),
         ("validate", "check the configuration; exit 3 if it is invalid"),
         ("path", "print the config file's location"),
+        ("default", "print every key with its default and a comment (a starting file)"),
     ):
         _common(config_sub.add_parser(name, help=text))
 
@@ -109,10 +110,17 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, Paths]:
-    paths = Paths.resolve(config_file=args.config, data_dir=args.data_dir)
-    explicit = args.config is not None or "VOLUNTEERD_CONFIG" in os.environ
-    config = load_config(paths.config_file, required=explicit, overrides=_overrides(args))
+    paths = _paths(args)
+    # A file named on the command line must exist; the default location (or one from
+    # VOLUNTEERD_CONFIG) may be absent, which means defaults.
+    config = load_config(
+        paths.config_file, required=args.config is not None, overrides=_overrides(args)
+    )
     return config, paths
+
+
+def _paths(args: argparse.Namespace) -> Paths:
+    return Paths.resolve(config_file=args.config, data_dir=args.data_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,27 +128,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(_dispatch(args))
-    except VolunteerdError as exc:
-        print(f"volunteerd: {exc}", file=sys.stderr)
-        return int(exit_code(exc))
-    except KeyboardInterrupt:
-        return int(ExitCode.INTERRUPTED)
+    except BaseException as exc:
+        # Errors raised inside a nursery arrive wrapped in exception groups.
+        inner = _single(exc)
+        if isinstance(inner, VolunteerdError | OSError):
+            print(f"volunteerd: {inner}", file=sys.stderr)
+            return int(exit_code(inner))
+        if isinstance(inner, KeyboardInterrupt):
+            return int(ExitCode.INTERRUPTED)
+        raise
+
+
+def _single(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _dispatch(args: argparse.Namespace) -> ExitCode:
+    if args.command == "config" and args.config_command == "path":
+        print(_paths(args).config_file)
+        return ExitCode.OK
+    if args.command == "paths":
+        for name, value in _paths(args).as_dict().items():
+            print(f"{name:16} {value}")
+        return ExitCode.OK
     config, paths = _load(args)
     if args.command == "config":
-        if args.config_command == "path":
-            print(paths.config_file)
+        if args.config_command == "default":
+            from volunteerd.config.schema import commented_default_toml
+
+            sys.stdout.write(commented_default_toml())
         elif args.config_command == "validate":
             where = paths.config_file if paths.config_file.exists() else "defaults"
             print(f"configuration is valid ({where})")
         else:
             sys.stdout.write(dump_toml(config))
-        return ExitCode.OK
-    if args.command == "paths":
-        for name, value in paths.as_dict().items():
-            print(f"{name:16} {value}")
         return ExitCode.OK
     if args.command == "id":
         from volunteerd.identity import load_or_create_identity

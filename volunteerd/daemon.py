@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -20,6 +21,10 @@ from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import Announcer, Handler, Node, Reply, Request, Verb, open_node
 from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
 
 __all__ = ["Daemon", "bootstrap_only", "expert_handlers"]
 
@@ -66,9 +71,7 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
-    async def serve(
-        self, *, task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def serve(self, *, task_status: TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         identity = self._identity or load_or_create_identity(self.paths.identity_file)
         device = choose_device(config.runtime.device)
@@ -116,7 +119,7 @@ async def bootstrap_only(
     config: Config,
     paths: Paths,
     *,
-    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``volunteerd bootstrap``: a DHT node with no experts, for others to join through."""
     identity = load_or_create_identity(paths.identity_file)

@@ -23,12 +23,16 @@ _NOISY = {
     "libp2p.identity": logging.ERROR,
     "libp2p.rcmgr": logging.ERROR,
     "libp2p.peer": logging.ERROR,
+    "libp2p.network.auto_connector": logging.ERROR,
     "multiaddr": logging.WARNING,
     "async_service": logging.WARNING,
 }
 
 
 def tame_third_party(debug: bool = False) -> None:
+    # py-libp2p stops its records at the "libp2p" logger, so they reach stderr through
+    # logging's last-resort handler without time or name; route them through ours.
+    logging.getLogger("libp2p").propagate = True
     for name, level in _NOISY.items():
         logging.getLogger(name).setLevel(logging.DEBUG if debug else level)
 

@@ -9,7 +9,7 @@ the repository; ``config/schema.json`` is generated from these models.
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,7 +28,7 @@ __all__ = [
     "WireLimits",
 ]
 
-CONFIG_VERSION = 1
+CONFIG_VERSION: Final = 1
 
 
 class _Model(BaseModel):
@@ -36,6 +36,8 @@ class _Model(BaseModel):
 
 
 class NetworkConfig(_Model):
+    """Where this node listens and how it joins the swarm."""
+
     listen_host: str = Field(
         "0.0.0.0", description="IP address to listen on (0.0.0.0 = every interface)"
     )
@@ -69,6 +71,8 @@ class NetworkConfig(_Model):
 
 
 class DHTConfig(_Model):
+    """Announcing experts in the DHT and storing other peers' announcements."""
+
     announce_period_s: float = Field(
         15.0, gt=0, le=3600, description="how often a server re-announces its experts"
     )
@@ -102,21 +106,29 @@ class DHTConfig(_Model):
 
 
 class OptimizerConfig(_Model):
-    name: Literal["adam", "sgd"] = "adam"
-    lr: float = Field(1e-3, gt=0, le=10)
-    betas: tuple[float, float] = (0.9, 0.999)
+    """The optimizer each hosted expert updates its own weights with."""
+
+    name: Literal["adam", "sgd"] = Field("adam", description='"adam" or "sgd"')
+    lr: float = Field(1e-3, gt=0, le=10, description="learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam only")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
     weight_decay: float = Field(0.0, ge=0)
 
 
 class ExpertsConfig(_Model):
+    """Which experts this daemon hosts, and their architecture."""
+
     uids: str = Field(
         "ffn.[0:4].[0:4]", description="experts to host: a grid pattern, comma-separated"
     )
-    type: Literal["ffn", "transformer"] = "ffn"
-    hidden_dim: int = Field(1024, ge=8, le=65536)
+    type: Literal["ffn", "transformer"] = Field(
+        "ffn", description='built-in architecture: "ffn" or "transformer"'
+    )
+    hidden_dim: int = Field(1024, ge=8, le=65536, description="width of inputs and outputs")
     num_heads: int = Field(8, ge=1, le=256, description="transformer only")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of activations and gradients on the wire"
+    )
     seed: int = Field(0, ge=0, description="initial weights are derived from seed and uid")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
@@ -139,6 +151,8 @@ class ExpertsConfig(_Model):
 
 
 class RuntimeConfig(_Model):
+    """The compute device, batching and queueing."""
+
     device: str = Field("auto", description='"auto", "cpu", "cuda", "cuda:N" or "mps"')
     max_batch_size: int = Field(
         2048, ge=1, le=1 << 20, description="samples the batcher puts into one batch"
@@ -163,13 +177,17 @@ class RuntimeConfig(_Model):
 
 
 class WireLimits(_Model):
-    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 << 20)
-    max_body_bytes: int = Field(256 << 20, ge=1024, le=4 << 30)
-    max_tensors: int = Field(8, ge=1, le=64)
-    max_request_samples: int = Field(8192, ge=1, le=1 << 20)
+    """Caps on what a peer may send; checked before anything is allocated."""
+
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 << 20, description="JSON header")
+    max_body_bytes: int = Field(256 << 20, ge=1024, le=4 << 30, description="tensor bytes")
+    max_tensors: int = Field(8, ge=1, le=64, description="tensors in one message")
+    max_request_samples: int = Field(8192, ge=1, le=1 << 20, description="samples a request")
 
 
 class TimeoutsConfig(_Model):
+    """Every timeout, in seconds."""
+
     connect_s: float = Field(10.0, gt=0, description="open a connection and a stream")
     request_s: float = Field(60.0, gt=0, description="a peer answers a request")
     frame_read_s: float = Field(
@@ -192,7 +210,11 @@ class TimeoutsConfig(_Model):
 
 
 class LoggingConfig(_Model):
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log output (to stderr)."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="DEBUG, INFO, WARNING or ERROR"
+    )
 
 
 class Config(_Model):

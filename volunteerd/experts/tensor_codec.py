@@ -30,7 +30,9 @@ def from_wire(tensor: WireTensor, device: torch.device | str = "cpu") -> torch.T
     if tensor.data.nbytes == 0:
         out = torch.empty(tensor.shape, dtype=dtype)
     else:
-        out = torch.frombuffer(tensor.data, dtype=dtype).reshape(tensor.shape)
+        # torch wants a writable buffer; frames read from the network always are.
+        data = tensor.data if not tensor.data.readonly else bytearray(tensor.data)
+        out = torch.frombuffer(data, dtype=dtype).reshape(tensor.shape)
     return out.to(device) if torch.device(device).type != "cpu" else out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -19,6 +20,10 @@ from volunteerd.identity import Identity
 from volunteerd.net.dht import ExpertDHT, StoreOutcome
 from volunteerd.net.records import ExpertRecord, sign_record
 from volunteerd.uids import split_uid, uid_prefixes
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
 
 __all__ = ["Announcer", "children_by_key"]
 
@@ -100,7 +105,7 @@ class Announcer:
             logger.warning("an announcement reached no peer; retrying next round")
         return outcome
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self.announce_now()
             logger.info("announced %d experts", len(self._uids))

@@ -128,7 +128,11 @@ class ExpertDHT:
     def forget_peer(self, peer_id: str) -> None:
         """Stop routing through a peer that failed to answer."""
         try:
-            self._kad.routing_table.remove_peer(ID.from_base58(peer_id))
+            pid = ID.from_base58(peer_id)
+            self._kad.routing_table.remove_peer(pid)
+            # Kademlia falls back to every peerstore address while the routing table
+            # is small; a dead peer's addresses would be dialled on every lookup.
+            self._host.get_peerstore().clear_addrs(pid)
         except Exception:  # unknown or malformed peer id: nothing to forget
             pass
         self._rpc.forget(peer_id)

@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import multiaddr
+import trio
 from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.auto_connector import AutoConnector
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -28,21 +30,35 @@ __all__ = ["listen_multiaddr", "open_host", "transport_addrs"]
 
 logger = logging.getLogger(__name__)
 
+_CLOSE_TIMEOUT_S = 3.0
+
 
 def listen_multiaddr(host: str, port: int) -> str:
     family = "ip6" if ":" in host else "ip4"
     return f"/{family}/{host}/tcp/{port}"
 
 
+class _NoAutoConnect(AutoConnector):
+    """py-libp2p's swarm dials peers from its peerstore until it holds ~200 connections.
+    A volunteer's home connection should carry only the connections we use, so the
+    auto-connector never starts (Kademlia lookups and our verbs dial what they need)."""
+
+    async def start(self) -> None:
+        self._started = False
+
+
 def build_host(identity: Identity, announce_addrs: Sequence[str] = ()) -> IHost:
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
-    return new_host(
+    host = new_host(
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         announce_addrs=[multiaddr.Multiaddr(a) for a in announce_addrs] or None,
     )
+    swarm = host.get_network()
+    swarm.auto_connector = _NoAutoConnect(swarm)  # type: ignore[attr-defined]
+    return host
 
 
 @asynccontextmanager
@@ -53,7 +69,14 @@ async def open_host(
     host = build_host(identity, announce_addrs)
     async with host.run([multiaddr.Multiaddr(listen_addr)]):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
-        yield host
+        try:
+            yield host
+        finally:
+            # py-libp2p's own shutdown path closes sockets while already cancelled, so
+            # they leak and peers keep dialling a listener nobody serves. Close them
+            # first, shielded and bounded.
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+                await host.get_network().close()
 
 
 def transport_addrs(host: IHost) -> list[str]:

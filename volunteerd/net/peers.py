@@ -71,11 +71,11 @@ def parse_peer_multiaddr(text: str) -> PeerAddress:
     """``/ip4/1.2.3.4/tcp/38400/p2p/12D3...`` -> PeerAddress; raises ConfigError."""
     try:
         addr = multiaddr.Multiaddr(text)
-        peer_id = addr.value_for_protocol("p2p")
     except Exception as exc:
         raise ConfigError(f"not a valid multiaddr: {text!r} ({exc})") from None
-    if not peer_id:
+    if "/p2p/" not in text:
         raise ConfigError(f"multiaddr {text!r} has no /p2p/<peer id> part")
+    peer_id = addr.value_for_protocol("p2p")
     try:
         ID.from_base58(peer_id)
     except Exception:

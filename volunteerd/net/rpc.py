@@ -34,7 +34,6 @@ from volunteerd.errors import (
     PeerUnreachable,
     RemoteError,
     RequestTimeout,
-    UnsupportedVersion,
     VolunteerdError,
     WireError,
     wire_code,
@@ -47,9 +46,6 @@ from volunteerd.wire import ErrorReply, TensorMeta, WireTensor, encode_frame, sp
 __all__ = ["Handler", "Reply", "Request", "RpcClient", "RpcServer", "RpcStats"]
 
 logger = logging.getLogger(__name__)
-
-# Errors after which the stream is out of step with the peer: reply, then close.
-_FRAMING_ERRORS = (FrameTooLarge, UnsupportedVersion)
 
 
 @dataclass(slots=True)
@@ -125,9 +121,6 @@ class RpcServer:
                         return
                     continue
                 return  # idle for too long: close, the client reconnects when it needs to
-        except MalformedFrame as exc:
-            self.stats.count_error(exc.code)
-            logger.info("%s from %s: %s", spec.verb, short(peer_id), exc)
         except trio.TooSlowError:
             self.stats.count_error("slow_sender")
             logger.info(
@@ -152,7 +145,13 @@ class RpcServer:
         try:
             with trio.fail_after(self._timeouts.frame_read_s):
                 frame = await read_frame_rest(stream, prefix, self._limits)
-            self.stats.bytes_in += len(prefix) + len(frame.header) + frame.body.nbytes
+        except WireError as exc:
+            # A refused prefix or a truncated frame: its lengths cannot be trusted, so
+            # the stream is out of step with the peer. Answer, then close.
+            await self._refuse(spec, stream, peer_id, exc)
+            return False
+        self.stats.bytes_in += len(prefix) + len(frame.header) + frame.body.nbytes
+        try:
             header = _decode(spec.request, frame.header)
             tensors: list[WireTensor] = []
             if spec.carries_tensors:
@@ -163,13 +162,7 @@ class RpcServer:
             elif frame.body.nbytes:
                 raise MalformedFrame(f"{spec.verb} carries no tensors")
             reply = await handler(Request(peer_id, header, tensors))
-        except trio.TooSlowError:
-            raise
-        except (_FRAMING_ERRORS, MalformedFrame) as exc:
-            framing_lost = isinstance(exc, _FRAMING_ERRORS) or "ended inside" in str(exc)
-            await self._refuse(spec, stream, peer_id, exc)
-            return not framing_lost
-        except VolunteerdError as exc:
+        except VolunteerdError as exc:  # the whole frame was read: the stream is in step
             await self._refuse(spec, stream, peer_id, exc)
             return True
         except Exception as exc:

@@ -13,6 +13,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -20,6 +21,10 @@ import trio
 from volunteerd.config import RuntimeConfig
 from volunteerd.errors import Busy, ShuttingDown
 from volunteerd.runtime.executor import DeviceExecutor
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
 
 __all__ = ["BatchFn", "BatchQueue", "QueueStats"]
 
@@ -109,7 +114,7 @@ class BatchQueue:
             waiting=self._recv.statistics().current_buffer_used + len(self._carry),
         )
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
             while True:

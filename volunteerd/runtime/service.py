@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -21,6 +22,10 @@ from volunteerd.experts import ExpertBackend, from_wire, to_wire
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
 from volunteerd.wire import ExpertInfo, TensorReply, WireTensor, check_against_schema
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
 
 __all__ = ["ExpertRuntime", "ExpertStats"]
 
@@ -88,7 +93,7 @@ class ExpertRuntime:
             raise UnknownExpert(f"this server does not host {uid!r}")
         return hosted
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every expert's batchers until cancelled or ``close``d."""
         try:
             async with trio.open_nursery() as nursery:

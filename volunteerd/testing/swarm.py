@@ -23,7 +23,7 @@ __all__ = ["local_config", "open_daemon", "open_peer"]
 
 
 def local_config(
-    *, bootstrap: Sequence[str] = (), experts: str | None = None, **sections: dict[str, Any]
+    *, bootstrap: Sequence[str] = (), uids: str = "ffn.[0:2].[0:2]", **sections: dict[str, Any]
 ) -> Config:
     """A config for loopback tests: 127.0.0.1, port 0, short DHT periods, small experts.
 
@@ -32,10 +32,15 @@ def local_config(
     data: dict[str, Any] = {
         "network": {"listen_host": "127.0.0.1", "port": 0, "bootstrap_peers": list(bootstrap)},
         "dht": {"announce_period_s": 1.0, "record_ttl_s": 2.5, "replication": 5},
-        "experts": {"uids": experts or "ffn.[0:2].[0:2]", "hidden_dim": 32},
+        "experts": {"uids": uids, "hidden_dim": 32},
         "runtime": {"device": "cpu", "max_batch_wait_s": 0.002},
-        "timeouts": {"connect_s": 5, "request_s": 20, "dht_rpc_s": 3, "dht_lookup_s": 5,
-                     "shutdown_grace_s": 2},
+        "timeouts": {
+            "connect_s": 5,
+            "request_s": 20,
+            "dht_rpc_s": 3,
+            "dht_lookup_s": 5,
+            "shutdown_grace_s": 2,
+        },
         "logging": {"level": "INFO"},
     }
     for name, values in sections.items():

@@ -1,0 +1,97 @@
+"""Run ``volunteerd`` as a real subprocess, as a user or a service manager would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen[str]
+    ready_file: Path
+    log: Path
+
+    def wait_ready(self, timeout_s: float = 60) -> dict:  # type: ignore[type-arg]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                return json.loads(self.ready_file.read_text())
+            if self.process.poll() is not None:
+                raise AssertionError(f"exited {self.process.returncode}:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"not ready in {timeout_s}s:\n{self.log.read_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout_s)
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
+    env.update(
+        VOLUNTEERD_CONFIG=str(home / "config.toml"),
+        VOLUNTEERD_DATA_DIR=str(home / "data"),
+        VOLUNTEERD_CACHE_DIR=str(home / "cache"),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def run_cli(home: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "volunteerd", *args],
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    procs: list[Proc] = []
+
+    def start(name: str, *args: str) -> Proc:
+        home = tmp_path / name
+        home.mkdir(exist_ok=True)
+        ready = home / "ready.json"
+        log = home / "log.txt"
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "volunteerd",
+                *args,
+                "--listen-host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--ready-file",
+                str(ready),
+            ],
+            env=cli_env(home),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        proc = Proc(process, ready, log)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.process.poll() is None:
+            proc.process.kill()
+            proc.process.wait(10)

@@ -1,0 +1,103 @@
+"""The command line as a user runs it: config commands, exit codes, the daemon's life."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import trio
+
+from tests.e2e.conftest import run_cli
+from volunteerd.errors import ExitCode
+from volunteerd.testing import local_config, open_peer
+
+FAST_DHT = ["--set", "dht.announce_period_s=1", "--set", "dht.record_ttl_s=2"]
+SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']
+
+
+def test_config_path_show_and_validate(tmp_path: Path) -> None:
+    path = run_cli(tmp_path, "config", "path")
+    assert path.returncode == 0
+    assert path.stdout.strip() == str(tmp_path / "config.toml")
+    (tmp_path / "config.toml").write_text("[network]\nport = 4001\n")
+    shown = run_cli(tmp_path, "config", "show", "--set", "experts.hidden_dim=64")
+    assert shown.returncode == 0
+    assert "port = 4001" in shown.stdout
+    assert "hidden_dim = 64" in shown.stdout
+    ok = run_cli(tmp_path, "config", "validate")
+    assert ok.returncode == 0
+    assert "valid" in ok.stdout
+
+
+def test_invalid_config_exits_3_naming_key_and_value(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('[network]\nport = 99999\n[experts]\ntype = "rnn"\n')
+    result = run_cli(tmp_path, "config", "validate")
+    assert result.returncode == ExitCode.CONFIG
+    assert "network.port = 99999" in result.stderr
+    assert "experts.type = 'rnn'" in result.stderr
+    served = run_cli(tmp_path, "serve")
+    assert served.returncode == ExitCode.CONFIG
+    assert "network.port" in served.stderr
+
+
+def test_bad_command_line_is_a_usage_error(tmp_path: Path) -> None:
+    assert run_cli(tmp_path, "serve", "--port", "many").returncode == ExitCode.USAGE
+    assert run_cli(tmp_path, "frobnicate").returncode == ExitCode.USAGE
+    bad_peer = run_cli(tmp_path, "serve", "--bootstrap", "/ip4/127.0.0.1/tcp/1")
+    assert bad_peer.returncode == ExitCode.CONFIG
+    assert "/p2p/" in bad_peer.stderr
+
+
+def test_peer_id_is_stable_across_runs(tmp_path: Path) -> None:
+    first = run_cli(tmp_path, "id")
+    second = run_cli(tmp_path, "id")
+    assert first.returncode == 0
+    assert first.stdout == second.stdout
+    assert first.stdout.startswith("12D3KooW")
+    assert (tmp_path / "data" / "identity.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_daemon_serves_stops_on_sigterm_and_its_experts_vanish(spawn) -> None:  # type: ignore[no-untyped-def]
+    boot = spawn("boot", "bootstrap")
+    boot_info = boot.wait_ready()
+    server = spawn(
+        "server", "serve", "--experts", "ffn.0.[0:2]", "--bootstrap", boot_info["multiaddrs"][0],
+        *FAST_DHT, *SMALL,
+    )  # fmt: skip
+    server_info = server.wait_ready()
+
+    async def lookup() -> list[str]:
+        async with open_peer(local_config(bootstrap=boot_info["multiaddrs"])) as client:
+            return [p.peer_id for p in await client.dht.find_expert("ffn.0.1")]
+
+    assert trio.run(lookup) == [server_info["peer_id"]]
+    started = time.monotonic()
+    assert server.stop(signal.SIGTERM) == ExitCode.INTERRUPTED
+    assert time.monotonic() - started < 8, "a clean stop takes a few seconds at most"
+    assert "withdrew 2 experts" in server.log.read_text()
+    assert trio.run(lookup) == []
+    assert boot.stop(signal.SIGINT) == ExitCode.INTERRUPTED
+
+
+def test_killed_daemon_vanishes_within_two_refresh_periods(spawn) -> None:  # type: ignore[no-untyped-def]
+    boot = spawn("boot", "bootstrap")
+    boot_info = boot.wait_ready()
+    server = spawn(
+        "server", "serve", "--experts", "ffn.0.0", "--bootstrap", boot_info["multiaddrs"][0],
+        *FAST_DHT, *SMALL,
+    )  # fmt: skip
+    server.wait_ready()
+
+    async def time_until_gone() -> float:
+        async with open_peer(local_config(bootstrap=boot_info["multiaddrs"])) as client:
+            assert len(await client.dht.find_expert("ffn.0.0")) == 1
+            server.stop(signal.SIGKILL)  # no goodbye: only expiry can remove it
+            killed = time.monotonic()
+            while await client.dht.find_expert("ffn.0.0"):  # noqa: ASYNC110 - polling a remote
+                await trio.sleep(0.1)
+            return time.monotonic() - killed
+
+    gone_after_s = trio.run(time_until_gone)
+    # Records live record_ttl_s (2 s) = two announce periods; allow lookup slack.
+    assert gone_after_s <= 2.0 + 1.0, gone_after_s

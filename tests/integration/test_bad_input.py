@@ -1,0 +1,156 @@
+"""Bad input from the network gets a typed error reply; the daemon keeps serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from volunteerd.daemon import Running
+from volunteerd.errors import RemoteError
+from volunteerd.experts import to_wire
+from volunteerd.net import PROTOCOLS, Node, Verb
+from volunteerd.net.framing import read_frame_rest, read_prefix
+from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.wire import PREFIX, ForwardRequest, TensorMeta, encode_frame
+
+HIDDEN = 32
+
+
+@asynccontextmanager
+async def daemon_and_client(
+    tmp_path: Path, **sections: dict
+) -> AsyncIterator[tuple[Running, Node]]:  # type: ignore[type-arg]
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.[0:2]", **sections)
+        async with (
+            open_daemon(config, tmp_path / "d") as server,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as client,
+        ):
+            yield server, client
+
+
+async def forward(
+    client: Node, server: Running, x: torch.Tensor, uid: str = "ffn.0.0"
+) -> torch.Tensor:
+    meta, data = to_wire(x)
+    header, tensors = await client.rpc.call(
+        server.node.address, Verb.FORWARD, ForwardRequest(uid=uid, tensors=[meta]), [data]
+    )
+    assert header.tensors[0].shape == tuple(x.shape)
+    return torch.frombuffer(bytearray(tensors[0].data), dtype=torch.float32).view(x.shape)
+
+
+async def raw_exchange(
+    client: Node, server: Running, payload: bytes, *, close: bool = False
+) -> dict | None:  # type: ignore[type-arg]
+    """Write raw bytes on a fresh forward stream; return the reply header (or None if the
+    server closed the stream without a reply)."""
+    stream = await client.host.new_stream(
+        ID.from_base58(server.node.peer_id), [TProtocol(PROTOCOLS[Verb.FORWARD].protocol_id)]
+    )
+    await stream.write(payload)
+    if close:
+        await stream.close_write()
+    with trio.fail_after(10):
+        prefix = await read_prefix(stream)
+        if prefix is None:
+            return None
+        frame = await read_frame_rest(stream, bytes(prefix), local_config().wire)
+    await stream.close()
+    return json.loads(frame.header)
+
+
+def raw_frame(header: object, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return PREFIX.pack(b"VD", 1, 0, len(raw), len(body)) + raw + body
+
+
+async def test_each_kind_of_bad_frame_gets_its_typed_error(tmp_path: Path) -> None:
+    async with daemon_and_client(tmp_path) as (server, client):
+        good = torch.randn(3, HIDDEN)
+        expected = await forward(client, server, good)
+
+        cases = {
+            "malformed": raw_frame({"uid": "ffn.0.0", "tensors": "nope"}),
+            "too_large": PREFIX.pack(b"VD", 1, 0, 10, 1 << 40),
+            "unsupported_version": PREFIX.pack(b"VD", 7, 0, 10, 0),
+        }
+        for code, payload in cases.items():
+            reply = await raw_exchange(client, server, payload)
+            assert reply == {"status": "error", "code": code, "message": reply["message"]}, code
+        garbage = await raw_exchange(client, server, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+        assert garbage is not None
+        assert garbage["code"] == "malformed"
+        meta, data = to_wire(good)
+        full = encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [data])
+        truncated = full[:-100]
+        reply = await raw_exchange(client, server, truncated, close=True)
+        assert reply is not None
+        assert reply["code"] == "malformed"
+        assert "ended inside a frame" in reply["message"]
+
+        # Still serving, with the same weights.
+        torch.testing.assert_close(await forward(client, server, good), expected)
+        errors = server.node.server.stats.errors
+        assert errors["malformed"] >= 3
+        assert errors["too_large"] == 1
+
+
+@pytest.mark.parametrize(
+    ("meta", "code"),
+    [
+        (TensorMeta(dtype="float16", shape=(3, HIDDEN)), "bad_dtype"),
+        (TensorMeta(dtype="float32", shape=(3, HIDDEN + 1)), "bad_shape"),
+        (TensorMeta(dtype="float32", shape=(3, 2, HIDDEN)), "bad_shape"),
+        (TensorMeta(dtype="float32", shape=(100_000, HIDDEN)), "too_large"),
+    ],
+)
+async def test_wrong_dtype_or_shape_is_refused_and_the_stream_stays_usable(
+    tmp_path: Path, meta: TensorMeta, code: str
+) -> None:
+    async with daemon_and_client(tmp_path) as (server, client):
+        body = b"\0" * meta.nbytes
+        with pytest.raises(RemoteError) as info:
+            await client.rpc.call(
+                server.node.address,
+                Verb.FORWARD,
+                ForwardRequest(uid="ffn.0.0", tensors=[meta]),
+                [body],
+            )
+        assert info.value.code == code
+        out = await forward(client, server, torch.randn(2, HIDDEN))
+        assert out.shape == (2, HIDDEN)
+
+
+async def test_unknown_expert_is_a_typed_error(tmp_path: Path) -> None:
+    async with daemon_and_client(tmp_path) as (server, client):
+        with pytest.raises(RemoteError) as info:
+            await forward(client, server, torch.randn(2, HIDDEN), uid="ffn.9.9")
+        assert info.value.code == "unknown_expert"
+
+
+async def test_a_sender_that_stalls_inside_a_frame_is_dropped(tmp_path: Path) -> None:
+    async with daemon_and_client(tmp_path, timeouts={"frame_read_s": 0.5}) as (server, client):
+        stream = await client.host.new_stream(
+            ID.from_base58(server.node.peer_id), [TProtocol(PROTOCOLS[Verb.FORWARD].protocol_id)]
+        )
+        meta, data = to_wire(torch.randn(2, HIDDEN))
+        frame = encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [data])
+        await stream.write(frame[:40])  # then nothing
+        with trio.fail_after(5):
+            dropped = False
+            try:
+                dropped = await stream.read(1) == b""
+            except Exception:  # reset or EOF: either way the server dropped the stream
+                dropped = True
+        assert dropped
+        assert server.node.server.stats.errors.get("slow_sender") == 1
+        assert (await forward(client, server, torch.randn(2, HIDDEN))).shape == (2, HIDDEN)

@@ -1,0 +1,125 @@
+"""Expert discovery over real libp2p: signed, expiring records on the closest peers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import trio
+
+from volunteerd.identity import Identity
+from volunteerd.net import Verb
+from volunteerd.net.peers import peer_id_for
+from volunteerd.net.records import StoreReply, StoreRequest, sign_record
+from volunteerd.testing import local_config, open_daemon, open_peer
+
+
+async def test_servers_sharing_a_prefix_are_all_found(tmp_path: Path) -> None:
+    async with open_peer(local_config()) as boot:
+        a_config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.[0:2]")
+        b_config = local_config(bootstrap=boot.multiaddrs, uids="ffn.[0:2].1")
+        async with (
+            open_daemon(a_config, tmp_path / "a") as a,
+            open_daemon(b_config, tmp_path / "b") as b,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as client,
+        ):
+            a_id, b_id = a.node.peer_id, b.node.peer_id
+            first = await client.dht.children("ffn.")
+            assert {k: {p.peer_id for p in v} for k, v in first.items()} == {
+                0: {a_id, b_id},
+                1: {b_id},
+            }
+            second = await client.dht.children("ffn.0.")
+            assert {k: {p.peer_id for p in v} for k, v in second.items()} == {
+                0: {a_id},
+                1: {a_id, b_id},
+            }
+            hosts = await client.dht.find_expert("ffn.0.1")
+            assert {p.peer_id for p in hosts} == {a_id, b_id}
+            assert all(p.addrs for p in hosts), "records carry dialable addresses"
+            assert await client.dht.find_expert("ffn.1.0") == []
+
+
+async def test_announcements_outlive_their_ttl_because_they_are_refreshed(tmp_path: Path) -> None:
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.0")
+        async with (
+            open_daemon(config, tmp_path / "a") as a,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as client,
+        ):
+            for _ in range(3):
+                await trio.sleep(config.dht.record_ttl_s)
+                found = await client.dht.find_expert("ffn.0.0")
+                assert [p.peer_id for p in found] == [a.node.peer_id]
+
+
+async def test_a_cleanly_stopped_server_vanishes_at_once(tmp_path: Path) -> None:
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.[0:2]")
+        async with open_peer(local_config(bootstrap=boot.multiaddrs)) as client:
+            async with open_daemon(config, tmp_path / "a"):
+                assert len(await client.dht.find_expert("ffn.0.1")) == 1
+            stopped_at = time.monotonic()
+            assert await client.dht.find_expert("ffn.0.1") == []
+            assert await client.dht.children("ffn.") == {}
+            assert time.monotonic() - stopped_at < config.dht.announce_period_s
+
+
+async def test_a_record_signed_by_another_key_is_rejected(tmp_path: Path) -> None:
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.0")
+        async with (
+            open_daemon(config, tmp_path / "a") as honest,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as attacker,
+        ):
+            forger = Identity.generate()
+            # Claim that the honest server hosts ffn.7.7 (and point at the attacker).
+            forged = sign_record(
+                forger,
+                honest.node.peer_id,
+                key="ffn.7.7",
+                addrs=attacker.addrs,
+                ttl_s=10,
+            )
+            reply, _ = await attacker.rpc.call(
+                boot.address, Verb.DHT_STORE, StoreRequest(records=[forged])
+            )
+            assert isinstance(reply, StoreReply)
+            assert (reply.stored, reply.rejected) == (0, 1)
+            assert await attacker.dht.find_expert("ffn.7.7") == []
+
+            # The same record signed with the attacker's own key is accepted: it only
+            # speaks for the attacker.
+            own = sign_record(
+                forger,
+                str(peer_id_for(forger)),
+                key="ffn.7.7",
+                addrs=attacker.addrs,
+                ttl_s=10,
+            )
+            reply, _ = await attacker.rpc.call(
+                boot.address, Verb.DHT_STORE, StoreRequest(records=[own])
+            )
+            assert reply.stored == 1
+
+
+async def test_records_are_stored_on_the_replication_closest_peers(tmp_path: Path) -> None:
+    replication = 3
+    async with open_peer(local_config()) as boot:
+        cfg = local_config(bootstrap=boot.multiaddrs, dht={"replication": replication})
+        async with (
+            open_peer(cfg) as p1,
+            open_peer(cfg) as p2,
+            open_peer(cfg) as p3,
+            open_daemon(
+                local_config(
+                    bootstrap=boot.multiaddrs, uids="ffn.0.0", dht={"replication": replication}
+                ),
+                tmp_path / "a",
+            ) as server,
+        ):
+            outcome = await server.announcer.announce_now()
+            assert set(outcome.acks) == {"ffn.", "ffn.0.", "ffn.0.0"}
+            assert outcome.min_acks == replication
+            holders = [n for n in (boot, p1, p2, p3, server.node) if n.dht.store.get("ffn.0.0")]
+            assert len(holders) == replication

@@ -1,0 +1,73 @@
+"""The import graph of docs/architecture.md, enforced: a wrong edge fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
+
+LEAVES = {"errors", "uids"}
+# layer -> the internal layers it may import (leaves are always allowed)
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "uids": set(),
+    "paths": set(),
+    "logs": set(),
+    "config": set(),
+    "identity": set(),
+    "wire": set(),
+    "net": {"wire", "identity", "config"},
+    "experts": {"wire", "config"},
+    "runtime": {"wire", "config", "experts"},
+    "moe": {"net", "wire", "experts", "config"},
+    "daemon": {"config", "identity", "net", "paths", "runtime", "experts", "wire"},
+    "testing": {"config", "daemon", "identity", "net", "paths"},
+    "cli": {"config", "daemon", "identity", "net", "paths", "logs"},
+    "__init__": set(),
+    "__main__": {"cli"},
+}
+TORCH_FREE = {"errors", "uids", "paths", "logs", "config", "identity", "wire", "net"}
+ONLY_NET_MAY_IMPORT = {"libp2p", "multiaddr"}
+
+
+def layer_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_layers_import_only_what_the_architecture_allows() -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = layer_of(path)
+        assert layer in ALLOWED, f"{path}: new top-level module; add it to the graph"
+        for name in imports_of(path):
+            parts = name.split(".")
+            if parts[0] == "volunteerd" and len(parts) > 1:
+                target = parts[1]
+                if target not in (ALLOWED[layer] | LEAVES | {layer}) and name != "volunteerd":
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+            if parts[0] == "torch" and layer in TORCH_FREE:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports torch")
+            if parts[0] in ONLY_NET_MAY_IMPORT and layer != "net":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {parts[0]}")
+            if parts[0] == "appdirs" and layer != "paths":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports appdirs")
+            if parts[0] == "pickle":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports pickle")
+    assert wrong == []
+
+
+def test_no_utils_junk_drawer() -> None:
+    assert not list(PACKAGE.rglob("util*")), "a helper without a home is a concept to name"
