@@ -35,11 +35,21 @@ def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
     """Bind the runtime's calls to the forward, backward and info verbs."""
 
     async def forward(request: Request) -> Reply:
-        header, buffers = await runtime.forward(request.header.uid, request.tensors)
+        header, buffers = await runtime.forward(
+            request.header.uid,
+            request.tensors,
+            retain=request.header.retain,
+            peer_id=request.peer_id,
+        )
         return Reply(header, buffers)
 
     async def backward(request: Request) -> Reply:
-        header, buffers = await runtime.backward(request.header.uid, request.tensors)
+        header, buffers = await runtime.backward(
+            request.header.uid,
+            request.tensors,
+            handle=request.header.handle,
+            peer_id=request.peer_id,
+        )
         return Reply(header, buffers)
 
     async def info(request: Request) -> Reply:

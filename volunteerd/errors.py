@@ -12,6 +12,7 @@
     │   ├── BadDtype           tensor dtype not allowed by the schema -> "bad_dtype"
     │   └── BadShape           tensor shape not allowed by the schema -> "bad_shape"
     ├── UnknownExpert          no such expert on this server          -> "unknown_expert"
+    ├── ActivationsExpired     a backward's handle is not (any longer) known -> "expired"
     ├── Busy                   the expert's queue is full             -> "busy"
     ├── InvalidRecord          a DHT record failed validation
     ├── PeerError              talking to a peer failed (client side)
@@ -30,6 +31,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 __all__ = [
+    "ActivationsExpired",
     "BadDtype",
     "BadShape",
     "Busy",
@@ -101,6 +103,12 @@ class Busy(VolunteerdError):
     code = "busy"
 
 
+class ActivationsExpired(VolunteerdError):
+    """The forward a backward refers to is no longer kept: send the inputs again."""
+
+    code = "expired"
+
+
 class InvalidRecord(VolunteerdError):
     """A DHT record that failed validation (signature, expiry, size or form)."""
 
@@ -142,6 +150,7 @@ WIRE_CODES = frozenset(
         "bad_shape",
         "unknown_expert",
         "busy",
+        "expired",
         "invalid_record",
         "shutting_down",
         "internal",

@@ -1,8 +1,10 @@
-"""RemoteExpert over real libp2p computes exactly what the expert computes locally."""
+"""RemoteExpert over real libp2p computes exactly what the expert computes locally,
+through the kept-graph backward, the stateless one, and the fallback between them."""
 
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -15,29 +17,39 @@ from volunteerd.moe import RemoteExpert
 from volunteerd.net.background import BackgroundNode
 from volunteerd.testing import local_config, open_daemon, open_peer
 
+UID = "ffn.0.1"
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+
+@pytest.mark.parametrize(
+    ("optimizer", "retain_mb", "retain_s", "path"),
+    [
+        ("adam", 256, 60.0, "kept"),
+        ("sgd", 256, 60.0, "kept"),
+        ("adam", 0, 60.0, "stateless"),
+        ("sgd", 256, 0.3, "fallback"),  # the kept forward expires before the backward
+    ],
+)
 async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
-    tmp_path: Path, optimizer: str
+    tmp_path: Path, optimizer: str, retain_mb: int, retain_s: float, path: str
 ) -> None:
-    uid = "ffn.0.1"
     optim = {"name": optimizer, "lr": 0.05, "momentum": 0.9 if optimizer == "sgd" else 0.0}
     async with open_peer(local_config()) as boot:
         server_config = local_config(
             bootstrap=boot.multiaddrs,
             uids="ffn.0.[0:2]",
             experts={"hidden_dim": 32, "optimizer": optim},
+            runtime={"retain_activations_mb": retain_mb, "retain_s": retain_s},
         )
         async with open_daemon(server_config, tmp_path / "server") as server:
-            served = server.runtime.backend(uid).module
+            served = server.runtime.backend(UID).module
             before = copy.deepcopy(served)
             client_config = local_config(bootstrap=boot.multiaddrs)
 
             def train_step() -> None:
                 with BackgroundNode(Identity.generate(), client_config) as node:
-                    peers = node.run(node.node.dht.find_expert, uid)
+                    peers = node.run(node.node.dht.find_expert, UID)
                     assert [p.peer_id for p in peers] == [server.node.peer_id]
-                    expert = RemoteExpert(uid, peers[0], node)
+                    expert = RemoteExpert(UID, peers[0], node)
 
                     x = torch.randn(16, 32, requires_grad=True)
                     y = expert(x)
@@ -46,11 +58,12 @@ async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
                     y_local = local(x_local)
                     torch.testing.assert_close(y, y_local, atol=1e-5, rtol=0)
 
+                    if path == "fallback":
+                        time.sleep(retain_s + 0.2)
                     grad = torch.randn_like(y)
                     y.backward(grad)
                     y_local.backward(grad)
-                    assert x.grad is not None
-                    assert x_local.grad is not None
+                    assert x.grad is not None and x_local.grad is not None
                     torch.testing.assert_close(x.grad, x_local.grad, atol=1e-5, rtol=0)
 
                     # The server stepped its own optimizer once with these gradients.
@@ -65,4 +78,26 @@ async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
                         torch.testing.assert_close(p_server, p_local, atol=1e-6, rtol=0)
 
             await trio.to_thread.run_sync(train_step)
-            assert server.runtime.backend(uid).updates == 1
+            assert server.runtime.backend(UID).updates == 1
+            kept = server.runtime.retained_statistics()
+            expected_hits = {"kept": 1, "stateless": 0, "fallback": 0}[path]
+            assert kept.hits == expected_hits
+            assert kept.entries == 0, "nothing is left behind"
+
+
+async def test_no_grad_forward_keeps_nothing_on_the_server(tmp_path: Path) -> None:
+    async with open_peer(local_config()) as boot:
+        async with open_daemon(
+            local_config(bootstrap=boot.multiaddrs, uids="ffn.0.[0:2]"), tmp_path / "s"
+        ) as server:
+            client_config = local_config(bootstrap=boot.multiaddrs)
+
+            def infer() -> None:
+                with BackgroundNode(Identity.generate(), client_config) as node:
+                    expert = RemoteExpert(UID, server.node.address, node)
+                    with torch.no_grad():
+                        assert expert(torch.randn(3, 32)).shape == (3, 32)
+
+            await trio.to_thread.run_sync(infer)
+            assert server.runtime.retained_statistics().entries == 0
+            assert server.runtime.backend(UID).updates == 0

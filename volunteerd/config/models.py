@@ -164,6 +164,15 @@ class RuntimeConfig(_Model):
         64, ge=1, le=100_000, description="requests waiting per expert; beyond it: busy"
     )
     torch_threads: int = Field(0, ge=0, le=1024, description="0 = torch's default")
+    retain_activations_mb: int = Field(
+        1024,
+        ge=0,
+        description="memory for forward passes kept for their backward (0 = always "
+        "recompute, as Learning@home's stateless backward)",
+    )
+    retain_s: float = Field(
+        60.0, gt=0, description="how long a kept forward waits for its backward"
+    )
 
     @field_validator("device")
     @classmethod

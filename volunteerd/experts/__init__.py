@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from volunteerd.experts.backend import ExpertBackend, make_optimizer
+from volunteerd.experts.backend import ExpertBackend, Retained, WeightsSnapshot, make_optimizer
 from volunteerd.experts.layers import FeedForwardExpert, TransformerBlockExpert
 from volunteerd.experts.registry import EXPERT_TYPES, ExpertType, build_module, schemas_for
 from volunteerd.experts.tensor_codec import TORCH_DTYPES, from_wire, to_wire
@@ -13,7 +13,9 @@ __all__ = [
     "ExpertBackend",
     "ExpertType",
     "FeedForwardExpert",
+    "Retained",
     "TransformerBlockExpert",
+    "WeightsSnapshot",
     "build_module",
     "from_wire",
     "make_optimizer",

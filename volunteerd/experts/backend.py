@@ -1,24 +1,34 @@
-"""ExpertBackend: one expert's module, its own optimizer, and the two compute calls.
+"""ExpertBackend: one expert's module, its own optimizer, and the compute calls.
 
-Stateless, as in Learning@home: ``backward`` gets the inputs again together with the
-gradients of the outputs, re-runs the forward with autograd on, returns the input
-gradients and steps the expert's optimizer. These methods block and must run on the
-device's worker thread, never on the event loop.
+Two ways to train, both answering "here are the gradients of your outputs":
+
+* stateless (Learning@home): ``backward`` gets the inputs again with the output
+  gradients, re-runs the forward with autograd on, returns the input gradients and
+  steps the optimizer. Nothing is kept between requests.
+* retained: ``forward_retained`` runs the forward with autograd on and keeps the
+  graph; ``backward_retained`` later back-propagates through it. This saves the second
+  forward (a quarter of the work) and the trainer need not send the inputs again. The
+  graph is built on a snapshot of the weights, so optimizer steps taken in between do
+  not invalidate it, and the gradient is that of the function the trainer saw.
+
+These methods block and must run on the device's worker thread, never on the loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from volunteerd.config import ExpertsConfig, OptimizerConfig
 from volunteerd.experts.registry import build_module, schemas_for
 from volunteerd.experts.tensor_codec import TORCH_DTYPES
 from volunteerd.wire import ExpertInfo
 
-__all__ = ["ExpertBackend", "make_optimizer"]
+__all__ = ["ExpertBackend", "Retained", "WeightsSnapshot", "make_optimizer"]
 
 
 def make_optimizer(
@@ -31,6 +41,24 @@ def make_optimizer(
     return torch.optim.Adam(
         params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
+
+
+@dataclass(eq=False, slots=True)
+class WeightsSnapshot:
+    """The weights as of one optimizer step, shared by the forwards retained meanwhile."""
+
+    params: dict[str, torch.Tensor]
+    nbytes: int
+
+
+@dataclass(eq=False, slots=True)
+class Retained:
+    """A forward pass kept for its backward: inputs (as graph leaves), output, weights."""
+
+    leaves: list[torch.Tensor]
+    output: torch.Tensor
+    weights: WeightsSnapshot
+    nbytes: int  # activations saved for backward, weights not included
 
 
 class ExpertBackend:
@@ -55,27 +83,85 @@ class ExpertBackend:
             max_batch_size=max_batch_size,
         )
         self.updates = 0
+        self._snapshot: WeightsSnapshot | None = None
 
-    def _compute(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        out: torch.Tensor = self.module(*(x.to(self.device, torch.float32) for x in inputs))
-        return out
+    def _leaves(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [x.to(self.device, torch.float32).detach().requires_grad_() for x in inputs]
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            return [self._compute(inputs).to(self.wire_dtype)]
+            out = self.module(*(x.to(self.device, torch.float32) for x in inputs))
+            return [out.to(self.wire_dtype)]
 
     def backward(
         self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Input gradients for ``grad_outputs``; steps the optimizer once."""
-        leaves = [x.to(self.device, torch.float32).requires_grad_() for x in inputs]
+        """Stateless: re-run the forward, return input gradients, step the optimizer once."""
+        leaves = self._leaves(inputs)
         with torch.enable_grad():
             out = self.module(*leaves)
-            torch.autograd.backward([out], [g.to(self.device, torch.float32) for g in grad_outputs])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.updates += 1
+            torch.autograd.backward([out], [self._wide(g) for g in grad_outputs])
+        self._step()
+        return self._input_grads(leaves)
+
+    def forward_retained(
+        self, inputs: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], Retained]:
+        """Forward with autograd on, on a snapshot of the weights; keep the graph."""
+        weights = self._weights()
+        weight_ptrs = {p.data_ptr() for p in weights.params.values()}
+        saved = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            if t.data_ptr() not in weight_ptrs:
+                saved += t.numel() * t.element_size()
+            return t
+
+        leaves = self._leaves(inputs)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = functional_call(self.module, weights.params, tuple(leaves))
+        return [out.detach().to(self.wire_dtype)], Retained(leaves, out, weights, saved)
+
+    def backward_retained(
+        self, items: Sequence[tuple[Retained, Sequence[torch.Tensor]]]
+    ) -> list[list[torch.Tensor]]:
+        """Back-propagate each retained forward, then step the optimizer once."""
+        results = []
+        params = dict(self.module.named_parameters())
+        for retained, grad_outputs in items:
+            with torch.enable_grad():
+                torch.autograd.backward([retained.output], [self._wide(g) for g in grad_outputs])
+            for name, snap in retained.weights.params.items():
+                if snap.grad is not None:
+                    real = params[name]
+                    real.grad = snap.grad if real.grad is None else real.grad + snap.grad
+                    snap.grad = None
+            results.append(self._input_grads(retained.leaves))
+        self._step()
+        return results
+
+    def _weights(self) -> WeightsSnapshot:
+        if self._snapshot is None:
+            params = {
+                name: p.detach().clone().requires_grad_()
+                for name, p in self.module.named_parameters()
+            }
+            nbytes = sum(p.numel() * p.element_size() for p in params.values())
+            self._snapshot = WeightsSnapshot(params, nbytes)
+        return self._snapshot
+
+    def _wide(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, torch.float32)
+
+    def _input_grads(self, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [
             (x.grad if x.grad is not None else torch.zeros_like(x)).to(self.wire_dtype)
             for x in leaves
         ]
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        self._snapshot = None  # the next retained forward sees the new weights

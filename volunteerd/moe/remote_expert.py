@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from volunteerd.errors import BadShape
+from volunteerd.errors import BadShape, RemoteError
 from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
 from volunteerd.net import PeerAddress, Verb
 from volunteerd.net.background import BackgroundNode
@@ -62,22 +62,32 @@ class RemoteExpert(nn.Module):
         check_against_schema(
             [to_meta(x) for x in wire_inputs], info.inputs, max_samples=info.max_batch_size
         )
-        outputs = _RemoteCall.apply(self._dummy, self, inputs[0].dtype, *wire_inputs)
+        # Inside autograd.Function.forward grad mode is always off: decide here.
+        retain = torch.is_grad_enabled()
+        outputs = _RemoteCall.apply(self._dummy, self, inputs[0].dtype, retain, *wire_inputs)
         return outputs
 
-    def call(self, verb: Verb, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One blocking request with ``tensors``; returns the reply's tensors (CPU)."""
+    def call(
+        self,
+        verb: Verb,
+        tensors: Sequence[torch.Tensor],
+        *,
+        retain: bool = False,
+        handle: str | None = None,
+    ) -> tuple[list[torch.Tensor], str | None]:
+        """One blocking request with ``tensors``; returns the reply's tensors (CPU) and
+        the handle of a kept forward, if any."""
         encoded = [to_wire(t) for t in tensors]
         metas = [m for m, _ in encoded]
         header = (
-            ForwardRequest(uid=self.uid, tensors=metas)
+            ForwardRequest(uid=self.uid, tensors=metas, retain=retain)
             if verb is Verb.FORWARD
-            else BackwardRequest(uid=self.uid, tensors=metas)
+            else BackwardRequest(uid=self.uid, tensors=metas, handle=handle)
         )
-        _, reply_tensors = self._node.run(
+        reply, reply_tensors = self._node.run(
             self._node.node.rpc.call, self.peer, verb, header, [b for _, b in encoded]
         )
-        return [from_wire(t) for t in reply_tensors]
+        return [from_wire(t) for t in reply_tensors], reply.handle
 
     def extra_repr(self) -> str:
         return f"uid={self.uid!r}, peer={self.peer.peer_id[-8:]}"
@@ -97,13 +107,14 @@ class _RemoteCall(torch.autograd.Function):
         _dummy: torch.Tensor,
         expert: RemoteExpert,
         out_dtype: torch.dtype,
+        retain: bool,
         *inputs: torch.Tensor,
     ) -> Any:
         ctx.expert = expert
         ctx.out_dtype = out_dtype
         ctx.devices = [x.device for x in inputs]
         ctx.save_for_backward(*inputs)
-        outputs = expert.call(Verb.FORWARD, inputs)
+        outputs, ctx.handle = expert.call(Verb.FORWARD, inputs, retain=retain)
         device = inputs[0].device
         result = [o.to(device, out_dtype) for o in outputs]
         return result[0] if len(result) == 1 else tuple(result)
@@ -117,8 +128,17 @@ class _RemoteCall(torch.autograd.Function):
         grads = [
             g.to(TORCH_DTYPES[s.dtype]) for g, s in zip(grad_outputs, info.outputs, strict=True)
         ]
-        grad_inputs = expert.call(Verb.BACKWARD, [*inputs, *grads])
+        grad_inputs: list[torch.Tensor] | None = None
+        if ctx.handle is not None:
+            try:
+                grad_inputs, _ = expert.call(Verb.BACKWARD, grads, handle=ctx.handle)
+            except RemoteError as exc:
+                if exc.code != "expired":
+                    raise
+        if grad_inputs is None:
+            grad_inputs, _ = expert.call(Verb.BACKWARD, [*inputs, *grads])
         return (
+            None,
             None,
             None,
             None,

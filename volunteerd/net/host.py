@@ -18,8 +18,10 @@ from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.auto_connector import AutoConnector
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
@@ -36,6 +38,14 @@ _CLOSE_TIMEOUT_S = 3.0
 def listen_multiaddr(host: str, port: int) -> str:
     family = "ip6" if ":" in host else "ip4"
     return f"/{family}/{host}/tcp/{port}"
+
+
+# py-libp2p's Yamux frames are up to 64 KiB + 12 bytes of header, one byte more than a
+# Noise message holds (65519 bytes of plaintext), so every full frame became two Noise
+# messages, the second 29 bytes long: twice the per-message work of encrypting, framing
+# and scheduling. Frames that fit one Noise message move ~40% more data per CPU second
+# (docs/decisions/0004). Smaller frames are always valid Yamux, so peers are unaffected.
+_yamux.MAX_MESSAGE_SIZE = min(_yamux.MAX_MESSAGE_SIZE, _NOISE_MAX_PLAINTEXT)
 
 
 class _NoAutoConnect(AutoConnector):

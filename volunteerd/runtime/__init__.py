@@ -5,6 +5,7 @@ from __future__ import annotations
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.devices import choose_device
 from volunteerd.runtime.executor import DeviceExecutor, ExecutorStats
+from volunteerd.runtime.retained import RetainedStats, RetainedStore
 from volunteerd.runtime.service import ExpertRuntime, ExpertStats
 
 __all__ = [
@@ -14,5 +15,7 @@ __all__ = [
     "ExpertRuntime",
     "ExpertStats",
     "QueueStats",
+    "RetainedStats",
+    "RetainedStore",
     "choose_device",
 ]

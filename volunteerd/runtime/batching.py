@@ -3,19 +3,19 @@
 Each queue is bounded: when it is full a request is refused at once with ``Busy``
 instead of waiting without end. The batcher takes the first waiting request, then
 keeps collecting for at most ``max_batch_wait_s`` or until ``max_batch_size`` samples
-are in, concatenates requests whose non-batch shapes agree, runs the batch on the
-device executor, and hands each request its slice of the result.
+are in, taking only requests with the same ``shape_key`` (others wait, in order, for a
+later batch), runs the batch's compute function on the device executor, and hands
+each request its own result. With ``merge=False`` every request is its own batch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-import torch
 import trio
 
 from volunteerd.config import RuntimeConfig
@@ -26,25 +26,22 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["BatchFn", "BatchQueue", "QueueStats"]
+__all__ = ["BatchQueue", "QueueStats"]
 
 logger = logging.getLogger(__name__)
 
-# Computes one batch: concatenated tensors in, concatenated tensors out.
-BatchFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
-class _Task:
-    tensors: Sequence[torch.Tensor]
+class _Task(Generic[T, R]):
+    item: T
     samples: int
+    shape_key: Hashable
     done: trio.Event = field(default_factory=trio.Event)
-    result: list[torch.Tensor] | None = None
+    result: R | None = None
     error: BaseException | None = None
-
-    @property
-    def shape_key(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(t.shape[1:]) for t in self.tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,32 +57,42 @@ class QueueStats:
         return self.samples / self.batches if self.batches else 0.0
 
 
-class BatchQueue:
-    """Requests for one expert and one verb. Start ``serve`` in a nursery, then ``submit``."""
+class BatchQueue(Generic[T, R]):
+    """Requests for one expert and one kind of work. Start ``serve`` in a nursery, then
+    ``submit``. ``compute`` maps a batch of items to their results, in order; it runs on
+    the device's worker thread."""
 
     def __init__(
-        self, name: str, compute: BatchFn, executor: DeviceExecutor, config: RuntimeConfig
+        self,
+        name: str,
+        compute: Callable[[list[T]], list[R]],
+        executor: DeviceExecutor,
+        config: RuntimeConfig,
+        *,
+        merge: bool = True,
     ) -> None:
         self.name = name
         self._compute = compute
         self._executor = executor
         self._config = config
-        self._send, self._recv = trio.open_memory_channel[_Task](config.queue_size)
-        self._carry: deque[_Task] = deque()
+        self._merge = merge
+        self._send, self._recv = trio.open_memory_channel[_Task[T, R]](config.queue_size)
+        self._carry: deque[_Task[T, R]] = deque()
         self._closed = False
         self._requests = 0
         self._samples = 0
         self._batches = 0
         self._refused = 0
 
-    async def submit(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Queue one request (first dimension = samples) and wait for its outputs.
+    async def submit(self, item: T, *, samples: int, shape_key: Hashable = None) -> R:
+        """Queue one request and wait for its result.
 
-        Raises Busy at once when the queue is full, ShuttingDown after ``close``.
+        Raises Busy at once when the queue is full, ShuttingDown after ``close``, and
+        whatever the compute function raised for the batch.
         """
         if self._closed:
             raise ShuttingDown(f"{self.name} is stopping")
-        task = _Task(tensors, int(tensors[0].shape[0]))
+        task: _Task[T, R] = _Task(item, samples, shape_key)
         try:
             self._send.send_nowait(task)
         except trio.WouldBlock:
@@ -96,9 +103,7 @@ class BatchQueue:
         await task.done.wait()
         if task.error is not None:
             raise task.error
-        if task.result is None:  # pragma: no cover - done is set only with one of the two
-            raise ShuttingDown(f"{self.name} is stopping")
-        return task.result
+        return task.result  # type: ignore[return-value]
 
     def close(self) -> None:
         """Refuse new requests; ``serve`` finishes what is queued and returns."""
@@ -127,7 +132,14 @@ class BatchQueue:
                 task.error = ShuttingDown(f"{self.name} stopped")
                 task.done.set()
 
-    async def _next_batch(self) -> list[_Task]:
+    def _fits(self, batch: list[_Task[T, R]], samples: int, task: _Task[T, R]) -> bool:
+        return (
+            self._merge
+            and task.shape_key == batch[0].shape_key
+            and samples + task.samples <= self._config.max_batch_size
+        )
+
+    async def _next_batch(self) -> list[_Task[T, R]]:
         if self._carry:
             first = self._carry.popleft()
         else:
@@ -137,11 +149,12 @@ class BatchQueue:
                 return []
         batch = [first]
         samples = first.samples
-        key = first.shape_key
-        # Requests of another shape wait for the next batch, in their order.
+        if not self._merge:
+            return batch
+        # Requests of another shape wait for a later batch, in their order.
         for _ in range(len(self._carry)):
             task = self._carry.popleft()
-            if task.shape_key == key and samples + task.samples <= self._config.max_batch_size:
+            if self._fits(batch, samples, task):
                 batch.append(task)
                 samples += task.samples
             else:
@@ -152,44 +165,35 @@ class BatchQueue:
                     task = await self._recv.receive()
                 except trio.EndOfChannel:
                     break
-                if task.shape_key == key and samples + task.samples <= self._config.max_batch_size:
+                if self._fits(batch, samples, task):
                     batch.append(task)
                     samples += task.samples
                 else:
                     self._carry.append(task)
-                    if task.shape_key == key:
+                    if task.shape_key == first.shape_key:
                         break  # the batch is full
         return batch
 
-    async def _run(self, batch: list[_Task]) -> None:
-        sizes = [t.samples for t in batch]
-        columns = list(zip(*(t.tensors for t in batch), strict=True))
-
-        def compute() -> list[list[torch.Tensor]]:
-            joined = [c[0] if len(c) == 1 else torch.cat(c) for c in columns]
-            outputs = self._compute(joined)
-            if len(batch) == 1:
-                return [outputs]
-            pieces = [o.split(sizes) for o in outputs]
-            return [[p[i] for p in pieces] for i in range(len(batch))]
-
+    async def _run(self, batch: list[_Task[T, R]]) -> None:
+        items = [t.item for t in batch]
+        samples = sum(t.samples for t in batch)
         try:
-            results = await self._executor.run(compute)
+            results = await self._executor.run(lambda: self._compute(items))
         except Exception as exc:
-            logger.exception("%s: batch of %d samples failed", self.name, sum(sizes))
+            logger.exception("%s: batch of %d samples failed", self.name, samples)
             for task in batch:
                 task.error = exc
                 task.done.set()
             return
         self._requests += len(batch)
-        self._samples += sum(sizes)
+        self._samples += samples
         self._batches += 1
         for task, result in zip(batch, results, strict=True):
             task.result = result
             task.done.set()
 
 
-def _drain(recv: trio.MemoryReceiveChannel[_Task]) -> list[_Task]:
+def _drain(recv: trio.MemoryReceiveChannel[_Task[T, R]]) -> list[_Task[T, R]]:
     out = []
     while True:
         try:

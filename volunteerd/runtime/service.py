@@ -4,6 +4,10 @@ A request is checked against the expert's schema before any tensor is built, que
 on the expert's bounded queue (full: ``Busy`` at once), batched with others, computed
 on the device worker, and answered with wire tensors. This module speaks wire types
 only; the daemon binds it to the network.
+
+Per expert there are four queues: merged forwards, forwards kept for their backward
+(one graph each), stateless backwards (merged), and backwards through kept forwards
+(several per optimizer step). See ``experts.backend`` for the two kinds of backward.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import torch
 import trio
 
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
-from volunteerd.errors import UnknownExpert
-from volunteerd.experts import ExpertBackend, from_wire, to_wire
+from volunteerd.errors import ActivationsExpired, UnknownExpert
+from volunteerd.experts import ExpertBackend, Retained, from_wire, to_wire
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
+from volunteerd.runtime.retained import RetainedStats, RetainedStore
 from volunteerd.wire import ExpertInfo, TensorReply, WireTensor, check_against_schema
 
 if TYPE_CHECKING:
@@ -31,6 +36,8 @@ __all__ = ["ExpertRuntime", "ExpertStats"]
 
 logger = logging.getLogger(__name__)
 
+Tensors = list[torch.Tensor]
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertStats:
@@ -40,11 +47,53 @@ class ExpertStats:
     updates: int
 
 
-@dataclass(slots=True)
+def _cat(columns: list[Tensors]) -> Tensors:
+    return [c[0] if len(c) == 1 else torch.cat(c) for c in zip(*columns, strict=True)]
+
+
+def _split(outputs: Tensors, sizes: list[int]) -> list[Tensors]:
+    if len(sizes) == 1:
+        return [outputs]
+    pieces = [o.split(sizes) for o in outputs]
+    return [[p[i] for p in pieces] for i in range(len(sizes))]
+
+
 class _Hosted:
-    backend: ExpertBackend
-    forward: BatchQueue
-    backward: BatchQueue
+    """One expert's backend and queues."""
+
+    def __init__(
+        self, backend: ExpertBackend, executor: DeviceExecutor, config: RuntimeConfig
+    ) -> None:
+        self.backend = backend
+        n_in = len(backend.info.inputs)
+
+        def forward(items: list[Tensors]) -> list[Tensors]:
+            return _split(backend.forward(_cat(items)), [t[0].shape[0] for t in items])
+
+        def backward(items: list[Tensors]) -> list[Tensors]:
+            joined = _cat(items)
+            grads = backend.backward(joined[:n_in], joined[n_in:])
+            return _split(grads, [t[0].shape[0] for t in items])
+
+        def forward_retained(items: list[Tensors]) -> list[tuple[Tensors, Retained]]:
+            return [backend.forward_retained(item) for item in items]
+
+        def backward_retained(items: list[tuple[Retained, Tensors]]) -> list[Tensors]:
+            return backend.backward_retained(items)
+
+        uid = backend.uid
+        self.forward = BatchQueue(f"{uid}/forward", forward, executor, config)
+        self.backward = BatchQueue(f"{uid}/backward", backward, executor, config)
+        self.forward_retained = BatchQueue(
+            f"{uid}/forward-retained", forward_retained, executor, config, merge=False
+        )
+        self.backward_retained = BatchQueue(
+            f"{uid}/backward-retained", backward_retained, executor, config
+        )
+
+    @property
+    def queues(self) -> tuple[BatchQueue, ...]:  # type: ignore[type-arg]
+        return (self.forward, self.backward, self.forward_retained, self.backward_retained)
 
 
 class ExpertRuntime:
@@ -60,25 +109,15 @@ class ExpertRuntime:
     ) -> None:
         self.device = device
         self.executor = DeviceExecutor(device)
-        self._limits = limits
+        self.retained = RetainedStore(runtime.retain_activations_mb << 20, runtime.retain_s)
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
-        self._experts: dict[str, _Hosted] = {}
-        self._closed = False
-        self._finished = trio.Event()
-        for uid in uids:
-            backend = ExpertBackend(uid, experts, device, self._max_samples)
-            n_in = len(backend.info.inputs)
-
-            def backward(
-                joined: list[torch.Tensor], b: ExpertBackend = backend, n: int = n_in
-            ) -> list[torch.Tensor]:
-                return b.backward(joined[:n], joined[n:])
-
-            self._experts[uid] = _Hosted(
-                backend,
-                BatchQueue(f"{uid}/forward", backend.forward, self.executor, runtime),
-                BatchQueue(f"{uid}/backward", backward, self.executor, runtime),
+        self._experts = {
+            uid: _Hosted(
+                ExpertBackend(uid, experts, device, self._max_samples), self.executor, runtime
             )
+            for uid in uids
+        }
+        self._finished = trio.Event()
 
     @property
     def uids(self) -> list[str]:
@@ -98,19 +137,19 @@ class ExpertRuntime:
         try:
             async with trio.open_nursery() as nursery:
                 for hosted in self._experts.values():
-                    await nursery.start(hosted.forward.serve)
-                    await nursery.start(hosted.backward.serve)
+                    for queue in hosted.queues:
+                        await nursery.start(queue.serve)
                 logger.info("serving %d experts on %s", len(self._experts), self.device)
                 task_status.started()
         finally:
+            self.retained.clear()
             self._finished.set()
 
     def close(self) -> None:
         """Refuse new requests; queued ones still finish, then ``serve`` returns."""
         for hosted in self._experts.values():
-            hosted.forward.close()
-            hosted.backward.close()
-        self._closed = True
+            for queue in hosted.queues:
+                queue.close()
 
     async def drained(self) -> None:
         """Wait until every queue is closed and empty (``serve`` has returned)."""
@@ -120,40 +159,83 @@ class ExpertRuntime:
         return self._hosted(uid).backend.info
 
     async def forward(
-        self, uid: str, tensors: Sequence[WireTensor]
+        self, uid: str, tensors: Sequence[WireTensor], *, retain: bool = False, peer_id: str = ""
     ) -> tuple[TensorReply, list[bytes]]:
+        """Outputs for ``tensors``; with ``retain`` the graph is kept (if memory allows)
+        and the reply carries its handle."""
         hosted = self._hosted(uid)
         info = hosted.backend.info
-        check_against_schema([t.meta for t in tensors], info.inputs, max_samples=self._max_samples)
-        outputs = await hosted.forward.submit([from_wire(t) for t in tensors])
+        metas = [t.meta for t in tensors]
+        samples = check_against_schema(metas, info.inputs, max_samples=self._max_samples)
+        inputs = [from_wire(t) for t in tensors]
+        shape = tuple(m.shape[1:] for m in metas)
+        if retain and self.retained.enabled:
+            outputs, kept = await hosted.forward_retained.submit(inputs, samples=samples)
+            handle = self.retained.put(uid, peer_id, kept)
+            return _reply(outputs, handle)
+        outputs = await hosted.forward.submit(inputs, samples=samples, shape_key=shape)
         return _reply(outputs)
 
     async def backward(
-        self, uid: str, tensors: Sequence[WireTensor]
+        self,
+        uid: str,
+        tensors: Sequence[WireTensor],
+        *,
+        handle: str | None = None,
+        peer_id: str = "",
     ) -> tuple[TensorReply, list[bytes]]:
-        """``tensors`` = the inputs, then the gradients of the outputs."""
+        """Input gradients. ``tensors`` are the output gradients with a ``handle``, else
+        the inputs followed by the output gradients. Raises ActivationsExpired for a
+        handle this server no longer knows."""
         hosted = self._hosted(uid)
         info = hosted.backend.info
-        check_against_schema(
-            [t.meta for t in tensors],
-            [*info.inputs, *info.outputs],
-            max_samples=self._max_samples,
+        metas = [t.meta for t in tensors]
+        if handle is not None:
+            samples = check_against_schema(metas, info.outputs, max_samples=self._max_samples)
+            kept = self.retained.take(handle, uid, peer_id)
+            if kept is None:
+                raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
+            if tuple(kept.output.shape) != metas[0].shape:
+                raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
+            grads = [from_wire(t) for t in tensors]
+            result = await hosted.backward_retained.submit((kept, grads), samples=samples)
+            return _reply(result)
+        samples = check_against_schema(
+            metas, [*info.inputs, *info.outputs], max_samples=self._max_samples
         )
-        grads = await hosted.backward.submit([from_wire(t) for t in tensors])
+        shape = tuple(m.shape[1:] for m in metas)
+        grads = await hosted.backward.submit(
+            [from_wire(t) for t in tensors], samples=samples, shape_key=shape
+        )
         return _reply(grads)
 
     def statistics(self) -> list[ExpertStats]:
         return [
             ExpertStats(
                 uid,
-                h.forward.statistics(),
-                h.backward.statistics(),
+                _sum(h.forward.statistics(), h.forward_retained.statistics()),
+                _sum(h.backward.statistics(), h.backward_retained.statistics()),
                 h.backend.updates,
             )
             for uid, h in self._experts.items()
         ]
 
+    def retained_statistics(self) -> RetainedStats:
+        return self.retained.statistics()
 
-def _reply(tensors: Sequence[torch.Tensor]) -> tuple[TensorReply, list[bytes]]:
+
+def _sum(a: QueueStats, b: QueueStats) -> QueueStats:
+    return QueueStats(
+        requests=a.requests + b.requests,
+        samples=a.samples + b.samples,
+        batches=a.batches + b.batches,
+        refused_busy=a.refused_busy + b.refused_busy,
+        waiting=a.waiting + b.waiting,
+    )
+
+
+def _reply(
+    tensors: Sequence[torch.Tensor], handle: str | None = None
+) -> tuple[TensorReply, list[bytes]]:
     encoded = [to_wire(t) for t in tensors]
-    return TensorReply(tensors=[m for m, _ in encoded]), [b for _, b in encoded]
+    return TensorReply(tensors=[m for m, _ in encoded], handle=handle), [b for _, b in encoded]

@@ -40,14 +40,23 @@ class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+Handle = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
 class ForwardRequest(_Wire):
     uid: Uid
     tensors: TensorList
+    # Keep this forward's graph for a backward that will follow (the reply's handle).
+    retain: bool = False
 
 
 class BackwardRequest(_Wire):
+    """With ``handle``, ``tensors`` are only the output gradients; without it, the
+    inputs followed by the output gradients (the stateless backward)."""
+
     uid: Uid
     tensors: TensorList
+    handle: Handle | None = None
 
 
 class InfoRequest(_Wire):
@@ -57,6 +66,7 @@ class InfoRequest(_Wire):
 class TensorReply(_Wire):
     status: Literal["ok"] = "ok"
     tensors: TensorList
+    handle: Handle | None = None
 
 
 class ExpertInfo(_Wire):
