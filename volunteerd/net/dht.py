@@ -45,8 +45,10 @@ __all__ = ["ExpertDHT", "StoreOutcome"]
 
 logger = logging.getLogger(__name__)
 
-_LOOKUP_CACHE_S = 10.0
 _FIND_BATCH = 64
+_CLOSEST_CACHE_S = 30.0
+# Other peers' routing tables keep a dead peer for long; do not ask it again meanwhile.
+_DEAD_PEER_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,9 @@ class ExpertDHT:
         self._timeouts = timeouts
         self._self_id = host.get_id()
         self.store = RecordStore(config, public_key_of)
-        self._closest_cache: dict[str, tuple[float, list[ID]]] = {}
+        self._dead_until: dict[ID, float] = {}
+        # key -> (routing table size then, valid until, closest peers)
+        self._closest_cache: dict[str, tuple[int, float, list[ID]]] = {}
         # Peers serve at most 12 concurrent Kademlia streams and reset the rest.
         self._lookups = trio.CapacityLimiter(4)
 
@@ -129,6 +133,7 @@ class ExpertDHT:
         """Stop routing through a peer that failed to answer."""
         try:
             pid = ID.from_base58(peer_id)
+            self._dead_until[pid] = time.monotonic() + _DEAD_PEER_S
             self._kad.routing_table.remove_peer(pid)
             # Kademlia falls back to every peerstore address while the routing table
             # is small; a dead peer's addresses would be dialled on every lookup.
@@ -139,22 +144,32 @@ class ExpertDHT:
         self._closest_cache.clear()
 
     async def _closest(self, key: str) -> list[ID]:
-        """The ``replication`` closest peers to ``key``, this node included."""
+        """The ``replication`` closest peers to ``key``, this node included.
+
+        A lookup is reused while the routing table keeps its size (for at most 30 s):
+        one made while the table was still filling would keep records away from the
+        peers that readers ask, so any change of membership means a fresh lookup.
+        """
         now = time.monotonic()
+        size = self.routing_table_size()
         cached = self._closest_cache.get(key)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        if cached is not None and cached[0] == size and cached[1] > now:
+            return cached[2]
         found: list[ID] = []
         async with self._lookups:
             with trio.move_on_after(self._timeouts.dht_lookup_s):
                 found = await self._kad.peer_routing.find_closest_peers_network(
                     key.encode(), count=self._config.replication
                 )
-        candidates = list(dict.fromkeys([*found, self._self_id]))
+        if self._dead_until:
+            self._dead_until = {p: t for p, t in self._dead_until.items() if t > now}
+        candidates = [
+            p for p in dict.fromkeys([*found, self._self_id]) if p not in self._dead_until
+        ]
         closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
             : self._config.replication
         ]
-        self._closest_cache[key] = (now + _LOOKUP_CACHE_S, closest)
+        self._closest_cache[key] = (size, now + _CLOSEST_CACHE_S, closest)
         return closest
 
     def _address(self, peer_id: ID) -> PeerAddress:
