@@ -63,7 +63,8 @@ async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
                     grad = torch.randn_like(y)
                     y.backward(grad)
                     y_local.backward(grad)
-                    assert x.grad is not None and x_local.grad is not None
+                    assert x.grad is not None
+                    assert x_local.grad is not None
                     torch.testing.assert_close(x.grad, x_local.grad, atol=1e-5, rtol=0)
 
                     # The server stepped its own optimizer once with these gradients.
@@ -86,18 +87,20 @@ async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
 
 
 async def test_no_grad_forward_keeps_nothing_on_the_server(tmp_path: Path) -> None:
-    async with open_peer(local_config()) as boot:
-        async with open_daemon(
+    async with (
+        open_peer(local_config()) as boot,
+        open_daemon(
             local_config(bootstrap=boot.multiaddrs, uids="ffn.0.[0:2]"), tmp_path / "s"
-        ) as server:
-            client_config = local_config(bootstrap=boot.multiaddrs)
+        ) as server,
+    ):
+        client_config = local_config(bootstrap=boot.multiaddrs)
 
-            def infer() -> None:
-                with BackgroundNode(Identity.generate(), client_config) as node:
-                    expert = RemoteExpert(UID, server.node.address, node)
-                    with torch.no_grad():
-                        assert expert(torch.randn(3, 32)).shape == (3, 32)
+        def infer() -> None:
+            with BackgroundNode(Identity.generate(), client_config) as node:
+                expert = RemoteExpert(UID, server.node.address, node)
+                with torch.no_grad():
+                    assert expert(torch.randn(3, 32)).shape == (3, 32)
 
-            await trio.to_thread.run_sync(infer)
-            assert server.runtime.retained_statistics().entries == 0
-            assert server.runtime.backend(UID).updates == 0
+        await trio.to_thread.run_sync(infer)
+        assert server.runtime.retained_statistics().entries == 0
+        assert server.runtime.backend(UID).updates == 0

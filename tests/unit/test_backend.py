@@ -53,6 +53,7 @@ def test_several_kept_backwards_share_one_step() -> None:
         _, kept = b.forward_retained([x])
         items.append((kept, [torch.randn(2, 16)]))
     grads = b.backward_retained(items)
-    assert len(grads) == 3 and b.updates == 1
+    assert len(grads) == 3
+    assert b.updates == 1
     assert items[0][0].weights is items[2][0].weights, "one snapshot per optimizer step"
     assert items[0][0].nbytes > 0

@@ -16,7 +16,8 @@ def kept(nbytes: int, weights: WeightsSnapshot | None = None) -> Retained:
 def test_take_returns_each_entry_once_and_only_to_its_peer_and_expert() -> None:
     store = RetainedStore(10_000, 60)
     handle = store.put("ffn.0.0", "peerA", kept(10))
-    assert handle is not None and len(handle) == 32
+    assert handle is not None
+    assert len(handle) == 32
     assert store.take(handle, "ffn.0.0", "peerB") is None  # another peer
     handle = store.put("ffn.0.0", "peerA", kept(10))
     assert store.take(handle, "ffn.0.1", "peerA") is None  # another expert

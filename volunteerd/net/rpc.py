@@ -70,6 +70,7 @@ class RpcStats:
 
     requests: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    streams: dict[str, int] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -111,6 +112,7 @@ class RpcServer:
     async def _serve_stream(self, spec: ProtocolSpec, stream: INetStream) -> None:
         peer_id = str(stream.muxed_conn.peer_id)
         handler = self._handlers[spec.verb]
+        self.stats.streams[spec.verb] = self.stats.streams.get(spec.verb, 0) + 1
         try:
             while True:
                 with trio.move_on_after(self._timeouts.stream_idle_s):
