@@ -172,10 +172,12 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         print(peer_id_for(load_or_create_identity(paths.identity_file)))
         return ExitCode.OK
 
+    # Import the daemon (and with it py-libp2p, which resets its loggers on import)
+    # before configuring logging.
+    from volunteerd.daemon import Daemon, bootstrap_only
+
     configure_logging(config.logging.level)
     if args.command == "serve":
-        from volunteerd.daemon import Daemon
-
         daemon = Daemon(config, paths)
 
         async def start_serve(nursery: trio.Nursery) -> Any:
@@ -183,7 +185,6 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
 
         return trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
     if args.command == "bootstrap":
-        from volunteerd.daemon import bootstrap_only
 
         async def start_boot(nursery: trio.Nursery) -> Any:
             return await nursery.start(bootstrap_only, config, paths)

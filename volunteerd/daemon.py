@@ -9,7 +9,11 @@ the DHT, stop taking requests, let queued ones finish (bounded by
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +21,7 @@ import trio
 
 from volunteerd import __version__
 from volunteerd.config import Config
+from volunteerd.errors import ResourceUnavailable
 from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import Announcer, Handler, Node, Reply, Request, Verb, open_node
 from volunteerd.paths import Paths
@@ -29,6 +34,43 @@ if TYPE_CHECKING:
 __all__ = ["Daemon", "bootstrap_only", "expert_handlers"]
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def data_dir_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` while a node uses its data folder.
+
+    Two nodes sharing one data folder would share one identity (and, later, its
+    checkpoints and statistics); the second one to start gets ResourceUnavailable. The
+    operating system releases the lock when the process dies, even by SIGKILL.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            _lock(fd)
+        except OSError:
+            raise ResourceUnavailable(
+                f"another volunteerd is using {path.parent} (use --data-dir for a second node)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+if os.name == "posix":
+    import fcntl
+
+    def _lock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+else:  # pragma: no cover - Windows
+    import msvcrt
+
+    def _lock(fd: int) -> None:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
 
 
 def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
@@ -82,6 +124,10 @@ class Daemon:
         self._stop.set()
 
     async def serve(self, *, task_status: TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
+        with data_dir_lock(self.paths.lock_file):
+            await self._serve(task_status)
+
+    async def _serve(self, task_status: TaskStatus[Running]) -> None:
         config = self.config
         identity = self._identity or load_or_create_identity(self.paths.identity_file)
         device = choose_device(config.runtime.device)
@@ -132,10 +178,11 @@ async def bootstrap_only(
     task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``volunteerd bootstrap``: a DHT node with no experts, for others to join through."""
-    identity = load_or_create_identity(paths.identity_file)
-    async with open_node(identity, config) as node:
-        logger.info("bootstrap node %s", node.peer_id)
-        for addr in node.multiaddrs:
-            logger.info("join with --bootstrap %s", addr)
-        task_status.started(node)
-        await trio.sleep_forever()
+    with data_dir_lock(paths.lock_file):
+        identity = load_or_create_identity(paths.identity_file)
+        async with open_node(identity, config) as node:
+            logger.info("bootstrap node %s", node.peer_id)
+            for addr in node.multiaddrs:
+                logger.info("join with --bootstrap %s", addr)
+            task_status.started(node)
+            await trio.sleep_forever()

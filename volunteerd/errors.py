@@ -5,6 +5,7 @@
     VolunteerdError
     ├── ConfigError            bad config file, environment variable or flag
     ├── IdentityError          unreadable or invalid key file
+    ├── ResourceUnavailable    a port or the data folder is already in use
     ├── WireError              bad input from the network (each has a wire code)
     │   ├── FrameTooLarge      a declared size is over a cap          -> "too_large"
     │   ├── MalformedFrame     bytes that do not parse                -> "malformed"
@@ -45,6 +46,7 @@ __all__ = [
     "PeerUnreachable",
     "RemoteError",
     "RequestTimeout",
+    "ResourceUnavailable",
     "ShuttingDown",
     "UnknownExpert",
     "UnsupportedVersion",
@@ -67,6 +69,10 @@ class ConfigError(VolunteerdError):
 
 class IdentityError(VolunteerdError):
     """The node's key file cannot be read or is not a valid Ed25519 key."""
+
+
+class ResourceUnavailable(VolunteerdError):
+    """Something this process needs is held by another (a port, the data folder)."""
 
 
 class WireError(VolunteerdError):
@@ -181,7 +187,7 @@ def exit_code(exc: BaseException) -> ExitCode:
     """The process exit status for an exception that ended a command."""
     if isinstance(exc, ConfigError):
         return ExitCode.CONFIG
-    if isinstance(exc, IdentityError | OSError):
+    if isinstance(exc, IdentityError | ResourceUnavailable | OSError):
         return ExitCode.UNAVAILABLE
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED

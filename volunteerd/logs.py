@@ -1,8 +1,9 @@
 """Logging set-up, and the one place third-party chatter is tamed.
 
-py-libp2p's Kademlia code logs a warning for every normally closed stream and dumps
-rejected values in hex; its INFO level narrates every lookup. Those loggers are held
-at ERROR/WARNING here unless volunteerd itself runs at DEBUG.
+py-libp2p logs routine events as warnings and errors — a normally closed Kademlia
+stream, a dial to a peer that left, a rejected value dumped in hex — thousands of lines
+in a normal run. volunteerd reports the failures that matter itself, so py-libp2p's
+loggers are silenced unless volunteerd runs at DEBUG, when they are shown in full.
 """
 
 from __future__ import annotations
@@ -10,31 +11,26 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "tame_third_party"]
 
-_NOISY = {
-    "libp2p": logging.WARNING,
-    "libp2p.kad_dht": logging.ERROR,
-    "libp2p.host": logging.ERROR,
-    "libp2p.network": logging.ERROR,
-    "libp2p.transport": logging.ERROR,
-    "libp2p.stream_muxer": logging.ERROR,
-    "libp2p.security": logging.ERROR,
-    "libp2p.identity": logging.ERROR,
-    "libp2p.rcmgr": logging.ERROR,
-    "libp2p.peer": logging.ERROR,
-    "libp2p.network.auto_connector": logging.ERROR,
-    "multiaddr": logging.WARNING,
-    "async_service": logging.WARNING,
-}
+_THIRD_PARTY = ("libp2p", "multiaddr", "async_service")
 
 
 def tame_third_party(debug: bool = False) -> None:
-    # py-libp2p stops its records at the "libp2p" logger, so they reach stderr through
-    # logging's last-resort handler without time or name; route them through ours.
+    """Call after py-libp2p is imported: its import resets its own loggers."""
+    # py-libp2p stops its records at the "libp2p" logger, so they would reach stderr
+    # through logging's last-resort handler without time or name; route them via ours.
     logging.getLogger("libp2p").propagate = True
-    for name, level in _NOISY.items():
-        logging.getLogger(name).setLevel(logging.DEBUG if debug else level)
+    for name in _THIRD_PARTY:
+        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.CRITICAL)
+    # Some of its modules set their own levels; bring them back under their parents.
+    for name, logger in logging.root.manager.loggerDict.items():
+        if (
+            isinstance(logger, logging.Logger)
+            and name.startswith(_THIRD_PARTY)
+            and name not in _THIRD_PARTY
+        ):
+            logger.setLevel(logging.NOTSET)
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -10,6 +10,7 @@ name                   default                         override
 ``config_file``        <user config dir>/config.toml   ``--config``, ``VOLUNTEERD_CONFIG``
 ``data_dir``           <user data dir>                 ``--data-dir``, ``VOLUNTEERD_DATA_DIR``
 ``identity_file``      <data dir>/identity.key
+``lock_file``          <data dir>/volunteerd.lock      (held while a node runs)
 ``checkpoints_dir``    <data dir>/checkpoints
 ``cache_dir``          <user cache dir>                ``VOLUNTEERD_CACHE_DIR``
 =====================  ==============================  ======================
@@ -40,6 +41,10 @@ class Paths:
         return self.data_dir / "identity.key"
 
     @property
+    def lock_file(self) -> Path:
+        return self.data_dir / "volunteerd.lock"
+
+    @property
     def checkpoints_dir(self) -> Path:
         return self.data_dir / "checkpoints"
 
@@ -64,6 +69,7 @@ class Paths:
             "config_file": str(self.config_file),
             "data_dir": str(self.data_dir),
             "identity_file": str(self.identity_file),
+            "lock_file": str(self.lock_file),
             "checkpoints_dir": str(self.checkpoints_dir),
             "cache_dir": str(self.cache_dir),
         }

@@ -101,3 +101,39 @@ def test_killed_daemon_vanishes_within_two_refresh_periods(spawn) -> None:  # ty
     gone_after_s = trio.run(time_until_gone)
     # Records live record_ttl_s (2 s) = two announce periods; allow lookup slack.
     assert gone_after_s <= 2.0 + 1.0, gone_after_s
+
+
+def test_a_second_daemon_on_the_same_port_or_data_dir_is_refused(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    first = spawn("first", "serve", "--experts", "ffn.0.0", *SMALL)
+    info = first.wait_ready()
+    port = info["multiaddrs"][0].split("/tcp/")[1].split("/")[0]
+
+    same_port = run_cli(
+        tmp_path / "other", "serve", "--listen-host", "127.0.0.1", "--port", port, *SMALL
+    )
+    assert same_port.returncode == ExitCode.UNAVAILABLE
+    assert f"cannot listen on 127.0.0.1:{port}" in same_port.stderr
+
+    same_dir = run_cli(
+        tmp_path / "first", "serve", "--listen-host", "127.0.0.1", "--port", "0", *SMALL
+    )
+    assert same_dir.returncode == ExitCode.UNAVAILABLE
+    assert "another volunteerd is using" in same_dir.stderr
+    assert first.process.poll() is None, "the first daemon keeps running"
+    assert first.stop() == ExitCode.INTERRUPTED
+
+
+def test_daemon_log_has_no_third_party_noise(spawn) -> None:  # type: ignore[no-untyped-def]
+    boot = spawn("boot", "bootstrap")
+    boot.wait_ready()
+    # A bootstrap peer that is not there: py-libp2p logs dial errors on its own.
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/" + boot.wait_ready()["peer_id"]
+    server = spawn("server", "serve", "--experts", "ffn.0.0", "--bootstrap", dead, *SMALL)
+    server.wait_ready()
+    assert server.stop() == ExitCode.INTERRUPTED
+    lines = [line for line in server.log.read_text().splitlines() if line.strip()]
+    assert lines, "the daemon logs something"
+    for line in lines:
+        # Every line is ours: "HH:MM:SS LEVEL volunteerd.<module>: message"
+        assert " volunteerd." in line[:40], line
+    assert any("bootstrap peer" in line and "did not answer" in line for line in lines)

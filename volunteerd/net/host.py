@@ -8,6 +8,7 @@ passed explicitly here and nowhere else.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -26,6 +27,7 @@ from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from volunteerd.errors import ResourceUnavailable
 from volunteerd.identity import Identity
 from volunteerd.net.peers import key_pair_for
 
@@ -75,13 +77,38 @@ def build_host(identity: Identity, announce_addrs: Sequence[str] = ()) -> IHost:
     return host
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ResourceUnavailable if another process listens on ``host:port``.
+
+    py-libp2p listens with SO_REUSEPORT (for hole punching), so a second daemon on the
+    same port would start without error and silently share its connections. A plain
+    bind without that option fails while any other socket holds the port.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ResourceUnavailable(
+                f"cannot listen on {host}:{port}: {exc.strerror} (is another volunteerd "
+                "running? choose another port with --port)"
+            ) from None
+
+
 @asynccontextmanager
 async def open_host(
     identity: Identity, listen_addr: str, announce_addrs: Sequence[str] = ()
 ) -> AsyncIterator[IHost]:
-    """A running host listening on ``listen_addr``; closed when the block exits."""
+    """A running host listening on ``listen_addr``; closed when the block exits.
+
+    Raises ResourceUnavailable when the port is taken."""
+    address = multiaddr.Multiaddr(listen_addr)
+    ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
+    check_port_free(str(ip), int(address.value_for_protocol("tcp")))
     host = build_host(identity, announce_addrs)
-    async with host.run([multiaddr.Multiaddr(listen_addr)]):
+    async with host.run([address]):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
         try:
             yield host
