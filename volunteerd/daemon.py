@@ -82,6 +82,7 @@ def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
             request.tensors,
             retain=request.header.retain,
             peer_id=request.peer_id,
+            compression=request.header.compression,
         )
         return Reply(header, buffers)
 
@@ -91,6 +92,7 @@ def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
             request.tensors,
             handle=request.header.handle,
             peer_id=request.peer_id,
+            compression=request.header.compression,
         )
         return Reply(header, buffers)
 

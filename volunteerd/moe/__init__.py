@@ -1,7 +1,28 @@
-"""The trainer side: remote experts as torch modules."""
+"""The trainer side: remote experts and decentralized mixtures of experts as torch modules."""
 
 from __future__ import annotations
 
+from volunteerd.moe.client import SwarmClient
+from volunteerd.moe.directory import ExpertDirectory
+from volunteerd.moe.layer import (
+    LocalMixtureOfExperts,
+    MixtureOfExperts,
+    MoEStats,
+    NoExpertsAvailable,
+    RemoteMixtureOfExperts,
+)
 from volunteerd.moe.remote_expert import RemoteExpert
+from volunteerd.moe.routing import Route, beam_search
 
-__all__ = ["RemoteExpert"]
+__all__ = [
+    "ExpertDirectory",
+    "LocalMixtureOfExperts",
+    "MixtureOfExperts",
+    "MoEStats",
+    "NoExpertsAvailable",
+    "RemoteExpert",
+    "RemoteMixtureOfExperts",
+    "Route",
+    "SwarmClient",
+    "beam_search",
+]

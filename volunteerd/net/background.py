@@ -35,6 +35,7 @@ class BackgroundNode:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._node: Node | None = None
+        self._nursery: trio.Nursery | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -75,12 +76,21 @@ class BackgroundNode:
 
     async def _serve(self) -> None:
         self._stop = trio.Event()
-        async with open_node(self._identity, self._config) as node:
+        async with open_node(self._identity, self._config) as node, trio.open_nursery() as nursery:
             self._node = node
+            self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
             self._ready.set()
             await self._stop.wait()
+            nursery.cancel_scope.cancel()
         self._node = None
+
+    def start_service(self, serve: Callable[..., Awaitable[Any]]) -> None:
+        """Start ``serve(task_status=...)`` on the node's loop, for the node's lifetime."""
+        nursery = self._nursery
+        if nursery is None:
+            raise VolunteerdError("the background node is not running")
+        self.run(nursery.start, serve)
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await fn(*args)`` on the node's loop and return its result (blocking)."""

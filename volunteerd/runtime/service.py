@@ -22,11 +22,18 @@ import trio
 
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.errors import ActivationsExpired, UnknownExpert
-from volunteerd.experts import ExpertBackend, Retained, from_wire, to_wire
+from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
 from volunteerd.runtime.retained import RetainedStats, RetainedStore
-from volunteerd.wire import ExpertInfo, TensorReply, WireTensor, check_against_schema
+from volunteerd.wire import (
+    Compression,
+    ExpertInfo,
+    TensorReply,
+    WireTensor,
+    check_against_schema,
+    on_wire,
+)
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -159,22 +166,31 @@ class ExpertRuntime:
         return self._hosted(uid).backend.info
 
     async def forward(
-        self, uid: str, tensors: Sequence[WireTensor], *, retain: bool = False, peer_id: str = ""
+        self,
+        uid: str,
+        tensors: Sequence[WireTensor],
+        *,
+        retain: bool = False,
+        peer_id: str = "",
+        compression: Compression = "none",
     ) -> tuple[TensorReply, list[bytes]]:
         """Outputs for ``tensors``; with ``retain`` the graph is kept (if memory allows)
-        and the reply carries its handle."""
+        and the reply carries its handle. With ``compression`` floating-point tensors
+        travel narrowed, both ways."""
         hosted = self._hosted(uid)
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
-        samples = check_against_schema(metas, info.inputs, max_samples=self._max_samples)
-        inputs = [from_wire(t) for t in tensors]
+        samples = check_against_schema(
+            metas, info.inputs, max_samples=self._max_samples, compression=compression
+        )
+        inputs = _decode(tensors, [s.dtype for s in info.inputs])
         shape = tuple(m.shape[1:] for m in metas)
         if retain and self.retained.enabled:
             outputs, kept = await hosted.forward_retained.submit(inputs, samples=samples)
             handle = self.retained.put(uid, peer_id, kept)
-            return _reply(outputs, handle)
+            return _reply(outputs, compression, handle)
         outputs = await hosted.forward.submit(inputs, samples=samples, shape_key=shape)
-        return _reply(outputs)
+        return _reply(outputs, compression)
 
     async def backward(
         self,
@@ -183,6 +199,7 @@ class ExpertRuntime:
         *,
         handle: str | None = None,
         peer_id: str = "",
+        compression: Compression = "none",
     ) -> tuple[TensorReply, list[bytes]]:
         """Input gradients. ``tensors`` are the output gradients with a ``handle``, else
         the inputs followed by the output gradients. Raises ActivationsExpired for a
@@ -191,23 +208,26 @@ class ExpertRuntime:
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
         if handle is not None:
-            samples = check_against_schema(metas, info.outputs, max_samples=self._max_samples)
+            samples = check_against_schema(
+                metas, info.outputs, max_samples=self._max_samples, compression=compression
+            )
             kept = self.retained.take(handle, uid, peer_id)
             if kept is None:
                 raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
             if tuple(kept.output.shape) != metas[0].shape:
                 raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
-            grads = [from_wire(t) for t in tensors]
+            grads = _decode(tensors, [s.dtype for s in info.outputs])
             result = await hosted.backward_retained.submit((kept, grads), samples=samples)
-            return _reply(result)
+            return _reply(result, compression)
+        schemas = [*info.inputs, *info.outputs]
         samples = check_against_schema(
-            metas, [*info.inputs, *info.outputs], max_samples=self._max_samples
+            metas, schemas, max_samples=self._max_samples, compression=compression
         )
         shape = tuple(m.shape[1:] for m in metas)
         grads = await hosted.backward.submit(
-            [from_wire(t) for t in tensors], samples=samples, shape_key=shape
+            _decode(tensors, [s.dtype for s in schemas]), samples=samples, shape_key=shape
         )
-        return _reply(grads)
+        return _reply(grads, compression)
 
     def statistics(self) -> list[ExpertStats]:
         return [
@@ -224,6 +244,13 @@ class ExpertRuntime:
         return self.retained.statistics()
 
 
+def _narrow(tensor: torch.Tensor, compression: Compression) -> torch.Tensor:
+    if compression == "none":
+        return tensor
+    name = next(name for name, dtype in TORCH_DTYPES.items() if dtype == tensor.dtype)
+    return tensor.to(TORCH_DTYPES[on_wire(name, compression)])
+
+
 def _sum(a: QueueStats, b: QueueStats) -> QueueStats:
     return QueueStats(
         requests=a.requests + b.requests,
@@ -234,8 +261,17 @@ def _sum(a: QueueStats, b: QueueStats) -> QueueStats:
     )
 
 
+def _decode(tensors: Sequence[WireTensor], dtypes: Sequence[str]) -> list[torch.Tensor]:
+    """Wire tensors as torch tensors of the schema's dtypes (widening compressed ones)."""
+    out = []
+    for tensor, dtype in zip(tensors, dtypes, strict=True):
+        decoded = from_wire(tensor)
+        out.append(decoded if tensor.dtype == dtype else decoded.to(TORCH_DTYPES[dtype]))
+    return out
+
+
 def _reply(
-    tensors: Sequence[torch.Tensor], handle: str | None = None
+    tensors: Sequence[torch.Tensor], compression: Compression = "none", handle: str | None = None
 ) -> tuple[TensorReply, list[bytes]]:
-    encoded = [to_wire(t) for t in tensors]
+    encoded = [to_wire(_narrow(t, compression)) for t in tensors]
     return TensorReply(tensors=[m for m, _ in encoded], handle=handle), [b for _, b in encoded]

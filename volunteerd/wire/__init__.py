@@ -22,20 +22,25 @@ from volunteerd.wire.messages import (
 )
 from volunteerd.wire.tensors import (
     DTYPE_SIZES,
+    FLOAT_DTYPES,
+    Compression,
     DType,
     TensorMeta,
     TensorSchema,
     WireTensor,
     check_against_schema,
+    on_wire,
     split_body,
 )
 
 __all__ = [
     "DTYPE_SIZES",
+    "FLOAT_DTYPES",
     "MAGIC",
     "PREFIX",
     "VERSION",
     "BackwardRequest",
+    "Compression",
     "DType",
     "ErrorReply",
     "ExpertInfo",
@@ -50,6 +55,7 @@ __all__ = [
     "check_against_schema",
     "decode_header",
     "encode_frame",
+    "on_wire",
     "parse_prefix",
     "split_body",
 ]

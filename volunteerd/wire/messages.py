@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from volunteerd import uids
-from volunteerd.wire.tensors import TensorMeta, TensorSchema
+from volunteerd.wire.tensors import Compression, TensorMeta, TensorSchema
 
 __all__ = [
     "BackwardRequest",
@@ -48,6 +48,8 @@ class ForwardRequest(_Wire):
     tensors: TensorList
     # Keep this forward's graph for a backward that will follow (the reply's handle).
     retain: bool = False
+    # Floating-point tensors (both ways) travel in this dtype instead of the schema's.
+    compression: Compression = "none"
 
 
 class BackwardRequest(_Wire):
@@ -57,6 +59,7 @@ class BackwardRequest(_Wire):
     uid: Uid
     tensors: TensorList
     handle: Handle | None = None
+    compression: Compression = "none"
 
 
 class InfoRequest(_Wire):

@@ -19,17 +19,23 @@ from volunteerd.errors import BadDtype, BadShape, FrameTooLarge, MalformedFrame
 
 __all__ = [
     "DTYPE_SIZES",
+    "FLOAT_DTYPES",
     "MAX_DIM",
     "MAX_NDIM",
+    "Compression",
     "DType",
     "TensorMeta",
     "TensorSchema",
     "WireTensor",
     "check_against_schema",
+    "on_wire",
     "split_body",
 ]
 
 DType = Literal["float32", "float16", "bfloat16", "int64"]
+# What floating-point tensors are narrowed to on the wire, chosen per request.
+Compression = Literal["none", "float16", "bfloat16"]
+FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}
 MAX_NDIM = 8
 MAX_DIM = 1 << 31
@@ -93,24 +99,32 @@ def split_body(metas: Sequence[TensorMeta], body: memoryview) -> list[WireTensor
     return out
 
 
+def on_wire(dtype: str, compression: Compression) -> str:
+    """The dtype a tensor of ``dtype`` travels in under ``compression``."""
+    return compression if compression != "none" and dtype in FLOAT_DTYPES else dtype
+
+
 def check_against_schema(
     metas: Sequence[TensorMeta],
     schemas: Sequence[TensorSchema],
     *,
     max_samples: int,
     same_batch: bool = True,
+    compression: Compression = "none",
 ) -> int:
     """Check tensors against an expert's schema; returns the batch size.
 
-    Raises BadDtype, BadShape, or FrameTooLarge when the batch exceeds ``max_samples``.
-    With ``same_batch`` every tensor must have the same first dimension.
+    With ``compression``, floating-point tensors must travel in that dtype instead of
+    the schema's. Raises BadDtype, BadShape, or FrameTooLarge when the batch exceeds
+    ``max_samples``. With ``same_batch`` every tensor must have the same first dimension.
     """
     if len(metas) != len(schemas):
         raise BadShape(f"expected {len(schemas)} tensors, got {len(metas)}")
     batch = None
     for i, (meta, schema) in enumerate(zip(metas, schemas, strict=True)):
-        if meta.dtype != schema.dtype:
-            raise BadDtype(f"tensor {i}: dtype {meta.dtype} where {schema.dtype} is expected")
+        expected = on_wire(schema.dtype, compression)
+        if meta.dtype != expected:
+            raise BadDtype(f"tensor {i}: dtype {meta.dtype} where {expected} is expected")
         if len(meta.shape) != len(schema.shape) or any(
             want is not None and got != want
             for got, want in zip(meta.shape, schema.shape, strict=True)

@@ -1,0 +1,79 @@
+"""SwarmClient: a trainer's connection to the swarm.
+
+A libp2p node running in a background thread (``BackgroundNode``) plus the expert
+directory that caches the DHT for the training loop. Use it as a context manager and
+hand it to ``RemoteMixtureOfExperts`` layers; they share its connections and cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Any, TypeVar
+
+from volunteerd.config import Config
+from volunteerd.identity import Identity
+from volunteerd.moe.directory import Children, ExpertDirectory
+from volunteerd.net.background import BackgroundNode
+
+__all__ = ["SwarmClient"]
+
+T = TypeVar("T")
+
+
+class SwarmClient:
+    def __init__(
+        self,
+        config: Config,
+        identity: Identity | None = None,
+        *,
+        refresh_s: float = 5.0,
+        ban_s: float = 60.0,
+    ) -> None:
+        self.node = BackgroundNode(identity or Identity.generate(), config)
+        self._refresh_s = refresh_s
+        self._ban_s = ban_s
+        self._directory: ExpertDirectory | None = None
+
+    def __enter__(self) -> SwarmClient:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.node.start()
+        self._directory = ExpertDirectory(
+            self.node.node.dht, refresh_s=self._refresh_s, ban_s=self._ban_s
+        )
+        self.node.start_service(self._directory.serve)
+
+    def close(self) -> None:
+        self.node.close()
+
+    @property
+    def directory(self) -> ExpertDirectory:
+        if self._directory is None:
+            raise RuntimeError("the swarm client is not started")
+        return self._directory
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)`` on the node's loop, from the calling (torch) thread."""
+        return self.node.run(fn, *args)
+
+    def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
+        return self.run(self.directory.children, list(prefixes))
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""
+
+        async def ban() -> None:
+            self.directory.ban(peer_id, reason)
+
+        self.run(ban)

@@ -1,0 +1,456 @@
+"""Decentralized Mixture-of-Experts: a layer whose experts are found in the DHT.
+
+Shape legend: N tokens (the input's leading dimensions flattened), H features, K slots
+(the ``k_best`` experts a token is sent to), D grid dimensions.
+
+``MixtureOfExperts`` holds what both variants share: the gating layer (one linear map
+scoring every grid dimension; an expert's score is the sum of its per-dimension scores),
+the beam search over alive experts, and the mixing (a softmax over the experts that
+answered, renormalised). ``RemoteMixtureOfExperts`` calls the experts over libp2p;
+``LocalMixtureOfExperts`` runs the same experts as ordinary local modules (a baseline,
+and the reference the remote layer is tested against).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from volunteerd import uids
+from volunteerd.errors import RemoteError, VolunteerdError
+from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
+from volunteerd.moe.client import SwarmClient
+from volunteerd.moe.dispatch import Call, Outcome, call_many
+from volunteerd.moe.routing import Route, beam_search
+from volunteerd.net import PeerAddress, Verb
+from volunteerd.wire import BackwardRequest, Compression, ForwardRequest
+
+__all__ = [
+    "LocalMixtureOfExperts",
+    "MixtureOfExperts",
+    "MoEStats",
+    "NoExpertsAvailable",
+    "RemoteMixtureOfExperts",
+]
+
+logger = logging.getLogger(__name__)
+
+# Masked-out scores: finite, so a token no expert answered mixes zeros without NaNs.
+_MASKED = -1e9
+
+
+class NoExpertsAvailable(VolunteerdError):
+    """No expert of the layer could be found alive, or none answered."""
+
+
+@dataclass(slots=True)
+class MoEStats:
+    """What a layer's calls did, cumulatively. ``by_uid[uid] = [ok, failed, samples]``."""
+
+    forward_ok: int = 0
+    forward_failed: int = 0
+    backward_ok: int = 0
+    backward_failed: int = 0
+    backtracked: int = 0
+    unanswered_tokens: int = 0
+    by_uid: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, uid: str, ok: bool, samples: int) -> None:
+        entry = self.by_uid.setdefault(uid, [0, 0, 0])
+        entry[0 if ok else 1] += 1
+        if ok:
+            entry[2] += samples
+
+    @property
+    def calls(self) -> int:
+        return self.forward_ok + self.forward_failed + self.backward_ok + self.backward_failed
+
+    @property
+    def failed(self) -> int:
+        return self.forward_failed + self.backward_failed
+
+
+class MixtureOfExperts(nn.Module):
+    """Gating, routing and mixing. Subclasses say which experts are alive and apply them."""
+
+    def __init__(
+        self,
+        in_features: int,
+        grid_size: Sequence[int],
+        uid_prefix: str,
+        k_best: int,
+        *,
+        beam_size: int | None = None,
+        spare: int = 0,
+    ) -> None:
+        super().__init__()
+        name = uid_prefix.rstrip(".")
+        if not uids.is_valid_key(name + ".") or not grid_size or len(grid_size) > uids.MAX_DIMS:
+            raise ValueError(f"bad expert grid {uid_prefix!r} {tuple(grid_size)}")
+        if k_best < 1:
+            raise ValueError("k_best must be at least 1")
+        self.name = name
+        self.grid_size = tuple(grid_size)
+        self.k_best = k_best
+        self.beam_size = beam_size or k_best
+        self.spare = spare
+        self.in_features = in_features
+        self.gate = nn.Linear(in_features, sum(self.grid_size))
+
+    def all_uids(self) -> list[str]:
+        return uids.expand_pattern(self.name + "".join(f".[0:{g}]" for g in self.grid_size))
+
+    def alive_children(self, prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
+        raise NotImplementedError
+
+    def apply_experts(
+        self, x_NH: torch.Tensor, route: Route
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Outputs [N, K, H], which slots answered [N, K], and the experts' coordinates
+        [N, K, D] (they may differ from the route's first choices after backtracking)."""
+        raise NotImplementedError
+
+    def route(self, logits: Sequence[torch.Tensor]) -> Route:
+        route = beam_search(
+            logits,
+            self.name,
+            self.alive_children,
+            beam_size=max(self.beam_size, self.k_best + self.spare),
+            k=self.k_best + self.spare,
+        )
+        if not bool(route.valid_NK.any()):
+            raise NoExpertsAvailable(
+                f"no alive experts under {self.name}. (grid {self.grid_size}): is the swarm "
+                "reachable, and does it host this layer?"
+            )
+        return route
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_NH = x.reshape(-1, shape[-1])
+        logits_NG = self.gate(x_NH).float()
+        logits = list(logits_NG.split(self.grid_size, dim=1))
+        route = self.route(logits)
+        out_NKH, answered_NK, coords_NKD = self.apply_experts(x_NH, route)
+        scores_NK = torch.stack(
+            [logits[d].gather(1, coords_NKD[:, :, d]) for d in range(len(self.grid_size))]
+        ).sum(dim=0)
+        weights_NK = torch.softmax(scores_NK.masked_fill(~answered_NK, _MASKED), dim=1)
+        y_NH = (weights_NK.to(out_NKH.dtype)[..., None] * out_NKH).sum(dim=1)
+        return y_NH.reshape(*shape[:-1], y_NH.shape[-1])
+
+
+class LocalMixtureOfExperts(MixtureOfExperts):
+    """The same mixture with its experts as local modules: all alive, called directly."""
+
+    def __init__(
+        self,
+        in_features: int,
+        grid_size: Sequence[int],
+        uid_prefix: str,
+        k_best: int,
+        experts: dict[str, nn.Module],
+        *,
+        beam_size: int | None = None,
+    ) -> None:
+        super().__init__(in_features, grid_size, uid_prefix, k_best, beam_size=beam_size)
+        missing = set(self.all_uids()) - set(experts)
+        if missing:
+            raise ValueError(f"no module for experts {sorted(missing)[:5]}")
+        # ModuleDict keys may not contain dots.
+        self.experts = nn.ModuleDict({uid.replace(".", "_"): m for uid, m in experts.items()})
+
+    def expert(self, uid: str) -> nn.Module:
+        return self.experts[uid.replace(".", "_")]
+
+    def alive_children(self, prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
+        out: dict[str, dict[int, list[Any]]] = {}
+        for prefix in prefixes:
+            depth = prefix.count(".") - 1
+            out[prefix] = {c: ["local"] for c in range(self.grid_size[depth])}
+        return out
+
+    def apply_experts(
+        self, x_NH: torch.Tensor, route: Route
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N, K = x_NH.shape[0], self.k_best
+        pieces = [
+            (rows, ks, self.expert(uid)(x_NH[rows])) for uid, (rows, ks) in _group(route, K).items()
+        ]
+        out_NKH = x_NH.new_zeros(N, K, pieces[0][2].shape[-1])
+        for rows, ks, y_RH in pieces:
+            out_NKH = out_NKH.index_put((rows, ks), y_RH)
+        return out_NKH, route.valid_NK[:, :K], route.coords_NKD[:, :K]
+
+
+def _group(route: Route, K: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """uid -> (rows, slots) of the first K choices, all samples routed to it together."""
+    rows_by_uid: dict[str, tuple[list[int], list[int]]] = {}
+    for n, k in route.valid_NK[:, :K].nonzero().tolist():
+        rows, ks = rows_by_uid.setdefault(route.uid(n, k), ([], []))
+        rows.append(n)
+        ks.append(k)
+    return {
+        uid: (torch.tensor(rows, dtype=torch.long), torch.tensor(ks, dtype=torch.long))
+        for uid, (rows, ks) in rows_by_uid.items()
+    }
+
+
+class RemoteMixtureOfExperts(MixtureOfExperts):
+    """A mixture of experts hosted by volunteers, found through the DHT.
+
+    Every token goes to its ``k_best`` best alive experts; all tokens routed to one
+    expert travel in one request, and the requests go out concurrently. The forward
+    waits until every token has ``k_min`` answers, then ``grace_after_k_min_s`` more, and
+    at most ``forward_timeout_s``; the softmax is renormalised over the experts that
+    answered. Tokens whose chosen experts all failed are sent to their next best ones
+    (up to ``spare`` further candidates); a token nobody answers contributes zeros, and
+    if no token at all gets an answer the layer raises ``NoExpertsAvailable``. Backward
+    sends gradients only to experts that answered, under the same rule
+    (``backward_timeout_s``); missing gradients count as zero. Peers that fail are not
+    chosen again for the client's ``ban_s``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        grid_size: Sequence[int],
+        uid_prefix: str,
+        k_best: int,
+        k_min: int = 1,
+        forward_timeout_s: float = 10.0,
+        backward_timeout_s: float = 20.0,
+        grace_after_k_min_s: float = 0.05,
+        *,
+        client: SwarmClient,
+        compression: Compression = "none",
+        beam_size: int | None = None,
+        spare: int | None = None,
+    ) -> None:
+        super().__init__(
+            in_features,
+            grid_size,
+            uid_prefix,
+            k_best,
+            beam_size=beam_size,
+            spare=k_best if spare is None else spare,
+        )
+        if not 1 <= k_min <= k_best:
+            raise ValueError("k_min must be between 1 and k_best")
+        self.k_min = k_min
+        self.forward_timeout_s = forward_timeout_s
+        self.backward_timeout_s = backward_timeout_s
+        self.grace_after_k_min_s = grace_after_k_min_s
+        self.compression: Compression = compression
+        self.client = client
+        self.stats = MoEStats()
+        # Makes autograd call our backward even when the inputs need no gradient.
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    def alive_children(self, prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
+        return dict(self.client.children(prefixes))  # type: ignore[arg-type]
+
+    def apply_experts(
+        self, x_NH: torch.Tensor, route: Route
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out_NKH, answered_NK, coords_NKD = _RemoteExperts.apply(
+            self._dummy, self, route, torch.is_grad_enabled(), x_NH
+        )
+        return out_NKH, answered_NK, coords_NKD
+
+    # -- calls (run in the torch thread; the network part runs on the client's loop) ---
+
+    def _wire_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.compression] if self.compression != "none" else torch.float32
+
+    def _encode(self, tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[bytes]]:
+        encoded = [to_wire(t.to(self._wire_dtype())) for t in tensors]
+        return [m for m, _ in encoded], [b for _, b in encoded]
+
+    def _run_calls(
+        self, verb: Verb, calls: list[Call], n_rows: int, timeout_s: float
+    ) -> list[Outcome]:
+        return self.client.run(
+            partial(
+                call_many,
+                self.client.node.node.rpc,
+                verb,
+                calls,
+                n_rows=n_rows,
+                k_min=self.k_min,
+                timeout_s=timeout_s,
+                grace_s=self.grace_after_k_min_s,
+            )
+        )
+
+    def _note_failure(self, call: Call, error: BaseException | None) -> None:
+        if isinstance(error, RemoteError) and error.code in {"busy", "expired"}:
+            return  # alive, just loaded (or forgetful): choose it again later
+        self.client.ban(call.peer.peer_id, f"{call.uid}: {error}")
+
+
+@dataclass(slots=True)
+class _Answered:
+    """One expert call that answered the forward: what its backward needs."""
+
+    uid: str
+    peer: PeerAddress
+    rows: torch.Tensor
+    slots: torch.Tensor
+    handle: str | None
+
+
+class _RemoteExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        _dummy: torch.Tensor,
+        layer: RemoteMixtureOfExperts,
+        route: Route,
+        retain: bool,
+        x_NH: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N, K = x_NH.shape[0], layer.k_best
+        x_cpu = x_NH.detach().to("cpu")
+        candidates = route.valid_NK.shape[1]
+        coords_NKD = route.coords_NKD[:, :K].clone()
+        answered_NK = torch.zeros(N, K, dtype=torch.bool)
+        # next candidate index per row, for backtracking
+        next_candidate = torch.full((N,), min(K, candidates), dtype=torch.long)
+        tried: set[tuple[int, str]] = set()
+        assignment = {  # (row, slot) -> candidate index
+            (n, k): k for n, k in route.valid_NK[:, :K].nonzero().tolist()
+        }
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        answered: list[_Answered] = []
+        for round_ in range(2):
+            groups: dict[str, tuple[list[int], list[int]]] = {}
+            for (n, k), c in assignment.items():
+                uid = route.uid(n, c)
+                tried.add((n, uid))
+                rows, ks = groups.setdefault(uid, ([], []))
+                rows.append(n)
+                ks.append(k)
+            calls = []
+            for uid, (rows, _) in groups.items():
+                peers = [p for p in route.peers[uid] if isinstance(p, PeerAddress)]
+                peer = random.choice(peers)  # spread load over replicas
+                metas, buffers = layer._encode([x_cpu[rows]])
+                header = ForwardRequest(
+                    uid=uid, tensors=metas, retain=retain, compression=layer.compression
+                )
+                calls.append(Call(uid, peer, header, buffers, rows))
+            outcomes = layer._run_calls(Verb.FORWARD, calls, N, layer.forward_timeout_s)
+            for call, outcome in zip(calls, outcomes, strict=True):
+                rows, ks = groups[call.uid]
+                layer.stats.count(call.uid, outcome.ok, len(rows))
+                if not outcome.ok:
+                    layer.stats.forward_failed += 1
+                    layer._note_failure(call, outcome.error)
+                    continue
+                layer.stats.forward_ok += 1
+                y = from_wire(outcome.tensors[0]).to(x_NH.dtype)
+                for i, (n, k) in enumerate(zip(rows, ks, strict=True)):
+                    outputs[(n, k)] = y[i]
+                    answered_NK[n, k] = True
+                answered.append(
+                    _Answered(
+                        call.uid,
+                        call.peer,
+                        torch.tensor(rows),
+                        torch.tensor(ks),
+                        getattr(outcome.reply, "handle", None),
+                    )
+                )
+            # Backtrack: tokens no expert answered try their next best candidates.
+            silent = [
+                n
+                for n in range(N)
+                if not bool(answered_NK[n].any()) and bool(route.valid_NK[n, :K].any())
+            ]
+            assignment = {}
+            for n in silent:
+                for k in range(K):
+                    while next_candidate[n] < candidates:
+                        c = int(next_candidate[n])
+                        next_candidate[n] += 1
+                        if bool(route.valid_NK[n, c]) and (n, route.uid(n, c)) not in tried:
+                            assignment[(n, k)] = c
+                            coords_NKD[n, k] = route.coords_NKD[n, c]
+                            break
+            if not assignment or round_ == 1:
+                break
+            layer.stats.backtracked += len(silent)
+        unanswered = int((~answered_NK.any(dim=1)).sum())
+        layer.stats.unanswered_tokens += unanswered
+        if unanswered == N:
+            raise NoExpertsAvailable(
+                f"none of the experts chosen under {layer.name}. answered "
+                f"({layer.stats.forward_failed} failed calls so far)"
+            )
+        H_out = next(iter(outputs.values())).shape[-1]
+        out_NKH = torch.zeros(N, K, H_out, dtype=x_NH.dtype)
+        for (n, k), y in outputs.items():
+            out_NKH[n, k] = y
+        ctx.layer = layer
+        ctx.answered = answered
+        ctx.x_cpu = x_cpu
+        ctx.device = x_NH.device
+        ctx.mark_non_differentiable(answered_NK, coords_NKD)
+        return out_NKH.to(x_NH.device), answered_NK.to(x_NH.device), coords_NKD.to(x_NH.device)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_NKH: torch.Tensor, *_: Any) -> Any:
+        layer: RemoteMixtureOfExperts = ctx.layer
+        x_cpu: torch.Tensor = ctx.x_cpu
+        grad_cpu = grad_NKH.to("cpu")
+        grad_x_NH = torch.zeros(x_cpu.shape, dtype=torch.float32)
+        pending: list[_Answered] = list(ctx.answered)
+        for stateless in (False, True):
+            calls = []
+            for item in pending:
+                grads = grad_cpu[item.rows, item.slots]
+                if not stateless and item.handle is not None:
+                    metas, buffers = layer._encode([grads])
+                    header = BackwardRequest(
+                        uid=item.uid,
+                        tensors=metas,
+                        handle=item.handle,
+                        compression=layer.compression,
+                    )
+                else:
+                    metas, buffers = layer._encode([x_cpu[item.rows], grads])
+                    header = BackwardRequest(
+                        uid=item.uid, tensors=metas, compression=layer.compression
+                    )
+                calls.append(Call(item.uid, item.peer, header, buffers, item.rows.tolist()))
+            outcomes = layer._run_calls(
+                Verb.BACKWARD, calls, x_cpu.shape[0], layer.backward_timeout_s
+            )
+            retry = []
+            for item, call, outcome in zip(pending, calls, outcomes, strict=True):
+                if outcome.ok:
+                    layer.stats.backward_ok += 1
+                    grad_x_NH.index_add_(0, item.rows, from_wire(outcome.tensors[0]).float())
+                elif (
+                    not stateless
+                    and isinstance(outcome.error, RemoteError)
+                    and outcome.error.code == "expired"
+                ):
+                    retry.append(item)  # the server let the forward go: resend the inputs
+                else:
+                    layer.stats.backward_failed += 1
+                    layer._note_failure(call, outcome.error)
+            pending = retry
+            if not pending:
+                break
+        return None, None, None, None, grad_x_NH.to(ctx.device, x_cpu.dtype)
