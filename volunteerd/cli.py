@@ -20,7 +20,7 @@ import trio
 
 from volunteerd import __version__
 from volunteerd.config import Config, dump_toml, load_config
-from volunteerd.errors import ExitCode, VolunteerdError, exit_code
+from volunteerd.errors import ConfigError, ExitCode, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
 from volunteerd.paths import Paths
 
@@ -88,6 +88,30 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         _common(config_sub.add_parser(name, help=text))
 
+    demo = sub.add_parser(
+        "demo",
+        help="train a small language model on a local swarm on this machine (nothing to set up)",
+    )
+    demo.add_argument("--steps", type=int, metavar="N", help="training steps (default 300)")
+    demo.add_argument("--nodes", type=int, default=3, metavar="N", help="daemons to start (1-4)")
+    demo.add_argument(
+        "--local", action="store_true", help="train with local experts instead (the baseline)"
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
+
+    train = sub.add_parser("train", help="train an experiment's model on a swarm")
+    train.add_argument("--config", required=True, metavar="FILE", help="experiment TOML file")
+    train.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="peer to join through (repeatable; default: the experiment's swarm.bootstrap_peers)",
+    )
+    train.add_argument("--steps", type=int, metavar="N", help="override training.steps")
+    train.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
+
     ident = sub.add_parser("id", help="print this node's peer id (creating its key if needed)")
     _common(ident)
 
@@ -146,6 +170,8 @@ def _single(exc: BaseException) -> BaseException:
 
 
 def _dispatch(args: argparse.Namespace) -> ExitCode:
+    if args.command in {"demo", "train"}:
+        return _train(args)
     if args.command == "config" and args.config_command == "path":
         print(_paths(args).config_file)
         return ExitCode.OK
@@ -191,6 +217,42 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
 
         return trio.run(_run_service, start_boot, None, args.ready_file)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
+
+
+def _train(args: argparse.Namespace) -> ExitCode:
+    """``demo`` and ``train``: a trainer in this process (its node in a thread)."""
+    from volunteerd.demo import run_demo, run_training, trainer_config
+    from volunteerd.moe import SwarmClient
+    from volunteerd.train import load_experiment
+
+    configure_logging("WARNING")
+    summary_json = Path(args.summary_json) if args.summary_json else None
+    if args.command == "demo":
+        if args.steps is not None and args.steps < 1:
+            raise ConfigError("--steps must be at least 1")
+        run_demo(
+            steps=args.steps,
+            nodes=args.nodes,
+            local=args.local,
+            seed=args.seed,
+            summary_json=summary_json,
+        )
+        return ExitCode.OK
+    experiment = load_experiment(Path(args.config))
+    bootstrap = args.bootstrap or experiment.swarm.bootstrap_peers
+    if not bootstrap:
+        raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
+    steps = args.steps or experiment.training.steps
+    with SwarmClient(trainer_config(bootstrap)) as client:
+        summary = run_training(experiment, client=client, steps=steps, out=sys.stderr)
+    print(
+        f"done: validation loss {summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f}; "
+        f"{summary.expert_calls:,} expert calls, {summary.failed_calls} failed",
+        file=sys.stderr,
+    )
+    if summary_json is not None:
+        summary_json.write_text(json.dumps(summary.as_dict(), indent=2))
+    return ExitCode.OK
 
 
 async def _run_service(

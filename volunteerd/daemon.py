@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
 
 from volunteerd import __version__
 from volunteerd.config import Config
-from volunteerd.errors import ResourceUnavailable
+from volunteerd.errors import ResourceUnavailable, VolunteerdError, wire_code
 from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import Announcer, Handler, Node, Reply, Request, Verb, open_node
 from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
+from volunteerd.wire import (
+    BackwardRequest,
+    BatchReply,
+    ErrorReply,
+    ForwardRequest,
+    TensorReply,
+    WireTensor,
+)
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -74,32 +82,70 @@ else:  # pragma: no cover - Windows
 
 
 def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
-    """Bind the runtime's calls to the forward, backward and info verbs."""
+    """Bind the runtime's calls to the expert verbs."""
+
+    async def forward_one(item: ForwardRequest, tensors: list[WireTensor], peer: str) -> Result:
+        return await runtime.forward(
+            item.uid, tensors, retain=item.retain, peer_id=peer, compression=item.compression
+        )
+
+    async def backward_one(item: BackwardRequest, tensors: list[WireTensor], peer: str) -> Result:
+        return await runtime.backward(
+            item.uid, tensors, handle=item.handle, peer_id=peer, compression=item.compression
+        )
 
     async def forward(request: Request) -> Reply:
-        header, buffers = await runtime.forward(
-            request.header.uid,
-            request.tensors,
-            retain=request.header.retain,
-            peer_id=request.peer_id,
-            compression=request.header.compression,
-        )
-        return Reply(header, buffers)
+        return Reply(*await forward_one(request.header, request.tensors, request.peer_id))
 
     async def backward(request: Request) -> Reply:
-        header, buffers = await runtime.backward(
-            request.header.uid,
-            request.tensors,
-            handle=request.header.handle,
-            peer_id=request.peer_id,
-            compression=request.header.compression,
-        )
-        return Reply(header, buffers)
+        return Reply(*await backward_one(request.header, request.tensors, request.peer_id))
 
     async def info(request: Request) -> Reply:
         return Reply(runtime.info(request.header.uid))
 
-    return {Verb.FORWARD: forward, Verb.BACKWARD: backward, Verb.INFO: info}
+    async def forward_batch(request: Request) -> Reply:
+        return await _batch(forward_one, request)
+
+    async def backward_batch(request: Request) -> Reply:
+        return await _batch(backward_one, request)
+
+    return {
+        Verb.FORWARD: forward,
+        Verb.BACKWARD: backward,
+        Verb.INFO: info,
+        Verb.FORWARD_BATCH: forward_batch,
+        Verb.BACKWARD_BATCH: backward_batch,
+    }
+
+
+Result = tuple[TensorReply, list[bytes]]
+
+
+async def _batch(
+    run_one: Callable[[Any, list[WireTensor], str], Awaitable[Result]], request: Request
+) -> Reply:
+    """Run a batch's items concurrently; an item that fails gets its own error reply."""
+    items = request.header.items
+    results: list[tuple[TensorReply | ErrorReply, list[bytes]]] = [
+        (ErrorReply(code="internal"), []) for _ in items
+    ]
+
+    async def one(i: int, item: Any, tensors: list[WireTensor]) -> None:
+        try:
+            results[i] = await run_one(item, tensors, request.peer_id)
+        except VolunteerdError as exc:
+            results[i] = (ErrorReply(code=wire_code(exc), message=str(exc)[:1000]), [])
+
+    offset = 0
+    async with trio.open_nursery() as nursery:
+        for i, item in enumerate(items):
+            count = len(item.tensors)
+            nursery.start_soon(one, i, item, request.tensors[offset : offset + count])
+            offset += count
+    return Reply(
+        BatchReply(items=[header for header, _ in results]),
+        [buffer for _, buffers in results for buffer in buffers],
+    )
 
 
 @dataclass(slots=True)

@@ -14,7 +14,13 @@ from volunteerd.net import Verb
 from volunteerd.net.background import BackgroundNode
 from volunteerd.net.host import build_host
 from volunteerd.testing import local_config, open_daemon, open_peer
-from volunteerd.wire import ForwardRequest
+from volunteerd.wire import (
+    BatchReply,
+    ErrorReply,
+    ForwardBatchRequest,
+    ForwardRequest,
+    TensorReply,
+)
 
 
 def test_host_negotiates_noise_and_yamux_only() -> None:
@@ -62,3 +68,35 @@ async def test_transformer_expert_over_the_wire_matches_local(tmp_path: Path) ->
                             torch.testing.assert_close(expert(x), module(x), atol=1e-5, rtol=0)
 
             await trio.to_thread.run_sync(check)
+
+
+async def test_batched_request_answers_each_item_on_its_own(tmp_path: Path) -> None:
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.[0:2]")
+        async with (
+            open_daemon(config, tmp_path / "s") as server,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as client,
+        ):
+            good, good_data = to_wire(torch.randn(2, 32))
+            bad, bad_data = to_wire(torch.randn(3, 7))
+            items = [
+                ForwardRequest(uid="ffn.0.0", tensors=[good]),
+                ForwardRequest(uid="ffn.9.9", tensors=[good]),  # not hosted here
+                ForwardRequest(uid="ffn.0.1", tensors=[bad]),  # wrong shape
+                ForwardRequest(uid="ffn.0.1", tensors=[good]),
+            ]
+            reply, tensors = await client.rpc.call(
+                server.node.address,
+                Verb.FORWARD_BATCH,
+                ForwardBatchRequest(items=items),
+                [good_data, good_data, bad_data, good_data],
+            )
+            assert isinstance(reply, BatchReply)
+            kinds = [type(item) for item in reply.items]
+            assert kinds == [TensorReply, ErrorReply, ErrorReply, TensorReply]
+            assert [i.code for i in reply.items if isinstance(i, ErrorReply)] == [
+                "unknown_expert",
+                "bad_shape",
+            ]
+            assert [t.shape for t in tensors] == [(2, 32), (2, 32)]
+            assert server.node.server.stats.requests[Verb.FORWARD_BATCH] == 1

@@ -190,7 +190,7 @@ class WireLimits(_Model):
 
     max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 << 20, description="JSON header")
     max_body_bytes: int = Field(256 << 20, ge=1024, le=4 << 30, description="tensor bytes")
-    max_tensors: int = Field(8, ge=1, le=64, description="tensors in one message")
+    max_tensors: int = Field(128, ge=1, le=1024, description="tensors in one message")
     max_request_samples: int = Field(8192, ge=1, le=1 << 20, description="samples a request")
 
 

@@ -59,6 +59,7 @@ class MoEStats:
     forward_failed: int = 0
     backward_ok: int = 0
     backward_failed: int = 0
+    late: int = 0  # cut off by the k_min rule: slower than the others, not failed
     backtracked: int = 0
     unanswered_tokens: int = 0
     by_uid: dict[str, list[int]] = field(default_factory=dict)
@@ -228,7 +229,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         k_min: int = 1,
         forward_timeout_s: float = 10.0,
         backward_timeout_s: float = 20.0,
-        grace_after_k_min_s: float = 0.05,
+        grace_after_k_min_s: float = 0.5,
         *,
         client: SwarmClient,
         compression: Compression = "none",
@@ -291,8 +292,14 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             )
         )
 
-    def _note_failure(self, call: Call, error: BaseException | None) -> None:
-        if isinstance(error, RemoteError) and error.code in {"busy", "expired"}:
+    def _note_failure(self, call: Call, outcome: Outcome) -> None:
+        """Count a call that did not answer; ban its peer unless it was merely slow or
+        loaded."""
+        if outcome.late:
+            self.stats.late += 1
+            return
+        error = outcome.error
+        if isinstance(error, RemoteError) and error.code in {"busy", "expired", "shutting_down"}:
             return  # alive, just loaded (or forgetful): choose it again later
         self.client.ban(call.peer.peer_id, f"{call.uid}: {error}")
 
@@ -351,10 +358,11 @@ class _RemoteExperts(torch.autograd.Function):
             outcomes = layer._run_calls(Verb.FORWARD, calls, N, layer.forward_timeout_s)
             for call, outcome in zip(calls, outcomes, strict=True):
                 rows, ks = groups[call.uid]
-                layer.stats.count(call.uid, outcome.ok, len(rows))
+                if not outcome.late:
+                    layer.stats.count(call.uid, outcome.ok, len(rows))
                 if not outcome.ok:
-                    layer.stats.forward_failed += 1
-                    layer._note_failure(call, outcome.error)
+                    layer.stats.forward_failed += not outcome.late
+                    layer._note_failure(call, outcome)
                     continue
                 layer.stats.forward_ok += 1
                 y = from_wire(outcome.tensors[0]).to(x_NH.dtype)
@@ -448,8 +456,8 @@ class _RemoteExperts(torch.autograd.Function):
                 ):
                     retry.append(item)  # the server let the forward go: resend the inputs
                 else:
-                    layer.stats.backward_failed += 1
-                    layer._note_failure(call, outcome.error)
+                    layer.stats.backward_failed += not outcome.late
+                    layer._note_failure(call, outcome)
             pending = retry
             if not pending:
                 break

@@ -13,8 +13,11 @@ from pydantic import BaseModel
 
 from volunteerd.net.records import FindReply, FindRequest, StoreReply, StoreRequest
 from volunteerd.wire import (
+    BackwardBatchRequest,
     BackwardRequest,
+    BatchReply,
     ExpertInfo,
+    ForwardBatchRequest,
     ForwardRequest,
     InfoRequest,
     TensorReply,
@@ -27,6 +30,8 @@ class Verb(StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     INFO = "info"
+    FORWARD_BATCH = "forward-batch"
+    BACKWARD_BATCH = "backward-batch"
     DHT_STORE = "dht-store"
     DHT_FIND = "dht-find"
 
@@ -52,6 +57,22 @@ PROTOCOLS: dict[Verb, ProtocolSpec] = {
             Verb.BACKWARD, "/volunteerd/backward/1", BackwardRequest, TensorReply, True, False
         ),
         ProtocolSpec(Verb.INFO, "/volunteerd/info/1", InfoRequest, ExpertInfo, False, True),
+        ProtocolSpec(
+            Verb.FORWARD_BATCH,
+            "/volunteerd/forward-batch/1",
+            ForwardBatchRequest,
+            BatchReply,
+            True,
+            True,
+        ),
+        ProtocolSpec(
+            Verb.BACKWARD_BATCH,
+            "/volunteerd/backward-batch/1",
+            BackwardBatchRequest,
+            BatchReply,
+            True,
+            False,
+        ),
         ProtocolSpec(
             Verb.DHT_STORE, "/volunteerd/dht-store/1", StoreRequest, StoreReply, False, True
         ),

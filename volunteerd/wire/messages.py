@@ -1,4 +1,5 @@
-"""Headers of the expert protocols (forward, backward, info) and the error reply.
+"""Headers of the expert protocols (forward, backward, info, and their batched forms)
+and the error reply.
 
 Every reply carries ``status``: ``"ok"`` for the verb's own reply model, ``"error"``
 for ``ErrorReply``. A request for the tensors verbs lists its tensors in order:
@@ -8,7 +9,7 @@ outputs.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -16,9 +17,12 @@ from volunteerd import uids
 from volunteerd.wire.tensors import Compression, TensorMeta, TensorSchema
 
 __all__ = [
+    "BackwardBatchRequest",
     "BackwardRequest",
+    "BatchReply",
     "ErrorReply",
     "ExpertInfo",
+    "ForwardBatchRequest",
     "ForwardRequest",
     "InfoRequest",
     "TensorReply",
@@ -88,3 +92,40 @@ class ErrorReply(_Wire):
     status: Literal["error"] = "error"
     code: Annotated[str, Field(max_length=32)]
     message: Annotated[str, Field(max_length=1000)] = ""
+
+
+MAX_BATCH_ITEMS = 64
+
+
+class ForwardBatchRequest(_Wire):
+    """Several experts of one server in one message: a trainer sends one request per
+    server, not one per expert. The body holds every item's tensors, in item order."""
+
+    items: Annotated[list[ForwardRequest], Field(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+    @property
+    def tensors(self) -> list[TensorMeta]:
+        return [meta for item in self.items for meta in item.tensors]
+
+
+class BackwardBatchRequest(_Wire):
+    items: Annotated[list[BackwardRequest], Field(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+    @property
+    def tensors(self) -> list[TensorMeta]:
+        return [meta for item in self.items for meta in item.tensors]
+
+
+ItemReply = Annotated[Union[TensorReply, ErrorReply], Field(discriminator="status")]  # noqa: UP007
+
+
+class BatchReply(_Wire):
+    """One reply per item, in order: its tensors, or why it failed (the other items are
+    unaffected). The body holds the tensors of the items that succeeded, in order."""
+
+    status: Literal["ok"] = "ok"
+    items: Annotated[list[ItemReply], Field(max_length=MAX_BATCH_ITEMS)]
+
+    @property
+    def tensors(self) -> list[TensorMeta]:
+        return [m for item in self.items if isinstance(item, TensorReply) for m in item.tensors]

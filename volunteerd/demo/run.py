@@ -1,0 +1,152 @@
+"""``volunteerd demo``: the whole system on one machine, in a few minutes.
+
+Starts a local swarm (a bootstrap node and ``nodes`` daemons, separate processes on
+127.0.0.1, each hosting whole rows of every layer's expert grid), then trains the
+embedded default experiment — a small character-level transformer whose feed-forward
+layers are mixtures of the swarm's experts — on the source of Python's standard
+library, with a held-out split. ``--local`` trains the same model with the same
+experts as ordinary local modules instead: the non-distributed baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from volunteerd.config import Config
+from volunteerd.demo.swarm import LocalSwarm
+from volunteerd.moe import SwarmClient
+from volunteerd.train import (
+    Experiment,
+    Progress,
+    Trainer,
+    TrainSummary,
+    build_model,
+    load_corpus,
+)
+from volunteerd.uids import expand_pattern
+
+__all__ = ["run_demo", "run_training", "trainer_config"]
+
+logger = logging.getLogger(__name__)
+
+
+def trainer_config(bootstrap: list[str]) -> Config:
+    """The trainer's own node: loopback-friendly, any free port, server-mode DHT."""
+    return Config.model_validate(
+        {
+            "network": {"listen_host": "0.0.0.0", "port": 0, "bootstrap_peers": bootstrap},
+            "timeouts": {"request_s": 30},
+        }
+    )
+
+
+def run_training(
+    experiment: Experiment,
+    *,
+    client: SwarmClient | None,
+    steps: int,
+    out: TextIO,
+) -> TrainSummary:
+    corpus = load_corpus(experiment.data)
+    torch.manual_seed(experiment.training.seed)
+    model = build_model(experiment, client)
+    print(
+        f"data: {len(corpus.train) / 1e6:.1f} MB of {corpus.source} for training, "
+        f"{len(corpus.val) / 1e6:.2f} MB held out ({corpus.files} files); "
+        f"a model that ignores context scores {corpus.unigram_loss():.3f}",
+        file=out,
+    )
+    m = experiment.model
+    print(
+        f"model: {m.num_blocks} blocks of attention + a mixture of "
+        f"{'x'.join(map(str, m.grid))} ffn experts (k_best {m.k_best}), hidden {m.hidden_dim}, "
+        f"{sum(p.numel() for p in model.trainer_parameters()) / 1e6:.2f}M trainer parameters",
+        file=out,
+    )
+    trainer = Trainer(experiment, model, corpus, Progress(steps, stream=out))
+    return trainer.run(steps)
+
+
+def _expert_table(summary: TrainSummary, swarm: LocalSwarm, out: TextIO) -> None:
+    print("\nwho served what:", file=out)
+    for node in swarm.daemons:
+        mine = [uid for uid in summary.experts if _hosted_by(uid, node.experts)]
+        calls = sum(summary.experts[u][0] for u in mine)
+        failed = sum(summary.experts[u][1] for u in mine)
+        tokens = sum(summary.experts[u][2] for u in mine)
+        print(
+            f"  {node.name} ({node.peer_id[-8:]}): {len(mine):>2} experts used, "
+            f"{calls:>6,} calls answered, {tokens:>10,} tokens, {failed} failed",
+            file=out,
+        )
+    busiest = sorted(summary.experts.items(), key=lambda kv: -kv[1][2])[:5]
+    print(
+        "  busiest experts: " + ", ".join(f"{uid} ({v[2]:,} tokens)" for uid, v in busiest),
+        file=out,
+    )
+
+
+def _hosted_by(uid: str, pattern: str) -> bool:
+    return uid in set(expand_pattern(pattern))
+
+
+def run_demo(
+    *,
+    steps: int | None = None,
+    nodes: int = 3,
+    local: bool = False,
+    seed: int = 0,
+    summary_json: Path | None = None,
+    out: TextIO = sys.stderr,
+) -> TrainSummary:
+    """Run the demo and return its summary (also written to ``summary_json``)."""
+    base = Experiment()
+    experiment = base.model_copy(
+        update={
+            "training": base.training.model_copy(
+                update={"seed": seed, **({"steps": steps} if steps else {})}
+            )
+        }
+    )
+    steps = experiment.training.steps
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    if local:
+        print(f"volunteerd demo --local: {steps} steps, experts as local modules", file=out)
+        summary = run_training(experiment, client=None, steps=steps, out=out)
+        extra: dict[str, Any] = {"nodes": 0}
+    else:
+        print(f"volunteerd demo: starting a local swarm of {nodes} daemons ...", file=out)
+        with LocalSwarm.for_experiment(experiment, nodes) as swarm:
+            for node in swarm.daemons:
+                print(f"  {node.name} {node.peer_id[-8:]} hosts {node.experts}", file=out)
+            print(
+                f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps",
+                file=out,
+            )
+            with SwarmClient(trainer_config(swarm.bootstrap_addrs)) as client:
+                summary = run_training(experiment, client=client, steps=steps, out=out)
+            _expert_table(summary, swarm, out)
+            extra = {"nodes": nodes}
+    print(
+        f"\ndone: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.0f}s "
+        f"({summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s); validation loss "
+        f"{summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f} (context-free: "
+        f"{summary.unigram_loss:.3f}); {summary.expert_calls:,} expert calls, "
+        f"{summary.failed_calls} failed",
+        file=out,
+    )
+    if summary_json is not None:
+        data = {**summary.as_dict(), **extra, "experiment": experiment.name}
+        tmp = summary_json.with_name(summary_json.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, summary_json)
+    return summary

@@ -1,0 +1,219 @@
+"""A local swarm on this machine: one bootstrap node and several daemons, each its own
+``volunteerd`` process on 127.0.0.1, hosting the experiment's experts between them.
+
+``LocalSwarm`` is a context manager. Leaving it — normally, on an error or on Ctrl-C —
+stops every process it started: SIGTERM first (they withdraw their experts and exit),
+SIGKILL for any still running after a few seconds. On Linux the children are also told
+to die with their parent, should the parent itself be killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from volunteerd.errors import VolunteerdError
+from volunteerd.train.experiment import Experiment
+
+__all__ = ["LocalSwarm", "SwarmNode"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SwarmNode:
+    name: str
+    process: subprocess.Popen[bytes]
+    ready_file: Path
+    log_file: Path
+    peer_id: str = ""
+    multiaddrs: tuple[str, ...] = ()
+    experts: str = ""
+
+
+def _rows(rows: int, nodes: int, index: int) -> range:
+    """Node ``index``'s share of ``rows`` rows split as evenly as possible."""
+    per, extra = divmod(rows, nodes)
+    start = index * per + min(index, extra)
+    return range(start, start + per + (1 if index < extra else 0))
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalSwarm:
+    """``node_experts[i]`` is the expert pattern daemon ``i`` hosts; every daemon gets
+    ``settings`` (``section.key=value`` overrides) too."""
+
+    def __init__(
+        self,
+        node_experts: list[str],
+        settings: list[str],
+        *,
+        workdir: Path | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.node_experts = node_experts
+        self.settings = settings
+        self.start_timeout_s = start_timeout_s
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._workdir = workdir
+        self.bootstrap: SwarmNode | None = None
+        self.daemons: list[SwarmNode] = []
+
+    @property
+    def bootstrap_addrs(self) -> list[str]:
+        return list(self.bootstrap.multiaddrs) if self.bootstrap else []
+
+    def names(self) -> dict[str, str]:
+        """peer id -> node name, for reports."""
+        return {d.peer_id: d.name for d in self.daemons}
+
+    def __enter__(self) -> LocalSwarm:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @classmethod
+    def for_experiment(cls, experiment: Experiment, nodes: int = 3) -> LocalSwarm:
+        """Daemons hosting whole rows of every layer's grid, with the experiment's
+        expert width and optimizer."""
+        m = experiment.model
+        if not 1 <= nodes <= m.grid[0]:
+            raise VolunteerdError(
+                f"--nodes must be between 1 and {m.grid[0]} (the grid's first dimension: "
+                "each node hosts whole rows of every layer)"
+            )
+        patterns = [
+            ",".join(m.expert_pattern(b, _rows(m.grid[0], nodes, i)) for b in range(m.num_blocks))
+            for i in range(nodes)
+        ]
+        opt = experiment.experts
+        settings = [
+            f"experts.hidden_dim={m.hidden_dim}",
+            f'experts.optimizer.name="{opt.name}"',
+            f"experts.optimizer.lr={opt.lr}",
+            "runtime.torch_threads=1",
+        ]
+        return cls(patterns, settings)
+
+    def start(self) -> None:
+        if self._workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="volunteerd-demo-")
+            self._workdir = Path(self._tmp.name)
+        self.bootstrap = self._spawn("bootstrap", ["bootstrap"])
+        self._wait(self.bootstrap)
+        defaults = [
+            'runtime.device="cpu"',
+            "dht.announce_period_s=3",
+            "dht.record_ttl_s=8",
+        ]
+        for i, pattern in enumerate(self.node_experts):
+            args = ["serve", "--experts", pattern, "--bootstrap", self.bootstrap_addrs[0]]
+            for setting in [*defaults, *self.settings]:
+                args += ["--set", setting]
+            node = self._spawn(f"node{i + 1}", args)
+            node.experts = pattern
+            self.daemons.append(node)
+        for node in self.daemons:
+            self._wait(node)
+
+    def _spawn(self, name: str, args: list[str]) -> SwarmNode:
+        if self._workdir is None:
+            raise VolunteerdError("the swarm is not started")
+        home = self._workdir / name
+        home.mkdir(parents=True, exist_ok=True)
+        ready = home / "ready.json"
+        log = home / "log.txt"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
+        env.update(
+            VOLUNTEERD_DATA_DIR=str(home / "data"),
+            VOLUNTEERD_CONFIG=str(home / "config.toml"),
+            VOLUNTEERD_CACHE_DIR=str(home / "cache"),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+        )
+        command = [
+            sys.executable, "-m", "volunteerd", *args,
+            "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+            "--set", 'logging.level="WARNING"',
+        ]  # fmt: skip
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                # Ctrl-C reaches the demo, which stops its children itself, in order.
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        logger.debug("started %s (pid %d)", name, process.pid)
+        return SwarmNode(name, process, ready, log)
+
+    def _wait(self, node: SwarmNode) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not node.ready_file.exists():
+            if node.process.poll() is not None:
+                raise VolunteerdError(
+                    f"{node.name} exited with {node.process.returncode}:\n"
+                    + node.log_file.read_text(errors="replace")[-2000:]
+                )
+            if time.monotonic() > deadline:
+                raise VolunteerdError(f"{node.name} did not start in {self.start_timeout_s}s")
+            time.sleep(0.05)
+        info = json.loads(node.ready_file.read_text())
+        node.peer_id = info["peer_id"]
+        node.multiaddrs = tuple(info["multiaddrs"])
+
+    def stop(self, grace_s: float = 8.0) -> None:
+        """Stop every process: daemons first (they withdraw), then the bootstrap node."""
+        for group in (self.daemons, [self.bootstrap] if self.bootstrap else []):
+            for node in group:
+                if node.process.poll() is None:
+                    node.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for node in group:
+                try:
+                    node.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0fs; killing it", node.name, grace_s)
+                    node.process.kill()
+                    node.process.wait(5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def kill(self, index: int) -> SwarmNode:
+        """SIGKILL daemon ``index`` (for demonstrations of fault tolerance)."""
+        node = self.daemons[index]
+        node.process.kill()
+        node.process.wait(10)
+        return node

@@ -1,0 +1,88 @@
+"""Text corpora as bytes, a held-out split, and batches of byte sequences.
+
+The default corpus is the source of Python's own standard library: real text on every
+machine that runs volunteerd, with no download. Files are read in a fixed order; every
+``val_every``-th file is held out, so validation text is never seen in training.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from volunteerd.errors import ConfigError
+from volunteerd.train.experiment import DataConfig
+
+__all__ = ["Corpus", "load_corpus"]
+
+VOCAB = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    train: torch.Tensor  # uint8, 1-D
+    val: torch.Tensor
+    files: int
+    source: str
+
+    def batch(
+        self, split: str, batch_size: int, seq_len: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: inputs [B, T] and next-byte targets [B, T] (int64)."""
+        data = self.train if split == "train" else self.val
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
+        idx = starts[:, None] + torch.arange(seq_len + 1)
+        window = data[idx].long()
+        return window[:, :-1], window[:, 1:]
+
+    def unigram_loss(self) -> float:
+        """Cross-entropy (nats) of the validation text under the training text's byte
+        frequencies: what a model that ignores context scores."""
+        counts = torch.bincount(self.train.long(), minlength=VOCAB).double() + 1
+        logp = (counts / counts.sum()).log()
+        return float(-logp[self.val.long()].mean())
+
+
+def _files(source: str) -> list[Path]:
+    if source == "python-stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(
+            p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()
+        )
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix in {".py", ".txt", ".md"}
+        )
+    raise ConfigError(f"data.source = {source!r}: no such file or folder")
+
+
+def _bytes(parts: list[bytes]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)
+
+
+def load_corpus(config: DataConfig) -> Corpus:
+    files = _files(config.source)
+    train: list[bytes] = []
+    val: list[bytes] = []
+    total = 0
+    for i, path in enumerate(files):
+        try:
+            text = path.read_bytes()
+        except OSError:
+            continue
+        (val if i % config.val_every == config.val_every - 1 else train).append(text)
+        total += len(text)
+        if total >= config.max_bytes:
+            break
+    if not train or not val:
+        raise ConfigError(f"data.source = {config.source!r}: too little text to split")
+    corpus = Corpus(_bytes(train), _bytes(val), len(train) + len(val), config.source)
+    if min(len(corpus.train), len(corpus.val)) < 1024:
+        raise ConfigError(f"data.source = {config.source!r}: too little text")
+    return corpus

@@ -1,0 +1,119 @@
+"""An experiment: the model, its data, how to train it, and the swarm hosting its experts.
+
+Read from TOML by ``volunteerd train --config experiment.toml``; ``volunteerd demo``
+uses ``Experiment()`` — the embedded default — unchanged. Each DMoE layer ``i`` of the
+model uses the expert grid ``<uid_prefix><i>.[0:g0].[0:g1]...`` of ``ffn`` experts of
+width ``model.hidden_dim``; the daemons hosting them must use the same width and the
+optimizer in ``experts``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from volunteerd import uids
+from volunteerd.config import OptimizerConfig
+from volunteerd.errors import ConfigError
+
+__all__ = ["DataConfig", "Experiment", "ModelConfig", "TrainingConfig", "load_experiment"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class DataConfig(_Model):
+    """Text to learn from, read as bytes (a character-level model over 256 symbols)."""
+
+    source: str = Field(
+        "python-stdlib",
+        description='"python-stdlib" (the source of Python\'s own standard library, on '
+        "every machine) or the path of a text file or folder",
+    )
+    max_bytes: int = Field(3_000_000, ge=10_000, description="read at most this much text")
+    val_every: int = Field(10, ge=2, description="every n-th file is held out for validation")
+
+
+class ModelConfig(_Model):
+    """embedding -> blocks of (causal self-attention, DMoE feed-forward) -> head."""
+
+    hidden_dim: int = Field(128, ge=8, le=8192)
+    num_blocks: int = Field(2, ge=1, le=64)
+    num_heads: int = Field(4, ge=1, le=64)
+    seq_len: int = Field(64, ge=2, le=4096)
+    grid: tuple[int, ...] = Field((4, 4), min_length=1, max_length=uids.MAX_DIMS)
+    uid_prefix: str = Field("mlp", description="layer i uses the experts <uid_prefix><i>.*")
+    k_best: int = Field(2, ge=1, le=64)
+    k_min: int = Field(1, ge=1, le=64)
+    forward_timeout_s: float = Field(5.0, gt=0)
+    backward_timeout_s: float = Field(10.0, gt=0)
+    grace_after_k_min_s: float = Field(0.5, ge=0)
+    compression: Literal["none", "float16", "bfloat16"] = "none"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.hidden_dim % self.num_heads:
+            raise ValueError("hidden_dim must be a multiple of num_heads")
+        if self.k_min > self.k_best:
+            raise ValueError("k_min must not exceed k_best")
+        if not uids.is_valid_key(f"{self.uid_prefix}0."):
+            raise ValueError(f"uid_prefix {self.uid_prefix!r} must be a lowercase name")
+        return self
+
+    def layer_name(self, block: int) -> str:
+        return f"{self.uid_prefix}{block}"
+
+    def expert_pattern(self, block: int, rows: range | None = None) -> str:
+        """The pattern naming layer ``block``'s experts (optionally only some first rows)."""
+        rest = "".join(f".[0:{g}]" for g in self.grid[1:])
+        rows = rows if rows is not None else range(self.grid[0])
+        return ",".join(f"{self.layer_name(block)}.{r}{rest}" for r in rows)
+
+
+class TrainingConfig(_Model):
+    batch_size: int = Field(16, ge=1, le=4096)
+    steps: int = Field(200, ge=1)
+    lr: float = Field(3e-3, gt=0, description="learning rate of the trainer's own parameters")
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(8, ge=1)
+    seed: int = 0
+
+
+class SwarmConfig(_Model):
+    bootstrap_peers: list[str] = Field(default_factory=list)
+
+
+class Experiment(_Model):
+    name: str = "stdlib-chars"
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    experts: OptimizerConfig = Field(
+        default_factory=lambda: OptimizerConfig(name="adam", lr=3e-3),
+        description="the optimizer the daemons use for this experiment's experts",
+    )
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+
+
+def load_experiment(path: Path) -> Experiment:
+    """Read an experiment file; raises ConfigError naming each bad key."""
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"experiment file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return Experiment.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"invalid experiment {path}:"]
+        for error in exc.errors():
+            key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+            message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            lines.append(f"  {key}: {message}")
+        raise ConfigError("\n".join(lines)) from None

@@ -1,0 +1,52 @@
+"""A progress bar for training, on stderr. On a terminal it redraws one line; in a log
+(not a terminal) it prints a line every few percent instead."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 24) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = self.stream.isatty()
+        self._every = max(1, total // 20)
+        self._last = ""
+        self._started = time.monotonic()
+
+    def update(self, step: int, fields: dict[str, str]) -> None:
+        done = int(self.width * step / max(self.total, 1))
+        bar = "=" * done + (">" if done < self.width else "") + " " * (self.width - done - 1)
+        elapsed = time.monotonic() - self._started
+        text = (
+            f"step {step:>{len(str(self.total))}}/{self.total} [{bar[: self.width]}] "
+            + (" | ".join(f"{k} {v}" for k, v in fields.items()))
+            + f" | {elapsed:.0f}s"
+        )
+        if self.tty:
+            self.stream.write("\r" + text.ljust(len(self._last)))
+            self.stream.flush()
+        elif step % self._every == 0 or step == self.total:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        self._last = text
+
+    def message(self, text: str) -> None:
+        """A line of its own, above the bar."""
+        if self.tty and self._last:
+            self.stream.write("\r" + " " * len(self._last) + "\r")
+        self.stream.write(text + "\n")
+        if self.tty and self._last:
+            self.stream.write(self._last)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self._last:
+            self.stream.write("\n")
+            self.stream.flush()
