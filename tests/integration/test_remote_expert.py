@@ -45,7 +45,7 @@ async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
             before = copy.deepcopy(served)
             client_config = local_config(bootstrap=boot.multiaddrs)
 
-            def train_step() -> None:
+            def train_step() -> torch.nn.Module:
                 with BackgroundNode(Identity.generate(), client_config) as node:
                     peers = node.run(node.node.dht.find_expert, UID)
                     assert [p.peer_id for p in peers] == [server.node.peer_id]
@@ -67,19 +67,19 @@ async def test_remote_expert_matches_local_module_and_steps_the_optimizer(
                     assert x_local.grad is not None
                     torch.testing.assert_close(x.grad, x_local.grad, atol=1e-5, rtol=0)
 
-                    # The server stepped its own optimizer once with these gradients.
                     make_optimizer(list(local.parameters()), server_config.experts.optimizer).step()
-                    for (name, p_server), p_local, p_before in zip(
-                        served.named_parameters(),
-                        local.parameters(),
-                        before.parameters(),
-                        strict=True,
-                    ):
-                        assert not torch.equal(p_server, p_before), f"{name} did not change"
-                        torch.testing.assert_close(p_server, p_local, atol=1e-6, rtol=0)
+                    return local
 
-            await trio.to_thread.run_sync(train_step)
+            local = await trio.to_thread.run_sync(train_step)
+            # The server stepped its own optimizer once with these gradients (right after
+            # answering the backward).
+            await server.runtime.settled()
             assert server.runtime.backend(UID).updates == 1
+            for (name, p_server), p_local, p_before in zip(
+                served.named_parameters(), local.parameters(), before.parameters(), strict=True
+            ):
+                assert not torch.equal(p_server, p_before), f"{name} did not change"
+                torch.testing.assert_close(p_server, p_local, atol=1e-6, rtol=0)
             kept = server.runtime.retained_statistics()
             expected_hits = {"kept": 1, "stateless": 0, "fallback": 0}[path]
             assert kept.hits == expected_hits

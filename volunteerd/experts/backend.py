@@ -7,11 +7,15 @@ Two ways to train, both answering "here are the gradients of your outputs":
   steps the optimizer. Nothing is kept between requests.
 * retained: ``forward_retained`` runs the forward with autograd on and keeps the
   graph; ``backward_retained`` later back-propagates through it. This saves the second
-  forward (a quarter of the work) and the trainer need not send the inputs again. The
-  graph is built on a snapshot of the weights, so optimizer steps taken in between do
-  not invalidate it, and the gradient is that of the function the trainer saw.
+  forward (a quarter of the work) and the trainer need not send the inputs again. An
+  optimizer step taken in between (another trainer's backward) copies the weights on
+  write, so the kept graph stays valid and the gradient is that of the function the
+  trainer saw; without such interleaving nothing is copied.
 
-These methods block and must run on the device's worker thread, never on the loop.
+Both backwards return the input gradients and leave the parameter gradients accumulated;
+``step`` applies them. The runtime answers a backward first and steps right after, so
+the optimizer's work is off the trainer's critical path. These methods block and must
+run on the device's worker thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -60,10 +64,16 @@ def make_optimizer(
 
 @dataclass(eq=False, slots=True)
 class WeightsSnapshot:
-    """The weights as of one optimizer step, shared by the forwards retained meanwhile."""
+    """The weights one generation of kept forwards was computed with.
+
+    ``params`` are aliases of the expert's parameters (same storage, a version counter
+    of their own). While no optimizer step happens they *are* the live weights; a step
+    taken while kept forwards still need them first moves the live parameters to fresh
+    storage (copy on write), leaving the old values to the aliases."""
 
     params: dict[str, torch.Tensor]
     nbytes: int
+    pending: int = 0  # kept forwards of this generation not yet back-propagated
 
 
 @dataclass(eq=False, slots=True)
@@ -74,6 +84,21 @@ class Retained:
     output: torch.Tensor
     weights: WeightsSnapshot
     nbytes: int  # activations saved for backward, weights not included
+    consumed: bool = False
+
+    def __del__(self) -> None:
+        # Dropped unused (expired, evicted): its generation no longer needs protecting.
+        if not self.consumed:
+            self.weights.pending -= 1
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on the same storage with a version counter of its own (detach() would
+    share the counter, and the optimizer's in-place step would then invalidate graphs
+    that copy-on-write has already protected)."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return alias.requires_grad_()
 
 
 class ExpertBackend:
@@ -111,18 +136,18 @@ class ExpertBackend:
     def backward(
         self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Stateless: re-run the forward, return input gradients, step the optimizer once."""
+        """Stateless: re-run the forward and return the input gradients. The parameter
+        gradients accumulate until ``step``."""
         leaves = self._leaves(inputs)
         with torch.enable_grad():
             out = self.module(*leaves)
             torch.autograd.backward([out], [self._wide(g) for g in grad_outputs])
-        self._step()
         return self._input_grads(leaves)
 
     def forward_retained(
         self, inputs: Sequence[torch.Tensor]
     ) -> tuple[list[torch.Tensor], Retained]:
-        """Forward with autograd on, on a snapshot of the weights; keep the graph."""
+        """Forward with autograd on, on this generation's weights; keep the graph."""
         weights = self._weights()
         weight_ptrs = {p.data_ptr() for p in weights.params.values()}
         saved = 0
@@ -136,32 +161,49 @@ class ExpertBackend:
         leaves = self._leaves(inputs)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = functional_call(self.module, weights.params, tuple(leaves))
+        weights.pending += 1
         return [out.detach().to(self.wire_dtype)], Retained(leaves, out, weights, saved)
 
     def backward_retained(
         self, items: Sequence[tuple[Retained, Sequence[torch.Tensor]]]
     ) -> list[list[torch.Tensor]]:
-        """Back-propagate each retained forward, then step the optimizer once."""
+        """Back-propagate each retained forward; parameter gradients accumulate until
+        ``step``."""
         results = []
-        params = dict(self.module.named_parameters())
+        grads = self._grad_buffers()
         for retained, grad_outputs in items:
-            with torch.enable_grad():
-                torch.autograd.backward([retained.output], [self._wide(g) for g in grad_outputs])
-            for name, snap in retained.weights.params.items():
-                if snap.grad is not None:
-                    real = params[name]
-                    real.grad = snap.grad if real.grad is None else real.grad + snap.grad
-                    snap.grad = None
+            aliases = retained.weights.params
+            # Autograd adds into an existing .grad in place: let it add straight into the
+            # live parameters' gradient buffers.
+            for name, alias in aliases.items():
+                alias.grad = grads[name]
+            try:
+                with torch.enable_grad():
+                    torch.autograd.backward(
+                        [retained.output], [self._wide(g) for g in grad_outputs]
+                    )
+            finally:
+                for alias in aliases.values():
+                    alias.grad = None
+            if not retained.consumed:
+                retained.consumed = True
+                retained.weights.pending -= 1
             results.append(self._input_grads(retained.leaves))
-        self._step()
         return results
+
+    def _grad_buffers(self) -> dict[str, torch.Tensor]:
+        """Each parameter's gradient buffer, created once and reused (allocating
+        weight-sized buffers anew for every request cost more than the compute)."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out[name] = p.grad
+        return out
 
     def _weights(self) -> WeightsSnapshot:
         if self._snapshot is None:
-            params = {
-                name: p.detach().clone().requires_grad_()
-                for name, p in self.module.named_parameters()
-            }
+            params = {name: _alias(p) for name, p in self.module.named_parameters()}
             nbytes = sum(p.numel() * p.element_size() for p in params.values())
             self._snapshot = WeightsSnapshot(params, nbytes)
         return self._snapshot
@@ -175,8 +217,16 @@ class ExpertBackend:
             for x in leaves
         ]
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """Apply the accumulated gradients (one optimizer step) and clear them."""
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.pending > 0:
+            # Kept forwards still need these values: the live weights move to fresh
+            # storage and the old storage stays theirs (copy on write).
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    p.data = p.data.clone()
+        self._snapshot = None  # the next kept forward starts a new generation
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)
         self.updates += 1
-        self._snapshot = None  # the next retained forward sees the new weights

@@ -33,8 +33,19 @@ class DeviceExecutor:
         self._busy_s = 0.0
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the device's worker thread. On cancellation, waits for ``fn`` to
-        finish (a half-applied optimizer step would be worse than a short wait)."""
+        """Run ``fn`` on the device's worker thread, after the work queued before it.
+        On cancellation, waits for ``fn`` to finish (a half-applied optimizer step would be
+        worse than a short wait)."""
+        async with self.turn():
+            return await self.run_now(fn)
+
+    def turn(self) -> trio.CapacityLimiter:
+        """Hold the device (``async with``): for work that must start exactly when its
+        turn comes, such as closing the window for gradients before a step."""
+        return self._limiter
+
+    async def run_now(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on a worker thread; the caller holds ``turn()``."""
 
         def timed() -> T:
             start = time.perf_counter()
@@ -46,7 +57,7 @@ class DeviceExecutor:
                 self._busy_s += time.perf_counter() - start
                 self._batches += 1
 
-        return await trio.to_thread.run_sync(timed, limiter=self._limiter)
+        return await trio.to_thread.run_sync(timed)
 
     def statistics(self) -> ExecutorStats:
         return ExecutorStats(batches=self._batches, busy_s=self._busy_s)

@@ -72,6 +72,7 @@ class _Hosted:
         self, backend: ExpertBackend, executor: DeviceExecutor, config: RuntimeConfig
     ) -> None:
         self.backend = backend
+        self.step_pending = False
         n_in = len(backend.info.inputs)
 
         def forward(items: list[Tensors]) -> list[Tensors]:
@@ -125,6 +126,10 @@ class ExpertRuntime:
             for uid in uids
         }
         self._finished = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._steps_in_flight = 0
+        self._no_steps = trio.Event()
+        self._no_steps.set()
 
     @property
     def uids(self) -> list[str]:
@@ -143,12 +148,14 @@ class ExpertRuntime:
         """Run every expert's batchers until cancelled or ``close``d."""
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 for hosted in self._experts.values():
                     for queue in hosted.queues:
                         await nursery.start(queue.serve)
                 logger.info("serving %d experts on %s", len(self._experts), self.device)
                 task_status.started()
         finally:
+            self._nursery = None
             self.retained.clear()
             self._finished.set()
 
@@ -218,6 +225,7 @@ class ExpertRuntime:
                 raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
             grads = _decode(tensors, [s.dtype for s in info.outputs])
             result = await hosted.backward_retained.submit((kept, grads), samples=samples)
+            self._step_soon(hosted)
             return _reply(result, compression)
         schemas = [*info.inputs, *info.outputs]
         samples = check_against_schema(
@@ -227,7 +235,35 @@ class ExpertRuntime:
         grads = await hosted.backward.submit(
             _decode(tensors, [s.dtype for s in schemas]), samples=samples, shape_key=shape
         )
+        self._step_soon(hosted)
         return _reply(grads, compression)
+
+    def _step_soon(self, hosted: _Hosted) -> None:
+        """Queue the expert's optimizer step behind the backward just computed (the
+        reply goes out first). Backwards that finish before the step runs share it."""
+        if hosted.step_pending or self._nursery is None:
+            return
+        hosted.step_pending = True
+        self._steps_in_flight += 1
+        if self._steps_in_flight == 1:
+            self._no_steps = trio.Event()
+
+        async def step() -> None:
+            try:
+                async with self.executor.turn():
+                    # From here on, new gradients wait for the next step.
+                    hosted.step_pending = False
+                    await self.executor.run_now(hosted.backend.step)
+            finally:
+                self._steps_in_flight -= 1
+                if self._steps_in_flight == 0:
+                    self._no_steps.set()
+
+        self._nursery.start_soon(step)
+
+    async def settled(self) -> None:
+        """Wait until every queued optimizer step has run."""
+        await self._no_steps.wait()
 
     def statistics(self) -> list[ExpertStats]:
         return [
