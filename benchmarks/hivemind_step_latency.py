@@ -7,7 +7,7 @@ What it measures
     hivemind's default batching and handler settings). The 16 experts are split over the
     servers in contiguous runs of uids, as evenly as possible (with 2 or 4 servers that is
     by row ``i``). Before anything is timed, the script checks through the bootstrap DHT that
-    every uid and every ``ffn.{i}`` prefix entry is declared by the right server.
+    every uid key and every ``ffn.{i}.`` prefix subkey is declared by the right server.
 
     The trainer (this process) joins the swarm with its own DHT and builds
     ``hivemind.moe.RemoteMixtureOfExperts(in_features=H, grid_size=(4, 4), uid_prefix="ffn.",
@@ -31,8 +31,12 @@ What it measures
         "kill_until_not_chosen_s": seconds from the kill until the beam search of the first of
             ``--kill-confirm-steps`` consecutive steps chose no expert of the killed server
             (null if that did not happen within the limit),
+        "kill_last_chosen_s": seconds from the kill until the last step that still chose one,
         "steps_after_kill", "failed_steps_after_kill" (steps that raised),
-        "killed_experts", "after_kill_median_ms" (median of the steps that did not raise)
+        "failed_expert_calls_after_kill" (expert RPCs hivemind reported failed; it logs one
+            warning each, which this phase counts and drops unless --log-level DEBUG),
+        "killed_server", "killed_experts",
+        "after_kill_median_ms" (median of the steps that did not raise)
 
     Which experts a step chose is recorded by wrapping the layer's
     ``MoEBeamSearcher.batch_find_best_experts``. Servers re-declare their experts every 30 s
@@ -48,6 +52,8 @@ Cleanup
     The script makes itself a child subreaper, so p2p daemons orphaned by a dead server are
     re-parented to it; on exit (normal, error, Ctrl-C or SIGTERM) it asks the servers to shut
     down, shuts its DHTs down and then terminates every process still descended from it.
+    It also deletes the unix socket files its hivemind processes leave in /tmp (each hivemind
+    connection handler leaves one, and so does the p2pd of a killed server).
 
 How to run (with hivemind's own virtual environment, see benchmarks/setup_hivemind.sh)::
 
@@ -91,6 +97,7 @@ logger = logging.getLogger(__name__)
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
 PR_SET_CHILD_SUBREAPER = 36
 MAX_ERROR_CHARS = 4000
+SOCKET_PREFIX = "/tmp/hivemind-"  # hivemind.p2p.P2P._UNIX_SOCKET_PREFIX without "/unix"
 GRID = (4, 4)
 UID_PREFIX = "ffn."
 K_BEST = 4
@@ -148,6 +155,28 @@ class ChoiceRecorder:
     def reset(self) -> None:
         self.last_uids = None
         self.last_at = 0.0
+
+
+class FailedCallFilter(logging.Filter):
+    """Counts (and, unless ``keep``, drops) hivemind's one-warning-per-failed-expert-call.
+
+    After a server dies, ``hivemind.moe.client.moe._process_dispatched_task`` logs a warning
+    for every call to one of its experts (dozens per step) until the DHT entries expire.
+    """
+
+    def __init__(self, keep: bool) -> None:
+        super().__init__()
+        self.keep = keep
+        self.count = 0
+        self.first: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.funcName != "_process_dispatched_task" or record.levelno != logging.WARNING:
+            return True
+        self.count += 1
+        if self.first is None:
+            self.first = record.getMessage()[:300]
+        return self.keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +415,53 @@ def _become_subreaper() -> None:
         logger.warning("cannot become a child subreaper: %s", exc)
 
 
+def _unix_socket_paths(pids: list[int]) -> set[str]:
+    """hivemind's unix socket files (p2pd control, p2p client) bound by any of ``pids``.
+
+    hivemind leaves them behind in /tmp when a process dies without ``P2P.shutdown()``: each
+    connection handler's p2p replica, and the p2pd of a killed server.
+    """
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    return {path for inode, path in _bound_unix_sockets() if inode in inodes}
+
+
+def _bound_unix_sockets() -> list[tuple[str, str]]:
+    """(inode, path) of every bound hivemind unix socket, from /proc/net/unix."""
+    found: list[tuple[str, str]] = []
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return found
+    for line in lines:
+        # Num RefCount Protocol Flags Type St Inode Path
+        fields = line.split()
+        if len(fields) >= 8 and fields[7].startswith(SOCKET_PREFIX):
+            found.append((fields[6], fields[7]))
+    return found
+
+
+def _remove_stale_sockets(paths: set[str]) -> None:
+    """Delete those of ``paths`` that no live process has bound any more."""
+    in_use = {path for _, path in _bound_unix_sockets()}
+    removed = 0
+    for path in sorted(paths - in_use):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+            removed += 1
+    if removed:
+        logger.info("removed %d stale hivemind socket file(s) from /tmp", removed)
+
+
 def _sigkill_tree(root: int) -> list[int]:
     """SIGKILL ``root`` and everything below it, as close to at once as /proc allows."""
     victims = [root, *_descendants(root)]
@@ -603,47 +679,61 @@ def _kill_phase(
     moe: hivemind.moe.RemoteMixtureOfExperts,
     recorder: ChoiceRecorder,
     victim: ServerHandle,
+    stale_sockets: set[str],
 ) -> dict[str, Any]:
     killed = set(victim.expert_uids)
     logger.info("SIGKILL server %d (pid %d) and its process tree", victim.index, victim.pid)
+    sockets = _unix_socket_paths([victim.pid, *_descendants(victim.pid)])
     killed_at = time.perf_counter()
     victims = _sigkill_tree(victim.pid)
     logger.info("killed %d process(es): %s", len(victims), victims)
+    stale_sockets.update(sockets)
 
     steps = failed = clean_run = 0
     first_clean_at: float | None = None
     last_chosen_at: float | None = None
     ok_ms: list[float] = []
-    while time.perf_counter() - killed_at < args.kill_max_s:
-        recorder.reset()
-        steps += 1
-        error = ""
-        try:
-            ok_ms.append(_train_step(moe, args.batch, args.hidden))
-        except Exception as exc:
-            failed += 1
-            error = f"{type(exc).__name__}: {exc}"[:300]
-        if recorder.last_uids is None:
-            chosen_killed = -1  # the beam search itself did not finish
-            clean_run = 0
-        else:
-            chosen_killed = sum(uid in killed for uid in recorder.last_uids)
-            if chosen_killed:
+    calls = FailedCallFilter(keep=logger.isEnabledFor(logging.DEBUG))
+    moe_logger = logging.getLogger("hivemind.moe.client.moe")
+    moe_logger.addFilter(calls)
+    try:
+        while time.perf_counter() - killed_at < args.kill_max_s:
+            recorder.reset()
+            steps += 1
+            error = ""
+            calls_before = calls.count
+            try:
+                ok_ms.append(_train_step(moe, args.batch, args.hidden))
+            except Exception as exc:
+                failed += 1
+                error = f"{type(exc).__name__}: {exc}"[:300]
+            if recorder.last_uids is None:
+                chosen_killed = -1  # the beam search itself did not finish
                 clean_run = 0
-                last_chosen_at = recorder.last_at
             else:
-                if clean_run == 0:
-                    first_clean_at = recorder.last_at
-                clean_run += 1
-        logger.info(
-            "after kill +%.1f s: step %d chose %s killed expert slot(s); %s",
-            time.perf_counter() - killed_at,
-            steps,
-            "?" if chosen_killed < 0 else chosen_killed,
-            f"FAILED {error}" if error else f"{ok_ms[-1]:.0f} ms",
-        )
-        if clean_run >= args.kill_confirm_steps:
-            break
+                chosen_killed = sum(uid in killed for uid in recorder.last_uids)
+                if chosen_killed:
+                    clean_run = 0
+                    last_chosen_at = recorder.last_at
+                else:
+                    if clean_run == 0:
+                        first_clean_at = recorder.last_at
+                    clean_run += 1
+            logger.info(
+                "after kill +%.1f s: step %d chose %s killed expert slot(s), %d expert call(s) "
+                "failed; %s",
+                time.perf_counter() - killed_at,
+                steps,
+                "?" if chosen_killed < 0 else chosen_killed,
+                calls.count - calls_before,
+                f"FAILED {error}" if error else f"{ok_ms[-1]:.0f} ms",
+            )
+            if clean_run >= args.kill_confirm_steps:
+                break
+    finally:
+        moe_logger.removeFilter(calls)
+    if calls.first is not None:
+        logger.info("first failed expert call after the kill: %s", calls.first)
 
     until = None
     if clean_run >= args.kill_confirm_steps and first_clean_at is not None:
@@ -657,6 +747,7 @@ def _kill_phase(
         ),
         "steps_after_kill": steps,
         "failed_steps_after_kill": failed,
+        "failed_expert_calls_after_kill": calls.count,
         "after_kill_median_ms": round(statistics.median(ok_ms), 3) if ok_ms else None,
     }
 
@@ -708,6 +799,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     servers: list[ServerHandle] = []
     bootstrap: hivemind.DHT | None = None
     trainer_dht: hivemind.DHT | None = None
+    stale_sockets: set[str] = set()
     began = time.perf_counter()
     try:
         bootstrap = hivemind.DHT(start=True, host_maddrs=LOOPBACK_MADDRS, nat_port_map=False)
@@ -775,14 +867,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "timeout_after_k_min": args.timeout_after_k_min,
         }
         if args.kill_one:
-            result.update(_kill_phase(args, moe, recorder, servers[-1]))
+            result.update(_kill_phase(args, moe, recorder, servers[-1], stale_sockets))
         return result
     finally:
+        stale_sockets.update(_unix_socket_paths([os.getpid(), *_descendants(os.getpid())]))
         _stop_servers(servers)
         _close_trainer_p2p(trainer_dht)
         _shutdown_dht(trainer_dht)
         _shutdown_dht(bootstrap)
         _kill_descendants()
+        _remove_stale_sockets(stale_sockets)
         logger.info("total wall time %.1f s", time.perf_counter() - began)
 
 

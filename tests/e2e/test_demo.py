@@ -88,3 +88,69 @@ def test_demo_ctrl_c_stops_every_process_it_started(tmp_path: Path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_demo_local_baseline_needs_no_swarm(tmp_path: Path) -> None:
+    summary_path = tmp_path / "local.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "volunteerd", "demo", "--local", "--steps", "15",
+         "--summary-json", str(summary_path)],
+        env=cli_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["mode"] == "local"
+    assert summary["nodes"] == 0
+    assert summary["expert_calls"] == 0
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+EXPERIMENT = """
+name = "tiny"
+[data]
+max_bytes = 200000
+[model]
+hidden_dim = 32
+num_blocks = 1
+num_heads = 2
+seq_len = 16
+grid = [2, 2]
+uid_prefix = "tiny"
+k_best = 2
+[training]
+batch_size = 4
+steps = 6
+eval_every = 3
+eval_batches = 2
+"""
+
+
+def test_train_runs_an_experiment_file_against_a_swarm(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    boot = spawn("boot", "bootstrap").wait_ready()
+    server = spawn(
+        "server", "serve", "--experts", "tiny0.[0:2].[0:2]", "--bootstrap",
+        boot["multiaddrs"][0], "--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"',
+    )  # fmt: skip
+    server.wait_ready()
+    experiment = tmp_path / "experiment.toml"
+    experiment.write_text(EXPERIMENT)
+    summary_path = tmp_path / "train.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "volunteerd", "train", "--config", str(experiment),
+         "--bootstrap", boot["multiaddrs"][0], "--summary-json", str(summary_path)],
+        env=cli_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 6
+    assert summary["expert_calls"] > 0
+    assert summary["failed_calls"] == 0
+    assert set(summary["experts"]) <= {f"tiny0.{i}.{j}" for i in range(2) for j in range(2)}
+
+    experiment.write_text(EXPERIMENT.replace("k_best = 2", "k_best = 2\nk_worst = 1"))
+    bad = subprocess.run(
+        [sys.executable, "-m", "volunteerd", "train", "--config", str(experiment)],
+        env=cli_env(tmp_path), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 3
+    assert "model.k_worst: unknown key" in bad.stderr

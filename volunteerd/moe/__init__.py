@@ -10,6 +10,7 @@ from volunteerd.moe.layer import (
     MoEStats,
     NoExpertsAvailable,
     RemoteMixtureOfExperts,
+    grid_uids,
 )
 from volunteerd.moe.remote_expert import RemoteExpert
 from volunteerd.moe.routing import Route, beam_search
@@ -25,4 +26,5 @@ __all__ = [
     "Route",
     "SwarmClient",
     "beam_search",
+    "grid_uids",
 ]

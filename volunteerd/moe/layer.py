@@ -39,12 +39,18 @@ __all__ = [
     "MoEStats",
     "NoExpertsAvailable",
     "RemoteMixtureOfExperts",
+    "grid_uids",
 ]
 
 logger = logging.getLogger(__name__)
 
 # Masked-out scores: finite, so a token no expert answered mixes zeros without NaNs.
 _MASKED = -1e9
+
+
+def grid_uids(name: str, grid_size: Sequence[int]) -> list[str]:
+    """Every uid of the grid ``name.[0:g0].[0:g1]...``."""
+    return uids.expand_pattern(name + "".join(f".[0:{g}]" for g in grid_size))
 
 
 class NoExpertsAvailable(VolunteerdError):
@@ -107,7 +113,7 @@ class MixtureOfExperts(nn.Module):
         self.gate = nn.Linear(in_features, sum(self.grid_size))
 
     def all_uids(self) -> list[str]:
-        return uids.expand_pattern(self.name + "".join(f".[0:{g}]" for g in self.grid_size))
+        return grid_uids(self.name, self.grid_size)
 
     def alive_children(self, prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
         raise NotImplementedError

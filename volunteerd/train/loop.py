@@ -20,9 +20,9 @@ from volunteerd.config import ExpertsConfig
 from volunteerd.experts import build_module, make_optimizer
 from volunteerd.moe import (
     LocalMixtureOfExperts,
-    MixtureOfExperts,
     RemoteMixtureOfExperts,
     SwarmClient,
+    grid_uids,
 )
 from volunteerd.train.data import Corpus
 from volunteerd.train.experiment import Experiment
@@ -68,8 +68,9 @@ def build_model(experiment: Experiment, client: SwarmClient | None) -> MoETransf
                 compression=m.compression,
             )
         config = expert_config(experiment)
-        uids = MixtureOfExperts(m.hidden_dim, m.grid, name, m.k_best).all_uids()
-        experts = {uid: build_module(config, uid) for uid in uids}
+        # (build_module leaves the global random state alone, so the trainer's own
+        # parameters start the same as in the swarm run)
+        experts = {uid: build_module(config, uid) for uid in grid_uids(name, m.grid)}
         return LocalMixtureOfExperts(m.hidden_dim, m.grid, name, m.k_best, experts)
 
     return MoETransformerLM(m, make_moe)
