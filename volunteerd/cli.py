@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -219,32 +220,52 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
 
 
+def _stop_on_signals() -> threading.Event:
+    """The first Ctrl-C (or SIGTERM) asks training to stop after the current step — a
+    flag the loop checks, not an exception that could land anywhere (in CPython, a
+    KeyboardInterrupt raised inside exec'd code, as lazy imports do, makes the process
+    die by SIGINT at exit even when handled). A second Ctrl-C aborts at once."""
+    stop = threading.Event()
+
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nstopping after the current step (Ctrl-C again to abort)", file=sys.stderr)
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    return stop
+
+
 def _train(args: argparse.Namespace) -> ExitCode:
     """``demo`` and ``train``: a trainer in this process (its node in a thread)."""
     from volunteerd.demo import run_demo, run_training, trainer_config
     from volunteerd.moe import SwarmClient
     from volunteerd.train import load_experiment
 
+    stop = _stop_on_signals()
     configure_logging("WARNING")
     summary_json = Path(args.summary_json) if args.summary_json else None
     if args.command == "demo":
         if args.steps is not None and args.steps < 1:
             raise ConfigError("--steps must be at least 1")
-        run_demo(
+        summary = run_demo(
             steps=args.steps,
             nodes=args.nodes,
             local=args.local,
             seed=args.seed,
             summary_json=summary_json,
+            stop=stop,
         )
-        return ExitCode.OK
+        return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
     experiment = load_experiment(Path(args.config))
     bootstrap = args.bootstrap or experiment.swarm.bootstrap_peers
     if not bootstrap:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
     steps = args.steps or experiment.training.steps
     with SwarmClient(trainer_config(bootstrap)) as client:
-        summary = run_training(experiment, client=client, steps=steps, out=sys.stderr)
+        summary = run_training(experiment, client=client, steps=steps, out=sys.stderr, stop=stop)
     print(
         f"done: validation loss {summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f}; "
         f"{summary.expert_calls:,} expert calls, {summary.failed_calls} failed",
@@ -252,7 +273,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
     )
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary.as_dict(), indent=2))
-    return ExitCode.OK
+    return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
 
 
 async def _run_service(

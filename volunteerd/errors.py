@@ -20,7 +20,8 @@
     │   ├── PeerUnreachable    could not open a stream to the peer
     │   ├── RequestTimeout     the peer did not answer in time
     │   └── RemoteError        the peer answered with a typed error (``.code``)
-    └── ShuttingDown           the service is stopping                -> "shutting_down"
+    ├── ShuttingDown           the service is stopping                -> "shutting_down"
+    └── Interrupted            the user asked a command to stop (Ctrl-C)
 
 ``wire_code`` maps an exception to the error code sent to a peer (anything not in
 the tree is an internal error and never leaks its message). ``exit_code`` maps an
@@ -40,6 +41,7 @@ __all__ = [
     "ExitCode",
     "FrameTooLarge",
     "IdentityError",
+    "Interrupted",
     "InvalidRecord",
     "MalformedFrame",
     "PeerError",
@@ -125,6 +127,10 @@ class ShuttingDown(VolunteerdError):
     code = "shutting_down"
 
 
+class Interrupted(VolunteerdError):
+    """The user asked a command to stop (Ctrl-C); it stopped cleanly."""
+
+
 class PeerError(VolunteerdError):
     """A request to a peer failed; the peer may be fine for other requests."""
 
@@ -189,6 +195,6 @@ def exit_code(exc: BaseException) -> ExitCode:
         return ExitCode.CONFIG
     if isinstance(exc, IdentityError | ResourceUnavailable | OSError):
         return ExitCode.UNAVAILABLE
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt | Interrupted):
         return ExitCode.INTERRUPTED
     return ExitCode.ERROR

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,6 +55,7 @@ def run_training(
     client: SwarmClient | None,
     steps: int,
     out: TextIO,
+    stop: threading.Event | None = None,
 ) -> TrainSummary:
     corpus = load_corpus(experiment.data)
     torch.manual_seed(experiment.training.seed)
@@ -71,7 +73,7 @@ def run_training(
         f"{sum(p.numel() for p in model.trainer_parameters()) / 1e6:.2f}M trainer parameters",
         file=out,
     )
-    trainer = Trainer(experiment, model, corpus, Progress(steps, stream=out))
+    trainer = Trainer(experiment, model, corpus, Progress(steps, stream=out), stop=stop)
     return trainer.run(steps)
 
 
@@ -106,8 +108,12 @@ def run_demo(
     seed: int = 0,
     summary_json: Path | None = None,
     out: TextIO = sys.stderr,
+    stop: threading.Event | None = None,
 ) -> TrainSummary:
-    """Run the demo and return its summary (also written to ``summary_json``)."""
+    """Run the demo and return its summary (also written to ``summary_json``).
+
+    Setting ``stop`` (the CLI does on Ctrl-C) ends training after the current step; the
+    summary then covers the steps done, and every process started is stopped."""
     base = Experiment()
     experiment = base.model_copy(
         update={
@@ -121,11 +127,11 @@ def run_demo(
     started = time.monotonic()
     if local:
         print(f"volunteerd demo --local: {steps} steps, experts as local modules", file=out)
-        summary = run_training(experiment, client=None, steps=steps, out=out)
+        summary = run_training(experiment, client=None, steps=steps, out=out, stop=stop)
         extra: dict[str, Any] = {"nodes": 0}
     else:
         print(f"volunteerd demo: starting a local swarm of {nodes} daemons ...", file=out)
-        with LocalSwarm.for_experiment(experiment, nodes) as swarm:
+        with LocalSwarm.for_experiment(experiment, nodes, stop=stop) as swarm:
             for node in swarm.daemons:
                 print(f"  {node.name} {node.peer_id[-8:]} hosts {node.experts}", file=out)
             print(
@@ -133,13 +139,15 @@ def run_demo(
                 file=out,
             )
             with SwarmClient(trainer_config(swarm.bootstrap_addrs)) as client:
-                summary = run_training(experiment, client=client, steps=steps, out=out)
+                summary = run_training(experiment, client=client, steps=steps, out=out, stop=stop)
             _expert_table(summary, swarm, out)
             extra = {"nodes": nodes}
+    measured = f" at step {summary.val_curve[-1][0]}" if summary.interrupted else ""
+    verb = "stopped" if summary.interrupted else "done"
     print(
-        f"\ndone: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.0f}s "
+        f"\n{verb}: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.0f}s "
         f"({summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s); validation loss "
-        f"{summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f} (context-free: "
+        f"{summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f}{measured} (context-free: "
         f"{summary.unigram_loss:.3f}); {summary.expert_calls:,} expert calls, "
         f"{summary.failed_calls} failed",
         file=out,

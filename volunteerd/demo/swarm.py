@@ -17,12 +17,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from volunteerd.errors import VolunteerdError
+from volunteerd.errors import Interrupted, VolunteerdError
 from volunteerd.train.experiment import Experiment
 
 __all__ = ["LocalSwarm", "SwarmNode"]
@@ -67,8 +68,10 @@ class LocalSwarm:
         *,
         workdir: Path | None = None,
         start_timeout_s: float = 120.0,
+        stop: threading.Event | None = None,
     ) -> None:
         self.node_experts = node_experts
+        self.stop_requested = stop or threading.Event()
         self.settings = settings
         self.start_timeout_s = start_timeout_s
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -101,7 +104,9 @@ class LocalSwarm:
         self.stop()
 
     @classmethod
-    def for_experiment(cls, experiment: Experiment, nodes: int = 3) -> LocalSwarm:
+    def for_experiment(
+        cls, experiment: Experiment, nodes: int = 3, stop: threading.Event | None = None
+    ) -> LocalSwarm:
         """Daemons hosting whole rows of every layer's grid, with the experiment's
         expert width and optimizer."""
         m = experiment.model
@@ -121,7 +126,7 @@ class LocalSwarm:
             f"experts.optimizer.lr={opt.lr}",
             "runtime.torch_threads=1",
         ]
-        return cls(patterns, settings)
+        return cls(patterns, settings, stop=stop)
 
     def start(self) -> None:
         if self._workdir is None:
@@ -188,6 +193,8 @@ class LocalSwarm:
                 )
             if time.monotonic() > deadline:
                 raise VolunteerdError(f"{node.name} did not start in {self.start_timeout_s}s")
+            if self.stop_requested.is_set():
+                raise Interrupted("stopped while the swarm was starting")
             time.sleep(0.05)
         info = json.loads(node.ready_file.read_text())
         node.peer_id = info["peer_id"]

@@ -9,6 +9,7 @@ curve compares like with like.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -88,6 +89,7 @@ class TrainSummary:
     expert_calls: int
     failed_calls: int
     val_curve: list[tuple[int, float]] = field(default_factory=list)
+    interrupted: bool = False
     # uid -> [calls answered, calls failed, tokens served]
     experts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -102,8 +104,11 @@ class Trainer:
         model: MoETransformerLM,
         corpus: Corpus,
         progress: Progress | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
+        """``stop``, when set (e.g. on Ctrl-C), ends training after the current step."""
         self.experiment = experiment
+        self.stop = stop or threading.Event()
         self.model = model
         self.corpus = corpus
         self.progress = progress
@@ -160,6 +165,8 @@ class Trainer:
         done = 0
         try:
             for step in range(1, steps + 1):
+                if self.stop.is_set():
+                    break
                 step_started = time.monotonic()
                 loss = self.step()
                 done = step
@@ -167,7 +174,7 @@ class Trainer:
                 if self.progress is not None:
                     rate = tokens_per_step / max(time.monotonic() - step_started, 1e-9)
                     self.progress.update(step, self._fields(smoothed, rate))
-                if step % t.eval_every == 0 or step == steps:
+                if (step % t.eval_every == 0 or step == steps) and not self.stop.is_set():
                     val = self.evaluate()
                     curve.append((step, val))
                     self._say(f"step {step}: validation loss {val:.3f} (train {smoothed:.3f})")
@@ -175,7 +182,12 @@ class Trainer:
             if self.progress is not None:
                 self.progress.close()
         seconds = time.monotonic() - started
-        final = curve[-1][1] if curve[-1][0] == done and done else self.evaluate()
+        interrupted = self.stop.is_set()
+        if interrupted:
+            self._say(f"stopped after {done} steps")
+            final = curve[-1][1]
+        else:
+            final = curve[-1][1] if curve[-1][0] == done and done else self.evaluate()
         return TrainSummary(
             mode=self.mode,
             steps=done,
@@ -188,6 +200,7 @@ class Trainer:
             failed_calls=sum(layer.stats.failed for layer in self.remote_layers()),
             val_curve=curve,
             experts=self._by_uid(),
+            interrupted=interrupted,
         )
 
     def _fields(self, loss: float, tokens_per_s: float) -> dict[str, str]:
