@@ -4,6 +4,7 @@
 
     VolunteerdError
     ├── ConfigError            bad config file, environment variable or flag
+    ├── CheckpointError        a checkpoint file is damaged or does not fit
     ├── IdentityError          unreadable or invalid key file
     ├── ResourceUnavailable    a port or the data folder is already in use
     ├── WireError              bad input from the network (each has a wire code)
@@ -15,6 +16,8 @@
     ├── UnknownExpert          no such expert on this server          -> "unknown_expert"
     ├── ActivationsExpired     a backward's handle is not (any longer) known -> "expired"
     ├── Busy                   the expert's queue is full             -> "busy"
+    ├── RateLimited            a peer is over its per-peer limits     -> "rate_limited"
+    ├── Rejected               tensors refused on their values        -> "rejected"
     ├── InvalidRecord          a DHT record failed validation
     ├── PeerError              talking to a peer failed (client side)
     │   ├── PeerUnreachable    could not open a stream to the peer
@@ -37,6 +40,7 @@ __all__ = [
     "BadDtype",
     "BadShape",
     "Busy",
+    "CheckpointError",
     "ConfigError",
     "ExitCode",
     "FrameTooLarge",
@@ -46,6 +50,8 @@ __all__ = [
     "MalformedFrame",
     "PeerError",
     "PeerUnreachable",
+    "RateLimited",
+    "Rejected",
     "RemoteError",
     "RequestTimeout",
     "ResourceUnavailable",
@@ -71,6 +77,10 @@ class ConfigError(VolunteerdError):
 
 class IdentityError(VolunteerdError):
     """The node's key file cannot be read or is not a valid Ed25519 key."""
+
+
+class CheckpointError(VolunteerdError):
+    """A checkpoint file is damaged, partial, or not one this expert can load."""
 
 
 class ResourceUnavailable(VolunteerdError):
@@ -109,6 +119,18 @@ class UnknownExpert(VolunteerdError):
 
 class Busy(VolunteerdError):
     code = "busy"
+
+
+class RateLimited(VolunteerdError):
+    """A peer is over its request rate, inbound byte rate or concurrent stream cap."""
+
+    code = "rate_limited"
+
+
+class Rejected(VolunteerdError):
+    """The request's tensors were refused on their values (non-finite, an outlier)."""
+
+    code = "rejected"
 
 
 class ActivationsExpired(VolunteerdError):
@@ -162,6 +184,8 @@ WIRE_CODES = frozenset(
         "bad_shape",
         "unknown_expert",
         "busy",
+        "rate_limited",
+        "rejected",
         "expired",
         "invalid_record",
         "shutting_down",

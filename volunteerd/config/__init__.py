@@ -5,12 +5,16 @@ from __future__ import annotations
 from volunteerd.config.loading import dump_toml, load_config, parse_override
 from volunteerd.config.models import (
     CONFIG_VERSION,
+    CheckpointConfig,
     Config,
     DHTConfig,
     ExpertsConfig,
+    GuardConfig,
     LoggingConfig,
     NetworkConfig,
     OptimizerConfig,
+    PeerLimitsConfig,
+    ReplicasConfig,
     RuntimeConfig,
     TimeoutsConfig,
     WireLimits,
@@ -18,12 +22,16 @@ from volunteerd.config.models import (
 
 __all__ = [
     "CONFIG_VERSION",
+    "CheckpointConfig",
     "Config",
     "DHTConfig",
     "ExpertsConfig",
+    "GuardConfig",
     "LoggingConfig",
     "NetworkConfig",
     "OptimizerConfig",
+    "PeerLimitsConfig",
+    "ReplicasConfig",
     "RuntimeConfig",
     "TimeoutsConfig",
     "WireLimits",

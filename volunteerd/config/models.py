@@ -17,12 +17,16 @@ from volunteerd import uids
 
 __all__ = [
     "CONFIG_VERSION",
+    "CheckpointConfig",
     "Config",
     "DHTConfig",
     "ExpertsConfig",
+    "GuardConfig",
     "LoggingConfig",
     "NetworkConfig",
     "OptimizerConfig",
+    "PeerLimitsConfig",
+    "ReplicasConfig",
     "RuntimeConfig",
     "TimeoutsConfig",
     "WireLimits",
@@ -150,6 +154,36 @@ class ExpertsConfig(_Model):
         return uids.expand_pattern(self.uids)
 
 
+class GuardConfig(_Model):
+    """What an expert accepts from trainers: statistical filtering of the gradients
+    (and inputs) they send, so that one faulty or malicious trainer cannot wreck the
+    weights that everybody shares."""
+
+    window: int = Field(
+        256, ge=8, le=100_000, description="recent gradient row norms each expert remembers"
+    )
+    warmup: int = Field(
+        16, ge=1, description="gradient rows (samples) seen before outliers are judged"
+    )
+    max_deviations: float = Field(
+        8.0,
+        gt=0,
+        description="a gradient row whose norm exceeds median + this many robust standard "
+        "deviations (1.4826 MAD) is an outlier",
+    )
+    outliers: Literal["clip", "reject"] = Field(
+        "clip",
+        description='"clip": scale outlier rows down to the threshold; "reject": refuse '
+        "the whole request",
+    )
+    reject_ratio: float = Field(
+        100.0,
+        gt=1,
+        description="a request whose largest row norm is this many times the threshold "
+        "is refused even when clipping",
+    )
+
+
 class RuntimeConfig(_Model):
     """The compute device, batching and queueing."""
 
@@ -218,6 +252,55 @@ class TimeoutsConfig(_Model):
         return self
 
 
+class CheckpointConfig(_Model):
+    """Saving each hosted expert's weights and optimizer state to the data folder."""
+
+    enabled: bool = Field(True, description="load checkpoints on start and save them")
+    every_s: float = Field(
+        60.0, gt=0, le=86400, description="how often experts whose weights changed are saved"
+    )
+    keep: int = Field(
+        2, ge=1, le=100, description="checkpoints kept per expert (older ones are deleted)"
+    )
+
+
+class ReplicasConfig(_Model):
+    """Reconciling the weights of experts that several daemons host (replicas)."""
+
+    enabled: bool = Field(True, description="average with other daemons hosting the same uid")
+    average_every_s: float = Field(
+        30.0, gt=0, le=86400, description="how often each expert averages (jittered ±20%)"
+    )
+    clip_ratio: float = Field(
+        0.1,
+        gt=0,
+        le=10,
+        description="centered clipping: another replica moves a tensor by at most this "
+        "fraction of its norm, divided by the number of replicas",
+    )
+    max_peers: int = Field(8, ge=1, le=64, description="replicas averaged with per round")
+
+
+class PeerLimitsConfig(_Model):
+    """Per-peer limits on what one peer may ask of this node; beyond them: rate_limited."""
+
+    requests_per_s: float = Field(
+        200.0, gt=0, description="requests per second a peer may send, sustained"
+    )
+    request_burst: int = Field(
+        400, ge=1, description="requests a peer may send at once above that rate"
+    )
+    max_streams: int = Field(
+        128, ge=1, le=100_000, description="inbound streams one peer may hold open at once"
+    )
+    inbound_mib_per_s: float = Field(
+        256.0, gt=0, description="MiB per second of frames a peer may send, sustained"
+    )
+    inbound_burst_mib: float = Field(
+        1024.0, gt=0, description="MiB of frames a peer may send at once above that rate"
+    )
+
+
 class LoggingConfig(_Model):
     """Log output (to stderr)."""
 
@@ -231,7 +314,11 @@ class Config(_Model):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     dht: DHTConfig = Field(default_factory=DHTConfig)
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     wire: WireLimits = Field(default_factory=WireLimits)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    peer_limits: PeerLimitsConfig = Field(default_factory=PeerLimitsConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

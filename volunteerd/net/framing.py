@@ -27,21 +27,22 @@ class RawFrame:
 
 async def read_exactly(stream: INetStream, n: int, *, started: bool) -> bytearray | None:
     """Exactly ``n`` bytes. If the stream ends before the first byte and ``started`` is
-    False, returns None (a clean close); any other early end is a truncated frame."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
+    False, returns None (a clean close); any other early end is a truncated frame.
+
+    The buffer grows with the bytes that arrive instead of being allocated for ``n`` up
+    front: a peer that declares a large frame and then trickles holds only what it sent.
+    """
+    buf = bytearray()
+    while len(buf) < n:
         try:
-            chunk = await stream.read(n - got)
+            chunk = await stream.read(n - len(buf))
         except StreamEOF:
             chunk = b""
         if not chunk:
-            if got == 0 and not started:
+            if not buf and not started:
                 return None
-            raise MalformedFrame(f"stream ended inside a frame ({got} of {n} bytes)")
-        view[got : got + len(chunk)] = chunk
-        got += len(chunk)
+            raise MalformedFrame(f"stream ended inside a frame ({len(buf)} of {n} bytes)")
+        buf += chunk
     return buf
 
 

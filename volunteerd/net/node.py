@@ -72,7 +72,11 @@ async def open_node(
             rpc = RpcClient(host, config.wire, config.timeouts)
             dht = ExpertDHT(host, kad, rpc, config.dht, config.timeouts)
             server = RpcServer(
-                host, {**dht.handlers(), **(handlers or {})}, config.wire, config.timeouts
+                host,
+                {**dht.handlers(), **(handlers or {})},
+                config.wire,
+                config.timeouts,
+                config.peer_limits,
             )
             server.install()
             node = Node(host, identity, str(host.get_id()), rpc, server, dht)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Annotated, Literal
@@ -128,6 +129,9 @@ def validate_record(
 
     ``public_key_of`` maps a peer id to the Ed25519 public key it embeds.
     """
+    if not (math.isfinite(record.issued_at) and math.isfinite(record.expires_at)):
+        # NaN compares false with everything and would slip past the checks below.
+        raise InvalidRecord(f"record for {record.key!r} has a time that is not finite")
     if record.expires_at <= now:
         raise InvalidRecord(f"record for {record.key!r} expired {now - record.expires_at:.1f}s ago")
     if record.issued_at > now + max_clock_skew_s:

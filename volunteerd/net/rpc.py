@@ -4,8 +4,11 @@ handler, and a client that reuses streams instead of opening one per request.
 Server: each inbound stream is served by one task that reads a frame, calls the
 verb's handler, writes the reply, and repeats until the peer closes, the stream sits
 idle for ``stream_idle_s``, or a frame takes longer than ``frame_read_s`` to arrive
-(a slow sender holds nothing for long). Refused input gets a typed ``ErrorReply``;
-when the framing itself is broken the stream is closed after the reply.
+from its first byte (a slow sender holds nothing for long). Refused input gets a typed
+``ErrorReply``; when the framing itself is broken the stream is closed after the reply.
+Per-peer limits (``PeerLimitsConfig``: concurrent streams, request rate, inbound bytes)
+are checked when a stream opens and when a frame's prefix has declared its size, before
+its header or body is read; a refusal is a ``rate_limited`` reply and the stream closes.
 
 Client: a pool of idle streams per (peer, verb). Opening a stream costs a protocol
 negotiation (~5 ms) and connecting costs ~250 ms on loopback, so both are reused.
@@ -26,22 +29,32 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from volunteerd.config import TimeoutsConfig, WireLimits
+from volunteerd.config import PeerLimitsConfig, TimeoutsConfig, WireLimits
 from volunteerd.errors import (
     FrameTooLarge,
     MalformedFrame,
     PeerError,
     PeerUnreachable,
+    RateLimited,
     RemoteError,
     RequestTimeout,
     VolunteerdError,
     WireError,
     wire_code,
 )
-from volunteerd.net.framing import read_frame_rest, read_prefix
+from volunteerd.net.framing import read_exactly, read_frame_rest, read_prefix
+from volunteerd.net.limits import PeerLimiter
 from volunteerd.net.peers import PeerAddress, short
 from volunteerd.net.protocols import PROTOCOLS, ProtocolSpec, Verb
-from volunteerd.wire import ErrorReply, TensorMeta, WireTensor, encode_frame, split_body
+from volunteerd.wire import (
+    PREFIX,
+    ErrorReply,
+    TensorMeta,
+    WireTensor,
+    encode_frame,
+    parse_prefix,
+    split_body,
+)
 
 __all__ = ["Handler", "Reply", "Request", "RpcClient", "RpcServer", "RpcStats"]
 
@@ -63,6 +76,9 @@ class Reply:
 
 Handler = Callable[[Request], Awaitable[Reply]]
 
+# (peer, reason) pairs counted one by one in RpcStats.refused; beyond: under "other".
+_MAX_REFUSED_KEYS = 4096
+
 
 @dataclass(slots=True)
 class RpcStats:
@@ -71,11 +87,19 @@ class RpcStats:
     requests: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     streams: dict[str, int] = field(default_factory=dict)
+    # Per-peer refusals by reason ("streams", "requests" or "bytes"); bounded in size.
+    refused: dict[tuple[str, str], int] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
 
     def count_error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
+
+    def count_refused(self, peer_id: str, reason: str) -> None:
+        key = (peer_id, reason)
+        if key not in self.refused and len(self.refused) >= _MAX_REFUSED_KEYS:
+            key = ("other", reason)
+        self.refused[key] = self.refused.get(key, 0) + 1
 
 
 def _tensor_metas(header: Any) -> list[TensorMeta]:
@@ -92,11 +116,14 @@ class RpcServer:
         handlers: Mapping[Verb, Handler],
         limits: WireLimits,
         timeouts: TimeoutsConfig,
+        peer_limits: PeerLimitsConfig,
     ) -> None:
         self._host = host
         self._handlers = dict(handlers)
         self._limits = limits
         self._timeouts = timeouts
+        self._peer_limits = peer_limits
+        self._limiter = PeerLimiter(peer_limits)
         self.stats = RpcStats()
 
     def install(self) -> None:
@@ -113,13 +140,22 @@ class RpcServer:
         peer_id = str(stream.muxed_conn.peer_id)
         handler = self._handlers[spec.verb]
         self.stats.streams[spec.verb] = self.stats.streams.get(spec.verb, 0) + 1
+        if self._limiter.open_stream(peer_id) is not None:
+            cap = self._peer_limits.max_streams
+            refusal = RateLimited(f"more than {cap} open streams from one peer")
+            with trio.move_on_after(self._timeouts.frame_read_s):
+                await self._refuse_limited(spec, stream, peer_id, "streams", refusal)
+            await _close(stream)
+            return
         try:
             while True:
                 with trio.move_on_after(self._timeouts.stream_idle_s):
-                    prefix = await read_prefix(stream)
-                    if prefix is None:
+                    # Only the first byte may take until the idle timeout; from there
+                    # the whole frame, prefix included, must arrive within frame_read_s.
+                    first = await read_exactly(stream, 1, started=False)
+                    if first is None:
                         return
-                    if not await self._serve_one(spec, handler, stream, peer_id, bytes(prefix)):
+                    if not await self._serve_one(spec, handler, stream, peer_id, bytes(first)):
                         return
                     continue
                 return  # idle for too long: close, the client reconnects when it needs to
@@ -132,6 +168,7 @@ class RpcServer:
         except Exception as exc:  # the stream failed under us: nothing to answer
             logger.debug("%s stream from %s ended: %r", spec.verb, short(peer_id), exc)
         finally:
+            self._limiter.close_stream(peer_id)
             await _close(stream)
 
     async def _serve_one(
@@ -140,12 +177,28 @@ class RpcServer:
         handler: Handler,
         stream: INetStream,
         peer_id: str,
-        prefix: bytes,
+        first: bytes,
     ) -> bool:
-        """Answer one request; False when the stream must be closed afterwards."""
+        """Answer one request whose first byte was read; False when the stream must be
+        closed afterwards. Raises trio.TooSlowError when the frame is too slow."""
         self.stats.requests[spec.verb] = self.stats.requests.get(spec.verb, 0) + 1
         try:
             with trio.fail_after(self._timeouts.frame_read_s):
+                rest = await read_exactly(stream, PREFIX.size - 1, started=True)
+                prefix = first + bytes(rest or b"")
+                sizes = parse_prefix(
+                    prefix,
+                    max_header_bytes=self._limits.max_header_bytes,
+                    max_body_bytes=self._limits.max_body_bytes,
+                )
+                declared = PREFIX.size + sizes.header_bytes + sizes.body_bytes
+                reason = self._limiter.admit(peer_id, declared)
+                if reason is not None:
+                    # Refused before the header or body is read: the frame stays unread,
+                    # so the stream is out of step and closes after the reply.
+                    refusal = RateLimited(f"over this peer's {_LIMIT_NAMES[reason]}")
+                    await self._refuse_limited(spec, stream, peer_id, reason, refusal)
+                    return False
                 frame = await read_frame_rest(stream, prefix, self._limits)
         except WireError as exc:
             # A refused prefix or a truncated frame: its lengths cannot be trusted, so
@@ -176,6 +229,13 @@ class RpcServer:
         await stream.write(data)
         return True
 
+    async def _refuse_limited(
+        self, spec: ProtocolSpec, stream: INetStream, peer_id: str, reason: str, exc: RateLimited
+    ) -> None:
+        self.stats.count_refused(peer_id, reason)
+        logger.debug("rate-limited %s from %s: %s", spec.verb, short(peer_id), exc)
+        await self._refuse(spec, stream, peer_id, exc)
+
     async def _refuse(
         self, spec: ProtocolSpec, stream: INetStream, peer_id: str, exc: BaseException
     ) -> None:
@@ -187,6 +247,13 @@ class RpcServer:
         await stream.write(encode_frame(ErrorReply(code=code, message=message[:1000])))
 
 
+_LIMIT_NAMES = {
+    "streams": "concurrent stream cap",
+    "requests": "request rate",
+    "bytes": "inbound byte rate",
+}
+
+
 def _decode(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw)
@@ -194,6 +261,8 @@ def _decode(model: type[BaseModel], raw: bytes) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "header"
         raise MalformedFrame(f"bad {model.__name__} header: {where}: {first['msg']}") from None
+    except ValueError as exc:  # e.g. undecodable text, should pydantic not wrap it
+        raise MalformedFrame(f"bad {model.__name__} header: {exc}") from None
 
 
 async def _reset(stream: INetStream) -> None:
@@ -299,7 +368,7 @@ class RpcClient:
             ) from None
         if isinstance(reply, ErrorReply):
             # The stream stays usable after a typed error, unless the framing broke.
-            keep = reply.code not in {"too_large", "unsupported_version", "malformed", "internal"}
+            keep = reply.code not in _CLOSING_CODES
             raise _RemoteErrorKeep(RemoteError(reply.code, reply.message), keep)
         try:
             tensors = split_body(_tensor_metas(reply), raw.body) if spec.carries_tensors else []
@@ -365,6 +434,12 @@ class RpcClient:
         """Drop pooled streams to a peer we believe is gone."""
         for key in [k for k in self._idle if k[0] == peer_id]:
             del self._idle[key]
+
+
+# Error codes after which the server closes the stream: do not pool it.
+_CLOSING_CODES = frozenset(
+    {"too_large", "unsupported_version", "malformed", "internal", "rate_limited"}
+)
 
 
 class _StaleStream(Exception):

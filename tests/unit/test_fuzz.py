@@ -1,0 +1,431 @@
+"""Fuzzing the two doors hostile peers knock on: the RPC server's frame decoder and the
+DHT record validator, and the per-peer limiter's arithmetic.
+
+The decoder is driven through the real ``RpcServer`` stream loop over an in-memory
+stream, so everything between the bytes and the handler is exercised: prefix, caps,
+per-peer limits, header models, tensor count, body split. Properties: every frame
+gets a typed reply (never "internal", never an escaped exception), and memory grows
+with the bytes that actually arrived, never with the sizes a prefix declares.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import tracemalloc
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from libp2p.network.stream.exceptions import StreamEOF
+
+from volunteerd.config import DHTConfig, TimeoutsConfig, WireLimits
+from volunteerd.config.models import PeerLimitsConfig
+from volunteerd.errors import WIRE_CODES, InvalidRecord, UnknownExpert
+from volunteerd.identity import Identity
+from volunteerd.net.limits import PeerLimiter
+from volunteerd.net.peers import peer_id_for, public_key_of
+from volunteerd.net.protocols import PROTOCOLS, Verb
+from volunteerd.net.records import ExpertRecord, RecordStore, parse_record, sign_record
+from volunteerd.net.records import validate_record as _validate
+from volunteerd.net.rpc import Reply, Request, RpcServer
+from volunteerd.wire import (
+    PREFIX,
+    ForwardBatchRequest,
+    ForwardRequest,
+    TensorMeta,
+    TensorReply,
+    encode_frame,
+)
+
+LIMITS = WireLimits()  # the shipped caps: 64 KiB headers, 256 MiB bodies, 128 tensors
+TIMEOUTS = TimeoutsConfig()
+PEER = "QmFuzzer"
+ALLOWED_CODES = WIRE_CODES - {"internal"}
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class MemoryStream:
+    """A stream that delivers ``data`` in ``chunk``-sized reads, then EOF; records what
+    the server writes and how far it read."""
+
+    def __init__(self, data: bytes, chunk: int = 1 << 16) -> None:
+        self._data = data
+        self._chunk = chunk
+        self.consumed = 0
+        self.written = bytearray()
+        self.muxed_conn = SimpleNamespace(peer_id=PEER)
+
+    async def read(self, n: int = -1) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if self.consumed >= len(self._data):
+            raise StreamEOF
+        end = min(len(self._data), self.consumed + min(n, self._chunk))
+        out = self._data[self.consumed : end]
+        self.consumed = end
+        return out
+
+    async def write(self, data: bytes) -> None:
+        self.written += data
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+async def _echo(request: Request) -> Reply:
+    """Decoded fine: answer forwards with their own tensors, refuse the rest (typed)."""
+    if isinstance(request.header, ForwardRequest):
+        metas = [t.meta for t in request.tensors]
+        return Reply(TensorReply(tensors=metas), [t.data for t in request.tensors])
+    raise UnknownExpert("fuzz: decoded")
+
+
+def serve(data: bytes, verb: Verb = Verb.FORWARD, chunk: int = 1 << 16) -> MemoryStream:
+    """Run the server's stream loop over ``data``; returns the stream with its replies."""
+    server = RpcServer(
+        host=None,  # type: ignore[arg-type]  # never installed: streams are handed in
+        handlers={v: _echo for v in PROTOCOLS},
+        limits=LIMITS,
+        timeouts=TIMEOUTS,
+        peer_limits=PeerLimitsConfig(),
+    )
+    stream = MemoryStream(data, chunk)
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            await server._serve_stream(PROTOCOLS[verb], stream)  # type: ignore[arg-type]
+
+    trio.run(main)
+    return stream
+
+
+def replies(written: bytes) -> list[dict[str, Any]]:
+    """The reply headers the server wrote, in order (each frame must parse)."""
+    out = []
+    view = memoryview(written)
+    while view:
+        _, _, _, header_len, body_len = PREFIX.unpack(view[: PREFIX.size])
+        header = bytes(view[PREFIX.size : PREFIX.size + header_len])
+        out.append(json.loads(header))
+        view = view[PREFIX.size + header_len + body_len :]
+    return out
+
+
+def assert_typed(written: bytes) -> list[dict[str, Any]]:
+    headers = replies(written)
+    for header in headers:
+        assert header["status"] in {"ok", "error"}
+        if header["status"] == "error":
+            assert header["code"] in ALLOWED_CODES, header
+    return headers
+
+
+def good_forward(rows: int = 2, cols: int = 4) -> bytes:
+    meta = TensorMeta(dtype="float32", shape=(rows, cols))
+    return encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [bytes(meta.nbytes)])
+
+
+def good_batch() -> bytes:
+    meta = TensorMeta(dtype="float16", shape=(1, 3))
+    items = [ForwardRequest(uid=f"ffn.0.{i}", tensors=[meta]) for i in range(3)]
+    return encode_frame(ForwardBatchRequest(items=items), [bytes(meta.nbytes)] * 3)
+
+
+# --- the frame decoder -----------------------------------------------------------------
+
+
+@FUZZ
+@given(
+    data=st.binary(max_size=600),
+    verb=st.sampled_from(list(PROTOCOLS)),
+    chunk=st.integers(min_value=1, max_value=64),
+)
+def test_arbitrary_bytes_get_typed_replies_on_every_verb(
+    data: bytes, verb: Verb, chunk: int
+) -> None:
+    assert_typed(serve(data, verb, chunk).written)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner),
+    max_leaves=30,
+)
+field_names = st.sampled_from(
+    ["uid", "tensors", "dtype", "shape", "items", "retain", "compression", "handle", "keys"]
+)
+
+
+@FUZZ
+@given(
+    header=st.dictionaries(field_names, json_values, max_size=4) | json_values,
+    body=st.binary(max_size=64),
+    verb=st.sampled_from(list(PROTOCOLS)),
+)
+def test_arbitrary_json_headers_get_typed_replies(header: object, body: bytes, verb: Verb) -> None:
+    raw = json.dumps(header).encode()
+    frame = PREFIX.pack(b"VD", 1, 0, len(raw), len(body)) + raw + body
+    assert len(assert_typed(serve(frame, verb).written)) == 1
+
+
+@FUZZ
+@given(
+    which=st.sampled_from(["forward", "batch"]),
+    flips=st.lists(
+        st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=255)),
+        max_size=4,
+    ),
+    cut=st.none() | st.integers(min_value=0),
+)
+def test_mutated_valid_frames_get_typed_replies_and_keep_the_stream_in_step(
+    which: str, flips: list[tuple[int, int]], cut: int | None
+) -> None:
+    good = good_forward() if which == "forward" else good_batch()
+    frame = bytearray(good)
+    for position, value in flips:
+        frame[position % len(frame)] = value
+    if cut is not None:
+        frame = frame[: cut % len(frame)]
+    verb = Verb.FORWARD if which == "forward" else Verb.FORWARD_BATCH
+    stream = serve(bytes(frame) + good, verb)
+    headers = assert_typed(stream.written)
+    decoded = "ok" if which == "forward" else "unknown_expert"  # the echo refuses batches
+    if not frame:
+        assert [h.get("code", "ok") for h in headers] == [decoded]
+        return
+    # The mutated frame is answered; the good one after it too, unless the framing broke
+    # (then the stream closes) or a changed length made the two frames run together.
+    assert 1 <= len(headers) <= 2
+    if headers[0].get("code") in {"too_large", "unsupported_version"}:
+        assert len(headers) == 1
+    if flips == [] and cut is None:
+        assert [h.get("code", "ok") for h in headers] == [decoded, decoded]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    header_len=st.integers(min_value=1, max_value=LIMITS.max_header_bytes),
+    body_len=st.integers(min_value=8 << 20, max_value=LIMITS.max_body_bytes),
+    sent=st.integers(min_value=0, max_value=4096),
+)
+def test_memory_grows_with_bytes_received_not_with_declared_sizes(
+    header_len: int, body_len: int, sent: int
+) -> None:
+    """A prefix may declare up to 256 MiB; a peer that then sends a few bytes and stops
+    must not make the server allocate the declared size."""
+    frame = PREFIX.pack(b"VD", 1, 0, header_len, body_len) + b"\x07" * sent
+    tracemalloc.start()
+    try:
+        stream = serve(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (reply,) = assert_typed(stream.written)
+    assert reply["code"] == "malformed"  # "stream ended inside a frame"
+    assert peak < 4 << 20, f"peak {peak} bytes for {sent} bytes received"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    header_len=st.integers(min_value=0, max_value=(1 << 32) - 1),
+    body_len=st.integers(min_value=0, max_value=(1 << 64) - 1),
+)
+def test_declared_sizes_over_the_caps_are_refused_before_reading_on(
+    header_len: int, body_len: int
+) -> None:
+    frame = PREFIX.pack(b"VD", 1, 0, header_len, body_len) + b"x" * 1024
+    stream = serve(frame)
+    reply = assert_typed(stream.written)[0]
+    over = header_len > LIMITS.max_header_bytes or body_len > LIMITS.max_body_bytes
+    if header_len == 0:
+        assert reply["code"] == "malformed"
+    elif over:
+        assert reply["code"] == "too_large"
+    if header_len == 0 or over:
+        assert stream.consumed == PREFIX.size  # not a byte past the prefix was read
+
+
+def test_more_tensors_than_the_cap_are_refused_before_the_body_is_split() -> None:
+    meta = TensorMeta(dtype="float32", shape=(1, 1))
+    items = [ForwardRequest(uid="ffn.0.0", tensors=[meta] * 60) for _ in range(3)]
+    raw = ForwardBatchRequest(items=items).model_dump_json().encode()
+    assert len(items) * 60 > LIMITS.max_tensors
+    frame = PREFIX.pack(b"VD", 1, 0, len(raw), 0) + raw
+    (reply,) = assert_typed(serve(frame, Verb.FORWARD_BATCH).written)
+    assert reply["code"] == "too_large"
+    assert "tensors" in reply["message"]
+
+
+def test_huge_declared_tensor_shapes_allocate_nothing() -> None:
+    meta = TensorMeta(dtype="int64", shape=(1 << 31,) * 8)  # 2**251 bytes, on paper
+    frame = encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [b"\0" * 8])
+    (reply,) = assert_typed(serve(frame).written)
+    assert reply["code"] == "malformed"
+
+
+# --- the DHT record validator ------------------------------------------------------------
+
+NOW = 1_800_000_000.0
+DHT = DHTConfig(max_record_ttl_s=600, max_clock_skew_s=30)
+SIGNER = Identity.generate()
+SIGNER_ID = str(peer_id_for(SIGNER))
+
+
+def validate(record: ExpertRecord) -> None:
+    _validate(
+        record,
+        public_key_of=public_key_of,
+        now=NOW,
+        max_ttl_s=DHT.max_record_ttl_s,
+        max_clock_skew_s=DHT.max_clock_skew_s,
+    )
+
+
+names = st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True)
+coords = st.integers(min_value=0, max_value=999_999)
+uids = st.builds(
+    lambda n, cs: n + "".join(f".{c}" for c in cs), names, st.lists(coords, min_size=1, max_size=4)
+)
+prefixes = st.builds(
+    lambda n, cs: n + "." + "".join(f"{c}." for c in cs),
+    names,
+    st.lists(coords, max_size=3),
+)
+
+
+@st.composite
+def signed_records(draw: st.DrawFn) -> ExpertRecord:
+    is_uid = draw(st.booleans())
+    key = draw(uids if is_uid else prefixes)
+    return sign_record(
+        SIGNER,
+        SIGNER_ID,
+        key=key,
+        addrs=draw(st.lists(st.just("/ip4/10.0.0.1/tcp/38400"), max_size=3)),
+        children=() if is_uid else draw(st.lists(coords, min_size=1, max_size=20)),
+        ttl_s=draw(st.floats(min_value=1, max_value=600)),
+        now=NOW - draw(st.floats(min_value=-30, max_value=0.5)),
+    )
+
+
+@FUZZ
+@given(record=signed_records())
+def test_valid_signed_records_pass_and_are_stored(record: ExpertRecord) -> None:
+    validate(parse_record(record.model_dump_json()))
+    assert RecordStore(DHT, public_key_of, clock=lambda: NOW).put(record)
+
+
+record_fields = st.sampled_from(
+    ["key", "peer_id", "addrs", "children", "active", "issued_at", "expires_at", "signature"]
+)
+odd_values = json_values | st.sampled_from(
+    [float("nan"), float("inf"), -float("inf"), 1e308, -1.0, NOW + 1e9, "A" * 200, [1] * 5000]
+)
+
+
+@FUZZ
+@given(
+    record=signed_records(),
+    changes=st.dictionaries(record_fields | st.text(max_size=8), odd_values, min_size=1),
+)
+def test_records_with_fuzzed_fields_are_rejected_unless_unchanged(
+    record: ExpertRecord, changes: dict[str, object]
+) -> None:
+    data = json.loads(record.model_dump_json()) | changes
+    raw = json.dumps(data)  # NaN and Infinity travel as JSON extensions
+    store = RecordStore(DHT, public_key_of, clock=lambda: NOW)
+    try:
+        parsed = parse_record(raw)
+        stored = store.put(parsed)  # raises nothing, whatever it is given
+        validate(parsed)
+    except InvalidRecord:
+        assert len(store) == 0
+        return
+    assert stored
+    assert parsed == record  # only an unchanged record keeps a valid signature
+
+
+@FUZZ
+@given(
+    record=signed_records(),
+    flips=st.lists(
+        st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=255)),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_byte_flipped_records_are_rejected_unless_unchanged(
+    record: ExpertRecord, flips: list[tuple[int, int]]
+) -> None:
+    raw = bytearray(record.model_dump_json().encode())
+    for position, value in flips:
+        raw[position % len(raw)] = value
+    try:
+        parsed = parse_record(bytes(raw))
+        validate(parsed)
+    except InvalidRecord:
+        return
+    assert parsed == record
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"issued_at": float("nan")}, "not finite"),
+        ({"expires_at": float("inf")}, "not finite"),
+        ({"issued_at": float("-inf")}, "not finite"),
+    ],
+)
+def test_non_finite_times_are_rejected_even_when_truly_signed(
+    change: dict[str, float], why: str
+) -> None:
+    unsigned = ExpertRecord(
+        key="ffn.1", peer_id=SIGNER_ID, addrs=(), issued_at=NOW, expires_at=NOW + 60
+    ).model_copy(update=change)
+    signature = base64.b64encode(SIGNER.sign(unsigned.signing_bytes())).decode()
+    with pytest.raises(InvalidRecord, match=why):
+        validate(unsigned.model_copy(update={"signature": signature}))
+
+
+# --- the per-peer limiter ----------------------------------------------------------------
+
+
+@FUZZ
+@given(
+    events=st.lists(
+        st.tuples(
+            st.floats(min_value=0, max_value=0.5),
+            st.sampled_from(["a", "b"]),
+            st.integers(min_value=0, max_value=3 << 20),
+        ),
+        max_size=200,
+    )
+)
+def test_limiter_never_admits_more_than_burst_plus_rate(
+    events: list[tuple[float, str, int]],
+) -> None:
+    config = PeerLimitsConfig(
+        requests_per_s=10, request_burst=5, inbound_mib_per_s=1, inbound_burst_mib=2
+    )
+    now = [0.0]
+    limiter = PeerLimiter(config, clock=lambda: now[0])
+    admitted: dict[str, list[int]] = {"a": [], "b": []}
+    for dt, peer, nbytes in events:
+        now[0] += dt
+        if limiter.admit(peer, nbytes) is None:
+            admitted[peer].append(nbytes)
+    for sizes in admitted.values():
+        assert len(sizes) <= 5 + 10 * now[0] + 1e-9
+        # Admitted while the byte budget was positive: at most one frame of overdraft.
+        assert sum(sizes) <= (2 + 1 * now[0]) * (1 << 20) + max(sizes, default=0)
+    now[0] += 60  # idle long enough for every bucket to refill: both are forgotten
+    limiter.admit("c", 0)
+    now[0] += 2
+    limiter.admit("c", 0)
+    assert len(limiter) == 1
