@@ -1,9 +1,10 @@
 """The composition root: builds every service from the config and runs them in order.
 
-Start order: identity -> device -> expert runtime -> libp2p node (host, Kademlia,
-verbs) -> announcer. Stop order is the reverse and gentle: withdraw the experts from
-the DHT, stop taking requests, let queued ones finish (bounded by
-``shutdown_grace_s``), then close the node.
+Start order: identity -> device -> expert runtime (weights from the newest good
+checkpoints) -> libp2p node (host, Kademlia, verbs) -> announcer, checkpointer and
+replica averager. Stop order is the reverse and gentle: withdraw the experts from the
+DHT, stop taking requests, let queued ones finish (bounded by ``shutdown_grace_s``),
+save the changed experts, then close the node.
 """
 
 from __future__ import annotations
@@ -22,10 +23,22 @@ import trio
 from volunteerd import __version__
 from volunteerd.config import Config
 from volunteerd.errors import ResourceUnavailable, VolunteerdError, wire_code
+from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.identity import Identity, load_or_create_identity
-from volunteerd.net import Announcer, Handler, Node, Reply, Request, Verb, open_node
+from volunteerd.net import (
+    Announcer,
+    Handler,
+    Node,
+    PeerAddress,
+    Reply,
+    Request,
+    Verb,
+    open_node,
+)
 from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
+from volunteerd.runtime.averaging import ReplicaAverager
+from volunteerd.runtime.checkpointing import Checkpointer
 from volunteerd.wire import (
     BackwardRequest,
     BatchReply,
@@ -34,6 +47,7 @@ from volunteerd.wire import (
     TensorReply,
     WireTensor,
 )
+from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -109,12 +123,29 @@ def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
     async def backward_batch(request: Request) -> Reply:
         return await _batch(backward_one, request)
 
+    async def params(request: Request) -> Reply:
+        uid = request.header.uid
+
+        def read(backend: ExpertBackend) -> Reply:
+            # Encoded in the worker's turn: one consistent copy, between optimizer steps.
+            named = [(name, *to_wire(p)) for name, p in backend.live_parameters().items()]
+            header = ParamsReply(
+                uid=uid,
+                updates=backend.updates,
+                names=[name for name, _, _ in named],
+                tensors=[meta for _, meta, _ in named],
+            )
+            return Reply(header, [data for _, _, data in named])
+
+        return await runtime.with_expert(uid, read)
+
     return {
         Verb.FORWARD: forward,
         Verb.BACKWARD: backward,
         Verb.INFO: info,
         Verb.FORWARD_BATCH: forward_batch,
         Verb.BACKWARD_BATCH: backward_batch,
+        Verb.PARAMS: params,
     }
 
 
@@ -148,6 +179,33 @@ async def _batch(
     )
 
 
+class _SwarmReplicas:
+    """The averager's view of the swarm: replicas from the DHT's full-uid records,
+    their parameters over this node's RPC client (the connections already open)."""
+
+    def __init__(self, node: Node, lookup_s: float) -> None:
+        self._node = node
+        self._lookup_s = lookup_s
+        self._addresses: dict[str, PeerAddress] = {}
+
+    async def replicas(self, uid: str) -> list[str]:
+        with trio.move_on_after(self._lookup_s):
+            records = (await self._node.dht.get([uid]))[uid]
+            peers = []
+            for record in records:
+                if record.peer_id != self._node.peer_id:
+                    self._addresses[record.peer_id] = PeerAddress(record.peer_id, record.addrs)
+                    peers.append(record.peer_id)
+            return peers
+        return []
+
+    async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
+        reply, tensors = await self._node.rpc.call(
+            self._addresses[peer_id], Verb.PARAMS, ParamsRequest(uid=uid)
+        )
+        return reply, tensors
+
+
 @dataclass(slots=True)
 class Running:
     """What a started daemon exposes to its owner (the CLI, tests)."""
@@ -155,6 +213,8 @@ class Running:
     node: Node
     runtime: ExpertRuntime
     announcer: Announcer
+    checkpointer: Checkpointer
+    averager: ReplicaAverager
 
 
 class Daemon:
@@ -182,19 +242,31 @@ class Daemon:
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
         uids = config.experts.uid_list()
-        runtime = ExpertRuntime(uids, config.experts, config.runtime, config.wire, device)
+        runtime = ExpertRuntime(
+            uids, config.experts, config.runtime, config.wire, device, guard=config.guard
+        )
+        checkpointer = Checkpointer(runtime, self.paths.checkpoints_dir, config.checkpoints)
+        if config.checkpoints.enabled:
+            await checkpointer.restore()
         async with (
             open_node(identity, config, expert_handlers(runtime)) as node,
             trio.open_nursery() as compute,
         ):
             await compute.start(runtime.serve)
+            averager = ReplicaAverager(
+                runtime, _SwarmReplicas(node, config.timeouts.dht_lookup_s), config.replicas
+            )
             announcer = Announcer(
                 node.dht, identity, node.peer_id, node.addrs, config.dht, config.timeouts
             )
             announcer.set_uids(uids)
             try:
-                async with trio.open_nursery() as announcing:
-                    await announcing.start(announcer.serve)
+                async with trio.open_nursery() as serving:
+                    await serving.start(announcer.serve)
+                    if config.checkpoints.enabled:
+                        await serving.start(checkpointer.serve)
+                    if config.replicas.enabled:
+                        await serving.start(averager.serve)
                     logger.info(
                         "volunteerd %s serving %d %s experts on %s as %s",
                         __version__,
@@ -205,9 +277,9 @@ class Daemon:
                     )
                     for addr in node.multiaddrs:
                         logger.info("reachable at %s", addr)
-                    task_status.started(Running(node, runtime, announcer))
+                    task_status.started(Running(node, runtime, announcer, checkpointer, averager))
                     await self._stop.wait()
-                    announcing.cancel_scope.cancel()  # withdraws the announcements
+                    serving.cancel_scope.cancel()  # withdraws the announcements
             finally:
                 runtime.close()
                 with (
@@ -215,6 +287,10 @@ class Daemon:
                     trio.move_on_after(config.timeouts.shutdown_grace_s),
                 ):
                     await runtime.drained()
+                if config.checkpoints.enabled:
+                    # The final save: after the queued work, before the node closes.
+                    with trio.CancelScope(shield=True):
+                        await checkpointer.save_changed()
                 compute.cancel_scope.cancel()
         logger.info("stopped")
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from volunteerd.config import ExpertsConfig, OptimizerConfig
+from volunteerd.experts.checkpoint import CheckpointError, ExpertState
 from volunteerd.experts.registry import build_module, schemas_for
 from volunteerd.experts.tensor_codec import TORCH_DTYPES
 from volunteerd.wire import ExpertInfo
@@ -123,6 +124,10 @@ class ExpertBackend:
             max_batch_size=max_batch_size,
         )
         self.updates = 0
+        # Counts writes to the weights other than optimizer steps (a loaded checkpoint,
+        # a replica average): (updates, revision) changes whenever the weights do.
+        self.revision = 0
+        self.optimizer_name = config.optimizer.name
         self._snapshot: WeightsSnapshot | None = None
 
     def _leaves(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -230,3 +235,98 @@ class ExpertBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         self.updates += 1
+
+    # State for checkpoints and replicas. Like the compute calls, these run on the
+    # device's worker thread inside the executor's turn: no step runs meanwhile.
+
+    def state(self) -> ExpertState:
+        """A copy (on the CPU) of the weights, the optimizer state and the update count."""
+        optimizer_state = {
+            int(index): {
+                key: value.detach().to("cpu", copy=True)
+                for key, value in entry.items()
+                if isinstance(value, torch.Tensor)
+            }
+            for index, entry in self.optimizer.state_dict()["state"].items()
+        }
+        return ExpertState(
+            uid=self.uid,
+            expert_type=self.info.expert_type,
+            hidden_dim=self.info.hidden_dim,
+            optimizer=self.optimizer_name,
+            updates=self.updates,
+            params=self.parameter_copies(),
+            optimizer_state=optimizer_state,
+        )
+
+    def parameter_copies(self) -> dict[str, torch.Tensor]:
+        """The weights by name, copied to the CPU."""
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.module.named_parameters()}
+
+    def live_parameters(self) -> dict[str, torch.Tensor]:
+        """The weights by name, not copied: read them only within the same turn."""
+        return {name: p.detach() for name, p in self.module.named_parameters()}
+
+    def check_state(self, state: ExpertState) -> None:
+        """Raise CheckpointError unless ``state`` fits this expert (type, sizes, names,
+        shapes, finite values)."""
+        if (state.expert_type, state.hidden_dim) != (self.info.expert_type, self.info.hidden_dim):
+            raise CheckpointError(
+                f"{state.expert_type} of width {state.hidden_dim}, this expert is "
+                f"{self.info.expert_type} of width {self.info.hidden_dim}"
+            )
+        self._check_params(state.params)
+        if state.optimizer != self.optimizer_name:
+            return  # the weights are still good; the optimizer state is dropped
+        params = list(self.module.parameters())
+        for index, entry in state.optimizer_state.items():
+            if not 0 <= index < len(params):
+                raise CheckpointError(f"optimizer state for parameter {index} of {len(params)}")
+            for key, value in entry.items():
+                if key != "step" and value.shape != params[index].shape:
+                    raise CheckpointError(f"optimizer {key} of parameter {index}: wrong shape")
+                if not torch.isfinite(value).all():
+                    raise CheckpointError(f"optimizer {key} of parameter {index}: not finite")
+
+    def _check_params(self, params: dict[str, torch.Tensor]) -> None:
+        own = dict(self.module.named_parameters())
+        if list(params) != list(own):
+            raise CheckpointError(f"parameters {sorted(params)}, expected {sorted(own)}")
+        for name, value in params.items():
+            if value.shape != own[name].shape or not value.is_floating_point():
+                raise CheckpointError(f"{name}: {value.dtype}{list(value.shape)} does not fit")
+            if not torch.isfinite(value).all():
+                raise CheckpointError(f"{name}: not finite")
+
+    def load_state(self, state: ExpertState) -> None:
+        """Replace the weights, the optimizer state (when ``state`` is for the
+        configured optimizer) and the update count. Checks first: raises
+        CheckpointError and changes nothing when ``state`` does not fit."""
+        self.check_state(state)
+        self._write_parameters(state.params)
+        if state.optimizer == self.optimizer_name:
+            saved = self.optimizer.state_dict()  # this config's hyperparameters
+            saved["state"] = {
+                index: {key: value.clone() for key, value in entry.items()}
+                for index, entry in state.optimizer_state.items()
+            }
+            self.optimizer.load_state_dict(saved)
+        self.updates = state.updates
+
+    def set_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        """Overwrite the weights (a replica average). Raises CheckpointError when the
+        names or shapes do not fit."""
+        self._check_params(params)
+        self._write_parameters(params)
+
+    def _write_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        snapshot = self._snapshot
+        with torch.no_grad():
+            if snapshot is not None and snapshot.pending > 0:
+                # Kept forwards still need the current values: copy on write, as step().
+                for p in self.module.parameters():
+                    p.data = p.data.clone()
+            for name, p in self.module.named_parameters():
+                p.data.copy_(params[name])
+        self._snapshot = None  # the next kept forward starts a new generation
+        self.revision += 1

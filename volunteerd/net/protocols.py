@@ -22,6 +22,7 @@ from volunteerd.wire import (
     InfoRequest,
     TensorReply,
 )
+from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
 __all__ = ["PROTOCOLS", "ProtocolSpec", "Verb"]
 
@@ -34,6 +35,7 @@ class Verb(StrEnum):
     BACKWARD_BATCH = "backward-batch"
     DHT_STORE = "dht-store"
     DHT_FIND = "dht-find"
+    PARAMS = "params"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,5 +79,7 @@ PROTOCOLS: dict[Verb, ProtocolSpec] = {
             Verb.DHT_STORE, "/volunteerd/dht-store/1", StoreRequest, StoreReply, False, True
         ),
         ProtocolSpec(Verb.DHT_FIND, "/volunteerd/dht-find/1", FindRequest, FindReply, False, True),
+        # The request carries no tensors; the reply carries the expert's parameters.
+        ProtocolSpec(Verb.PARAMS, "/volunteerd/params/1", ParamsRequest, ParamsReply, True, True),
     )
 }

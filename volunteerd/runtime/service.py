@@ -13,18 +13,19 @@ Per expert there are four queues: merged forwards, forwards kept for their backw
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import trio
 
-from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
+from volunteerd.config import ExpertsConfig, GuardConfig, RuntimeConfig, WireLimits
 from volunteerd.errors import ActivationsExpired, UnknownExpert
 from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
+from volunteerd.runtime.guard import RequestGuard
 from volunteerd.runtime.retained import RetainedStats, RetainedStore
 from volunteerd.wire import (
     Compression,
@@ -44,6 +45,7 @@ __all__ = ["ExpertRuntime", "ExpertStats"]
 logger = logging.getLogger(__name__)
 
 Tensors = list[torch.Tensor]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +116,11 @@ class ExpertRuntime:
         runtime: RuntimeConfig,
         limits: WireLimits,
         device: torch.device,
+        guard: GuardConfig | None = None,
     ) -> None:
         self.device = device
         self.executor = DeviceExecutor(device)
+        self.guard = RequestGuard(guard or GuardConfig())
         self.retained = RetainedStore(runtime.retain_activations_mb << 20, runtime.retain_s)
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
         self._experts = {
@@ -191,6 +195,7 @@ class ExpertRuntime:
             metas, info.inputs, max_samples=self._max_samples, compression=compression
         )
         inputs = _decode(tensors, [s.dtype for s in info.inputs])
+        self.guard.check_inputs(uid, peer_id, inputs)
         shape = tuple(m.shape[1:] for m in metas)
         if retain and self.retained.enabled:
             outputs, kept = await hosted.forward_retained.submit(inputs, samples=samples)
@@ -223,7 +228,9 @@ class ExpertRuntime:
                 raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
             if tuple(kept.output.shape) != metas[0].shape:
                 raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
-            grads = _decode(tensors, [s.dtype for s in info.outputs])
+            grads = self.guard.filter_gradients(
+                uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs])
+            )
             result = await hosted.backward_retained.submit((kept, grads), samples=samples)
             self._step_soon(hosted)
             return _reply(result, compression)
@@ -232,9 +239,11 @@ class ExpertRuntime:
             metas, schemas, max_samples=self._max_samples, compression=compression
         )
         shape = tuple(m.shape[1:] for m in metas)
-        grads = await hosted.backward.submit(
-            _decode(tensors, [s.dtype for s in schemas]), samples=samples, shape_key=shape
-        )
+        decoded = _decode(tensors, [s.dtype for s in schemas])
+        n_in = len(info.inputs)
+        self.guard.check_inputs(uid, peer_id, decoded[:n_in])
+        decoded[n_in:] = self.guard.filter_gradients(uid, peer_id, decoded[n_in:])
+        grads = await hosted.backward.submit(decoded, samples=samples, shape_key=shape)
         self._step_soon(hosted)
         return _reply(grads, compression)
 
@@ -264,6 +273,13 @@ class ExpertRuntime:
     async def settled(self) -> None:
         """Wait until every queued optimizer step has run."""
         await self._no_steps.wait()
+
+    async def with_expert(self, uid: str, fn: Callable[[ExpertBackend], T]) -> T:
+        """Run ``fn(backend)`` on the device's worker, in its turn: no batch or optimizer
+        step runs meanwhile. For reading or writing the weights (checkpoints, replica
+        averaging). Raises UnknownExpert."""
+        backend = self._hosted(uid).backend
+        return await self.executor.run(lambda: fn(backend))
 
     def statistics(self) -> list[ExpertStats]:
         return [

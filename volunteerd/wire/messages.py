@@ -9,9 +9,9 @@ outputs.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Self, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from volunteerd import uids
 from volunteerd.wire.tensors import Compression, TensorMeta, TensorSchema
@@ -25,6 +25,8 @@ __all__ = [
     "ForwardBatchRequest",
     "ForwardRequest",
     "InfoRequest",
+    "ParamsReply",
+    "ParamsRequest",
     "TensorReply",
     "Uid",
 ]
@@ -129,3 +131,33 @@ class BatchReply(_Wire):
     @property
     def tensors(self) -> list[TensorMeta]:
         return [m for item in self.items if isinstance(item, TensorReply) for m in item.tensors]
+
+
+ParamName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.]+$")]
+
+
+class ParamsRequest(_Wire):
+    """Ask a server for one expert's current parameters (replicas average with them)."""
+
+    uid: Uid
+
+    @property
+    def tensors(self) -> list[TensorMeta]:
+        return []
+
+
+class ParamsReply(_Wire):
+    """An expert's parameters, one tensor per name in ``names``, in the module's order;
+    ``updates`` is how many optimizer steps the server has applied to them."""
+
+    status: Literal["ok"] = "ok"
+    uid: Uid
+    updates: Annotated[int, Field(ge=0)]
+    names: Annotated[list[ParamName], Field(max_length=64)]
+    tensors: TensorList
+
+    @model_validator(mode="after")
+    def _one_name_per_tensor(self) -> Self:
+        if len(self.names) != len(self.tensors):
+            raise ValueError(f"{len(self.names)} names for {len(self.tensors)} tensors")
+        return self

@@ -1,0 +1,208 @@
+"""Replica averaging: daemons hosting the same expert pull their weights together over
+libp2p, and one bad replica can move the others only by a small, bounded amount."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
+from volunteerd.config.models import ReplicasConfig
+from volunteerd.errors import PeerUnreachable
+from volunteerd.experts import ExpertBackend, to_wire
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime.averaging import ReplicaAverager, centered_clip
+from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.wire import WireTensor
+from volunteerd.wire.messages import ParamsReply
+
+UID = "ffn.0.0"
+HIDDEN = 32
+CLIP_RATIO = 0.1
+# No round starts by itself: the test runs them.
+NO_TIMER = {"average_every_s": 3600.0, "clip_ratio": CLIP_RATIO}
+
+Params = dict[str, torch.Tensor]
+
+
+def tau(x: torch.Tensor) -> float:
+    return CLIP_RATIO * max(float(x.norm()), 0.01 * math.sqrt(x.numel()))
+
+
+def distance(a: Params, b: Params) -> float:
+    return math.sqrt(sum(float((a[k] - b[k]).norm()) ** 2 for k in a))
+
+
+async def params_of(daemon_runtime: ExpertRuntime) -> Params:
+    return await daemon_runtime.with_expert(UID, lambda b: b.parameter_copies())
+
+
+async def set_params(daemon_runtime: ExpertRuntime, params: Params) -> None:
+    await daemon_runtime.with_expert(UID, lambda b: b.set_parameters(params))
+
+
+@pytest.mark.parametrize("attack", ["scaled", "noise"])
+async def test_honest_replicas_converge_and_a_bad_one_pulls_a_bounded_amount(
+    tmp_path: Path, attack: str
+) -> None:
+    async with open_peer(local_config()) as boot:
+
+        def config(hidden: int = HIDDEN):  # type: ignore[no-untyped-def]
+            return local_config(
+                bootstrap=boot.multiaddrs,
+                uids=UID,
+                experts={"hidden_dim": hidden},
+                replicas=NO_TIMER,
+            )
+
+        async with (
+            open_daemon(config(), tmp_path / "a") as a,
+            open_daemon(config(), tmp_path / "b") as b,
+            open_daemon(config(), tmp_path / "bad") as bad,
+            open_daemon(config(hidden=HIDDEN // 2), tmp_path / "misfit") as misfit,
+        ):
+            # Different honest weights (1% apart), and one replica far away.
+            torch.manual_seed(0)
+            a0 = await params_of(a.runtime)
+            b0 = {k: v + 0.01 * v.norm() / math.sqrt(v.numel()) * torch.randn_like(v)
+                  for k, v in a0.items()}  # fmt: skip
+            if attack == "scaled":
+                evil = {k: v * 1e3 for k, v in a0.items()}
+            else:
+                evil = {k: torch.randn_like(v) * 10 for k, v in a0.items()}
+            await set_params(b.runtime, b0)
+            await set_params(bad.runtime, evil)
+
+            with trio.fail_after(15):
+                for averager in (a.averager, b.averager):
+                    while len(await averager.source.replicas(UID)) < 3:  # noqa: ASYNC110
+                        await trio.sleep(0.2)  # announcements still spreading
+
+            # A round on both at the same moment: each sees the other's weights before.
+            from_a, from_b = await a.averager.gather(UID), await b.averager.gather(UID)
+            assert len(from_a) == len(from_b) == 2  # b (or a) and bad; misfit refused
+            assert await a.averager.combine(UID, from_a) == 2
+            assert await b.averager.combine(UID, from_b) == 2
+            a1, b1 = await params_of(a.runtime), await params_of(b.runtime)
+
+            # The bad replica's pull on a, per tensor: at most tau/3 beyond what the
+            # honest replica alone contributes (b0 - a0 is within tau: not clipped).
+            for k in a0:
+                honest_only = a0[k] + (b0[k] - a0[k]) / 3
+                pull = float((a1[k] - honest_only).norm())
+                assert pull <= tau(a0[k]) / 3 * (1 + 1e-4), (k, pull, tau(a0[k]))
+            size = math.sqrt(sum(float(v.norm()) ** 2 for v in a0.values()))
+            moved = distance(a1, a0) / size
+            assert moved <= CLIP_RATIO * 2 / 3 + 1e-3
+            # A plain mean would have moved a by ~333x (scaled) of its own size.
+            # The honest replicas got closer to each other despite the attacker: a third
+            # of their distance is left, as if it were not there.
+            assert distance(a1, b1) < 0.4 * distance(a0, b0)
+
+            stats = a.averager.statistics()
+            assert stats.rounds == 1
+            assert stats.averaged == 2
+            assert stats.rejected == {"shape": 1}
+            assert stats.rejected_by_peer == {misfit.node.peer_id: 1}
+            far = sum(float((evil[k] - a0[k]).norm()) > tau(a0[k]) for k in a0)
+            assert far >= len(a0) - 1  # (x1e3 leaves a zero bias at zero)
+            assert stats.clipped_by_peer[bad.node.peer_id] == far
+            assert b.node.peer_id not in stats.clipped_by_peer
+            assert stats.last_shift[UID] == pytest.approx(moved, rel=1e-3)
+            # a's weights changed without an optimizer step: the checkpointer sees it.
+            assert a.runtime.backend(UID).revision == 1
+
+
+# The pure parts, with the swarm faked.
+
+
+def backend_runtime(uids: list[str] | None = None) -> ExpertRuntime:
+    experts = ExpertsConfig(hidden_dim=HIDDEN)
+    return ExpertRuntime(
+        uids or [UID], experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+
+
+def reply_for(params: Params, uid: str = UID) -> tuple[ParamsReply, list[WireTensor]]:
+    encoded = [to_wire(t) for t in params.values()]
+    header = ParamsReply(
+        uid=uid, updates=0, names=list(params), tensors=[meta for meta, _ in encoded]
+    )
+    tensors = [WireTensor(m.dtype, m.shape, memoryview(bytearray(d))) for m, d in encoded]
+    return header, tensors
+
+
+class FakeSwarm:
+    def __init__(self, replies: dict[str, tuple[ParamsReply, list[WireTensor]] | None]) -> None:
+        self.replies = replies
+
+    async def replicas(self, uid: str) -> list[str]:
+        return list(self.replies)
+
+    async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
+        reply = self.replies[peer_id]
+        if reply is None:
+            raise PeerUnreachable(f"{peer_id}: gone")
+        return reply
+
+
+async def test_replies_that_do_not_fit_are_dropped_and_counted() -> None:
+    runtime = backend_runtime()
+    own = runtime.backend(UID).parameter_copies()
+    good = {k: v + 1e-4 for k, v in own.items()}
+    nan = {k: v.clone() for k, v in own.items()}
+    nan["up.weight"][0, 0] = float("nan")
+    renamed = {f"x{k}": v for k, v in own.items()}
+    swarm = FakeSwarm(
+        {
+            "good": reply_for(good),
+            "nan": reply_for(nan),
+            "renamed": reply_for(renamed),
+            "other-uid": reply_for(own, uid="ffn.9.9"),
+            "gone": None,
+        }
+    )
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(clip_ratio=CLIP_RATIO))
+    assert await averager.average(UID) == 1
+    stats = averager.statistics()
+    assert stats.rejected == {"non_finite": 1, "names": 1, "uid": 1, "unreachable": 1}
+    assert stats.rejected_by_peer == {"nan": 1, "renamed": 1, "other-uid": 1, "gone": 1}
+    after = runtime.backend(UID).parameter_copies()
+    for k in own:  # the mean of own and good
+        torch.testing.assert_close(after[k], own[k] + 0.5e-4)
+
+
+async def test_averaging_keeps_kept_forwards_valid() -> None:
+    """New weights are written copy-on-write: a forward kept for its backward still
+    back-propagates through the weights it was computed with."""
+    runtime = backend_runtime()
+    backend: ExpertBackend = runtime.backend(UID)
+    x, g = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    reference = copy.deepcopy(backend.module)
+    _, kept = backend.forward_retained([x])
+    far = {k: v * 3 for k, v in backend.parameter_copies().items()}
+    averager = ReplicaAverager(runtime, FakeSwarm({"p": reply_for(far)}), ReplicasConfig())
+    assert await averager.average(UID) == 1
+    ((grad_x,),) = backend.backward_retained([(kept, [g])])
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).backward(g)
+    torch.testing.assert_close(grad_x, x_ref.grad)
+
+
+def test_centered_clip_bounds_any_single_replica() -> None:
+    torch.manual_seed(1)
+    own = {"w": torch.randn(64, 64) * 0.05}
+    for scale in (1.0, 1e3, 1e9):
+        evil = {"w": torch.randn(64, 64) * scale}
+        new, clipped = centered_clip(own, [evil], CLIP_RATIO)
+        assert clipped == [1]
+        assert float((new["w"] - own["w"]).norm()) <= tau(own["w"]) / 2 * (1 + 1e-5)
+    close = {"w": own["w"] * 1.01}
+    new, clipped = centered_clip(own, [close], CLIP_RATIO)
+    assert clipped == [0]
+    torch.testing.assert_close(new["w"], own["w"] * 1.005)

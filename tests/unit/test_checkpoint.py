@@ -1,0 +1,268 @@
+"""Expert checkpoints: bit-exact round trips, and a damaged, partial or foreign file is
+never loaded: the previous good one is, and the log says which was skipped and why."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from volunteerd.config import ExpertsConfig
+from volunteerd.config.models import CheckpointConfig
+from volunteerd.experts import ExpertBackend
+from volunteerd.experts.checkpoint import (
+    MAGIC,
+    CheckpointError,
+    CheckpointStore,
+    read_checkpoint,
+    write_checkpoint,
+)
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime.checkpointing import Checkpointer
+
+UID = "ffn.0.1"
+HIDDEN = 16
+
+
+def backend(optimizer: str = "adam", hidden: int = HIDDEN, uid: str = UID) -> ExpertBackend:
+    config = ExpertsConfig(hidden_dim=hidden, optimizer={"name": optimizer, "lr": 0.01})
+    return ExpertBackend(uid, config, torch.device("cpu"), 1024)
+
+
+def train(b: ExpertBackend, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, b.info.hidden_dim, generator=generator)
+        g = torch.randn(8, b.info.hidden_dim, generator=generator)
+        b.backward([x], [g])
+        b.step()
+
+
+def assert_same_state(a: ExpertBackend, b: ExpertBackend) -> None:
+    sa, sb = a.state(), b.state()
+    assert sa.updates == sb.updates
+    assert list(sa.params) == list(sb.params)
+    for name in sa.params:
+        assert torch.equal(sa.params[name], sb.params[name]), name
+    assert sa.optimizer_state.keys() == sb.optimizer_state.keys()
+    for index, entry in sa.optimizer_state.items():
+        assert entry.keys() == sb.optimizer_state[index].keys()
+        for key, value in entry.items():
+            assert torch.equal(value, sb.optimizer_state[index][key]), (index, key)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_round_trip_is_bit_exact_and_training_continues_identically(
+    tmp_path: Path, optimizer: str
+) -> None:
+    original = backend(optimizer)
+    train(original, 5, seed=1)
+    store = CheckpointStore(tmp_path)
+    path = store.save(original.state())
+
+    restored = backend(optimizer)
+    state = read_checkpoint(path)
+    restored.load_state(state)
+    assert restored.updates == 5
+    assert_same_state(original, restored)
+    if optimizer == "adam":
+        assert set(state.optimizer_state[0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    train(original, 3, seed=2)
+    train(restored, 3, seed=2)
+    assert_same_state(original, restored)
+
+
+def test_hyperparameters_come_from_the_config_not_the_file(tmp_path: Path) -> None:
+    trained = backend()
+    train(trained, 2, seed=0)
+    path = CheckpointStore(tmp_path).save(trained.state())
+    config = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "adam", "lr": 0.5})
+    other = ExpertBackend(UID, config, torch.device("cpu"), 1024)
+    other.load_state(read_checkpoint(path))
+    assert other.optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_a_file_holds_no_pickle_only_a_header_and_raw_bytes(tmp_path: Path) -> None:
+    b = backend()
+    path = CheckpointStore(tmp_path).save(b.state())
+    data = path.read_bytes()
+    assert data.startswith(MAGIC)
+    header_len = int.from_bytes(data[8:12], "little")
+    header = json.loads(data[44 : 44 + header_len])
+    assert header["uid"] == UID
+    assert header["expert_type"] == "ffn"
+    assert header["hidden_dim"] == HIDDEN
+    names = [t["name"] for t in header["tensors"]]
+    assert names[:2] == ["param/norm.weight", "param/norm.bias"]
+    assert header["payload_bytes"] == len(data) - 44 - header_len
+    assert b"\x80\x04" not in data[:12]  # no pickle protocol marker at the start
+
+
+def saved_twice(tmp_path: Path) -> tuple[CheckpointStore, ExpertBackend, Path, Path]:
+    """Two checkpoints of the same expert, after 2 and after 4 updates."""
+    store = CheckpointStore(tmp_path, keep=3)
+    b = backend()
+    train(b, 2, seed=0)
+    older = store.save(b.state())
+    train(b, 2, seed=1)
+    newer = store.save(b.state())
+    return store, b, older, newer
+
+
+def test_the_newest_good_checkpoint_is_loaded(tmp_path: Path) -> None:
+    store, _, _, newer = saved_twice(tmp_path)
+    found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    state, path = found
+    assert path == newer
+    assert state.updates == 4
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, _, older, newer = saved_twice(tmp_path)
+    data = newer.read_bytes()
+    newer.write_bytes(data[: len(data) // 2])
+    with caplog.at_level(logging.WARNING):
+        found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == older
+    assert found[0].updates == 2
+    assert f"skipping checkpoint {newer}" in caplog.text
+    assert "payload is" in caplog.text  # says why
+
+
+@pytest.mark.parametrize(
+    ("where", "reason"), [("payload", "payload checksum mismatch"), ("header", "header checksum")]
+)
+def test_flipped_byte_is_caught_by_the_checksum(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str, reason: str
+) -> None:
+    store, _, older, newer = saved_twice(tmp_path)
+    data = bytearray(newer.read_bytes())
+    data[-5 if where == "payload" else 60] ^= 0x01
+    newer.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=reason):
+        read_checkpoint(newer)
+    with caplog.at_level(logging.WARNING):
+        found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == older
+    assert reason in caplog.text
+
+
+def test_wrong_schema_or_foreign_file_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, _, older, newer = saved_twice(tmp_path)
+    # A well-formed checkpoint of another size of expert, under this uid's name.
+    write_checkpoint(newer, backend(hidden=HIDDEN * 2).state())
+    with caplog.at_level(logging.WARNING):
+        found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == older
+    assert "ffn of width 32, this expert is ffn of width 16" in caplog.text
+
+    # Not a checkpoint at all, and one of a format version we do not know.
+    newer.write_bytes(b"PK\x03\x04 this is a zip file, maybe torch.save output")
+    with pytest.raises(CheckpointError, match="bad magic"):
+        read_checkpoint(newer)
+
+
+def test_another_experts_checkpoint_is_not_loaded(tmp_path: Path) -> None:
+    store, _, older, newer = saved_twice(tmp_path)
+    write_checkpoint(newer, backend(uid="ffn.3.3").state())
+    found = store.load_newest(UID)
+    assert found is not None
+    assert found[1] == older
+
+
+def test_non_finite_weights_are_not_loaded(tmp_path: Path) -> None:
+    store, b, older, newer = saved_twice(tmp_path)
+    state = b.state()
+    state.params["up.weight"][0, 0] = float("nan")
+    write_checkpoint(newer, state)
+    found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == older
+
+
+def test_leftover_temp_file_is_removed_and_the_last_good_one_used(tmp_path: Path) -> None:
+    store, _, _, newer = saved_twice(tmp_path)
+    # What SIGKILL during a save leaves: a half-written temporary next to the good ones.
+    tmp = newer.with_name("000000000003.ckpt.tmp")
+    tmp.write_bytes(newer.read_bytes()[:100])
+    assert store.remove_temporaries() == 1
+    assert not tmp.exists()
+    found = store.load_newest(UID)
+    assert found is not None
+    assert found[1] == newer
+
+
+def test_only_the_newest_keep_files_stay(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    b = backend()
+    paths = []
+    for seed in range(4):
+        train(b, 1, seed)
+        paths.append(store.save(b.state()))
+    assert store.files(UID) == [paths[3], paths[2]]
+    assert [p.name for p in paths] == [f"{i:012d}.ckpt" for i in range(1, 5)]
+
+
+def test_no_good_checkpoint_means_none(tmp_path: Path) -> None:
+    store, _, older, newer = saved_twice(tmp_path)
+    for path in (older, newer):
+        path.write_bytes(path.read_bytes()[:-1])
+    assert store.load_newest(UID) is None
+    assert CheckpointStore(tmp_path / "nothing").load_newest(UID) is None
+
+
+def test_load_refuses_a_misfit_without_changing_anything() -> None:
+    b = backend()
+    before = b.state()
+    with pytest.raises(CheckpointError):
+        b.load_state(backend(hidden=HIDDEN * 2).state())
+    assert_same_state_values(before.params, b.state().params)
+    assert b.revision == 0
+
+
+def assert_same_state_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def test_checkpointer_saves_changed_experts_and_restores_them(tmp_path: Path) -> None:
+    experts = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "adam", "lr": 0.01})
+
+    def runtime() -> ExpertRuntime:
+        from volunteerd.config import RuntimeConfig, WireLimits
+
+        return ExpertRuntime(
+            ["ffn.0.0", "ffn.0.1"], experts, RuntimeConfig(device="cpu"), WireLimits(),
+            torch.device("cpu"),
+        )  # fmt: skip
+
+    config = CheckpointConfig(every_s=60, keep=2)
+    first = runtime()
+    saver = Checkpointer(first, tmp_path, config)
+    assert await saver.restore() == {}
+    assert await saver.save_changed() == 0  # seeded weights: a function of the config
+    await first.with_expert("ffn.0.1", lambda b: train(b, 3, seed=7))
+    assert await saver.save_changed() == 1
+    assert await saver.save_changed() == 0  # nothing changed since
+    await first.with_expert("ffn.0.1", lambda b: train(b, 1, seed=8))
+    await first.with_expert("ffn.0.0", lambda b: train(b, 1, seed=9))
+    assert await saver.save_changed() == 2
+    assert saver.statistics().saves == 3
+
+    second = runtime()
+    loaded = await Checkpointer(second, tmp_path, config).restore()
+    assert sorted(loaded) == ["ffn.0.0", "ffn.0.1"]
+    assert loaded["ffn.0.1"].name == "000000000002.ckpt"
+    assert second.backend("ffn.0.1").updates == 4
+    assert_same_state(first.backend("ffn.0.1"), second.backend("ffn.0.1"))

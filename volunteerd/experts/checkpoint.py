@@ -1,0 +1,355 @@
+"""Expert checkpoints: one expert's weights, optimizer state and update count on disk.
+
+The format is our own and holds no code (no pickle, no ``torch.save``)::
+
+    b"VCKPT\\x00\\x01\\n"              8 bytes: magic and format version
+    header length                    4 bytes, unsigned little-endian
+    SHA-256 of the header            32 bytes
+    header                           JSON (``CheckpointHeader``)
+    payload                          the tensors' raw bytes, little-endian, C order,
+                                     back to back in the header's order
+
+The header names every tensor with its dtype and shape and carries the payload's
+length and SHA-256, so a truncated file, a flipped bit or a foreign file is detected
+before a byte of it is used. Tensor names: ``param/<module parameter name>`` and
+``optim/<parameter index>/<state key>`` (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``;
+SGD: ``momentum_buffer``). The optimizer's hyperparameters are not stored: they come
+from the configuration.
+
+Files live in ``<checkpoints dir>/<uid>/<sequence>.ckpt``. A save writes a temporary
+file in the same folder, flushes and fsyncs it, renames it into place and fsyncs the
+folder, so a crash at any moment leaves either the previous set of files or the new
+one, plus at most a temporary file that ``remove_temporaries`` deletes on the next
+start. The newest ``keep`` files per expert are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from volunteerd.errors import CheckpointError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointHeader",
+    "CheckpointStore",
+    "ExpertState",
+    "read_checkpoint",
+    "write_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"VCKPT\x00\x01\n"
+_PREFIX = struct.Struct("<8sI32s")
+_MAX_HEADER_BYTES = 4 << 20
+_SUFFIX = ".ckpt"
+_TEMP_SUFFIX = ".tmp"
+_NAME = re.compile(r"^(\d{1,12})\.ckpt$")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class _Header(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TensorEntry(_Header):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    dtype: Literal["float32", "float64", "float16", "bfloat16", "int64", "int32"]
+    shape: Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(max_length=8)]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPES[self.dtype].itemsize
+
+
+class CheckpointHeader(_Header):
+    format: Literal["volunteerd-expert-checkpoint"] = "volunteerd-expert-checkpoint"
+    version: Literal[1] = 1
+    uid: Annotated[str, Field(min_length=1, max_length=256)]
+    expert_type: Annotated[str, Field(max_length=32)]
+    hidden_dim: Annotated[int, Field(ge=1)]
+    optimizer: Annotated[str, Field(max_length=32)]
+    updates: Annotated[int, Field(ge=0)]
+    saved_at: float
+    tensors: Annotated[list[TensorEntry], Field(max_length=4096)]
+    payload_bytes: Annotated[int, Field(ge=0)]
+    payload_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+@dataclass(slots=True)
+class ExpertState:
+    """One expert's state as plain CPU tensors: what a checkpoint holds.
+
+    ``optimizer_state`` is keyed by parameter index (the module's parameter order), as
+    ``torch.optim.Optimizer.state_dict()["state"]`` is."""
+
+    uid: str
+    expert_type: str
+    hidden_dim: int
+    optimizer: str
+    updates: int
+    params: dict[str, torch.Tensor]
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = [(f"param/{name}", t) for name, t in self.params.items()]
+        for index in sorted(self.optimizer_state):
+            for key, t in sorted(self.optimizer_state[index].items()):
+                out.append((f"optim/{index}/{key}", t))
+        return out
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if not flat.numel():
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy().data)
+
+
+def encode_checkpoint(
+    state: ExpertState, *, saved_at: float | None = None
+) -> list[bytes | memoryview]:
+    """The file's bytes, in pieces (the tensors are not copied into one buffer)."""
+    entries: list[TensorEntry] = []
+    pieces: list[memoryview] = []
+    digest = hashlib.sha256()
+    total = 0
+    for name, tensor in state.named_tensors():
+        dtype = _DTYPE_NAMES.get(tensor.dtype)
+        if dtype is None:
+            raise CheckpointError(f"{state.uid}: cannot store {name} of dtype {tensor.dtype}")
+        entries.append(TensorEntry(name=name, dtype=dtype, shape=tuple(tensor.shape)))  # type: ignore[arg-type]
+        data = _tensor_bytes(tensor)
+        digest.update(data)
+        pieces.append(data)
+        total += data.nbytes
+    header = CheckpointHeader(
+        uid=state.uid,
+        expert_type=state.expert_type,
+        hidden_dim=state.hidden_dim,
+        optimizer=state.optimizer,
+        updates=state.updates,
+        saved_at=time.time() if saved_at is None else saved_at,
+        tensors=entries,
+        payload_bytes=total,
+        payload_sha256=digest.hexdigest(),
+    )
+    raw = header.model_dump_json().encode()
+    prefix = _PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
+    return [prefix, raw, *pieces]
+
+
+def write_checkpoint(path: Path, state: ExpertState) -> None:
+    """Write ``state`` to ``path`` atomically: a temporary file next to it, fsync,
+    rename, fsync of the folder. A crash leaves ``path`` as it was (or absent) and at
+    most a ``*.tmp`` file."""
+    pieces = encode_checkpoint(state)
+    tmp = path.with_name(path.name + _TEMP_SUFFIX)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            for piece in pieces:
+                f.write(piece)
+            f.flush()
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":  # pragma: no cover - Windows cannot open a directory
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(path: Path) -> ExpertState:
+    """Read and verify one checkpoint file. Raises CheckpointError saying what is wrong
+    (truncated, checksum mismatch, unknown format); OSError when it cannot be read."""
+    data = path.read_bytes()
+    if len(data) < _PREFIX.size:
+        raise CheckpointError(f"{path.name}: truncated ({len(data)} bytes)")
+    magic, header_len, header_sha = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CheckpointError(f"{path.name}: not a volunteerd checkpoint (bad magic)")
+    if header_len > _MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path.name}: header of {header_len} bytes is too large")
+    start = _PREFIX.size
+    raw = data[start : start + header_len]
+    if len(raw) != header_len:
+        raise CheckpointError(f"{path.name}: truncated header")
+    if hashlib.sha256(raw).digest() != header_sha:
+        raise CheckpointError(f"{path.name}: header checksum mismatch")
+    try:
+        header = CheckpointHeader.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "header"
+        raise CheckpointError(f"{path.name}: bad header: {where}: {first['msg']}") from None
+    payload = memoryview(data)[start + header_len :]
+    if payload.nbytes != header.payload_bytes:
+        raise CheckpointError(
+            f"{path.name}: payload is {payload.nbytes} bytes, header says {header.payload_bytes}"
+        )
+    if sum(e.nbytes for e in header.tensors) != header.payload_bytes:
+        raise CheckpointError(f"{path.name}: tensor sizes do not add up to the payload")
+    if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
+        raise CheckpointError(f"{path.name}: payload checksum mismatch")
+    return _state_from(header, payload, path.name)
+
+
+def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> ExpertState:
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[int, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for entry in header.tensors:
+        chunk = payload[offset : offset + entry.nbytes]
+        offset += entry.nbytes
+        dtype = _DTYPES[entry.dtype]
+        if entry.nbytes:
+            tensor = torch.frombuffer(bytearray(chunk), dtype=dtype).reshape(entry.shape)
+        else:
+            tensor = torch.empty(entry.shape, dtype=dtype)
+        kind, _, rest = entry.name.partition("/")
+        if kind == "param" and rest and rest not in params:
+            params[rest] = tensor
+            continue
+        index, _, key = rest.partition("/")
+        if kind == "optim" and index.isdigit() and key and key not in optim.get(int(index), {}):
+            optim.setdefault(int(index), {})[key] = tensor
+            continue
+        raise CheckpointError(f"{where}: unexpected tensor name {entry.name!r}")
+    return ExpertState(
+        uid=header.uid,
+        expert_type=header.expert_type,
+        hidden_dim=header.hidden_dim,
+        optimizer=header.optimizer,
+        updates=header.updates,
+        params=params,
+        optimizer_state=optim,
+    )
+
+
+def _safe_dir_name(uid: str) -> str:
+    if not uid or uid in {".", ".."} or "/" in uid or "\\" in uid or "\x00" in uid:
+        raise CheckpointError(f"{uid!r} cannot name a checkpoint folder")
+    return uid
+
+
+class CheckpointStore:
+    """The checkpoints of every expert under ``directory``. Blocking file I/O: call it
+    from a worker thread, never on the event loop. One process per data folder (the
+    daemon's lock) is assumed."""
+
+    def __init__(self, directory: Path, keep: int = 2) -> None:
+        self.directory = directory
+        self.keep = keep
+
+    def _dir(self, uid: str) -> Path:
+        return self.directory / _safe_dir_name(uid)
+
+    def files(self, uid: str) -> list[Path]:
+        """Complete checkpoint files of ``uid``, newest first."""
+        folder = self._dir(uid)
+        if not folder.is_dir():
+            return []
+        numbered = []
+        for path in folder.iterdir():
+            match = _NAME.match(path.name)
+            if match:
+                numbered.append((int(match.group(1)), path))
+        return [path for _, path in sorted(numbered, reverse=True)]
+
+    def remove_temporaries(self) -> int:
+        """Delete temporary files a crash left behind; returns how many."""
+        removed = 0
+        if not self.directory.is_dir():
+            return 0
+        for folder in self.directory.iterdir():
+            if not folder.is_dir():
+                continue
+            for path in folder.glob(f"*{_TEMP_SUFFIX}"):
+                logger.warning("removing %s, left by an interrupted checkpoint", path)
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def save(self, state: ExpertState) -> Path:
+        """Write a new checkpoint for ``state.uid`` atomically, then delete all but the
+        newest ``keep``. Returns the new file's path."""
+        folder = self._dir(state.uid)
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(folder.parent)
+        existing = self.files(state.uid)
+        sequence = int(existing[0].name.removesuffix(_SUFFIX)) + 1 if existing else 1
+        path = folder / f"{sequence:012d}{_SUFFIX}"
+        write_checkpoint(path, state)
+        for old in existing[self.keep - 1 :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_newest(
+        self, uid: str, accept: Callable[[ExpertState], None] | None = None
+    ) -> tuple[ExpertState, Path] | None:
+        """The newest checkpoint of ``uid`` that reads back intact and that ``accept``
+        does not refuse (it raises CheckpointError saying why). Each file skipped is
+        logged with its reason. None when there is no good one."""
+        for path in self.files(uid):
+            try:
+                state = read_checkpoint(path)
+                if state.uid != uid:
+                    raise CheckpointError(f"{path.name}: holds {state.uid!r}, not {uid!r}")
+                if accept is not None:
+                    accept(state)
+            except CheckpointError as exc:
+                logger.warning("skipping checkpoint %s: %s", path, exc)
+                continue
+            except OSError as exc:
+                logger.warning("skipping checkpoint %s: cannot read it: %s", path, exc)
+                continue
+            return state, path
+        return None
+
+
+def header_json(path: Path) -> dict[str, object]:
+    """The header of a checkpoint file as a dict, unverified (for tools and tests)."""
+    with path.open("rb") as f:
+        prefix = f.read(_PREFIX.size)
+        _, header_len, _ = _PREFIX.unpack(prefix)
+        result: dict[str, object] = json.loads(f.read(header_len))
+        return result

@@ -1,0 +1,252 @@
+"""Replica averaging: daemons hosting the same expert pull their weights together.
+
+Every ``average_every_s`` (jittered ±20%, so replicas do not all ask at once) and for
+each hosted uid, the averager asks the swarm for the other daemons hosting that uid,
+fetches their parameters (the ``params`` verb), drops replies that do not fit (wrong
+uid, names, dtypes or shapes, non-finite values) and combines the rest with *centered
+clipping* around its own weights, tensor by tensor::
+
+    new = own + 1/n * sum_i clip(w_i - own, tau)      n = replicas averaged, self included
+    clip(v, tau) = v * min(1, tau / |v|)              tau = clip_ratio * max(|own|, 0.01*sqrt numel)
+
+Replicas that trained on similar data are within tau of each other and are averaged
+exactly; a replica that is far away (broken, or malicious: weights x1e3, noise) pulls
+each tensor by at most tau/n per round. The whole move is at most tau*(n-1)/n. The new
+weights are written in the device worker's turn, copy-on-write, as an optimizer step
+is (``ExpertBackend.set_parameters``).
+
+The network is behind ``ReplicaSource`` (the daemon gives the DHT and the RPC client),
+so this module needs no libp2p and its tests can fake the swarm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import trio
+
+from volunteerd.config import ReplicasConfig
+from volunteerd.errors import VolunteerdError
+from volunteerd.experts import ExpertBackend, from_wire
+from volunteerd.runtime.service import ExpertRuntime
+from volunteerd.wire import WireTensor
+from volunteerd.wire.messages import ParamsReply
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = ["AveragingStats", "ReplicaAverager", "ReplicaSource", "centered_clip"]
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, torch.Tensor]
+# tau is never below this fraction of sqrt(numel): a tensor of zeros (a fresh bias)
+# can still move.
+_MIN_RMS = 0.01
+
+
+class ReplicaSource(Protocol):
+    """How the averager reaches the swarm."""
+
+    async def replicas(self, uid: str) -> list[str]:
+        """Peer ids of the other daemons hosting ``uid`` now (not this one)."""
+        ...
+
+    async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
+        """``peer_id``'s parameters of ``uid``. Raises VolunteerdError when it fails."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingStats:
+    rounds: int  # averaging rounds of one expert that found at least one good replica
+    averaged: int  # replicas averaged with, summed over rounds
+    rejected: dict[str, int]  # replies dropped, by reason
+    rejected_by_peer: dict[str, int]
+    clipped_by_peer: dict[str, int]  # tensors of a peer's reply that were clipped
+    last_shift: dict[str, float]  # uid -> |new - own| / |own| over all tensors, last round
+
+
+@dataclass(slots=True)
+class _Counters:
+    rounds: int = 0
+    averaged: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    rejected_by_peer: dict[str, int] = field(default_factory=dict)
+    clipped_by_peer: dict[str, int] = field(default_factory=dict)
+    last_shift: dict[str, float] = field(default_factory=dict)
+
+
+def _tau(own: torch.Tensor, clip_ratio: float) -> float:
+    return clip_ratio * max(float(own.norm()), _MIN_RMS * math.sqrt(own.numel()))
+
+
+def centered_clip(
+    own: Params, others: Sequence[Params], clip_ratio: float
+) -> tuple[Params, list[int]]:
+    """One step of centered clipping around ``own``; returns the new weights and, per
+    replica in ``others``, how many of its tensors were clipped. ``others`` must have
+    ``own``'s names and shapes (on any device)."""
+    n = len(others) + 1
+    clipped = [0] * len(others)
+    out: Params = {}
+    for name, x in own.items():
+        tau = _tau(x, clip_ratio)
+        total = torch.zeros_like(x)
+        for i, replica in enumerate(others):
+            delta = replica[name].to(x.device, x.dtype) - x
+            norm = float(delta.norm())
+            if norm > tau:
+                delta.mul_(tau / norm)
+                clipped[i] += 1
+            total += delta
+        out[name] = x + total / n
+    return out, clipped
+
+
+class ReplicaAverager:
+    """Averages ``runtime``'s experts with their replicas found through ``source``."""
+
+    def __init__(
+        self,
+        runtime: ExpertRuntime,
+        source: ReplicaSource,
+        config: ReplicasConfig,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.source = source
+        self._config = config
+        self._rng = rng or random.Random()
+        self._counts = _Counters()
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Average every expert every ``average_every_s`` (jittered) until cancelled."""
+        task_status.started()
+        while True:
+            await trio.sleep(self._config.average_every_s * self._rng.uniform(0.8, 1.2))
+            await self.run_round()
+
+    async def run_round(self) -> int:
+        """One averaging round for every hosted expert; returns the replicas used."""
+        used = 0
+        for uid in self.runtime.uids:
+            try:
+                used += await self.average(uid)
+            except VolunteerdError as exc:
+                logger.info("averaging %s failed: %s", uid, exc)
+        return used
+
+    async def average(self, uid: str) -> int:
+        """Average ``uid`` with its replicas once; returns how many replicas went in."""
+        return await self.combine(uid, await self.gather(uid))
+
+    async def gather(self, uid: str) -> list[tuple[str, Params]]:
+        """The parameters of up to ``max_peers`` other replicas of ``uid`` that fit, by
+        peer id; the others are counted as rejected."""
+        peers = await self.source.replicas(uid)
+        if len(peers) > self._config.max_peers:
+            peers = self._rng.sample(peers, self._config.max_peers)
+        if not peers:
+            return []
+        backend = self.runtime.backend(uid)
+        expected = {
+            name: (p.dtype, tuple(p.shape)) for name, p in backend.module.named_parameters()
+        }
+        replies: list[tuple[str, Params]] = []
+
+        async def fetch(peer_id: str) -> None:
+            try:
+                reply, tensors = await self.source.fetch(peer_id, uid)
+            except VolunteerdError as exc:
+                self._reject(peer_id, "unreachable", str(exc))
+                return
+            params = await trio.to_thread.run_sync(_check_reply, uid, expected, reply, tensors)
+            if isinstance(params, str):
+                self._reject(peer_id, params, f"{uid}: {params}")
+                return
+            replies.append((peer_id, params))
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in peers:
+                nursery.start_soon(fetch, peer_id)
+        return replies
+
+    async def combine(self, uid: str, replies: list[tuple[str, Params]]) -> int:
+        """Centered clipping of ``uid``'s weights with ``replies`` (from ``gather``),
+        applied in the worker's turn; returns how many replicas went in."""
+        if not replies:
+            return 0
+        others = [params for _, params in replies]
+        ratio = self._config.clip_ratio
+
+        def apply(b: ExpertBackend) -> tuple[list[int], float]:
+            own = b.live_parameters()
+            new, clipped = centered_clip(own, others, ratio)
+            moved = math.sqrt(sum(float((new[k] - own[k]).norm()) ** 2 for k in own))
+            size = math.sqrt(sum(float(own[k].norm()) ** 2 for k in own))
+            b.set_parameters(new)
+            return clipped, moved / max(size, 1e-12)
+
+        clipped, shift = await self.runtime.with_expert(uid, apply)
+        counts = self._counts
+        counts.rounds += 1
+        counts.averaged += len(replies)
+        counts.last_shift[uid] = shift
+        for (peer_id, _), n_clipped in zip(replies, clipped, strict=True):
+            if n_clipped:
+                counts.clipped_by_peer[peer_id] = counts.clipped_by_peer.get(peer_id, 0) + n_clipped
+        logger.debug(
+            "averaged %s with %d replicas (moved %.2e of its norm)", uid, len(replies), shift
+        )
+        return len(replies)
+
+    def _reject(self, peer_id: str, reason: str, detail: str) -> None:
+        counts = self._counts
+        counts.rejected[reason] = counts.rejected.get(reason, 0) + 1
+        counts.rejected_by_peer[peer_id] = counts.rejected_by_peer.get(peer_id, 0) + 1
+        logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
+
+    def statistics(self) -> AveragingStats:
+        c = self._counts
+        return AveragingStats(
+            rounds=c.rounds,
+            averaged=c.averaged,
+            rejected=dict(c.rejected),
+            rejected_by_peer=dict(c.rejected_by_peer),
+            clipped_by_peer=dict(c.clipped_by_peer),
+            last_shift=dict(c.last_shift),
+        )
+
+
+def _check_reply(
+    uid: str,
+    expected: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    reply: ParamsReply,
+    tensors: list[WireTensor],
+) -> Params | str:
+    """The reply's parameters, or why they are refused: "uid", "names", "dtype",
+    "shape" or "non_finite"."""
+    if reply.uid != uid:
+        return "uid"
+    if list(reply.names) != list(expected):
+        return "names"
+    out: Params = {}
+    for name, tensor in zip(reply.names, tensors, strict=True):
+        dtype, shape = expected[name]
+        if tensor.dtype != "float32" or dtype != torch.float32:
+            return "dtype"
+        if tuple(tensor.shape) != shape:
+            return "shape"
+        value = from_wire(tensor)
+        if not bool(torch.isfinite(value).all()):
+            return "non_finite"
+        out[name] = value
+    return out

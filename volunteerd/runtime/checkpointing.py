@@ -1,0 +1,126 @@
+"""Checkpointer: the hosted experts' state saved to disk, and restored on start.
+
+``restore`` runs once before the daemon takes requests: it deletes the temporary files
+an interrupted save left, then loads each expert's newest good checkpoint (damaged or
+foreign files are skipped and logged). ``serve`` then saves, every ``every_s``, each
+expert whose weights changed since its last save; ``save_changed`` is also the final
+save on a graceful stop. A save copies the tensors on the device's worker in its turn
+(between optimizer steps, so the copy is consistent) and writes the file in another
+thread, never on the event loop. See ``experts.checkpoint`` for the file format.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from volunteerd.config import CheckpointConfig
+from volunteerd.experts import ExpertBackend
+from volunteerd.experts.checkpoint import CheckpointStore, ExpertState
+from volunteerd.runtime.service import ExpertRuntime
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = ["CheckpointStats", "Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStats:
+    restored: dict[str, str]  # uid -> file it was loaded from
+    saves: int
+    failures: int
+    last_round_s: float
+
+
+class Checkpointer:
+    """Saves and restores ``runtime``'s experts under ``directory``."""
+
+    def __init__(self, runtime: ExpertRuntime, directory: Path, config: CheckpointConfig) -> None:
+        self.runtime = runtime
+        self.store = CheckpointStore(directory, keep=config.keep)
+        self._config = config
+        self._saved: dict[str, tuple[int, int]] = {}  # uid -> (updates, revision) on disk
+        self._restored: dict[str, str] = {}
+        self._saves = 0
+        self._failures = 0
+        self._last_round_s = 0.0
+
+    async def restore(self) -> dict[str, Path]:
+        """Load each expert's newest good checkpoint; experts without one keep their
+        seeded initial weights. Returns the files loaded, by uid."""
+        await trio.to_thread.run_sync(self.store.remove_temporaries)
+        loaded: dict[str, Path] = {}
+        for uid in self.runtime.uids:
+            backend = self.runtime.backend(uid)
+            found = await trio.to_thread.run_sync(self.store.load_newest, uid, backend.check_state)
+            if found is None:
+                # The seeded weights are a function of the config: nothing to save yet.
+                self._saved[uid] = (backend.updates, backend.revision)
+                continue
+            state, path = found
+            await self.runtime.with_expert(uid, partial(ExpertBackend.load_state, state=state))
+            self._saved[uid] = (backend.updates, backend.revision)
+            self._restored[uid] = str(path)
+            loaded[uid] = path
+            logger.info("loaded checkpoint %s for %s (%d updates)", path, uid, state.updates)
+        if loaded:
+            logger.info(
+                "restored %d of %d experts from checkpoints", len(loaded), len(self.runtime.uids)
+            )
+        return loaded
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Save changed experts every ``every_s`` until cancelled. A save in progress
+        when cancelled finishes first (the file is never left half-renamed)."""
+        task_status.started()
+        while True:
+            await self.save_changed()
+            await trio.sleep(self._config.every_s)
+
+    async def save_changed(self) -> int:
+        """Save every expert whose weights changed since its last save (or since it was
+        restored or seeded); returns how many were saved. A failed write is logged and
+        counted, and retried at the next round."""
+        start = time.perf_counter()
+        saved = 0
+        for uid in self.runtime.uids:
+            backend = self.runtime.backend(uid)
+            if self._saved.get(uid) == (backend.updates, backend.revision):
+                continue
+            state, version = await self.runtime.with_expert(uid, _state_and_version)
+            try:
+                path = await trio.to_thread.run_sync(self.store.save, state)
+            except OSError as exc:
+                self._failures += 1
+                logger.error("could not save a checkpoint of %s: %s", uid, exc)
+                continue
+            self._saved[uid] = version
+            self._saves += 1
+            saved += 1
+            logger.debug("saved %s (%d updates) to %s", uid, state.updates, path)
+        if saved:
+            self._last_round_s = time.perf_counter() - start
+            logger.info("saved %d checkpoints in %.2f s", saved, self._last_round_s)
+        return saved
+
+    def statistics(self) -> CheckpointStats:
+        return CheckpointStats(
+            restored=dict(self._restored),
+            saves=self._saves,
+            failures=self._failures,
+            last_round_s=self._last_round_s,
+        )
+
+
+def _state_and_version(backend: ExpertBackend) -> tuple[ExpertState, tuple[int, int]]:
+    return backend.state(), (backend.updates, backend.revision)
