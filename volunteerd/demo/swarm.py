@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +41,7 @@ class SwarmNode:
     peer_id: str = ""
     multiaddrs: tuple[str, ...] = ()
     experts: str = ""
+    args: tuple[str, ...] = ()
 
 
 def _rows(rows: int, nodes: int, index: int) -> range:
@@ -105,28 +107,50 @@ class LocalSwarm:
 
     @classmethod
     def for_experiment(
-        cls, experiment: Experiment, nodes: int = 3, stop: threading.Event | None = None
+        cls,
+        experiment: Experiment,
+        nodes: int = 3,
+        stop: threading.Event | None = None,
+        *,
+        replication: int = 1,
+        settings: Sequence[str] = (),
     ) -> LocalSwarm:
         """Daemons hosting whole rows of every layer's grid, with the experiment's
-        expert width and optimizer."""
+        expert width and optimizer. With ``replication`` r > 1 every row of every layer
+        is hosted by r different daemons (neighbours in a ring, so that no two daemons
+        host exactly the same set)."""
         m = experiment.model
-        if not 1 <= nodes <= m.grid[0]:
-            raise VolunteerdError(
-                f"--nodes must be between 1 and {m.grid[0]} (the grid's first dimension: "
-                "each node hosts whole rows of every layer)"
-            )
-        patterns = [
-            ",".join(m.expert_pattern(b, _rows(m.grid[0], nodes, i)) for b in range(m.num_blocks))
-            for i in range(nodes)
-        ]
+        if replication == 1:
+            if not 1 <= nodes <= m.grid[0]:
+                raise VolunteerdError(
+                    f"--nodes must be between 1 and {m.grid[0]} (the grid's first dimension: "
+                    "each node hosts whole rows of every layer)"
+                )
+            patterns = [
+                ",".join(
+                    m.expert_pattern(b, _rows(m.grid[0], nodes, i)) for b in range(m.num_blocks)
+                )
+                for i in range(nodes)
+            ]
+        else:
+            units = [(b, r) for b in range(m.num_blocks) for r in range(m.grid[0])]
+            if not replication <= nodes <= len(units) * replication:
+                raise VolunteerdError(
+                    f"{nodes} nodes cannot host {len(units)} rows {replication} times each"
+                )
+            hosted: list[list[str]] = [[] for _ in range(nodes)]
+            for i, (b, r) in enumerate(units):
+                for j in range(replication):
+                    hosted[(i + j) % nodes].append(m.expert_pattern(b, range(r, r + 1)))
+            patterns = [",".join(h) for h in hosted]
         opt = experiment.experts
-        settings = [
+        defaults = [
             f"experts.hidden_dim={m.hidden_dim}",
             f'experts.optimizer.name="{opt.name}"',
             f"experts.optimizer.lr={opt.lr}",
             "runtime.torch_threads=1",
         ]
-        return cls(patterns, settings, stop=stop)
+        return cls(patterns, [*defaults, *settings], stop=stop)
 
     def start(self) -> None:
         if self._workdir is None:
@@ -149,7 +173,7 @@ class LocalSwarm:
         for node in self.daemons:
             self._wait(node)
 
-    def _spawn(self, name: str, args: list[str]) -> SwarmNode:
+    def _spawn(self, name: str, args: list[str], *, append_log: bool = False) -> SwarmNode:
         if self._workdir is None:
             raise VolunteerdError("the swarm is not started")
         home = self._workdir / name
@@ -169,7 +193,7 @@ class LocalSwarm:
             "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
             "--set", 'logging.level="WARNING"',
         ]  # fmt: skip
-        with log.open("wb") as out:
+        with log.open("ab" if append_log else "wb") as out:
             process = subprocess.Popen(
                 command,
                 env=env,
@@ -181,7 +205,7 @@ class LocalSwarm:
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         logger.debug("started %s (pid %d)", name, process.pid)
-        return SwarmNode(name, process, ready, log)
+        return SwarmNode(name, process, ready, log, args=tuple(args))
 
     def _wait(self, node: SwarmNode) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -223,4 +247,20 @@ class LocalSwarm:
         node = self.daemons[index]
         node.process.kill()
         node.process.wait(10)
+        return node
+
+    def restart(self, index: int, *, wait: bool = True) -> SwarmNode:
+        """Start daemon ``index`` again on its own data folder (same identity, its own
+        checkpoints), after it was killed or stopped."""
+        old = self.daemons[index]
+        if old.process.poll() is None:
+            raise VolunteerdError(f"{old.name} is still running")
+        old.ready_file.unlink(missing_ok=True)
+        with old.log_file.open("ab") as log:
+            log.write(b"\n--- restarted ---\n")
+        node = self._spawn(old.name, list(old.args), append_log=True)
+        node.experts = old.experts
+        self.daemons[index] = node
+        if wait:
+            self._wait(node)
         return node

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from volunteerd.moe.checks import OutputChecks
 from volunteerd.moe.client import SwarmClient
 from volunteerd.moe.directory import ExpertDirectory
 from volunteerd.moe.layer import (
@@ -21,6 +22,7 @@ __all__ = [
     "MixtureOfExperts",
     "MoEStats",
     "NoExpertsAvailable",
+    "OutputChecks",
     "RemoteExpert",
     "RemoteMixtureOfExperts",
     "Route",

@@ -70,10 +70,10 @@ class SwarmClient:
     def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
         return self.run(self.directory.children, list(prefixes))
 
-    def ban(self, peer_id: str, reason: str) -> None:
+    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
         """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""
 
         async def ban() -> None:
-            self.directory.ban(peer_id, reason)
+            self.directory.ban(peer_id, reason, seconds)
 
         self.run(ban)

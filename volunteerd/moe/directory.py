@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ class ExpertDirectory:
         self._clock = clock
         self._cache: dict[str, _Entry] = {}
         self._banned: dict[str, float] = {}
+        self.ban_reasons: Counter[str] = Counter()  # reason (first word) -> bans
         self.lookups = 0
 
     async def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
@@ -79,11 +81,14 @@ class ExpertDirectory:
             out[prefix] = {child: peers for child, peers in alive.items() if peers}
         return out
 
-    def ban(self, peer_id: str, reason: str) -> None:
-        """Offer none of ``peer_id``'s experts for ``ban_s`` seconds."""
-        if peer_id not in self._banned:
-            logger.info("not choosing %s for %.0fs: %s", short(peer_id), self._ban_s, reason)
-        self._banned[peer_id] = self._clock() + self._ban_s
+    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+        """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``)."""
+        seconds = self._ban_s if seconds is None else seconds
+        until = self._clock() + seconds
+        if not self.is_banned(peer_id):
+            logger.info("not choosing %s for %.0fs: %s", short(peer_id), seconds, reason)
+            self.ban_reasons[reason.split(":", 1)[0]] += 1
+        self._banned[peer_id] = max(until, self._banned.get(peer_id, until))
 
     def is_banned(self, peer_id: str) -> bool:
         until = self._banned.get(peer_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,12 +26,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from volunteerd import uids
-from volunteerd.errors import RemoteError, VolunteerdError
+from volunteerd.errors import PeerUnreachable, RemoteError, RequestTimeout, VolunteerdError
 from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
+from volunteerd.moe.checks import OutputChecks, Suspicion, agree, judge
 from volunteerd.moe.client import SwarmClient
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
-from volunteerd.net import PeerAddress, Verb
+from volunteerd.net import PeerAddress, Verb, short
 from volunteerd.wire import BackwardRequest, Compression, ForwardRequest
 
 __all__ = [
@@ -67,6 +69,11 @@ class MoEStats:
     backward_failed: int = 0
     late: int = 0  # cut off by the k_min rule: slower than the others, not failed
     backtracked: int = 0
+    failovers: int = 0  # calls resent to another replica of the same expert
+    spot_checks: int = 0
+    disagreements: int = 0
+    # answers dropped by the output checks, by reason (non_finite, out_of_range, ...)
+    rejected: Counter[str] = field(default_factory=Counter)
     unanswered_tokens: int = 0
     by_uid: dict[str, list[int]] = field(default_factory=dict)
 
@@ -241,6 +248,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         compression: Compression = "none",
         beam_size: int | None = None,
         spare: int | None = None,
+        checks: OutputChecks | None = None,
     ) -> None:
         super().__init__(
             in_features,
@@ -258,6 +266,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self.grace_after_k_min_s = grace_after_k_min_s
         self.compression: Compression = compression
         self.client = client
+        self.checks = checks or OutputChecks()
+        self.suspicion = Suspicion()
         self.stats = MoEStats()
         # Makes autograd call our backward even when the inputs need no gradient.
         self._dummy = torch.empty(0, requires_grad=True)
@@ -305,9 +315,138 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             self.stats.late += 1
             return
         error = outcome.error
-        if isinstance(error, RemoteError) and error.code in {"busy", "expired", "shutting_down"}:
-            return  # alive, just loaded (or forgetful): choose it again later
-        self.client.ban(call.peer.peer_id, f"{call.uid}: {error}")
+        if isinstance(error, RemoteError):
+            if error.code in {"busy", "expired", "shutting_down", "rejected"}:
+                # alive, just loaded (or forgetful, or refusing what we sent): choose it
+                # again later
+                return
+            reason = error.code
+        elif isinstance(error, RequestTimeout):
+            reason = "timeout"
+        elif isinstance(error, PeerUnreachable):
+            reason = "unreachable"
+        else:
+            reason = "failed"
+        self.client.ban(call.peer.peer_id, f"{reason}: {call.uid}: {error}")
+
+    def _misbehaved(self, peer: PeerAddress, uid: str, reason: str) -> None:
+        """A peer sent something no honest expert sends: drop it for ``checks.ban_s``."""
+        self.stats.rejected[reason] += 1
+        logger.warning("dropping %s's answer from %s: %s", uid, short(peer.peer_id), reason)
+        self.client.ban(peer.peer_id, f"{reason}: {uid}", self.checks.ban_s)
+        self.suspicion.forget(peer.peer_id)
+
+    def _decode(self, outcome: Outcome) -> torch.Tensor | None:
+        if not outcome.ok or not outcome.tensors:
+            return None
+        return from_wire(outcome.tensors[0])
+
+    def _accept(self, calls: Sequence[Call], outcomes: Sequence[Outcome]) -> list[Any]:
+        """The first tensor of each answer that passes the output checks, else None.
+        Failures are noted and misbehaving peers banned."""
+        tensors = [self._decode(o) for o in outcomes]
+        reasons = judge(tensors, self.checks)
+        for i, (call, outcome) in enumerate(zip(calls, outcomes, strict=True)):
+            if tensors[i] is None:
+                self._note_failure(call, outcome)
+            elif reasons[i] is not None:
+                self._misbehaved(call.peer, call.uid, str(reasons[i]))
+                tensors[i] = None
+        return tensors
+
+    def _replicas(
+        self, uid: str, route: Route, failed: dict[str, set[str]], exclude: str = ""
+    ) -> list[PeerAddress]:
+        """Servers of ``uid`` that have not failed it this step and are not banned."""
+        gone = failed.get(uid, set())
+        directory = self.client.directory
+        return [
+            p
+            for p in route.peers.get(uid, ())
+            if isinstance(p, PeerAddress)
+            and p.peer_id not in gone
+            and p.peer_id != exclude
+            and not directory.is_banned(p.peer_id)
+        ]
+
+    def _plan_forward(
+        self,
+        groups: dict[str, _Group],
+        route: Route,
+        failed: dict[str, set[str]],
+        x_cpu: torch.Tensor,
+        retain: bool,
+    ) -> tuple[list[Call], list[_Check]]:
+        """One call per expert, to a random live replica (spreading load), and spot
+        checks of a ``checks.spot_check`` fraction of them on a second replica."""
+        calls: list[Call] = []
+        checks: list[_Check] = []
+        for uid, group in groups.items():
+            peers = self._replicas(uid, route, failed)
+            if not peers:
+                continue
+            peer = random.choice(peers)
+            metas, buffers = self._encode([x_cpu[group.rows]])
+            header = ForwardRequest(
+                uid=uid, tensors=metas, retain=retain, compression=self.compression
+            )
+            calls.append(Call(uid, peer, header, buffers, group.rows))
+            others = [p for p in peers if p.peer_id != peer.peer_id]
+            if others and random.random() < self.checks.spot_check:
+                check = header.model_copy(update={"retain": False})
+                checks.append(
+                    _Check(len(calls) - 1, Call(uid, random.choice(others), check, buffers, []))
+                )
+        return calls, checks
+
+    def _spot_check(
+        self,
+        check: _Check,
+        calls: list[Call],
+        outcomes: list[Outcome],
+        ys: list[Any],
+        outcome: Outcome,
+        route: Route,
+    ) -> None:
+        """Compare a call's answer with a second replica's; on disagreement let a third
+        replica decide, or remember it. A main answer found wrong is replaced by the
+        checker's (its backward is then stateless)."""
+        call = calls[check.index]
+        y_main, y_check = ys[check.index], self._decode(outcome)
+        if y_main is None or y_check is None:
+            return
+        self.stats.spot_checks += 1
+        if agree(y_main, y_check, self.checks):
+            return
+        self.stats.disagreements += 1
+        main_peer, checker = call.peer, check.call.peer
+        judges = [
+            p
+            for p in self._replicas(call.uid, route, {}, exclude=main_peer.peer_id)
+            if p.peer_id != checker.peer_id
+        ]
+        y_third = None
+        if judges:
+            third = Call(call.uid, random.choice(judges), check.call.header, call.buffers, [])
+            [answer] = self._run_calls(Verb.FORWARD, [third], 1, self.forward_timeout_s)
+            y_third = self._decode(answer)
+        if y_third is not None:
+            liars = [
+                peer
+                for peer, y in ((main_peer, y_main), (checker, y_check))
+                if not agree(y, y_third, self.checks)
+            ]
+            if len(liars) == 2:
+                return  # nobody agrees with anybody: inconclusive
+        else:
+            odd = set(self.suspicion.record(main_peer.peer_id, checker.peer_id))
+            liars = [p for p in (main_peer, checker) if p.peer_id in odd]
+        for peer in liars:
+            self._misbehaved(peer, call.uid, "disagreed")
+        if any(p.peer_id == main_peer.peer_id for p in liars):
+            calls[check.index] = Call(call.uid, checker, check.call.header, call.buffers, call.rows)
+            outcomes[check.index] = outcome
+            ys[check.index] = y_check
 
 
 @dataclass(slots=True)
@@ -319,6 +458,23 @@ class _Answered:
     rows: torch.Tensor
     slots: torch.Tensor
     handle: str | None
+
+
+@dataclass(slots=True)
+class _Group:
+    """The (row, slot) pairs sent to one expert in a round, with their candidate index."""
+
+    rows: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    candidates: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Check:
+    """A spot check: the same input sent to a second replica of ``calls[index]``."""
+
+    index: int
+    call: Call
 
 
 class _RemoteExperts(torch.autograd.Function):
@@ -339,67 +495,77 @@ class _RemoteExperts(torch.autograd.Function):
         # next candidate index per row, for backtracking
         next_candidate = torch.full((N,), min(K, candidates), dtype=torch.long)
         tried: set[tuple[int, str]] = set()
+        failed_peers: dict[str, set[str]] = {}  # uid -> peers that failed it this step
         assignment = {  # (row, slot) -> candidate index
             (n, k): k for n, k in route.valid_NK[:, :K].nonzero().tolist()
         }
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         answered: list[_Answered] = []
         for round_ in range(2):
-            groups: dict[str, tuple[list[int], list[int]]] = {}
+            groups: dict[str, _Group] = {}
             for (n, k), c in assignment.items():
                 uid = route.uid(n, c)
                 tried.add((n, uid))
-                rows, ks = groups.setdefault(uid, ([], []))
-                rows.append(n)
-                ks.append(k)
-            calls = []
-            for uid, (rows, _) in groups.items():
-                peers = [p for p in route.peers[uid] if isinstance(p, PeerAddress)]
-                peer = random.choice(peers)  # spread load over replicas
-                metas, buffers = layer._encode([x_cpu[rows]])
-                header = ForwardRequest(
-                    uid=uid, tensors=metas, retain=retain, compression=layer.compression
-                )
-                calls.append(Call(uid, peer, header, buffers, rows))
-            outcomes = layer._run_calls(Verb.FORWARD, calls, N, layer.forward_timeout_s)
-            for call, outcome in zip(calls, outcomes, strict=True):
-                rows, ks = groups[call.uid]
+                group = groups.setdefault(uid, _Group())
+                group.rows.append(n)
+                group.slots.append(k)
+                group.candidates.append(c)
+            calls, checks = layer._plan_forward(groups, route, failed_peers, x_cpu, retain)
+            outcomes = layer._run_calls(
+                Verb.FORWARD, calls + [c.call for c in checks], N, layer.forward_timeout_s
+            )
+            main = outcomes[: len(calls)]
+            ys = layer._accept(calls, main)
+            for check, outcome in zip(checks, outcomes[len(calls) :], strict=True):
+                layer._spot_check(check, calls, main, ys, outcome, route)
+            next_assignment: dict[tuple[int, int], int] = {}
+            for call, outcome, y in zip(calls, main, ys, strict=True):
+                group = groups[call.uid]
                 if not outcome.late:
-                    layer.stats.count(call.uid, outcome.ok, len(rows))
-                if not outcome.ok:
-                    layer.stats.forward_failed += not outcome.late
-                    layer._note_failure(call, outcome)
+                    layer.stats.count(call.uid, y is not None, len(group.rows))
+                if y is None:
+                    if outcome.late:
+                        continue
+                    layer.stats.forward_failed += 1
+                    failed_peers.setdefault(call.uid, set()).add(call.peer.peer_id)
+                    if layer._replicas(call.uid, route, failed_peers):
+                        # Another replica of the same expert takes its place next round.
+                        layer.stats.failovers += 1
+                        for n, k, c in zip(group.rows, group.slots, group.candidates, strict=True):
+                            next_assignment[(n, k)] = c
                     continue
                 layer.stats.forward_ok += 1
-                y = from_wire(outcome.tensors[0]).to(x_NH.dtype)
-                for i, (n, k) in enumerate(zip(rows, ks, strict=True)):
+                y = y.to(x_NH.dtype)
+                for i, (n, k) in enumerate(zip(group.rows, group.slots, strict=True)):
                     outputs[(n, k)] = y[i]
                     answered_NK[n, k] = True
+                handle = getattr(outcome.reply, "handle", None)
                 answered.append(
                     _Answered(
-                        call.uid,
-                        call.peer,
-                        torch.tensor(rows),
-                        torch.tensor(ks),
-                        getattr(outcome.reply, "handle", None),
+                        call.uid, call.peer, torch.tensor(group.rows), torch.tensor(group.slots),
+                        handle,
                     )
-                )
-            # Backtrack: tokens no expert answered try their next best candidates.
+                )  # fmt: skip
+            # Backtrack: tokens no expert answered (and no replica will) try their next
+            # best candidates.
+            covered = {n for n, _ in next_assignment}
             silent = [
                 n
                 for n in range(N)
-                if not bool(answered_NK[n].any()) and bool(route.valid_NK[n, :K].any())
+                if n not in covered
+                and not bool(answered_NK[n].any())
+                and bool(route.valid_NK[n, :K].any())
             ]
-            assignment = {}
             for n in silent:
                 for k in range(K):
                     while next_candidate[n] < candidates:
                         c = int(next_candidate[n])
                         next_candidate[n] += 1
                         if bool(route.valid_NK[n, c]) and (n, route.uid(n, c)) not in tried:
-                            assignment[(n, k)] = c
+                            next_assignment[(n, k)] = c
                             coords_NKD[n, k] = route.coords_NKD[n, c]
                             break
+            assignment = next_assignment
             if not assignment or round_ == 1:
                 break
             layer.stats.backtracked += len(silent)
@@ -450,20 +616,20 @@ class _RemoteExperts(torch.autograd.Function):
             outcomes = layer._run_calls(
                 Verb.BACKWARD, calls, x_cpu.shape[0], layer.backward_timeout_s
             )
+            grads_in = layer._accept(calls, outcomes)
             retry = []
-            for item, call, outcome in zip(pending, calls, outcomes, strict=True):
-                if outcome.ok:
+            for item, outcome, g in zip(pending, outcomes, grads_in, strict=True):
+                if g is not None:
                     layer.stats.backward_ok += 1
-                    grad_x_NH.index_add_(0, item.rows, from_wire(outcome.tensors[0]).float())
+                    grad_x_NH.index_add_(0, item.rows, g.float())
                 elif (
                     not stateless
                     and isinstance(outcome.error, RemoteError)
                     and outcome.error.code == "expired"
                 ):
                     retry.append(item)  # the server let the forward go: resend the inputs
-                else:
-                    layer.stats.backward_failed += not outcome.late
-                    layer._note_failure(call, outcome)
+                elif not outcome.late:
+                    layer.stats.backward_failed += 1
             pending = retry
             if not pending:
                 break

@@ -53,6 +53,15 @@ class ModelConfig(_Model):
     backward_timeout_s: float = Field(10.0, gt=0)
     grace_after_k_min_s: float = Field(0.5, ge=0)
     compression: Literal["none", "float16", "bfloat16"] = "none"
+    spot_check: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="fraction of expert calls also sent to a second replica and compared",
+    )
+    max_output_abs: float = Field(
+        1e4, gt=0, description="an expert answer with a larger element is dropped"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

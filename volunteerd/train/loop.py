@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from volunteerd.config import ExpertsConfig
 from volunteerd.experts import build_module, make_optimizer
 from volunteerd.moe import (
     LocalMixtureOfExperts,
+    NoExpertsAvailable,
+    OutputChecks,
     RemoteMixtureOfExperts,
     SwarmClient,
     grid_uids,
@@ -67,6 +70,7 @@ def build_model(experiment: Experiment, client: SwarmClient | None) -> MoETransf
                 m.grace_after_k_min_s,
                 client=client,
                 compression=m.compression,
+                checks=OutputChecks(max_abs=m.max_output_abs, spot_check=m.spot_check),
             )
         config = expert_config(experiment)
         # (build_module leaves the global random state alone, so the trainer's own
@@ -90,6 +94,14 @@ class TrainSummary:
     failed_calls: int
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     interrupted: bool = False
+    # steps that could not be taken: no expert of some layer answered
+    skipped_steps: int = 0
+    # expert calls resent to another replica of the same expert within the step
+    failovers: int = 0
+    # answers dropped by the trainer's output checks, by reason
+    rejected: dict[str, int] = field(default_factory=dict)
+    # peers banned, by reason (unreachable, timeout, non_finite, disagreed, ...)
+    bans: dict[str, int] = field(default_factory=dict)
     # uid -> [calls answered, calls failed, tokens served]
     experts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -137,9 +149,20 @@ class Trainer:
         return [b.moe for b in self.model.blocks if isinstance(b.moe, RemoteMixtureOfExperts)]
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        losses = [float(self.model.loss(x, y)) for x, y in self.val_batches]
-        return sum(losses) / len(losses)
+    def evaluate(self, attempts: int = 5) -> float:
+        """Mean validation loss. Evaluating needs every layer answered; while a swarm
+        has no expert answering for some layer (every replica down at once), it waits a
+        little and tries again."""
+        for attempt in range(attempts):
+            try:
+                losses = [float(self.model.loss(x, y)) for x, y in self.val_batches]
+                return sum(losses) / len(losses)
+            except NoExpertsAvailable:
+                if attempt == attempts - 1:
+                    raise
+                self._say("evaluation: no experts answered; retrying in 2 s")
+                time.sleep(2.0)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def step(self) -> float:
         t, m = self.experiment.training, self.experiment.model
@@ -162,14 +185,20 @@ class Trainer:
         self._say(f"step 0: validation loss {initial:.3f}")
         started = time.monotonic()
         smoothed: float | None = None
-        done = 0
+        done = skipped = 0
         try:
             for step in range(1, steps + 1):
                 if self.stop.is_set():
                     break
                 step_started = time.monotonic()
-                loss = self.step()
                 done = step
+                try:
+                    loss = self.step()
+                except NoExpertsAvailable as exc:
+                    # A whole layer without answers: skip the batch rather than stop.
+                    skipped += 1
+                    self._say(f"step {step}: skipped ({exc})")
+                    continue
                 smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
                 if self.progress is not None:
                     rate = tokens_per_step / max(time.monotonic() - step_started, 1e-9)
@@ -201,7 +230,17 @@ class Trainer:
             val_curve=curve,
             experts=self._by_uid(),
             interrupted=interrupted,
+            skipped_steps=skipped,
+            failovers=sum(layer.stats.failovers for layer in self.remote_layers()),
+            rejected=dict(
+                sum((Counter(layer.stats.rejected) for layer in self.remote_layers()), Counter())
+            ),
+            bans=self._bans(),
         )
+
+    def _bans(self) -> dict[str, int]:
+        layers = self.remote_layers()
+        return dict(layers[0].client.directory.ban_reasons) if layers else {}
 
     def _fields(self, loss: float, tokens_per_s: float) -> dict[str, str]:
         fields = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
