@@ -7,12 +7,14 @@ configuration, 5 a needed resource is unavailable, 130 stopped by a signal.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     paths = sub.add_parser("paths", help="print where volunteerd keeps its files")
     _common(paths)
+
+    hardware = sub.add_parser(
+        "hardware", help="print the devices and memory found, and how many experts fit"
+    )
+    _common(hardware)
+    hardware.add_argument(
+        "--benchmark", action="store_true", help="measure the expert speed again (~2 s)"
+    )
+    hardware.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -192,6 +203,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         else:
             sys.stdout.write(dump_toml(config))
         return ExitCode.OK
+    if args.command == "hardware":
+        return _hardware(args, config, paths)
     if args.command == "id":
         from volunteerd.identity import load_or_create_identity
         from volunteerd.net import peer_id_for
@@ -218,6 +231,63 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
 
         return trio.run(_run_service, start_boot, None, args.ready_file)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
+
+
+def _hardware(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode:
+    """``volunteerd hardware``: what was found, the budget, and the measured speed."""
+    import torch
+
+    from volunteerd.runtime import choose_device
+    from volunteerd.runtime.hardware import capacity, detect, measure_speed
+
+    found = detect()
+    device = choose_device(config.runtime.device)
+    if config.runtime.torch_threads:
+        torch.set_num_threads(config.runtime.torch_threads)
+    room = capacity(found, device, config.experts, config.runtime, config.hardware)
+    speed = measure_speed(
+        device, config.experts, paths.cache_dir / "speed.json", refresh=args.benchmark
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "hardware": found.as_dict(),
+                    "device": str(device),
+                    "capacity": dataclasses.asdict(room),
+                    "speed": dataclasses.asdict(speed),
+                },
+                indent=2,
+            )
+        )
+        return ExitCode.OK
+    gib = 1 << 30
+    print(f"device    {device} (runtime.device = {config.runtime.device!r})")
+    print(f"cpu       {found.cpu_model}: {found.cpu_cores} cores ({found.usable_cores} usable)")
+    print(
+        f"memory    {found.memory_bytes / gib:.1f} GiB, "
+        f"{found.available_bytes / gib:.1f} GiB available"
+    )
+    for gpu in found.gpus:
+        print(
+            f"gpu       cuda:{gpu.index} {gpu.name}, {gpu.memory_bytes / gib:.1f} GiB, "
+            f"compute {gpu.capability}, bfloat16 {'yes' if gpu.bf16 else 'no'}"
+        )
+    if not found.gpus:
+        print("gpu       none (CUDA not available)")
+    print(f"mps       {'available' if found.mps else 'no'}")
+    print(f"budget    {room.budget_bytes / gib:.1f} GiB ({room.budget_source})")
+    e = config.experts
+    print(
+        f"experts   {e.type} hidden {e.hidden_dim}: {room.per_expert_bytes / (1 << 20):,.0f} MiB "
+        f"each with {e.optimizer.name} state, {room.experts} fit"
+    )
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(speed.measured_at))
+    print(
+        f"speed     {speed.samples_per_s:,.0f} samples/s per expert, forward + backward + "
+        f"step (batch {speed.batch}; {'cached, measured' if speed.cached else 'measured'} {when})"
+    )
+    return ExitCode.OK
 
 
 def _stop_on_signals() -> threading.Event:

@@ -1,0 +1,268 @@
+"""What this machine has, how fast it runs an expert, and how many experts fit.
+
+* ``detect()``: CUDA GPUs (name, memory, compute capability, bfloat16), Apple MPS, the
+  CPU (model, logical and usable cores) and memory (total, available). Reading only:
+  no device memory is allocated.
+* ``expert_footprint()``: the bytes one hosted expert needs — weights, gradients, the
+  optimizer's state, and one copy of the weights for copy-on-write while kept forwards
+  are pending — counted from a module built on torch's ``meta`` device (no allocation).
+* ``capacity()``: the memory budget (``hardware.memory_budget_mb``, or half of the
+  available memory on a CPU, 80 % of the GPU's on CUDA) minus the budget for kept
+  forward passes, divided by the footprint.
+* ``measure_speed()``: a short self-benchmark (forward + backward + optimizer step of
+  one expert, a couple of seconds), cached in the cache folder per device, torch
+  version, volunteerd version, expert type and size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from volunteerd import __version__
+from volunteerd.config import ExpertsConfig, HardwareConfig, RuntimeConfig
+from volunteerd.experts.backend import make_optimizer
+from volunteerd.experts.registry import EXPERT_TYPES, build_module
+
+__all__ = [
+    "Capacity",
+    "GpuInfo",
+    "Hardware",
+    "Speed",
+    "capacity",
+    "detect",
+    "expert_footprint",
+    "measure_speed",
+]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+# Optimizer state tensors per weight tensor.
+_OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    index: int
+    name: str
+    memory_bytes: int
+    capability: str
+    bf16: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    cpu_model: str
+    cpu_cores: int  # logical cores in the machine
+    usable_cores: int  # cores this process may run on
+    memory_bytes: int
+    available_bytes: int
+    gpus: list[GpuInfo] = field(default_factory=list)
+    mps: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def detect() -> Hardware:
+    total, available = _memory()
+    cores = os.cpu_count() or 1
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        usable = cores
+    gpus = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            gpus.append(
+                GpuInfo(
+                    index=index,
+                    name=props.name,
+                    memory_bytes=int(props.total_memory),
+                    capability=f"{props.major}.{props.minor}",
+                    bf16=props.major >= 8,  # Ampere and later compute in bfloat16
+                )
+            )
+    return Hardware(
+        cpu_model=_cpu_model(),
+        cpu_cores=cores,
+        usable_cores=usable,
+        memory_bytes=total,
+        available_bytes=available,
+        gpus=gpus,
+        mps=bool(torch.backends.mps.is_available()),
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _memory() -> tuple[int, int]:
+    """(total, available) bytes of RAM."""
+    try:
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+        return info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:  # macOS and other POSIX systems
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = page * os.sysconf("SC_PHYS_PAGES")
+        try:
+            available = page * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError):
+            available = total // 2
+        return total, available
+    except (ValueError, OSError, AttributeError):
+        return 0, 0
+
+
+def expert_footprint(experts: ExpertsConfig) -> int:
+    """Bytes one hosted expert needs on its device (see the module docstring)."""
+    with torch.device("meta"):
+        module = EXPERT_TYPES[experts.type].build(experts)
+    weights = sum(p.numel() * 4 for p in module.parameters())  # float32
+    slots = _OPTIMIZER_SLOTS.get(experts.optimizer.name, 2)
+    return weights * (1 + 1 + slots + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    device: str
+    budget_bytes: int
+    budget_source: str  # "configured" or how the automatic budget was chosen
+    per_expert_bytes: int
+    experts: int
+
+
+def capacity(
+    hardware: Hardware,
+    device: torch.device,
+    experts: ExpertsConfig,
+    runtime: RuntimeConfig,
+    config: HardwareConfig,
+    *,
+    limit: int = 0,
+) -> Capacity:
+    """How many experts of ``experts``' kind fit this node's memory budget (at most
+    ``limit`` when it is not 0)."""
+    if config.memory_budget_mb:
+        budget, source = config.memory_budget_mb * _MIB, "configured"
+    elif device.type == "cuda":
+        gpu = next((g for g in hardware.gpus if g.index == (device.index or 0)), None)
+        budget = int(0.8 * gpu.memory_bytes) if gpu else 0
+        source = "80% of the GPU's memory"
+    else:
+        budget, source = hardware.available_bytes // 2, "half of the available memory"
+    per_expert = expert_footprint(experts)
+    usable = max(0, budget - runtime.retain_activations_mb * _MIB)
+    fit = usable // per_expert if per_expert else 0
+    if limit:
+        fit = min(fit, limit)
+    return Capacity(str(device), budget, source, per_expert, int(fit))
+
+
+@dataclass(frozen=True, slots=True)
+class Speed:
+    samples_per_s: float  # forward + backward + optimizer step, per expert
+    batch: int
+    measured_at: float
+    key: str
+    cached: bool = False
+
+
+def _speed_key(device: torch.device, experts: ExpertsConfig) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        name = f"{_cpu_model()} x{torch.get_num_threads()}"
+    else:
+        name = device.type
+    return (
+        f"{name}|{device}|torch {torch.__version__}|volunteerd {__version__}|"
+        f"{experts.type} {experts.hidden_dim}"
+    )
+
+
+def measure_speed(
+    device: torch.device,
+    experts: ExpertsConfig,
+    cache_file: Path,
+    *,
+    seconds: float = 2.0,
+    batch: int = 256,
+    refresh: bool = False,
+) -> Speed:
+    """Samples per second one expert trains at on ``device``; cached in ``cache_file``."""
+    key = _speed_key(device, experts)
+    cache = _read_cache(cache_file)
+    if not refresh and key in cache:
+        entry = cache[key]
+        return Speed(entry["samples_per_s"], entry["batch"], entry["measured_at"], key, True)
+    module = build_module(experts, "benchmark.0").to(device)
+    optimizer = make_optimizer(list(module.parameters()), experts.optimizer)
+    shape = (batch, 16, experts.hidden_dim) if experts.type == "transformer" else None
+    x = torch.randn(shape or (batch, experts.hidden_dim), device=device)
+
+    def one() -> None:
+        out = module(x)
+        out.backward(torch.ones_like(out))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    one()  # warm up (allocations, kernel selection)
+    _sync(device)
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds or done < 2:
+        one()
+        done += 1
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    samples = done * batch * (shape[1] if shape else 1)
+    speed = Speed(samples / elapsed, batch, time.time(), key)
+    cache[key] = {
+        "samples_per_s": speed.samples_per_s,
+        "batch": batch,
+        "measured_at": speed.measured_at,
+    }
+    _write_cache(cache_file, cache)
+    return speed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, cache: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(cache, indent=2))
+    os.replace(tmp, path)

@@ -1,0 +1,304 @@
+"""Contribution accounting: what this machine did, per expert and per hour, in SQLite.
+
+The daemon counts in memory (``record``, ``reject``, ``tick``: cheap, on the event
+loop) and ``flush`` writes the counts since the last flush in one transaction, every
+few seconds. SQLite runs in WAL mode with ``synchronous=NORMAL``: a crash, even
+``kill -9``, loses at most what was counted since the last flush and never leaves a
+damaged file. Hourly rows older than ``keep_hourly_days`` are rolled up into daily rows,
+so the file stays small (a year of a busy daemon hosting 16 experts: a few MiB).
+
+Tables (times are UTC; ``hour`` and ``day`` are Unix seconds at the start of the bucket):
+
+* ``work(bucket, size, expert, forward, backward, samples, compute_s, bytes_in,
+  bytes_out)`` — ``size`` is 3600 (hourly) or 86400 (daily);
+* ``rejected(bucket, size, expert, reason, count)``;
+* ``uptime(bucket, size, running_s, paused_s)``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+__all__ = ["HOUR", "StatsStore", "Totals", "Work"]
+
+HOUR = 3600
+DAY = 86400
+_SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS work (
+    bucket INTEGER NOT NULL, size INTEGER NOT NULL, expert TEXT NOT NULL,
+    forward INTEGER NOT NULL DEFAULT 0, backward INTEGER NOT NULL DEFAULT 0,
+    samples INTEGER NOT NULL DEFAULT 0, compute_s REAL NOT NULL DEFAULT 0,
+    bytes_in INTEGER NOT NULL DEFAULT 0, bytes_out INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (bucket, size, expert)
+);
+CREATE TABLE IF NOT EXISTS rejected (
+    bucket INTEGER NOT NULL, size INTEGER NOT NULL, expert TEXT NOT NULL,
+    reason TEXT NOT NULL, count INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (bucket, size, expert, reason)
+);
+CREATE TABLE IF NOT EXISTS uptime (
+    bucket INTEGER NOT NULL, size INTEGER NOT NULL,
+    running_s REAL NOT NULL DEFAULT 0, paused_s REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (bucket, size)
+);
+"""
+
+
+@dataclass(slots=True)
+class Work:
+    """Counts of one expert in one bucket (or summed over many)."""
+
+    forward: int = 0
+    backward: int = 0
+    samples: int = 0
+    compute_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def add(self, other: Work) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def requests(self) -> int:
+        return self.forward + self.backward
+
+
+def _values(work: Work) -> tuple[int | float, ...]:
+    return tuple(getattr(work, f.name) for f in fields(work))
+
+
+@dataclass(slots=True)
+class Totals:
+    """Everything counted since some time."""
+
+    work: Work = field(default_factory=Work)
+    by_expert: dict[str, Work] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+    running_s: float = 0.0
+    paused_s: float = 0.0
+
+
+class StatsStore:
+    """Open with ``StatsStore.open(path)``; ``close()`` flushes. Safe to call from one
+    thread at a time for counting and from any thread for ``flush`` and queries."""
+
+    def __init__(
+        self,
+        db: sqlite3.Connection,
+        *,
+        keep_hourly_days: int = 14,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._db = db
+        self._keep_hourly_s = keep_hourly_days * DAY
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._work: dict[tuple[int, str], Work] = {}
+        self._rejected: Counter[tuple[int, str, str]] = Counter()
+        self._uptime: dict[int, list[float]] = {}
+
+    @classmethod
+    def open(cls, path: Path, **kwargs: object) -> StatsStore:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > _SCHEMA_VERSION:
+            db.close()
+            raise RuntimeError(f"{path} was written by a newer volunteerd (schema {version})")
+        db.executescript(_SCHEMA)
+        db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        return cls(db, **kwargs)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.flush()
+        self._db.close()
+
+    # -- counting (in memory) -------------------------------------------------------
+
+    def _hour(self) -> int:
+        now = int(self._clock())
+        return now - now % HOUR
+
+    def record(
+        self,
+        expert: str,
+        *,
+        forward: int = 0,
+        backward: int = 0,
+        samples: int = 0,
+        compute_s: float = 0.0,
+        bytes_in: int = 0,
+        bytes_out: int = 0,
+    ) -> None:
+        with self._lock:
+            work = self._work.setdefault((self._hour(), expert), Work())
+            work.add(Work(forward, backward, samples, compute_s, bytes_in, bytes_out))
+
+    def reject(self, expert: str, reason: str, count: int = 1) -> None:
+        with self._lock:
+            self._rejected[(self._hour(), expert, reason)] += count
+
+    def tick(self, seconds: float, *, paused: bool) -> None:
+        """Add ``seconds`` of uptime, running or paused, to the current hour."""
+        with self._lock:
+            slot = self._uptime.setdefault(self._hour(), [0.0, 0.0])
+            slot[1 if paused else 0] += seconds
+
+    # -- persistence ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write what was counted since the last flush, in one transaction."""
+        with self._lock:
+            work, self._work = self._work, {}
+            rejected, self._rejected = self._rejected, Counter()
+            uptime, self._uptime = self._uptime, {}
+        if not (work or rejected or uptime):
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT INTO work VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (bucket, size, expert) DO UPDATE SET "
+                "forward = forward + excluded.forward, backward = backward + excluded.backward, "
+                "samples = samples + excluded.samples, "
+                "compute_s = compute_s + excluded.compute_s, "
+                "bytes_in = bytes_in + excluded.bytes_in, "
+                "bytes_out = bytes_out + excluded.bytes_out",
+                [
+                    (
+                        hour,
+                        HOUR,
+                        expert,
+                        w.forward,
+                        w.backward,
+                        w.samples,
+                        w.compute_s,
+                        w.bytes_in,
+                        w.bytes_out,
+                    )
+                    for (hour, expert), w in work.items()
+                ],
+            )
+            db.executemany(
+                "INSERT INTO rejected VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (bucket, size, expert, reason) DO UPDATE SET "
+                "count = count + excluded.count",
+                [(h, HOUR, e, r, n) for (h, e, r), n in rejected.items()],
+            )
+            db.executemany(
+                "INSERT INTO uptime VALUES (?, ?, ?, ?) ON CONFLICT (bucket, size) DO UPDATE "
+                "SET running_s = running_s + excluded.running_s, "
+                "paused_s = paused_s + excluded.paused_s",
+                [(h, HOUR, run, pause) for h, (run, pause) in uptime.items()],
+            )
+
+    def roll_up(self) -> int:
+        """Fold hourly rows older than ``keep_hourly_days`` into daily rows; returns the
+        number of hourly rows folded."""
+        cutoff = self._hour() - self._keep_hourly_s
+        cutoff -= cutoff % DAY
+        day = f"(bucket - bucket % {DAY})"
+        with self._transaction() as db:
+            folded = db.execute(
+                "SELECT COUNT(*) FROM work WHERE size = ? AND bucket < ?", (HOUR, cutoff)
+            ).fetchone()[0]
+            db.execute(
+                f"INSERT INTO work SELECT {day}, {DAY}, expert, SUM(forward), SUM(backward), "
+                "SUM(samples), SUM(compute_s), SUM(bytes_in), SUM(bytes_out) FROM work "
+                f"WHERE size = {HOUR} AND bucket < ? GROUP BY {day}, expert "
+                "ON CONFLICT (bucket, size, expert) DO UPDATE SET "
+                "forward = forward + excluded.forward, backward = backward + excluded.backward, "
+                "samples = samples + excluded.samples, "
+                "compute_s = compute_s + excluded.compute_s, "
+                "bytes_in = bytes_in + excluded.bytes_in, "
+                "bytes_out = bytes_out + excluded.bytes_out",
+                (cutoff,),
+            )
+            db.execute(
+                f"INSERT INTO rejected SELECT {day}, {DAY}, expert, reason, SUM(count) "
+                f"FROM rejected WHERE size = {HOUR} AND bucket < ? "
+                f"GROUP BY {day}, expert, reason "
+                "ON CONFLICT (bucket, size, expert, reason) DO UPDATE SET "
+                "count = count + excluded.count",
+                (cutoff,),
+            )
+            db.execute(
+                f"INSERT INTO uptime SELECT {day}, {DAY}, SUM(running_s), SUM(paused_s) "
+                f"FROM uptime WHERE size = {HOUR} AND bucket < ? GROUP BY {day} "
+                "ON CONFLICT (bucket, size) DO UPDATE SET "
+                "running_s = running_s + excluded.running_s, "
+                "paused_s = paused_s + excluded.paused_s",
+                (cutoff,),
+            )
+            for table in ("work", "rejected", "uptime"):
+                db.execute(f"DELETE FROM {table} WHERE size = ? AND bucket < ?", (HOUR, cutoff))
+        return int(folded)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # -- queries (what was flushed) -------------------------------------------------
+
+    def totals(self, since: float = 0.0) -> Totals:
+        """Sums over buckets starting at or after ``since`` (rounded down to its bucket)."""
+        out = Totals()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT expert, SUM(forward), SUM(backward), SUM(samples), SUM(compute_s), "
+                "SUM(bytes_in), SUM(bytes_out) FROM work WHERE bucket + size > ? "
+                "GROUP BY expert",
+                (since,),
+            ).fetchall()
+            for expert, *values in rows:
+                work = Work(*values)
+                out.by_expert[expert] = work
+                out.work.add(work)
+            for reason, count in self._db.execute(
+                "SELECT reason, SUM(count) FROM rejected WHERE bucket + size > ? GROUP BY reason",
+                (since,),
+            ):
+                out.rejected[reason] = int(count)
+            running, paused = self._db.execute(
+                "SELECT COALESCE(SUM(running_s), 0), COALESCE(SUM(paused_s), 0) FROM uptime "
+                "WHERE bucket + size > ?",
+                (since,),
+            ).fetchone()
+        out.running_s, out.paused_s = float(running), float(paused)
+        return out
+
+    def history(self, since: float = 0.0) -> list[tuple[int, int, Work]]:
+        """``(bucket, size, work summed over experts)`` per bucket, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT bucket, size, SUM(forward), SUM(backward), SUM(samples), "
+                "SUM(compute_s), SUM(bytes_in), SUM(bytes_out) FROM work "
+                "WHERE bucket + size > ? GROUP BY bucket, size ORDER BY bucket",
+                (since,),
+            ).fetchall()
+        return [(bucket, size, Work(*values)) for bucket, size, *values in rows]
+
+    def file_rows(self) -> int:
+        with self._lock:
+            return sum(
+                self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+                for t in ("work", "rejected", "uptime")
+            )
