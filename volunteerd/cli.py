@@ -115,6 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, metavar="N", help="override training.steps")
     train.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
 
+    publish = sub.add_parser(
+        "publish", help="sign an experiment manifest with your key and store it in the DHT"
+    )
+    _common(publish)
+    publish.add_argument("manifest", metavar="FILE", help="experiment manifest (TOML)")
+    publish.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="peer to store it through (repeatable; default: network.bootstrap_peers)",
+    )
+    publish.add_argument(
+        "--key", metavar="FILE", help="the owner's key file (default: this node's key)"
+    )
+
     ident = sub.add_parser("id", help="print this node's peer id (creating its key if needed)")
     _common(ident)
 
@@ -217,11 +233,13 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     from volunteerd.daemon import Daemon, bootstrap_only
 
     configure_logging(config.logging.level)
+    if args.command == "publish":
+        return _publish(args, config, paths)
     if args.command == "serve":
         daemon = Daemon(config, paths)
 
         async def start_serve(nursery: trio.Nursery) -> Any:
-            return await nursery.start(daemon.serve)
+            return await nursery.start(_serve_reloading_limits, daemon, args)
 
         return trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
     if args.command == "bootstrap":
@@ -231,6 +249,59 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
 
         return trio.run(_run_service, start_boot, None, args.ready_file)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
+
+
+async def _serve_reloading_limits(
+    daemon: Any, args: argparse.Namespace, *, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """``daemon.serve``; meanwhile SIGHUP reloads the configuration (file, limits.toml,
+    environment, flags) and applies its ``[limits]`` at once. Other sections need a
+    restart. A bad configuration is logged and the current limits stay."""
+    if not hasattr(signal, "SIGHUP"):  # pragma: no cover - Windows
+        await daemon.serve(task_status=task_status)
+        return
+    with trio.open_signal_receiver(signal.SIGHUP) as hangups:
+        async with trio.open_nursery() as nursery:
+
+            async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                await daemon.serve(task_status=task_status)
+                nursery.cancel_scope.cancel()  # the daemon stopped: stop listening too
+
+            running = await nursery.start(serve)
+            task_status.started(running)
+            async for _ in hangups:
+                try:
+                    config, _ = _load(args)
+                except ConfigError as exc:
+                    logger.error("SIGHUP: configuration not reloaded: %s", exc)
+                    continue
+                logger.info("SIGHUP: reloading the limits")
+                await running.volunteer.set_limits(config.limits, persist=False)
+
+
+def _publish(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode:
+    """``volunteerd publish FILE``: sign with the owner's key, store in the DHT, and say
+    which key daemons must trust."""
+    from volunteerd.identity import load_or_create_identity
+    from volunteerd.swarm.publish import publish_manifest
+
+    key = Path(args.key) if args.key else paths.identity_file
+    if args.key and not key.exists():
+        raise ConfigError(f"key file not found: {key}")
+    owner = load_or_create_identity(key)
+    published = trio.run(publish_manifest, config, owner, Path(args.manifest))
+    manifest = published.manifest
+    print(
+        f"published experiment {manifest.name!r} ({len(manifest.uids())} experts, "
+        f"replication {manifest.replication}) on {published.acks} peers"
+    )
+    print(f"owner: {manifest.owner}")
+    print("daemons join it with:")
+    print(
+        f"  volunteerd serve --set experiments.join={manifest.name} "
+        f"--set 'experiments.trusted_owners=[\"{manifest.owner}\"]'"
+    )
+    return ExitCode.OK
 
 
 def _hardware(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode:
@@ -313,6 +384,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
     from volunteerd.demo import run_demo, run_training, trainer_config
     from volunteerd.moe import SwarmClient
     from volunteerd.train import load_experiment
+    from volunteerd.train.manifest import resolve_manifest
 
     stop = _stop_on_signals()
     configure_logging("WARNING")
@@ -335,6 +407,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
     steps = args.steps or experiment.training.steps
     with SwarmClient(trainer_config(bootstrap)) as client:
+        experiment = resolve_manifest(experiment, client)
         summary = run_training(experiment, client=client, steps=steps, out=sys.stderr, stop=stop)
     print(
         f"done: validation loss {summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f}; "

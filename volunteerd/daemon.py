@@ -24,6 +24,7 @@ from volunteerd import __version__
 from volunteerd.config import Config
 from volunteerd.errors import ResourceUnavailable, VolunteerdError, wire_code
 from volunteerd.experts import ExpertBackend, to_wire
+from volunteerd.experts.checkpoint import encode_checkpoint
 from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import (
     Announcer,
@@ -35,10 +36,15 @@ from volunteerd.net import (
     Verb,
     open_node,
 )
+from volunteerd.net.shard import ShardServer, Snapshot
+from volunteerd.net.throttle import Throttle, TransferLedger
 from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
 from volunteerd.runtime.averaging import ReplicaAverager
 from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.swarm.download import ShardDownloader
+from volunteerd.swarm.joiner import Joiner, capacity_for
+from volunteerd.volunteer import Volunteer
 from volunteerd.wire import (
     BackwardRequest,
     BatchReply,
@@ -95,8 +101,11 @@ else:  # pragma: no cover - Windows
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
 
 
-def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
-    """Bind the runtime's calls to the expert verbs."""
+def expert_handlers(
+    runtime: ExpertRuntime, shards: ShardServer | None = None
+) -> dict[Verb, Handler]:
+    """Bind the runtime's calls to the expert verbs (``shard`` to ``shards``, if given;
+    start its ``serve`` so idle snapshots are freed)."""
 
     async def forward_one(item: ForwardRequest, tensors: list[WireTensor], peer: str) -> Result:
         return await runtime.forward(
@@ -146,7 +155,20 @@ def expert_handlers(runtime: ExpertRuntime) -> dict[Verb, Handler]:
         Verb.FORWARD_BATCH: forward_batch,
         Verb.BACKWARD_BATCH: backward_batch,
         Verb.PARAMS: params,
+        Verb.SHARD: (shards or ShardServer(shard_snapshot(runtime))).handle,
     }
+
+
+def shard_snapshot(runtime: ExpertRuntime) -> Snapshot:
+    """The ``shard`` verb's snapshots: an expert's state encoded as a checkpoint file."""
+
+    async def snapshot(uid: str) -> bytes:
+        # Copied in the worker's turn (consistent, between optimizer steps), encoded in
+        # another thread so the worker goes back to batches at once.
+        state = await runtime.with_expert(uid, lambda backend: backend.state())
+        return await trio.to_thread.run_sync(lambda: b"".join(encode_checkpoint(state)))
+
+    return snapshot
 
 
 Result = tuple[TensorReply, list[bytes]]
@@ -215,6 +237,8 @@ class Running:
     announcer: Announcer
     checkpointer: Checkpointer
     averager: ReplicaAverager
+    joiner: Joiner | None = None  # when joined to an experiment (experiments.join)
+    volunteer: Volunteer | None = None  # pause, resume, snooze, limits (Daemon sets it)
 
 
 class Daemon:
@@ -241,15 +265,29 @@ class Daemon:
         device = choose_device(config.runtime.device)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
-        uids = config.experts.uid_list()
+        # Joining an experiment: the joiner chooses the experts once the node is up.
+        joining = bool(config.experiments.join)
+        uids = [] if joining else config.experts.uid_list()
         runtime = ExpertRuntime(
             uids, config.experts, config.runtime, config.wire, device, guard=config.guard
         )
         checkpointer = Checkpointer(runtime, self.paths.checkpoints_dir, config.checkpoints)
         if config.checkpoints.enabled:
             await checkpointer.restore()
+        throttle = Throttle(config.limits, TransferLedger(self.paths.transfer_file))
+        volunteer = Volunteer(
+            runtime,
+            throttle,
+            config.limits,
+            state_file=self.paths.state_file,
+            limits_file=self.paths.limits_file,
+            grace_s=config.timeouts.shutdown_grace_s,
+        )
+        volunteer.restore()  # a daemon paused before its restart starts paused
+        shards = ShardServer(shard_snapshot(runtime))
+        handlers = volunteer.gate.wrap(expert_handlers(runtime, shards))
         async with (
-            open_node(identity, config, expert_handlers(runtime)) as node,
+            open_node(identity, config, handlers, throttle) as node,
             trio.open_nursery() as compute,
         ):
             await compute.start(runtime.serve)
@@ -260,24 +298,56 @@ class Daemon:
                 node.dht, identity, node.peer_id, node.addrs, config.dht, config.timeouts
             )
             announcer.set_uids(uids)
+            if node.reachability is not None:  # moved to or from a relay: re-announce
+                node.reachability.watch_addrs(announcer.set_addrs)
+            volunteer.attach(announcer)
             try:
                 async with trio.open_nursery() as serving:
                     await serving.start(announcer.serve)
+                    await serving.start(shards.serve)
+                    await serving.start(volunteer.serve)
                     if config.checkpoints.enabled:
                         await serving.start(checkpointer.serve)
                     if config.replicas.enabled:
                         await serving.start(averager.serve)
+                    joiner = None
+                    if joining:
+                        joiner = Joiner(
+                            node,
+                            runtime,
+                            announcer,
+                            checkpointer if config.checkpoints.enabled else None,
+                            ShardDownloader.for_node(
+                                node.rpc, self.paths.downloads_dir, config.timeouts
+                            ),
+                            config.experiments,
+                            capacity_for(config, device),
+                        )
+                        await serving.start(joiner.serve)
+                        uids = runtime.uids
                     logger.info(
                         "volunteerd %s serving %d %s experts on %s as %s",
                         __version__,
                         len(uids),
-                        config.experts.type,
+                        joiner.manifest.expert_type
+                        if joiner is not None and joiner.manifest is not None
+                        else config.experts.type,
                         device,
                         node.peer_id,
                     )
                     for addr in node.multiaddrs:
                         logger.info("reachable at %s", addr)
-                    task_status.started(Running(node, runtime, announcer, checkpointer, averager))
+                    task_status.started(
+                        Running(
+                            node,
+                            runtime,
+                            announcer,
+                            checkpointer,
+                            averager,
+                            joiner,
+                            volunteer=volunteer,
+                        )
+                    )
                     await self._stop.wait()
                     serving.cancel_scope.cancel()  # withdraws the announcements
             finally:
@@ -304,7 +374,8 @@ async def bootstrap_only(
     """``volunteerd bootstrap``: a DHT node with no experts, for others to join through."""
     with data_dir_lock(paths.lock_file):
         identity = load_or_create_identity(paths.identity_file)
-        async with open_node(identity, config) as node:
+        # Bootstrap nodes also relay circuits for peers that cannot be dialled.
+        async with open_node(identity, config, relay=True) as node:
             logger.info("bootstrap node %s", node.peer_id)
             for addr in node.multiaddrs:
                 logger.info("join with --bootstrap %s", addr)

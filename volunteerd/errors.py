@@ -4,6 +4,7 @@
 
     VolunteerdError
     ├── ConfigError            bad config file, environment variable or flag
+    │   └── UntrustedManifest  the experiment to join is signed by no trusted owner
     ├── CheckpointError        a checkpoint file is damaged or does not fit
     ├── IdentityError          unreadable or invalid key file
     ├── ResourceUnavailable    a port or the data folder is already in use
@@ -15,14 +16,17 @@
     │   └── BadShape           tensor shape not allowed by the schema -> "bad_shape"
     ├── UnknownExpert          no such expert on this server          -> "unknown_expert"
     ├── ActivationsExpired     a backward's handle is not (any longer) known -> "expired"
+    ├── SnapshotExpired        a shard snapshot is no longer kept      -> "expired"
     ├── Busy                   the expert's queue is full             -> "busy"
+    ├── Paused                 the volunteer paused serving           -> "paused"
     ├── RateLimited            a peer is over its per-peer limits     -> "rate_limited"
     ├── Rejected               tensors refused on their values        -> "rejected"
     ├── InvalidRecord          a DHT record failed validation
     ├── PeerError              talking to a peer failed (client side)
     │   ├── PeerUnreachable    could not open a stream to the peer
     │   ├── RequestTimeout     the peer did not answer in time
-    │   └── RemoteError        the peer answered with a typed error (``.code``)
+    │   ├── RemoteError        the peer answered with a typed error (``.code``)
+    │   └── ShardError         a shard download failed (bad bytes, or the peer kept failing)
     ├── ShuttingDown           the service is stopping                -> "shutting_down"
     └── Interrupted            the user asked a command to stop (Ctrl-C)
 
@@ -48,6 +52,7 @@ __all__ = [
     "Interrupted",
     "InvalidRecord",
     "MalformedFrame",
+    "Paused",
     "PeerError",
     "PeerUnreachable",
     "RateLimited",
@@ -55,9 +60,12 @@ __all__ = [
     "RemoteError",
     "RequestTimeout",
     "ResourceUnavailable",
+    "ShardError",
     "ShuttingDown",
+    "SnapshotExpired",
     "UnknownExpert",
     "UnsupportedVersion",
+    "UntrustedManifest",
     "VolunteerdError",
     "WireError",
     "exit_code",
@@ -73,6 +81,22 @@ class VolunteerdError(Exception):
 
 class ConfigError(VolunteerdError):
     """The configuration (file, environment or flags) is invalid."""
+
+
+class UntrustedManifest(ConfigError):
+    """The experiment named in ``experiments.join`` was found only with manifests signed
+    by owners this daemon was not told to trust. Restarting will not help: trust the
+    owner (``experiments.trusted_owners``) or join another experiment."""
+
+    def __init__(self, name: str, owners: list[str]) -> None:
+        listed = ", ".join(owners)
+        super().__init__(
+            f"experiment {name!r} is signed by {listed}, which is not a trusted owner; "
+            f"to trust it, add it to experiments.trusted_owners (e.g. "
+            f"--set 'experiments.trusted_owners=[\"{owners[0] if owners else ''}\"]')"
+        )
+        self.name = name
+        self.owners = owners
 
 
 class IdentityError(VolunteerdError):
@@ -139,10 +163,23 @@ class ActivationsExpired(VolunteerdError):
     code = "expired"
 
 
+class SnapshotExpired(VolunteerdError):
+    """The shard snapshot a download is resuming is no longer kept: start again."""
+
+    code = "expired"
+
+
 class InvalidRecord(VolunteerdError):
     """A DHT record that failed validation (signature, expiry, size or form)."""
 
     code = "invalid_record"
+
+
+class Paused(VolunteerdError):
+    """The volunteer paused serving (or the monthly quota is used up): choose another
+    expert; this one may come back later."""
+
+    code = "paused"
 
 
 class ShuttingDown(VolunteerdError):
@@ -174,6 +211,16 @@ class RemoteError(PeerError):
         self.message = message
 
 
+class ShardError(PeerError):
+    """A shard download failed: its bytes do not match their SHA-256, the peer's replies
+    contradict each other, or the peer kept failing. ``.resumable`` says whether the
+    partial file was kept for a later call to resume."""
+
+    def __init__(self, message: str, *, resumable: bool) -> None:
+        super().__init__(message)
+        self.resumable = resumable
+
+
 # Codes a peer may send us; anything else is reported as "internal".
 WIRE_CODES = frozenset(
     {
@@ -189,6 +236,7 @@ WIRE_CODES = frozenset(
         "expired",
         "invalid_record",
         "shutting_down",
+        "paused",
         "internal",
     }
 )

@@ -8,10 +8,14 @@ environment variable, then the platform's per-user directory (XDG on Linux,
 name                   default                         override
 =====================  ==============================  ======================
 ``config_file``        <user config dir>/config.toml   ``--config``, ``VOLUNTEERD_CONFIG``
+``limits_file``        <config dir>/limits.toml        (limits set at run time)
 ``data_dir``           <user data dir>                 ``--data-dir``, ``VOLUNTEERD_DATA_DIR``
 ``identity_file``      <data dir>/identity.key
 ``lock_file``          <data dir>/volunteerd.lock      (held while a node runs)
 ``checkpoints_dir``    <data dir>/checkpoints
+``downloads_dir``      <data dir>/downloads            (expert state from replicas)
+``state_file``         <data dir>/state.json           (paused or snoozed, kept on restart)
+``transfer_file``      <data dir>/transfer.json        (bytes this month, for the quota)
 ``cache_dir``          <user cache dir>                ``VOLUNTEERD_CACHE_DIR``
 =====================  ==============================  ======================
 """
@@ -48,6 +52,22 @@ class Paths:
     def checkpoints_dir(self) -> Path:
         return self.data_dir / "checkpoints"
 
+    @property
+    def downloads_dir(self) -> Path:
+        return self.data_dir / "downloads"
+
+    @property
+    def limits_file(self) -> Path:
+        return self.config_file.parent / "limits.toml"
+
+    @property
+    def state_file(self) -> Path:
+        return self.data_dir / "state.json"
+
+    @property
+    def transfer_file(self) -> Path:
+        return self.data_dir / "transfer.json"
+
     @classmethod
     def resolve(
         cls, *, config_file: str | Path | None = None, data_dir: str | Path | None = None
@@ -71,5 +91,9 @@ class Paths:
             "identity_file": str(self.identity_file),
             "lock_file": str(self.lock_file),
             "checkpoints_dir": str(self.checkpoints_dir),
+            "downloads_dir": str(self.downloads_dir),
+            "limits_file": str(self.limits_file),
+            "state_file": str(self.state_file),
+            "transfer_file": str(self.transfer_file),
             "cache_dir": str(self.cache_dir),
         }

@@ -115,6 +115,14 @@ async def test_slow_senders_are_dropped_and_idle_streams_capped_while_a_good_cli
     ) as (server, good, attacker):
         baseline = [await forward(good, server) for _ in range(5)]
         _, _, frame = forward_frame()
+        # Start from no streams of the attacker's (its node pools the stream of its
+        # start-up reachability check).
+        await attacker.rpc.aclose()
+        for _ in range(200):  # polling a counter: no event to wait for
+            if not server.node.server.open_streams(attacker.peer_id):
+                break
+            await trio.sleep(0.05)
+        assert server.node.server.open_streams(attacker.peer_id) == 0
 
         idle = [await open_raw(attacker, server) for _ in range(4)]  # send nothing
         drop_after_s: list[float] = []

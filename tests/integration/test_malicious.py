@@ -7,6 +7,7 @@ an attack after it starts; everything else (libp2p, the DHT, the wire) is real.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,19 @@ def corrupt_backward(backend: ExpertBackend) -> None:
     backend.backward_retained = backward_retained  # type: ignore[method-assign]
 
 
+def wait_for_replicas(client: SwarmClient, replicas: int, timeout_s: float = 30.0) -> None:
+    """Until the trainer's directory lists ``replicas`` servers for every expert (on a
+    loaded machine an announcement round can be late)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = client.children(["ffn.0.", "ffn.1."])
+        counts = [len(peers) for children in found.values() for peers in children.values()]
+        if len(counts) == 4 and min(counts) >= replicas:
+            return
+        assert time.monotonic() < deadline, f"replicas seen: {found}"
+        time.sleep(0.5)
+
+
 def train(client: SwarmClient, checks: OutputChecks, steps: int) -> tuple[list[float], Any]:
     """A small regression through the swarm's mixture; returns the losses and the layer."""
     torch.manual_seed(0)
@@ -121,6 +135,7 @@ async def test_a_malicious_expert_is_detected_counted_and_excluded(
 
             def run() -> None:
                 with SwarmClient(local_config(bootstrap=boot.multiaddrs)) as client:
+                    wait_for_replicas(client, 3)
                     losses, moe = train(client, checks, steps=30)
                     assert all(loss == loss for loss in losses), "no NaN reached training"
                     assert losses[-1] < 0.7 * losses[0], losses
@@ -156,6 +171,7 @@ async def test_a_replica_takes_over_within_the_step(tmp_path: Path) -> None:
 
             def run() -> None:
                 with SwarmClient(local_config(bootstrap=boot.multiaddrs)) as client:
+                    wait_for_replicas(client, 2)
                     _, moe = train(client, OutputChecks(), steps=2)
                     # Make every call of the next step fail on b.
                     for uid in b.runtime.uids:

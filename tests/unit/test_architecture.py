@@ -13,6 +13,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "uids": set(),
     "paths": set(),
+    "stats": set(),
     "logs": set(),
     "config": set(),
     "identity": set(),
@@ -21,10 +22,22 @@ ALLOWED: dict[str, set[str]] = {
     "experts": {"wire", "config"},
     "runtime": {"wire", "config", "experts"},
     "moe": {"net", "wire", "experts", "config", "identity"},
-    "train": {"moe", "experts", "config"},
+    "swarm": {"net", "wire", "experts", "config", "identity", "runtime"},
+    "train": {"moe", "experts", "config", "swarm"},
     "demo": {"train", "moe", "config"},
-    "daemon": {"config", "identity", "net", "paths", "runtime", "experts", "wire"},
-    "testing": {"config", "daemon", "identity", "net", "paths"},
+    "volunteer": {"config", "net", "runtime"},
+    "daemon": {
+        "config",
+        "identity",
+        "net",
+        "paths",
+        "runtime",
+        "experts",
+        "wire",
+        "swarm",
+        "volunteer",
+    },
+    "testing": {"config", "daemon", "identity", "net", "paths", "swarm"},
     "cli": {
         "config",
         "daemon",
@@ -36,11 +49,12 @@ ALLOWED: dict[str, set[str]] = {
         "moe",
         "train",
         "runtime",
+        "swarm",
     },
     "__init__": set(),
     "__main__": {"cli"},
 }
-TORCH_FREE = {"errors", "uids", "paths", "logs", "config", "identity", "wire", "net"}
+TORCH_FREE = {"errors", "uids", "paths", "logs", "config", "identity", "wire", "net", "stats"}
 ONLY_NET_MAY_IMPORT = {"libp2p", "multiaddr"}
 
 

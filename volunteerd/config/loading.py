@@ -4,6 +4,11 @@ Later sources win. An environment variable ``VOLUNTEERD_<SECTION>__<KEY>`` (doub
 underscore between levels) and a flag ``--set section.key=value`` both take a TOML
 value (``8080``, ``"text"``, ``[1, 2]``); a bare word is read as a string.
 Every error names the key, the value and where the value came from.
+
+Limits changed at run time (pause controls, tray) are kept apart from the person's
+config file, whose comments must survive: in ``limits.toml`` next to it, holding only a
+``[limits]`` section, whose keys take the place of the config file's (environment and
+flags still win). Deleting ``limits.toml`` returns to the config file's limits.
 """
 
 from __future__ import annotations
@@ -17,12 +22,20 @@ from typing import Any
 import tomli_w
 from pydantic import ValidationError
 
-from volunteerd.config.models import Config
+from volunteerd.config.models import Config, LimitsConfig
 from volunteerd.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "dump_toml", "load_config", "parse_override"]
+__all__ = [
+    "ENV_PREFIX",
+    "LIMITS_FILE",
+    "dump_toml",
+    "limits_overlay_toml",
+    "load_config",
+    "parse_override",
+]
 
 ENV_PREFIX = "VOLUNTEERD_"
+LIMITS_FILE = "limits.toml"
 
 
 def load_config(
@@ -51,6 +64,8 @@ def load_config(
         _record_sources(data, (), f"file {path}", sources)
     elif path is not None and required:
         raise ConfigError(f"config file not found: {path}")
+    if path is not None:
+        _apply_limits_overlay(path.parent / LIMITS_FILE, data, sources)
 
     for name, raw in sorted((os.environ if env is None else env).items()):
         if not name.startswith(ENV_PREFIX) or "__" not in name[len(ENV_PREFIX) :]:
@@ -79,6 +94,37 @@ def parse_override(item: str) -> tuple[tuple[str, ...], Any]:
 
 def dump_toml(config: Config) -> str:
     return tomli_w.dumps(config.model_dump(mode="json"))
+
+
+_OVERLAY_HEADER = """\
+# Written by volunteerd when its limits are changed while it runs (tray, control API).
+# These keys take the place of the [limits] section of the config file next to this one.
+# Delete this file to go back to the config file's limits.
+"""
+
+
+def limits_overlay_toml(limits: LimitsConfig) -> str:
+    """The text of ``limits.toml`` for ``limits``."""
+    return _OVERLAY_HEADER + tomli_w.dumps({"limits": limits.model_dump(mode="json")})
+
+
+def _apply_limits_overlay(
+    path: Path, data: dict[str, Any], sources: dict[tuple[str, ...], str]
+) -> None:
+    try:
+        with path.open("rb") as f:
+            overlay = tomllib.load(f)
+    except FileNotFoundError:
+        return
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    limits = overlay.get("limits")
+    if set(overlay) - {"limits"} or not isinstance(limits, dict):
+        raise ConfigError(f"{path}: may hold only a [limits] section")
+    for key, value in limits.items():
+        _set_path(data, ("limits", key), value, f"file {path}", sources)
 
 
 def _parse_value(raw: str) -> Any:

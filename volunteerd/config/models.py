@@ -20,12 +20,16 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DHTConfig",
+    "ExperimentsConfig",
     "ExpertsConfig",
     "GuardConfig",
+    "HardwareConfig",
+    "LimitsConfig",
     "LoggingConfig",
     "NetworkConfig",
     "OptimizerConfig",
     "PeerLimitsConfig",
+    "ReachabilityConfig",
     "ReplicasConfig",
     "RuntimeConfig",
     "TimeoutsConfig",
@@ -96,6 +100,11 @@ class DHTConfig(_Model):
     )
     max_records_per_key: int = Field(1024, ge=1, description="servers remembered per key")
     max_keys: int = Field(100_000, ge=1, description="keys this node stores for others")
+    max_manifest_ttl_s: float = Field(
+        30 * 86400.0,
+        gt=0,
+        description="longest lifetime accepted for an experiment manifest stored for others",
+    )
 
     @model_validator(mode="after")
     def _ttl_outlives_period(self) -> Self:
@@ -181,6 +190,17 @@ class GuardConfig(_Model):
         gt=1,
         description="a request whose largest row norm is this many times the threshold "
         "is refused even when clipping",
+    )
+
+
+class HardwareConfig(_Model):
+    """How much of this machine volunteerd may use for experts."""
+
+    memory_budget_mb: int = Field(
+        0,
+        ge=0,
+        description="memory for hosted experts, in MiB; 0 = half of the available memory "
+        "(CPU) or 80% of the GPU's",
     )
 
 
@@ -281,6 +301,41 @@ class ReplicasConfig(_Model):
     max_peers: int = Field(8, ge=1, le=64, description="replicas averaged with per round")
 
 
+class ExperimentsConfig(_Model):
+    """Joining an experiment published in the DHT: which one, whose, and how many experts.
+
+    With ``join`` set the daemon ignores ``experts.uids`` (and the architecture in
+    ``experts``): the experiment's signed manifest says which experts exist and how
+    they are built, and the daemon chooses which of them to host."""
+
+    join: str = Field(
+        "",
+        max_length=64,
+        pattern=r"^([a-z0-9][a-z0-9_.-]{0,63})?$",
+        description='name of the experiment to join ("" = host experts.uids instead)',
+    )
+    trusted_owners: list[str] = Field(
+        default_factory=list,
+        description="peer ids of the owners whose signed manifests this daemon accepts "
+        "(`volunteerd publish` prints the owner's)",
+    )
+    max_experts: int = Field(
+        0, ge=0, le=4096, description="experts to host at most; 0 = as many as fit memory"
+    )
+    rebalance_every_s: float = Field(
+        60.0, gt=0, le=86400, description="how often the choice of experts is revisited"
+    )
+    min_stay_s: float = Field(
+        300.0, ge=0, description="an expert is hosted at least this long before moving"
+    )
+    republish_every_s: float = Field(
+        3600.0, gt=0, description="how often a joined daemon stores the manifest again"
+    )
+    join_timeout_s: float = Field(
+        60.0, gt=0, description="how long to look for the manifest before giving up"
+    )
+
+
 class PeerLimitsConfig(_Model):
     """Per-peer limits on what one peer may ask of this node; beyond them: rate_limited."""
 
@@ -301,6 +356,78 @@ class PeerLimitsConfig(_Model):
     )
 
 
+class ReachabilityConfig(_Model):
+    """Whether peers can dial this node directly, and the circuit relay fallback."""
+
+    mode: Literal["auto", "direct", "relay"] = Field(
+        "auto",
+        description="auto: ask peers to dial back and use a relay only when none can; "
+        "direct: never use a relay; relay: always reserve a relay slot and announce it",
+    )
+    relays: list[str] = Field(
+        default_factory=list,
+        description="relay multiaddrs ending in /p2p/<peer id>; empty = the bootstrap peers",
+    )
+    check_every_s: float = Field(
+        600.0, gt=0, description="seconds between dial-back checks (and relay re-reservations)"
+    )
+    act_as_relay: bool = Field(
+        False,
+        description="relay circuits for peers that cannot be dialled (bootstrap nodes always "
+        "do); turn on only on a node that is directly reachable",
+    )
+    listen: bool = Field(
+        True,
+        description="listen for direct TCP connections; false makes a relay-only node "
+        "(requires mode = relay)",
+    )
+
+    @field_validator("relays")
+    @classmethod
+    def _relay_multiaddrs(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value.startswith("/") or "/p2p/" not in value:
+                raise ValueError(f"not a relay multiaddr: {value!r} (expected .../p2p/<id>)")
+        return values
+
+    @model_validator(mode="after")
+    def _listen_needs_relay(self) -> Self:
+        if not self.listen and self.mode != "relay":
+            raise ValueError("reachability.listen = false requires reachability.mode = 'relay'")
+        return self
+
+
+class LimitsConfig(_Model):
+    """What this machine gives: bandwidth, a monthly transfer quota and compute.
+
+    Limits changed at run time are written to ``limits.toml`` next to the config file,
+    whose values then take the place of this section's (environment and flags still win).
+    """
+
+    upload_mbit: float = Field(
+        0.0, ge=0, description="upload limit in Mbit/s for all peers together (0 = none)"
+    )
+    download_mbit: float = Field(
+        0.0, ge=0, description="download limit in Mbit/s for all peers together (0 = none)"
+    )
+    monthly_quota_gb: float = Field(
+        0.0,
+        ge=0,
+        description="GB (10^9 bytes) sent and received per calendar month; when used up, "
+        "serving pauses until the month ends (0 = no quota)",
+    )
+    duty_cycle: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="share of time the device may compute (0.5: rest as long as each batch "
+        "took; 1 = no rest)",
+    )
+    max_batch_size: int = Field(
+        0, ge=0, le=1 << 20, description="samples joined into one batch at most (0 = no cap)"
+    )
+
+
 class LoggingConfig(_Model):
     """Log output (to stderr)."""
 
@@ -315,10 +442,14 @@ class Config(_Model):
     dht: DHTConfig = Field(default_factory=DHTConfig)
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    experiments: ExperimentsConfig = Field(default_factory=ExperimentsConfig)
     wire: WireLimits = Field(default_factory=WireLimits)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     peer_limits: PeerLimitsConfig = Field(default_factory=PeerLimitsConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    reachability: ReachabilityConfig = Field(default_factory=ReachabilityConfig)

@@ -319,6 +319,19 @@ class ExpertBackend:
         self._check_params(params)
         self._write_parameters(params)
 
+    def move_to(self, device: torch.device) -> None:
+        """Move the weights, their gradient buffers and the optimizer state to ``device``
+        (the CPU while the volunteer pauses: frees the GPU's memory). Compute still
+        targets ``self.device``: move back before computing. Kept forwards are dropped
+        first by the caller; their weight aliases would point at the old storage."""
+        self._snapshot = None
+        self.module.to(device)
+        for entry in self.optimizer.state.values():
+            for key, value in entry.items():
+                # adam's "step" is a scalar that stays where the optimizer keeps it
+                if key != "step" and isinstance(value, torch.Tensor):
+                    entry[key] = value.to(device)
+
     def _write_parameters(self, params: dict[str, torch.Tensor]) -> None:
         snapshot = self._snapshot
         with torch.no_grad():

@@ -316,7 +316,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             return
         error = outcome.error
         if isinstance(error, RemoteError):
-            if error.code in {"busy", "expired", "shutting_down", "rejected"}:
+            if error.code in {"busy", "expired", "shutting_down", "paused", "rejected"}:
                 # alive, just loaded (or forgetful, or refusing what we sent): choose it
                 # again later
                 return

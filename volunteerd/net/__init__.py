@@ -13,6 +13,8 @@ from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr, peer_id_for,
 from volunteerd.net.protocols import PROTOCOLS, ProtocolSpec, Verb
 from volunteerd.net.records import ExpertRecord, RecordStore, sign_record, validate_record
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient, RpcServer
+from volunteerd.net.shard import ShardResult, ShardServer, download_shard, partial_paths
+from volunteerd.net.throttle import Throttle, ThrottleStats, TransferLedger
 
 __all__ = [
     "PROTOCOLS",
@@ -28,11 +30,18 @@ __all__ = [
     "Request",
     "RpcClient",
     "RpcServer",
+    "ShardResult",
+    "ShardServer",
     "StoreOutcome",
+    "Throttle",
+    "ThrottleStats",
+    "TransferLedger",
     "Verb",
     "children_by_key",
+    "download_shard",
     "open_node",
     "parse_peer_multiaddr",
+    "partial_paths",
     "peer_id_for",
     "short",
     "sign_record",

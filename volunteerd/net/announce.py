@@ -4,7 +4,8 @@ Every ``announce_period_s`` it signs fresh records (lifetime ``record_ttl_s``) f
 every key of every hosted uid and stores them on the closest peers. Leaving
 ``serve`` (cancellation) publishes withdrawn records within a shielded, bounded grace
 period, so a cleanly stopped server vanishes from lookups at once; a crashed one
-vanishes when its last records expire, within ``record_ttl_s``.
+vanishes when its last records expire, within ``record_ttl_s``. While paused
+(``set_paused``) it announces nothing and withdraws what it had announced.
 """
 
 from __future__ import annotations
@@ -61,15 +62,32 @@ class Announcer:
         self._uids: set[str] = set()
         self._announced: set[str] = set()
         self._wake = trio.Event()
+        self._paused = False
+        self._lock = trio.Lock()  # one round at a time: a withdrawal is never overtaken
         self.last_outcome: StoreOutcome | None = None
+
+    def set_addrs(self, addrs: Iterable[str]) -> None:
+        """Announce these addresses from the next round on (which starts at once); the
+        reachability service calls this when the node moves to or from a relay."""
+        self._addrs = tuple(addrs)
+        self._wake.set()
 
     def set_uids(self, uids: Iterable[str]) -> None:
         """Announce exactly these uids from the next round on (which starts at once)."""
         self._uids = set(uids)
         self._wake.set()
 
+    def set_paused(self, paused: bool) -> None:
+        """Paused: announce nothing and withdraw the announced uids (in the next round,
+        which starts at once; await ``announce_now`` to have it done)."""
+        self._paused = paused
+        self._wake.set()
+
+    def _live(self) -> set[str]:
+        return set() if self._paused else self._uids
+
     def records(self, *, withdraw: Iterable[str] = ()) -> list[ExpertRecord]:
-        active = children_by_key(self._uids)
+        active = children_by_key(self._live())
         gone = children_by_key(withdraw)
         out = [
             sign_record(
@@ -97,10 +115,12 @@ class Announcer:
         return out
 
     async def announce_now(self) -> StoreOutcome:
-        withdrawn = self._announced - self._uids
-        outcome = await self._dht.put(self.records(withdraw=withdrawn))
-        self._announced = set(self._uids)
-        self.last_outcome = outcome
+        async with self._lock:
+            live = self._live()
+            withdrawn = self._announced - live
+            outcome = await self._dht.put(self.records(withdraw=withdrawn))
+            self._announced = set(live)
+            self.last_outcome = outcome
         if outcome.acks and outcome.min_acks == 0:
             logger.warning("an announcement reached no peer; retrying next round")
         return outcome
@@ -108,7 +128,7 @@ class Announcer:
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self.announce_now()
-            logger.info("announced %d experts", len(self._uids))
+            logger.info("announced %d experts", len(self._live()))
             task_status.started()
             while True:
                 with trio.move_on_after(self._config.announce_period_s):

@@ -27,7 +27,17 @@ from libp2p.peer.id import ID
 
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.errors import InvalidRecord, PeerError
-from volunteerd.net.peers import PeerAddress, public_key_of, short
+from volunteerd.net.manifests import (
+    ManifestFindReply,
+    ManifestFindRequest,
+    ManifestRecord,
+    ManifestStore,
+    ManifestStoreReply,
+    ManifestStoreRequest,
+    manifest_key,
+    validate_manifest_record,
+)
+from volunteerd.net.peers import PeerAddress, dialable_part, public_key_of, short
 from volunteerd.net.protocols import Verb
 from volunteerd.net.records import (
     ExpertRecord,
@@ -80,6 +90,7 @@ class ExpertDHT:
         self._timeouts = timeouts
         self._self_id = host.get_id()
         self.store = RecordStore(config, public_key_of)
+        self.manifests = ManifestStore(config, public_key_of)
         self._dead_until: dict[ID, float] = {}
         # key -> (routing table size then, valid until, closest peers)
         self._closest_cache: dict[str, tuple[int, float, list[ID]]] = {}
@@ -89,7 +100,21 @@ class ExpertDHT:
     # -- serving other peers ----------------------------------------------------------
 
     def handlers(self) -> dict[Verb, Handler]:
-        return {Verb.DHT_STORE: self._on_store, Verb.DHT_FIND: self._on_find}
+        return {
+            Verb.DHT_STORE: self._on_store,
+            Verb.DHT_FIND: self._on_find,
+            Verb.MANIFEST_STORE: self._on_manifest_store,
+            Verb.MANIFEST_FIND: self._on_manifest_find,
+        }
+
+    async def _on_manifest_store(self, request: Request) -> Reply:
+        body: ManifestStoreRequest = request.header
+        stored = sum(self.manifests.put(record) for record in body.records)
+        return Reply(ManifestStoreReply(stored=stored, rejected=len(body.records) - stored))
+
+    async def _on_manifest_find(self, request: Request) -> Reply:
+        body: ManifestFindRequest = request.header
+        return Reply(ManifestFindReply(records=self.manifests.get(body.name)))
 
     async def _on_store(self, request: Request) -> Reply:
         body: StoreRequest = request.header
@@ -163,18 +188,26 @@ class ExpertDHT:
                 )
         if self._dead_until:
             self._dead_until = {p: t for p, t in self._dead_until.items() if t > now}
+        # The routing table's own closest peers are candidates too: a lookup cut short
+        # (timeouts, streams reset under load) must not shrink the set to a few peers.
+        local = self._kad.routing_table.find_local_closest_peers(
+            key.encode(), self._config.replication
+        )
         candidates = [
-            p for p in dict.fromkeys([*found, self._self_id]) if p not in self._dead_until
+            p for p in dict.fromkeys([*found, *local, self._self_id]) if p not in self._dead_until
         ]
         closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
             : self._config.replication
         ]
-        self._closest_cache[key] = (size, now + _CLOSEST_CACHE_S, closest)
+        if found or not size:
+            # A lookup that found nobody (timed out, or streams reset under load) is
+            # not remembered: caching [self] would keep records on this node alone.
+            self._closest_cache[key] = (size, now + _CLOSEST_CACHE_S, closest)
         return closest
 
     def _address(self, peer_id: ID) -> PeerAddress:
         addrs = self._host.get_peerstore().addrs(peer_id)
-        return PeerAddress(str(peer_id), tuple(str(a).split("/p2p/")[0] for a in addrs))
+        return PeerAddress(str(peer_id), tuple(dialable_part(str(a)) for a in addrs))
 
     async def _group_by_peer(self, keys: Iterable[str]) -> dict[ID, list[str]]:
         keys = list(dict.fromkeys(keys))
@@ -275,6 +308,77 @@ class ExpertDHT:
             logger.info("dropped a record from the DHT: %s", exc)
             return False
         return True
+
+    # -- experiment manifests (docs/protocol.md, "Experiment manifests") --------------
+
+    async def put_manifest(self, record: ManifestRecord) -> int:
+        """Store ``record`` on the closest peers to its name; returns how many accepted."""
+        acks = 0
+
+        async def store_on(peer_id: ID) -> None:
+            nonlocal acks
+            if peer_id == self._self_id:
+                acks += self.manifests.put(record)
+                return
+            try:
+                with trio.fail_after(self._timeouts.dht_rpc_s):
+                    reply, _ = await self._rpc.call(
+                        self._address(peer_id),
+                        Verb.MANIFEST_STORE,
+                        ManifestStoreRequest(records=[record]),
+                    )
+            except (PeerError, trio.TooSlowError) as exc:
+                logger.debug("manifest store on %s failed: %s", short(peer_id), exc)
+                self.forget_peer(str(peer_id))
+                return
+            acks += isinstance(reply, ManifestStoreReply) and reply.stored == 1
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in await self._closest(manifest_key(record.name)):
+                nursery.start_soon(store_on, peer_id)
+        return acks
+
+    async def get_manifests(self, name: str) -> list[ManifestRecord]:
+        """Every owner's newest valid manifest for experiment ``name``."""
+        found: list[ManifestRecord] = []
+
+        async def find_on(peer_id: ID) -> None:
+            if peer_id == self._self_id:
+                found.extend(self.manifests.get(name))
+                return
+            try:
+                with trio.fail_after(self._timeouts.dht_rpc_s):
+                    reply, _ = await self._rpc.call(
+                        self._address(peer_id), Verb.MANIFEST_FIND, ManifestFindRequest(name=name)
+                    )
+            except (PeerError, trio.TooSlowError) as exc:
+                logger.debug("manifest find on %s failed: %s", short(peer_id), exc)
+                self.forget_peer(str(peer_id))
+                return
+            for record in reply.records:
+                try:
+                    validate_manifest_record(
+                        record,
+                        public_key_of=public_key_of,
+                        now=time.time(),
+                        max_ttl_s=self._config.max_manifest_ttl_s,
+                        max_clock_skew_s=self._config.max_clock_skew_s,
+                    )
+                except InvalidRecord as exc:
+                    logger.info("dropped a manifest from the DHT: %s", exc)
+                    continue
+                if record.name == name:
+                    found.append(record)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in await self._closest(manifest_key(name)):
+                nursery.start_soon(find_on, peer_id)
+        newest: dict[str, ManifestRecord] = {}
+        for record in found:
+            old = newest.get(record.owner)
+            if old is None or record.issued_at > old.issued_at:
+                newest[record.owner] = record
+        return list(newest.values())
 
     async def find_expert(self, uid: str) -> list[PeerAddress]:
         """Servers announcing ``uid`` now."""

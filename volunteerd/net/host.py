@@ -99,16 +99,20 @@ def check_port_free(host: str, port: int) -> None:
 
 @asynccontextmanager
 async def open_host(
-    identity: Identity, listen_addr: str, announce_addrs: Sequence[str] = ()
+    identity: Identity, listen_addr: str | None, announce_addrs: Sequence[str] = ()
 ) -> AsyncIterator[IHost]:
-    """A running host listening on ``listen_addr``; closed when the block exits.
+    """A running host listening on ``listen_addr`` (None: on nothing, a relay-only
+    node); closed when the block exits.
 
     Raises ResourceUnavailable when the port is taken."""
-    address = multiaddr.Multiaddr(listen_addr)
-    ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
-    check_port_free(str(ip), int(address.value_for_protocol("tcp")))
+    listen = []
+    if listen_addr is not None:
+        address = multiaddr.Multiaddr(listen_addr)
+        ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
+        check_port_free(str(ip), int(address.value_for_protocol("tcp")))
+        listen.append(address)
     host = build_host(identity, announce_addrs)
-    async with host.run([address]):
+    async with host.run(listen):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
         try:
             yield host

@@ -91,6 +91,11 @@ class PeerLimiter:
         """Peers currently remembered."""
         return len(self._peers)
 
+    def streams(self, peer_id: str) -> int:
+        """Inbound streams ``peer_id`` holds open now."""
+        peer = self._peers.get(peer_id)
+        return peer.streams if peer is not None else 0
+
     def open_stream(self, peer_id: str) -> str | None:
         peer = self._peer(peer_id)
         if peer.streams >= self._config.max_streams:

@@ -23,7 +23,9 @@ from volunteerd.net.dht import ExpertDHT
 from volunteerd.net.host import listen_multiaddr, open_host, transport_addrs
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
+from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
 from volunteerd.net.rpc import Handler, RpcClient, RpcServer
+from volunteerd.net.throttle import Throttle
 
 __all__ = ["Node", "open_node"]
 
@@ -40,10 +42,15 @@ class Node:
     rpc: RpcClient
     server: RpcServer
     dht: ExpertDHT
+    throttle: Throttle
+    reachability: Reachability | None = None
 
     @property
     def addrs(self) -> list[str]:
-        """Dialable transport addresses (announce addresses if configured)."""
+        """Dialable addresses (announce addresses if configured; circuit addresses
+        through a relay when peers cannot dial this node)."""
+        if self.reachability is not None:
+            return self.reachability.announce_addrs
         return transport_addrs(self.host)
 
     @property
@@ -60,32 +67,57 @@ async def open_node(
     identity: Identity,
     config: Config,
     handlers: Mapping[Verb, Handler] | None = None,
+    throttle: Throttle | None = None,
+    *,
+    relay: bool = False,
 ) -> AsyncIterator[Node]:
     """Start a node, join the swarm through ``config.network.bootstrap_peers``, and
-    serve ``handlers`` next to the DHT's own verbs."""
+    serve ``handlers`` next to the DHT's own verbs. Every RPC stream passes through
+    ``throttle`` (default: one made from ``config.limits``, counting in memory)."""
+    throttle = throttle or Throttle(config.limits)
     network = config.network
     bootstrap = [parse_peer_multiaddr(a) for a in network.bootstrap_peers]
-    listen = listen_multiaddr(network.listen_host, network.port)
+    # relay: serve as a circuit relay (bootstrap nodes); see net/reachability.py.
+    listen = (
+        listen_multiaddr(network.listen_host, network.port) if config.reachability.listen else None
+    )
     async with open_host(identity, listen, network.announce_addrs) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         async with background_trio_service(kad), trio.open_nursery() as nursery:
-            rpc = RpcClient(host, config.wire, config.timeouts)
+            rpc = RpcClient(host, config.wire, config.timeouts, throttle=throttle)
             dht = ExpertDHT(host, kad, rpc, config.dht, config.timeouts)
             server = RpcServer(
                 host,
-                {**dht.handlers(), **(handlers or {})},
+                {**dht.handlers(), **DialBackServer(host).handlers(), **(handlers or {})},
                 config.wire,
                 config.timeouts,
                 config.peer_limits,
+                throttle,
             )
             server.install()
-            node = Node(host, identity, str(host.get_id()), rpc, server, dht)
+            node = Node(host, identity, str(host.get_id()), rpc, server, dht, throttle)
             nursery.start_soon(_expire_records, dht)
+            nursery.start_soon(throttle.serve)
+            relaying = Relaying(host, hop=relay or config.reachability.act_as_relay)
+            await nursery.start(relaying.serve)
+            rpc.connect_circuit = relaying.connect
             if bootstrap:
                 joined = await dht.bootstrap(bootstrap)
                 logger.info(
                     "joined the swarm through %d of %d bootstrap peers", joined, len(bootstrap)
                 )
+            reach = Reachability(
+                host,
+                rpc,
+                relaying,
+                config.reachability,
+                config.timeouts,
+                bootstrap=tuple(bootstrap),
+                port=network.port,
+            )
+            await reach.start()
+            node.reachability = reach
+            nursery.start_soon(reach.serve)
             try:
                 yield node
             finally:

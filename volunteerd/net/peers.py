@@ -18,8 +18,12 @@ from volunteerd.errors import ConfigError
 from volunteerd.identity import Identity
 
 __all__ = [
+    "CIRCUIT_SUFFIX",
     "PeerAddress",
+    "dialable_part",
+    "is_circuit_addr",
     "key_pair_for",
+    "parse_circuit_addr",
     "parse_peer_multiaddr",
     "peer_id_for",
     "public_key_of",
@@ -65,6 +69,40 @@ class PeerAddress:
 
     def __str__(self) -> str:
         return f"{self.addrs[0] if self.addrs else ''}/p2p/{self.peer_id}"
+
+
+CIRCUIT_SUFFIX = "/p2p-circuit"
+
+
+def parse_circuit_addr(text: str) -> tuple[str, str] | None:
+    """``/ip4/1.2.3.4/tcp/38400/p2p/<relay id>/p2p-circuit`` -> (relay transport address,
+    relay peer id); None for anything else (a direct address, a malformed one, a relay
+    chain). The destination's own ``/p2p/<id>`` is not part of an announced address."""
+    if len(text) > 300 or not text.startswith("/") or not text.endswith(CIRCUIT_SUFFIX):
+        return None
+    head = text.removesuffix(CIRCUIT_SUFFIX)
+    transport, sep, relay_id = head.rpartition("/p2p/")
+    if not sep or not transport.startswith("/") or "/p2p" in transport or "/" in relay_id:
+        return None
+    try:
+        ID.from_base58(relay_id)
+        multiaddr.Multiaddr(text)
+    except Exception:  # undecodable id or address: simply "not a circuit address"
+        return None
+    return transport, relay_id
+
+
+def is_circuit_addr(text: str) -> bool:
+    return text.endswith(CIRCUIT_SUFFIX)
+
+
+def dialable_part(text: str) -> str:
+    """A peerstore address without the peer's own ``/p2p/<id>``: the transport part of
+    a direct address, or ``.../p2p/<relay>/p2p-circuit`` of a circuit address."""
+    head, sep, _ = text.rpartition(CIRCUIT_SUFFIX)
+    if sep:
+        return head + sep
+    return text.split("/p2p/")[0]
 
 
 def parse_peer_multiaddr(text: str) -> PeerAddress:

@@ -11,6 +11,13 @@ from enum import StrEnum
 
 from pydantic import BaseModel
 
+from volunteerd.net.dialback import DialBackReply, DialBackRequest
+from volunteerd.net.manifests import (
+    ManifestFindReply,
+    ManifestFindRequest,
+    ManifestStoreReply,
+    ManifestStoreRequest,
+)
 from volunteerd.net.records import FindReply, FindRequest, StoreReply, StoreRequest
 from volunteerd.wire import (
     BackwardBatchRequest,
@@ -20,6 +27,8 @@ from volunteerd.wire import (
     ForwardBatchRequest,
     ForwardRequest,
     InfoRequest,
+    ShardReply,
+    ShardRequest,
     TensorReply,
 )
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
@@ -36,6 +45,10 @@ class Verb(StrEnum):
     DHT_STORE = "dht-store"
     DHT_FIND = "dht-find"
     PARAMS = "params"
+    DIALBACK = "dialback"
+    MANIFEST_STORE = "manifest-store"
+    MANIFEST_FIND = "manifest-find"
+    SHARD = "shard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,5 +94,28 @@ PROTOCOLS: dict[Verb, ProtocolSpec] = {
         ProtocolSpec(Verb.DHT_FIND, "/volunteerd/dht-find/1", FindRequest, FindReply, False, True),
         # The request carries no tensors; the reply carries the expert's parameters.
         ProtocolSpec(Verb.PARAMS, "/volunteerd/params/1", ParamsRequest, ParamsReply, True, True),
+        # Served by every node: dial the requester back (docs/protocol.md, reachability).
+        ProtocolSpec(
+            Verb.DIALBACK, "/volunteerd/dialback/1", DialBackRequest, DialBackReply, False, True
+        ),
+        ProtocolSpec(
+            Verb.MANIFEST_STORE,
+            "/volunteerd/manifest-store/1",
+            ManifestStoreRequest,
+            ManifestStoreReply,
+            False,
+            True,
+        ),
+        ProtocolSpec(
+            Verb.MANIFEST_FIND,
+            "/volunteerd/manifest-find/1",
+            ManifestFindRequest,
+            ManifestFindReply,
+            False,
+            True,
+        ),
+        # The reply's body is raw bytes (a chunk of a checkpoint), not tensors:
+        # read it with RpcClient.call_raw.
+        ProtocolSpec(Verb.SHARD, "/volunteerd/shard/1", ShardRequest, ShardReply, False, True),
     )
 }

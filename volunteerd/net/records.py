@@ -33,6 +33,7 @@ from volunteerd import uids
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
 from volunteerd.identity import Identity, verify_signature
+from volunteerd.net.peers import parse_circuit_addr
 
 __all__ = [
     "ExpertRecord",
@@ -59,8 +60,12 @@ def _check_key(value: str) -> str:
 
 
 def _check_addr(value: str) -> str:
-    if not value.startswith("/") or "/p2p/" in value:
-        raise ValueError("not a transport multiaddr")
+    """A transport multiaddr (no /p2p/), or a circuit address through a relay:
+    ``<relay transport>/p2p/<relay id>/p2p-circuit`` (docs/protocol.md)."""
+    if value.startswith("/") and "/p2p/" not in value and "p2p-circuit" not in value:
+        return value
+    if parse_circuit_addr(value) is None:
+        raise ValueError("not a transport multiaddr or a circuit address")
     return value
 
 

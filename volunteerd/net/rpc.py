@@ -10,6 +10,9 @@ Per-peer limits (``PeerLimitsConfig``: concurrent streams, request rate, inbound
 are checked when a stream opens and when a frame's prefix has declared its size, before
 its header or body is read; a refusal is a ``rate_limited`` reply and the stream closes.
 
+Both sides pass every stream through the node's ``Throttle`` (``net/throttle.py``): the
+volunteer's upload and download limits, shared by all peers, and the transfer count.
+
 Client: a pool of idle streams per (peer, verb). Opening a stream costs a protocol
 negotiation (~5 ms) and connecting costs ~250 ms on loopback, so both are reused.
 """
@@ -44,8 +47,9 @@ from volunteerd.errors import (
 )
 from volunteerd.net.framing import read_exactly, read_frame_rest, read_prefix
 from volunteerd.net.limits import PeerLimiter
-from volunteerd.net.peers import PeerAddress, short
+from volunteerd.net.peers import PeerAddress, is_circuit_addr, short
 from volunteerd.net.protocols import PROTOCOLS, ProtocolSpec, Verb
+from volunteerd.net.throttle import Throttle
 from volunteerd.wire import (
     PREFIX,
     ErrorReply,
@@ -117,14 +121,20 @@ class RpcServer:
         limits: WireLimits,
         timeouts: TimeoutsConfig,
         peer_limits: PeerLimitsConfig,
+        throttle: Throttle | None = None,
     ) -> None:
         self._host = host
         self._handlers = dict(handlers)
+        self._throttle = throttle
         self._limits = limits
         self._timeouts = timeouts
         self._peer_limits = peer_limits
         self._limiter = PeerLimiter(peer_limits)
         self.stats = RpcStats()
+
+    def open_streams(self, peer_id: str) -> int:
+        """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
+        return self._limiter.streams(peer_id)
 
     def install(self) -> None:
         """Register one stream handler per verb with the host."""
@@ -132,6 +142,8 @@ class RpcServer:
             spec = PROTOCOLS[verb]
 
             async def on_stream(stream: INetStream, spec: ProtocolSpec = spec) -> None:
+                if self._throttle is not None:
+                    stream = self._throttle.wrap(stream)
                 await self._serve_stream(spec, stream)
 
             self._host.set_stream_handler(TProtocol(spec.protocol_id), on_stream)
@@ -291,14 +303,22 @@ class RpcClient:
     """Sends requests to peers over pooled streams. Safe to use from many tasks."""
 
     def __init__(
-        self, host: IHost, limits: WireLimits, timeouts: TimeoutsConfig, max_idle_per_peer: int = 16
+        self,
+        host: IHost,
+        limits: WireLimits,
+        timeouts: TimeoutsConfig,
+        max_idle_per_peer: int = 16,
+        throttle: Throttle | None = None,
     ) -> None:
         self._host = host
+        self._throttle = throttle
         self._limits = limits
         self._timeouts = timeouts
         self._max_idle = max_idle_per_peer
         self._idle: dict[tuple[str, Verb], list[_Pooled]] = {}
         self._connect_locks: dict[str, trio.Lock] = {}
+        # Set by open_node: connects to a peer whose addresses include relay circuits.
+        self.connect_circuit: Callable[[PeerAddress], Awaitable[None]] | None = None
         self._reply_adapters: dict[Verb, TypeAdapter[Any]] = {}
 
     async def call(
@@ -314,11 +334,28 @@ class RpcClient:
         does not answer within ``request_s``, PeerUnreachable when no stream opens.
         """
         spec = PROTOCOLS[verb]
+        reply, body = await self.call_raw(peer, verb, header, buffers)
+        try:
+            tensors = split_body(_tensor_metas(reply), body) if spec.carries_tensors else []
+        except WireError as exc:
+            raise PeerError(f"{spec.verb}: bad reply: {exc}") from None
+        return reply, tensors
+
+    async def call_raw(
+        self,
+        peer: PeerAddress,
+        verb: Verb,
+        header: BaseModel,
+        buffers: Sequence[bytes | bytearray | memoryview] = (),
+    ) -> tuple[Any, memoryview]:
+        """Like ``call``, but the reply's body is returned as it came, uncut: for verbs
+        whose body is not tensors (``shard``)."""
+        spec = PROTOCOLS[verb]
         frame = encode_frame(header, buffers)
         stream, reused = await self._acquire(peer, spec)
         try:
             try:
-                reply, tensors = await self._exchange(spec, stream, frame)
+                reply, body = await self._exchange(spec, stream, frame)
             except _StaleStream:
                 await _reset(stream)
                 if not (reused and spec.idempotent):
@@ -326,7 +363,7 @@ class RpcClient:
                 # A pooled stream the server had closed: one fresh try for safe verbs.
                 stream = await self._open(peer, spec)
                 try:
-                    reply, tensors = await self._exchange(spec, stream, frame)
+                    reply, body = await self._exchange(spec, stream, frame)
                 except _StaleStream:
                     raise PeerError(f"{verb} to {short(peer.peer_id)}: stream closed") from None
         except _RemoteErrorKeep as exc:
@@ -339,11 +376,11 @@ class RpcClient:
             await _reset(stream)
             raise
         await self._release(peer.peer_id, spec.verb, stream)
-        return reply, tensors
+        return reply, body
 
     async def _exchange(
         self, spec: ProtocolSpec, stream: INetStream, frame: bytes
-    ) -> tuple[Any, list[WireTensor]]:
+    ) -> tuple[Any, memoryview]:
         try:
             with trio.fail_after(self._timeouts.request_s):
                 try:
@@ -370,11 +407,7 @@ class RpcClient:
             # The stream stays usable after a typed error, unless the framing broke.
             keep = reply.code not in _CLOSING_CODES
             raise _RemoteErrorKeep(RemoteError(reply.code, reply.message), keep)
-        try:
-            tensors = split_body(_tensor_metas(reply), raw.body) if spec.carries_tensors else []
-        except WireError as exc:
-            raise PeerError(f"{spec.verb}: bad reply: {exc}") from None
-        return reply, tensors
+        return reply, raw.body
 
     def _adapter(self, spec: ProtocolSpec) -> TypeAdapter[Any]:
         adapter = self._reply_adapters.get(spec.verb)
@@ -398,7 +431,8 @@ class RpcClient:
         try:
             with trio.fail_after(self._timeouts.connect_s):
                 await self._ensure_connected(peer, peer_id)
-                return await self._host.new_stream(peer_id, [TProtocol(spec.protocol_id)])
+                stream = await self._host.new_stream(peer_id, [TProtocol(spec.protocol_id)])
+                return stream if self._throttle is None else self._throttle.wrap(stream)
         except trio.TooSlowError:
             raise PeerUnreachable(
                 f"{short(peer.peer_id)}: no stream within {self._timeouts.connect_s}s"
@@ -415,7 +449,34 @@ class RpcClient:
         async with lock:
             if self._host.get_network().connections.get(peer_id):
                 return
-            await self._host.connect(PeerInfo(peer_id, list(peer.peer_info().addrs)))
+            if self.connect_circuit is not None and any(is_circuit_addr(a) for a in peer.addrs):
+                await self.connect_circuit(peer)
+                return
+            info = peer.peer_info()
+            self._prefer_announced(peer_id, list(info.addrs))
+            await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
+
+    def _prefer_announced(self, peer_id: ID, addrs: list[Any]) -> None:
+        """Dial the addresses the peer announces now, not older ones.
+
+        py-libp2p dials the addresses it already knows for a peer, first ones first, and
+        after a failed dial refuses to dial that peer again for 60 s. A volunteer that
+        restarted on a new port would stay unreachable for that long; so when the
+        announced addresses differ from the known ones, the known ones are replaced and
+        the failure forgotten."""
+        if not addrs:
+            return
+        peerstore = self._host.get_peerstore()
+        try:
+            known = set(peerstore.addrs(peer_id))
+        except Exception:  # py-libp2p raises when it knows none
+            known = set()
+        if known == set(addrs):
+            return
+        peerstore.clear_addrs(peer_id)
+        failed = getattr(self._host.get_network(), "_negative_peer_cache", None)
+        if failed is not None and hasattr(failed, "evict"):
+            failed.evict(str(peer_id))
 
     async def _release(self, peer_id: str, verb: Verb, stream: INetStream) -> None:
         pool = self._idle.setdefault((peer_id, verb), [])

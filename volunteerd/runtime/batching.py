@@ -3,9 +3,10 @@
 Each queue is bounded: when it is full a request is refused at once with ``Busy``
 instead of waiting without end. The batcher takes the first waiting request, then
 keeps collecting for at most ``max_batch_wait_s`` or until ``max_batch_size`` samples
-are in, taking only requests with the same ``shape_key`` (others wait, in order, for a
-later batch), runs the batch's compute function on the device executor, and hands
-each request its own result. With ``merge=False`` every request is its own batch.
+(or the executor's lower cap, a volunteer's limit) are in, taking only requests with
+the same ``shape_key`` (others wait, in order, for a later batch), runs the batch's
+compute function on the device executor, and hands each request its own result. With
+``merge=False`` every request is its own batch.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class BatchQueue(Generic[T, R]):
         return (
             self._merge
             and task.shape_key == batch[0].shape_key
-            and samples + task.samples <= self._config.max_batch_size
+            and samples + task.samples <= self._executor.batch_limit(self._config.max_batch_size)
         )
 
     async def _next_batch(self) -> list[_Task[T, R]]:
@@ -160,7 +161,7 @@ class BatchQueue(Generic[T, R]):
             else:
                 self._carry.append(task)
         with trio.move_on_after(self._config.max_batch_wait_s):
-            while samples < self._config.max_batch_size:
+            while samples < self._executor.batch_limit(self._config.max_batch_size):
                 try:
                     task = await self._recv.receive()
                 except trio.EndOfChannel:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from volunteerd.config import CheckpointConfig
+from volunteerd.errors import UnknownExpert
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint import CheckpointStore, ExpertState
 from volunteerd.runtime.service import ExpertRuntime
@@ -61,23 +62,50 @@ class Checkpointer:
         await trio.to_thread.run_sync(self.store.remove_temporaries)
         loaded: dict[str, Path] = {}
         for uid in self.runtime.uids:
-            backend = self.runtime.backend(uid)
-            found = await trio.to_thread.run_sync(self.store.load_newest, uid, backend.check_state)
-            if found is None:
-                # The seeded weights are a function of the config: nothing to save yet.
-                self._saved[uid] = (backend.updates, backend.revision)
-                continue
-            state, path = found
-            await self.runtime.with_expert(uid, partial(ExpertBackend.load_state, state=state))
-            self._saved[uid] = (backend.updates, backend.revision)
-            self._restored[uid] = str(path)
-            loaded[uid] = path
-            logger.info("loaded checkpoint %s for %s (%d updates)", path, uid, state.updates)
+            path = await self.restore_into(self.runtime.backend(uid))
+            if path is not None:
+                loaded[uid] = path
         if loaded:
             logger.info(
                 "restored %d of %d experts from checkpoints", len(loaded), len(self.runtime.uids)
             )
         return loaded
+
+    async def restore_into(self, backend: ExpertBackend) -> Path | None:
+        """Load ``backend.uid``'s newest good checkpoint into ``backend`` (not yet hosted,
+        or hosted: the load runs in the worker's turn). Returns the file, or None when
+        there is none and the backend keeps what it has."""
+        uid = backend.uid
+        found = await trio.to_thread.run_sync(self.store.load_newest, uid, backend.check_state)
+        if found is None:
+            # The seeded weights are a function of the config: nothing to save yet.
+            self._saved[uid] = (backend.updates, backend.revision)
+            return None
+        state, path = found
+        await self.runtime.executor.run(partial(ExpertBackend.load_state, backend, state=state))
+        self._saved[uid] = (backend.updates, backend.revision)
+        self._restored[uid] = str(path)
+        logger.info("loaded checkpoint %s for %s (%d updates)", path, uid, state.updates)
+        return path
+
+    def has_checkpoint(self, uid: str) -> bool:
+        """Whether a checkpoint file of ``uid`` exists (not checked)."""
+        return bool(self.store.files(uid))
+
+    async def save(self, backend: ExpertBackend) -> None:
+        """Save ``backend`` now if it changed (one that is being removed, for a later
+        rejoin). A failed write is logged."""
+        if self._saved.get(backend.uid) == (backend.updates, backend.revision):
+            return
+        state, version = await self.runtime.executor.run(partial(_state_and_version, backend))
+        try:
+            await trio.to_thread.run_sync(self.store.save, state)
+        except OSError as exc:
+            self._failures += 1
+            logger.error("could not save a checkpoint of %s: %s", backend.uid, exc)
+            return
+        self._saved[backend.uid] = version
+        self._saves += 1
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Save changed experts every ``every_s`` until cancelled. A save in progress
@@ -94,10 +122,13 @@ class Checkpointer:
         start = time.perf_counter()
         saved = 0
         for uid in self.runtime.uids:
-            backend = self.runtime.backend(uid)
-            if self._saved.get(uid) == (backend.updates, backend.revision):
-                continue
-            state, version = await self.runtime.with_expert(uid, _state_and_version)
+            try:
+                backend = self.runtime.backend(uid)
+                if self._saved.get(uid) == (backend.updates, backend.revision):
+                    continue
+                state, version = await self.runtime.with_expert(uid, _state_and_version)
+            except UnknownExpert:
+                continue  # removed meanwhile (its last state was saved when it left)
             try:
                 path = await trio.to_thread.run_sync(self.store.save, state)
             except OSError as exc:

@@ -21,7 +21,7 @@ import torch
 import trio
 
 from volunteerd.config import ExpertsConfig, GuardConfig, RuntimeConfig, WireLimits
-from volunteerd.errors import ActivationsExpired, UnknownExpert
+from volunteerd.errors import ActivationsExpired, ShuttingDown, UnknownExpert
 from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
@@ -101,9 +101,30 @@ class _Hosted:
             f"{uid}/backward-retained", backward_retained, executor, config
         )
 
+        self.stopped = trio.Event()
+
     @property
     def queues(self) -> tuple[BatchQueue, ...]:  # type: ignore[type-arg]
         return (self.forward, self.backward, self.forward_retained, self.backward_retained)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start the queues in ``nursery``; ``stopped`` is set when all have returned."""
+        running = len(self.queues)
+
+        async def run(
+            queue: BatchQueue,  # type: ignore[type-arg]
+            task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            nonlocal running
+            try:
+                await queue.serve(task_status=task_status)
+            finally:
+                running -= 1
+                if not running:
+                    self.stopped.set()
+
+        for queue in self.queues:
+            await nursery.start(run, queue)
 
 
 class ExpertRuntime:
@@ -123,6 +144,7 @@ class ExpertRuntime:
         self.guard = RequestGuard(guard or GuardConfig())
         self.retained = RetainedStore(runtime.retain_activations_mb << 20, runtime.retain_s)
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
+        self._runtime_config = runtime
         self._experts = {
             uid: _Hosted(
                 ExpertBackend(uid, experts, device, self._max_samples), self.executor, runtime
@@ -131,6 +153,8 @@ class ExpertRuntime:
         }
         self._finished = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._closing = False
+        self._close_requested = trio.Event()
         self._steps_in_flight = 0
         self._no_steps = trio.Event()
         self._no_steps.set()
@@ -154,10 +178,11 @@ class ExpertRuntime:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for hosted in self._experts.values():
-                    for queue in hosted.queues:
-                        await nursery.start(queue.serve)
+                    await hosted.start(nursery)
                 logger.info("serving %d experts on %s", len(self._experts), self.device)
                 task_status.started()
+                # Experts may be added later (add_expert): stay until closed.
+                await self._close_requested.wait()
         finally:
             self._nursery = None
             self.retained.clear()
@@ -165,9 +190,41 @@ class ExpertRuntime:
 
     def close(self) -> None:
         """Refuse new requests; queued ones still finish, then ``serve`` returns."""
+        self._closing = True
+        self._close_requested.set()
         for hosted in self._experts.values():
             for queue in hosted.queues:
                 queue.close()
+
+    def make_backend(self, uid: str, experts: ExpertsConfig) -> ExpertBackend:
+        """A backend for ``uid`` with seeded initial weights, on this runtime's device.
+        Builds the module on the calling thread (call it from a worker for big ones)."""
+        return ExpertBackend(uid, experts, self.device, self._max_samples)
+
+    async def add_expert(self, backend: ExpertBackend) -> None:
+        """Start hosting ``backend`` (while ``serve`` runs): its queues start in the
+        runtime's nursery and requests for its uid are taken from now on. Raises
+        ValueError if the uid is hosted already, ShuttingDown once ``close`` was called."""
+        if self._nursery is None or self._closing:
+            raise ShuttingDown("the expert runtime is not running")
+        if backend.uid in self._experts:
+            raise ValueError(f"{backend.uid} is hosted already")
+        hosted = _Hosted(backend, self.executor, self._runtime_config)
+        await hosted.start(self._nursery)
+        self._experts[backend.uid] = hosted
+
+    async def remove_expert(self, uid: str) -> ExpertBackend:
+        """Stop hosting ``uid``: new requests for it get UnknownExpert at once, queued
+        ones finish (their batches and the optimizer step they queued) before this
+        returns. Returns the backend (its weights are intact, e.g. for a final save).
+        Raises UnknownExpert."""
+        hosted = self._hosted(uid)
+        del self._experts[uid]
+        for queue in hosted.queues:
+            queue.close()
+        await hosted.stopped.wait()
+        await self.settled()  # the optimizer step queued behind its last backward
+        return hosted.backend
 
     async def drained(self) -> None:
         """Wait until every queue is closed and empty (``serve`` has returned)."""

@@ -94,6 +94,14 @@ class TrainingConfig(_Model):
 
 class SwarmConfig(_Model):
     bootstrap_peers: list[str] = Field(default_factory=list)
+    manifest: str = Field(
+        "",
+        description="name of a published experiment manifest: its experts' settings "
+        "(grid, width, layers, optimizer, compression) replace the model's",
+    )
+    trusted_owners: list[str] = Field(
+        default_factory=list, description="peer ids whose manifests are accepted"
+    )
 
 
 class Experiment(_Model):

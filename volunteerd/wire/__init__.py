@@ -20,6 +20,8 @@ from volunteerd.wire.messages import (
     ForwardBatchRequest,
     ForwardRequest,
     InfoRequest,
+    ShardReply,
+    ShardRequest,
     TensorReply,
     Uid,
 )
@@ -53,6 +55,8 @@ __all__ = [
     "ForwardRequest",
     "FrameSizes",
     "InfoRequest",
+    "ShardReply",
+    "ShardRequest",
     "TensorMeta",
     "TensorReply",
     "TensorSchema",

@@ -27,6 +27,8 @@ __all__ = [
     "InfoRequest",
     "ParamsReply",
     "ParamsRequest",
+    "ShardReply",
+    "ShardRequest",
     "TensorReply",
     "Uid",
 ]
@@ -160,4 +162,39 @@ class ParamsReply(_Wire):
     def _one_name_per_tensor(self) -> Self:
         if len(self.names) != len(self.tensors):
             raise ValueError(f"{len(self.names)} names for {len(self.tensors)} tensors")
+        return self
+
+
+# A shard chunk is at most this many bytes; servers may send less.
+MAX_SHARD_CHUNK = 4 << 20
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+ByteCount = Annotated[int, Field(ge=0, le=1 << 40)]
+
+
+class ShardRequest(_Wire):
+    """Ask for ``length`` bytes at ``offset`` of a snapshot of one expert's state (a
+    checkpoint file's bytes). Without ``sha256`` the server takes a fresh snapshot; with
+    it, the chunk comes from that snapshot, or the reply is ``expired``."""
+
+    uid: Uid
+    sha256: Sha256 | None = None
+    offset: ByteCount = 0
+    length: Annotated[int, Field(ge=0, le=MAX_SHARD_CHUNK)] = 1 << 20
+
+
+class ShardReply(_Wire):
+    """One chunk of the snapshot ``sha256`` (``total`` bytes): the body holds ``length``
+    bytes from ``offset``."""
+
+    status: Literal["ok"] = "ok"
+    uid: Uid
+    sha256: Sha256
+    total: ByteCount
+    offset: ByteCount
+    length: Annotated[int, Field(ge=0, le=MAX_SHARD_CHUNK)]
+
+    @model_validator(mode="after")
+    def _inside_the_snapshot(self) -> Self:
+        if self.offset + self.length > self.total:
+            raise ValueError(f"{self.length} bytes at {self.offset} of {self.total}")
         return self

@@ -1,0 +1,66 @@
+"""``volunteerd publish`` as an owner runs it, and daemons joining what was published:
+one that trusts the owner serves a share of the experts, one that does not exits 3."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from tests.e2e.conftest import run_cli
+from volunteerd.errors import ExitCode
+
+MANIFEST = """\
+name = "e2e-demo"
+hidden_dim = 16
+uid_prefix = "ffn"
+grid = [2, 2]
+replication = 1
+seed = 3
+lifetime_days = 1
+"""
+LOCAL = ["--set", 'network.listen_host="127.0.0.1"']
+
+
+def test_publish_then_a_trusting_daemon_joins_and_a_distrustful_one_exits_3(
+    spawn, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    boot = spawn("boot", "bootstrap")
+    address = boot.wait_ready()["multiaddrs"][0]
+    owner_home = tmp_path / "owner"
+    owner_id = run_cli(owner_home, "id").stdout.strip()
+    manifest = tmp_path / "experiment.toml"
+    manifest.write_text(MANIFEST)
+
+    published = run_cli(owner_home, "publish", str(manifest), "--bootstrap", address, *LOCAL)
+    assert published.returncode == ExitCode.OK, published.stderr
+    assert f"owner: {owner_id}" in published.stdout
+    assert "published experiment 'e2e-demo' (4 experts" in published.stdout
+
+    join = ["--set", "experiments.join=e2e-demo", "--set", "experiments.max_experts=2"]
+    join += ["--set", 'runtime.device="cpu"', "--bootstrap", address]
+    trusting = spawn(
+        "trusting", "serve", *join, "--set", f'experiments.trusted_owners=["{owner_id}"]'
+    )
+    trusting.wait_ready()
+    assert "joined experiment 'e2e-demo'" in trusting.log.read_text()
+    assert "hosting 2 experts" in trusting.log.read_text()
+
+    stranger = run_cli(tmp_path / "stranger", "id").stdout.strip()
+    distrustful = spawn(
+        "distrustful", "serve", *join, "--set", f'experiments.trusted_owners=["{stranger}"]'
+    )
+    assert distrustful.process.wait(60) == ExitCode.CONFIG
+    log = distrustful.log.read_text()
+    assert owner_id in log
+    assert "experiments.trusted_owners" in log
+
+    assert trusting.stop(signal.SIGTERM) == ExitCode.INTERRUPTED
+    assert boot.stop(signal.SIGINT) == ExitCode.INTERRUPTED
+
+
+def test_publish_without_a_peer_is_a_config_error(tmp_path: Path) -> None:
+    manifest = tmp_path / "experiment.toml"
+    manifest.write_text(MANIFEST)
+    result = run_cli(tmp_path / "owner", "publish", str(manifest))
+    assert result.returncode == ExitCode.CONFIG
+    assert "--bootstrap" in result.stderr

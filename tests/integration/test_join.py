@@ -1,0 +1,215 @@
+"""Joining a published experiment: daemons with no experts configured choose a share of
+the grid between them, a latecomer downloads its experts' current state from replicas,
+and an experiment signed by an untrusted owner is refused."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import Config
+from volunteerd.daemon import Running
+from volunteerd.errors import UntrustedManifest
+from volunteerd.experts import ExpertBackend
+from volunteerd.experts.checkpoint import CheckpointHeader, encode_checkpoint
+from volunteerd.identity import Identity
+from volunteerd.net.peers import peer_id_for
+from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
+from volunteerd.testing import local_config, open_daemon, open_peer
+
+NAME = "join-test"
+GRID = (4, 4)
+REPLICATION = 2
+CAPACITY = 6  # 3 daemons x 6 = 18 places for 16 experts
+
+
+def make_manifest(owner: Identity) -> ExperimentManifest:
+    now = time.time()
+    return ExperimentManifest(
+        name=NAME,
+        hidden_dim=16,
+        uid_prefix="ffn",
+        grid=GRID,
+        replication=REPLICATION,
+        seed=7,
+        owner=str(peer_id_for(owner)),
+        issued_at=now,
+        expires_at=now + 3600,
+    )
+
+
+def joining_config(bootstrap: list[str], trusted: list[str], **experiments: Any) -> Config:
+    return local_config(
+        bootstrap=bootstrap,
+        experiments={
+            "join": NAME,
+            "trusted_owners": trusted,
+            "max_experts": CAPACITY,
+            "rebalance_every_s": 2.0,
+            "min_stay_s": 0.0,
+            "join_timeout_s": 10.0,
+            **experiments,
+        },
+        # No averaging: the weights stay exactly what the test makes them.
+        replicas={"enabled": False},
+        # Announcements outlive a round or two that fails on a busy machine.
+        dht={"record_ttl_s": 10.0},
+    )
+
+
+def hosted(running: Running) -> set[str]:
+    assert running.joiner is not None
+    return set(running.joiner.hosted)
+
+
+def payload_sha256(backend: ExpertBackend) -> str:
+    """The checkpoint hash of an expert's state (weights and optimizer state)."""
+    pieces = encode_checkpoint(backend.state(), saved_at=0.0)
+    raw = bytes(pieces[1])
+    return CheckpointHeader.model_validate_json(raw).payload_sha256
+
+
+def train_once(backend: ExpertBackend) -> None:
+    """One optimizer step, so the weights leave the seed and Adam has state."""
+    x = torch.randn(4, backend.info.hidden_dim)
+    backend.backward([x], [torch.randn(4, backend.info.hidden_dim)])
+    backend.step()
+
+
+async def settled(daemons: list[Running], all_uids: set[str]) -> list[set[str]]:
+    """The daemons' choices once they cover every expert and stop changing (the same
+    for four re-balancing rounds)."""
+    last: list[set[str]] = []
+    since = trio.current_time()
+    with trio.fail_after(40):
+        while True:
+            now = [hosted(d) for d in daemons]
+            if now != last:
+                last, since = now, trio.current_time()
+            elif set().union(*now) == all_uids and trio.current_time() - since >= 2.0:
+                return now
+            await trio.sleep(0.1)
+
+
+async def test_three_joiners_cover_the_grid_and_a_latecomer_downloads_from_replicas(
+    tmp_path: Path,
+) -> None:
+    owner = Identity.generate()
+    manifest = make_manifest(owner)
+    all_uids = set(manifest.uids())
+    started = time.perf_counter()
+    async with open_peer(local_config()) as boot:
+        assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+        config = joining_config(boot.multiaddrs, [manifest.owner])
+        daemons: list[Running] = []
+        stop, all_started = trio.Event(), trio.Event()
+
+        async def serve(index: int) -> None:
+            async with open_daemon(config, tmp_path / f"d{index}") as running:
+                daemons.append(running)
+                if len(daemons) == 3:
+                    all_started.set()
+                await stop.wait()
+
+        async with trio.open_nursery() as nursery:
+            # The three start together: each first sees an empty swarm.
+            for i in range(3):
+                nursery.start_soon(serve, i)
+            with trio.fail_after(30):
+                await all_started.wait()
+            first_choice = [hosted(d) for d in daemons]
+            sets = await settled(daemons, all_uids)
+            settled_s = time.perf_counter() - started
+            pairs = [(a, b) for i, a in enumerate(first_choice) for b in first_choice[i + 1 :]]
+            overlaps = [len(a & b) for a, b in pairs]
+            print(f"first choices overlap pairwise: {overlaps}")
+            print(f"covered all {len(all_uids)} experts after {settled_s:.1f}s; sets {sets}")
+            assert all(len(s) == CAPACITY for s in sets)
+            assert len({frozenset(s) for s in first_choice}) == 3
+            assert len({frozenset(s) for s in sets}) == 3
+            assert all(len(a & b) < CAPACITY for i, a in enumerate(sets) for b in sets[i + 1 :])
+            counts = Counter(u for s in sets for u in s)
+
+            # Every replica trains a step: their state is no longer the seed's.
+            for d in daemons:
+                for uid in hosted(d):
+                    await d.runtime.with_expert(uid, train_once)
+            # Wait for the latest announcements to be in the DHT before the latecomer.
+            await trio.sleep(config.dht.announce_period_s * 1.5)
+
+            async with open_daemon(config, tmp_path / "late") as late:
+                assert late.joiner is not None
+                taken = hosted(late)
+                print(f"latecomer took {sorted(taken)}; replicas before {dict(counts)}")
+                assert len(taken) == CAPACITY
+                assert all(counts[uid] == min(counts.values()) for uid in taken)
+                owners = {uid: d for d in daemons for uid in hosted(d)}
+                for uid in taken:
+                    source = late.joiner.sources[uid]
+                    assert source.startswith("replica "), (uid, source)
+                    peer = source.removeprefix("replica ")
+                    replica = next(d for d in daemons if d.node.peer_id == peer)
+                    assert uid in hosted(replica), (uid, owners[uid].node.peer_id)
+                    theirs = await replica.runtime.with_expert(uid, payload_sha256)
+                    mine = await late.runtime.with_expert(uid, payload_sha256)
+                    assert mine == theirs, uid
+                    seeded = ExpertBackend(uid, manifest.experts_config(), torch.device("cpu"), 16)
+                    assert payload_sha256(seeded) != mine  # not merely the same seed
+                print(f"whole test {time.perf_counter() - started:.1f}s")
+            stop.set()
+
+
+async def test_daemon_refuses_a_manifest_signed_by_an_untrusted_key(tmp_path: Path) -> None:
+    owner, trusted = Identity.generate(), Identity.generate()
+    manifest = make_manifest(owner)
+    async with open_peer(local_config()) as boot:
+        assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+        config = joining_config(boot.multiaddrs, [str(peer_id_for(trusted))])
+        with pytest.raises(BaseException) as info:
+            async with open_daemon(config, tmp_path / "d"):
+                pass
+        error = _find(info.value, UntrustedManifest)
+        assert error is not None, info.value
+        message = str(error)
+        assert manifest.owner in message
+        assert "experiments.trusted_owners" in message
+        print(message)
+
+
+def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
+async def test_restarted_daemon_resumes_its_experts_from_its_checkpoints(tmp_path: Path) -> None:
+    owner, me = Identity.generate(), Identity.generate()
+    manifest = make_manifest(owner)
+    async with open_peer(local_config()) as boot:
+        assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+        config = joining_config(boot.multiaddrs, [manifest.owner], max_experts=3)
+        async with open_daemon(config, tmp_path / "d", identity=me) as first:
+            before = hosted(first)
+            assert first.joiner is not None
+            assert set(first.joiner.sources.values()) == {"seed"}
+            for uid in before:
+                await first.runtime.with_expert(uid, train_once)
+            hashes = {uid: await first.runtime.with_expert(uid, payload_sha256) for uid in before}
+        # Stopped: the final save wrote every trained expert.
+        async with open_daemon(config, tmp_path / "d", identity=me) as again:
+            assert again.joiner is not None
+            assert hosted(again) == before
+            assert set(again.joiner.sources.values()) == {"checkpoint"}
+            for uid in before:
+                assert await again.runtime.with_expert(uid, payload_sha256) == hashes[uid]

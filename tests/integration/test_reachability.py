@@ -1,0 +1,190 @@
+"""Reachability over real libp2p on 127.0.0.1: peers dial a node back to judge whether
+it is directly reachable, and a node nobody can dial serves through a circuit relay."""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from volunteerd.errors import RemoteError
+from volunteerd.identity import Identity
+from volunteerd.moe import RemoteExpert
+from volunteerd.net import PeerAddress, Verb, open_node, reachability
+from volunteerd.net.background import BackgroundNode
+from volunteerd.net.dialback import DialBackReply, DialBackRequest
+from volunteerd.net.peers import peer_id_for
+from volunteerd.testing import local_config, open_daemon, open_peer
+
+UID = "ffn.0.1"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def test_loopback_node_is_judged_direct() -> None:
+    async with (
+        open_peer(local_config()) as boot,
+        open_peer(local_config(bootstrap=boot.multiaddrs)) as node,
+    ):
+        assert node.reachability is not None
+        report = node.reachability.report()
+        assert report.mode == "direct"
+        assert report.direct_addrs == tuple(node.addrs)
+        assert report.announce_addrs == tuple(node.addrs)
+        assert "nothing to do" in report.advice
+
+
+async def test_undialable_node_is_not_direct_and_is_told_which_port_to_forward() -> None:
+    dead = closed_port()
+    async with open_peer(local_config()) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs,
+            network={"announce_addrs": [f"/ip4/127.0.0.1/tcp/{dead}"]},
+        )
+        async with open_peer(config) as node:
+            assert node.reachability is not None
+            report = node.reachability.report()
+            # The bootstrap peer is no relay, so no reservation: unreachable.
+            assert report.mode == "unreachable"
+            assert report.direct_addrs == ()
+            listening = node.host.get_transport_addrs()[0].value_for_protocol("tcp")
+            assert f"forward TCP port {listening}" in report.advice
+            assert "network.announce_addrs" in report.advice
+
+
+async def test_undialable_node_falls_back_to_its_bootstrap_relay() -> None:
+    dead = closed_port()
+    async with open_node(Identity.generate(), local_config(), relay=True) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs,
+            network={"announce_addrs": [f"/ip4/127.0.0.1/tcp/{dead}"]},
+        )
+        async with open_peer(config) as node:
+            assert node.reachability is not None
+            assert node.reachability.mode == "relayed"
+            assert node.addrs == [f"{boot.addrs[0]}/p2p/{boot.peer_id}/p2p-circuit"]
+            assert "forward TCP port" in node.reachability.report().advice
+
+
+async def test_dialback_refuses_another_peers_addresses_and_dials_only_the_observed_ip() -> None:
+    async with open_peer(local_config()) as a, open_peer(local_config()) as b:
+        other = str(peer_id_for(Identity.generate()))
+        with pytest.raises(RemoteError) as refused:
+            await a.rpc.call(
+                b.address,
+                Verb.DIALBACK,
+                DialBackRequest(addrs=[f"{a.addrs[0]}/p2p/{other}"]),
+            )
+        assert refused.value.code == "rejected"
+        # Another IP than the one the request came from is dialled at the observed IP
+        # (here loopback), same port: nothing answers on a closed port.
+        dead = closed_port()
+        reply, _ = await a.rpc.call(
+            b.address, Verb.DIALBACK, DialBackRequest(addrs=[f"/ip4/10.9.8.7/tcp/{dead}"])
+        )
+        assert reply == DialBackReply(reachable=None, dialled=1)
+        # Its own address, with or without its own /p2p/ suffix, is dialled.
+        reply, _ = await a.rpc.call(
+            b.address,
+            Verb.DIALBACK,
+            DialBackRequest(addrs=[f"{a.addrs[0]}/p2p/{a.peer_id}"]),
+        )
+        assert reply == DialBackReply(reachable=a.addrs[0], dialled=1)
+
+
+async def test_relay_only_daemon_serves_a_trainer_through_the_relay(tmp_path: Path) -> None:
+    """The daemon listens on no address at all: the trainer finds its experts in the
+    DHT under a circuit address and trains through the bootstrap node's relay."""
+    async with open_node(Identity.generate(), local_config(), relay=True) as boot:
+        circuit = f"{boot.addrs[0]}/p2p/{boot.peer_id}/p2p-circuit"
+        server_config = local_config(
+            bootstrap=boot.multiaddrs,
+            uids="ffn.0.[0:2]",
+            experts={"hidden_dim": 32, "optimizer": {"name": "sgd", "lr": 0.05}},
+            reachability={"mode": "relay", "listen": False},
+        )
+        async with open_daemon(server_config, tmp_path / "server") as server:
+            assert server.node.host.get_transport_addrs() == []  # listens on nothing
+            assert server.node.reachability is not None
+            assert server.node.reachability.mode == "relayed"
+            assert server.node.addrs == [circuit]
+            served = server.runtime.backend(UID).module
+            before = copy.deepcopy(served)
+            client_config = local_config(bootstrap=boot.multiaddrs)
+
+            def train_step() -> list[str]:
+                with BackgroundNode(Identity.generate(), client_config) as client:
+                    peers = client.run(client.node.dht.find_expert, UID)
+                    assert peers == [PeerAddress(server.node.peer_id, (circuit,))]
+                    expert = RemoteExpert(UID, peers[0], client)
+
+                    x = torch.randn(16, 32, requires_grad=True)
+                    y = expert(x)
+                    x_local = x.detach().clone().requires_grad_()
+                    y_local = copy.deepcopy(before)(x_local)
+                    torch.testing.assert_close(y, y_local, atol=1e-5, rtol=0)
+                    grad = torch.randn_like(y)
+                    y.backward(grad)
+                    y_local.backward(grad)
+                    assert x.grad is not None
+                    assert x_local.grad is not None
+                    torch.testing.assert_close(x.grad, x_local.grad, atol=1e-5, rtol=0)
+
+                    async def connection_addrs() -> list[str]:
+                        network = client.node.host.get_network()
+                        conns = network.connections.get(ID.from_base58(server.node.peer_id))
+                        return [str(a) for c in conns or [] for a in c.get_transport_addresses()]
+
+                    return client.run(connection_addrs)
+
+            addrs = await trio.to_thread.run_sync(train_step)
+            assert addrs
+            assert all("/p2p-circuit" in a for a in addrs)
+            await server.runtime.settled()
+            assert server.runtime.backend(UID).updates == 1
+
+
+async def test_dialback_fails_when_another_peer_answers_at_the_address() -> None:
+    """The Noise handshake proves the key: an address where a different peer listens
+    does not count as reaching the requester."""
+    async with (
+        open_peer(local_config()) as a,
+        open_peer(local_config()) as b,
+        open_peer(local_config()) as c,
+    ):
+        reply, _ = await a.rpc.call(b.address, Verb.DIALBACK, DialBackRequest(addrs=c.addrs))
+        assert reply == DialBackReply(reachable=None, dialled=1)
+
+
+async def test_relayed_node_reserves_again_after_losing_its_relay_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.2)
+    async with open_node(Identity.generate(), local_config(), relay=True) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs, reachability={"mode": "relay", "listen": False}
+        )
+        async with open_peer(config) as hidden:
+            await boot.host.get_network().close_peer(ID.from_base58(hidden.peer_id))
+            # The swarm has no event for "connected"; poll until the node dialled back in.
+            with trio.fail_after(10):
+                while not boot.host.get_network().connections.get(ID.from_base58(hidden.peer_id)):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            async with open_peer(local_config(bootstrap=boot.multiaddrs)) as client:
+                with trio.fail_after(10):
+                    reply, _ = await client.rpc.call(
+                        hidden.address, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
+                    )
+                # Through the relay the requester's IP is not observed: nothing dialled.
+                assert reply == DialBackReply(reachable=None, dialled=0)

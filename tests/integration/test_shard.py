@@ -1,0 +1,195 @@
+"""Shard downloads from a real daemon over libp2p on 127.0.0.1: the bytes are the
+expert's state, and an interrupted download resumes where it stopped."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from volunteerd.daemon import Running
+from volunteerd.experts import ExpertBackend
+from volunteerd.experts.checkpoint import ExpertState, read_checkpoint
+from volunteerd.identity import Identity
+from volunteerd.net import Node, download_shard, partial_paths
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.testing import local_config, open_daemon, open_peer
+
+UID = "ffn.0.0"
+HIDDEN = 256  # ~2 MiB of weights and ~4 MiB of Adam state after one step
+CHUNK = 256 << 10
+
+logger = logging.getLogger(__name__)
+
+
+def daemon_config():  # type: ignore[no-untyped-def]
+    return local_config(uids=UID, experts={"hidden_dim": HIDDEN}, replicas={"enabled": False})
+
+
+@asynccontextmanager
+async def swarm(tmp_path: Path) -> AsyncIterator[tuple[Running, Node]]:
+    async with (
+        open_daemon(daemon_config(), tmp_path / "server") as server,
+        open_peer(local_config()) as client,
+    ):
+        await train_once(server.runtime)
+        yield server, client
+
+
+async def train_once(runtime: ExpertRuntime) -> None:
+    def step(backend: ExpertBackend) -> None:
+        backend.backward([torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)])
+        backend.step()
+
+    await runtime.with_expert(UID, step)
+
+
+async def live_state(runtime: ExpertRuntime) -> ExpertState:
+    return await runtime.with_expert(UID, lambda backend: backend.state())
+
+
+def assert_same_state(a: ExpertState, b: ExpertState) -> None:
+    assert (a.uid, a.updates, list(a.params)) == (b.uid, b.updates, list(b.params))
+    assert all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+    assert a.optimizer_state.keys() == b.optimizer_state.keys()
+    for index, entry in a.optimizer_state.items():
+        assert all(torch.equal(v, b.optimizer_state[index][k]) for k, v in entry.items())
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+async def interrupt_halfway(server: Running, client: Node, dest: Path) -> int:
+    """Start a download and cancel it once half the bytes are on disk; returns how many."""
+    with trio.CancelScope() as scope:
+
+        def on_chunk(received: int, total: int) -> None:
+            if received >= total // 2:
+                scope.cancel()
+
+        await download_shard(
+            client.rpc, server.node.address, UID, dest, chunk_bytes=CHUNK, on_chunk=on_chunk
+        )
+    assert scope.cancelled_caught
+    return partial_paths(dest)[0].stat().st_size
+
+
+async def test_download_is_the_experts_state(tmp_path: Path) -> None:
+    async with swarm(tmp_path) as (server, client):
+        dest = tmp_path / "shard.ckpt"
+        started = time.perf_counter()
+        result = await download_shard(client.rpc, server.node.address, UID, dest, chunk_bytes=CHUNK)
+        elapsed = time.perf_counter() - started
+        logger.info("%d bytes in %.3f s: %.1f MiB/s", result.size, elapsed,
+                    result.size / elapsed / 2**20)  # fmt: skip
+        assert result.size > 8 * CHUNK
+        assert (result.resumed_from, result.fetched, result.restarts) == (0, result.size, 0)
+        assert sha256_of(dest) == result.sha256
+        assert_same_state(read_checkpoint(dest), await live_state(server.runtime))
+        assert not any(p.exists() for p in partial_paths(dest))
+
+
+async def test_interrupted_download_resumes_with_the_same_snapshot(tmp_path: Path) -> None:
+    async with swarm(tmp_path) as (server, client):
+        before = await live_state(server.runtime)
+        dest = tmp_path / "shard.ckpt"
+        on_disk = await interrupt_halfway(server, client, dest)
+        await train_once(server.runtime)  # the expert moves on meanwhile
+
+        result = await download_shard(client.rpc, server.node.address, UID, dest, chunk_bytes=CHUNK)
+        assert result.size // 2 <= result.resumed_from == on_disk < result.size // 2 + CHUNK
+        assert result.fetched == result.size - on_disk
+        assert sha256_of(dest) == result.sha256
+        # The resumed download is the snapshot it started from, not a mix of two.
+        assert_same_state(read_checkpoint(dest), before)
+
+
+async def test_dropped_connection_is_retried_within_one_download(tmp_path: Path) -> None:
+    async with swarm(tmp_path) as (server, client), trio.open_nursery() as nursery:
+        halfway = trio.Event()
+
+        async def drop_connection() -> None:
+            await halfway.wait()
+            await client.host.disconnect(server.node.host.get_id())
+
+        nursery.start_soon(drop_connection)
+
+        def on_chunk(received: int, total: int) -> None:
+            if received >= total // 2:
+                halfway.set()
+
+        dest = tmp_path / "shard.ckpt"
+        result = await download_shard(
+            client.rpc,
+            server.node.address,
+            UID,
+            dest,
+            chunk_bytes=CHUNK,
+            retries=6,
+            backoff_s=0.05,
+            on_chunk=on_chunk,
+        )
+        assert (result.resumed_from, result.restarts) == (0, 0)
+        assert sha256_of(dest) == result.sha256
+        assert_same_state(read_checkpoint(dest), await live_state(server.runtime))
+
+
+async def test_expired_snapshot_after_a_server_restart_downloads_from_zero(
+    tmp_path: Path,
+) -> None:
+    identity = Identity.generate()
+    dest = tmp_path / "shard.ckpt"
+    async with open_peer(local_config()) as client:
+        async with open_daemon(daemon_config(), tmp_path / "server", identity) as server:
+            await train_once(server.runtime)
+            await interrupt_halfway(server, client, dest)
+        # The same peer, restarted from its checkpoint on another port: the snapshot it
+        # was serving is gone. (The client must dial the new port, not the old one it
+        # knows.)
+        async with open_daemon(daemon_config(), tmp_path / "server", identity) as server:
+            result = await download_shard(
+                client.rpc, server.node.address, UID, dest, chunk_bytes=CHUNK
+            )
+            assert (result.resumed_from, result.fetched, result.restarts) == (
+                0,
+                result.size,
+                1,
+            )
+            assert sha256_of(dest) == result.sha256
+            assert_same_state(read_checkpoint(dest), await live_state(server.runtime))
+
+
+async def test_damaged_partial_file_is_detected_and_downloaded_again(tmp_path: Path) -> None:
+    async with swarm(tmp_path) as (server, client):
+        dest = tmp_path / "shard.ckpt"
+        on_disk = await interrupt_halfway(server, client, dest)
+        partial = partial_paths(dest)[0]
+        with partial.open("r+b") as f:
+            f.seek(on_disk // 3)
+            byte = f.read(1)
+            f.seek(on_disk // 3)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+        result = await download_shard(client.rpc, server.node.address, UID, dest, chunk_bytes=CHUNK)
+        assert (result.resumed_from, result.restarts) == (0, 1)
+        assert result.fetched == result.size - on_disk + result.size
+        assert sha256_of(dest) == result.sha256
+        assert_same_state(read_checkpoint(dest), await live_state(server.runtime))
+
+
+@pytest.mark.parametrize("uid", ["ffn.9.9"])
+async def test_unknown_expert_is_refused(tmp_path: Path, uid: str) -> None:
+    from volunteerd.errors import RemoteError
+
+    async with swarm(tmp_path) as (server, client):
+        with pytest.raises(RemoteError) as caught:
+            await download_shard(client.rpc, server.node.address, uid, tmp_path / "x")
+        assert caught.value.code == "unknown_expert"

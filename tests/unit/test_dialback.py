@@ -1,0 +1,88 @@
+"""The pure rules of reachability: which addresses a dial-back may dial, and which
+circuit addresses an expert record may carry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from volunteerd.errors import InvalidRecord, Rejected
+from volunteerd.identity import Identity
+from volunteerd.net.dialback import MAX_DIALBACK_ADDRS, DialBackRequest, dialable_addrs
+from volunteerd.net.peers import dialable_part, parse_circuit_addr, peer_id_for
+from volunteerd.net.records import parse_record, sign_record
+
+ME = str(peer_id_for(Identity.generate()))
+RELAY = str(peer_id_for(Identity.generate()))
+CIRCUIT = f"/ip4/203.0.113.5/tcp/38400/p2p/{RELAY}/p2p-circuit"
+
+
+def test_addresses_are_dialled_at_the_observed_ip_only() -> None:
+    addrs = ["/ip4/198.51.100.7/tcp/38400", "/ip4/10.0.0.2/tcp/4001", "/ip6/2001:db8::1/tcp/1"]
+    # Behind NAT: the LAN address is tried at the router's (observed) address, same port.
+    assert dialable_addrs(addrs, ME, ["198.51.100.7"]) == [
+        "/ip4/198.51.100.7/tcp/38400",
+        "/ip4/198.51.100.7/tcp/4001",
+    ]
+    # Nothing observed (the request came over a relay): nothing dialled.
+    assert dialable_addrs(addrs, ME, []) == []
+
+
+def test_loopback_answers_for_loopback() -> None:
+    addrs = ["/ip4/127.0.0.1/tcp/5000", "/ip6/::1/tcp/5000"]
+    assert dialable_addrs(addrs, ME, ["127.0.0.2"]) == addrs[:1]
+    assert dialable_addrs(addrs, ME, ["192.0.2.1"]) == ["/ip4/192.0.2.1/tcp/5000"]
+
+
+def test_another_peers_id_or_a_non_tcp_address_is_refused() -> None:
+    other = str(peer_id_for(Identity.generate()))
+    with pytest.raises(Rejected):
+        dialable_addrs([f"/ip4/127.0.0.1/tcp/5000/p2p/{other}"], ME, ["127.0.0.1"])
+    for bad in ["/dns4/example.org/tcp/1", "/ip4/127.0.0.1/udp/1/quic-v1", "/ip4/1.2.3/tcp/1"]:
+        with pytest.raises(Rejected):
+            dialable_addrs([bad], ME, ["127.0.0.1"])
+    own = f"/ip4/127.0.0.1/tcp/5000/p2p/{ME}"
+    assert dialable_addrs([own], ME, ["127.0.0.1"]) == ["/ip4/127.0.0.1/tcp/5000"]
+
+
+def test_a_dialback_request_carries_few_addresses() -> None:
+    with pytest.raises(ValidationError):
+        DialBackRequest(addrs=["/ip4/127.0.0.1/tcp/1"] * (MAX_DIALBACK_ADDRS + 1))
+    with pytest.raises(ValidationError):
+        DialBackRequest(addrs=[])
+
+
+def test_circuit_addresses_parse_and_garbage_does_not() -> None:
+    assert parse_circuit_addr(CIRCUIT) == ("/ip4/203.0.113.5/tcp/38400", RELAY)
+    for bad in [
+        f"/p2p/{RELAY}/p2p-circuit",  # no transport to reach the relay
+        f"{CIRCUIT}/p2p/{ME}",  # the destination's own id is not announced
+        f"{CIRCUIT}/p2p/{RELAY}/p2p-circuit",  # no chains
+        "/ip4/203.0.113.5/tcp/38400/p2p/notapeerid/p2p-circuit",
+        "/ip4/999.0.113.5/tcp/38400/p2p/" + RELAY + "/p2p-circuit",
+        "/ip4/203.0.113.5/tcp/38400/p2p-circuit",
+    ]:
+        assert parse_circuit_addr(bad) is None, bad
+
+
+def test_peerstore_circuit_addresses_keep_their_relay_part() -> None:
+    assert dialable_part(f"{CIRCUIT}/p2p/{ME}") == CIRCUIT
+    assert dialable_part(f"/ip4/1.2.3.4/tcp/5/p2p/{ME}") == "/ip4/1.2.3.4/tcp/5"
+
+
+def test_records_carry_circuit_addresses_but_not_other_p2p_addresses() -> None:
+    identity = Identity.generate()
+    peer_id = str(peer_id_for(identity))
+
+    def record(addr: str) -> bytes:
+        signed = sign_record(identity, peer_id, key="ffn.0.1", addrs=[CIRCUIT], ttl_s=30)
+        data = signed.model_dump(mode="json")
+        data["addrs"] = [addr]
+        return json.dumps(data).encode()
+
+    assert parse_record(record(CIRCUIT)).addrs == (CIRCUIT,)
+    for bad in [f"{CIRCUIT}/p2p/{peer_id}", f"/ip4/1.2.3.4/tcp/5/p2p/{RELAY}", "p2p-circuit"]:
+        with pytest.raises(InvalidRecord):
+            parse_record(record(bad))

@@ -1,0 +1,187 @@
+"""Experiment manifests: signed by the owner, refused when forged, expired or too big;
+the store keeps one per (name, owner); a daemon accepts only trusted owners."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from volunteerd.config import DHTConfig
+from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
+from volunteerd.identity import Identity
+from volunteerd.net.manifests import (
+    MAX_MANIFEST_BODY,
+    ManifestRecord,
+    ManifestStore,
+    validate_manifest_record,
+)
+from volunteerd.net.peers import peer_id_for, public_key_of
+from volunteerd.swarm.manifest import (
+    ExperimentManifest,
+    choose_trusted,
+    load_manifest_file,
+    parse_manifest,
+    sign_manifest,
+)
+
+NOW = 1_800_000_000.0
+DAY = 86400.0
+CONFIG = DHTConfig(max_manifest_ttl_s=30 * DAY, max_clock_skew_s=30)
+OWNER = Identity.generate()
+OWNER_ID = str(peer_id_for(OWNER))
+
+
+def manifest(owner: Identity = OWNER, *, issued: float = NOW, **kw) -> ExperimentManifest:  # type: ignore[no-untyped-def]
+    kw.setdefault("name", "stdlib-chars")
+    kw.setdefault("grid", (4, 4))
+    kw.setdefault("hidden_dim", 16)
+    return ExperimentManifest(
+        owner=str(peer_id_for(owner)), issued_at=issued, expires_at=issued + 7 * DAY, **kw
+    )
+
+
+def check(record: ManifestRecord, now: float = NOW) -> None:
+    validate_manifest_record(
+        record,
+        public_key_of=public_key_of,
+        now=now,
+        max_ttl_s=CONFIG.max_manifest_ttl_s,
+        max_clock_skew_s=CONFIG.max_clock_skew_s,
+    )
+
+
+def test_signed_manifest_validates_and_round_trips() -> None:
+    m = manifest(replication=3, seed=11, layers=2, uid_prefix="mlp")
+    record = sign_manifest(m, OWNER)
+    check(record)
+    assert parse_manifest(record) == m
+    assert m.uids()[:2] == ["mlp0.0.0", "mlp0.0.1"]
+    assert len(m.uids()) == 32
+    experts = m.experts_config()
+    assert (experts.hidden_dim, experts.seed, experts.uid_list()) == (16, 11, m.uids())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"body": '{"name": "x"}'},
+        {"name": "other"},
+        {"issued_at": NOW - 1},
+        {"owner": str(peer_id_for(Identity.generate()))},
+    ],
+)
+def test_any_change_after_signing_breaks_the_signature(change: dict[str, object]) -> None:
+    record = sign_manifest(manifest(), OWNER).model_copy(update=change)
+    with pytest.raises(InvalidRecord):
+        check(record)
+
+
+def test_signature_is_domain_separated_from_expert_records() -> None:
+    record = sign_manifest(manifest(), OWNER)
+    # The same key signing the bare JSON (no domain) does not make a valid manifest.
+    forged = record.model_copy(
+        update={
+            "signature": base64.b64encode(
+                OWNER.sign(record.signing_bytes().split(b"\n", 1)[1])
+            ).decode()
+        }
+    )
+    with pytest.raises(InvalidRecord, match="bad signature"):
+        check(forged)
+
+
+def test_expired_future_and_overlong_manifests_are_refused() -> None:
+    record = sign_manifest(manifest(), OWNER)
+    with pytest.raises(InvalidRecord, match="expired"):
+        check(record, now=NOW + 8 * DAY)
+    with pytest.raises(InvalidRecord, match="future"):
+        check(record, now=NOW - 3600)
+    long = manifest()
+    long = long.model_copy(update={"expires_at": NOW + 60 * DAY})
+    with pytest.raises(InvalidRecord, match="longer"):
+        check(sign_manifest(long, OWNER))
+
+
+def test_oversized_body_does_not_parse() -> None:
+    with pytest.raises(ValueError):
+        ManifestRecord(
+            name="x",
+            owner=OWNER_ID,
+            body="x" * (MAX_MANIFEST_BODY + 1),
+            issued_at=NOW,
+            expires_at=NOW + 1,
+        )
+
+
+def test_body_that_disagrees_with_its_envelope_is_refused() -> None:
+    m = manifest()
+    record = sign_manifest(m, OWNER)
+    other = sign_manifest(manifest(name="other"), OWNER)
+    # Correctly signed envelope of "stdlib-chars" carrying another experiment's body.
+    from volunteerd.net.manifests import sign_manifest_record
+
+    swapped = sign_manifest_record(
+        OWNER, OWNER_ID, name=m.name, body=other.body, issued_at=NOW, expires_at=NOW + 7 * DAY
+    )
+    check(swapped)
+    with pytest.raises(InvalidRecord, match="disagrees"):
+        parse_manifest(swapped)
+    assert parse_manifest(record) == m
+
+
+def test_store_keeps_newest_per_owner_and_never_lets_one_owner_hide_another() -> None:
+    clock = [NOW]
+    store = ManifestStore(CONFIG, public_key_of, clock=lambda: clock[0])
+    stranger = Identity.generate()
+    old, new = sign_manifest(manifest(), OWNER), sign_manifest(manifest(issued=NOW + 5), OWNER)
+    theirs = sign_manifest(manifest(stranger, issued=NOW + 10), stranger)
+    clock[0] = NOW + 10
+    assert store.put(new)
+    assert not store.put(old)
+    assert store.put(new)
+    assert store.put(theirs)
+    assert {r.owner for r in store.get("stdlib-chars")} == {OWNER_ID, theirs.owner}
+    assert [r for r in store.get("stdlib-chars") if r.owner == OWNER_ID] == [new]
+    forged = new.model_copy(update={"owner": theirs.owner})
+    assert not store.put(forged)
+    clock[0] = NOW + 8 * DAY
+    assert store.get("stdlib-chars") == []
+
+
+def test_trusted_owner_chosen_and_untrusted_refused_with_a_clear_error() -> None:
+    stranger = Identity.generate()
+    mine = sign_manifest(manifest(), OWNER)
+    theirs = sign_manifest(manifest(stranger, issued=NOW + 100), stranger)
+    assert choose_trusted("stdlib-chars", [theirs, mine], [OWNER_ID]) == parse_manifest(mine)
+    assert choose_trusted("stdlib-chars", [], [OWNER_ID]) is None
+    with pytest.raises(UntrustedManifest) as info:
+        choose_trusted("stdlib-chars", [theirs], [OWNER_ID])
+    message = str(info.value)
+    assert theirs.owner in message
+    assert "experiments.trusted_owners" in message
+    assert isinstance(info.value, ConfigError)  # exit code 3
+
+
+def test_manifest_file_is_stamped_by_publishing(tmp_path: Path) -> None:
+    path = tmp_path / "experiment.toml"
+    path.write_text(
+        'name = "demo"\nhidden_dim = 32\ngrid = [2, 8]\nreplication = 2\nseed = 5\n'
+        'lifetime_days = 2\n[optimizer]\nname = "sgd"\nlr = 0.01\n'
+    )
+    m = load_manifest_file(path, owner=OWNER_ID, now=NOW)
+    assert (m.owner, m.issued_at, m.expires_at) == (OWNER_ID, NOW, NOW + 2 * DAY)
+    assert m.optimizer.name == "sgd"
+    assert len(m.uids()) == 16
+    path.write_text('name = "demo"\nowner = "me"\n')
+    with pytest.raises(ConfigError, match="set by publishing"):
+        load_manifest_file(path, owner=OWNER_ID)
+    path.write_text('name = "demo"\ngrid = [0]\ncolour = "red"\n')
+    with pytest.raises(ConfigError, match="colour: unknown key"):
+        load_manifest_file(path, owner=OWNER_ID)
+
+
+def test_grid_too_large_is_refused() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        manifest(grid=(100, 100))

@@ -1,0 +1,432 @@
+"""The shard protocol's logic without a network: the server's snapshot cache and chunks,
+and the client's partial file, sidecar, retries and checks, over a fake transport."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from volunteerd.errors import (
+    Busy,
+    MalformedFrame,
+    PeerUnreachable,
+    RemoteError,
+    ShardError,
+    SnapshotExpired,
+    UnknownExpert,
+    VolunteerdError,
+    wire_code,
+)
+from volunteerd.net import PeerAddress, Verb
+from volunteerd.net.shard import ShardServer, download_shard, partial_paths
+from volunteerd.wire import ShardReply, ShardRequest
+
+UID = "ffn.0.0"
+PEER = PeerAddress("12D3KooWTestPeer", ())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Experts:
+    """A fake runtime: each snapshot of an expert is its current bytes."""
+
+    def __init__(self, **states: bytes) -> None:
+        self.states = {uid.replace("_", "."): data for uid, data in states.items()}
+        self.taken = 0
+
+    async def snapshot(self, uid: str) -> bytes:
+        if uid not in self.states:
+            raise UnknownExpert(f"no {uid}")
+        self.taken += 1
+        return self.states[uid]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+DATA = bytes(range(256)) * 40  # 10240 bytes
+
+
+def server(experts: Experts, clock: Clock | None = None, **kwargs: Any) -> ShardServer:
+    return ShardServer(experts.snapshot, clock=clock or Clock(), **kwargs)
+
+
+# ---------------------------------------------------------------------------- server
+
+
+async def test_fresh_request_takes_a_snapshot_and_answers_its_first_chunk() -> None:
+    shards = server(Experts(ffn_0_0=DATA))
+    reply, body = await shards.chunk(ShardRequest(uid=UID, length=1000))
+    assert (reply.sha256, reply.total, reply.offset, reply.length) == (
+        sha(DATA),
+        len(DATA),
+        0,
+        1000,
+    )
+    assert bytes(body) == DATA[:1000]
+
+
+async def test_resumed_request_reads_the_same_snapshot_after_the_expert_changed() -> None:
+    experts = Experts(ffn_0_0=DATA)
+    shards = server(experts)
+    first, _ = await shards.chunk(ShardRequest(uid=UID, length=1000))
+    experts.states[UID] = b"new weights" * 100
+    reply, body = await shards.chunk(
+        ShardRequest(uid=UID, sha256=first.sha256, offset=5000, length=1000)
+    )
+    assert reply.sha256 == sha(DATA)
+    assert bytes(body) == DATA[5000:6000]
+
+
+async def test_fresh_requests_close_together_share_one_snapshot() -> None:
+    experts, clock = Experts(ffn_0_0=DATA), Clock()
+    shards = server(experts, clock, reuse_s=5.0)
+    await shards.chunk(ShardRequest(uid=UID))
+    clock.now += 4
+    await shards.chunk(ShardRequest(uid=UID))
+    assert experts.taken == 1
+    clock.now += 2  # 6 s after the snapshot: a new one
+    await shards.chunk(ShardRequest(uid=UID))
+    assert experts.taken == 2
+    assert shards.statistics().reused == 1
+
+
+async def test_snapshot_idle_for_too_long_is_expired() -> None:
+    clock = Clock()
+    shards = server(Experts(ffn_0_0=DATA), clock, keep_idle_s=60.0)
+    first, _ = await shards.chunk(ShardRequest(uid=UID, length=100))
+    clock.now += 50
+    await shards.chunk(ShardRequest(uid=UID, sha256=first.sha256, offset=100, length=100))
+    clock.now += 50  # 100 s after the snapshot, but used 50 s ago: still kept
+    await shards.chunk(ShardRequest(uid=UID, sha256=first.sha256, offset=200, length=100))
+    clock.now += 61
+    with pytest.raises(SnapshotExpired) as caught:
+        await shards.chunk(ShardRequest(uid=UID, sha256=first.sha256, offset=300))
+    assert wire_code(caught.value) == "expired"
+    assert shards.statistics().cached == 0
+
+
+async def test_serve_frees_idle_snapshots_without_waiting_for_a_request(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    shards = ShardServer(Experts(ffn_0_0=DATA).snapshot, keep_idle_s=60.0, clock=trio.current_time)
+    await shards.chunk(ShardRequest(uid=UID))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(shards.serve)
+        await trio.sleep(50)
+        assert shards.statistics().cached == 1
+        await trio.sleep(30)
+        assert shards.statistics().cached == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_unknown_sha256_or_one_of_another_uid_is_expired() -> None:
+    shards = server(Experts(ffn_0_0=DATA, ffn_0_1=b"other"))
+    first, _ = await shards.chunk(ShardRequest(uid=UID))
+    with pytest.raises(SnapshotExpired):
+        await shards.chunk(ShardRequest(uid=UID, sha256="0" * 64))
+    with pytest.raises(SnapshotExpired):
+        await shards.chunk(ShardRequest(uid="ffn.0.1", sha256=first.sha256))
+
+
+async def test_cache_keeps_at_most_its_bytes_least_recently_used_out() -> None:
+    experts = Experts(ffn_0_0=b"a" * 400, ffn_0_1=b"b" * 400, ffn_0_2=b"c" * 400)
+    clock = Clock()
+    shards = server(experts, clock, max_cache_bytes=1000, in_use_s=60.0)
+    a, _ = await shards.chunk(ShardRequest(uid="ffn.0.0"))
+    b, _ = await shards.chunk(ShardRequest(uid="ffn.0.1"))
+    clock.now += 61  # neither is in use any longer
+    await shards.chunk(ShardRequest(uid="ffn.0.0", sha256=a.sha256))  # a used last
+    await shards.chunk(ShardRequest(uid="ffn.0.2"))
+    assert shards.statistics().cached_bytes == 800
+    await shards.chunk(ShardRequest(uid="ffn.0.0", sha256=a.sha256))
+    with pytest.raises(SnapshotExpired):
+        await shards.chunk(ShardRequest(uid="ffn.0.1", sha256=b.sha256))
+
+
+async def test_snapshots_in_use_are_not_evicted_and_a_full_cache_is_busy() -> None:
+    experts = Experts(ffn_0_0=b"a" * 600, ffn_0_1=b"b" * 600, ffn_0_2=b"c" * 600)
+    clock = Clock()
+    shards = server(experts, clock, max_cache_bytes=1000, in_use_s=60.0)
+    a, _ = await shards.chunk(ShardRequest(uid="ffn.0.0"))
+    b, _ = await shards.chunk(ShardRequest(uid="ffn.0.1"))  # over the cap by one snapshot
+    with pytest.raises(Busy) as caught:
+        await shards.chunk(ShardRequest(uid="ffn.0.2"))
+    assert wire_code(caught.value) == "busy"
+    assert experts.taken == 2
+    for reply in (a, b):  # both downloads go on
+        await shards.chunk(ShardRequest(uid=reply.uid, sha256=reply.sha256, offset=100))
+    clock.now += 30
+    await shards.chunk(ShardRequest(uid="ffn.0.1", sha256=b.sha256, offset=200))
+    clock.now += 31  # a idle for 61 s: its room goes to a new download
+    c, _ = await shards.chunk(ShardRequest(uid="ffn.0.2"))
+    assert c.total == 600
+    with pytest.raises(SnapshotExpired):
+        await shards.chunk(ShardRequest(uid="ffn.0.0", sha256=a.sha256))
+    assert shards.statistics().busy == 1
+
+
+async def test_a_snapshot_larger_than_the_cache_is_still_kept() -> None:
+    clock = Clock()
+    shards = server(Experts(ffn_0_0=DATA, ffn_0_1=b"small"), clock, max_cache_bytes=1024)
+    await shards.chunk(ShardRequest(uid="ffn.0.1"))
+    clock.now += 61
+    big, _ = await shards.chunk(ShardRequest(uid=UID, length=10))
+    reply, _ = await shards.chunk(ShardRequest(uid=UID, sha256=big.sha256, offset=10))
+    assert reply.sha256 == sha(DATA)
+    assert shards.statistics().cached == 1
+
+
+async def test_chunks_are_capped_by_the_server_and_by_the_end() -> None:
+    shards = server(Experts(ffn_0_0=DATA), max_chunk_bytes=4096)
+    first, body = await shards.chunk(ShardRequest(uid=UID, length=8192))
+    assert first.length == len(body) == 4096
+    last, body = await shards.chunk(
+        ShardRequest(uid=UID, sha256=first.sha256, offset=10000, length=4096)
+    )
+    assert last.length == 240
+    assert bytes(body) == DATA[10000:]
+    end, body = await shards.chunk(ShardRequest(uid=UID, sha256=first.sha256, offset=len(DATA)))
+    assert end.length == 0
+    assert body.nbytes == 0
+    with pytest.raises(MalformedFrame):
+        await shards.chunk(ShardRequest(uid=UID, sha256=first.sha256, offset=len(DATA) + 1))
+
+
+async def test_unknown_expert_is_a_typed_error() -> None:
+    with pytest.raises(UnknownExpert):
+        await server(Experts(ffn_0_0=DATA)).chunk(ShardRequest(uid="ffn.9.9"))
+
+
+def test_requests_and_replies_are_validated() -> None:
+    with pytest.raises(ValueError):
+        ShardRequest(uid=UID, length=(4 << 20) + 1)
+    with pytest.raises(ValueError):
+        ShardRequest(uid=UID, sha256="not-a-hash")
+    with pytest.raises(ValueError):
+        ShardReply(uid=UID, sha256="0" * 64, total=10, offset=8, length=4)
+
+
+# ---------------------------------------------------------------------------- client
+
+
+class FakeRpc:
+    """Calls a ShardServer directly; can drop calls or damage bodies on purpose."""
+
+    def __init__(self, shards: ShardServer) -> None:
+        self.shards = shards
+        self.calls = 0
+        self.fail: set[int] = set()  # call numbers (from 1) that fail as a dropped stream
+        self.corrupt: set[int] = set()  # call numbers whose body gets a flipped bit
+        self.fail_from: int | None = None  # every call from this one on fails
+        self.busy: set[int] = set()  # call numbers answered "busy"
+
+    async def call_raw(self, peer: PeerAddress, verb: Verb, header: Any) -> tuple[Any, memoryview]:
+        assert verb is Verb.SHARD
+        self.calls += 1
+        if self.calls in self.fail or (self.fail_from and self.calls >= self.fail_from):
+            raise PeerUnreachable("connection dropped")
+        if self.calls in self.busy:
+            raise RemoteError("busy", "try later")
+        try:
+            reply, body = await self.shards.chunk(header)
+        except VolunteerdError as exc:
+            raise RemoteError(wire_code(exc), str(exc)) from None
+        if self.calls in self.corrupt:
+            damaged = bytearray(body)
+            damaged[0] ^= 1
+            body = memoryview(damaged)
+        return reply, body
+
+
+async def download(rpc: FakeRpc, dest: Path, **kwargs: Any) -> Any:
+    kwargs.setdefault("chunk_bytes", 1024)
+    kwargs.setdefault("backoff_s", 0)
+    return await download_shard(rpc, PEER, UID, dest, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_download_writes_the_whole_snapshot_and_cleans_up(tmp_path: Path) -> None:
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    dest = tmp_path / "expert.ckpt"
+    result = await download(rpc, dest)
+    assert dest.read_bytes() == DATA
+    assert (result.sha256, result.size, result.resumed_from, result.fetched) == (
+        sha(DATA),
+        len(DATA),
+        0,
+        len(DATA),
+    )
+    assert rpc.calls == 10
+    assert not any(p.exists() for p in partial_paths(dest))
+
+
+async def test_dropped_calls_are_retried_within_one_download(tmp_path: Path) -> None:
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    rpc.fail = {3, 4, 7}
+    result = await download(rpc, tmp_path / "x", retries=2)
+    assert result.sha256 == sha(DATA)
+    assert result.fetched == len(DATA)
+
+
+async def test_busy_answers_are_retried_then_given_up_resumably(tmp_path: Path) -> None:
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    rpc.busy = {1, 2}
+    result = await download(rpc, tmp_path / "x", retries=2)
+    assert result.sha256 == sha(DATA)
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    rpc.busy = {3, 4, 5}
+    with pytest.raises(ShardError) as caught:
+        await download(rpc, tmp_path / "y", retries=2)
+    assert caught.value.resumable
+
+
+async def test_interrupted_download_resumes_from_the_bytes_on_disk(tmp_path: Path) -> None:
+    shards = server(Experts(ffn_0_0=DATA))
+    rpc = FakeRpc(shards)
+    rpc.fail_from = 5  # four chunks arrive, then the peer is gone
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError) as caught:
+        await download(rpc, dest, retries=2)
+    assert caught.value.resumable
+    partial, sidecar = partial_paths(dest)
+    assert partial.read_bytes() == DATA[:4096]
+    assert json.loads(sidecar.read_text()) == {"uid": UID, "sha256": sha(DATA), "total": len(DATA)}
+
+    result = await download(FakeRpc(shards), dest)
+    assert dest.read_bytes() == DATA
+    assert (result.resumed_from, result.fetched, result.restarts) == (4096, len(DATA) - 4096, 0)
+
+
+async def test_expired_snapshot_starts_the_download_again(tmp_path: Path) -> None:
+    experts = Experts(ffn_0_0=DATA)
+    shards = server(experts)
+    rpc = FakeRpc(shards)
+    rpc.fail_from = 3
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError):
+        await download(rpc, dest, retries=0)
+    shards.clear()
+    experts.states[UID] = newer = DATA[::-1]
+    result = await download(FakeRpc(shards), dest)
+    assert dest.read_bytes() == newer
+    assert (result.sha256, result.resumed_from, result.restarts) == (sha(newer), 0, 1)
+
+
+async def test_damaged_partial_file_is_detected_and_downloaded_again(tmp_path: Path) -> None:
+    shards = server(Experts(ffn_0_0=DATA))
+    rpc = FakeRpc(shards)
+    rpc.fail_from = 6
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError):
+        await download(rpc, dest, retries=0)
+    partial, _ = partial_paths(dest)
+    damaged = bytearray(partial.read_bytes())
+    damaged[100] ^= 0xFF
+    partial.write_bytes(damaged)
+    result = await download(FakeRpc(shards), dest)
+    assert dest.read_bytes() == DATA
+    # The second half, then everything again.
+    assert (result.resumed_from, result.fetched, result.restarts) == (0, 5120 + len(DATA), 1)
+
+
+async def test_bytes_that_do_not_match_their_hash_are_refused(tmp_path: Path) -> None:
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    rpc.corrupt = {4}
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError) as caught:
+        await download(rpc, dest)
+    assert not caught.value.resumable
+    assert not dest.exists()
+    assert not any(p.exists() for p in partial_paths(dest))
+
+
+@pytest.mark.parametrize(
+    "sidecar",
+    [
+        "not json",
+        json.dumps({"uid": "ffn.1.1", "sha256": sha(DATA), "total": len(DATA)}),
+        json.dumps({"uid": UID, "sha256": sha(DATA), "total": 10}),  # shorter than the file
+        json.dumps({"uid": UID, "sha256": sha(DATA), "total": len(DATA), "extra": 1}),
+    ],
+)
+async def test_partial_file_without_a_fitting_sidecar_is_discarded(
+    tmp_path: Path, sidecar: str
+) -> None:
+    dest = tmp_path / "x"
+    partial, side = partial_paths(dest)
+    partial.write_bytes(b"junk" * 100)
+    side.write_text(sidecar)
+    result = await download(FakeRpc(server(Experts(ffn_0_0=DATA))), dest)
+    assert dest.read_bytes() == DATA
+    assert result.resumed_from == 0
+    assert result.restarts == 0
+
+
+async def test_expected_sha256_refuses_another_snapshot(tmp_path: Path) -> None:
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError):
+        await download(FakeRpc(server(Experts(ffn_0_0=DATA))), dest, expected_sha256="0" * 64)
+    assert not dest.exists()
+    assert not any(p.exists() for p in partial_paths(dest))
+    result = await download(FakeRpc(server(Experts(ffn_0_0=DATA))), dest, expected_sha256=sha(DATA))
+    assert result.sha256 == sha(DATA)
+
+
+async def test_reply_that_contradicts_the_download_is_refused(tmp_path: Path) -> None:
+    experts = Experts(ffn_0_0=DATA)
+    rpc = FakeRpc(server(experts))
+    original = rpc.call_raw
+
+    async def lying(peer: PeerAddress, verb: Verb, header: Any) -> tuple[Any, memoryview]:
+        reply, body = await original(peer, verb, header)
+        if rpc.calls == 3:
+            reply = reply.model_copy(update={"total": reply.total + 1})
+        return reply, body
+
+    rpc.call_raw = lying  # type: ignore[method-assign]
+    with pytest.raises(ShardError, match="in all"):
+        await download(rpc, tmp_path / "x")
+
+
+async def test_complete_partial_file_is_finished_without_asking_again(tmp_path: Path) -> None:
+    dest = tmp_path / "x"
+    partial, side = partial_paths(dest)
+    partial.write_bytes(DATA)
+    side.write_text(json.dumps({"uid": UID, "sha256": sha(DATA), "total": len(DATA)}))
+    rpc = FakeRpc(server(Experts(ffn_0_0=b"")))
+    result = await download(rpc, dest)
+    assert dest.read_bytes() == DATA
+    assert (result.resumed_from, result.fetched, rpc.calls) == (len(DATA), 0, 0)
+
+
+async def test_snapshot_larger_than_max_bytes_is_refused(tmp_path: Path) -> None:
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError, match="more than"):
+        await download(FakeRpc(server(Experts(ffn_0_0=DATA))), dest, max_bytes=len(DATA) - 1)
+    assert not any(p.exists() for p in partial_paths(dest))
+
+
+async def test_unknown_expert_is_not_retried(tmp_path: Path) -> None:
+    rpc = FakeRpc(server(Experts(ffn_0_1=DATA)))
+    with pytest.raises(RemoteError) as caught:
+        await download(rpc, tmp_path / "x")
+    assert caught.value.code == "unknown_expert"
+    assert rpc.calls == 1
+
+
+async def test_empty_snapshot_downloads_to_an_empty_file(tmp_path: Path) -> None:
+    result = await download(FakeRpc(server(Experts(ffn_0_0=b""))), tmp_path / "x")
+    assert result.size == 0
+    assert (tmp_path / "x").read_bytes() == b""

@@ -1,0 +1,163 @@
+"""Bandwidth limits and the transfer quota: token buckets under trio's fake clock, the
+stream wrapper's pacing and splitting, and the monthly ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import trio
+
+from volunteerd.config import LimitsConfig
+from volunteerd.net.throttle import (
+    BYTES_PER_MBIT,
+    Throttle,
+    ThrottledStream,
+    TokenBucket,
+    TransferLedger,
+)
+
+MB = 1_000_000
+
+
+async def pump(bucket: TokenBucket, total: int, piece: int) -> None:
+    for _ in range(total // piece):
+        await bucket.consume(piece)
+
+
+async def test_bucket_holds_its_rate_over_many_pieces(autojump_clock: trio.abc.Clock) -> None:
+    bucket = TokenBucket(1 * MB)  # bytes per second
+    start = trio.current_time()
+    await pump(bucket, 10 * MB, 64 * 1024 // 4)
+    elapsed = trio.current_time() - start
+    # The first burst (0.1 s worth) passes at once; the rest at exactly the rate.
+    assert 9.85 <= elapsed <= 10.0
+
+
+async def test_pieces_larger_than_the_burst_go_into_debt(autojump_clock: trio.abc.Clock) -> None:
+    bucket = TokenBucket(1 * MB)
+    start = trio.current_time()
+    await pump(bucket, 10 * MB, MB)  # ten times the burst per piece
+    assert 8.8 <= trio.current_time() - start <= 10.0
+
+
+async def test_peers_share_one_bucket(autojump_clock: trio.abc.Clock) -> None:
+    bucket = TokenBucket(1 * MB)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(pump, bucket, 2 * MB, 32 * 1024)
+    # 8 MB together at 1 MB/s, not 2 MB each at 1 MB/s.
+    assert 7.8 <= trio.current_time() - start <= 8.0
+
+
+async def test_unlimited_never_waits(autojump_clock: trio.abc.Clock) -> None:
+    bucket = TokenBucket(0)
+    start = trio.current_time()
+    await pump(bucket, 100 * MB, MB)
+    assert trio.current_time() == start
+
+
+async def test_a_new_rate_applies_to_waiters_at_once(autojump_clock: trio.abc.Clock) -> None:
+    bucket = TokenBucket(1000)  # 1 kB/s: a 1 MB piece would take ~17 minutes
+    await bucket.consume(int(bucket.burst))
+    done_at: list[float] = []
+
+    async def big() -> None:
+        await bucket.consume(MB)
+        done_at.append(trio.current_time())
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(big)
+        await trio.sleep(1)
+        bucket.set_rate(0)  # unlimited from now on
+    assert done_at == [start + 1]
+
+
+class FakeStream:
+    """Just enough of an INetStream for the wrapper."""
+
+    muxed_conn = None
+
+    def __init__(self, incoming: list[bytes] | None = None) -> None:
+        self.writes: list[tuple[float, int]] = []
+        self.incoming = incoming or []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append((trio.current_time(), len(data)))
+
+    async def read(self, n: int | None = None) -> bytes:
+        return self.incoming.pop(0)
+
+
+async def test_stream_writes_are_split_and_paced(autojump_clock: trio.abc.Clock) -> None:
+    throttle = Throttle(LimitsConfig(upload_mbit=8))  # 1 MB/s
+    inner = FakeStream()
+    stream = ThrottledStream(inner, throttle)  # type: ignore[arg-type]
+    start = trio.current_time()
+    await stream.write(b"x" * (4 * MB))
+    assert max(n for _, n in inner.writes) <= 64 * 1024
+    assert sum(n for _, n in inner.writes) == 4 * MB
+    assert 3.8 <= inner.writes[-1][0] - start <= 4.0
+    assert throttle.statistics().bytes_up == 4 * MB
+
+
+async def test_reads_are_counted_and_paced(autojump_clock: trio.abc.Clock) -> None:
+    throttle = Throttle(LimitsConfig(download_mbit=8))
+    stream = ThrottledStream(FakeStream([b"y" * 250_000] * 8), throttle)  # type: ignore[arg-type]
+    start = trio.current_time()
+    for _ in range(8):
+        await stream.read(1 << 20)
+    # 2 MB at 1 MB/s, less the first burst and the debt the last read leaves behind.
+    assert 1.7 <= trio.current_time() - start <= 2.0
+    assert throttle.statistics().bytes_down == 2 * MB
+
+
+async def test_unlimited_writes_pass_whole() -> None:
+    throttle = Throttle(LimitsConfig())
+    inner = FakeStream()
+    await ThrottledStream(inner, throttle).write(b"z" * (4 * MB))  # type: ignore[arg-type]
+    assert [n for _, n in inner.writes] == [4 * MB]
+
+
+def test_rates_are_in_megabits() -> None:
+    throttle = Throttle(LimitsConfig(upload_mbit=10, download_mbit=2.5))
+    assert throttle.up.rate == 10 * BYTES_PER_MBIT == 1_250_000
+    assert throttle.down.rate == 312_500
+    throttle.set_rates(0, 1)
+    assert throttle.statistics().upload_mbit == 0
+    assert throttle.statistics().download_mbit == 1
+
+
+def test_ledger_counts_the_month_and_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.json"
+    now = [1_700_000_000.0]  # mid-November 2023
+    ledger = TransferLedger(path, clock=lambda: now[0])
+    ledger.add(up=300, down=200)
+    ledger.save()
+    again = TransferLedger(path, clock=lambda: now[0])
+    assert (again.bytes_up, again.bytes_down, again.total) == (300, 200, 500)
+    assert json.loads(path.read_text())["month"] == again.month
+
+    now[0] += 40 * 86400  # a later month: counting starts over
+    assert again.total == 0
+    assert TransferLedger(path, clock=lambda: now[0]).total == 0
+
+
+def test_a_damaged_ledger_counts_from_zero(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.json"
+    path.write_text("{not json")
+    assert TransferLedger(path).total == 0
+
+
+def test_quota_is_exhausted_by_up_and_down_together() -> None:
+    throttle = Throttle(LimitsConfig(monthly_quota_gb=1e-6))  # 1000 bytes
+    throttle.ledger.add(up=600)
+    assert not throttle.quota_exhausted
+    throttle.ledger.add(down=400)
+    assert throttle.quota_exhausted
+    throttle.apply(LimitsConfig(monthly_quota_gb=2e-6))  # raised: serving may resume
+    assert not throttle.quota_exhausted
+    throttle.apply(LimitsConfig())  # no quota
+    assert not throttle.quota_exhausted

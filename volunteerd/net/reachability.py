@@ -1,0 +1,464 @@
+"""Reachability: can peers dial this node directly, and the circuit relay fallback.
+
+Three parts, all built by ``open_node``:
+
+* ``DialBackServer`` answers the ``dial-back`` verb (rules in ``net/dialback.py``).
+* ``Relaying`` owns py-libp2p's circuit relay v2: the stop handler (accept circuits
+  from a relay) on every node, the hop service (relay circuits for others, with
+  limits) on bootstrap nodes and on ``act_as_relay`` nodes, and dialling circuit
+  addresses for the RPC client. The relay's stream handlers are registered here, and
+  reservations are made explicitly: py-libp2p's automatic reservation did not reserve
+  (docs/decisions, notes on py-libp2p).
+* ``Reachability`` decides the mode (``direct``, ``relayed``, ``unreachable`` or
+  ``unknown``) by asking up to three connected peers to dial it back, reserves a relay
+  slot when needed and keeps it refreshed, and reports the addresses to announce and
+  advice for the person running the node (``report()``).
+
+A relayed node announces ``<relay transport>/p2p/<relay id>/p2p-circuit`` addresses;
+a peer dials one by appending ``/p2p/<node id>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+
+from volunteerd.config import ReachabilityConfig, TimeoutsConfig
+from volunteerd.errors import PeerError, PeerUnreachable
+from volunteerd.net.dialback import DialBackReply, DialBackRequest, dialable_addrs, tcp_endpoint
+from volunteerd.net.host import transport_addrs
+from volunteerd.net.peers import (
+    CIRCUIT_SUFFIX,
+    PeerAddress,
+    is_circuit_addr,
+    parse_circuit_addr,
+    parse_peer_multiaddr,
+    short,
+)
+from volunteerd.net.protocols import Verb
+from volunteerd.net.records import MAX_ADDRS
+from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+__all__ = [
+    "RELAY_LIMITS",
+    "DialBackServer",
+    "Reachability",
+    "ReachabilityReport",
+    "Relaying",
+]
+
+logger = logging.getLogger(__name__)
+
+# What a relay grants each circuit and in total. A circuit that reaches a limit is
+# reset; the RPC client dials a new one on the next request.
+RELAY_LIMITS = RelayLimits(
+    duration=3600,  # seconds per circuit
+    data=4 * 1024**3,  # bytes per circuit, both directions together
+    max_circuit_conns=16,  # circuits to one reserved peer at once
+    max_reservations=64,  # peers holding a slot on this relay
+    reservation_ttl=3600,
+)
+_ASK_PEERS = 3
+_DIAL_S = 5.0  # one dial-back attempt (TCP connect + Noise handshake)
+_DIALBACKS_AT_ONCE = 2  # a server dials back for at most this many requests at once
+_WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is connected
+_RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to live
+
+Mode = Literal["direct", "relayed", "unreachable", "unknown"]
+
+
+class DialBackServer:
+    """Serves ``dial-back``: a fresh TCP connection and Noise handshake to each
+    admissible address of the requester, never through an existing connection."""
+
+    def __init__(self, host: IHost) -> None:
+        self._host = host
+        self._limit = trio.CapacityLimiter(_DIALBACKS_AT_ONCE)
+
+    def handlers(self) -> dict[Verb, Handler]:
+        return {Verb.DIALBACK: self._on_dialback}
+
+    async def _on_dialback(self, request: Request) -> Reply:
+        body: DialBackRequest = request.header
+        addrs = dialable_addrs(
+            body.addrs, request.peer_id, observed_ips(self._host, request.peer_id)
+        )
+        async with self._limit:
+            for addr in addrs:
+                if await self._handshake(request.peer_id, addr):
+                    return Reply(DialBackReply(reachable=addr, dialled=len(addrs)))
+        return Reply(DialBackReply(reachable=None, dialled=len(addrs)))
+
+    async def _handshake(self, peer_id: str, addr: str) -> bool:
+        swarm = self._host.get_network()
+        maddr = multiaddr.Multiaddr(addr)
+        transport = swarm.transport_manager.transport_for_dialing(maddr)  # type: ignore[attr-defined]
+        if transport is None:
+            return False
+        raw = None
+        try:
+            with trio.fail_after(_DIAL_S):
+                raw = await transport.dial(maddr)
+                # Noise proves the listener holds the requester's key.
+                await swarm.upgrader.upgrade_security(raw, True, ID.from_base58(peer_id))  # type: ignore[attr-defined]
+            return True
+        except (trio.TooSlowError, Exception) as exc:
+            logger.debug("dial-back to %s at %s failed: %r", short(peer_id), addr, exc)
+            return False
+        finally:
+            if raw is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    try:
+                        await raw.close()
+                    except Exception:
+                        pass
+
+
+def observed_ips(host: IHost, peer_id: str) -> list[str]:
+    """The remote IPs of our direct (not relayed) connections to ``peer_id``."""
+    conns = host.get_network().connections.get(ID.from_base58(peer_id)) or []
+    if not isinstance(conns, list):
+        conns = [conns]
+    ips = []
+    for conn in conns:
+        try:
+            if any(CIRCUIT_SUFFIX in str(a) for a in conn.get_transport_addresses()):
+                continue
+            remote = conn.muxed_conn.get_remote_address()
+        except Exception:  # a closing connection: nothing observed
+            continue
+        if remote:
+            ips.append(str(remote[0]))
+    return ips
+
+
+class Relaying:
+    """Circuit relay v2 for this node: run with ``await nursery.start(relaying.serve)``."""
+
+    def __init__(self, host: IHost, *, hop: bool) -> None:
+        self._host = host
+        self.hop = hop
+        self._protocol = CircuitV2Protocol(host, limits=RELAY_LIMITS, allow_hop=hop)
+        # STOP only: with the CLIENT role py-libp2p reserves a slot before every dial.
+        self._transport = CircuitV2Transport(
+            host, self._protocol, RelayConfig(roles=RelayRole.STOP, limits=RELAY_LIMITS)
+        )
+        self._nursery: trio.Nursery | None = None
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self._protocol), trio.open_nursery() as nursery:
+            await self._protocol.event_started.wait()
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def reserve(self, relay: PeerAddress) -> int:
+        """Reserve a slot on ``relay``; returns the reservation's expiry (unix time).
+
+        Raises PeerUnreachable when the relay cannot be reached or refuses."""
+        if self._nursery is None:
+            raise RuntimeError("Relaying.serve has not started")
+        relay_id = ID.from_base58(relay.peer_id)
+        try:
+            if not self._host.get_network().connections.get(relay_id):
+                await self._host.connect(relay.peer_info())
+            stream = await self._host.new_stream(relay_id, [HOP_PROTOCOL_ID])
+        except Exception as exc:
+            raise PeerUnreachable(f"relay {short(relay.peer_id)}: {exc}") from None
+        try:
+            ok = await self._transport.reserve(stream, relay_id, self._nursery)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except Exception:
+                    pass
+        if not ok:
+            raise PeerUnreachable(f"relay {short(relay.peer_id)} refused a reservation")
+        return int(self._transport._reservations.get(relay_id, 0))
+
+    async def connect(self, peer: PeerAddress) -> None:
+        """Connect to ``peer`` through the first of its circuit addresses that works,
+        falling back to its direct addresses. Raises PeerUnreachable."""
+        errors = []
+        for addr in peer.addrs:
+            if not is_circuit_addr(addr):
+                continue
+            try:
+                await self._transport.dial(multiaddr.Multiaddr(f"{addr}/p2p/{peer.peer_id}"))
+                return
+            except Exception as exc:
+                errors.append(f"{addr}: {exc}")
+        direct = [a for a in peer.addrs if not is_circuit_addr(a)]
+        if direct:
+            info = PeerInfo(ID.from_base58(peer.peer_id), [multiaddr.Multiaddr(a) for a in direct])
+            await self._host.connect(info)
+            return
+        raise PeerUnreachable(
+            f"{short(peer.peer_id)}: no relay circuit opened ({'; '.join(errors)})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReachabilityReport:
+    """What ``volunteerd status`` shows about reachability."""
+
+    mode: Mode
+    # Addresses peers could dial directly (empty unless direct).
+    direct_addrs: tuple[str, ...]
+    # Addresses announced in expert records (direct or circuit).
+    announce_addrs: tuple[str, ...]
+    relay: str | None
+    advice: str
+    checked_at: float | None
+    peers_asked: int
+
+
+class Reachability:
+    """Decides and maintains how peers reach this node. ``await start()`` once (before
+    announcing), then ``serve`` re-checks every ``check_every_s`` and keeps the relay
+    reservation fresh."""
+
+    def __init__(
+        self,
+        host: IHost,
+        rpc: RpcClient,
+        relaying: Relaying,
+        config: ReachabilityConfig,
+        timeouts: TimeoutsConfig,
+        *,
+        bootstrap: tuple[PeerAddress, ...] = (),
+        port: int = 0,
+    ) -> None:
+        self._host = host
+        self._rpc = rpc
+        self._relaying = relaying
+        self._config = config
+        self._timeouts = timeouts
+        self._relays = tuple(parse_peer_multiaddr(a) for a in config.relays) or bootstrap
+        self._port = port
+        self._mode: Mode = "unknown"
+        self._direct: tuple[str, ...] = ()
+        self._circuit: tuple[str, ...] = ()
+        self._relay: PeerAddress | None = None
+        self._reserved_until = 0.0
+        self._checked_at: float | None = None
+        self._asked = 0
+        self._watchers: list[Callable[[list[str]], None]] = []
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def announce_addrs(self) -> list[str]:
+        """The addresses to put in expert records: circuit addresses when relayed;
+        otherwise the addresses peers dialled back (e.g. the router's public address
+        with a forwarded port) before the ones this node knows itself."""
+        if self._mode == "relayed":
+            return list(self._circuit)
+        own = transport_addrs(self._host)
+        return list(dict.fromkeys([*self._direct, *own]))[:MAX_ADDRS]
+
+    def watch_addrs(self, callback: Callable[[list[str]], None]) -> None:
+        """Call ``callback(announce_addrs)`` whenever the addresses to announce change
+        (the daemon's announcer re-announces at once)."""
+        self._watchers.append(callback)
+
+    def report(self) -> ReachabilityReport:
+        return ReachabilityReport(
+            mode=self._mode,
+            direct_addrs=self._direct,
+            announce_addrs=tuple(self.announce_addrs),
+            relay=str(self._relay) if self._relay else None,
+            advice=self._advice(),
+            checked_at=self._checked_at,
+            peers_asked=self._asked,
+        )
+
+    def _listen_port(self) -> int:
+        """The port this node really listens on (not an announced one)."""
+        for addr in self._host.get_transport_addrs():
+            endpoint = tcp_endpoint(str(addr).split("/p2p/")[0])
+            if endpoint is not None:
+                return endpoint[1]
+        return self._port
+
+    def _advice(self) -> str:
+        port = self._listen_port() or 38400
+        forward = (
+            f"forward TCP port {port} on your router to this machine (and allow it through "
+            "the firewall), or set network.announce_addrs to the address peers can reach"
+        )
+        if self._mode == "direct":
+            return f"peers reach this node directly at {', '.join(self._direct)}; nothing to do"
+        if self._mode == "relayed":
+            if not self._config.listen:
+                return (
+                    f"relay-only (reachability.listen = false): peers reach this node through "
+                    f"relay {self._relay}; relayed traffic is several times slower than direct"
+                )
+            return (
+                f"peers could not dial this node, so they reach it through relay {self._relay} "
+                f"(several times slower than direct). To be reached directly: {forward}"
+            )
+        if self._mode == "unreachable":
+            return (
+                f"peers could not dial this node and no relay took a reservation "
+                f"(relays: {', '.join(str(r) for r in self._relays) or 'none configured'}). "
+                f"To be reached directly: {forward}; or set reachability.relays"
+            )
+        return "no peer has answered a dial-back yet; reachability is not known"
+
+    # -- checking ---------------------------------------------------------------------
+
+    async def check(self) -> Mode:
+        """Ask up to three connected peers to dial this node back; update the mode."""
+        announced = self.announce_addrs
+        addrs = [a for a in transport_addrs(self._host) if tcp_endpoint(a) is not None]
+        peers = self._peers_to_ask()
+        worked: list[str] = []
+        answered = 0
+
+        async def ask(peer_id: str) -> None:
+            nonlocal answered
+            try:
+                with trio.fail_after(_DIAL_S * 2 + self._timeouts.connect_s):
+                    reply, _ = await self._rpc.call(
+                        PeerAddress(peer_id, ()),
+                        Verb.DIALBACK,
+                        DialBackRequest(addrs=addrs[:4]),
+                    )
+            except (PeerError, trio.TooSlowError) as exc:
+                logger.debug("dial-back by %s failed: %s", short(peer_id), exc)
+                return
+            if reply.dialled:  # it tried (0: it saw no IP to dial, e.g. over a relay)
+                answered += 1
+            if reply.reachable is not None:
+                worked.append(reply.reachable)
+
+        if addrs and peers:
+            async with trio.open_nursery() as nursery:
+                for peer_id in peers:
+                    nursery.start_soon(ask, peer_id)
+        self._asked = len(peers)
+        self._checked_at = time.time()
+        self._direct = tuple(dict.fromkeys(worked))
+        if worked:
+            await self._set_mode("direct")
+        elif answered or (not addrs and peers):
+            await self._set_mode("relayed")  # falls to "unreachable" without a relay
+        else:
+            self._mode = "unknown"
+        self._notify_if_changed(announced)
+        return self._mode
+
+    def _peers_to_ask(self) -> list[str]:
+        """Connected peers, bootstrap peers first, at most three."""
+        me = str(self._host.get_id())
+        connected = [str(p) for p in self._host.get_network().connections if str(p) != me]
+        known = {r.peer_id for r in self._relays}
+        connected.sort(key=lambda p: p not in known)
+        return connected[:_ASK_PEERS]
+
+    async def _set_mode(self, wanted: Mode) -> None:
+        previous, announced = self._mode, self.announce_addrs
+        if wanted == "direct" or self._config.mode == "direct":
+            self._mode = wanted if wanted == "direct" else "unreachable"
+        else:
+            self._mode = "relayed" if await self._ensure_reservation() else "unreachable"
+        if self._mode != previous:
+            log = logger.warning if self._mode in ("relayed", "unreachable") else logger.info
+            log("reachability: %s. %s", self._mode, self._advice())
+        self._notify_if_changed(announced)
+
+    def _notify_if_changed(self, announced: list[str]) -> None:
+        if self.announce_addrs != announced:
+            for callback in self._watchers:
+                callback(self.announce_addrs)
+
+    async def _ensure_reservation(self) -> bool:
+        """Hold a reservation on one relay; True when one is held."""
+        candidates = ([self._relay] if self._relay else []) + [
+            r for r in self._relays if r != self._relay
+        ]
+        for relay in candidates:
+            if relay is None or relay.peer_id == str(self._host.get_id()):
+                continue
+            try:
+                with trio.fail_after(self._timeouts.connect_s * 2):
+                    expires = await self._relaying.reserve(relay)
+            except (PeerUnreachable, trio.TooSlowError) as exc:
+                logger.info("relay %s: %s", short(relay.peer_id), exc or "timed out")
+                continue
+            self._relay = relay
+            self._reserved_until = float(expires)
+            self._circuit = tuple(
+                f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}"
+                for a in relay.addrs
+                if parse_circuit_addr(f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}")
+            )
+            return bool(self._circuit)
+        self._relay = None
+        self._circuit = ()
+        return False
+
+    def _relay_connected(self) -> bool:
+        if self._relay is None:
+            return False
+        return bool(self._host.get_network().connections.get(ID.from_base58(self._relay.peer_id)))
+
+    async def start(self) -> Mode:
+        """The first decision, made before this node announces anything."""
+        if self._config.mode == "relay":
+            await self._set_mode("relayed")
+        else:
+            with trio.move_on_after(_DIAL_S * 2 + self._timeouts.connect_s):
+                await self.check()
+        return self._mode
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Re-check every ``check_every_s`` (re-reserving the relay slot when relayed);
+        between checks, re-reserve at once when the relay connection dropped (a
+        restarted relay forgot us) or the reservation is about to expire."""
+        task_status.started()
+        next_check = time.monotonic() + self._config.check_every_s
+        while True:
+            nap = next_check - time.monotonic()
+            if self._mode == "relayed":
+                nap = min(nap, _WATCH_RELAY_S)
+            await trio.sleep(max(0.0, nap))
+            try:
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + self._config.check_every_s
+                    if self._config.mode == "relay":
+                        await self._set_mode("relayed")
+                    else:
+                        await self.check()
+                elif self._mode == "relayed" and (
+                    not self._relay_connected()
+                    or self._reserved_until - time.time() < _RENEW_BEFORE_S
+                ):
+                    await self._set_mode("relayed")
+            except Exception:  # a failed round must not end the node: the next one retries
+                logger.exception("reachability round failed")

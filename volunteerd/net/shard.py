@@ -1,0 +1,542 @@
+"""Shards: an expert's whole state, downloaded from a replica in chunks, verified by
+SHA-256, resumable after a dropped connection or a restart.
+
+A shard is a snapshot of one expert's weights and optimizer state as bytes (a
+checkpoint file, ``volunteerd.experts.checkpoint``); this module only moves bytes.
+
+Server: ``ShardServer(snapshot)`` answers the ``shard`` verb. A request without a
+``sha256`` gets a fresh snapshot (the callback), which is then kept, keyed by its
+SHA-256, while it is being downloaded; later requests name that ``sha256`` and get their
+chunks from the same bytes, so a download never mixes two versions of the weights. A
+snapshot nobody asked for in ``keep_idle_s`` is dropped; beyond ``max_cache_bytes`` the
+least recently used snapshots go first, but never one still in use (asked for within
+``in_use_s``): a full cache answers new downloads ``busy`` rather than starve running
+ones. A request for a dropped snapshot gets ``expired`` and the client starts again.
+
+Client: ``download_shard`` writes the chunks to ``<dest>.partial`` with a sidecar
+``<dest>.partial.json`` (uid, sha256, total). A later call for the same ``dest``, after
+a dropped connection, a cancellation or a process restart, resumes from the bytes on
+disk. The whole file's SHA-256 is checked at the end before it is renamed to ``dest``.
+
+Every byte travels over the RPC client's streams, so the node's per-stream bandwidth
+limits apply; chunks of 1 MiB keep throttling smooth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import trio
+from libp2p.exceptions import BaseLibp2pError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from volunteerd.errors import (
+    Busy,
+    MalformedFrame,
+    PeerError,
+    RemoteError,
+    ShardError,
+    SnapshotExpired,
+)
+from volunteerd.net.peers import PeerAddress, short
+from volunteerd.net.protocols import Verb
+from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
+from volunteerd.wire.messages import MAX_SHARD_CHUNK, Sha256, ShardReply, ShardRequest, Uid
+
+__all__ = [
+    "MAX_SHARD_CHUNK",
+    "ShardResult",
+    "ShardServer",
+    "ShardStats",
+    "Snapshot",
+    "download_shard",
+    "partial_paths",
+]
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+Snapshot = Callable[[str], Awaitable[bytes]]
+"""``snapshot(uid)``: the expert's state as bytes; raises UnknownExpert."""
+
+# Restarts from zero (expired snapshot, bad bytes on disk) within one call.
+_MAX_RESTARTS = 3
+# Server answers worth waiting for and asking again.
+_RETRY_CODES = frozenset({"busy", "rate_limited"})
+_HASH_BLOCK = 4 << 20
+
+
+# --------------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True, slots=True)
+class ShardStats:
+    """What a ShardServer has done; a snapshot of its counters."""
+
+    snapshots: int  # fresh snapshots taken
+    reused: int  # fresh requests answered with a recent snapshot instead
+    chunks: int
+    bytes_out: int
+    expired: int  # requests for a snapshot no longer kept
+    busy: int  # fresh requests refused: snapshots in use filled the cache
+    cached: int  # snapshots kept now
+    cached_bytes: int
+
+
+@dataclass(slots=True)
+class _Kept:
+    uid: str
+    data: bytes
+    taken_at: float
+    used_at: float
+
+
+class ShardServer:
+    """Answers the ``shard`` verb from snapshots taken by ``snapshot(uid)``.
+
+    ``reuse_s``: a fresh request within this long of the uid's last snapshot gets that
+    snapshot instead of a new one (many newcomers joining at once cost one snapshot).
+    ``keep_idle_s``: a snapshot is dropped after this long without a request.
+    ``max_cache_bytes``: snapshots kept, in all (a soft cap: it may be passed by one
+    snapshot); beyond it the least recently used go first, except those asked for within
+    ``in_use_s``. When those alone fill the cache, a fresh request gets Busy.
+    ``max_chunk_bytes``: larger requests get shorter replies. ``clock`` is for tests.
+
+    Idle snapshots are dropped when a request comes, and by ``serve`` as time passes
+    (start it next to the node, or a finished download's bytes stay in memory until the
+    next request).
+    """
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        *,
+        reuse_s: float = 5.0,
+        keep_idle_s: float = 600.0,
+        in_use_s: float = 60.0,
+        max_cache_bytes: int = 512 << 20,
+        max_chunk_bytes: int = MAX_SHARD_CHUNK,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._snapshot = snapshot
+        self._reuse_s = reuse_s
+        self._keep_idle_s = keep_idle_s
+        self._in_use_s = in_use_s
+        self._max_cache_bytes = max_cache_bytes
+        self._max_chunk_bytes = min(max_chunk_bytes, MAX_SHARD_CHUNK)
+        self._clock = clock
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # by sha256, LRU first
+        self._latest: dict[str, str] = {}  # uid -> sha256 of its newest snapshot
+        self._taking = trio.Lock()
+        self._snapshots = self._reused = self._chunks = self._bytes_out = self._expired = 0
+        self._busy = 0
+
+    def handlers(self) -> dict[Verb, Handler]:
+        return {Verb.SHARD: self.handle}
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Drop snapshots idle for ``keep_idle_s`` as time passes, until cancelled."""
+        task_status.started()
+        while True:
+            await trio.sleep(max(1.0, min(self._keep_idle_s, 120.0) / 4))
+            self._drop_idle()
+
+    async def handle(self, request: Request) -> Reply:
+        """The ``shard`` verb's handler."""
+        header, chunk = await self.chunk(request.header)
+        return Reply(header, [chunk])
+
+    async def chunk(self, request: ShardRequest) -> tuple[ShardReply, memoryview]:
+        """The reply to ``request`` and its body. Raises UnknownExpert (from the
+        snapshot callback), SnapshotExpired for a ``sha256`` no longer kept, Busy when
+        snapshots in use fill the cache, and MalformedFrame for an offset past the end."""
+        self._drop_idle()
+        if request.sha256 is None:
+            sha256, kept = await self._fresh(request.uid)
+        else:
+            sha256 = request.sha256
+            found = self._kept.get(sha256)
+            if found is None or found.uid != request.uid:
+                self._expired += 1
+                raise SnapshotExpired(f"{request.uid}: snapshot {sha256[:12]} is no longer kept")
+            kept = found
+        kept.used_at = self._clock()
+        self._kept.move_to_end(sha256)
+        total = len(kept.data)
+        if request.offset > total:
+            raise MalformedFrame(f"offset {request.offset} is past the end ({total} bytes)")
+        length = min(request.length, self._max_chunk_bytes, total - request.offset)
+        body = memoryview(kept.data)[request.offset : request.offset + length]
+        self._chunks += 1
+        self._bytes_out += length
+        reply = ShardReply(
+            uid=request.uid, sha256=sha256, total=total, offset=request.offset, length=length
+        )
+        return reply, body
+
+    async def _fresh(self, uid: str) -> tuple[str, _Kept]:
+        # One snapshot at a time: each costs a copy of the expert on the device worker.
+        async with self._taking:
+            latest = self._latest.get(uid)
+            recent = self._kept.get(latest) if latest is not None else None
+            fresh_enough = recent is not None and self._clock() - recent.taken_at <= self._reuse_s
+            if latest is not None and recent is not None and fresh_enough:
+                self._reused += 1
+                return latest, recent
+            self._make_room()
+            if self._cached_bytes() >= self._max_cache_bytes:
+                self._busy += 1
+                raise Busy(f"{uid}: snapshots of running downloads fill the cache; try later")
+            data = await self._snapshot(uid)
+            sha256 = await trio.to_thread.run_sync(_sha256_hex, data)
+            now = self._clock()
+            kept = self._kept.get(sha256) or _Kept(uid, data, now, now)
+            kept.taken_at = now
+            self._kept[sha256] = kept
+            self._latest[uid] = sha256
+            self._snapshots += 1
+            self._make_room(keep=sha256)
+            logger.debug("%s: snapshot %s of %d bytes", uid, sha256[:12], len(data))
+            return sha256, kept
+
+    def _drop_idle(self) -> None:
+        now = self._clock()
+        for sha256 in [s for s, k in self._kept.items() if now - k.used_at > self._keep_idle_s]:
+            self._forget(sha256)
+
+    def _make_room(self, keep: str | None = None) -> None:
+        """Drop least recently used snapshots not in use (nor ``keep``) while the cache
+        is over its cap."""
+        total = self._cached_bytes()
+        now = self._clock()
+        for sha256, kept in list(self._kept.items()):
+            if total <= self._max_cache_bytes:
+                break
+            if sha256 != keep and now - kept.used_at > self._in_use_s:
+                total -= len(kept.data)
+                self._forget(sha256)
+
+    def _cached_bytes(self) -> int:
+        return sum(len(k.data) for k in self._kept.values())
+
+    def _forget(self, sha256: str) -> None:
+        kept = self._kept.pop(sha256)
+        if self._latest.get(kept.uid) == sha256:
+            del self._latest[kept.uid]
+
+    def clear(self) -> None:
+        """Drop every kept snapshot (downloads in progress get ``expired``)."""
+        self._kept.clear()
+        self._latest.clear()
+
+    def statistics(self) -> ShardStats:
+        return ShardStats(
+            snapshots=self._snapshots,
+            reused=self._reused,
+            chunks=self._chunks,
+            bytes_out=self._bytes_out,
+            expired=self._expired,
+            busy=self._busy,
+            cached=len(self._kept),
+            cached_bytes=self._cached_bytes(),
+        )
+
+
+def _sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------- client
+
+
+@dataclass(frozen=True, slots=True)
+class ShardResult:
+    """A completed download: ``path`` holds ``size`` bytes whose SHA-256 is ``sha256``.
+
+    ``resumed_from``: bytes that were already on disk from an earlier call and were
+    kept (0 for a download from scratch). ``fetched``: bytes this call received.
+    ``restarts``: times this call started again from zero (the snapshot expired on the
+    server, or the bytes on disk turned out to be wrong).
+    """
+
+    uid: str
+    sha256: str
+    size: int
+    path: Path
+    resumed_from: int
+    fetched: int
+    restarts: int
+
+
+def partial_paths(dest: Path) -> tuple[Path, Path]:
+    """Where ``download_shard`` keeps an unfinished ``dest``: the bytes so far and the
+    JSON sidecar naming the snapshot they belong to."""
+    return dest.with_name(dest.name + ".partial"), dest.with_name(dest.name + ".partial.json")
+
+
+class _Sidecar(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uid: Uid
+    sha256: Sha256
+    total: Annotated[int, Field(ge=0)]
+
+
+async def download_shard(
+    rpc: RpcClient,
+    peer: PeerAddress,
+    uid: str,
+    dest: Path,
+    *,
+    chunk_bytes: int = 1 << 20,
+    expected_sha256: str | None = None,
+    max_bytes: int = 16 << 30,
+    retries: int = 4,
+    backoff_s: float = 0.5,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> ShardResult:
+    """Download the state of expert ``uid`` from ``peer`` into ``dest``.
+
+    Chunks of ``chunk_bytes`` (at most 4 MiB and at most the client's
+    ``wire.max_body_bytes``) are written to ``<dest>.partial``; a later call resumes from
+    them (see ``partial_paths``) if the peer still keeps the same snapshot, else starts
+    again. At the end the whole file's SHA-256 is checked, the file is fsynced and renamed
+    to ``dest`` (replacing it), and the partial files are gone. With ``expected_sha256``
+    the peer must serve exactly that snapshot; a snapshot over ``max_bytes`` is refused
+    before anything is written. ``on_chunk(received, total)`` is called
+    after each chunk is written. ``dest``'s folder must exist; run one download per
+    ``dest`` at a time.
+
+    A dropped connection, a timeout (the RPC client's ``request_s`` per chunk) or a
+    ``busy``/``rate_limited`` answer is retried ``retries`` times in a row, waiting
+    ``backoff_s``, then twice that, and so on. Bound the whole download with
+    ``trio.fail_after`` at the call site; on cancellation the partial files stay for a
+    later call to resume.
+
+    Raises RemoteError (``unknown_expert``: the peer does not host ``uid``;
+    ``shutting_down``), and ShardError when the peer keeps failing (``resumable``: the
+    partial file is kept), when its replies contradict each other, or when the bytes do
+    not match their SHA-256 (the partial file is deleted).
+    """
+    if chunk_bytes < 1:
+        raise ValueError("chunk_bytes must be positive")
+    chunk_bytes = min(chunk_bytes, MAX_SHARD_CHUNK)
+    where = f"shard {uid} from {short(peer.peer_id)}"
+    partial = _Partial(*partial_paths(dest), uid, expected_sha256)
+    failures = 0
+    restarts = 0
+    fetched = 0
+    try:
+        await trio.to_thread.run_sync(partial.resume)
+        if partial.kept:
+            logger.info("%s: resuming at %d of %d bytes", where, partial.kept, partial.total)
+        while True:
+            if partial.sha256 is not None and partial.offset == partial.total:
+                from_disk = partial.kept
+                if await trio.to_thread.run_sync(partial.finish, dest):
+                    logger.info("%s: %d bytes, sha256 %.12s", where, partial.total, partial.sha256)
+                    return ShardResult(
+                        uid,
+                        partial.sha256,
+                        partial.offset,
+                        dest,
+                        resumed_from=partial.kept,
+                        fetched=fetched,
+                        restarts=restarts,
+                    )
+                if not from_disk:
+                    raise ShardError(
+                        f"{where}: the bytes received do not match their sha256", resumable=False
+                    )
+                # Bytes left on disk by an earlier call were wrong: fetch everything.
+                logger.warning("%s: the partial file was damaged; downloading it again", where)
+                restarts = _restart(restarts, where)
+                continue
+            request = ShardRequest(
+                uid=uid,
+                sha256=partial.sha256,
+                offset=partial.offset,
+                length=min(chunk_bytes, partial.remaining(chunk_bytes)),
+            )
+            try:
+                reply, body = await rpc.call_raw(peer, Verb.SHARD, request)
+            except RemoteError as exc:
+                if exc.code == "expired" and partial.sha256 is not None:
+                    logger.info("%s: snapshot expired on the peer; starting again", where)
+                    await trio.to_thread.run_sync(partial.reset)
+                    restarts = _restart(restarts, where)
+                    continue
+                if exc.code not in _RETRY_CODES:
+                    raise
+                failures = await _backoff(failures, retries, backoff_s, where, exc)
+                continue
+            except (PeerError, BaseLibp2pError) as exc:  # a dropped stream or connection
+                failures = await _backoff(failures, retries, backoff_s, where, exc)
+                continue
+            _check_reply(reply, body, request, partial, where)
+            if partial.sha256 is None:
+                if reply.total > max_bytes:
+                    raise ShardError(
+                        f"{where}: {reply.total} bytes, more than {max_bytes}", resumable=False
+                    )
+                await trio.to_thread.run_sync(partial.start, reply.sha256, reply.total)
+            await trio.to_thread.run_sync(partial.write, body)
+            fetched += body.nbytes
+            failures = 0
+            if on_chunk is not None:
+                on_chunk(partial.offset, reply.total)
+    finally:
+        partial.close()
+
+
+def _restart(restarts: int, where: str) -> int:
+    if restarts >= _MAX_RESTARTS:
+        raise ShardError(f"{where}: started again {restarts} times; giving up", resumable=False)
+    return restarts + 1
+
+
+async def _backoff(
+    failures: int, retries: int, backoff_s: float, where: str, exc: BaseException
+) -> int:
+    if failures >= retries:
+        raise ShardError(
+            f"{where}: failed {failures + 1} times in a row: {exc}", resumable=True
+        ) from exc
+    logger.info("%s: %s; retrying", where, exc or type(exc).__name__)
+    await trio.sleep(backoff_s * 2**failures)
+    return failures + 1
+
+
+def _check_reply(
+    reply: ShardReply, body: memoryview, request: ShardRequest, partial: _Partial, where: str
+) -> None:
+    """Refuse a reply that does not continue the download it answers."""
+    problem = None
+    if reply.uid != request.uid:
+        problem = f"reply for {reply.uid}"
+    elif reply.length != body.nbytes:
+        problem = f"header says {reply.length} bytes, body has {body.nbytes}"
+    elif reply.offset != request.offset:
+        problem = f"chunk at {reply.offset}, asked for {request.offset}"
+    elif reply.length > request.length:
+        problem = f"{reply.length} bytes, asked for at most {request.length}"
+    elif reply.length == 0 and reply.offset < reply.total:
+        problem = "an empty chunk before the end"
+    elif partial.sha256 is not None and reply.sha256 != partial.sha256:
+        problem = f"snapshot {reply.sha256[:12]}, asked for {partial.sha256[:12]}"
+    elif partial.total is not None and reply.total != partial.total:
+        problem = f"{reply.total} bytes in all, earlier {partial.total}"
+    elif partial.expected is not None and reply.sha256 != partial.expected:
+        problem = f"serves snapshot {reply.sha256[:12]}, expected {partial.expected[:12]}"
+    if problem is not None:
+        raise ShardError(f"{where}: {problem}", resumable=True)
+
+
+class _Partial:
+    """The unfinished download on disk: bytes so far, the sidecar naming their snapshot,
+    and the running SHA-256 of those bytes. Blocking calls: run them in a thread."""
+
+    def __init__(self, path: Path, sidecar: Path, uid: str, expected: str | None) -> None:
+        self.path = path
+        self.sidecar = sidecar
+        self.uid = uid
+        self.expected = expected
+        self.sha256: str | None = None
+        self.total: int | None = None
+        self.offset = 0
+        self.kept = 0  # bytes found on disk and kept for this round
+        self._digest = hashlib.sha256()
+        self._fd: int | None = None
+
+    def remaining(self, default: int) -> int:
+        return default if self.total is None else self.total - self.offset
+
+    def resume(self) -> None:
+        """Take up the bytes an earlier call left, if the sidecar vouches for them."""
+        try:
+            side = _Sidecar.model_validate_json(self.sidecar.read_bytes())
+            size = self.path.stat().st_size
+        except (OSError, ValidationError, ValueError):
+            self.reset()
+            return
+        if (
+            side.uid != self.uid
+            or size > side.total
+            or (self.expected is not None and side.sha256 != self.expected)
+        ):
+            self.reset()
+            return
+        digest = hashlib.sha256()
+        with self.path.open("rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                digest.update(block)
+        self._fd, self._digest = os.open(self.path, os.O_RDWR), digest
+        self.sha256, self.total, self.offset, self.kept = side.sha256, side.total, size, size
+
+    def start(self, sha256: str, total: int) -> None:
+        """Begin the snapshot ``sha256`` of ``total`` bytes: sidecar first, then data."""
+        self.reset()
+        side = _Sidecar(uid=self.uid, sha256=sha256, total=total)
+        tmp = self.sidecar.with_name(self.sidecar.name + ".tmp")
+        tmp.write_text(side.model_dump_json())
+        os.replace(tmp, self.sidecar)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.sha256, self.total = sha256, total
+
+    def write(self, data: memoryview) -> None:
+        assert self._fd is not None
+        view = data
+        while view.nbytes:
+            written = os.pwrite(self._fd, view, self.offset + (data.nbytes - view.nbytes))
+            view = view[written:]
+        self._digest.update(data)
+        self.offset += data.nbytes
+
+    def finish(self, dest: Path) -> bool:
+        """Rename the complete file to ``dest`` if its SHA-256 is right; else delete it
+        and return False."""
+        assert self._fd is not None
+        if self._digest.hexdigest() != self.sha256:
+            self.reset()
+            return False
+        os.fsync(self._fd)
+        self.close()
+        os.replace(self.path, dest)
+        _fsync_dir(dest.parent)
+        self.sidecar.unlink(missing_ok=True)
+        return True
+
+    def reset(self) -> None:
+        """Forget the bytes so far, on disk too."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+        self.sidecar.unlink(missing_ok=True)
+        self.sha256 = self.total = None
+        self.offset = self.kept = 0
+        self._digest = hashlib.sha256()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":  # pragma: no cover - Windows cannot open a directory
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,300 @@
+"""Bandwidth limits and the monthly transfer quota, for every stream of one node.
+
+A ``Throttle`` holds two token buckets, one for what this node sends and one for what
+it receives, shared by all peers and all verbs. The RPC server and client wrap every
+stream they accept or open in ``ThrottledStream``: a write waits for tokens before it
+goes out, in pieces of at most 64 KiB so that one large reply cannot hold the bucket
+while small requests wait; a read takes tokens for what it received (delaying the
+reader lets the multiplexer's flow-control window push back on the sender).
+
+Rates are in Mbit/s (10^6 bits), 0 meaning unlimited, and change at once:
+``set_rates`` wakes every waiter to recompute its wait. Bursts are a tenth of a
+second's worth (at least 64 KiB), so a measured transfer keeps to the rate within a
+few percent over seconds.
+
+The ``TransferLedger`` counts the bytes of the current calendar month (local time),
+up and down together, in a small JSON file in the data folder (``transfer.json``),
+saved every ``_SAVE_EVERY_S`` and when the node stops. A quota of 0 means none; the
+throttle only reports ``quota_exhausted``: pausing is the volunteer controls' job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.custom_types import TProtocol
+
+from volunteerd.config import LimitsConfig
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = [
+    "BYTES_PER_MBIT",
+    "Throttle",
+    "ThrottleStats",
+    "ThrottledStream",
+    "TokenBucket",
+    "TransferLedger",
+]
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_MBIT = 125_000  # 10^6 bits
+_PIECE = 64 * 1024  # the largest single write while a rate applies
+_BURST_S = 0.1
+_MIN_BURST = 64 * 1024
+_SAVE_EVERY_S = 30.0
+
+
+class TokenBucket:
+    """A token bucket of ``rate`` bytes per second (0 = unlimited), refilled by trio's
+    clock. Waiters are served in arrival order; a request larger than the burst drives
+    the bucket into debt, which the next ones wait out, so the long-run rate holds
+    exactly whatever the piece sizes."""
+
+    def __init__(self, rate: float = 0.0) -> None:
+        self.rate = 0.0
+        self.burst = float(_MIN_BURST)
+        self._tokens = 0.0
+        self._stamp: float | None = None
+        self._lock = trio.Lock()  # fair: FIFO among waiters
+        self._changed = trio.Event()
+        self._configure(rate)
+
+    def _configure(self, rate: float) -> None:
+        was_unlimited = self.rate <= 0
+        self.rate = max(0.0, float(rate))
+        self.burst = max(float(_MIN_BURST), self.rate * _BURST_S)
+        self._tokens = self.burst if was_unlimited else min(self._tokens, self.burst)
+
+    def set_rate(self, rate: float) -> None:
+        """Change the rate now; waiters recompute their wait."""
+        if self._stamp is not None:
+            self._refill()
+        self._configure(rate)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _refill(self) -> None:
+        now = trio.current_time()
+        if self._stamp is not None and self.rate > 0:
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+
+    async def consume(self, n: int) -> None:
+        """Wait until ``n`` bytes may pass. Cancellation takes nothing from the bucket."""
+        if self.rate <= 0:
+            return
+        async with self._lock:
+            while self.rate > 0:
+                self._refill()
+                need = min(float(n), self.burst)
+                if self._tokens + 1.0 >= need:  # a byte's slack absorbs float rounding
+                    self._tokens -= n
+                    return
+                changed = self._changed
+                with trio.move_on_after((need - self._tokens) / self.rate):
+                    await changed.wait()
+
+
+def _month(now: float) -> str:
+    return time.strftime("%Y-%m", time.localtime(now))
+
+
+class TransferLedger:
+    """Bytes sent and received in the current calendar month, kept in ``path`` (no
+    file: counted in memory only). A new month starts from zero."""
+
+    def __init__(self, path: Path | None, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+        self.month = _month(clock())
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._dirty = False
+        if path is not None:
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data: Any = json.loads(path.read_text())
+            month, up, down = data["month"], int(data["bytes_up"]), int(data["bytes_down"])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("%s is unreadable (%s); counting this month from zero", path, exc)
+            return
+        if month == self.month:
+            self.bytes_up, self.bytes_down = max(0, up), max(0, down)
+
+    def _roll(self) -> None:
+        month = _month(self._clock())
+        if month != self.month:
+            logger.info("a new month (%s): the transfer count starts from zero", month)
+            self.month, self.bytes_up, self.bytes_down = month, 0, 0
+            self._dirty = True
+
+    def add(self, up: int = 0, down: int = 0) -> None:
+        self._roll()
+        self.bytes_up += up
+        self.bytes_down += down
+        self._dirty = True
+
+    @property
+    def total(self) -> int:
+        """Bytes up and down this month."""
+        self._roll()
+        return self.bytes_up + self.bytes_down
+
+    def save(self) -> None:
+        """Write the file atomically (temp file, fsync, rename) if anything changed."""
+        if self.path is None or not self._dirty:
+            return
+        data = {"month": self.month, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        _write_atomic(self.path, json.dumps(data) + "\n")
+        self._dirty = False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleStats:
+    upload_mbit: float
+    download_mbit: float
+    bytes_up: int  # since the node started
+    bytes_down: int
+    month: str
+    month_bytes: int  # up + down this month
+    quota_bytes: int  # 0 = no quota
+    quota_exhausted: bool
+
+
+class Throttle:
+    """The node's bandwidth limits and transfer accounting (one per node).
+
+    ``ledger`` defaults to counting in memory only. Start ``serve`` to save the ledger
+    periodically (``open_node`` does)."""
+
+    def __init__(self, limits: LimitsConfig, ledger: TransferLedger | None = None) -> None:
+        self.up = TokenBucket()
+        self.down = TokenBucket()
+        self.ledger = ledger or TransferLedger(None)
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.quota_bytes = 0
+        self.apply(limits)
+
+    def apply(self, limits: LimitsConfig) -> None:
+        """Take the rates and the quota of ``limits``, effective at once."""
+        self.set_rates(limits.upload_mbit, limits.download_mbit)
+        self.quota_bytes = round(limits.monthly_quota_gb * 1e9)
+
+    def set_rates(self, up_mbit: float, down_mbit: float) -> None:
+        """Upload and download limits in Mbit/s (0 = unlimited), effective at once."""
+        self.up.set_rate(up_mbit * BYTES_PER_MBIT)
+        self.down.set_rate(down_mbit * BYTES_PER_MBIT)
+
+    @property
+    def quota_exhausted(self) -> bool:
+        return self.quota_bytes > 0 and self.ledger.total >= self.quota_bytes
+
+    def wrap(self, stream: INetStream) -> INetStream:
+        return ThrottledStream(stream, self)
+
+    async def sent(self, n: int) -> None:
+        self.bytes_up += n
+        self.ledger.add(up=n)
+        await self.up.consume(n)
+
+    async def received(self, n: int) -> None:
+        self.bytes_down += n
+        self.ledger.add(down=n)
+        await self.down.consume(n)
+
+    def statistics(self) -> ThrottleStats:
+        return ThrottleStats(
+            upload_mbit=self.up.rate / BYTES_PER_MBIT,
+            download_mbit=self.down.rate / BYTES_PER_MBIT,
+            bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down,
+            month=self.ledger.month,
+            month_bytes=self.ledger.total,
+            quota_bytes=self.quota_bytes,
+            quota_exhausted=self.quota_exhausted,
+        )
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Save the ledger every ``_SAVE_EVERY_S`` and once more on the way out."""
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(_SAVE_EVERY_S)
+                self._save()
+        finally:
+            self._save()
+
+    def _save(self) -> None:
+        try:
+            self.ledger.save()
+        except OSError as exc:
+            logger.warning("cannot save the transfer count: %s", exc)
+
+
+class ThrottledStream(INetStream):
+    """``stream`` with its reads and writes paced by ``throttle``."""
+
+    def __init__(self, stream: INetStream, throttle: Throttle) -> None:
+        self._stream = stream
+        self._throttle = throttle
+        self.muxed_conn = stream.muxed_conn
+
+    async def read(self, n: int | None = None) -> bytes:
+        data = await self._stream.read(n)
+        if data:
+            await self._throttle.received(len(data))
+        return data
+
+    async def write(self, data: bytes) -> None:
+        if self._throttle.up.rate <= 0 or len(data) <= _PIECE:
+            await self._throttle.sent(len(data))
+            await self._stream.write(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            await self._throttle.sent(len(piece))
+            await self._stream.write(bytes(piece))
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+    async def reset(self) -> None:
+        await self._stream.reset()
+
+    def get_protocol(self) -> TProtocol | None:
+        return self._stream.get_protocol()
+
+    def set_protocol(self, protocol_id: TProtocol) -> None:
+        self._stream.set_protocol(protocol_id)
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return self._stream.get_remote_address()

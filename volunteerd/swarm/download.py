@@ -1,0 +1,58 @@
+"""A newcomer's download of an expert's current state from a live replica.
+
+The replica serves its state as a checkpoint file over the ``shard`` verb
+(``net.shard``: chunked, SHA-256-checked, resumable); the file lands in the downloads
+folder, is read back with the checkpoint reader (header and payload checksums, schema)
+and is deleted once loaded. The SHA-256 of every file downloaded is kept by uid for
+logs and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import trio
+
+from volunteerd.config import TimeoutsConfig
+from volunteerd.errors import CheckpointError
+from volunteerd.experts import ExpertBackend
+from volunteerd.experts.checkpoint import ExpertState, read_checkpoint
+from volunteerd.net import PeerAddress, RpcClient
+from volunteerd.net.shard import ShardResult, download_shard
+
+__all__ = ["ShardDownloader"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardDownloader:
+    """Downloads into ``directory`` through ``rpc``; a whole download is bounded by
+    ``download_s``."""
+
+    def __init__(self, rpc: RpcClient, directory: Path, download_s: float) -> None:
+        self._rpc = rpc
+        self._directory = directory
+        self._download_s = download_s
+        self.results: dict[str, ShardResult] = {}  # uid -> its last completed download
+
+    @classmethod
+    def for_node(cls, rpc: RpcClient, directory: Path, timeouts: TimeoutsConfig) -> ShardDownloader:
+        # A shard is many requests; allow several request timeouts for the whole.
+        return cls(rpc, directory, 10 * timeouts.request_s)
+
+    async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState:
+        uid = backend.uid
+        await trio.to_thread.run_sync(lambda: self._directory.mkdir(parents=True, exist_ok=True))
+        dest = self._directory / f"{uid}.ckpt"
+        with trio.fail_after(self._download_s):
+            result = await download_shard(self._rpc, peer, uid, dest)
+        try:
+            state = await trio.to_thread.run_sync(read_checkpoint, dest)
+        finally:
+            await trio.to_thread.run_sync(lambda: dest.unlink(missing_ok=True))
+        if state.uid != uid:
+            raise CheckpointError(f"{peer} sent the state of {state.uid!r} for {uid!r}")
+        self.results[uid] = result
+        logger.debug("%s: %d bytes from %s, sha256 %.12s", uid, result.size, peer, result.sha256)
+        return state

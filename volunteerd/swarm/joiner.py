@@ -1,0 +1,290 @@
+"""Joining an experiment: find its trusted manifest, choose experts, fetch their state,
+host them, and revisit the choice as volunteers come and go.
+
+``Joiner.serve`` (started by the daemon when ``experiments.join`` is set):
+
+1. look the manifest up under ``experiment/<name>`` until ``join_timeout_s``; accept
+   only one signed by an owner in ``experiments.trusted_owners`` (``UntrustedManifest``
+   when only others' are found: the daemon stops with exit code 3; nothing at all:
+   ``ResourceUnavailable``, exit code 5, so a service manager tries again later);
+2. store the manifest again on the closest peers (and every ``republish_every_s``), so
+   it outlives its publisher's node;
+3. choose experts (``swarm.assignment``) from the live replica counts in the DHT and the
+   capacity; for each new one, in this order: this node's own newest checkpoint, else a
+   live replica's current state (downloaded), else the seeded weights of the manifest;
+   then host it and announce it;
+4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
+   the DHT first, finish their queued work, and are saved for a later return.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import trio
+
+from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
+from volunteerd.errors import ResourceUnavailable, UnknownExpert, VolunteerdError
+from volunteerd.experts import ExpertBackend
+from volunteerd.experts.checkpoint import ExpertState
+from volunteerd.net import Announcer, Node, PeerAddress
+from volunteerd.net.manifests import ManifestRecord
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.hardware import capacity, detect
+from volunteerd.swarm.assignment import Choice, choose_experts
+from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = ["Joiner", "ReplicaDownloader", "capacity_for"]
+
+logger = logging.getLogger(__name__)
+
+_RETRY_S = 1.0
+
+
+def capacity_for(config: Config, device: torch.device) -> Callable[[ExpertsConfig], int]:
+    """How many of an experiment's experts this node hosts: ``experiments.max_experts``
+    when set, else as many as fit the memory budget (``runtime.hardware``), at least one."""
+
+    def experts_that_fit(experts: ExpertsConfig) -> int:
+        if config.experiments.max_experts:
+            return config.experiments.max_experts
+        fit = capacity(detect(), device, experts, config.runtime, config.hardware)
+        if fit.experts < 1:
+            logger.warning(
+                "not even one expert fits the memory budget (%d MiB, %s); hosting one anyway",
+                fit.budget_bytes >> 20,
+                fit.budget_source,
+            )
+        return max(fit.experts, 1)
+
+    return experts_that_fit
+
+
+class ReplicaDownloader(Protocol):
+    """How a newcomer gets an expert's current state from a live replica."""
+
+    async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState:
+        """``peer``'s current state of ``backend.uid`` (not loaded yet). Raises
+        VolunteerdError (or a PeerError) when it fails."""
+        ...
+
+
+class Joiner:
+    """Hosts a share of experiment ``config.join``'s experts in ``runtime``."""
+
+    def __init__(
+        self,
+        node: Node,
+        runtime: ExpertRuntime,
+        announcer: Announcer,
+        checkpointer: Checkpointer | None,
+        downloader: ReplicaDownloader,
+        config: ExperimentsConfig,
+        capacity: Callable[[ExpertsConfig], int],
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._node = node
+        self._runtime = runtime
+        self._announcer = announcer
+        self._checkpointer = checkpointer
+        self._downloader = downloader
+        self._config = config
+        self._capacity_of = capacity
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.manifest: ExperimentManifest | None = None
+        self.record: ManifestRecord | None = None
+        self.capacity = 0
+        self.hosted: dict[str, float] = {}  # uid -> when this node started hosting it
+        self.sources: dict[str, str] = {}  # uid -> "checkpoint", "replica <peer>" or "seed"
+        self.rounds = 0
+        self._seen_before: dict[str, set[str]] = {}
+        self.moves = 0
+
+    async def serve(
+        self, *, task_status: TaskStatus[ExperimentManifest] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Join, host the first choice of experts, report the manifest, then keep the
+        manifest stored and the choice fresh until cancelled. The hosted experts stay
+        in the runtime when this returns (the daemon stops them)."""
+        manifest = await self.find_manifest()
+        self.manifest = manifest
+        experts = manifest.experts_config()
+        self.capacity = self._capacity_of(experts)
+        logger.info(
+            "joined experiment %r of %s: %d experts, replication %d; room for %d here",
+            manifest.name,
+            manifest.owner,
+            len(manifest.uids()),
+            manifest.replication,
+            self.capacity,
+        )
+        await self.republish()
+        await self.rebalance()
+        task_status.started(manifest)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._republish_loop)
+            while True:
+                await trio.sleep(self._config.rebalance_every_s * self._rng.uniform(0.8, 1.2))
+                try:
+                    await self.rebalance()
+                except VolunteerdError as exc:  # a bad round must not end the daemon
+                    logger.warning("re-balancing failed: %s", exc)
+
+    async def find_manifest(self) -> ExperimentManifest:
+        """The trusted manifest of ``config.join``, looked up until ``join_timeout_s``.
+        Raises UntrustedManifest or ResourceUnavailable."""
+        name = self._config.join
+        with trio.move_on_after(self._config.join_timeout_s):
+            while True:
+                records = await self._node.dht.get_manifests(name)
+                manifest = choose_trusted(name, records, self._config.trusted_owners)
+                if manifest is not None:
+                    self.record = next(
+                        r
+                        for r in records
+                        if r.owner == manifest.owner and r.issued_at == manifest.issued_at
+                    )
+                    return manifest
+                await trio.sleep(_RETRY_S)
+        raise ResourceUnavailable(
+            f"experiment {name!r} was not found in the DHT within "
+            f"{self._config.join_timeout_s:.0f}s: is it published, and are the bootstrap "
+            "peers right?"
+        )
+
+    async def republish(self) -> int:
+        """Store the manifest on the closest peers again; returns how many accepted."""
+        if self.record is None or self.record.expires_at <= self._clock():
+            return 0
+        return await self._node.dht.put_manifest(self.record)
+
+    async def _republish_loop(self) -> None:
+        while True:
+            await trio.sleep(self._config.republish_every_s)
+            try:
+                await self.republish()
+            except VolunteerdError as exc:
+                logger.info("could not store the manifest again: %s", exc)
+
+    async def live_replicas(self, uids: Sequence[str]) -> dict[str, list[PeerAddress]]:
+        """uid -> the other daemons announcing it now."""
+        records = await self._node.dht.get(list(uids))
+        me = self._node.peer_id
+        return {
+            uid: [PeerAddress(r.peer_id, r.addrs) for r in rs if r.peer_id != me]
+            for uid, rs in records.items()
+        }
+
+    async def rebalance(self) -> Choice:
+        """Choose again and apply the difference; returns the choice."""
+        manifest = self.manifest
+        assert manifest is not None, "rebalance before the manifest was found"
+        uids = manifest.uids()
+        replicas = await self.live_replicas(uids)
+        if not self.rounds:
+            # Just joined: connections to most peers are new and the first lookup is
+            # the least reliable. Look twice.
+            await trio.sleep(_RETRY_S / 2)
+            for uid, peers in (await self.live_replicas(uids)).items():
+                known = {a.peer_id for a in replicas[uid]}
+                replicas[uid] += [a for a in peers if a.peer_id not in known]
+        seen = {uid: {a.peer_id for a in peers} for uid, peers in replicas.items()}
+        # A replica seen in this lookup or the previous one counts: one lossy lookup
+        # (a peer that did not answer in time) must not look like an orphaned expert.
+        others = {uid: peers | self._seen_before.get(uid, set()) for uid, peers in seen.items()}
+        self._seen_before = seen
+        logger.debug("live replicas: %s", {uid: len(peers) for uid, peers in others.items()})
+        choice = choose_experts(
+            uids,
+            others,
+            self.hosted,
+            capacity=self.capacity,
+            peer_id=self._node.peer_id,
+            replication=manifest.replication,
+            now=self._clock(),
+            min_stay_s=self._config.min_stay_s,
+            prefer=await self._checkpointed(uids) if not self.rounds else (),
+        )
+        self.rounds += 1
+        if not choice.changed:
+            return choice
+        logger.info(
+            "hosting %d experts: +%s -%s",
+            len(choice.applied_to(self.hosted)),
+            ",".join(choice.add) or "none",
+            ",".join(choice.drop) or "none",
+        )
+        if choice.drop:
+            if self.hosted and choice.add:
+                self.moves += len(choice.drop)
+            await self._drop(choice.drop)
+        await self._add(choice.add, replicas, manifest.experts_config())
+        return choice
+
+    async def _checkpointed(self, uids: Sequence[str]) -> set[str]:
+        """The uids this node has checkpoint files of (from an earlier run)."""
+        checkpointer = self._checkpointer
+        if checkpointer is None:
+            return set()
+        return await trio.to_thread.run_sync(
+            lambda: {uid for uid in uids if checkpointer.has_checkpoint(uid)}
+        )
+
+    async def _drop(self, uids: Sequence[str]) -> None:
+        for uid in uids:
+            self.hosted.pop(uid, None)
+            self.sources.pop(uid, None)
+        # Withdraw first: trainers stop routing to them while their queues drain.
+        self._announcer.set_uids(self.hosted)
+        for uid in uids:
+            try:
+                backend = await self._runtime.remove_expert(uid)
+            except UnknownExpert:
+                continue
+            if self._checkpointer is not None:
+                await self._checkpointer.save(backend)
+
+    async def _add(
+        self, uids: Sequence[str], replicas: Mapping[str, list[PeerAddress]], experts: ExpertsConfig
+    ) -> None:
+        # One at a time: a newcomer fetching many experts at once from the same
+        # replicas would slow down their serving (and its own lookups).
+        for uid in uids:
+            backend = await trio.to_thread.run_sync(self._runtime.make_backend, uid, experts)
+            self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
+            await self._runtime.add_expert(backend)
+            self.hosted[uid] = self._clock()
+        self._announcer.set_uids(self.hosted)
+
+    async def _initial_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
+        """Load ``backend``'s starting state; returns where it came from."""
+        uid = backend.uid
+        if self._checkpointer is not None and await self._checkpointer.restore_into(backend):
+            return "checkpoint"  # replica averaging catches it up with the others
+        if not replicas:
+            # Seeding an expert that has a replica would fork its weights: make sure.
+            replicas = (await self.live_replicas([uid]))[uid]
+        for peer in self._rng.sample(list(replicas), len(replicas)):
+            try:
+                state = await self._downloader.download(peer, backend)
+                await self._runtime.executor.run(partial(backend.load_state, state))
+            except (VolunteerdError, OSError, trio.TooSlowError) as exc:
+                logger.warning("could not download %s from %s: %s", uid, peer, exc)
+                continue
+            logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
+            return f"replica {peer.peer_id}"
+        return "seed"

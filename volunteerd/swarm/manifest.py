@@ -1,0 +1,211 @@
+"""Experiment manifests: what an experiment's experts are, signed by its owner.
+
+A manifest names the experiment, the expert architecture and sizes, the uid grid, the
+experts' optimizer, the wire compression, the replication target and the seed every
+newcomer initialises from. Its owner writes it as TOML (``volunteerd publish
+experiment.toml``), which signs it with the owner's key and stores it in the DHT
+(``volunteerd.net.manifests`` carries it as an opaque signed envelope). A daemon joins
+an experiment by name and accepts only manifests whose owner is in
+``experiments.trusted_owners``; anything else is refused with ``UntrustedManifest``.
+
+The TOML file holds the manifest's fields except ``owner``, ``issued_at`` and
+``expires_at``, which publishing fills in, plus an optional ``lifetime_days``::
+
+    name = "stdlib-chars"
+    expert_type = "ffn"
+    hidden_dim = 128
+    uid_prefix = "mlp"
+    layers = 2            # grids mlp0.* and mlp1.*; 0 = one grid named uid_prefix
+    grid = [4, 4]
+    replication = 2
+    seed = 0
+    [optimizer]
+    name = "adam"
+    lr = 0.003
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from volunteerd import uids
+from volunteerd.config import ExpertsConfig, OptimizerConfig
+from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
+from volunteerd.identity import Identity
+from volunteerd.net.manifests import NAME_PATTERN, ManifestRecord, sign_manifest_record
+from volunteerd.wire import Compression
+
+__all__ = [
+    "ExperimentManifest",
+    "choose_trusted",
+    "load_manifest_file",
+    "parse_manifest",
+    "sign_manifest",
+]
+
+DEFAULT_LIFETIME_DAYS = 7.0
+MAX_EXPERTS = 4096
+
+
+class ExperimentManifest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    expert_type: Literal["ffn", "transformer"] = "ffn"
+    hidden_dim: int = Field(1024, ge=8, le=65536)
+    num_heads: int = Field(8, ge=1, le=256)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    uid_prefix: str = Field("ffn", max_length=32)
+    layers: int = Field(0, ge=0, le=64)
+    grid: tuple[int, ...] = Field((4, 4), min_length=1, max_length=uids.MAX_DIMS)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    compression: Compression = "none"
+    replication: int = Field(2, ge=1, le=64)
+    seed: int = Field(0, ge=0, lt=2**63)
+    owner: str = Field("", max_length=128)
+    issued_at: float = 0.0
+    expires_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if any(g < 1 for g in self.grid):
+            raise ValueError("every grid dimension needs at least one expert")
+        count = max(self.layers, 1)
+        for g in self.grid:
+            count *= g
+        if count > MAX_EXPERTS:
+            raise ValueError(f"the grid names {count} experts; at most {MAX_EXPERTS}")
+        first = self.layer_names()[-1]
+        if not uids.is_valid_uid(first + "".join(f".{g - 1}" for g in self.grid)):
+            raise ValueError(f"uid_prefix {self.uid_prefix!r} does not make valid expert uids")
+        if self.expert_type == "transformer" and self.hidden_dim % self.num_heads:
+            raise ValueError("hidden_dim must be a multiple of num_heads")
+        return self
+
+    def layer_names(self) -> list[str]:
+        if not self.layers:
+            return [self.uid_prefix]
+        return [f"{self.uid_prefix}{i}" for i in range(self.layers)]
+
+    def pattern(self) -> str:
+        grid = "".join(f".[0:{g}]" for g in self.grid)
+        return ",".join(name + grid for name in self.layer_names())
+
+    def uids(self) -> list[str]:
+        """Every expert of the experiment, sorted by coordinates."""
+        return uids.expand_pattern(self.pattern())
+
+    def experts_config(self) -> ExpertsConfig:
+        """The experts section a daemon hosting this experiment's experts runs with."""
+        return ExpertsConfig(
+            uids=self.pattern(),
+            type=self.expert_type,
+            hidden_dim=self.hidden_dim,
+            num_heads=self.num_heads,
+            dtype=self.dtype,
+            seed=self.seed,
+            optimizer=self.optimizer,
+        )
+
+
+def load_manifest_file(path: Path, *, owner: str, now: float | None = None) -> ExperimentManifest:
+    """Read a manifest TOML file and stamp it with ``owner`` and its lifetime.
+
+    Raises ConfigError naming each bad key."""
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"manifest file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    lifetime_days = data.pop("lifetime_days", DEFAULT_LIFETIME_DAYS)
+    for key in ("owner", "issued_at", "expires_at"):
+        if key in data:
+            raise ConfigError(f"{path}: {key} is set by publishing, not in the file")
+    issued = time.time() if now is None else now
+    try:
+        return ExperimentManifest.model_validate(
+            {
+                **data,
+                "owner": owner,
+                "issued_at": issued,
+                "expires_at": issued + float(lifetime_days) * 86400,
+            }
+        )
+    except (ValidationError, ValueError, TypeError) as exc:
+        if not isinstance(exc, ValidationError):
+            raise ConfigError(f"{path}: lifetime_days: {exc}") from None
+        lines = [f"invalid manifest {path}:"]
+        for error in exc.errors():
+            key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+            message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            lines.append(f"  {key}: {message}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _canonical(manifest: ExperimentManifest) -> str:
+    return json.dumps(manifest.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def sign_manifest(manifest: ExperimentManifest, identity: Identity) -> ManifestRecord:
+    """The DHT envelope of ``manifest``, signed by ``identity`` (its owner)."""
+    return sign_manifest_record(
+        identity,
+        manifest.owner,
+        name=manifest.name,
+        body=_canonical(manifest),
+        issued_at=manifest.issued_at,
+        expires_at=manifest.expires_at,
+    )
+
+
+def parse_manifest(record: ManifestRecord) -> ExperimentManifest:
+    """The manifest inside an envelope whose signature was already checked (by the
+    DHT). Raises InvalidRecord when the body is not a manifest or disagrees with its
+    envelope (name, owner, times)."""
+    try:
+        manifest = ExperimentManifest.model_validate_json(record.body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRecord(f"manifest {record.name!r}: {where}: {first['msg']}") from None
+    envelope = (record.name, record.owner, record.issued_at, record.expires_at)
+    if (manifest.name, manifest.owner, manifest.issued_at, manifest.expires_at) != envelope:
+        raise InvalidRecord(f"manifest {record.name!r} disagrees with its signed envelope")
+    return manifest
+
+
+def choose_trusted(
+    name: str, records: Sequence[ManifestRecord], trusted_owners: Iterable[str]
+) -> ExperimentManifest | None:
+    """The newest well-formed manifest of ``name`` whose owner is trusted.
+
+    None when there is no manifest at all (not published yet, or not found yet).
+    Raises UntrustedManifest, naming the owners, when manifests exist but none is
+    signed by a trusted owner."""
+    trusted = set(trusted_owners)
+    best: ExperimentManifest | None = None
+    strangers: list[str] = []
+    for record in records:
+        if record.name != name:
+            continue
+        if record.owner not in trusted:
+            strangers.append(record.owner)
+            continue
+        try:
+            manifest = parse_manifest(record)
+        except InvalidRecord:
+            continue
+        if best is None or manifest.issued_at > best.issued_at:
+            best = manifest
+    if best is None and strangers:
+        raise UntrustedManifest(name, sorted(set(strangers)))
+    return best

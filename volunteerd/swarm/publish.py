@@ -1,0 +1,51 @@
+"""``volunteerd publish``: sign an experiment manifest and store it in the DHT.
+
+The owner's key signs; a short-lived node with a throwaway identity (so it never
+collides with a daemon running under the owner's key) joins through the bootstrap
+peers, stores the envelope on the closest peers of ``experiment/<name>`` and leaves.
+Daemons that join the experiment store it again periodically, so it outlives this
+command.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from volunteerd.config import Config
+from volunteerd.errors import ConfigError, ResourceUnavailable
+from volunteerd.identity import Identity
+from volunteerd.net import open_node, peer_id_for
+from volunteerd.swarm.manifest import ExperimentManifest, load_manifest_file, sign_manifest
+
+__all__ = ["Published", "publish_manifest"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    manifest: ExperimentManifest
+    acks: int  # peers (this short-lived node excluded) that stored it
+
+
+async def publish_manifest(config: Config, owner: Identity, path: Path) -> Published:
+    """Sign the manifest in ``path`` with ``owner`` and store it through
+    ``config.network.bootstrap_peers``. Raises ConfigError (a bad file, or no
+    bootstrap peer) and ResourceUnavailable (no peer stored it)."""
+    if not config.network.bootstrap_peers:
+        raise ConfigError("publishing needs a peer to store the manifest: pass --bootstrap")
+    manifest = load_manifest_file(path, owner=str(peer_id_for(owner)))
+    record = sign_manifest(manifest, owner)
+    node_config = config.model_copy(
+        update={"network": config.network.model_copy(update={"port": 0})}
+    )
+    async with open_node(Identity.generate(), node_config) as node:
+        acks = await node.dht.put_manifest(record)
+        # This node is about to leave: only the copies on other peers count.
+        acks -= int(bool(node.dht.manifests.get(manifest.name)))
+    if acks < 1:
+        raise ResourceUnavailable(f"no peer stored the manifest of {manifest.name!r}")
+    logger.info("stored manifest %r on %d peers", manifest.name, acks)
+    return Published(manifest, acks)

@@ -1,0 +1,363 @@
+"""The volunteer's controls over a running daemon: pause, resume, snooze and limits.
+
+The daemon uses them now; the control API and the tray will call the same methods.
+Two things decide whether the daemon serves experts: the person's choice (running,
+paused, or snoozed until a time) and the monthly transfer quota::
+
+             pause()                       snooze(s)
+    running ─────────▶ paused     running ───────────▶ snoozed (paused until now + s)
+       ▲                 │           ▲                    │
+       └─── resume() ────┘           └── resume(), or the deadline passes
+
+    serving  =  choice is running  and  the quota is not used up ("quota" otherwise,
+                until the month rolls over or the quota is raised)
+
+Stopping to serve: expert requests (forward, backward, their batches, params, shard)
+are refused at once with ``Paused``, which trainers treat as "choose another expert";
+the announcer withdraws this node's records so lookups stop returning it; requests
+already in flight finish (bounded by ``timeouts.shutdown_grace_s``); the experts move
+off the device (``runtime.residency``). The node stays connected: DHT, bootstrap,
+info. Serving again reverses it: experts back on the device, requests accepted,
+records announced (done when ``resume`` returns).
+
+The choice is kept in ``state.json`` in the data folder (written atomically), so a
+restarted daemon comes back paused, or snoozed until the same time. Limits changed at
+run time are applied at once and written to ``limits.toml`` next to the config file
+(see ``config.loading``); the quota's byte count lives in ``transfer.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import trio
+from pydantic import ValidationError
+
+from volunteerd.config import LimitsConfig, limits_overlay_toml
+from volunteerd.errors import ConfigError, Paused
+from volunteerd.net import Announcer, Handler, Reply, Request, Throttle, Verb
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime.residency import release_device, restore_device
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = ["GATED_VERBS", "RequestGate", "Volunteer", "VolunteerState"]
+
+logger = logging.getLogger(__name__)
+
+# The verbs that cost the volunteer compute or bandwidth: refused while paused.
+GATED_VERBS = frozenset(
+    {
+        Verb.FORWARD,
+        Verb.BACKWARD,
+        Verb.FORWARD_BATCH,
+        Verb.BACKWARD_BATCH,
+        Verb.PARAMS,
+        Verb.SHARD,
+    }
+)
+_CHECK_EVERY_S = 1.0  # snooze deadline and quota
+
+Mode = Literal["running", "paused", "snoozed", "quota"]
+
+
+@dataclass(frozen=True, slots=True)
+class VolunteerState:
+    mode: Mode
+    serving: bool  # what the daemon does now (a transition may be under way)
+    until: float | None  # the end of a snooze, in time.time() seconds
+    reason: str  # for people: why it is not serving ("" while serving)
+    limits: LimitsConfig
+
+
+class RequestGate:
+    """Refuses gated requests while closed and counts the ones in flight."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.reason = "paused by the volunteer"
+        self.in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def wrap(self, handlers: Mapping[Verb, Handler]) -> dict[Verb, Handler]:
+        """``handlers`` with the gated verbs passing through this gate."""
+        return {
+            verb: self._gated(handler) if verb in GATED_VERBS else handler
+            for verb, handler in handlers.items()
+        }
+
+    def _gated(self, handler: Handler) -> Handler:
+        async def gated(request: Request) -> Reply:
+            if self.closed:
+                raise Paused(f"this volunteer is not serving: {self.reason}")
+            if self.in_flight == 0:
+                self._idle = trio.Event()
+            self.in_flight += 1
+            try:
+                return await handler(request)
+            finally:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self._idle.set()
+
+        return gated
+
+    async def wait_idle(self) -> None:
+        """Return when no gated request is in flight."""
+        await self._idle.wait()
+
+
+@dataclass(slots=True)
+class _Choice:
+    paused: bool = False
+    until: float | None = None  # a snooze's deadline (time.time())
+
+
+class Volunteer:
+    """Pause, resume, snooze and limits for one daemon.
+
+    Wire it in this order: ``restore()`` (reads ``state.json``) before the node opens,
+    hand the node ``gate.wrap(handlers)``, ``attach(announcer)`` before the announcer
+    starts, then start ``serve`` (which releases the device if the daemon starts paused,
+    and watches the snooze deadline and the quota)."""
+
+    def __init__(
+        self,
+        runtime: ExpertRuntime,
+        throttle: Throttle,
+        limits: LimitsConfig,
+        *,
+        state_file: Path | None,
+        limits_file: Path | None,
+        grace_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._runtime = runtime
+        self._throttle = throttle
+        self._state_file = state_file
+        self._limits_file = limits_file
+        self._grace_s = grace_s
+        self._clock = clock
+        self.gate = RequestGate()
+        self.limits = limits
+        self._choice = _Choice()
+        self._announcer: Announcer | None = None
+        self._serving = True  # the runtime starts with its experts on the device
+        self._lock = trio.Lock()
+        self._wake = trio.Event()
+        self._apply_compute_limits(limits)
+
+    # -- wiring --------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Read the saved choice; a daemon that was paused starts paused. An expired
+        snooze, or an unreadable file (logged), means running."""
+        if self._state_file is None:
+            return
+        try:
+            data: Any = json.loads(self._state_file.read_text())
+            paused, until = bool(data["paused"]), data.get("until")
+            until = None if until is None else float(until)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("%s is unreadable (%s); starting unpaused", self._state_file, exc)
+            return
+        if paused and until is not None and until <= self._clock():
+            paused, until = False, None
+        self._choice = _Choice(paused, until)
+        if paused:
+            self.gate.closed = True
+            self.gate.reason = self._reason()
+            logger.info("starting %s (saved in %s)", self._describe(), self._state_file)
+
+    def attach(self, announcer: Announcer) -> None:
+        """The announcer to silence while not serving (before it starts serving)."""
+        self._announcer = announcer
+        if not self._wanted():
+            announcer.set_paused(True)
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bring the daemon to the saved state, then follow the snooze deadline and the
+        quota until cancelled."""
+        await self._reconcile()
+        task_status.started()
+        while True:
+            with trio.move_on_after(_CHECK_EVERY_S):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            until = self._choice.until
+            if self._choice.paused and until is not None and until <= self._clock():
+                logger.info("the snooze is over: serving again")
+                self._choice = _Choice()
+                self._save_choice()
+            await self._reconcile()
+
+    # -- the controls --------------------------------------------------------------
+
+    async def pause(self) -> None:
+        """Stop serving until ``resume``; returns when the experts are withdrawn, the
+        requests in flight are done (or the grace period is over) and the device is
+        released."""
+        await self._choose(_Choice(paused=True))
+
+    async def snooze(self, seconds: float) -> None:
+        """Pause for ``seconds``, then serve again by itself."""
+        if not seconds > 0:
+            raise ValueError(f"snooze for a positive number of seconds, not {seconds}")
+        await self._choose(_Choice(paused=True, until=self._clock() + seconds))
+
+    async def resume(self) -> None:
+        """Serve again (unless the quota is used up); returns once re-announced."""
+        await self._choose(_Choice())
+
+    async def set_limits(
+        self, limits: LimitsConfig | None = None, *, persist: bool = True, **changes: Any
+    ) -> LimitsConfig:
+        """Apply new limits at once: a whole ``limits``, or single ``changes`` such as
+        ``upload_mbit=10``. With ``persist`` they are written to ``limits.toml``.
+        Raises ConfigError for an invalid value (nothing changes then)."""
+        base = limits or self.limits
+        try:
+            new = LimitsConfig.model_validate({**base.model_dump(), **changes})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"limits.{where}: {first['msg']}") from None
+        self.limits = new
+        self._throttle.apply(new)
+        self._apply_compute_limits(new)
+        if persist and self._limits_file is not None:
+            try:
+                _write_atomic(self._limits_file, limits_overlay_toml(new))
+            except OSError as exc:
+                logger.warning("cannot save the limits to %s: %s", self._limits_file, exc)
+        logger.info("limits now %s", new.model_dump())
+        self._wake.set()  # a changed quota may pause or resume serving
+        await self._reconcile()
+        return new
+
+    @property
+    def state(self) -> VolunteerState:
+        choice = self._choice
+        mode: Mode
+        if choice.paused:
+            mode = "snoozed" if choice.until is not None else "paused"
+        elif self._throttle.quota_exhausted:
+            mode = "quota"
+        else:
+            mode = "running"
+        return VolunteerState(
+            mode=mode,
+            serving=self._serving,
+            until=choice.until,
+            reason="" if mode == "running" else self._reason(),
+            limits=self.limits,
+        )
+
+    # -- the machinery -------------------------------------------------------------
+
+    async def _choose(self, choice: _Choice) -> None:
+        self._choice = choice
+        self._save_choice()
+        logger.info("volunteer: %s", self._describe())
+        self._wake.set()
+        await self._reconcile()
+
+    def _wanted(self) -> bool:
+        return not self._choice.paused and not self._throttle.quota_exhausted
+
+    def _reason(self) -> str:
+        if self._choice.paused:
+            return self._describe()
+        if self._throttle.quota_exhausted:
+            quota_gb = self._throttle.quota_bytes / 1e9
+            return f"the monthly transfer quota of {quota_gb:g} GB is used up"
+        return ""
+
+    def _describe(self) -> str:
+        until = self._choice.until
+        if not self._choice.paused:
+            return "running"
+        if until is None:
+            return "paused"
+        return "snoozed until " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(until))
+
+    async def _reconcile(self) -> None:
+        """Make serving match the wanted state (one transition at a time)."""
+        async with self._lock:
+            wanted = self._wanted()
+            self.gate.reason = self._reason() or self.gate.reason
+            if wanted == self._serving:
+                return
+            if wanted:
+                await self._start_serving()
+            else:
+                await self._stop_serving()
+            self._serving = wanted
+
+    async def _stop_serving(self) -> None:
+        reason = self._reason()
+        self.gate.closed = True
+        logger.info("stopping to serve: %s", reason)
+        if self._announcer is not None:
+            self._announcer.set_paused(True)
+            await _announce(self._announcer)
+        with trio.move_on_after(self._grace_s):
+            await self.gate.wait_idle()
+        if self.gate.in_flight:
+            logger.warning(
+                "%d requests still running after %ss; releasing the device anyway",
+                self.gate.in_flight,
+                self._grace_s,
+            )
+        await release_device(self._runtime)
+
+    async def _start_serving(self) -> None:
+        await restore_device(self._runtime)
+        self.gate.closed = False
+        if self._announcer is not None:
+            self._announcer.set_paused(False)
+            await _announce(self._announcer)
+        logger.info("serving again")
+
+    def _apply_compute_limits(self, limits: LimitsConfig) -> None:
+        executor = self._runtime.executor
+        executor.duty_cycle = limits.duty_cycle
+        executor.max_batch_size = limits.max_batch_size
+
+    def _save_choice(self) -> None:
+        if self._state_file is None:
+            return
+        data = {"paused": self._choice.paused, "until": self._choice.until}
+        try:
+            _write_atomic(self._state_file, json.dumps(data) + "\n")
+        except OSError as exc:
+            logger.warning("cannot save the pause state to %s: %s", self._state_file, exc)
+
+
+async def _announce(announcer: Announcer) -> None:
+    try:
+        await announcer.announce_now()
+    except Exception:  # the announcer's own rounds retry
+        logger.exception("announcing the change failed; the next round retries")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
