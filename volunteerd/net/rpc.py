@@ -397,6 +397,12 @@ class RpcClient:
             ) from None
         except WireError as exc:
             raise PeerError(f"{spec.verb}: bad reply: {exc}") from None
+        except (_StaleStream, PeerError):
+            raise
+        except Exception as exc:
+            # The stream or connection broke in the middle of the reply (a reset, EOF):
+            # py-libp2p raises its own exceptions; callers see one kind of failure.
+            raise PeerError(f"{spec.verb}: stream broke: {exc!r}") from None
         try:
             reply = self._adapter(spec).validate_json(raw.header)
         except ValidationError as exc:
