@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 from pydantic import ValidationError
 
+from volunteerd.atomic import write_atomic
 from volunteerd.config import LimitsConfig, limits_overlay_toml
 from volunteerd.errors import ConfigError, Paused
 from volunteerd.net import Announcer, Handler, Reply, Request, Throttle, Verb
@@ -239,7 +239,7 @@ class Volunteer:
         self._apply_compute_limits(new)
         if persist and self._limits_file is not None:
             try:
-                _write_atomic(self._limits_file, limits_overlay_toml(new))
+                write_atomic(self._limits_file, limits_overlay_toml(new))
             except OSError as exc:
                 logger.warning("cannot save the limits to %s: %s", self._limits_file, exc)
         logger.info("limits now %s", new.model_dump())
@@ -341,7 +341,7 @@ class Volunteer:
             return
         data = {"paused": self._choice.paused, "until": self._choice.until}
         try:
-            _write_atomic(self._state_file, json.dumps(data) + "\n")
+            write_atomic(self._state_file, json.dumps(data) + "\n")
         except OSError as exc:
             logger.warning("cannot save the pause state to %s: %s", self._state_file, exc)
 
@@ -351,13 +351,3 @@ async def _announce(announcer: Announcer) -> None:
         await announcer.announce_now()
     except Exception:  # the announcer's own rounds retry
         logger.exception("announcing the change failed; the next round retries")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

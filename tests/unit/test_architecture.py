@@ -7,11 +7,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
 
-LEAVES = {"errors", "uids"}
+LEAVES = {"errors", "uids", "atomic"}
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "uids": set(),
+    "atomic": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),
@@ -54,7 +55,18 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
     "__main__": {"cli"},
 }
-TORCH_FREE = {"errors", "uids", "paths", "logs", "config", "identity", "wire", "net", "stats"}
+TORCH_FREE = {
+    "atomic",
+    "errors",
+    "uids",
+    "paths",
+    "logs",
+    "config",
+    "identity",
+    "wire",
+    "net",
+    "stats",
+}
 ONLY_NET_MAY_IMPORT = {"libp2p", "multiaddr"}
 
 

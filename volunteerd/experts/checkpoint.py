@@ -40,6 +40,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from volunteerd.atomic import fsync_dir
 from volunteerd.errors import CheckpointError
 
 __all__ = [
@@ -184,17 +185,7 @@ def write_checkpoint(path: Path, state: ExpertState) -> None:
         raise
     os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":  # pragma: no cover - Windows cannot open a directory
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def read_checkpoint(path: Path) -> ExpertState:
@@ -314,7 +305,7 @@ class CheckpointStore:
         folder = self._dir(state.uid)
         if not folder.is_dir():
             folder.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(folder.parent)
+            fsync_dir(folder.parent)
         existing = self.files(state.uid)
         sequence = int(existing[0].name.removesuffix(_SUFFIX)) + 1 if existing else 1
         path = folder / f"{sequence:012d}{_SUFFIX}"

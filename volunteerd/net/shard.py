@@ -38,6 +38,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from volunteerd.atomic import fsync_dir
 from volunteerd.errors import (
     Busy,
     MalformedFrame,
@@ -513,7 +514,7 @@ class _Partial:
         os.fsync(self._fd)
         self.close()
         os.replace(self.path, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         self.sidecar.unlink(missing_ok=True)
         return True
 
@@ -530,13 +531,3 @@ class _Partial:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":  # pragma: no cover - Windows cannot open a directory
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 
+from volunteerd.atomic import write_atomic
 from volunteerd.config import LimitsConfig
 
 if TYPE_CHECKING:
@@ -162,18 +162,8 @@ class TransferLedger:
         if self.path is None or not self._dirty:
             return
         data = {"month": self.month, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
-        _write_atomic(self.path, json.dumps(data) + "\n")
+        write_atomic(self.path, json.dumps(data) + "\n")
         self._dirty = False
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True, slots=True)
