@@ -56,6 +56,7 @@ class ExpertDirectory:
         self._banned: dict[str, float] = {}
         self.ban_reasons: Counter[str] = Counter()  # reason (first word) -> bans
         self.lookups = 0
+        self.empty_answers = 0  # refreshes that found nobody and were not believed
 
     async def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
         """Alive children of each prefix key, without banned peers."""
@@ -109,6 +110,18 @@ class ExpertDirectory:
                 for child in record.children:
                     children.setdefault(child, []).append(peer)
             old = self._cache.get(key)
+            if (
+                not children
+                and old is not None
+                and old.children
+                and now - old.fetched_at < 3 * self._refresh_s
+            ):
+                # Nobody at all, where servers answered moments ago: more likely a lookup
+                # that failed (a loaded machine, a lost DHT round) than every server gone
+                # at once. Keep the last answer until it is stale; servers that are really
+                # gone fail their calls and are banned meanwhile.
+                self.empty_answers += 1
+                continue
             self._cache[key] = _Entry(children, now, old.used_at if old else now)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
