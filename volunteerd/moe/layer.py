@@ -74,6 +74,8 @@ class MoEStats:
     disagreements: int = 0
     # answers dropped by the output checks, by reason (non_finite, out_of_range, ...)
     rejected: Counter[str] = field(default_factory=Counter)
+    # calls that got no answer, by error code (busy, timeout, rejected, ...)
+    failures: Counter[str] = field(default_factory=Counter)
     unanswered_tokens: int = 0
     by_uid: dict[str, list[int]] = field(default_factory=dict)
 
@@ -315,6 +317,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             self.stats.late += 1
             return
         error = outcome.error
+        code = error.code if isinstance(error, VolunteerdError) else type(error).__name__
+        self.stats.failures[code] += 1
         if isinstance(error, RemoteError):
             if error.code in {"busy", "expired", "shutting_down", "paused", "rejected"}:
                 # alive, just loaded (or forgetful, or refusing what we sent): choose it

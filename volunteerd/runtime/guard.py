@@ -6,8 +6,9 @@ the queue:
 
 * inputs and gradients with NaN or infinity are refused (``Rejected``);
 * each expert remembers the norms of the last ``window`` gradient rows it accepted
-  (one row per sample). Once ``warmup`` rows are known, a row whose norm is above
-  ``median + max_deviations * 1.4826 * MAD`` is an outlier: it is scaled down to that
+  (one row per sample). Once ``warmup`` rows are known, a row whose norm is above both
+  ``median + max_deviations * 1.4826 * MAD`` and the 99th percentile of those norms
+  is an outlier: it is scaled down to that
   threshold ("clip", the default) or the request is refused ("reject"). A request whose
   largest row is ``reject_ratio`` times the threshold is refused either way: it is no
   accident.
@@ -86,7 +87,12 @@ class RequestGuard:
         median = float(values.median())
         mad = float((values - median).abs().median())
         spread = max(mad * _MAD_TO_SIGMA, 1e-3 * median, 1e-12)
-        return median + self.config.max_deviations * spread
+        # Honest row norms are heavy-tailed (a token's gradient scales with its gate
+        # weight, and many weights are tiny), so the median and MAD alone can sit far
+        # below rows that are perfectly normal: never judge below the 99th percentile
+        # of what was accepted.
+        high = float(torch.quantile(values, 0.99))
+        return max(median + self.config.max_deviations * spread, high)
 
     def by_peer(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

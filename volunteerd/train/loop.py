@@ -100,6 +100,8 @@ class TrainSummary:
     failovers: int = 0
     # answers dropped by the trainer's output checks, by reason
     rejected: dict[str, int] = field(default_factory=dict)
+    # expert calls that got no answer, by error code (busy, timeout, rejected, ...)
+    failures: dict[str, int] = field(default_factory=dict)
     # peers banned, by reason (unreachable, timeout, non_finite, disagreed, ...)
     bans: dict[str, int] = field(default_factory=dict)
     # uid -> [calls answered, calls failed, tokens served]
@@ -234,6 +236,9 @@ class Trainer:
             failovers=sum(layer.stats.failovers for layer in self.remote_layers()),
             rejected=dict(
                 sum((Counter(layer.stats.rejected) for layer in self.remote_layers()), Counter())
+            ),
+            failures=dict(
+                sum((Counter(layer.stats.failures) for layer in self.remote_layers()), Counter())
             ),
             bans=self._bans(),
         )
