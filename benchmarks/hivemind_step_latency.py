@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -84,28 +83,29 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import hivemind
 import torch
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.server import Server
+from hivemind_procs import (
+    Interrupted,
+    become_subreaper,
+    descendants,
+    install_sigterm_handler,
+    kill_descendants,
+)
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
-PR_SET_CHILD_SUBREAPER = 36
 MAX_ERROR_CHARS = 4000
 SOCKET_PREFIX = "/tmp/hivemind-"  # hivemind.p2p.P2P._UNIX_SOCKET_PREFIX without "/unix"
 GRID = (4, 4)
 UID_PREFIX = "ffn."
 K_BEST = 4
 K_MIN = 1
-
-
-class Interrupted(BaseException):
-    """Raised from the SIGTERM handler so that ``finally`` blocks run."""
 
 
 class BenchmarkFailed(RuntimeError):
@@ -290,131 +290,6 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("hivemind").setLevel(level)
 
 
-_HANDLER_PID: list[int] = []
-
-
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM handler for the driver.
-
-    hivemind forks its DHT processes from the driver, so they inherit this handler; there it
-    falls back to the default action (die), as hivemind expects.
-    """
-    if os.getpid() not in _HANDLER_PID:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise Interrupted(f"received signal {signum}")
-
-
-def _install_sigterm_handler() -> None:
-    _HANDLER_PID[:] = [os.getpid()]
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-
-
-# ---------------------------------------------------------------------------------------------
-# process bookkeeping
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) < 2 or fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    return children
-
-
-def _descendants(root: int) -> list[int]:
-    children = _children_map()
-    found: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
-
-
-def _cmdline(pid: int, limit: int = 4096) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
-
-
-def _exits_by_itself(pid: int) -> bool:
-    """Helpers that must outlive the driver's last tensor and exit on their own after it.
-
-    multiprocessing's resource tracker ignores SIGTERM; killing torch_shm_manager while the
-    driver still holds shared tensors makes torch abort the driver ("Broken pipe").
-    """
-    cmdline = _cmdline(pid)
-    return "multiprocessing.resource_tracker" in cmdline or "torch_shm_manager" in cmdline
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _kill_descendants(grace: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL, every live process below this one (p2pd, handlers, servers)."""
-    me = os.getpid()
-    pids = [pid for pid in _descendants(me) if not _exits_by_itself(pid)]
-    if not pids:
-        return
-    logger.info(
-        "terminating %d leftover process(es): %s",
-        len(pids),
-        {pid: _cmdline(pid, 80) for pid in pids},
-    )
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        for pid in pids:
-            _reap(pid)
-        if not any(_is_running(pid) for pid in pids):
-            break
-        time.sleep(0.1)
-    for pid in set(pids) | set(_descendants(me)):
-        if _is_running(pid) and not _exits_by_itself(pid):
-            logger.warning("process %d ignored SIGTERM; sending SIGKILL", pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    time.sleep(0.1)
-    for pid in pids:
-        _reap(pid)
-
-
-def _become_subreaper() -> None:
-    """Adopt orphaned descendants (e.g. a killed server's p2pd) so cleanup can find them."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
-    except (OSError, AttributeError) as exc:
-        logger.warning("cannot become a child subreaper: %s", exc)
-
-
 def _unix_socket_paths(pids: list[int]) -> set[str]:
     """hivemind's unix socket files (p2pd control, p2p client) bound by any of ``pids``.
 
@@ -464,12 +339,12 @@ def _remove_stale_sockets(paths: set[str]) -> None:
 
 def _sigkill_tree(root: int) -> list[int]:
     """SIGKILL ``root`` and everything below it, as close to at once as /proc allows."""
-    victims = [root, *_descendants(root)]
+    victims = [root, *descendants(root)]
     for pid in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     # Anything forked in between (unlikely: the tree is idle apart from serving requests).
-    for pid in _descendants(root):
+    for pid in descendants(root):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             victims.append(pid)
@@ -683,7 +558,7 @@ def _kill_phase(
 ) -> dict[str, Any]:
     killed = set(victim.expert_uids)
     logger.info("SIGKILL server %d (pid %d) and its process tree", victim.index, victim.pid)
-    sockets = _unix_socket_paths([victim.pid, *_descendants(victim.pid)])
+    sockets = _unix_socket_paths([victim.pid, *descendants(victim.pid)])
     killed_at = time.perf_counter()
     victims = _sigkill_tree(victim.pid)
     logger.info("killed %d process(es): %s", len(victims), victims)
@@ -870,12 +745,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result.update(_kill_phase(args, moe, recorder, servers[-1], stale_sockets))
         return result
     finally:
-        stale_sockets.update(_unix_socket_paths([os.getpid(), *_descendants(os.getpid())]))
+        stale_sockets.update(_unix_socket_paths([os.getpid(), *descendants(os.getpid())]))
         _stop_servers(servers)
         _close_trainer_p2p(trainer_dht)
         _shutdown_dht(trainer_dht)
         _shutdown_dht(bootstrap)
-        _kill_descendants()
+        kill_descendants()
         _remove_stale_sockets(stale_sockets)
         logger.info("total wall time %.1f s", time.perf_counter() - began)
 
@@ -883,8 +758,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _setup_logging(args.log_level)
-    _become_subreaper()
-    _install_sigterm_handler()
+    become_subreaper()
+    install_sigterm_handler()
     logger.info("config: %s", json.dumps(vars(args)))
     try:
         result = run(args)

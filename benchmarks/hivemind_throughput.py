@@ -43,21 +43,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import json
 import logging
 import multiprocessing as mp
-import os
 import queue
-import signal
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import hivemind
@@ -67,16 +62,17 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.expert_uid import ExpertInfo
 from hivemind.moe.server import Server
 from hivemind.p2p import P2P, PeerID
+from hivemind_procs import (
+    Interrupted,
+    become_subreaper,
+    install_sigterm_handler,
+    kill_descendants,
+)
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
-PR_SET_CHILD_SUBREAPER = 36
 MAX_ERROR_CHARS = 4000
-
-
-class Interrupted(BaseException):
-    """Raised from the SIGTERM handler so that ``finally`` blocks run."""
 
 
 @dataclass(frozen=True)
@@ -169,135 +165,6 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("hivemind").setLevel(level)
 
 
-_HANDLER_PID: list[int] = []
-
-
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM handler for the driver and the clients.
-
-    hivemind forks its task pools and connection handlers from the driver, so they inherit
-    this handler; there it falls back to the default action (die), as hivemind expects.
-    """
-    if os.getpid() not in _HANDLER_PID:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise Interrupted(f"received signal {signum}")
-
-
-def _install_sigterm_handler() -> None:
-    _HANDLER_PID[:] = [os.getpid()]
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-
-
-# ---------------------------------------------------------------------------------------------
-# process bookkeeping
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) < 2 or fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    return children
-
-
-def _descendants(root: int) -> list[int]:
-    children = _children_map()
-    found: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
-
-
-def _cmdline(pid: int, limit: int = 4096) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
-
-
-def _exits_by_itself(pid: int) -> bool:
-    """Helpers that must outlive the driver's last tensor and exit on their own after it.
-
-    multiprocessing's resource tracker ignores SIGTERM; killing torch_shm_manager while the
-    driver still holds shared tensors makes torch abort the driver ("Broken pipe").
-    """
-    cmdline = _cmdline(pid)
-    return "multiprocessing.resource_tracker" in cmdline or "torch_shm_manager" in cmdline
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _kill_descendants(grace: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL, every live process below this one (p2pd, handlers, clients)."""
-    me = os.getpid()
-    pids = [pid for pid in _descendants(me) if not _exits_by_itself(pid)]
-    if not pids:
-        return
-    logger.info(
-        "terminating %d leftover process(es): %s",
-        len(pids),
-        {pid: _cmdline(pid, 80) for pid in pids},
-    )
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        for pid in pids:
-            _reap(pid)
-        if not any(_is_running(pid) for pid in pids):
-            break
-        time.sleep(0.1)
-    for pid in set(pids) | set(_descendants(me)):
-        if _is_running(pid) and not _exits_by_itself(pid):
-            logger.warning("process %d ignored SIGTERM; sending SIGKILL", pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    time.sleep(0.1)
-    for pid in pids:
-        _reap(pid)
-
-
-def _become_subreaper() -> None:
-    """Adopt orphaned descendants (e.g. a dead client's p2pd) so cleanup can find them."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
-    except (OSError, AttributeError) as exc:
-        logger.warning("cannot become a child subreaper: %s", exc)
-
-
-# ---------------------------------------------------------------------------------------------
-# client process
-
-
 def _client_step(expert: RemoteExpert, inputs: torch.Tensor) -> None:
     x = inputs.detach().requires_grad_(True)
     out = expert(x)
@@ -311,7 +178,7 @@ def _client_step(expert: RemoteExpert, inputs: torch.Tensor) -> None:
 def _client_main(cfg: ClientConfig, messages: Any, go: Any) -> None:
     """Entry point of one client process: connect, warm up, wait for ``go``, run, report."""
     _setup_logging(cfg.log_level)
-    _install_sigterm_handler()
+    install_sigterm_handler()
     torch.set_num_threads(1)
     p2p: P2P | None = None
     exit_code = 0
@@ -496,7 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if dead:
                 logger.warning("hivemind connection handlers already exited (pid: code): %s", dead)
             _shutdown_server(server)
-        _kill_descendants()
+        kill_descendants()
         logger.info("total wall time %.1f s", time.perf_counter() - began)
 
     samples = args.clients * args.batches_per_client * args.batch
@@ -517,8 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _setup_logging(args.log_level)
-    _become_subreaper()
-    _install_sigterm_handler()
+    become_subreaper()
+    install_sigterm_handler()
     logger.info("config: %s", json.dumps(vars(args)))
     try:
         result = run(args)

@@ -38,7 +38,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from volunteerd.atomic import fsync_dir
+from volunteerd.atomic import fsync_dir, write_atomic
 from volunteerd.errors import (
     Busy,
     MalformedFrame,
@@ -489,17 +489,20 @@ class _Partial:
         """Begin the snapshot ``sha256`` of ``total`` bytes: sidecar first, then data."""
         self.reset()
         side = _Sidecar(uid=self.uid, sha256=sha256, total=total)
-        tmp = self.sidecar.with_name(self.sidecar.name + ".tmp")
-        tmp.write_text(side.model_dump_json())
-        os.replace(tmp, self.sidecar)
+        write_atomic(self.sidecar, side.model_dump_json())
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.sha256, self.total = sha256, total
 
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            raise RuntimeError(f"{self.path}: no download in progress (start or resume first)")
+        return self._fd
+
     def write(self, data: memoryview) -> None:
-        assert self._fd is not None
+        fd = self._open_fd()
         view = data
         while view.nbytes:
-            written = os.pwrite(self._fd, view, self.offset + (data.nbytes - view.nbytes))
+            written = os.pwrite(fd, view, self.offset + (data.nbytes - view.nbytes))
             view = view[written:]
         self._digest.update(data)
         self.offset += data.nbytes
@@ -507,11 +510,11 @@ class _Partial:
     def finish(self, dest: Path) -> bool:
         """Rename the complete file to ``dest`` if its SHA-256 is right; else delete it
         and return False."""
-        assert self._fd is not None
+        fd = self._open_fd()
         if self._digest.hexdigest() != self.sha256:
             self.reset()
             return False
-        os.fsync(self._fd)
+        os.fsync(fd)
         self.close()
         os.replace(self.path, dest)
         fsync_dir(dest.parent)

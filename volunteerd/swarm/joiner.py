@@ -192,7 +192,8 @@ class Joiner:
     async def rebalance(self) -> Choice:
         """Choose again and apply the difference; returns the choice."""
         manifest = self.manifest
-        assert manifest is not None, "rebalance before the manifest was found"
+        if manifest is None:
+            raise RuntimeError("rebalance() before the experiment's manifest was found")
         uids = manifest.uids()
         replicas = await self.live_replicas(uids)
         if not self.rounds:
