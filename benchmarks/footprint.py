@@ -66,7 +66,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
-        env = {**os.environ, "VOLUNTEERD_DATA_DIR": tmp, "VOLUNTEERD_CONFIG": f"{tmp}/none.toml"}
+        env = {
+            **os.environ,
+            "VOLUNTEERD_DATA_DIR": tmp,
+            "VOLUNTEERD_CONFIG": f"{tmp}/none.toml",
+            "VOLUNTEERD_CONTROL__PORT": "0",
+        }
         cmd = [
             sys.executable, "-m", "volunteerd", "serve",
             "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),

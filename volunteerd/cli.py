@@ -1,7 +1,8 @@
 """The command line: the only argument parser. Maps signals and errors to exit codes.
 
-Exit codes (``errors.ExitCode``): 0 ok, 1 unexpected error, 2 bad usage, 3 invalid
-configuration, 5 a needed resource is unavailable, 130 stopped by a signal.
+Exit codes (``errors.ExitCode``): 0 ok, 1 unexpected error, 2 bad usage (also a value
+the control API refused), 3 invalid configuration, 5 a needed resource is unavailable
+(also: no daemon running, for the control verbs), 130 stopped by a signal.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import trio
 
 from volunteerd import __version__
 from volunteerd.config import Config, dump_toml, load_config
-from volunteerd.errors import ConfigError, ExitCode, VolunteerdError, exit_code
+from volunteerd.errors import ConfigError, ExitCode, UsageError, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
 from volunteerd.paths import Paths
 
@@ -58,7 +59,7 @@ def _network_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-file",
         metavar="FILE",
-        help="write {peer_id, multiaddrs} as JSON here once the node is serving",
+        help="write {peer_id, multiaddrs, pid, control_url} as JSON here once serving",
     )
 
 
@@ -145,7 +146,82 @@ def build_parser() -> argparse.ArgumentParser:
         "--benchmark", action="store_true", help="measure the expert speed again (~2 s)"
     )
     hardware.add_argument("--json", action="store_true", help="print JSON")
+
+    # Clients of the running daemon's control API.
+    status = sub.add_parser("status", help="what the running daemon is doing")
+    _common(status)
+    status.add_argument("--json", action="store_true", help="print the API's JSON")
+    for name, text in (("pause", "stop contributing until resumed"), ("resume", "contribute")):
+        _common(sub.add_parser(name, help=text))
+    snooze = sub.add_parser("snooze", help="pause for a while (default 1h), then resume")
+    _common(snooze)
+    snooze.add_argument("duration", nargs="?", default="1h", help="e.g. 30m, 2h, 1h30m")
+    limit = sub.add_parser("limit", help="show or change the bandwidth limits (0 = none)")
+    _common(limit)
+    limit.add_argument("--up", type=float, metavar="MBIT", help="upload limit in Mbit/s")
+    limit.add_argument("--down", type=float, metavar="MBIT", help="download limit in Mbit/s")
+    limit.add_argument("--quota", type=float, metavar="GB", help="monthly transfer quota")
+    dashboard = sub.add_parser("dashboard", help="open the dashboard in the browser")
+    _common(dashboard)
+    dashboard.add_argument(
+        "--print", action="store_true", help="print its address (with the token) instead"
+    )
+    tray = sub.add_parser("tray", help="show the tray icon (starts the daemon if needed)")
+    _common(tray)
+    tray.add_argument(
+        "--no-start", action="store_true", help="do not start the daemon if it is not running"
+    )
     return parser
+
+
+_CONTROL_VERBS = {"status", "pause", "resume", "snooze", "limit", "dashboard", "tray"}
+
+
+def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
+    """The verbs that talk to a running daemon through its control API."""
+    if args.command == "tray":
+        from volunteerd.tray.app import run_tray
+
+        return ExitCode(run_tray(paths, start_daemon=not args.no_start))
+    from volunteerd.control import commands
+    from volunteerd.control.client import ControlClient
+
+    client = ControlClient.for_data_dir(paths.data_dir)
+    if args.command == "status":
+        status = client.status()
+        print(status.model_dump_json(indent=2) if args.json else commands.format_status(status))
+    elif args.command == "pause":
+        print(commands.describe_change(client.pause()))
+    elif args.command == "resume":
+        print(commands.describe_change(client.resume()))
+    elif args.command == "snooze":
+        try:
+            seconds = commands.parse_duration(args.duration)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        print(commands.describe_change(client.snooze(seconds)))
+    elif args.command == "limit":
+        changes = {
+            key: value
+            for key, value in (
+                ("upload_mbit", args.up),
+                ("download_mbit", args.down),
+                ("monthly_quota_gb", args.quota),
+            )
+            if value is not None
+        }
+        limits = client.set_limits(**changes) if changes else client.limits()
+        print(commands.format_limits(limits))
+    elif args.command == "dashboard":
+        url = client.dashboard_url
+        if args.print:
+            print(url)
+        else:
+            import webbrowser
+
+            if not webbrowser.open(url):
+                print(f"open this address in a browser: {url}")
+    return ExitCode.OK
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -207,6 +283,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         for name, value in _paths(args).as_dict().items():
             print(f"{name:16} {value}")
         return ExitCode.OK
+    if args.command in _CONTROL_VERBS:
+        return _control(args, _paths(args))
     config, paths = _load(args)
     if args.command == "config":
         if args.config_command == "default":
@@ -454,7 +532,12 @@ async def _run_service(
 
 def _write_ready_file(path: Path, running: Any) -> None:
     node = getattr(running, "node", running)
-    data = {"peer_id": node.peer_id, "multiaddrs": node.multiaddrs, "pid": os.getpid()}
+    data = {
+        "peer_id": node.peer_id,
+        "multiaddrs": node.multiaddrs,
+        "pid": os.getpid(),
+        "control_url": getattr(running, "control_url", None),
+    }
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)

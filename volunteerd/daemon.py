@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +24,10 @@ import torch
 import trio
 
 from volunteerd import __version__
+from volunteerd.accounting import Accountant
 from volunteerd.config import Config
+from volunteerd.control.server import serve_control
+from volunteerd.controls import DaemonControls
 from volunteerd.errors import ResourceUnavailable, VolunteerdError, wire_code
 from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.experts.checkpoint import encode_checkpoint
@@ -42,6 +48,7 @@ from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
 from volunteerd.runtime.averaging import ReplicaAverager
 from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.stats import StatsStore
 from volunteerd.swarm.download import ShardDownloader
 from volunteerd.swarm.joiner import Joiner, capacity_for
 from volunteerd.volunteer import Volunteer
@@ -102,20 +109,38 @@ else:  # pragma: no cover - Windows
 
 
 def expert_handlers(
-    runtime: ExpertRuntime, shards: ShardServer | None = None
+    runtime: ExpertRuntime,
+    shards: ShardServer | None = None,
+    accountant: Accountant | None = None,
 ) -> dict[Verb, Handler]:
     """Bind the runtime's calls to the expert verbs (``shard`` to ``shards``, if given;
-    start its ``serve`` so idle snapshots are freed)."""
+    start its ``serve`` so idle snapshots are freed). Each forward and backward call is
+    reported to ``accountant``, answered or refused."""
+
+    async def counted(
+        kind: str, uid: str, peer: str, tensors: list[WireTensor], call: Awaitable[Result]
+    ) -> Result:
+        try:
+            header, buffers = await call
+        except VolunteerdError as exc:
+            if accountant is not None:
+                accountant.refused(uid, peer, exc)
+            raise
+        if accountant is not None:
+            accountant.served(kind, uid, peer, tensors, Reply(header, buffers))
+        return header, buffers
 
     async def forward_one(item: ForwardRequest, tensors: list[WireTensor], peer: str) -> Result:
-        return await runtime.forward(
+        call = runtime.forward(
             item.uid, tensors, retain=item.retain, peer_id=peer, compression=item.compression
         )
+        return await counted("forward", item.uid, peer, tensors, call)
 
     async def backward_one(item: BackwardRequest, tensors: list[WireTensor], peer: str) -> Result:
-        return await runtime.backward(
+        call = runtime.backward(
             item.uid, tensors, handle=item.handle, peer_id=peer, compression=item.compression
         )
+        return await counted("backward", item.uid, peer, tensors, call)
 
     async def forward(request: Request) -> Reply:
         return Reply(*await forward_one(request.header, request.tensors, request.peer_id))
@@ -239,6 +264,8 @@ class Running:
     averager: ReplicaAverager
     joiner: Joiner | None = None  # when joined to an experiment (experiments.join)
     volunteer: Volunteer | None = None  # pause, resume, snooze, limits (Daemon sets it)
+    controls: DaemonControls | None = None  # what the control API sees (Daemon sets it)
+    control_url: str | None = None  # http://127.0.0.1:PORT while the control API serves
 
 
 class Daemon:
@@ -284,9 +311,18 @@ class Daemon:
             grace_s=config.timeouts.shutdown_grace_s,
         )
         volunteer.restore()  # a daemon paused before its restart starts paused
+        store = await trio.to_thread.run_sync(
+            partial(open_stats, self.paths.stats_file, config.stats.keep_hourly_days)
+        )
+        accountant = Accountant(
+            store, runtime, throttle, config.stats, serving=lambda: volunteer.state.serving
+        )
         shards = ShardServer(shard_snapshot(runtime))
-        handlers = volunteer.gate.wrap(expert_handlers(runtime, shards))
+        handlers = accountant.wrap(
+            volunteer.gate.wrap(expert_handlers(runtime, shards, accountant))
+        )
         async with (
+            _closing(store),
             open_node(identity, config, handlers, throttle) as node,
             trio.open_nursery() as compute,
         ):
@@ -303,6 +339,7 @@ class Daemon:
             volunteer.attach(announcer)
             try:
                 async with trio.open_nursery() as serving:
+                    await serving.start(accountant.serve)
                     await serving.start(announcer.serve)
                     await serving.start(shards.serve)
                     await serving.start(volunteer.serve)
@@ -337,6 +374,32 @@ class Daemon:
                     )
                     for addr in node.multiaddrs:
                         logger.info("reachable at %s", addr)
+                    manifest_of = joiner
+                    controls = DaemonControls(
+                        node=node,
+                        runtime=runtime,
+                        volunteer=volunteer,
+                        checkpointer=checkpointer if config.checkpoints.enabled else None,
+                        accountant=accountant,
+                        experiment=lambda: (
+                            manifest_of.manifest.name
+                            if manifest_of is not None and manifest_of.manifest is not None
+                            else None
+                        ),
+                        request_stop=self.request_stop,
+                    )
+                    await serving.start(controls.serve)
+                    control_url = None
+                    if config.control.enabled:
+                        control_url = await serving.start(
+                            partial(
+                                serve_control,
+                                controls,
+                                port=config.control.port,
+                                token_file=self.paths.token_file,
+                                control_file=self.paths.control_file,
+                            )
+                        )
                     task_status.started(
                         Running(
                             node,
@@ -346,6 +409,8 @@ class Daemon:
                             averager,
                             joiner,
                             volunteer=volunteer,
+                            controls=controls,
+                            control_url=control_url,
                         )
                     )
                     await self._stop.wait()
@@ -363,6 +428,31 @@ class Daemon:
                         await checkpointer.save_changed()
                 compute.cancel_scope.cancel()
         logger.info("stopped")
+
+
+def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
+    """The contribution store at ``path``. A damaged file (or one from a newer version)
+    is moved aside, never deleted, and counting starts afresh: statistics must not stop
+    a volunteer from contributing."""
+    try:
+        return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
+    except (sqlite3.DatabaseError, RuntimeError) as exc:
+        aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+        logger.error("%s is unreadable (%s); moved to %s, counting afresh", path, exc, aside)
+        for suffix in ("", "-wal", "-shm"):
+            part = path.with_name(path.name + suffix)
+            if part.exists():
+                part.replace(aside.with_name(aside.name + suffix))
+        return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
+
+
+@asynccontextmanager
+async def _closing(store: StatsStore) -> AsyncIterator[StatsStore]:
+    try:
+        yield store
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(store.close)
 
 
 async def bootstrap_only(

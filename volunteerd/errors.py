@@ -28,6 +28,9 @@
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
     │   └── ShardError         a shard download failed (bad bytes, or the peer kept failing)
     ├── ShuttingDown           the service is stopping                -> "shutting_down"
+    ├── ControlError           the control API refused a request (``.status``, ``.field``)
+    │   └── DaemonNotRunning   no daemon answers on this data folder's control address
+    ├── UsageError             a command-line value that argparse could not check
     └── Interrupted            the user asked a command to stop (Ctrl-C)
 
 ``wire_code`` maps an exception to the error code sent to a peer (anything not in
@@ -46,6 +49,8 @@ __all__ = [
     "Busy",
     "CheckpointError",
     "ConfigError",
+    "ControlError",
+    "DaemonNotRunning",
     "ExitCode",
     "FrameTooLarge",
     "IdentityError",
@@ -66,6 +71,7 @@ __all__ = [
     "UnknownExpert",
     "UnsupportedVersion",
     "UntrustedManifest",
+    "UsageError",
     "VolunteerdError",
     "WireError",
     "exit_code",
@@ -109,6 +115,24 @@ class CheckpointError(VolunteerdError):
 
 class ResourceUnavailable(VolunteerdError):
     """Something this process needs is held by another (a port, the data folder)."""
+
+
+class ControlError(VolunteerdError):
+    """The daemon's control API answered with an error: ``status`` is the HTTP status,
+    ``field`` the request field it refused (if any)."""
+
+    def __init__(self, message: str, *, status: int = 0, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+
+
+class DaemonNotRunning(ControlError):
+    """No daemon answers at the control address recorded in the data folder."""
+
+
+class UsageError(VolunteerdError):
+    """A command-line value that is not valid (exit code 2, as argparse's own)."""
 
 
 class WireError(VolunteerdError):
@@ -265,7 +289,9 @@ def exit_code(exc: BaseException) -> ExitCode:
     """The process exit status for an exception that ended a command."""
     if isinstance(exc, ConfigError):
         return ExitCode.CONFIG
-    if isinstance(exc, IdentityError | ResourceUnavailable | OSError):
+    if isinstance(exc, UsageError) or (isinstance(exc, ControlError) and exc.status == 422):
+        return ExitCode.USAGE
+    if isinstance(exc, IdentityError | ResourceUnavailable | DaemonNotRunning | OSError):
         return ExitCode.UNAVAILABLE
     if isinstance(exc, KeyboardInterrupt | Interrupted):
         return ExitCode.INTERRUPTED

@@ -16,6 +16,9 @@ name                   default                         override
 ``downloads_dir``      <data dir>/downloads            (expert state from replicas)
 ``state_file``         <data dir>/state.json           (paused or snoozed, kept on restart)
 ``transfer_file``      <data dir>/transfer.json        (bytes this month, for the quota)
+``stats_file``         <data dir>/stats.sqlite3        (contribution accounting)
+``token_file``         <data dir>/api-token            (the control API's token, 0600)
+``control_file``       <data dir>/control.json         (the control API's address, while up)
 ``cache_dir``          <user cache dir>                ``VOLUNTEERD_CACHE_DIR``
 =====================  ==============================  ======================
 """
@@ -68,6 +71,18 @@ class Paths:
     def transfer_file(self) -> Path:
         return self.data_dir / "transfer.json"
 
+    @property
+    def stats_file(self) -> Path:
+        return self.data_dir / "stats.sqlite3"
+
+    @property
+    def token_file(self) -> Path:
+        return self.data_dir / "api-token"
+
+    @property
+    def control_file(self) -> Path:
+        return self.data_dir / "control.json"
+
     @classmethod
     def resolve(
         cls, *, config_file: str | Path | None = None, data_dir: str | Path | None = None
@@ -95,5 +110,8 @@ class Paths:
             "limits_file": str(self.limits_file),
             "state_file": str(self.state_file),
             "transfer_file": str(self.transfer_file),
+            "stats_file": str(self.stats_file),
+            "token_file": str(self.token_file),
+            "control_file": str(self.control_file),
             "cache_dir": str(self.cache_dir),
         }

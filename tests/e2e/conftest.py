@@ -43,6 +43,8 @@ def cli_env(home: Path) -> dict[str, str]:
         VOLUNTEERD_CONFIG=str(home / "config.toml"),
         VOLUNTEERD_DATA_DIR=str(home / "data"),
         VOLUNTEERD_CACHE_DIR=str(home / "cache"),
+        # any free port for the control API: several daemons run side by side
+        VOLUNTEERD_CONTROL__PORT="0",
         PYTHONUNBUFFERED="1",
     )
     return env

@@ -27,7 +27,17 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"moe", "experts", "config", "swarm"},
     "demo": {"train", "moe", "config"},
     "volunteer": {"config", "net", "runtime"},
+    # the control API knows HTTP and its own models; the daemon hands it snapshots
+    "control": set(),
+    "dashboard": set(),
+    "tray": {"control", "paths"},
+    "accounting": {"config", "net", "runtime", "stats", "wire"},
+    "controls": {"accounting", "control", "config", "net", "runtime", "stats", "volunteer"},
     "daemon": {
+        "accounting",
+        "control",
+        "controls",
+        "stats",
         "config",
         "identity",
         "net",
@@ -40,6 +50,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     "testing": {"config", "daemon", "identity", "net", "paths", "swarm"},
     "cli": {
+        "control",
+        "tray",
         "config",
         "daemon",
         "identity",
@@ -66,6 +78,9 @@ TORCH_FREE = {
     "wire",
     "net",
     "stats",
+    "control",
+    "dashboard",
+    "tray",
 }
 ONLY_NET_MAY_IMPORT = {"libp2p", "multiaddr"}
 
@@ -110,3 +125,14 @@ def test_layers_import_only_what_the_architecture_allows() -> None:
 
 def test_no_utils_junk_drawer() -> None:
     assert not list(PACKAGE.rglob("util*")), "a helper without a home is a concept to name"
+
+
+def test_the_tray_talks_to_the_daemon_only_through_the_client() -> None:
+    allowed = {"volunteerd.control.client", "volunteerd.control.models", "volunteerd.paths"}
+    wrong = []
+    for path in sorted((PACKAGE / "tray").rglob("*.py")):
+        for name in imports_of(path):
+            internal = name.startswith("volunteerd.") and not name.startswith("volunteerd.tray")
+            if internal and name not in allowed and name.split(".")[1] not in LEAVES:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert wrong == []

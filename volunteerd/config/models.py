@@ -428,6 +428,26 @@ class LimitsConfig(_Model):
     )
 
 
+class ControlConfig(_Model):
+    """The local control API and dashboard (127.0.0.1 only; see docs/control-api.md)."""
+
+    enabled: bool = Field(True, description="serve the control API and the dashboard")
+    port: int = Field(
+        38480, ge=0, le=65535, description="TCP port on 127.0.0.1 (0 = any free port)"
+    )
+
+
+class StatsConfig(_Model):
+    """Contribution accounting in <data dir>/stats.sqlite3."""
+
+    flush_s: float = Field(
+        5.0, gt=0, le=300, description="seconds between writes (a crash loses at most this)"
+    )
+    keep_hourly_days: int = Field(
+        14, ge=1, le=3650, description="hourly rows older than this are folded into daily rows"
+    )
+
+
 class LoggingConfig(_Model):
     """Log output (to stderr)."""
 
@@ -453,3 +473,5 @@ class Config(_Model):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     reachability: ReachabilityConfig = Field(default_factory=ReachabilityConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    stats: StatsConfig = Field(default_factory=StatsConfig)

@@ -162,6 +162,7 @@ class LocalSwarm:
             'runtime.device="cpu"',
             "dht.announce_period_s=3",
             "dht.record_ttl_s=8",
+            "control.port=0",  # several daemons on one machine: any free port each
         ]
         for i, pattern in enumerate(self.node_experts):
             args = ["serve", "--experts", pattern, "--bootstrap", self.bootstrap_addrs[0]]

@@ -61,6 +61,10 @@ class Node:
     def multiaddrs(self) -> list[str]:
         return [f"{a}/p2p/{self.peer_id}" for a in self.addrs]
 
+    def connected_peers(self) -> list[str]:
+        """The peers this node has an open connection with now."""
+        return [str(p) for p in self.host.get_connected_peers()]
+
 
 @asynccontextmanager
 async def open_node(

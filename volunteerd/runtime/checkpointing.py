@@ -11,6 +11,7 @@ thread, never on the event loop. See ``experts.checkpoint`` for the file format.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class Checkpointer:
         self._config = config
         self._saved: dict[str, tuple[int, int]] = {}  # uid -> (updates, revision) on disk
         self._restored: dict[str, str] = {}
+        self.saved_at: dict[str, float] = {}  # uid -> time.time() of its newest file
         self._saves = 0
         self._failures = 0
         self._last_round_s = 0.0
@@ -85,6 +87,8 @@ class Checkpointer:
         await self.runtime.executor.run(partial(ExpertBackend.load_state, backend, state=state))
         self._saved[uid] = (backend.updates, backend.revision)
         self._restored[uid] = str(path)
+        with contextlib.suppress(OSError):
+            self.saved_at[uid] = path.stat().st_mtime
         logger.info("loaded checkpoint %s for %s (%d updates)", path, uid, state.updates)
         return path
 
@@ -105,6 +109,7 @@ class Checkpointer:
             logger.error("could not save a checkpoint of %s: %s", backend.uid, exc)
             return
         self._saved[backend.uid] = version
+        self.saved_at[backend.uid] = time.time()
         self._saves += 1
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -136,6 +141,7 @@ class Checkpointer:
                 logger.error("could not save a checkpoint of %s: %s", uid, exc)
                 continue
             self._saved[uid] = version
+            self.saved_at[uid] = time.time()
             self._saves += 1
             saved += 1
             logger.debug("saved %s (%d updates) to %s", uid, state.updates, path)

@@ -13,7 +13,9 @@ Per expert there are four queues: merged forwards, forwards kept for their backw
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -54,6 +56,8 @@ class ExpertStats:
     forward: QueueStats
     backward: QueueStats
     updates: int
+    compute_s: float  # worker time of its batches and optimizer steps
+    last_used: float | None  # time.time() of its last request
 
 
 def _cat(columns: list[Tensors]) -> Tensors:
@@ -75,21 +79,27 @@ class _Hosted:
     ) -> None:
         self.backend = backend
         self.step_pending = False
+        self.compute_s = 0.0  # added on the worker thread, read on the trio thread
+        self.last_used: float | None = None
         n_in = len(backend.info.inputs)
 
         def forward(items: list[Tensors]) -> list[Tensors]:
-            return _split(backend.forward(_cat(items)), [t[0].shape[0] for t in items])
+            with self.timed():
+                return _split(backend.forward(_cat(items)), [t[0].shape[0] for t in items])
 
         def backward(items: list[Tensors]) -> list[Tensors]:
-            joined = _cat(items)
-            grads = backend.backward(joined[:n_in], joined[n_in:])
-            return _split(grads, [t[0].shape[0] for t in items])
+            with self.timed():
+                joined = _cat(items)
+                grads = backend.backward(joined[:n_in], joined[n_in:])
+                return _split(grads, [t[0].shape[0] for t in items])
 
         def forward_retained(items: list[Tensors]) -> list[tuple[Tensors, Retained]]:
-            return [backend.forward_retained(item) for item in items]
+            with self.timed():
+                return [backend.forward_retained(item) for item in items]
 
         def backward_retained(items: list[tuple[Retained, Tensors]]) -> list[Tensors]:
-            return backend.backward_retained(items)
+            with self.timed():
+                return backend.backward_retained(items)
 
         uid = backend.uid
         self.forward = BatchQueue(f"{uid}/forward", forward, executor, config)
@@ -102,6 +112,19 @@ class _Hosted:
         )
 
         self.stopped = trio.Event()
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the worker time of the block as this expert's compute."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compute_s += time.perf_counter() - start
+
+    def step(self) -> None:
+        with self.timed():
+            self.backend.step()
 
     @property
     def queues(self) -> tuple[BatchQueue, ...]:  # type: ignore[type-arg]
@@ -246,6 +269,7 @@ class ExpertRuntime:
         and the reply carries its handle. With ``compression`` floating-point tensors
         travel narrowed, both ways."""
         hosted = self._hosted(uid)
+        hosted.last_used = time.time()
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
         samples = check_against_schema(
@@ -274,6 +298,7 @@ class ExpertRuntime:
         the inputs followed by the output gradients. Raises ActivationsExpired for a
         handle this server no longer knows."""
         hosted = self._hosted(uid)
+        hosted.last_used = time.time()
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
         if handle is not None:
@@ -319,7 +344,7 @@ class ExpertRuntime:
                 async with self.executor.turn():
                     # From here on, new gradients wait for the next step.
                     hosted.step_pending = False
-                    await self.executor.run_now(hosted.backend.step)
+                    await self.executor.run_now(hosted.step)
             finally:
                 self._steps_in_flight -= 1
                 if self._steps_in_flight == 0:
@@ -345,6 +370,8 @@ class ExpertRuntime:
                 _sum(h.forward.statistics(), h.forward_retained.statistics()),
                 _sum(h.backward.statistics(), h.backward_retained.statistics()),
                 h.backend.updates,
+                h.compute_s,
+                h.last_used,
             )
             for uid, h in self._experts.items()
         ]

@@ -102,7 +102,9 @@ class StatsStore:
         self._db = db
         self._keep_hourly_s = keep_hourly_days * DAY
         self._clock = clock
-        self._lock = threading.Lock()
+        # Reentrant: ``flush`` holds it from taking the counts to committing them, so a
+        # query never sees counts that are in neither memory nor the file.
+        self._lock = threading.RLock()
         self._work: dict[tuple[int, str], Work] = {}
         self._rejected: Counter[tuple[int, str, str]] = Counter()
         self._uptime: dict[int, list[float]] = {}
@@ -164,8 +166,27 @@ class StatsStore:
             work, self._work = self._work, {}
             rejected, self._rejected = self._rejected, Counter()
             uptime, self._uptime = self._uptime, {}
-        if not (work or rejected or uptime):
-            return
+            if not (work or rejected or uptime):
+                return
+            try:
+                self._write(work, rejected, uptime)
+            except BaseException:
+                # Not written (full disk, locked file): keep the counts for the next try.
+                for key, w in work.items():
+                    self._work.setdefault(key, Work()).add(w)
+                self._rejected.update(rejected)
+                for hour, (run, pause) in uptime.items():
+                    slot = self._uptime.setdefault(hour, [0.0, 0.0])
+                    slot[0] += run
+                    slot[1] += pause
+                raise
+
+    def _write(
+        self,
+        work: dict[tuple[int, str], Work],
+        rejected: Counter[tuple[int, str, str]],
+        uptime: dict[int, list[float]],
+    ) -> None:
         with self._transaction() as db:
             db.executemany(
                 "INSERT INTO work VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -283,6 +304,37 @@ class StatsStore:
                 (since,),
             ).fetchone()
         out.running_s, out.paused_s = float(running), float(paused)
+        return out
+
+    def pending(self, since: float = 0.0) -> Totals:
+        """What was counted but not flushed yet, in buckets ending after ``since``."""
+        out = Totals()
+        with self._lock:
+            for (hour, expert), work in self._work.items():
+                if hour + HOUR > since:
+                    out.by_expert.setdefault(expert, Work()).add(work)
+                    out.work.add(work)
+            for (hour, _, reason), count in self._rejected.items():
+                if hour + HOUR > since:
+                    out.rejected[reason] = out.rejected.get(reason, 0) + count
+            for hour, (running, paused) in self._uptime.items():
+                if hour + HOUR > since:
+                    out.running_s += running
+                    out.paused_s += paused
+        return out
+
+    def current(self, since: float = 0.0) -> Totals:
+        """``totals`` plus ``pending``: everything counted so far."""
+        with self._lock:
+            out = self.totals(since)
+            extra = self.pending(since)
+        out.work.add(extra.work)
+        for expert, work in extra.by_expert.items():
+            out.by_expert.setdefault(expert, Work()).add(work)
+        for reason, count in extra.rejected.items():
+            out.rejected[reason] = out.rejected.get(reason, 0) + count
+        out.running_s += extra.running_s
+        out.paused_s += extra.paused_s
         return out
 
     def history(self, since: float = 0.0) -> list[tuple[int, int, Work]]:

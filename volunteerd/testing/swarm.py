@@ -42,6 +42,8 @@ def local_config(
             "shutdown_grace_s": 2,
         },
         "logging": {"level": "INFO"},
+        "control": {"port": 0},
+        "stats": {"flush_s": 0.5},
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)

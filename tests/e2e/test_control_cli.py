@@ -1,0 +1,73 @@
+"""``volunteerd status|pause|resume|snooze|limit|dashboard`` against a real daemon
+process, and what they say when no daemon runs."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import run_cli
+
+
+@pytest.mark.slow
+def test_control_verbs_drive_a_running_daemon(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    home = tmp_path / "vol"
+    daemon = spawn("vol", "serve", "--experts", "ffn.[0:2].[0:1]", "--set", "control.port=0")
+    ready = daemon.wait_ready()
+    assert ready["control_url"].startswith("http://127.0.0.1:")
+
+    shown = run_cli(home, "status")
+    assert shown.returncode == 0, shown.stderr
+    assert "contributing" in shown.stdout
+    assert ready["peer_id"] in shown.stdout
+    as_json = json.loads(run_cli(home, "status", "--json").stdout)
+    assert as_json["experts"] == ["ffn.0.0", "ffn.1.0"]
+
+    paused = run_cli(home, "pause")
+    assert paused.returncode == 0, paused.stderr
+    assert "paused" in paused.stdout
+    assert json.loads(run_cli(home, "status", "--json").stdout)["state"] == "paused"
+    snoozed = run_cli(home, "snooze", "30m")
+    assert "snoozed until" in snoozed.stdout
+    resumed = run_cli(home, "resume")
+    assert "contributing again" in resumed.stdout
+
+    limited = run_cli(home, "limit", "--up", "8", "--down", "20")
+    assert limited.returncode == 0, limited.stderr
+    assert "upload        8 Mbit/s" in limited.stdout
+    assert "download      20 Mbit/s" in limited.stdout
+    refused = run_cli(home, "limit", "--up", "-1")
+    assert refused.returncode == 2
+    assert "upload_mbit" in refused.stderr
+    bad_duration = run_cli(home, "snooze", "soon")
+    assert bad_duration.returncode == 2
+    assert "not a duration" in bad_duration.stderr
+
+    url = run_cli(home, "dashboard", "--print").stdout.strip()
+    token = (home / "data" / "api-token").read_text().strip()
+    assert url == f"{ready['control_url']}/#token={token}"
+    assert daemon.process.poll() is None  # refused input left it running
+    assert daemon.stop() == 130
+
+
+def test_control_verbs_without_a_daemon_exit_5(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, "status")
+    assert result.returncode == 5
+    assert "not running" in result.stderr
+
+
+def test_a_taken_control_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = run_cli(
+            tmp_path, "serve", "--listen-host", "127.0.0.1", "--port", "0",
+            "--experts", "ffn.0.0", "--set", "experts.hidden_dim=16",
+            "--set", f"control.port={port}",
+        )  # fmt: skip
+    assert result.returncode == 5
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr

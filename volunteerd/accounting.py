@@ -1,0 +1,213 @@
+"""Counting what this machine contributes, as it happens, into the ``StatsStore``.
+
+* Each expert call the daemon answers (forward or backward, alone or in a batch) is
+  recorded with its samples and the bytes of its tensors in and out; a refused call
+  is recorded with its wire error code as the reason ("paused", "busy", "rejected",
+  "bad_shape", ...). The expert handlers report through ``served``/``refused``;
+  requests the pause gate turns away are counted by ``wrap``.
+* Once a second ``serve`` adds the experts' compute time (worker seconds, from the
+  runtime's counters), the uptime (running or paused) and a sample for the rates;
+  every ``flush_s`` it writes the counts to SQLite (in a thread), every hour it folds
+  old hourly rows into daily ones.
+* Per-peer request and refusal counts live in memory only (for the ``peers`` view).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from volunteerd.config import StatsConfig
+from volunteerd.errors import Paused, wire_code
+from volunteerd.net import Handler, Reply, Request, Throttle, Verb
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.stats import StatsStore
+from volunteerd.wire import WireTensor
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+__all__ = ["Accountant", "PeerCounts", "RateSample"]
+
+logger = logging.getLogger(__name__)
+
+_TICK_S = 1.0
+_RATE_WINDOW_S = 10.0
+_ROLL_UP_EVERY_S = 3600.0
+_MAX_PEERS = 1000  # peers counted one by one; the rest share "other"
+_COMPUTE_VERBS = {
+    Verb.FORWARD: "forward",
+    Verb.BACKWARD: "backward",
+    Verb.FORWARD_BATCH: "forward",
+    Verb.BACKWARD_BATCH: "backward",
+}
+
+
+@dataclass(slots=True)
+class PeerCounts:
+    requests: int = 0
+    refused: int = 0
+    last_seen: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateSample:
+    samples_per_s: float
+    requests_per_s: float
+    upload_bytes_per_s: float
+    download_bytes_per_s: float
+
+
+def _bytes(buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+class Accountant:
+    def __init__(
+        self,
+        store: StatsStore,
+        runtime: ExpertRuntime,
+        throttle: Throttle,
+        config: StatsConfig,
+        *,
+        serving: Callable[[], bool],
+    ) -> None:
+        self.store = store
+        self._runtime = runtime
+        self._throttle = throttle
+        self._config = config
+        self._serving = serving
+        self.peers: dict[str, PeerCounts] = {}
+        self.samples = 0  # since the daemon started
+        self.requests = 0
+        self.refusals: dict[str, int] = {}  # reason -> count, since the daemon started
+        self._compute_seen: dict[str, float] = {}
+        self._window: deque[tuple[float, int, int, int, int]] = deque()
+
+    # -- counting --------------------------------------------------------------------
+
+    def _peer(self, peer_id: str) -> PeerCounts:
+        counts = self.peers.get(peer_id)
+        if counts is None:
+            if len(self.peers) >= _MAX_PEERS:
+                peer_id = "other"
+            counts = self.peers.setdefault(peer_id, PeerCounts())
+        counts.last_seen = time.time()
+        return counts
+
+    def served(
+        self, kind: str, uid: str, peer_id: str, tensors: list[WireTensor], reply: Reply
+    ) -> None:
+        """A forward or backward call of ``uid`` answered."""
+        samples = tensors[0].shape[0] if tensors and tensors[0].shape else 0
+        self.store.record(
+            uid,
+            forward=kind == "forward",
+            backward=kind == "backward",
+            samples=samples,
+            bytes_in=_bytes(t.data for t in tensors),
+            bytes_out=_bytes(reply.buffers),
+        )
+        self.samples += samples
+        self.requests += 1
+        self._peer(peer_id).requests += 1
+
+    def refused(self, uid: str, peer_id: str, exc: BaseException) -> None:
+        """A call of ``uid`` refused with ``exc`` (counted by its wire code)."""
+        reason = wire_code(exc)
+        self.store.reject(uid, reason)
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self._peer(peer_id).refused += 1
+
+    def wrap(self, handlers: Mapping[Verb, Handler]) -> dict[Verb, Handler]:
+        """``handlers`` with the pause gate's refusals of expert calls counted (wrap the
+        gated handlers: the calls the gate lets through are counted inside)."""
+
+        def counted(handler: Handler) -> Handler:
+            async def handle(request: Request) -> Reply:
+                try:
+                    return await handler(request)
+                except Paused as exc:
+                    header = request.header
+                    for item in getattr(header, "items", None) or [header]:
+                        self.refused(str(getattr(item, "uid", "")), request.peer_id, exc)
+                    raise
+
+            return handle
+
+        return {
+            verb: counted(handler) if verb in _COMPUTE_VERBS else handler
+            for verb, handler in handlers.items()
+        }
+
+    # -- the loop --------------------------------------------------------------------
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Tick, flush and roll up until cancelled (then flush once more)."""
+        await trio.to_thread.run_sync(self._roll_up)
+        self._sample()
+        task_status.started()
+        last = trio.current_time()
+        last_flush = last
+        last_roll_up = last
+        try:
+            while True:
+                await trio.sleep(_TICK_S)
+                now = trio.current_time()
+                self.store.tick(now - last, paused=not self._serving())
+                last = now
+                self._count_compute()
+                self._sample()
+                if now - last_flush >= self._config.flush_s:
+                    last_flush = now
+                    await trio.to_thread.run_sync(self._flush)
+                if now - last_roll_up >= _ROLL_UP_EVERY_S:
+                    last_roll_up = now
+                    await trio.to_thread.run_sync(self._roll_up)
+        finally:
+            self._count_compute()
+
+    def _count_compute(self) -> None:
+        for stats in self._runtime.statistics():
+            seen = self._compute_seen.get(stats.uid, 0.0)
+            if stats.compute_s > seen:
+                self.store.record(stats.uid, compute_s=stats.compute_s - seen)
+                self._compute_seen[stats.uid] = stats.compute_s
+
+    def _flush(self) -> None:
+        try:
+            self.store.flush()
+        except Exception:  # a full disk must not stop the daemon; counts wait in memory
+            logger.exception("could not write the statistics; retrying at the next flush")
+
+    def _roll_up(self) -> None:
+        try:
+            folded = self.store.roll_up()
+        except Exception:
+            logger.exception("could not roll up old statistics")
+            return
+        if folded:
+            logger.info("statistics: folded %d hourly rows into daily rows", folded)
+
+    def _sample(self) -> None:
+        throttle = self._throttle.statistics()
+        now = time.monotonic()
+        self._window.append(
+            (now, self.samples, self.requests, throttle.bytes_up, throttle.bytes_down)
+        )
+        while len(self._window) > 2 and now - self._window[0][0] > _RATE_WINDOW_S:
+            self._window.popleft()
+
+    def rates(self) -> RateSample:
+        """Per second over the last ~10 s."""
+        if len(self._window) < 2:
+            return RateSample(0.0, 0.0, 0.0, 0.0)
+        (t0, s0, r0, u0, d0), (t1, s1, r1, u1, d1) = self._window[0], self._window[-1]
+        dt = max(t1 - t0, 1e-9)
+        return RateSample((s1 - s0) / dt, (r1 - r0) / dt, (u1 - u0) / dt, (d1 - d0) / dt)

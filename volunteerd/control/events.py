@@ -1,0 +1,51 @@
+"""The daemon's recent events, for the ``events`` long poll: state changes, limit
+changes, experts taken on or dropped, reachability changes, errors.
+
+Each event gets the next integer id; a client asks for the events after the last id it
+saw and waits (bounded) until there is one. The log keeps the newest ``keep`` events:
+a client that fell further behind gets what is left (it sees the gap in the ids).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import trio
+
+from volunteerd.control.models import Event
+
+__all__ = ["EventLog"]
+
+
+class EventLog:
+    def __init__(self, keep: int = 500, *, clock: Callable[[], float] = time.time) -> None:
+        self._events: deque[Event] = deque(maxlen=keep)
+        self._next_id = 1
+        self._clock = clock
+        self._changed = trio.Event()
+
+    @property
+    def last_id(self) -> int:
+        return self._next_id - 1
+
+    def post(self, kind: str, message: str) -> Event:
+        """Record an event and wake the waiting clients (call from the trio thread)."""
+        event = Event(id=self._next_id, time=self._clock(), kind=kind, message=message)
+        self._next_id += 1
+        self._events.append(event)
+        self._changed.set()
+        self._changed = trio.Event()
+        return event
+
+    def after(self, since: int) -> list[Event]:
+        return [e for e in self._events if e.id > since]
+
+    async def wait_after(self, since: int, wait_s: float) -> list[Event]:
+        """The events after ``since``, waiting up to ``wait_s`` for the first one."""
+        with trio.move_on_after(wait_s):
+            while not (events := self.after(since)):
+                await self._changed.wait()
+            return events
+        return []

@@ -1,0 +1,395 @@
+"""What the control API sees of a running daemon: snapshots built from its services,
+and the changes it may ask for (pause, resume, snooze, limits, stop).
+
+``DaemonControls`` implements ``control.api.Controls``. Its ``serve`` task watches the
+daemon once a second and posts an event when something a volunteer cares about
+changes (serving or not, the experts hosted, reachability), and looks up every
+``_REPLICAS_EVERY_S`` how many other peers announce each hosted expert.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from volunteerd import __version__
+from volunteerd.accounting import Accountant
+from volunteerd.control.events import EventLog
+from volunteerd.control.models import (
+    ExpertView,
+    LimitsChange,
+    LimitsView,
+    PeerView,
+    Rates,
+    Reachability,
+    Stats,
+    StatsBucket,
+    Status,
+    Totals,
+)
+from volunteerd.net import Node
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.stats import Totals as StoreTotals
+from volunteerd.volunteer import Volunteer
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+__all__ = ["DaemonControls"]
+
+logger = logging.getLogger(__name__)
+
+_WATCH_S = 1.0
+_REPLICAS_EVERY_S = 30.0
+_DAY_S = 86400.0
+_STOP_AFTER_S = 0.2  # lets the reply to a shutdown request leave first
+
+
+def _local_midnight(now: float) -> float:
+    t = time.localtime(now)
+    return time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
+
+
+def _totals(t: StoreTotals) -> Totals:
+    w = t.work
+    return Totals(
+        forward=w.forward,
+        backward=w.backward,
+        samples=w.samples,
+        compute_s=w.compute_s,
+        bytes_in=w.bytes_in,
+        bytes_out=w.bytes_out,
+        running_s=t.running_s,
+        paused_s=t.paused_s,
+        rejected=dict(t.rejected),
+    )
+
+
+@dataclass(slots=True)
+class _Seen:
+    state: str = ""
+    experts: tuple[str, ...] = ()
+    reachability: str = ""
+
+
+class DaemonControls:
+    def __init__(
+        self,
+        *,
+        node: Node,
+        runtime: ExpertRuntime,
+        volunteer: Volunteer,
+        checkpointer: Checkpointer | None,
+        accountant: Accountant,
+        experiment: Callable[[], str | None],
+        request_stop: Callable[[], None],
+        events: EventLog | None = None,
+    ) -> None:
+        self._node = node
+        self._runtime = runtime
+        self._volunteer = volunteer
+        self._checkpointer = checkpointer
+        self._accountant = accountant
+        self._experiment = experiment
+        self._request_stop = request_stop
+        self.events = events or EventLog()
+        self.started_at = time.time()
+        self._replicas: dict[str, int] = {}
+        self._seen = _Seen()
+        self._nursery: trio.Nursery | None = None
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def status(self) -> Status:
+        state = self._volunteer.state
+        now = time.time()
+        reach = self._node.reachability
+        if reach is None:
+            reachability = Reachability(mode="unknown", addrs=self._node.multiaddrs)
+        else:
+            report = reach.report()
+            reachability = Reachability(
+                mode=report.mode,
+                addrs=list(report.announce_addrs),
+                relay=report.relay,
+                advice=report.advice,
+            )
+        rates = self._accountant.rates()
+        store = self._accountant.store
+        return Status(
+            version=__version__,
+            peer_id=self._node.peer_id,
+            state=state.mode,
+            serving=state.serving,
+            reason=state.reason,
+            snoozed_until=state.until,
+            experiment=self._experiment(),
+            device=str(self._runtime.device),
+            experts=self._runtime.uids,
+            reachability=reachability,
+            limits=self.limits(),
+            started_at=self.started_at,
+            uptime_s=now - self.started_at,
+            connected_peers=len(self._node.connected_peers()),
+            rates=Rates(
+                samples_per_s=rates.samples_per_s,
+                requests_per_s=rates.requests_per_s,
+                upload_bytes_per_s=rates.upload_bytes_per_s,
+                download_bytes_per_s=rates.download_bytes_per_s,
+            ),
+            today=_totals(store.current(_local_midnight(now))),
+        )
+
+    def experts(self) -> list[ExpertView]:
+        now = time.time()
+        saved_at = self._checkpointer.saved_at if self._checkpointer is not None else {}
+        views = []
+        for stats in self._runtime.statistics():
+            saved = saved_at.get(stats.uid)
+            views.append(
+                ExpertView(
+                    uid=stats.uid,
+                    forward=stats.forward.requests,
+                    backward=stats.backward.requests,
+                    samples=stats.forward.samples + stats.backward.samples,
+                    compute_s=stats.compute_s,
+                    last_used=stats.last_used,
+                    updates=stats.updates,
+                    waiting=stats.forward.waiting + stats.backward.waiting,
+                    replicas=self._replicas.get(stats.uid),
+                    checkpoint_age_s=None if saved is None else max(0.0, now - saved),
+                )
+            )
+        return views
+
+    def peers(self) -> list[PeerView]:
+        refused: dict[str, int] = {}
+        for (peer, _reason), count in self._node.server.stats.refused.items():
+            refused[peer] = refused.get(peer, 0) + count
+        counted = self._accountant.peers
+        connected = set(self._node.connected_peers())
+        ids = sorted(connected | set(counted) | set(refused))
+        return [
+            PeerView(
+                peer_id=peer,
+                requests=counted[peer].requests if peer in counted else 0,
+                refused=refused.get(peer, 0) + (counted[peer].refused if peer in counted else 0),
+                connected=peer in connected,
+            )
+            for peer in ids
+        ]
+
+    async def stats(self, since: float) -> Stats:
+        store = self._accountant.store
+
+        def read() -> Stats:
+            now = time.time()
+            history = store.history(since)
+            return Stats(
+                today=_totals(store.current(_local_midnight(now))),
+                week=_totals(store.current(now - 7 * _DAY_S)),
+                all_time=_totals(store.current(0.0)),
+                history=[
+                    StatsBucket(
+                        start=bucket,
+                        size_s=size,
+                        forward=w.forward,
+                        backward=w.backward,
+                        samples=w.samples,
+                        compute_s=w.compute_s,
+                        bytes_in=w.bytes_in,
+                        bytes_out=w.bytes_out,
+                    )
+                    for bucket, size, w in history
+                ],
+            )
+
+        return await trio.to_thread.run_sync(read)
+
+    def limits(self) -> LimitsView:
+        limits = self._volunteer.limits
+        return LimitsView(
+            **limits.model_dump(), month_bytes=self._node.throttle.statistics().month_bytes
+        )
+
+    def metrics(self) -> str:
+        """Prometheus text format (version 0.0.4)."""
+        status = self.status()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP volunteerd_{name} {help_}")
+            lines.append(f"# TYPE volunteerd_{name} {kind}")
+            lines.extend(f"volunteerd_{name}{labels} {value:g}" for labels, value in samples)
+
+        def label(**values: str) -> str:
+            inner = ",".join(
+                '{}="{}"'.format(
+                    k, v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+                )
+                for k, v in values.items()
+            )
+            return "{" + inner + "}"
+
+        metric("serving", "gauge", "1 while serving experts", [("", float(status.serving))])
+        metric(
+            "uptime_seconds", "gauge", "seconds since the daemon started", [("", status.uptime_s)]
+        )
+        metric(
+            "connected_peers",
+            "gauge",
+            "open libp2p connections",
+            [("", float(status.connected_peers))],
+        )
+        metric("experts_hosted", "gauge", "experts served", [("", float(len(status.experts)))])
+        experts = self.experts()
+        metric(
+            "expert_requests_total",
+            "counter",
+            "expert calls answered since start",
+            [
+                (label(uid=e.uid, kind=kind), float(count))
+                for e in experts
+                for kind, count in (("forward", e.forward), ("backward", e.backward))
+            ],
+        )
+        metric(
+            "expert_samples_total",
+            "counter",
+            "samples computed since start",
+            [(label(uid=e.uid), float(e.samples)) for e in experts],
+        )
+        metric(
+            "expert_compute_seconds_total",
+            "counter",
+            "worker seconds since start",
+            [(label(uid=e.uid), e.compute_s) for e in experts],
+        )
+        metric(
+            "refused_total",
+            "counter",
+            "expert calls refused since start, by reason",
+            [(label(reason=r), float(n)) for r, n in sorted(self._accountant.refusals.items())],
+        )
+        throttle = self._node.throttle.statistics()
+        metric(
+            "transfer_bytes_total",
+            "counter",
+            "bytes on volunteerd streams since start",
+            [
+                (label(direction="up"), float(throttle.bytes_up)),
+                (label(direction="down"), float(throttle.bytes_down)),
+            ],
+        )
+        metric(
+            "limit_mbit",
+            "gauge",
+            "bandwidth limits (0 = none)",
+            [
+                (label(direction="up"), status.limits.upload_mbit),
+                (label(direction="down"), status.limits.download_mbit),
+            ],
+        )
+        metric(
+            "samples_today_total",
+            "counter",
+            "samples computed today (local time)",
+            [("", float(status.today.samples))],
+        )
+        return "\n".join(lines) + "\n"
+
+    # -- changes ---------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        await self._volunteer.pause()
+        self._note_changes()
+
+    async def resume(self) -> None:
+        await self._volunteer.resume()
+        self._note_changes()
+
+    async def snooze(self, seconds: float) -> None:
+        await self._volunteer.snooze(seconds)
+        self._note_changes()
+
+    async def set_limits(self, change: LimitsChange) -> LimitsView:
+        changes = change.changes()
+        if changes:
+            new = self._volunteer.limits.model_copy(update=changes)
+            await self._volunteer.set_limits(new)
+            described = ", ".join(f"{k} = {v:g}" for k, v in changes.items())
+            self.events.post("limits", f"limits changed: {described}")
+        self._note_changes()
+        return self.limits()
+
+    def shutdown(self) -> None:
+        """Stop the daemon gracefully, a moment after the reply to this request left."""
+        self.events.post("state", "stopping (asked through the control API)")
+        if self._nursery is None:
+            self._request_stop()
+            return
+
+        async def stop_soon() -> None:
+            await trio.sleep(_STOP_AFTER_S)
+            self._request_stop()
+
+        self._nursery.start_soon(stop_soon)
+
+    # -- watching --------------------------------------------------------------------
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.events.post("started", f"volunteerd {__version__} started as {self._node.peer_id}")
+        self._note_changes()
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._count_replicas)
+            while True:
+                await trio.sleep(_WATCH_S)
+                self._note_changes()
+
+    def _note_changes(self) -> None:
+        state = self._volunteer.state
+        described = state.mode if state.mode == "running" else f"{state.mode}: {state.reason}"
+        if described != self._seen.state:
+            self._seen.state = described
+            self.events.post("state", "contributing" if state.mode == "running" else described)
+        experts = tuple(self._runtime.uids)
+        if experts != self._seen.experts:
+            added = sorted(set(experts) - set(self._seen.experts))
+            dropped = sorted(set(self._seen.experts) - set(experts))
+            self._seen.experts = experts
+            parts = ([f"hosting {', '.join(added)}"] if added else []) + (
+                [f"dropped {', '.join(dropped)}"] if dropped else []
+            )
+            if parts:
+                self.events.post("experts", "; ".join(parts))
+        reach = self._node.reachability
+        mode = reach.mode if reach is not None else "unknown"
+        if mode != self._seen.reachability:
+            first = not self._seen.reachability
+            self._seen.reachability = mode
+            if not first or mode != "unknown":
+                self.events.post("reachability", f"reachability: {mode}")
+
+    async def _count_replicas(self) -> None:
+        while True:
+            uids = self._runtime.uids
+            if uids:
+                try:
+                    found = await self._node.dht.get(uids)
+                except Exception as exc:  # the next round tries again
+                    logger.debug("replica lookup failed: %s", exc)
+                else:
+                    me = self._node.peer_id
+                    self._replicas = {
+                        uid: len({r.peer_id for r in records if r.peer_id != me})
+                        for uid, records in found.items()
+                    }
+            await trio.sleep(_REPLICAS_EVERY_S)
