@@ -4,12 +4,22 @@ process, and what they say when no daemon runs."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.conftest import run_cli
+from volunteerd.control.client import ControlClient
+from volunteerd.experts import to_wire
+from volunteerd.identity import Identity
+from volunteerd.net import Verb, parse_peer_multiaddr
+from volunteerd.net.background import BackgroundNode
+from volunteerd.testing import local_config
+from volunteerd.wire import ForwardRequest
 
 
 @pytest.mark.slow
@@ -71,3 +81,38 @@ def test_a_taken_control_port_is_a_clear_error(tmp_path: Path) -> None:
         )  # fmt: skip
     assert result.returncode == 5
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+@pytest.mark.slow
+def test_stats_survive_kill_9(spawn) -> None:  # type: ignore[no-untyped-def]
+    """Counted calls survive SIGKILL once a flush has passed (stats.flush_s)."""
+    settings = ["--experts", "ffn.0.0", "--set", "experts.hidden_dim=16",
+                "--set", "stats.flush_s=0.5"]  # fmt: skip
+    server = spawn("vol", "serve", *settings)
+    home = server.ready_file.parent
+    address = parse_peer_multiaddr(server.wait_ready()["multiaddrs"][0])
+    with BackgroundNode(Identity.generate(), local_config()) as client:
+        for rows in range(1, 11):
+            meta, data = to_wire(torch.randn(rows, 16))
+            client.run(
+                client.node.rpc.call,
+                address,
+                Verb.FORWARD,
+                ForwardRequest(uid="ffn.0.0", tensors=[meta]),
+                [data],
+            )
+    api = ControlClient.for_data_dir(home / "data")
+    deadline = time.monotonic() + 10
+    while api.stats().all_time.forward < 10:  # counted (in memory or flushed)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.5)  # past a flush
+    server.stop(signal.SIGKILL)
+
+    server.ready_file.unlink()
+    again = spawn("vol", "serve", *settings)
+    again.wait_ready()
+    kept = ControlClient.for_data_dir(home / "data").stats().all_time
+    assert kept.forward == 10
+    assert kept.samples == 55
+    assert again.stop() == 130
