@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     tray.add_argument(
         "--no-start", action="store_true", help="do not start the daemon if it is not running"
     )
+    tray.add_argument(
+        "--backend",
+        choices=("appindicator", "gtk", "xorg", "darwin", "win32"),
+        help="pystray backend (default: the best one available)",
+    )
     return parser
 
 
@@ -182,7 +187,8 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
     if args.command == "tray":
         from volunteerd.tray.app import run_tray
 
-        return ExitCode(run_tray(paths, start_daemon=not args.no_start))
+        configure_logging("INFO")
+        return ExitCode(run_tray(paths, start_daemon=not args.no_start, backend=args.backend))
     from volunteerd.control import commands
     from volunteerd.control.client import ControlClient
 

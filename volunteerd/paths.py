@@ -19,6 +19,7 @@ name                   default                         override
 ``stats_file``         <data dir>/stats.sqlite3        (contribution accounting)
 ``token_file``         <data dir>/api-token            (the control API's token, 0600)
 ``control_file``       <data dir>/control.json         (the control API's address, while up)
+``daemon_log_file``    <data dir>/daemon.log           (output of a daemon the tray started)
 ``cache_dir``          <user cache dir>                ``VOLUNTEERD_CACHE_DIR``
 =====================  ==============================  ======================
 """
@@ -83,6 +84,10 @@ class Paths:
     def control_file(self) -> Path:
         return self.data_dir / "control.json"
 
+    @property
+    def daemon_log_file(self) -> Path:
+        return self.data_dir / "daemon.log"
+
     @classmethod
     def resolve(
         cls, *, config_file: str | Path | None = None, data_dir: str | Path | None = None
@@ -113,5 +118,6 @@ class Paths:
             "stats_file": str(self.stats_file),
             "token_file": str(self.token_file),
             "control_file": str(self.control_file),
+            "daemon_log_file": str(self.daemon_log_file),
             "cache_dir": str(self.cache_dir),
         }

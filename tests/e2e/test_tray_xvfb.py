@@ -1,0 +1,389 @@
+"""The real tray, on a real X server (Xvfb) with a real XEmbed system tray (trayer),
+against real daemons: the icon appears in the tray, the menu drives the daemon, and the
+icon follows the daemon through pause, limits, a stop and a restart.
+
+pystray's plain X backend (the one that needs no GTK) shows no menus, so the menu is
+driven through pystray's own MenuItem objects: calling one is what a click does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.e2e.conftest import Proc, cli_env
+from volunteerd.control.client import ControlClient
+from volunteerd.errors import ControlError
+from volunteerd.paths import Paths
+from volunteerd.tray.app import TrayApp
+from volunteerd.tray.icons import icon_image
+
+XVFB = shutil.which("Xvfb")
+TRAYER = shutil.which("trayer")
+# a 24 px high panel at the top left, as wide as its icons
+TRAYER_ARGS = ["--edge", "top", "--align", "left", "--widthtype", "request", "--height", "24"]
+TRAYER_ARGS += ["--transparent", "false", "--SetDockType", "true"]
+SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']
+CONFIG = """\
+[network]
+listen_host = "127.0.0.1"
+port = 0
+[control]
+port = 0
+[runtime]
+device = "cpu"
+[experts]
+uids = "ffn.0.0"
+hidden_dim = 32
+"""
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        XVFB is None or TRAYER is None,
+        reason="needs Xvfb and trayer (apt-get install xvfb trayer)",
+    ),
+]
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 30) -> T:
+    """``probe()`` once it returns something truthy; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except (ControlError, OSError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s}s (last: {last!r})")
+
+
+# -- the X server and the tray -------------------------------------------------------------
+
+
+@dataclass
+class Desktop:
+    display: str
+    screenshots: Path
+
+    def icons(self) -> list[tuple[str, bool]]:
+        """(title, docked) of each volunteerd tray icon: docked means mapped inside the
+        window of the tray host that owns the _NET_SYSTEM_TRAY_S0 selection."""
+        from Xlib import X, display, error
+
+        d = display.Display(self.display)
+        try:
+            owner = d.get_selection_owner(d.intern_atom("_NET_SYSTEM_TRAY_S0"))
+            if owner == X.NONE:
+                return []
+            root = d.screen().root
+            found = []
+            stack = [(root, [root])]
+            while stack:
+                window, chain = stack.pop()
+                try:
+                    children = window.query_tree().children
+                    wm_class = window.get_wm_class()
+                except error.BadWindow:
+                    continue  # gone while we looked
+                if wm_class == ("volunteerdSystemTrayIcon", "volunteerd"):
+                    title = window.get_wm_name() or ""
+                    if isinstance(title, bytes):
+                        title = title.decode("latin-1")
+                    viewable = window.get_attributes().map_state == X.IsViewable
+                    top = chain[1] if len(chain) > 1 else window
+                    in_tray = top.id != window.id and _is_tray_host(top, owner)
+                    found.append((title, viewable and in_tray))
+                stack.extend((child, [*chain, child]) for child in children)
+            return found
+        finally:
+            d.close()
+
+    def docked_title(self) -> str | None:
+        docked = [title for title, ok in self.icons() if ok]
+        return docked[0] if len(docked) == 1 else None
+
+    def wait_docked(self, text: str, timeout_s: float = 30) -> str:
+        """The title of the one docked volunteerd icon, once it contains ``text``."""
+        try:
+            return wait_for(
+                f"an icon docked, saying {text!r}",
+                lambda: text in (title := self.docked_title() or "") and title,
+                timeout_s,
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; icons (title, docked): {self.icons()}") from None
+
+    def screenshot(self, name: str) -> Path | None:
+        if shutil.which("import") is None:
+            return None
+        path = self.screenshots / name
+        subprocess.run(
+            ["import", "-display", self.display, "-window", "root", str(path)],
+            check=True,
+            timeout=20,
+            capture_output=True,
+        )
+        return path
+
+
+def _is_tray_host(top: Any, owner: Any) -> bool:
+    # trayer owns the selection with one window and embeds icons in its panel; both
+    # are trayer's. A top-level window with trayer's class, or the owner itself.
+    wm_class = top.get_wm_class() or ()
+    return top.id == owner.id or "trayer" in wm_class
+
+
+@pytest.fixture(scope="module")
+def desktop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Desktop]:
+    assert XVFB is not None
+    assert TRAYER is not None
+    logs = tmp_path_factory.mktemp("desktop")
+    read_fd, write_fd = os.pipe()
+    # -displayfd: Xvfb picks a free display number and writes it when it is ready
+    xvfb = subprocess.Popen(
+        [XVFB, "-displayfd", str(write_fd), "-screen", "0", "1024x768x24", "-nolisten", "tcp"],
+        pass_fds=(write_fd,),
+        stdout=subprocess.DEVNULL,
+        stderr=(logs / "xvfb.log").open("w"),
+    )
+    os.close(write_fd)
+    procs = [xvfb]
+    try:
+        with os.fdopen(read_fd) as f:
+            number = f.readline().strip()
+        assert number, f"Xvfb did not start:\n{(logs / 'xvfb.log').read_text()}"
+        desktop = Desktop(f":{number}", logs)
+        env = {**os.environ, "DISPLAY": desktop.display}
+        procs.append(
+            subprocess.Popen(
+                [TRAYER, *TRAYER_ARGS],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=(logs / "trayer.log").open("w"),
+            )
+        )
+        wait_for("a system tray owns _NET_SYSTEM_TRAY_S0", lambda: _tray_owner(desktop), 15)
+        yield desktop
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _tray_owner(desktop: Desktop) -> bool:
+    from Xlib import X, display
+
+    d = display.Display(desktop.display)
+    try:
+        return d.get_selection_owner(d.intern_atom("_NET_SYSTEM_TRAY_S0")) != X.NONE
+    finally:
+        d.close()
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+
+def test_tray_starts_the_daemon_and_its_icon_appears_in_the_tray(
+    desktop: Desktop, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(CONFIG)
+    env = {**cli_env(home), "DISPLAY": desktop.display, "PYSTRAY_BACKEND": "xorg"}
+    log = home / "tray.log"
+    tray = subprocess.Popen(
+        [sys.executable, "-m", "volunteerd", "tray"],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    daemon_pid = None
+    try:
+        client = wait_for(
+            "the tray started a daemon that answers",
+            lambda: _client(home) if _client(home).status() else None,
+            60,
+        )
+        daemon_pid = client.endpoint.pid
+        title = desktop.wait_docked("Contributing")
+        shot = desktop.screenshot("tray-contributing.png")
+        print(f"screenshot: {shot}; icon title: {title!r}")
+
+        client.pause()  # from elsewhere (the dashboard, the CLI): the icon follows
+        assert desktop.wait_docked("Paused") == "volunteerd - Paused"
+
+        tray.send_signal(signal.SIGTERM)
+        assert tray.wait(15) == 130
+        wait_for("the icon left the tray", lambda: desktop.icons() == [], 10)
+        assert client.status().state == "paused", "the daemon outlives the tray"
+        assert "volunteerd" in (home / "data" / "daemon.log").read_text()
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        raise AssertionError(f"{exc}\n--- the tray's output:\n{log.read_text()}") from exc
+    finally:
+        if tray.poll() is None:
+            tray.kill()
+            tray.wait(10)
+        _stop_daemon(home, daemon_pid)
+
+
+def test_menu_drives_the_daemon_and_the_icon_follows_it(
+    desktop: Desktop,
+    spawn: Callable[..., Proc],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    home = tmp_path / "node"
+    daemon = spawn("node", "serve", "--experts", "ffn.0.0", *SMALL, "--set", "control.port=0")
+    daemon.wait_ready()
+    client = _client(home)
+    monkeypatch.setenv("DISPLAY", desktop.display)
+    opened: list[str] = []
+    app = TrayApp(
+        Paths(home / "config.toml", home / "data", home / "cache"),
+        start_daemon=False,
+        backend="xorg",
+        poll_s=0.5,
+        max_backoff_s=1.0,
+        open_url=opened.append,
+    )
+    exit_codes: list[int] = []
+    runner = threading.Thread(target=lambda: exit_codes.append(app.run()), daemon=True)
+    runner.start()
+    try:
+        wait_for("contributing", lambda: app.view.state == "contributing")
+        desktop.wait_docked("Contributing")
+        assert app.icon.icon.tobytes() == icon_image("contributing").tobytes()
+
+        click(app, "Pause")
+        wait_for("the daemon paused", lambda: client.status().state == "paused")
+        wait_for("the tray shows paused", lambda: app.view.state == "paused")
+        assert desktop.wait_docked("Paused") == "volunteerd - Paused"
+        assert app.icon.icon.tobytes() == icon_image("paused").tobytes()
+        assert _texts(app) >= {"Resume", "Snooze for 1 hour"}
+        assert "Pause" not in _texts(app)
+
+        click(app, "Resume")
+        wait_for("the daemon runs", lambda: client.status().state == "running")
+        wait_for("the tray shows contributing", lambda: app.view.state == "contributing")
+
+        click(app, "Bandwidth", "Upload", "5 Mbit/s")
+        wait_for("upload limited", lambda: client.limits().upload_mbit == 5)
+        click(app, "Bandwidth", "Download", "10 Mbit/s")
+        wait_for("download limited", lambda: client.limits().download_mbit == 10)
+        wait_for("5 Mbit/s is checked", lambda: _checked(app, "Upload") == "5 Mbit/s")
+        assert _checked(app, "Download") == "10 Mbit/s"
+
+        click(app, "Snooze for 1 hour")
+        wait_for("the daemon snoozes", lambda: client.status().state == "snoozed")
+        wait_for("snoozed until…", lambda: app.view.status_line.startswith("Snoozed until "))
+        click(app, "Resume")
+        wait_for("the daemon runs", lambda: client.status().state == "running")
+
+        app.icon()  # a click on the icon: the default item, Open dashboard
+        wait_for("the dashboard opened", lambda: opened == [client.dashboard_url])
+
+        assert daemon.stop() == 130
+        wait_for("the tray shows disconnected", lambda: app.view.state == "disconnected", 15)
+        desktop.wait_docked("Not connected")
+        assert app.icon.icon.tobytes() == icon_image("disconnected").tobytes()
+        desktop.screenshot("tray-disconnected.png")
+
+        again = spawn("node", "serve", "--experts", "ffn.0.0", *SMALL, "--set", "control.port=0")
+        again.wait_ready()
+        wait_for("the tray recovers", lambda: app.view.state == "contributing", 15)
+        assert _checked(app, "Upload") == "5 Mbit/s", "the limits survived the restart"
+
+        click(app, "Quit and stop volunteerd")
+        runner.join(20)
+        assert exit_codes == [0]
+        again.process.wait(20)  # stopped by the menu
+    finally:
+        app.stop()
+        runner.join(10)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _client(home: Path) -> ControlClient:
+    return ControlClient.for_data_dir(home / "data", timeout_s=5)
+
+
+def _stop_daemon(home: Path, pid: int | None) -> None:
+    try:
+        _client(home).shutdown()
+    except ControlError:
+        pass
+    if pid is None:
+        return
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _items(app: TrayApp) -> list[Any]:
+    return list(app.icon.menu)
+
+
+def _texts(app: TrayApp) -> set[str]:
+    return {item.text for item in _items(app)}
+
+
+def click(app: TrayApp, *path: str) -> None:
+    """Activate the menu item at ``path``; in a submenu, a label (e.g. "Upload") picks
+    the section the next text is searched in."""
+    items = _items(app)
+    section = None
+    for step in path[:-1]:
+        item = next((i for i in items if i.text == step), None)
+        if item is not None and item.submenu:
+            items = list(item.submenu)
+        else:
+            section = step
+    target = path[-1]
+    in_section = section is None
+    for item in items:
+        if item.text == section:
+            in_section = True
+        elif in_section and item.text == target:
+            assert item.enabled, f"{path} is disabled"
+            item(app.icon)
+            return
+    raise AssertionError(f"no menu item {path}: {[i.text for i in items]}")
+
+
+def _checked(app: TrayApp, section: str) -> str | None:
+    bandwidth = next(i for i in _items(app) if i.text == "Bandwidth")
+    inside = False
+    for item in bandwidth.submenu:
+        if not item.enabled and item.checked is None:  # a label or a separator
+            inside = item.text == section
+        elif inside and item.checked:
+            return str(item.text)
+    return None

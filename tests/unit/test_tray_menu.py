@@ -1,0 +1,409 @@
+"""The tray's menu model, its icons, and the app's logic that needs no display."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from volunteerd.control.models import LimitsView, Status
+from volunteerd.errors import ControlError, DaemonNotRunning
+from volunteerd.paths import Paths
+from volunteerd.tray import menu
+from volunteerd.tray.app import TrayApp, pystray_items
+from volunteerd.tray.icons import icon_image
+from volunteerd.tray.menu import ICON_STATES, Action, Item, Seen, find, view
+
+
+def status(
+    state: str = "running",
+    *,
+    serving: bool = True,
+    samples: int = 0,
+    upload_mbit: float = 0.0,
+    download_mbit: float = 0.0,
+    snoozed_until: float | None = None,
+) -> Status:
+    return Status.model_validate(
+        {
+            "version": "0.1.0",
+            "peer_id": "12D3KooWtest",
+            "state": state,
+            "serving": serving,
+            "reason": "" if state == "running" else state,
+            "snoozed_until": snoozed_until,
+            "device": "cpu",
+            "experts": ["ffn.0.0"],
+            "reachability": {"mode": "local"},
+            "limits": {
+                "upload_mbit": upload_mbit,
+                "download_mbit": download_mbit,
+                "monthly_quota_gb": 0,
+                "duty_cycle": 1.0,
+                "max_batch_size": 0,
+            },
+            "started_at": 0.0,
+            "uptime_s": 1.0,
+            "connected_peers": 0,
+            "rates": {},
+            "today": {"samples": samples},
+        }
+    )
+
+
+def connected(**kwargs: Any) -> Seen:
+    return Seen("connected", status=status(**kwargs))
+
+
+def enabled_actions(seen: Seen) -> set[str]:
+    names: set[str] = set()
+
+    def walk(items: tuple[Item, ...]) -> None:
+        for item in items:
+            if item.enabled and item.action is not None:
+                names.add(item.action.name)
+            walk(item.submenu)
+
+    walk(view(seen).items)
+    return names
+
+
+def radio(items: tuple[Item, ...], section: str) -> dict[str, bool]:
+    """The radio items after the label ``section`` of the bandwidth submenu."""
+    submenu = find(items, "Bandwidth").submenu
+    start = next(i for i, item in enumerate(submenu) if item.text == section) + 1
+    out: dict[str, bool] = {}
+    for item in submenu[start:]:
+        if item.separator:
+            break
+        assert item.radio
+        out[item.text] = bool(item.checked)
+    return out
+
+
+# -- status lines and icon states ----------------------------------------------------------
+
+
+def test_contributing_line_counts_todays_samples_with_thousands_separators() -> None:
+    shown = view(connected(samples=1234))
+    assert shown.state == "contributing"
+    assert shown.status_line == "Contributing · 1,234 samples today"
+    assert shown.title == "volunteerd — Contributing · 1,234 samples today"
+    assert shown.items[0] == Item("Contributing · 1,234 samples today", enabled=False)
+    assert view(connected(samples=1)).status_line == "Contributing · 1 sample today"
+
+
+def test_running_but_not_yet_serving_says_so() -> None:
+    shown = view(connected(serving=False))
+    assert shown.state == "contributing"
+    assert shown.status_line == "Starting to contribute…"
+
+
+def test_paused_snoozed_and_quota_show_the_paused_icon() -> None:
+    now = time.mktime((2025, 3, 4, 12, 0, 0, 0, 0, -1))
+    until = time.mktime((2025, 3, 4, 14, 5, 0, 0, 0, -1))
+    tomorrow = time.mktime((2025, 3, 5, 9, 30, 0, 0, 0, -1))
+    assert view(connected(state="paused")).status_line == "Paused"
+    snoozed = view(connected(state="snoozed", snoozed_until=until), now=now)
+    assert snoozed.status_line == "Snoozed until 14:05"
+    later = view(connected(state="snoozed", snoozed_until=tomorrow), now=now)
+    assert later.status_line == "Snoozed until Wed 09:30"
+    assert view(connected(state="quota")).status_line == "Paused · monthly quota used up"
+    for state in ("paused", "snoozed", "quota"):
+        assert view(connected(state=state, snoozed_until=until)).state == "paused"
+
+
+def test_not_connected_lines_and_states() -> None:
+    starting = view(Seen("starting"))
+    assert (starting.state, starting.status_line) == (
+        "disconnected",
+        "Not connected — starting volunteerd…",
+    )
+    absent = view(Seen("absent"))
+    assert (absent.state, absent.status_line) == (
+        "disconnected",
+        "Not connected — volunteerd is not running",
+    )
+    failed = view(Seen("failed", error="volunteerd exited (5): the port is taken"))
+    assert (failed.state, failed.status_line) == (
+        "error",
+        "Error: volunteerd exited (5): the port is taken",
+    )
+    refused = view(Seen("error", error="missing or wrong API token " + "x" * 100))
+    assert refused.state == "error"
+    assert len(refused.status_line) <= len("Error: ") + 64
+    assert refused.status_line.endswith("…")
+
+
+def test_a_failed_action_shows_as_a_second_line() -> None:
+    items = view(Seen("connected", status=status(), notice="Could not pause: refused")).items
+    assert items[1] == Item("Could not pause: refused", enabled=False)
+
+
+# -- items per state ---------------------------------------------------------------------------
+
+
+def test_running_offers_pause_snooze_bandwidth_dashboard_and_both_quits() -> None:
+    assert enabled_actions(connected()) == {
+        "pause",
+        "snooze",
+        "upload",
+        "download",
+        "dashboard",
+        "quit",
+        "quit_and_stop",
+    }
+    items = view(connected()).items
+    assert find(items, "Snooze for 1 hour").action == Action("snooze", 3600.0)
+    with pytest.raises(KeyError):
+        find(items, "Resume")
+    with pytest.raises(KeyError):
+        find(items, "Start volunteerd")
+
+
+def test_paused_and_snoozed_offer_resume_instead_of_pause() -> None:
+    for state in ("paused", "snoozed"):
+        actions = enabled_actions(connected(state=state, snoozed_until=time.time() + 60))
+        assert "resume" in actions
+        assert "pause" not in actions
+    quota = enabled_actions(connected(state="quota"))
+    assert "pause" in quota
+    assert "resume" not in quota
+
+
+def test_not_connected_disables_everything_but_quit_and_offers_start() -> None:
+    assert enabled_actions(Seen("absent")) == {"start", "quit"}
+    assert enabled_actions(Seen("failed", error="exited (1)")) == {"start", "quit"}
+    assert enabled_actions(Seen("starting")) == {"quit"}
+    assert enabled_actions(Seen("error", error="HTTP 401")) == {"quit"}
+    assert find(view(Seen("starting")).items, "Pause").enabled is False
+    for link in ("absent", "starting", "error"):
+        upload = radio(view(Seen(link, error="e")).items, "Upload")  # type: ignore[arg-type]
+        assert not any(upload.values()), "nothing is checked while the limits are unknown"
+
+
+def test_the_default_item_opens_the_dashboard_or_starts_the_daemon() -> None:
+    def defaults(seen: Seen) -> list[str]:
+        return [item.text for item in view(seen).items if item.default]
+
+    assert defaults(connected()) == ["Open dashboard"]
+    assert defaults(connected(state="paused")) == ["Open dashboard"]
+    assert defaults(Seen("absent")) == ["Start volunteerd"]
+    assert defaults(Seen("starting")) == []
+
+
+def test_menu_has_no_leading_trailing_or_double_separators() -> None:
+    for seen in (connected(), Seen("absent"), Seen("connected", status=status(), notice="n")):
+        items = view(seen).items
+        assert not items[0].separator
+        assert not items[-1].separator
+        assert not any(a.separator and b.separator for a, b in itertools.pairwise(items))
+
+
+# -- bandwidth presets -------------------------------------------------------------------------
+
+
+def test_bandwidth_presets_are_radio_checked_from_the_limits() -> None:
+    items = view(connected(upload_mbit=5, download_mbit=0)).items
+    assert radio(items, "Upload") == {
+        "Unlimited": False,
+        "1 Mbit/s": False,
+        "5 Mbit/s": True,
+        "10 Mbit/s": False,
+        "50 Mbit/s": False,
+    }
+    assert radio(items, "Download") == {
+        "Unlimited": True,
+        "5 Mbit/s": False,
+        "10 Mbit/s": False,
+        "50 Mbit/s": False,
+        "100 Mbit/s": False,
+    }
+    submenu = find(items, "Bandwidth").submenu
+    assert [i.action for i in submenu if i.action and i.action.name == "upload"] == [
+        Action("upload", mbit) for mbit in menu.UPLOAD_PRESETS_MBIT
+    ]
+
+
+def test_a_limit_that_is_no_preset_shows_checked_and_disabled() -> None:
+    items = view(connected(upload_mbit=3.5)).items
+    upload = radio(items, "Upload")
+    assert upload["3.5 Mbit/s (set elsewhere)"] is True
+    assert sum(upload.values()) == 1
+    assert find(items, "3.5 Mbit/s (set elsewhere)").enabled is False
+
+
+# -- actions -----------------------------------------------------------------------------------
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def pause(self) -> Status:
+        self.calls.append(("pause", None))
+        return status("paused")
+
+    def resume(self) -> Status:
+        self.calls.append(("resume", None))
+        return status()
+
+    def snooze(self, seconds: float) -> Status:
+        self.calls.append(("snooze", seconds))
+        return status("snoozed")
+
+    def set_limits(self, **changes: float | int) -> LimitsView:
+        self.calls.append(("set_limits", changes))
+        return status().limits
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown", None))
+
+    def status(self) -> Status:
+        return status()
+
+
+def test_each_daemon_action_makes_its_client_call() -> None:
+    client = FakeClient()
+    for action in (
+        Action("pause"),
+        Action("resume"),
+        Action("snooze", 3600.0),
+        Action("upload", 10.0),
+        Action("download", 0.0),
+        Action("quit_and_stop"),
+    ):
+        menu.perform(client, action)
+    assert client.calls == [
+        ("pause", None),
+        ("resume", None),
+        ("snooze", 3600.0),
+        ("set_limits", {"upload_mbit": 10.0}),
+        ("set_limits", {"download_mbit": 0.0}),
+        ("shutdown", None),
+    ]
+
+
+def test_the_trays_own_actions_are_no_daemon_calls() -> None:
+    for name in ("dashboard", "start", "quit"):
+        with pytest.raises(ValueError, match="not a call to the daemon"):
+            menu.perform(FakeClient(), Action(name))  # type: ignore[arg-type]
+    assert menu.describe(Action("upload", 5.0)) == "set the upload limit to 5 mbit/s"
+    assert menu.describe(Action("download", 0.0)) == "set the download limit to unlimited"
+
+
+# -- icons -------------------------------------------------------------------------------------
+
+
+def test_every_state_has_its_own_64px_icon() -> None:
+    images = {state: icon_image(state) for state in ICON_STATES}
+    for image in images.values():
+        assert image.size == (64, 64)
+        assert image.mode == "RGBA"
+        assert image.getpixel((0, 0)) == (0, 0, 0, 0), "the corners are transparent"
+    pixels = {state: image.tobytes() for state, image in images.items()}
+    assert len(set(pixels.values())) == len(ICON_STATES)
+
+
+def test_icons_differ_in_shape_at_16px_and_in_colour() -> None:
+    small = {state: icon_image(state, 16) for state in ICON_STATES}
+
+    def ink(x: int, y: int, image: Image.Image) -> int:  # 0 transparent, 1 white, 2 colour
+        r, g, b, a = image.getpixel((x, y))  # type: ignore[misc]
+        return 0 if a < 128 else 1 if min(r, g, b) > 200 else 2
+
+    shapes = {
+        state: tuple(ink(x, y, image) for x in range(16) for y in range(16))
+        for state, image in small.items()
+    }
+    assert len(set(shapes.values())) == len(ICON_STATES), "readable without colour"
+    assert ink(5, 5, small["disconnected"]) == 0, "the disconnected icon is hollow"
+    r, g, b, _ = icon_image("contributing").getpixel((10, 32))  # type: ignore[misc]
+    assert min(g - r, g - b) > 50, "green"
+    r, g, b, _ = icon_image("error").getpixel((32, 56))  # type: ignore[misc]
+    assert min(r - g, r - b) > 100, "red"
+
+
+# -- the app, without a display ----------------------------------------------------------------
+
+
+def paths_in(tmp_path: Path) -> Paths:
+    return Paths(
+        config_file=tmp_path / "config.toml",
+        data_dir=tmp_path / "data",
+        cache_dir=tmp_path / "cache",
+    )
+
+
+def test_app_sees_no_daemon_when_none_recorded_its_address(tmp_path: Path) -> None:
+    app = TrayApp(paths_in(tmp_path), start_daemon=False)
+    with pytest.raises(DaemonNotRunning):
+        app._client()
+    assert app._poll() == Seen("absent")
+
+
+def test_app_reports_a_daemon_it_started_that_exited(tmp_path: Path) -> None:
+    failing = "import sys; print('volunteerd: the data folder is in use'); sys.exit(5)"
+    app = TrayApp(paths_in(tmp_path), serve_command=[sys.executable, "-c", failing])
+    app._start_if_absent()
+    assert app._poll().link in ("starting", "failed")
+    deadline = time.monotonic() + 20
+    while (seen := app._poll()).link == "starting":
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.05)
+    assert seen == Seen(
+        "failed", error="volunteerd exited (5): volunteerd: the data folder is in use"
+    )
+    assert "in use" in app.paths.daemon_log_file.read_text()
+    assert [i.text for i in view(seen).items if i.default] == ["Start volunteerd"]
+
+
+def test_app_maps_the_model_to_pystray_items_and_clicks_only_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "pystray" not in sys.modules:  # importing it picks a backend, which may want X
+        monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    import pystray
+
+    app = TrayApp(paths_in(tmp_path), start_daemon=False)
+    seen = connected(upload_mbit=10)
+    rendered = pystray.Menu(*pystray_items(pystray, view(seen).items, app.submit))
+    texts = [item.text for item in rendered]
+    assert texts[0] == "Contributing · 0 samples today"
+    pause = next(item for item in rendered if item.text == "Pause")
+    bandwidth = next(item for item in rendered if item.text == "Bandwidth")
+    ten = [item for item in bandwidth.submenu if item.text == "10 Mbit/s"]
+    assert [(i.checked, i.radio) for i in ten] == [(True, True), (False, True)]
+    assert rendered.items[0].enabled is False
+
+    pause(None)
+    ten[1](None)  # download: 10 Mbit/s
+    assert app._jobs.get_nowait() == Action("pause")
+    assert app._jobs.get_nowait() == Action("download", 10.0)
+
+    absent = pystray.Menu(*pystray_items(pystray, view(Seen("absent")).items, app.submit))
+    next(item for item in absent if item.text == "Pause")(None)  # disabled: ignored
+    absent(None)  # a click on the icon: the default item, "Start volunteerd"
+    assert app._jobs.get_nowait() == Action("start")
+    assert app._jobs.empty()
+
+
+def test_app_turns_a_refused_action_into_a_notice(tmp_path: Path) -> None:
+    app = TrayApp(paths_in(tmp_path), start_daemon=False)
+
+    class Refusing(FakeClient):
+        def set_limits(self, **changes: float | int) -> LimitsView:
+            raise ControlError("upload_mbit: must be at least 0", status=422)
+
+    app._client = Refusing  # type: ignore[method-assign,assignment]
+    app.submit(Action("upload", 5.0))
+    app._jobs.put(None)  # ends the worker loop
+    app._work_loop()
+    assert app._poll().notice == (
+        "Could not set the upload limit to 5 mbit/s: upload_mbit: must be at least 0"
+    )
