@@ -356,10 +356,17 @@ class DaemonControls:
 
     def _note_changes(self) -> None:
         state = self._volunteer.state
-        described = state.mode if state.mode == "running" else f"{state.mode}: {state.reason}"
+        if state.mode == "running":
+            described = "contributing"
+        elif state.mode == "paused":
+            described = "paused by the volunteer"
+        elif state.mode == "snoozed":
+            described = state.reason  # "snoozed until <time>"
+        else:
+            described = f"paused: {state.reason}"
         if described != self._seen.state:
             self._seen.state = described
-            self.events.post("state", "contributing" if state.mode == "running" else described)
+            self.events.post("state", described)
         experts = tuple(self._runtime.uids)
         if experts != self._seen.experts:
             added = sorted(set(experts) - set(self._seen.experts))

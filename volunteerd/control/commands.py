@@ -118,4 +118,6 @@ def describe_change(status: Status) -> str:
     if status.state == "snoozed" and status.snoozed_until is not None:
         until = time.strftime("%Y-%m-%d %H:%M", time.localtime(status.snoozed_until))
         return f"volunteerd is snoozed until {until}"
-    return f"volunteerd is {status.state}" + (f" ({status.reason})" if status.reason else "")
+    if status.state == "paused":
+        return "volunteerd is paused (until `volunteerd resume`)"
+    return f"volunteerd is paused: {status.reason}"  # the quota

@@ -126,7 +126,7 @@ class Status(_Reply):
     uptime_s: float
     connected_peers: int
     rates: Rates
-    today: Totals  # since midnight UTC, including the last few unflushed seconds
+    today: Totals  # since local midnight, including the last few unflushed seconds
 
 
 class ExpertView(_Reply):

@@ -1,0 +1,81 @@
+// How numbers, sizes, durations and times read on the dashboard. Times are Unix seconds
+// (as the API sends them) shown in the browser's time zone and locale.
+
+const intFormat = new Intl.NumberFormat();
+const compactFormat = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
+const BYTE_UNITS = ["B", "kB", "MB", "GB", "TB", "PB"];
+
+/** 1,234 up to a million, then 1.2M. */
+export function fmtCount(n) {
+  if (n == null || !Number.isFinite(n)) return "—";
+  return Math.abs(n) >= 1e6 ? compactFormat.format(n) : intFormat.format(Math.round(n));
+}
+
+/** A per-second rate: one decimal below 100 (0.4, 12.5), whole above (1,234). */
+export function fmtRate(n) {
+  if (n == null || !Number.isFinite(n)) return "—";
+  if (n === 0) return "0";
+  return n >= 100 ? intFormat.format(Math.round(n)) : n.toFixed(1);
+}
+
+/** Decimal units, three significant digits: 812 B, 1.25 MB, 12.5 GB, 125 GB. */
+export function fmtBytes(b) {
+  if (b == null || !Number.isFinite(b)) return "—";
+  let i = 0;
+  while (Math.abs(b) >= 1000 && i < BYTE_UNITS.length - 1) {
+    b /= 1000;
+    i += 1;
+  }
+  const digits = i === 0 ? 0 : b < 10 ? 2 : b < 100 ? 1 : 0;
+  return `${b.toFixed(digits)} ${BYTE_UNITS[i]}`;
+}
+
+/** 0.42 s, 8.5 s, 42 s, 3 min 20 s, 42 min, 5 h 12 min, 3 d 4 h. */
+export function fmtDuration(s) {
+  if (s == null || !Number.isFinite(s)) return "—";
+  if (s < 10) return s === 0 ? "0 s" : `${s.toFixed(s < 1 ? 2 : 1)} s`;
+  if (s < 60) return `${Math.round(s)} s`;
+  const m = Math.floor(s / 60);
+  if (m < 10) return `${m} min ${Math.floor(s % 60)} s`;
+  if (m < 60) return `${m} min`;
+  const h = Math.floor(m / 60);
+  if (h < 24) return `${h} h ${m % 60} min`;
+  return `${Math.floor(h / 24)} d ${h % 24} h`;
+}
+
+/** One unit, for "… ago" and "in …": 12 s, 5 min, 3 h, 2 d. */
+export function fmtSpan(s) {
+  if (s < 60) return `${Math.max(1, Math.round(s))} s`;
+  if (s < 3600) return `${Math.round(s / 60)} min`;
+  if (s < 86400) return `${Math.round(s / 3600)} h`;
+  return `${Math.round(s / 86400)} d`;
+}
+
+export function fmtAgo(t) {
+  if (t == null) return "never";
+  const s = Date.now() / 1000 - t;
+  return s < 5 ? "just now" : `${fmtSpan(s)} ago`;
+}
+
+export function sameDay(a, b) {
+  return a.getFullYear() === b.getFullYear() && a.getMonth() === b.getMonth()
+    && a.getDate() === b.getDate();
+}
+
+/** The time of day, with the date when it is not today. */
+export function fmtClock(t, { seconds = false } = {}) {
+  const d = new Date(t * 1000);
+  const time = { hour: "2-digit", minute: "2-digit", ...(seconds ? { second: "2-digit" } : {}) };
+  return sameDay(d, new Date())
+    ? d.toLocaleTimeString([], time)
+    : d.toLocaleString([], { month: "short", day: "numeric", ...time });
+}
+
+export function fmtFull(t) {
+  return new Date(t * 1000).toLocaleString([], { dateStyle: "medium", timeStyle: "medium" });
+}
+
+/** 12D3KooW…a1b2c3: enough to tell peers apart; the full id goes in a title. */
+export function shortId(id) {
+  return id.length > 16 ? `${id.slice(0, 8)}…${id.slice(-6)}` : id;
+}
