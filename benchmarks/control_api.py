@@ -24,19 +24,13 @@ Linux only (/proc for CPU time). Prints one table to stdout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from daemon_proc import cpu_seconds, daemon_process
 
 from volunteerd.control.client import ControlClient
 from volunteerd.identity import Identity
@@ -44,11 +38,6 @@ from volunteerd.moe import RemoteExpert
 from volunteerd.net import parse_peer_multiaddr
 from volunteerd.net.background import BackgroundNode
 from volunteerd.testing import local_config
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -64,33 +53,9 @@ def main() -> int:
     p.add_argument("--window-s", type=float, default=8.0)
     args = p.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready.json"
-        env = {
-            **os.environ,
-            "VOLUNTEERD_DATA_DIR": tmp,
-            "VOLUNTEERD_CONFIG": f"{tmp}/none.toml",
-            "VOLUNTEERD_CONTROL__PORT": "0",
-        }
-        cmd = [
-            sys.executable, "-m", "volunteerd", "serve",
-            "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-            "--experts", f"ffn.0.[0:{args.experts}]",
-            "--set", f"experts.hidden_dim={args.hidden}", "--set", 'runtime.device="cpu"',
-            "--set", 'logging.level="WARNING"',
-        ]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            while not ready.exists():
-                if proc.poll() is not None:
-                    raise SystemExit(proc.stderr.read().decode() if proc.stderr else "failed")
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
-            client = ControlClient.for_data_dir(Path(tmp))
-            rows = run(args, proc.pid, info, client)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+    with daemon_process(args.experts, args.hidden) as daemon:
+        client = ControlClient.for_data_dir(daemon.data_dir)
+        rows = run(args, daemon.process.pid, daemon.info, client)
 
     print(f"control API — 1 daemon, {args.experts} ffn experts of {args.hidden}, CPU")
     print(f"{'measure':44} {'value':>22}")

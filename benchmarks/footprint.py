@@ -20,16 +20,11 @@ Linux only (/proc). Prints one table to stdout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from daemon_proc import cpu_seconds, daemon_process
 
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
@@ -52,11 +47,6 @@ def read_memory(pid: int) -> dict[str, float]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description="memory and idle CPU of one daemon")
     p.add_argument("--experts", type=int, default=8)
@@ -64,47 +54,23 @@ def main() -> int:
     p.add_argument("--idle-s", type=float, default=10.0)
     args = p.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready.json"
-        env = {
-            **os.environ,
-            "VOLUNTEERD_DATA_DIR": tmp,
-            "VOLUNTEERD_CONFIG": f"{tmp}/none.toml",
-            "VOLUNTEERD_CONTROL__PORT": "0",
-        }
-        cmd = [
-            sys.executable, "-m", "volunteerd", "serve",
-            "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-            "--experts", f"ffn.0.[0:{args.experts}]",
-            "--set", f"experts.hidden_dim={args.hidden}", "--set", 'runtime.device="cpu"',
-            "--set", 'logging.level="WARNING"',
-        ]  # fmt: skip
-        started = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            while not ready.exists():
-                if proc.poll() is not None:
-                    raise SystemExit(proc.stderr.read().decode() if proc.stderr else "failed")
-                time.sleep(0.05)
-            startup_s = time.monotonic() - started
-            info = json.loads(ready.read_text())
-            time.sleep(2)  # let start-up work settle
-            idle = read_memory(proc.pid)
-            cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
-            time.sleep(args.idle_s)
-            idle_cpu = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0)
+    with daemon_process(args.experts, args.hidden) as daemon:
+        pid, info = daemon.process.pid, daemon.info
+        time.sleep(2)  # let start-up work settle
+        idle = read_memory(pid)
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        time.sleep(args.idle_s)
+        idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
 
-            peer = parse_peer_multiaddr(info["multiaddrs"][0])
-            config = local_config(bootstrap=info["multiaddrs"])
-            with BackgroundNode(Identity.generate(), config) as node:
-                for e in range(args.experts):
-                    expert = RemoteExpert(f"ffn.0.{e}", peer, node)
-                    expert(torch.randn(64, args.hidden, requires_grad=True)).sum().backward()
-            time.sleep(1)
-            trained = read_memory(proc.pid)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+        peer = parse_peer_multiaddr(info["multiaddrs"][0])
+        config = local_config(bootstrap=info["multiaddrs"])
+        with BackgroundNode(Identity.generate(), config) as node:
+            for e in range(args.experts):
+                expert = RemoteExpert(f"ffn.0.{e}", peer, node)
+                expert(torch.randn(64, args.hidden, requires_grad=True)).sum().backward()
+        time.sleep(1)
+        trained = read_memory(pid)
+        startup_s = daemon.startup_s
 
     params_mb = args.experts * (8 * args.hidden**2 + 5 * args.hidden) * 4 / 2**20
     print(
