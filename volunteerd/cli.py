@@ -176,7 +176,54 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("appindicator", "gtk", "xorg", "darwin", "win32"),
         help="pystray backend (default: the best one available)",
     )
+    _service_parser(sub)
     return parser
+
+
+def _service_parser(sub: Any) -> None:
+    service = sub.add_parser("service", help="start volunteerd (and its tray) at every login")
+    verbs = service.add_subparsers(dest="service_command", required=True, metavar="ACTION")
+    install = verbs.add_parser(
+        "install", help="install the autostart files for this user and start volunteerd"
+    )
+    _common(install)
+    install.add_argument(
+        "--no-start", action="store_true", help="only install: start at the next login"
+    )
+    install.add_argument("--no-tray", action="store_true", help="no tray icon at login")
+    _common(verbs.add_parser("uninstall", help="stop volunteerd and remove its autostart files"))
+    status = verbs.add_parser(
+        "status", help="what is installed and whether it runs (exit 0: both, else 5)"
+    )
+    _common(status)
+    status.add_argument("--json", action="store_true", help="print JSON")
+    render = verbs.add_parser("render", help="write a platform's autostart files (packaging)")
+    render.add_argument("--platform", required=True, choices=("linux", "macos", "windows"))
+    render.add_argument("--out", required=True, metavar="DIR", help="folder to write them in")
+    render.add_argument(
+        "--exec",
+        dest="exec_command",
+        metavar="COMMAND",
+        help='how to run volunteerd, e.g. "/usr/bin/volunteerd" (default: a placeholder '
+        '"/opt/volunteerd/bin/python -m volunteerd")',
+    )
+
+
+def _service(args: argparse.Namespace) -> ExitCode:
+    """``volunteerd service install|uninstall|status|render`` (volunteerd/service/)."""
+    from volunteerd.service import commands as service
+
+    if args.service_command == "render":
+        return service.render_reference(args.platform, Path(args.out), args.exec_command)
+    paths = _paths(args)
+    chosen = service.Chosen(args.config is not None, args.data_dir is not None)
+    if args.service_command == "install":
+        return service.install(
+            paths, chosen, start=not args.no_start, tray=not args.no_tray, overrides=args.overrides
+        )
+    if args.service_command == "uninstall":
+        return service.uninstall(paths, chosen)
+    return service.status(paths, chosen, as_json=args.json)
 
 
 _CONTROL_VERBS = {"status", "pause", "resume", "snooze", "limit", "dashboard", "tray"}
@@ -289,6 +336,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         for name, value in _paths(args).as_dict().items():
             print(f"{name:16} {value}")
         return ExitCode.OK
+    if args.command == "service":
+        return _service(args)
     if args.command in _CONTROL_VERBS:
         return _control(args, _paths(args))
     config, paths = _load(args)

@@ -31,6 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "control": set(),
     "dashboard": set(),
     "tray": {"control", "paths"},
+    # autostart files and service managers; finds the daemon through control.client
+    "service": {"control", "config", "paths"},
     "accounting": {"config", "net", "runtime", "stats", "wire"},
     "controls": {"accounting", "control", "config", "net", "runtime", "stats", "volunteer"},
     "daemon": {
@@ -51,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"config", "daemon", "identity", "net", "paths", "swarm"},
     "cli": {
         "control",
+        "service",
         "tray",
         "config",
         "daemon",
@@ -81,6 +84,7 @@ TORCH_FREE = {
     "control",
     "dashboard",
     "tray",
+    "service",
 }
 ONLY_NET_MAY_IMPORT = {"libp2p", "multiaddr"}
 
@@ -134,5 +138,14 @@ def test_the_tray_talks_to_the_daemon_only_through_the_client() -> None:
         for name in imports_of(path):
             internal = name.startswith("volunteerd.") and not name.startswith("volunteerd.tray")
             if internal and name not in allowed and name.split(".")[1] not in LEAVES:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert wrong == []
+
+
+def test_the_service_verbs_talk_to_the_daemon_only_through_the_client() -> None:
+    wrong = []
+    for path in sorted((PACKAGE / "service").rglob("*.py")):
+        for name in imports_of(path):
+            if name.startswith("volunteerd.control") and name != "volunteerd.control.client":
                 wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert wrong == []

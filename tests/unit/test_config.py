@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from volunteerd.config import Config, dump_toml, load_config
+from volunteerd.config import CONFIG_VERSION, Config, dump_toml, load_config, migrations
 from volunteerd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,3 +104,79 @@ def test_models_are_frozen_and_dump_round_trips() -> None:
     with pytest.raises(Exception, match="frozen"):
         config.network.port = 1  # type: ignore[misc]
     assert Config.model_validate(tomllib.loads(dump_toml(config))) == config
+
+
+# -- migrations (volunteerd/config/migrations.py) -------------------------------------------
+
+
+def test_a_file_without_a_version_is_the_first_format(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[network]\nport = 4001\n")
+    config = load_config(path, env={})
+    assert config.version == 1
+    assert config.network.port == 4001
+
+
+def test_a_file_from_a_newer_volunteerd_says_to_upgrade(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f"version = {CONFIG_VERSION + 1}\n[network]\nport = 4001\n")
+    with pytest.raises(ConfigError, match="written by a newer volunteerd") as info:
+        load_config(path, env={})
+    assert "upgrade volunteerd" in str(info.value)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["0", '"one"', "true", "1.5"])
+def test_a_version_no_migration_knows_is_a_clear_error(tmp_path: Path, version: str) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f"version = {version}\n")
+    with pytest.raises(ConfigError, match=r"version = .*config format"):
+        load_config(path, env={})
+
+
+def test_registered_migrations_run_before_validation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def rename_portnumber(data: dict[str, Any]) -> dict[str, Any]:
+        network = data.get("network", {})
+        if "portnumber" in network:
+            network["port"] = network.pop("portnumber")
+        return data
+
+    # a made-up format 0 whose [network] said portnumber where format 1 says port
+    monkeypatch.setattr(migrations, "MIGRATIONS", {0: rename_portnumber})
+    path = tmp_path / "config.toml"
+    text = "version = 0\n[network]\nportnumber = 4001\n"
+    path.write_text(text)
+    config = load_config(path, env={"VOLUNTEERD_EXPERTS__HIDDEN_DIM": "64"})
+    assert config.network.port == 4001
+    assert config.experts.hidden_dim == 64  # environment and flags apply after migrating
+    assert path.read_text() == text  # in memory only: the user's file is left as it was
+    assert "port = 4001" in dump_toml(config)  # what `volunteerd config show` prints
+    path.write_text("version = 0\n[network]\nportnumber = 99999\n")
+    source = re.escape(f"(file {path})")
+    with pytest.raises(ConfigError, match=r"network\.port = 99999: .*" + source):
+        load_config(path, env={})
+
+
+def test_migrations_chain_in_order_and_leave_the_input_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+
+    def step(version: int) -> migrations.Migration:
+        def run(data: dict[str, Any]) -> dict[str, Any]:
+            seen.append(data["version"])
+            data.setdefault("steps", []).append(version)
+            return data
+
+        return run
+
+    monkeypatch.setattr(migrations, "MIGRATIONS", {1: step(1), 2: step(2)})
+    original = {"version": 1, "network": {"port": 1}}
+    migrated = migrations.migrate(original, "test", current=3)
+    assert migrated == {"version": 3, "network": {"port": 1}, "steps": [1, 2]}
+    assert seen == [1, 2]
+    assert original == {"version": 1, "network": {"port": 1}}
+    with pytest.raises(ConfigError, match="newer volunteerd"):
+        migrations.migrate({"version": 4}, "test", current=3)

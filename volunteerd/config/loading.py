@@ -3,7 +3,8 @@
 Later sources win. An environment variable ``VOLUNTEERD_<SECTION>__<KEY>`` (double
 underscore between levels) and a flag ``--set section.key=value`` both take a TOML
 value (``8080``, ``"text"``, ``[1, 2]``); a bare word is read as a string.
-Every error names the key, the value and where the value came from.
+Every error names the key, the value and where the value came from. A file of an
+older format is migrated first, in memory (``migrations``).
 
 Limits changed at run time (pause controls, tray) are kept apart from the person's
 config file, whose comments must survive: in ``limits.toml`` next to it, holding only a
@@ -22,6 +23,7 @@ from typing import Any
 import tomli_w
 from pydantic import ValidationError
 
+from volunteerd.config.migrations import migrate
 from volunteerd.config.models import Config, LimitsConfig
 from volunteerd.errors import ConfigError
 
@@ -61,6 +63,7 @@ def load_config(
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        data = migrate(data, f"file {path}")
         _record_sources(data, (), f"file {path}", sources)
     elif path is not None and required:
         raise ConfigError(f"config file not found: {path}")

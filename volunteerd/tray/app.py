@@ -88,7 +88,10 @@ class TrayApp:
         self.poll_s = poll_s
         self.max_backoff_s = max_backoff_s
         self.open_url = open_url
-        self.serve_command = list(serve_command or [sys.executable, "-m", "volunteerd", "serve"])
+        # A frozen build (packaging/pyinstaller) is the volunteerd command itself.
+        frozen = getattr(sys, "frozen", False)
+        own = [sys.executable] if frozen else [sys.executable, "-m", "volunteerd"]
+        self.serve_command = list(serve_command or [*own, "serve"])
         self.icon: Any = None  # the pystray Icon, while ``run`` runs
         self._seen = Seen("absent")
         self._view = menu.view(self._seen)

@@ -1,0 +1,277 @@
+"""The autostart files of every platform: what packaging/ keeps is what volunteerd
+renders, each parses as its service manager reads it, and each keeps the exit-code
+contract of errors.ExitCode."""
+
+from __future__ import annotations
+
+import plistlib
+import shlex
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from volunteerd.cli import main
+from volunteerd.config import TimeoutsConfig
+from volunteerd.errors import ExitCode
+from volunteerd.service.commands import PLACEHOLDER_ARGV
+from volunteerd.service.files import (
+    PLATFORMS,
+    Launch,
+    Platform,
+    render,
+    stop_timeout_s,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TASK = "{http://schemas.microsoft.com/windows/2004/02/mit/task}"
+REGENERATE = (
+    "run: for p in linux macos windows; do "
+    "volunteerd service render --platform $p --out packaging/$p; done"
+)
+AWKWARD = Path("/home/me/100% sure/$HOME \"quoted\" 'single' back\\slash;x")
+
+
+def files(platform: Platform, launch: Launch) -> dict[str, bytes]:
+    return {f.name: f.content for f in render(platform, launch)}
+
+
+def unit_lines(launch: Launch) -> dict[str, list[str]]:
+    text = files("linux", launch)["volunteerd.service"].decode()
+    keys: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            keys.setdefault(key, []).append(value)
+    return keys
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_packaging_files_are_what_volunteerd_renders(platform: Platform, tmp_path: Path) -> None:
+    assert main(["service", "render", "--platform", platform, "--out", str(tmp_path)]) == 0
+    rendered = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    kept = {p.name: p.read_bytes() for p in (ROOT / "packaging" / platform).iterdir()}
+    assert kept == rendered, REGENERATE
+
+
+# -- systemd ---------------------------------------------------------------------------------
+
+
+def test_systemd_unit_keeps_the_exit_code_contract() -> None:
+    keys = unit_lines(Launch(argv=("/opt/v/bin/python", "-m", "volunteerd")))
+    assert keys["ExecStart"] == ["/opt/v/bin/python -m volunteerd serve"]
+    assert keys["Restart"] == ["on-failure"]
+    assert keys["RestartForceExitStatus"] == [str(int(ExitCode.RESTART))]
+    assert keys["RestartPreventExitStatus"] == [str(int(ExitCode.CONFIG))]
+    assert keys["SuccessExitStatus"] == [str(int(ExitCode.INTERRUPTED))]
+    assert keys["KillSignal"] == ["SIGTERM"]
+    assert keys["WantedBy"] == ["default.target"]
+    assert "Environment" not in keys  # nothing chosen explicitly: the daemon's defaults
+
+
+def test_stop_timeout_is_over_the_daemons_shutdown_grace() -> None:
+    grace = TimeoutsConfig().shutdown_grace_s
+    keys = unit_lines(Launch(argv=("/x",)))
+    assert int(keys["TimeoutStopSec"][0]) > 2 * grace  # withdraw + drain, then save
+    assert stop_timeout_s(TimeoutsConfig(shutdown_grace_s=60)) > 120
+
+
+def test_systemd_unit_quotes_paths_so_systemd_reads_them_back() -> None:
+    launch = Launch(argv=(str(AWKWARD / "python"), "-m", "volunteerd"), config_file=AWKWARD)
+    keys = unit_lines(launch)
+    # systemd: "..." with C escapes (as shlex reads them), %% for %, $$ for $ in commands
+    (exec_start,) = keys["ExecStart"]
+    assert shlex.split(exec_start.replace("%%", "%").replace("$$", "$")) == [
+        str(AWKWARD / "python"),
+        "-m",
+        "volunteerd",
+        "serve",
+    ]
+    (environment,) = keys["Environment"]
+    assert shlex.split(environment.replace("%%", "%")) == [f"VOLUNTEERD_CONFIG={AWKWARD}"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
+    unit = tmp_path / "volunteerd.service"
+    # the real interpreter: verify checks that ExecStart's program exists
+    unit.write_bytes(files("linux", Launch(argv=(sys.executable, "-m", "volunteerd")))[unit.name])
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    complaints = [line for line in (done.stdout + done.stderr).splitlines() if "volunteerd" in line]
+    assert done.returncode == 0, done.stderr
+    assert complaints == []  # unknown keys are only warned about
+
+
+# -- XDG autostart ---------------------------------------------------------------------------
+
+
+def desktop_exec(entry: str) -> list[str]:
+    """The Exec key's arguments, read as the Desktop Entry Specification says."""
+    (value,) = [line[5:] for line in entry.splitlines() if line.startswith("Exec=")]
+    value = value.replace("\\\\", "\\").replace("%%", "%")  # the string value's escapes
+    args, word, quoted, i, started = [], "", False, 0, False
+    while i < len(value):
+        c = value[i]
+        if quoted and c == "\\":
+            word, i = word + value[i + 1], i + 2
+            continue
+        if c == '"':
+            quoted, started = not quoted, True
+        elif c == " " and not quoted:
+            if started:
+                args.append(word)
+            word, started = "", False
+        else:
+            word, started = word + c, True
+        i += 1
+    if started:
+        args.append(word)
+    return args
+
+
+def test_tray_entry_runs_the_tray_with_the_chosen_locations() -> None:
+    launch = Launch(argv=(str(AWKWARD / "python"), "-m", "volunteerd"), data_dir=AWKWARD)
+    entry = files("linux", launch)["volunteerd-tray.desktop"].decode()
+    assert desktop_exec(entry) == [
+        "env",
+        f"VOLUNTEERD_DATA_DIR={AWKWARD}",
+        str(AWKWARD / "python"),
+        "-m",
+        "volunteerd",
+        "tray",
+        "--no-start",
+    ]
+    assert "Icon=volunteerd\n" in entry
+    assert "X-GNOME-Autostart-enabled=true\n" in entry
+
+
+def test_the_tray_starts_the_daemon_only_where_no_service_manager_does() -> None:
+    with_systemd = files("linux", Launch(argv=("/x",)))["volunteerd-tray.desktop"].decode()
+    without = files("linux", Launch(argv=("/x",), tray_starts_daemon=True))
+    assert desktop_exec(with_systemd) == ["/x", "tray", "--no-start"]
+    assert desktop_exec(without["volunteerd-tray.desktop"].decode()) == ["/x", "tray"]
+
+
+@pytest.mark.skipif(
+    not shutil.which("desktop-file-validate"),
+    reason="desktop-file-validate not installed (apt-get install desktop-file-utils)",
+)
+@pytest.mark.parametrize("tricky", [False, True])
+def test_desktop_file_validate_accepts_the_entry(tmp_path: Path, tricky: bool) -> None:
+    launch = (
+        Launch(argv=(str(AWKWARD / "python"), "-m", "volunteerd"), config_file=AWKWARD)
+        if tricky
+        else Launch(argv=(sys.executable, "-m", "volunteerd"))
+    )
+    entry = tmp_path / "volunteerd-tray.desktop"
+    entry.write_bytes(files("linux", launch)[entry.name])
+    done = subprocess.run(
+        ["desktop-file-validate", str(entry)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout + done.stderr == ""  # no warnings or hints either
+
+
+def test_icon_is_an_svg() -> None:
+    svg = ET.fromstring(files("linux", Launch(argv=("/x",)))["volunteerd.svg"])
+    assert svg.tag == "{http://www.w3.org/2000/svg}svg"
+
+
+# -- launchd ---------------------------------------------------------------------------------
+
+
+def test_launch_agents_restart_the_daemon_after_a_crash_only(tmp_path: Path) -> None:
+    logs = tmp_path / "Logs" / "volunteerd"
+    launch = Launch(argv=("/opt/v/bin/python", "-m", "volunteerd"), log_dir=logs)
+    agents = files("macos", launch)
+    daemon = plistlib.loads(agents["org.volunteerd.daemon.plist"])
+    assert daemon["Label"] == "org.volunteerd.daemon"
+    assert daemon["ProgramArguments"] == ["/opt/v/bin/python", "-m", "volunteerd", "serve"]
+    assert daemon["RunAtLoad"] is True
+    assert daemon["KeepAlive"] == {"SuccessfulExit": False}
+    assert daemon["StandardOutPath"] == daemon["StandardErrorPath"] == str(logs / "daemon.log")
+    assert daemon["ExitTimeOut"] == launch.stop_timeout_s
+    assert daemon["ProcessType"] == "Standard"
+    assert "EnvironmentVariables" not in daemon
+    tray = plistlib.loads(agents["org.volunteerd.tray.plist"])
+    assert tray["Label"] == "org.volunteerd.tray"
+    assert tray["ProgramArguments"][-2:] == ["tray", "--no-start"]  # launchd runs the daemon
+    assert tray["ProcessType"] == "Interactive"
+    assert tray["LimitLoadToSessionType"] == "Aqua"
+    assert tray["StandardErrorPath"] == str(logs / "tray.log")
+
+
+def test_launch_agents_carry_the_chosen_locations() -> None:
+    launch = Launch(argv=("/x",), config_file=AWKWARD, data_dir=Path("/d"), cache_dir=Path("/c"))
+    for content in files("macos", launch).values():
+        assert plistlib.loads(content)["EnvironmentVariables"] == {
+            "VOLUNTEERD_CONFIG": str(AWKWARD),
+            "VOLUNTEERD_DATA_DIR": "/d",
+            "VOLUNTEERD_CACHE_DIR": "/c",
+        }
+
+
+# -- Task Scheduler --------------------------------------------------------------------------
+
+
+def test_tasks_run_at_the_users_logon_with_least_privilege() -> None:
+    argv = ("C:\\Program Files\\volunteerd\\pythonw.exe", "-m", "volunteerd")
+    launch = Launch(argv=argv, user="HOME-PC\\ada", data_dir=Path("C:/Users/ada/vol data"))
+    tasks = files("windows", launch)
+    for name, verb in (("volunteerd-daemon.xml", "serve"), ("volunteerd-tray.xml", "tray")):
+        content = tasks[name]
+        assert content.startswith(b"\xff\xfe")  # UTF-16 with its byte-order mark
+        text = content.decode("utf-16")
+        assert text.startswith('<?xml version="1.0" encoding="UTF-16"?>\r\n')
+        task = ET.fromstring(content)
+        assert task.tag == f"{TASK}Task"
+        trigger = task.find(f"{TASK}Triggers/{TASK}LogonTrigger")
+        assert trigger is not None
+        assert trigger.findtext(f"{TASK}UserId") == "HOME-PC\\ada"
+        principal = task.find(f"{TASK}Principals/{TASK}Principal")
+        assert principal is not None
+        assert principal.findtext(f"{TASK}UserId") == "HOME-PC\\ada"
+        assert principal.findtext(f"{TASK}LogonType") == "InteractiveToken"
+        assert principal.findtext(f"{TASK}RunLevel") == "LeastPrivilege"
+        settings = task.find(f"{TASK}Settings")
+        assert settings is not None
+        assert settings.findtext(f"{TASK}ExecutionTimeLimit") == "PT0S"  # no time limit
+        assert settings.findtext(f"{TASK}RestartOnFailure/{TASK}Interval") == "PT1M"
+        assert settings.findtext(f"{TASK}RestartOnFailure/{TASK}Count") == "3"
+        assert settings.findtext(f"{TASK}DisallowStartIfOnBatteries") == "false"
+        action = task.find(f"{TASK}Actions/{TASK}Exec")
+        assert action is not None
+        assert action.findtext(f"{TASK}Command") == argv[0]
+        arguments = action.findtext(f"{TASK}Arguments")
+        expected = ["-m", "volunteerd", verb]
+        if verb == "tray":
+            expected.append("--no-start")
+        expected += ["--data-dir", "C:/Users/ada/vol data"]
+        assert arguments == subprocess.list2cmdline(expected)
+
+
+# -- the render verb -------------------------------------------------------------------------
+
+
+def test_render_takes_the_command_that_runs_volunteerd(tmp_path: Path) -> None:
+    argv = ["service", "render", "--platform", "linux", "--out", str(tmp_path)]
+    assert main([*argv, "--exec", "/usr/bin/volunteerd"]) == 0
+    unit = (tmp_path / "volunteerd.service").read_text()
+    assert "\nExecStart=/usr/bin/volunteerd serve\n" in unit
+    entry = (tmp_path / "volunteerd-tray.desktop").read_text()
+    assert "\nExec=/usr/bin/volunteerd tray --no-start\n" in entry
+
+
+def test_render_writes_a_placeholder_interpreter_by_default(tmp_path: Path) -> None:
+    assert main(["service", "render", "--platform", "macos", "--out", str(tmp_path)]) == 0
+    agent = plistlib.loads((tmp_path / "org.volunteerd.daemon.plist").read_bytes())
+    assert agent["ProgramArguments"] == [*PLACEHOLDER_ARGV["macos"], "serve"]

@@ -1,0 +1,68 @@
+"""The service verbs' view of the daemon from outside, and where their files go."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from volunteerd.paths import Paths
+from volunteerd.service.managers import Systemd
+from volunteerd.service.process import config_variables, probe, stop_daemon
+
+
+def paths_in(tmp_path: Path) -> Paths:
+    return Paths(config_file=tmp_path / "config.toml", data_dir=tmp_path, cache_dir=tmp_path)
+
+
+def test_nothing_recorded_means_nothing_to_stop(tmp_path: Path) -> None:
+    assert probe(tmp_path) is None
+    assert stop_daemon(paths_in(tmp_path), timeout_s=1) == "no daemon was running"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_a_stale_address_file_never_gets_another_program_signalled(tmp_path: Path) -> None:
+    # control.json left by a daemon that was killed; its pid now belongs to another program
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "control.json").write_text(
+            json.dumps({"url": "http://127.0.0.1:9", "pid": other.pid})
+        )
+        (tmp_path / "api-token").write_text("t")
+        assert stop_daemon(paths_in(tmp_path), timeout_s=1) == "no daemon was running"
+        assert other.poll() is None
+        assert not (tmp_path / "control.json").exists()
+    finally:
+        other.kill()
+        other.wait(10)
+
+
+def test_systemd_files_follow_the_xdg_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    paths = paths_in(tmp_path)
+    custom = Systemd({"XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_DATA_HOME": "relative"})
+    where = custom.locations(paths)
+    assert where["volunteerd.service"] == tmp_path / "cfg/systemd/user/volunteerd.service"
+    assert where["volunteerd-tray.desktop"] == tmp_path / "cfg/autostart/volunteerd-tray.desktop"
+    # a relative XDG path is invalid (the spec says to ignore it)
+    assert where["volunteerd.svg"] == (
+        tmp_path / "home/.local/share/icons/hicolor/scalable/apps/volunteerd.svg"
+    )
+    assert custom.enablement_link(paths) == (
+        tmp_path / "cfg/systemd/user/default.target.wants/volunteerd.service"
+    )
+
+
+def test_only_section_variables_are_config_settings() -> None:
+    environ = {
+        "VOLUNTEERD_CONTROL__PORT": "0",
+        "VOLUNTEERD_DATA_DIR": "/d",
+        "VOLUNTEERD_CONFIG": "/c",
+        "HOME": "/h",
+    }
+    assert config_variables(environ) == ["VOLUNTEERD_CONTROL__PORT"]

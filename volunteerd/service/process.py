@@ -1,0 +1,193 @@
+"""The daemon as a process, seen from outside: start it detached, wait until its control
+API answers, ask it to stop (then SIGTERM it) and wait until it is gone.
+
+The daemon is found through its data folder only (``control.json`` and ``api-token``,
+as every client of the control API finds it), so these work whoever started it: a
+service manager, the tray, ``volunteerd service install`` or the user in a terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from volunteerd.config.loading import ENV_PREFIX
+from volunteerd.control.client import ControlClient
+from volunteerd.errors import ControlError, DaemonNotRunning, ResourceUnavailable
+from volunteerd.paths import Paths
+
+__all__ = [
+    "Answer",
+    "config_variables",
+    "probe",
+    "start_detached",
+    "stop_daemon",
+    "wait_until_answering",
+]
+
+POLL_S = 0.25
+REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What answers on a data folder's control address: ``url`` (``http://127.0.0.1:P``)
+    and ``pid`` from ``control.json``; ``refused`` when something answers but refuses
+    us (another token: not a daemon these commands may drive)."""
+
+    url: str
+    pid: int | None
+    refused: str = ""
+
+
+def probe(data_dir: Path) -> Answer | None:
+    """The daemon answering for ``data_dir``, or None when nothing answers."""
+    try:
+        client = ControlClient.for_data_dir(data_dir, timeout_s=REQUEST_TIMEOUT_S)
+    except DaemonNotRunning:
+        return None
+    except ControlError as exc:  # the token is unreadable
+        return Answer("", None, refused=str(exc))
+    try:
+        client.health()
+    except DaemonNotRunning:
+        return None
+    except ControlError as exc:
+        return Answer(client.endpoint.url, client.endpoint.pid, refused=str(exc))
+    return Answer(client.endpoint.url, client.endpoint.pid)
+
+
+def config_variables(environ: Mapping[str, str]) -> list[str]:
+    """The ``VOLUNTEERD_<SECTION>__<KEY>`` variables set in ``environ``."""
+    return sorted(
+        name for name in environ if name.startswith(ENV_PREFIX) and "__" in name[len(ENV_PREFIX) :]
+    )
+
+
+def start_detached(
+    command: Sequence[str], paths: Paths, environment: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` (``volunteerd serve``) in its own session, as a service manager
+    would: no terminal, output appended to ``paths.daemon_log_file``, this process's
+    environment without its ``VOLUNTEERD_<SECTION>__<KEY>`` settings (a service does not
+    see them either) plus ``environment``. It outlives this process."""
+    env = {k: v for k, v in os.environ.items() if k not in config_variables(os.environ)}
+    env.update(environment)
+    log = paths.daemon_log_file
+    log.parent.mkdir(parents=True, exist_ok=True)
+    detach: dict[str, object] = {"start_new_session": True}
+    if sys.platform == "win32":  # pragma: no cover - Windows uses Task Scheduler
+        flags = subprocess.DETACHED_PROCESS | subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined,unused-ignore]
+        detach = {"creationflags": flags}
+    with log.open("ab") as out:
+        return subprocess.Popen(  # type: ignore[call-overload,no-any-return,unused-ignore]
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            **detach,
+        )
+
+
+def wait_until_answering(
+    data_dir: Path, timeout_s: float, alive: Callable[[], bool] | None = None
+) -> Answer | None:
+    """Poll the control API until it answers (the Answer) or ``timeout_s`` passes, or
+    ``alive`` says the daemon has ended (None)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = probe(data_dir)
+        if answer is not None:
+            return answer
+        if time.monotonic() >= deadline or (alive is not None and not alive()):
+            return None
+        time.sleep(POLL_S)
+
+
+def stop_daemon(paths: Paths, timeout_s: float) -> str:
+    """Stop the daemon of ``paths.data_dir``: ask it through the control API and wait up
+    to ``timeout_s`` for it to be gone; else SIGTERM the pid in ``control.json`` (only if
+    that process runs volunteerd) and wait again. Returns what happened, in words.
+    Raises ResourceUnavailable if it is still there."""
+    answer = probe(paths.data_dir)
+    pid = answer.pid if answer is not None else _recorded_pid(paths.control_file)
+    if answer is None and not (pid is not None and _alive(pid) and _is_volunteerd(pid)):
+        paths.control_file.unlink(missing_ok=True)  # left by a daemon that was killed
+        return "no daemon was running"
+    if answer is not None and not answer.refused:
+        try:
+            ControlClient.for_data_dir(paths.data_dir, timeout_s=REQUEST_TIMEOUT_S).shutdown()
+        except ControlError:
+            pass
+        else:
+            if _wait_gone(paths.control_file, pid, timeout_s):
+                return "stopped the daemon" + (f" (pid {pid})" if pid else "")
+    if pid is not None and _alive(pid) and _is_volunteerd(pid):
+        os.kill(pid, signal.SIGTERM)
+        if _wait_gone(paths.control_file, pid, timeout_s):
+            return f"stopped the daemon (pid {pid}) with SIGTERM"
+        raise ResourceUnavailable(f"the daemon (pid {pid}) did not stop; stop it by hand")
+    where = answer.url if answer is not None else paths.control_file
+    raise ResourceUnavailable(f"something answers at {where} and did not stop")
+
+
+def _wait_gone(control_file: Path, pid: int | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not control_file.exists() and (pid is None or not _alive(pid)):
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def _recorded_pid(control_file: Path) -> int | None:
+    try:
+        pid = json.loads(control_file.read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, waiting for a parent that never reaps it in some
+    containers, does not)."""
+    if sys.platform == "win32":  # pragma: no cover - os.kill would terminate it there
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _is_volunteerd(pid: int) -> bool:
+    """Whether ``pid`` runs volunteerd (a pid in a stale ``control.json`` may have been
+    reused by another program, which must not be signalled)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        try:
+            command = subprocess.run(
+                ["ps", "-o", "command=", "-p", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=REQUEST_TIMEOUT_S,
+                check=False,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return "volunteerd" in command
