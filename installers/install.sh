@@ -1,0 +1,325 @@
+#!/bin/sh
+# Install volunteerd for this user on Linux or macOS, or upgrade it in place.
+#
+#   installers/install.sh [--wheel FILE | --source DIR] [--torch auto|cpu|cuda|SPEC]
+#                         [--python PY] [--no-start] [--no-tray] [--dry-run]
+#
+# It creates an isolated Python environment in the user's data folder, installs PyTorch
+# there first (the CPU or the CUDA build, see "torch" below), then volunteerd (from a
+# wheel, a checkout or the package index), links ~/.local/bin/volunteerd to it, and runs
+# `volunteerd service install`: the per-user autostart of the daemon and the tray, both
+# started now. Nothing needs root.
+#
+# Run it again to upgrade: the environment is kept (torch too, while it is the pinned
+# version), volunteerd is reinstalled, the daemon restarted. Identity, configuration,
+# checkpoints and statistics live outside the environment and are never touched.
+#
+# Where things go:
+#   environment  $XDG_DATA_HOME/volunteerd/env (~/.local/share/volunteerd/env) on Linux,
+#                ~/Library/Application Support/volunteerd/env on macOS
+#   command      ~/.local/bin/volunteerd, a link to <environment>/bin/volunteerd
+#
+# torch (the pinned TORCH_VERSION; --torch overrides):
+#   macOS                          torch==V from the package index (Apple GPUs through MPS)
+#   Linux, `nvidia-smi -L` finds a GPU   torch==V from the package index (PyPI's Linux
+#                                  wheel is the CUDA build, several GB with its libraries)
+#   Linux x86_64 without one       torch==V+cpu, the CPU build (~200 MB): from the
+#                                  configured package indexes if they have it, else from
+#                                  PyTorch's CPU index ($CPU_INDEX)
+#   other Linux machines           torch==V from the package index
+# An installed torch of version V is kept on upgrades; --torch cpu or --torch cuda
+# replaces a build of the other kind; any other --torch value is a pip requirement.
+set -eu
+
+TORCH_VERSION=2.13.0
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+usage() {
+    cat <<EOF
+usage: install.sh [options]
+
+Install volunteerd for this user (or upgrade it), register the daemon and the tray to
+start at login, start them, and print the dashboard's address.
+
+  --wheel FILE     install this volunteerd wheel
+  --source DIR     install from this checkout of volunteerd
+                   (default: the latest volunteerd from the package index)
+  --torch WHICH    auto (default), cpu, cuda, or a pip requirement such as 'torch==2.13.0'
+  --python PY      create the environment with this Python (3.11 or newer); replaces
+                   an existing environment (default: python3, python3.13, python3.12
+                   or python3.11, the first that is 3.11 or newer)
+  --no-start       register the autostart, but start nothing now
+  --no-tray        no tray icon (the daemon only)
+  --dry-run        print what would be done, change nothing
+  -h, --help       this text
+EOF
+}
+
+say() { printf 'install: %s\n' "$*"; }
+die() {
+    printf 'install: error: %s\n' "$*" >&2
+    exit 1
+}
+
+source_kind=index
+source_path=
+torch_choice=auto
+python=
+start=yes
+tray=yes
+dry_run=no
+while [ $# -gt 0 ]; do
+    case $1 in
+    --wheel | --source | --torch | --python)
+        [ $# -ge 2 ] || die "$1 needs a value (see --help)"
+        case $1 in
+        --wheel) source_kind=wheel source_path=$2 ;;
+        --source) source_kind=source source_path=$2 ;;
+        --torch) torch_choice=$2 ;;
+        --python) python=$2 ;;
+        esac
+        shift 2
+        ;;
+    --no-start) start=no && shift ;;
+    --no-tray) tray=no && shift ;;
+    --dry-run) dry_run=yes && shift ;;
+    -h | --help) usage && exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+    esac
+done
+case $source_kind in
+wheel)
+    [ -f "$source_path" ] || die "no wheel at '$source_path'"
+    source_path=$(cd "$(dirname "$source_path")" && pwd)/$(basename "$source_path")
+    ;;
+source)
+    [ -f "$source_path/pyproject.toml" ] || die "'$source_path' is not a volunteerd checkout"
+    source_path=$(cd "$source_path" && pwd) # (pip reads a bare "src" as a package name)
+    ;;
+esac
+[ -n "${HOME:-}" ] || die "HOME is not set"
+
+os=$(uname -s)
+case $os in
+Linux) data_dir=${XDG_DATA_HOME:-$HOME/.local/share}/volunteerd ;;
+Darwin) data_dir=$HOME/Library/Application\ Support/volunteerd ;;
+*) die "this installer is for Linux and macOS (on Windows use install.ps1); found $os" ;;
+esac
+env_dir=$data_dir/env
+bin_dir=$HOME/.local/bin
+link=$bin_dir/volunteerd
+
+# -- the Python that creates the environment -------------------------------------------
+
+is_new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
+
+find_python() {
+    if [ -n "$python" ]; then
+        is_new_enough "$python" || die "'$python' is not a Python 3.11 or newer"
+        printf '%s\n' "$python"
+        return
+    fi
+    for candidate in python3 python3.13 python3.12 python3.11; do
+        if command -v "$candidate" >/dev/null 2>&1 && is_new_enough "$candidate"; then
+            printf '%s\n' "$candidate"
+            return
+        fi
+    done
+    case $os in
+    Darwin) die "volunteerd needs Python 3.11 or newer: install it from python.org or with 'brew install python@3.12', then run this again" ;;
+    *) die "volunteerd needs Python 3.11 or newer: install it (e.g. 'sudo apt install python3 python3-venv'), or name one with --python" ;;
+    esac
+}
+
+# -- which torch -------------------------------------------------------------------------
+
+# What the rule above picks on this machine: cpu, cuda or default.
+detect_torch() {
+    if [ "$os" = Darwin ]; then
+        echo default
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+        echo cuda
+    elif [ "$(uname -m)" = x86_64 ]; then
+        echo cpu
+    else
+        echo default
+    fi
+}
+
+describe_torch() {
+    case $1 in
+    keep) echo "keep the installed torch $torch_installed" ;;
+    cpu) echo "torch==$TORCH_VERSION+cpu, the CPU build (from the configured package index if it has it, else $CPU_INDEX)" ;;
+    cuda) echo "torch==$TORCH_VERSION from the package index (on Linux its CUDA build: an NVIDIA GPU was found)" ;;
+    default) echo "torch==$TORCH_VERSION from the package index" ;;
+    *) echo "$1 (as asked)" ;;
+    esac
+}
+
+pip() { "$env_dir/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+install_torch() {
+    case $1 in
+    keep) ;;
+    cpu)
+        [ "$torch_installed" = "$TORCH_VERSION+cpu" ] && return
+        [ -z "$torch_installed" ] || pip uninstall --quiet --yes torch
+        want="torch==$TORCH_VERSION+cpu"
+        # Asking PyTorch's index only when needed: where it cannot be reached (a mirror
+        # that has the CPU build already), pip would retry it for a while.
+        if pip install --quiet --dry-run --no-deps "$want" >/dev/null 2>&1; then
+            pip install --quiet "$want"
+        else
+            pip install --quiet --extra-index-url "$CPU_INDEX" "$want"
+        fi
+        ;;
+    cuda | default)
+        [ "$torch_installed" = "$TORCH_VERSION" ] && return
+        # A local build (+cpu) satisfies torch==V for pip: remove it to get the index's.
+        case $torch_installed in *+*) pip uninstall --quiet --yes torch ;; esac
+        pip install --quiet "torch==$TORCH_VERSION"
+        ;;
+    *) pip install --quiet "$1" ;;
+    esac
+}
+
+# -- the plan ----------------------------------------------------------------------------
+
+recreate=no
+if [ -x "$env_dir/bin/python" ] && is_new_enough "$env_dir/bin/python"; then
+    [ -z "$python" ] || recreate=yes
+elif [ -e "$env_dir" ]; then
+    recreate=yes # broken: its Python was removed or upgraded away
+fi
+if [ -x "$env_dir/bin/python" ] && [ "$recreate" = no ]; then
+    action=upgrade
+    torch_installed=$("$env_dir/bin/python" -c \
+        'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)
+else
+    action=create
+    base_python=$(find_python)
+    torch_installed=
+fi
+
+case $torch_choice in
+auto)
+    if [ -n "$torch_installed" ] && [ "${torch_installed%%+*}" = "$TORCH_VERSION" ]; then
+        torch_plan=keep
+    else
+        torch_plan=$(detect_torch)
+    fi
+    ;;
+*) torch_plan=$torch_choice ;; # cpu, cuda or a requirement
+esac
+
+case $source_kind in
+index) source_text="volunteerd from the package index" ;;
+wheel) source_text="volunteerd from $source_path" ;;
+source) source_text="volunteerd from the checkout $source_path" ;;
+esac
+service_flags=
+[ "$start" = yes ] || service_flags="$service_flags --no-start"
+[ "$tray" = yes ] || service_flags="$service_flags --no-tray"
+
+if [ "$dry_run" = yes ]; then
+    if [ "$action" = create ]; then
+        say "would create the environment $env_dir with $base_python ($("$base_python" --version 2>&1))"
+    else
+        say "would upgrade the environment $env_dir"
+    fi
+    say "would install torch: $(describe_torch "$torch_plan")"
+    say "would install $source_text"
+    say "would link $link to $env_dir/bin/volunteerd"
+    say "would run: volunteerd service install$service_flags"
+    exit 0
+fi
+
+# -- the environment ---------------------------------------------------------------------
+
+if [ "$action" = upgrade ] && [ -x "$env_dir/bin/volunteerd" ]; then
+    # The daemon and its autostart files are put back by `service install` below; the
+    # daemon must not run while its files are replaced.
+    say "stopping the installed volunteerd for the upgrade"
+    "$env_dir/bin/volunteerd" service uninstall ||
+        say "(could not stop it cleanly; carrying on)"
+fi
+if [ "$action" = create ]; then
+    if [ -e "$env_dir" ]; then
+        say "removing the old environment $env_dir"
+        rm -rf "$env_dir"
+    fi
+    say "creating the environment $env_dir ($("$base_python" --version 2>&1))"
+    mkdir -p "$data_dir"
+    "$base_python" -m venv "$env_dir" ||
+        die "could not create the environment (on Debian or Ubuntu: sudo apt install python3-venv)"
+else
+    say "upgrading the environment $env_dir"
+fi
+pip install --quiet --upgrade pip
+
+case $torch_plan in
+keep) say "keeping torch $torch_installed" ;;
+*) say "installing $(describe_torch "$torch_plan")" ;;
+esac
+install_torch "$torch_plan"
+
+# -- volunteerd --------------------------------------------------------------------------
+
+if [ "$source_kind" = source ]; then
+    build_dir=$(mktemp -d)
+    trap 'rm -rf "$build_dir"' EXIT
+    say "building a wheel from $source_path"
+    # From a copy: setuptools' build/ folder in a checkout can hold files since deleted.
+    mkdir "$build_dir/src"
+    tar -C "$source_path" -c --exclude=./.git --exclude=./.venv --exclude=./build \
+        --exclude=./dist --exclude='*.egg-info' --exclude=__pycache__ . |
+        tar -C "$build_dir/src" -x
+    pip wheel --quiet --no-deps --wheel-dir "$build_dir" "$build_dir/src"
+    for built in "$build_dir"/volunteerd-*.whl; do source_path=$built; done
+    source_kind=wheel
+fi
+say "installing $source_text"
+if [ "$source_kind" = wheel ]; then
+    # --upgrade installs what the wheel needs (torch stays: it is in range); the second
+    # step replaces volunteerd even when the wheel has the installed version number.
+    pip install --quiet --upgrade "$source_path"
+    pip install --quiet --no-deps --force-reinstall "$source_path"
+else
+    pip install --quiet --upgrade volunteerd
+fi
+version=$("$env_dir/bin/volunteerd" --version)
+
+mkdir -p "$bin_dir"
+if [ -e "$link" ] && [ ! -L "$link" ]; then
+    say "left $link as it is (a file this installer did not make); use $env_dir/bin/volunteerd"
+else
+    say "linking $link -> $env_dir/bin/volunteerd"
+    ln -sfn "$env_dir/bin/volunteerd" "$link"
+fi
+
+# -- autostart, start ---------------------------------------------------------------------
+
+say "registering the autostart: volunteerd service install$service_flags"
+# shellcheck disable=SC2086 # the flags are words on purpose
+"$env_dir/bin/volunteerd" service install $service_flags ||
+    die "volunteerd is installed, but 'volunteerd service install' failed (see above)"
+
+echo
+echo "$version is installed in $env_dir"
+case ":${PATH:-}:" in
+*":$bin_dir:"*) ;;
+*)
+    echo "Note: $bin_dir is not on your PATH. Add it (e.g. in ~/.profile):"
+    echo "    export PATH=\"\$HOME/.local/bin:\$PATH\""
+    ;;
+esac
+if [ "$start" = yes ]; then
+    if url=$("$env_dir/bin/volunteerd" dashboard --print 2>/dev/null); then
+        echo "The dashboard: ${url%%#*}  (open it with: volunteerd dashboard)"
+    else
+        echo "volunteerd does not answer yet: see 'volunteerd service status'"
+    fi
+else
+    echo "volunteerd starts at your next login (or now: volunteerd service install)"
+fi
+echo "Where its files are: volunteerd paths. To remove it: installers/uninstall.sh"

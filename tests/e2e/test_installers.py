@@ -1,0 +1,491 @@
+"""The installers, as a volunteer runs them: ``installers/install.sh`` into a throw-away
+home from this checkout's wheel (files placed, daemon answering, an upgrade that keeps
+the peer id and the statistics, an uninstall that keeps only the data, a purge that
+keeps nothing), the torch rule on machines faked with stand-in ``uname`` and
+``nvidia-smi``, the Debian package built, installed and removed with dpkg, and the
+scripts' static checks (shellcheck; the PowerShell scripts parsed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from volunteerd.control.client import ControlClient
+from volunteerd.control.models import Status, Totals
+from volunteerd.errors import DaemonNotRunning
+from volunteerd.identity import Identity
+from volunteerd.moe import RemoteExpert
+from volunteerd.net import parse_peer_multiaddr
+from volunteerd.net.background import BackgroundNode
+from volunteerd.testing import local_config
+
+ROOT = Path(__file__).parents[2]
+INSTALLERS = ROOT / "installers"
+INSTALL = INSTALLERS / "install.sh"
+UNINSTALL = INSTALLERS / "uninstall.sh"
+BUILD_DEB = INSTALLERS / "debian" / "build.sh"
+SHELL_SCRIPTS = [
+    INSTALL,
+    UNINSTALL,
+    BUILD_DEB,
+    INSTALLERS / "debian" / "postinst",
+    INSTALLERS / "debian" / "prerm",
+]
+POWERSHELL_SCRIPTS = [INSTALLERS / "install.ps1", INSTALLERS / "uninstall.ps1"]
+TORCH_VERSION = "2.13.0"  # installers' TORCH_VERSION, scripts/setup's pin
+HIDDEN = 16
+# Small and quick: two experts, any free ports, a short stop.
+CONFIG = f"""\
+[network]
+listen_host = "127.0.0.1"
+port = 0
+[control]
+port = 0
+[experts]
+uids = "ffn.[0:2].[0:1]"
+hidden_dim = {HIDDEN}
+[runtime]
+device = "cpu"
+[stats]
+flush_s = 0.5
+[timeouts]
+shutdown_grace_s = 1
+"""
+SCRIPT_TIMEOUT_S = 600
+
+
+def user_environment(home: Path, *, path_prefix: Path | None = None) -> dict[str, str]:
+    """A login of a new user whose home is ``home``: no XDG_* or VOLUNTEERD_* settings,
+    no desktop session, no Python environment of ours. The machine's pip settings stay
+    (global files, and the real user's file through PIP_CONFIG_FILE), and so do pip's
+    cache and rustup's home (pip asks rustc its version)."""
+    real_home = Path.home()
+    venv_bin = str(Path(sys.prefix) / "bin")
+    dropped = {"DISPLAY", "WAYLAND_DISPLAY", "DBUS_SESSION_BUS_ADDRESS", "VIRTUAL_ENV"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("XDG_", "VOLUNTEERD_", "PYTHON")) and k not in dropped
+    }
+    path = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != venv_bin]
+    if path_prefix is not None:
+        path.insert(0, str(path_prefix))
+    env.update(HOME=str(home), PATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
+    env.setdefault("PIP_CACHE_DIR", str(real_home / ".cache" / "pip"))
+    for variable, where in (
+        ("PIP_CONFIG_FILE", real_home / ".config" / "pip" / "pip.conf"),
+        ("RUSTUP_HOME", real_home / ".rustup"),
+        ("CARGO_HOME", real_home / ".cargo"),
+    ):
+        if where.exists():
+            env.setdefault(variable, str(where))
+    return env
+
+
+def run_script(
+    script: Path, *args: str | Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script``; fail the test with its output if it fails."""
+    done = subprocess.run(
+        ["sh", str(script), *map(str, args)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        check=False,
+    )
+    print(f"$ {script.name} {' '.join(map(str, args))}\n{done.stdout}{done.stderr}")
+    assert done.returncode == 0, f"{script.name} exited {done.returncode}:\n{done.stderr}"
+    return done
+
+
+def files_under(folder: Path) -> list[Path]:
+    """Every file and link (not folders) under ``folder``."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no one reaps in a container does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def command_line(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+
+
+def kill_daemon(data_dir: Path) -> None:
+    """Kill a daemon a failed test left running in the throw-away home (it runs detached,
+    outside the test's process tree)."""
+    try:
+        pid = ControlClient.for_data_dir(data_dir).endpoint.pid
+    except DaemonNotRunning:
+        return
+    if pid is not None and is_running(pid) and "volunteerd" in " ".join(command_line(pid)):
+        os.kill(pid, signal.SIGKILL)
+
+
+def call_every_expert(status: Status, calls: int = 3) -> None:
+    """A trainer's forward and backward passes through each of the daemon's experts."""
+    addr = next(a for a in status.reachability.addrs if "/ip4/127.0.0.1/" in a)
+    if "/p2p/" not in addr:
+        addr = f"{addr}/p2p/{status.peer_id}"
+    with BackgroundNode(Identity.generate(), local_config(bootstrap=[addr])) as node:
+        for uid in status.experts:
+            expert = RemoteExpert(uid, parse_peer_multiaddr(addr), node)
+            for _ in range(calls):
+                expert(torch.randn(4, HIDDEN, requires_grad=True)).sum().backward()
+
+
+def settled_totals(client: ControlClient, timeout_s: float = 20) -> Totals:
+    """The all-time totals once they stop changing (written to disk)."""
+    deadline = time.monotonic() + timeout_s
+    last = client.stats().all_time
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = client.stats().all_time
+        if (now.forward, now.backward, now.samples) == (last.forward, last.backward, last.samples):
+            return now
+        last = now
+    raise AssertionError(f"the statistics kept changing: {last}")
+
+
+def check_unit_file(unit: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        print("systemd-analyze is missing: unit file not verified")
+        return
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+
+
+def check_desktop_entry(entry: Path) -> None:
+    if shutil.which("desktop-file-validate") is None:
+        print("desktop-file-validate is missing (apt install desktop-file-utils): not validated")
+        return
+    done = subprocess.run(
+        ["desktop-file-validate", str(entry)], capture_output=True, text=True, check=False
+    )
+    assert (done.returncode, done.stdout + done.stderr) == (0, ""), done.stdout + done.stderr
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout's wheel, built from a copy (setuptools' build/ folder in a checkout
+    may hold files deleted since)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "src"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
+            ".hypothesis", "test-artifacts",
+        ),
+    )  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", work, source],
+        check=True,
+        capture_output=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    return next(work.glob("volunteerd-*.whl"))
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """A new user's home with a small configuration; any daemon left is killed."""
+    home = tmp_path / "home"
+    config = home / ".config" / "volunteerd" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(CONFIG)
+    yield home
+    kill_daemon(home / ".local" / "share" / "volunteerd")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_install_upgrade_and_uninstall_in_a_new_home(wheel: Path, home: Path) -> None:
+    env = user_environment(home)
+    data_dir = home / ".local" / "share" / "volunteerd"
+    env_dir = data_dir / "env"
+    link = home / ".local" / "bin" / "volunteerd"
+    unit = home / ".config" / "systemd" / "user" / "volunteerd.service"
+    tray_entry = home / ".config" / "autostart" / "volunteerd-tray.desktop"
+
+    started = time.monotonic()
+    installed = run_script(INSTALL, "--wheel", wheel, env=env)
+    print(f"install: {time.monotonic() - started:.0f} s")
+
+    # The files it placed.
+    assert (env_dir / "bin" / "python").exists()
+    assert link.is_symlink()
+    assert link.resolve() == (env_dir / "bin" / "volunteerd").resolve()
+    version = subprocess.run(
+        [str(link), "--version"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert version.strip() == f"volunteerd {wheel.name.split('-')[1]}"
+    torch_version = subprocess.run(
+        [str(env_dir / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert torch_version.startswith(TORCH_VERSION)
+    assert f"ExecStart={env_dir}/bin/python -m volunteerd serve\n" in unit.read_text()
+    check_unit_file(unit)
+    check_desktop_entry(tray_entry)
+    assert f"Exec={env_dir}/bin/python -m volunteerd tray" in tray_entry.read_text()
+
+    # The daemon runs from the installed environment and its API answers.
+    client = ControlClient.for_data_dir(data_dir)
+    assert f"The dashboard: {client.endpoint.url}/" in installed.stdout
+    first = client.status()
+    pid = client.endpoint.pid
+    assert pid is not None
+    assert command_line(pid)[:3] == [
+        str(env_dir / "bin" / "python"),
+        "-m",
+        "volunteerd",
+    ]
+    call_every_expert(first)
+    before = settled_totals(client)
+    assert before.forward == before.backward == 3 * len(first.experts) > 0
+
+    # Again: an upgrade in place, with the same identity and statistics.
+    started = time.monotonic()
+    upgraded = run_script(INSTALL, "--wheel", wheel, env=env)
+    print(f"upgrade: {time.monotonic() - started:.0f} s")
+    assert f"keeping torch {torch_version}" in upgraded.stdout
+    assert not is_running(pid)
+    client = ControlClient.for_data_dir(data_dir)
+    assert client.endpoint.pid != pid
+    second = client.status()
+    assert second.peer_id == first.peer_id
+    after = client.stats().all_time
+    assert (after.forward, after.backward, after.samples) == (
+        before.forward,
+        before.backward,
+        before.samples,
+    )
+    pid = client.endpoint.pid
+    assert pid is not None
+
+    # Uninstall: the daemon stops; only the user's data and settings are left.
+    run_script(UNINSTALL, env=env)
+    assert not is_running(pid)
+    assert not env_dir.exists()
+    assert not link.is_symlink()
+    kept = [data_dir, home / ".config" / "volunteerd", home / ".cache" / "volunteerd"]
+    left = files_under(home)
+    assert [p for p in left if not any(p.is_relative_to(k) for k in kept)] == []
+    assert (data_dir / "identity.key").exists()
+    assert (data_dir / "stats.sqlite3").exists()
+
+    # Purge: nothing at all.
+    run_script(UNINSTALL, "--purge", env=env)
+    assert files_under(home) == []
+
+
+def fake_machine(folder: Path, *, system: str, machine: str, gpu: bool) -> Path:
+    """Stand-ins for ``uname`` and ``nvidia-smi``, to put first on PATH."""
+    folder.mkdir()
+    (folder / "uname").write_text(
+        f'#!/bin/sh\ncase "$1" in -m) echo {machine} ;; *) echo {system} ;; esac\n'
+    )
+    smi = (
+        'echo "GPU 0: NVIDIA GeForce RTX 4090 (UUID: GPU-0)"'
+        if gpu
+        else "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
+        'driver."; exit 9'
+    )
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    return folder
+
+
+CPU_LINE = (
+    f"torch=={TORCH_VERSION}+cpu, the CPU build (from the configured package index if it "
+    "has it, else https://download.pytorch.org/whl/cpu)"
+)
+CUDA_LINE = (
+    f"torch=={TORCH_VERSION} from the package index (on Linux its CUDA build: an NVIDIA GPU "
+    "was found)"
+)
+INDEX_LINE = f"torch=={TORCH_VERSION} from the package index"
+
+
+@pytest.mark.parametrize(
+    ("system", "machine", "gpu", "torch_plan", "env_dir"),
+    [
+        ("Linux", "x86_64", False, CPU_LINE, ".local/share"),
+        ("Linux", "x86_64", True, CUDA_LINE, ".local/share"),
+        ("Linux", "aarch64", False, INDEX_LINE, ".local/share"),
+        ("Darwin", "arm64", True, INDEX_LINE, "Library/Application Support"),
+    ],
+    ids=["linux-cpu", "linux-nvidia", "linux-arm", "macos"],
+)
+def test_install_picks_torch_and_places_by_the_machine(
+    tmp_path: Path, system: str, machine: str, gpu: bool, torch_plan: str, env_dir: str
+) -> None:
+    tools = fake_machine(tmp_path / "bin", system=system, machine=machine, gpu=gpu)
+    home = tmp_path / "home"
+    env = user_environment(home, path_prefix=tools)
+    plan = run_script(INSTALL, "--dry-run", "--no-tray", env=env).stdout
+    assert f"would install torch: {torch_plan}\n" in plan
+    assert f"would create the environment {home / env_dir / 'volunteerd' / 'env'} " in plan
+    assert "would run: volunteerd service install --no-tray\n" in plan
+    assert not home.exists(), "a dry run changes nothing"
+
+
+def test_install_follows_xdg_data_home_and_an_explicit_torch(tmp_path: Path) -> None:
+    tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=True)
+    env = user_environment(tmp_path / "home", path_prefix=tools)
+    env["XDG_DATA_HOME"] = str(tmp_path / "data")
+    plan = run_script(INSTALL, "--dry-run", "--torch", "torch==2.12.0", env=env).stdout
+    assert f"would create the environment {tmp_path / 'data' / 'volunteerd' / 'env'} " in plan
+    assert "would install torch: torch==2.12.0 (as asked)" in plan
+
+
+def test_shell_scripts_pass_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is missing (apt install shellcheck)")
+    done = subprocess.run(
+        ["shellcheck", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_powershell_scripts_parse_and_are_ascii() -> None:
+    """No PowerShell runs here (none in Debian's archive or on PyPI): tree-sitter's
+    PowerShell grammar parses the scripts instead, and is shown to reject a broken one.
+    Windows PowerShell 5.1 reads a script without a byte-order mark in the ANSI code
+    page: the scripts keep to ASCII."""
+    tree_sitter = pytest.importorskip("tree_sitter")
+    grammar = pytest.importorskip("tree_sitter_powershell")
+    parser = tree_sitter.Parser(tree_sitter.Language(grammar.language()))
+
+    def errors(source: bytes) -> list[str]:
+        found: list[str] = []
+        stack = [parser.parse(source).root_node]
+        while stack:
+            node = stack.pop()
+            if node.type == "ERROR" or node.is_missing:
+                line = node.start_point[0] + 1
+                found.append(f"line {line}: {node.text.decode(errors='replace')[:60]!r}")
+            stack.extend(node.children)
+        return found
+
+    for script in POWERSHELL_SCRIPTS:
+        source = script.read_bytes()
+        assert source.isascii(), f"{script.name} is not ASCII"
+        assert errors(source) == [], script.name
+        assert b"Set-StrictMode -Version Latest" in source
+        broken = source.replace(b"Set-StrictMode -Version Latest\n", b"Set-StrictMode -Version (\n")
+        assert errors(broken), f"a broken {script.name} parses: the check checks nothing"
+
+
+def dpkg(*args: str) -> subprocess.CompletedProcess[str]:
+    """dpkg, waiting while another package manager holds its lock."""
+    deadline = time.monotonic() + 300
+    while True:
+        done = subprocess.run(
+            ["dpkg", *args], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, check=False
+        )
+        if done.returncode == 0 or "lock" not in done.stderr or time.monotonic() > deadline:
+            return done
+        time.sleep(2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_debian_package_installs_runs_and_removes_cleanly(tmp_path: Path) -> None:
+    if shutil.which("dpkg-deb") is None or shutil.which("dpkg") is None:
+        pytest.skip("needs dpkg and dpkg-deb (a Debian system)")
+    if os.geteuid() != 0:
+        pytest.skip("installs into /opt and /usr with dpkg: needs root (CI's container is)")
+    if dpkg("--status", "volunteerd").returncode == 0:
+        pytest.skip("a volunteerd package is installed on this machine: not replacing it")
+
+    started = time.monotonic()
+    done = subprocess.run(
+        ["bash", str(BUILD_DEB), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (deb,) = tmp_path.glob("volunteerd_*.deb")
+    print(f"deb build: {time.monotonic() - started:.0f} s, {deb.stat().st_size / 2**20:.0f} MiB")
+    fields = subprocess.run(
+        ["dpkg-deb", "--field", str(deb), "Package", "Architecture", "Depends"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Package: volunteerd\n" in fields
+    assert re.search(r"^Depends: python3\.\d+, ", fields, re.MULTILINE), fields
+
+    started = time.monotonic()
+    installed = dpkg("--install", str(deb))
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    print(f"deb install: {time.monotonic() - started:.0f} s")
+    owned = dpkg("--listfiles", "volunteerd").stdout.splitlines()
+    try:
+        assert "systemctl --user enable --now volunteerd" in installed.stdout
+        version = subprocess.run(
+            ["/usr/bin/volunteerd", "--version"], capture_output=True, text=True, check=True
+        ).stdout
+        assert version.startswith("volunteerd ")
+        unit = Path("/usr/lib/systemd/user/volunteerd.service")
+        assert "ExecStart=/usr/bin/volunteerd serve\n" in unit.read_text()
+        check_unit_file(unit)
+        check_desktop_entry(Path("/usr/share/applications/volunteerd-tray.desktop"))
+
+        # The daemon runs on Debian's Python with the package's own libraries.
+        home = tmp_path / "home"
+        (home / ".config" / "volunteerd").mkdir(parents=True)
+        (home / ".config" / "volunteerd" / "config.toml").write_text(CONFIG)
+        ready, log = tmp_path / "ready.json", tmp_path / "daemon.log"
+        with log.open("w") as output:
+            daemon = subprocess.Popen(
+                ["/usr/bin/volunteerd", "serve", "--ready-file", str(ready)],
+                env=user_environment(home),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                assert daemon.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, f"not started:\n{log.read_text()}"
+                time.sleep(0.1)
+            status = ControlClient.for_data_dir(home / ".local" / "share" / "volunteerd").status()
+            assert status.experts == ["ffn.0.0", "ffn.1.0"]
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(30)
+    finally:
+        removed = dpkg("--remove", "volunteerd")
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert dpkg("--status", "volunteerd").returncode != 0
+    assert not Path("/opt/volunteerd").exists()
+    assert not Path("/usr/bin/volunteerd").is_symlink()
+    assert [p for p in owned if Path(p).is_file() or Path(p).is_symlink()] == []
