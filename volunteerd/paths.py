@@ -20,6 +20,7 @@ name                   default                         override
 ``token_file``         <data dir>/api-token            (the control API's token, 0600)
 ``control_file``       <data dir>/control.json         (the control API's address, while up)
 ``daemon_log_file``    <data dir>/daemon.log           (output of a daemon the tray started)
+``tray_pid_file``      <data dir>/tray.pid             (the running tray's pid)
 ``cache_dir``          <user cache dir>                ``VOLUNTEERD_CACHE_DIR``
 =====================  ==============================  ======================
 """
@@ -88,6 +89,10 @@ class Paths:
     def daemon_log_file(self) -> Path:
         return self.data_dir / "daemon.log"
 
+    @property
+    def tray_pid_file(self) -> Path:
+        return self.data_dir / "tray.pid"
+
     @classmethod
     def resolve(
         cls, *, config_file: str | Path | None = None, data_dir: str | Path | None = None
@@ -119,5 +124,6 @@ class Paths:
             "token_file": str(self.token_file),
             "control_file": str(self.control_file),
             "daemon_log_file": str(self.daemon_log_file),
+            "tray_pid_file": str(self.tray_pid_file),
             "cache_dir": str(self.cache_dir),
         }

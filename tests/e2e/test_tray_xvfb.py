@@ -232,9 +232,12 @@ def test_tray_starts_the_daemon_and_its_icon_appears_in_the_tray(
 
         client.pause()  # from elsewhere (the dashboard, the CLI): the icon follows
         assert desktop.wait_docked("Paused") == "volunteerd - Paused"
+        pid_file = home / "data" / "tray.pid"  # for `volunteerd service uninstall`
+        assert pid_file.read_text().strip() == str(tray.pid)
 
         tray.send_signal(signal.SIGTERM)
         assert tray.wait(15) == 130
+        assert not pid_file.exists()
         wait_for("the icon left the tray", lambda: desktop.icons() == [], 10)
         assert client.status().state == "paused", "the daemon outlives the tray"
         assert "volunteerd" in (home / "data" / "daemon.log").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from volunteerd.paths import Paths
 from volunteerd.service.managers import Systemd
-from volunteerd.service.process import config_variables, probe, stop_daemon
+from volunteerd.service.process import config_variables, probe, stop_daemon, stop_tray
 
 
 def paths_in(tmp_path: Path) -> Paths:
@@ -66,3 +67,31 @@ def test_only_section_variables_are_config_settings() -> None:
         "HOME": "/h",
     }
     assert config_variables(environ) == ["VOLUNTEERD_CONTROL__PORT"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_uninstall_stops_the_tray_named_in_its_pid_file_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    paths = paths_in(tmp_path)
+    assert stop_tray(paths) is None  # no tray.pid: nothing to do
+    # A process whose command line is volunteerd's tray (argv as `volunteerd tray` has).
+    tray = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "volunteerd", "tray"]
+    )
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        paths.tray_pid_file.write_text(f"{other.pid}\n")  # stale: reused by another program
+        assert stop_tray(paths) is None
+        assert other.poll() is None
+        assert not paths.tray_pid_file.exists()
+
+        paths.tray_pid_file.write_text(f"{tray.pid}\n")
+        said = stop_tray(paths)
+        assert said == f"stopped the tray (pid {tray.pid})"
+        assert tray.wait(10) == -signal.SIGTERM
+        assert not paths.tray_pid_file.exists()
+    finally:
+        for proc in (tray, other):
+            proc.kill()
+            proc.wait(10)

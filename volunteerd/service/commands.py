@@ -55,6 +55,7 @@ from volunteerd.service.process import (
     probe,
     start_detached,
     stop_daemon,
+    stop_tray,
     wait_until_answering,
 )
 
@@ -168,6 +169,9 @@ def uninstall(paths: Paths, chosen: Chosen, *, out: Out = print) -> ExitCode:
     except ResourceUnavailable as exc:
         out(str(exc))
         stopped = False
+    tray = stop_tray(paths)
+    if tray is not None:
+        out(tray)
     for path in installed.values():
         path.unlink(missing_ok=True)
         out(f"removed   {path}")

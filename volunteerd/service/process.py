@@ -30,6 +30,7 @@ __all__ = [
     "probe",
     "start_detached",
     "stop_daemon",
+    "stop_tray",
     "wait_until_answering",
 ]
 
@@ -140,6 +141,27 @@ def stop_daemon(paths: Paths, timeout_s: float) -> str:
     raise ResourceUnavailable(f"something answers at {where} and did not stop")
 
 
+def stop_tray(paths: Paths, timeout_s: float = 10.0) -> str | None:
+    """Stop the tray of ``paths.data_dir`` (named in ``tray.pid``) with SIGTERM, if it
+    runs; returns what happened, or None when no tray was running. Only a process whose
+    command line is volunteerd's tray is signalled (a stale pid may have been reused)."""
+    try:
+        pid = int(paths.tray_pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not (_alive(pid) and _is_volunteerd(pid) and "tray" in _command_line(pid).split()):
+        paths.tray_pid_file.unlink(missing_ok=True)  # left by a tray that was killed
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return f"the tray (pid {pid}) did not stop; it will be gone at logout"
+        time.sleep(POLL_S)
+    paths.tray_pid_file.unlink(missing_ok=True)
+    return f"stopped the tray (pid {pid})"
+
+
 def _wait_gone(control_file: Path, pid: int | None, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -177,11 +199,16 @@ def _alive(pid: int) -> bool:
 def _is_volunteerd(pid: int) -> bool:
     """Whether ``pid`` runs volunteerd (a pid in a stale ``control.json`` may have been
     reused by another program, which must not be signalled)."""
+    return "volunteerd" in _command_line(pid)
+
+
+def _command_line(pid: int) -> str:
+    """``pid``'s command line, words separated by spaces ("" if it cannot be read)."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         try:
-            command = subprocess.run(
+            return subprocess.run(
                 ["ps", "-o", "command=", "-p", str(pid)],
                 capture_output=True,
                 text=True,
@@ -189,5 +216,4 @@ def _is_volunteerd(pid: int) -> bool:
                 check=False,
             ).stdout
         except (OSError, subprocess.TimeoutExpired):
-            return False
-    return "volunteerd" in command
+            return ""

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from volunteerd.atomic import write_atomic
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import ControlError, DaemonNotRunning, ExitCode, ResourceUnavailable
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths
@@ -416,8 +417,25 @@ def run_tray(paths: Paths, *, start_daemon: bool = True, backend: str | None = N
     (0 after Quit, 130 after a signal). Starts the daemon if none answers and
     ``start_daemon``. Raises ResourceUnavailable when no icon can be shown."""
     app = TrayApp(paths, start_daemon=start_daemon, backend=backend)
-    with _stopping_on_signals(app):
+    with _stopping_on_signals(app), _pid_file(paths.tray_pid_file):
         return app.run()
+
+
+@contextlib.contextmanager
+def _pid_file(path: Path) -> Iterator[None]:
+    """Name this process in ``path`` while the tray runs, so that ``volunteerd service
+    uninstall`` (and an upgrade) can stop it."""
+    mine = f"{os.getpid()}\n"
+    try:
+        write_atomic(path, mine)
+    except OSError as exc:
+        logger.warning("cannot write %s: %s", path, exc)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if path.read_text() == mine:  # not taken over by a newer tray
+                path.unlink()
 
 
 @contextlib.contextmanager
