@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -57,17 +57,8 @@ def _local_midnight(now: float) -> float:
 
 
 def _totals(t: StoreTotals) -> Totals:
-    w = t.work
     return Totals(
-        forward=w.forward,
-        backward=w.backward,
-        samples=w.samples,
-        compute_s=w.compute_s,
-        bytes_in=w.bytes_in,
-        bytes_out=w.bytes_out,
-        running_s=t.running_s,
-        paused_s=t.paused_s,
-        rejected=dict(t.rejected),
+        **asdict(t.work), running_s=t.running_s, paused_s=t.paused_s, rejected=dict(t.rejected)
     )
 
 
@@ -196,16 +187,7 @@ class DaemonControls:
                 week=_totals(store.current(now - 7 * _DAY_S)),
                 all_time=_totals(store.current(0.0)),
                 history=[
-                    StatsBucket(
-                        start=bucket,
-                        size_s=size,
-                        forward=w.forward,
-                        backward=w.backward,
-                        samples=w.samples,
-                        compute_s=w.compute_s,
-                        bytes_in=w.bytes_in,
-                        bytes_out=w.bytes_out,
-                    )
+                    StatsBucket(start=bucket, size_s=size, **asdict(w))
                     for bucket, size, w in history
                 ],
             )
