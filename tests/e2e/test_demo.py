@@ -62,6 +62,8 @@ def test_demo_trains_a_language_model_on_a_local_swarm(tmp_path: Path) -> None:
     assert "who served what" in result.stderr
     for name in ("node1", "node2"):
         assert name in result.stderr
+    assert "watch node1 at work in a browser: http://127.0.0.1:" in result.stderr
+    assert "/#token=" in result.stderr
 
 
 def test_demo_ctrl_c_stops_every_process_it_started(tmp_path: Path) -> None:

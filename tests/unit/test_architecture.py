@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "moe": {"net", "wire", "experts", "config", "identity"},
     "swarm": {"net", "wire", "experts", "config", "identity", "runtime"},
     "train": {"moe", "experts", "config", "swarm"},
-    "demo": {"train", "moe", "config"},
+    "demo": {"train", "moe", "config", "control"},
     "volunteer": {"config", "net", "runtime"},
     # the control API knows HTTP and its own models; the daemon hands it snapshots
     "control": set(),

@@ -22,7 +22,9 @@ from typing import Any, TextIO
 import torch
 
 from volunteerd.config import Config
-from volunteerd.demo.swarm import LocalSwarm
+from volunteerd.control.client import ControlClient
+from volunteerd.demo.swarm import LocalSwarm, SwarmNode
+from volunteerd.errors import ControlError
 from volunteerd.moe import SwarmClient
 from volunteerd.train import (
     Experiment,
@@ -75,6 +77,17 @@ def run_training(
     )
     trainer = Trainer(experiment, model, corpus, Progress(steps, stream=out), stop=stop)
     return trainer.run(steps)
+
+
+def _dashboard_hint(node: SwarmNode, out: TextIO) -> None:
+    """Where to watch one daemon at work (its dashboard, signed in)."""
+    if not node.control_url:
+        return
+    try:
+        url = ControlClient.for_data_dir(node.data_dir).dashboard_url
+    except ControlError:
+        return
+    print(f"  watch {node.name} at work in a browser: {url}", file=out)
 
 
 def _expert_table(summary: TrainSummary, swarm: LocalSwarm, out: TextIO) -> None:
@@ -134,6 +147,7 @@ def run_demo(
         with LocalSwarm.for_experiment(experiment, nodes, stop=stop) as swarm:
             for node in swarm.daemons:
                 print(f"  {node.name} {node.peer_id[-8:]} hosts {node.experts}", file=out)
+            _dashboard_hint(swarm.daemons[0], out)
             print(
                 f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps",
                 file=out,

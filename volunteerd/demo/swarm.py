@@ -42,6 +42,11 @@ class SwarmNode:
     multiaddrs: tuple[str, ...] = ()
     experts: str = ""
     args: tuple[str, ...] = ()
+    control_url: str = ""  # its control API and dashboard (daemons only)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.ready_file.parent / "data"
 
 
 def _rows(rows: int, nodes: int, index: int) -> range:
@@ -224,6 +229,7 @@ class LocalSwarm:
         info = json.loads(node.ready_file.read_text())
         node.peer_id = info["peer_id"]
         node.multiaddrs = tuple(info["multiaddrs"])
+        node.control_url = info.get("control_url") or ""
 
     def stop(self, grace_s: float = 8.0) -> None:
         """Stop every process: daemons first (they withdraw), then the bootstrap node."""
