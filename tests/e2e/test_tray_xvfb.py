@@ -8,6 +8,8 @@ driven through pystray's own MenuItem objects: calling one is what a click does.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -327,6 +329,49 @@ def test_menu_drives_the_daemon_and_the_icon_follows_it(
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def test_service_install_shows_the_tray_at_once_and_uninstall_closes_it(
+    desktop: Desktop, tmp_path: Path
+) -> None:
+    """Linux has no service manager for the tray: ``service install`` starts it in a
+    desktop session (as its autostart entry will at the next login), and ``service
+    uninstall`` closes it, as the installers' upgrades and removals rely on."""
+    home = tmp_path / "home"
+    (home / ".config" / "volunteerd").mkdir(parents=True)
+    (home / ".config" / "volunteerd" / "config.toml").write_text(CONFIG)
+    data = home / ".local" / "share" / "volunteerd"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VOLUNTEERD_", "XDG_")) and k != "DBUS_SESSION_BUS_ADDRESS"
+    }
+    env.update(HOME=str(home), DISPLAY=desktop.display, PYSTRAY_BACKEND="xorg")
+
+    def service(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "volunteerd", "service", *args],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    try:
+        installed = service("install")
+        assert installed.returncode == 0, installed.stdout + installed.stderr
+        assert "started the tray icon" in installed.stdout
+        desktop.wait_docked("Contributing")
+        again = service("install")
+        assert "the tray icon is showing already" in again.stdout, again.stdout
+        removed = service("uninstall")
+        assert removed.returncode == 0, removed.stdout + removed.stderr
+        assert "stopped the tray" in removed.stdout
+        wait_for("the icon left the tray", lambda: desktop.icons() == [], 15)
+        assert not (data / "tray.pid").exists()
+    finally:
+        for name in ("tray.pid", "control.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                text = (data / name).read_text()
+                pid = int(text) if name == "tray.pid" else json.loads(text)["pid"]
+                os.kill(pid, signal.SIGKILL)
 
 
 def _client(home: Path) -> ControlClient:

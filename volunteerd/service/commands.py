@@ -56,6 +56,7 @@ from volunteerd.service.process import (
     start_detached,
     stop_daemon,
     stop_tray,
+    tray_pid,
     wait_until_answering,
 )
 
@@ -387,7 +388,21 @@ def _start(
         return ExitCode.UNAVAILABLE
     out(f"volunteerd is running (pid {answer.pid}): dashboard at {answer.url}/")
     out("`volunteerd dashboard` opens it, signed in")
+    if tray and platform == "linux":
+        out(_start_tray(launch, paths))
     return ExitCode.OK
+
+
+def _start_tray(launch: Launch, paths: Paths) -> str:
+    """Show the tray now, as its autostart entry will at the next login (Linux: no
+    service manager runs the tray; launchd and Task Scheduler start it themselves)."""
+    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return "no desktop session here: the tray icon shows at your next login"
+    running = tray_pid(paths)
+    if running is not None:
+        return f"the tray icon is showing already (pid {running})"
+    child = start_detached(launch.command("tray"), paths, launch.environment())
+    return f"started the tray icon (pid {child.pid})"
 
 
 def _running(child: subprocess.Popen[bytes]) -> Callable[[], bool]:

@@ -31,6 +31,7 @@ __all__ = [
     "start_detached",
     "stop_daemon",
     "stop_tray",
+    "tray_pid",
     "wait_until_answering",
 ]
 
@@ -141,16 +142,25 @@ def stop_daemon(paths: Paths, timeout_s: float) -> str:
     raise ResourceUnavailable(f"something answers at {where} and did not stop")
 
 
-def stop_tray(paths: Paths, timeout_s: float = 10.0) -> str | None:
-    """Stop the tray of ``paths.data_dir`` (named in ``tray.pid``) with SIGTERM, if it
-    runs; returns what happened, or None when no tray was running. Only a process whose
-    command line is volunteerd's tray is signalled (a stale pid may have been reused)."""
+def tray_pid(paths: Paths) -> int | None:
+    """The pid of the tray of ``paths.data_dir`` if it runs (named in ``tray.pid``, and
+    its command line is volunteerd's tray: a stale pid may have been reused)."""
     try:
         pid = int(paths.tray_pid_file.read_text().strip())
     except (OSError, ValueError):
         return None
     if not (_alive(pid) and _is_volunteerd(pid) and "tray" in _command_line(pid).split()):
         paths.tray_pid_file.unlink(missing_ok=True)  # left by a tray that was killed
+        return None
+    return pid
+
+
+def stop_tray(paths: Paths, timeout_s: float = 10.0) -> str | None:
+    """Stop the tray of ``paths.data_dir`` (named in ``tray.pid``) with SIGTERM, if it
+    runs; returns what happened, or None when no tray was running. Only a process whose
+    command line is volunteerd's tray is signalled (a stale pid may have been reused)."""
+    pid = tray_pid(paths)
+    if pid is None:
         return None
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
