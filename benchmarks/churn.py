@@ -117,7 +117,10 @@ def run(args: argparse.Namespace, churn: bool) -> dict[str, Any]:
             range(args.nodes), k=max(1, round(args.churn * args.nodes))
         )
         chaos = Churn(swarm, victims if churn else [], args.up_s, args.down_s, args.seed)
-        with SwarmClient(trainer_config(swarm.bootstrap_addrs)) as client, chaos:
+        with (
+            SwarmClient(trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1")) as client,
+            chaos,
+        ):
             summary = run_training(experiment, client=client, steps=args.steps, out=log)
     result = summary.as_dict()
     result.update(

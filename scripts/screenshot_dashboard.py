@@ -98,7 +98,7 @@ def main() -> int:
         LocalSwarm.for_experiment(
             experiment, args.nodes, replication=2, settings=SETTINGS
         ) as swarm,
-        SwarmClient(trainer_config(swarm.bootstrap_addrs)) as trainer,
+        SwarmClient(trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1")) as trainer,
     ):
         daemon = ControlClient.for_data_dir(swarm.daemons[0].ready_file.parent / "data")
         driver = open_browser()

@@ -41,11 +41,13 @@ __all__ = ["run_demo", "run_training", "trainer_config"]
 logger = logging.getLogger(__name__)
 
 
-def trainer_config(bootstrap: list[str]) -> Config:
-    """The trainer's own node: loopback-friendly, any free port, server-mode DHT."""
+def trainer_config(bootstrap: list[str], *, listen_host: str = "0.0.0.0") -> Config:
+    """The trainer's own node: any free port, server-mode DHT. ``volunteerd train``
+    listens on every interface (peers of a real swarm dial it for DHT traffic); the
+    demo's swarm is all on this machine, so it passes 127.0.0.1."""
     return Config.model_validate(
         {
-            "network": {"listen_host": "0.0.0.0", "port": 0, "bootstrap_peers": bootstrap},
+            "network": {"listen_host": listen_host, "port": 0, "bootstrap_peers": bootstrap},
             "timeouts": {"request_s": 30},
         }
     )
@@ -152,7 +154,9 @@ def run_demo(
                 f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps",
                 file=out,
             )
-            with SwarmClient(trainer_config(swarm.bootstrap_addrs)) as client:
+            with SwarmClient(
+                trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1")
+            ) as client:
                 summary = run_training(experiment, client=client, steps=steps, out=out, stop=stop)
             _expert_table(summary, swarm, out)
             extra = {"nodes": nodes}
