@@ -445,4 +445,6 @@ def _daemon_state(paths: Paths) -> str | None:
         shown = ControlClient.for_data_dir(paths.data_dir, timeout_s=5.0).status()
     except ControlError:
         return None
-    return shown.state if shown.serving or not shown.reason else f"{shown.state} ({shown.reason})"
+    if shown.serving or shown.reason in ("", shown.state):
+        return shown.state
+    return f"{shown.state} ({shown.reason})"
