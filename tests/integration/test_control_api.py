@@ -194,6 +194,24 @@ async def test_security_token_host_origin_and_bodies(tmp_path: Path) -> None:
         code, _ = await call(ask, "POST", "/api/v1/shutdown", b"{}", Authorization="")
         assert code == 401
 
+        # Every reply forbids framing (a hidden Pause button) and foreign resources.
+        def headers_of(path: str) -> tuple[int, dict[str, str]]:
+            conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=10)
+            try:
+                conn.request("GET", path, headers={"Host": f"127.0.0.1:{port}"})
+                reply = conn.getresponse()
+                reply.read()
+                return reply.status, {k.lower(): v for k, v in reply.getheaders()}
+            finally:
+                conn.close()
+
+        for path in ("/", "/api/v1/health", "/api/v1/status"):
+            code, headers = await call(headers_of, path)
+            assert code == (401 if path.endswith("status") else 200)
+            assert headers["x-frame-options"] == "DENY"
+            assert "frame-ancestors 'none'" in headers["content-security-policy"]
+            assert "access-control-allow-origin" not in headers
+
         # Host: a DNS-rebinding name (or any other) -> 403, even for health.
         code, error = await call(ask, "GET", "/api/v1/health", Host=f"evil.example:{port}")
         assert code == 403

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from volunteerd import __version__
 from volunteerd.control.auth import allowed_hosts, check_token
@@ -225,6 +225,21 @@ def _endpoint(handler: Handler, controls: Controls) -> Callable[[Request], Await
     return endpoint
 
 
+# On every reply: the page loads only its own files and talks only to this server; no
+# other site may frame it (a hidden Pause button under a decoy), sniff types or see
+# where a link came from.
+_SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+        b"base-uri 'none'; form-action 'none'",
+    ),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+
 class _Guard:
     """Host and Origin checks on every request, the token on the routes that want it."""
 
@@ -257,10 +272,16 @@ class _Guard:
             and not check_token(headers.get("authorization"), self._token)
         ):
             response = _error(401, "missing or wrong API token (see `volunteerd dashboard`)")
+
+        async def send_hardened(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *_SECURITY_HEADERS]
+            await send(message)
+
         if response is not None:
-            await response(scope, receive, send)
+            await response(scope, receive, send_hardened)
             return
-        await self._app(scope, receive, send)
+        await self._app(scope, receive, send_hardened)
 
 
 def build_app(controls: Controls, *, token: str) -> _Guard:
