@@ -1,5 +1,6 @@
-"""One ``volunteerd serve`` process for benchmarks: its own temporary data folder,
-127.0.0.1, any free ports, ``experts`` ffn experts of ``hidden``; stopped with SIGTERM.
+"""One ``volunteerd serve`` (or ``bootstrap``) process for benchmarks: its own temporary
+data folder, 127.0.0.1, any free ports, ``experts`` ffn experts of ``hidden``; stopped
+with SIGTERM.
 Also reads its CPU time from /proc (Linux)."""
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ class DaemonProc:
 
 @contextmanager
 def daemon_process(experts: int, hidden: int) -> Iterator[DaemonProc]:
+    with volunteerd_process(
+        "serve", "--experts", f"ffn.0.[0:{experts}]",
+        "--set", f"experts.hidden_dim={hidden}", "--set", 'runtime.device="cpu"',
+    ) as daemon:  # fmt: skip
+        yield daemon
+
+
+@contextmanager
+def volunteerd_process(*args: str) -> Iterator[DaemonProc]:
+    """``volunteerd ARGS`` (serve, bootstrap) on 127.0.0.1, any free port, until ready."""
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
         env = {
@@ -37,10 +48,8 @@ def daemon_process(experts: int, hidden: int) -> Iterator[DaemonProc]:
             "VOLUNTEERD_CONTROL__PORT": "0",
         }
         cmd = [
-            sys.executable, "-m", "volunteerd", "serve",
+            sys.executable, "-m", "volunteerd", *args,
             "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-            "--experts", f"ffn.0.[0:{experts}]",
-            "--set", f"experts.hidden_dim={hidden}", "--set", 'runtime.device="cpu"',
             "--set", 'logging.level="WARNING"',
         ]  # fmt: skip
         started = time.monotonic()

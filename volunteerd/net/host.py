@@ -8,6 +8,7 @@ passed explicitly here and nowhere else.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -19,7 +20,8 @@ from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.auto_connector import AutoConnector
-from libp2p.network.config import RetryConfig
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.swarm import Swarm
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -29,6 +31,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from volunteerd.errors import ResourceUnavailable
 from volunteerd.identity import Identity
+from volunteerd.net import connections
 from volunteerd.net.peers import key_pair_for
 
 __all__ = ["listen_multiaddr", "open_host", "transport_addrs"]
@@ -60,16 +63,32 @@ class _NoAutoConnect(AutoConnector):
         self._started = False
 
 
-def build_host(identity: Identity, announce_addrs: Sequence[str] = ()) -> IHost:
+def build_host(
+    identity: Identity, announce_addrs: Sequence[str] = (), max_connections: int = 1000
+) -> IHost:
+    """A host that is not yet running; ``max_connections`` bounds inbound and outbound
+    connections together (a tenth of them, at least 8, stay free for our own dials)."""
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+    reserve = max(8, max_connections // 10)
     host = new_host(
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         announce_addrs=[multiaddr.Multiaddr(a) for a in announce_addrs] or None,
+        # py-libp2p's own pruner starts above high_watermark; idle connections are
+        # trimmed by net/connections.py instead, so it never runs.
+        connection_config=ConnectionConfig(
+            max_connections=max_connections,
+            min_connections=reserve,
+            low_watermark=reserve,
+            high_watermark=max_connections,
+        ),
     )
     swarm = host.get_network()
+    if not isinstance(swarm, Swarm):  # new_host always builds a Swarm
+        raise TypeError(f"unexpected network {type(swarm).__name__}")
+    connections.install(swarm)
     swarm.auto_connector = _NoAutoConnect(swarm)  # type: ignore[attr-defined]
     # The default retries a refused dial three times with backoff (0.7 s per dead peer,
     # paid again by every lookup that meets it). Refused is refused: retry once, soon.
@@ -81,13 +100,18 @@ def check_port_free(host: str, port: int) -> None:
     """Raise ResourceUnavailable if another process listens on ``host:port``.
 
     py-libp2p listens with SO_REUSEPORT (for hole punching), so a second daemon on the
-    same port would start without error and silently share its connections. A plain
-    bind without that option fails while any other socket holds the port.
+    same port would start without error and silently share its connections. A bind
+    without that option fails while another socket listens on the port. It sets
+    SO_REUSEADDR, as every listener should: the connections of a daemon that just
+    stopped linger in TIME-WAIT for a minute, and must not keep its restart from
+    binding (a second daemon on one data folder is caught by its lock file).
     """
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if os.name != "nt":  # on Windows the option would let us steal a live port
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -99,7 +123,10 @@ def check_port_free(host: str, port: int) -> None:
 
 @asynccontextmanager
 async def open_host(
-    identity: Identity, listen_addr: str | None, announce_addrs: Sequence[str] = ()
+    identity: Identity,
+    listen_addr: str | None,
+    announce_addrs: Sequence[str] = (),
+    max_connections: int = 1000,
 ) -> AsyncIterator[IHost]:
     """A running host listening on ``listen_addr`` (None: on nothing, a relay-only
     node); closed when the block exits.
@@ -111,7 +138,7 @@ async def open_host(
         ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
         check_port_free(str(ip), int(address.value_for_protocol("tcp")))
         listen.append(address)
-    host = build_host(identity, announce_addrs)
+    host = build_host(identity, announce_addrs, max_connections)
     async with host.run(listen):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
         try:

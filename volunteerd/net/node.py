@@ -19,6 +19,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from volunteerd.config import Config
 from volunteerd.identity import Identity
+from volunteerd.net.connections import IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
 from volunteerd.net.host import listen_multiaddr, open_host, transport_addrs
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
@@ -43,6 +44,7 @@ class Node:
     server: RpcServer
     dht: ExpertDHT
     throttle: Throttle
+    connections: IdleTrimmer
     reachability: Reachability | None = None
 
     @property
@@ -85,11 +87,18 @@ async def open_node(
     listen = (
         listen_multiaddr(network.listen_host, network.port) if config.reachability.listen else None
     )
-    async with open_host(identity, listen, network.announce_addrs) as host:
+    async with open_host(identity, listen, network.announce_addrs, network.max_connections) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         async with background_trio_service(kad), trio.open_nursery() as nursery:
             rpc = RpcClient(host, config.wire, config.timeouts, throttle=throttle)
-            dht = ExpertDHT(host, kad, rpc, config.dht, config.timeouts)
+            dht = ExpertDHT(
+                host,
+                kad,
+                rpc,
+                config.dht,
+                config.timeouts,
+                trusted_owners=config.experiments.trusted_owners,
+            )
             server = RpcServer(
                 host,
                 {**dht.handlers(), **DialBackServer(host).handlers(), **(handlers or {})},
@@ -99,8 +108,10 @@ async def open_node(
                 throttle,
             )
             server.install()
-            node = Node(host, identity, str(host.get_id()), rpc, server, dht, throttle)
+            trimmer = IdleTrimmer(host, config.timeouts.connection_idle_s)
+            node = Node(host, identity, str(host.get_id()), rpc, server, dht, throttle, trimmer)
             nursery.start_soon(_expire_records, dht)
+            nursery.start_soon(trimmer.serve)
             nursery.start_soon(throttle.serve)
             relaying = Relaying(host, hop=relay or config.reachability.act_as_relay)
             await nursery.start(relaying.serve)
@@ -133,4 +144,4 @@ async def open_node(
 async def _expire_records(dht: ExpertDHT) -> None:
     while True:
         await trio.sleep(_EXPIRE_EVERY_S)
-        dht.store.expire()
+        dht.expire()

@@ -1,0 +1,160 @@
+"""Inbound connection slots: released when a connection closes, and taken back from
+idle connections when they run short.
+
+py-libp2p 0.8.1 admits at most ``max_connections - min_connections`` inbound
+connections at once. Two things are done here about how it counts them:
+
+* **A slot per open connection, not per connection ever accepted.** Its
+  ``Swarm._do_handle_inbound_connection`` awaits ``swarm.manager.wait_finished()`` --
+  the whole swarm's end -- after the upgrade, and the caller releases the slot only
+  then: every inbound connection kept its slot until the node stopped, and a node went
+  deaf after 250 peers in its lifetime. :func:`install` replaces that method with one
+  that holds the slot until *this* connection closes. Remove it (and the test
+  ``test_connections.py`` keeps passing) once py-libp2p releases the slot on close.
+* **Idle connections give their slots back under pressure.** Slots are still finite,
+  and a peer holding connections it does not use (or many throw-away identities doing
+  so) would keep newcomers out. :class:`IdleTrimmer` closes inbound connections that
+  have had no stream for ``timeouts.connection_idle_s`` once more than half of the
+  slots are taken, oldest idle first, down to half. A peer that still wants us dials
+  again (its next request pays one handshake).
+* **Handshakes queue.** At most 16 inbound connections are upgraded at once; a burst
+  of hundreds of peers waits in the queue instead of all timing out together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.io.abc import ReadWriteCloser
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.swarm import Swarm
+from libp2p.rcmgr import Direction
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = ["ConnectionStats", "IdleTrimmer", "install", "slots_in_use"]
+
+logger = logging.getLogger(__name__)
+
+_TRIM_EVERY_S = 5.0
+
+
+# Handshakes (Noise, then Yamux) run at most this many at once. Hundreds of peers
+# dialling in the same second all progressed together and slowly on the one event loop,
+# past py-libp2p's 10 s upgrade timeout (52 of 300 failed); queued, each finishes fast.
+_CONCURRENT_HANDSHAKES = 16
+
+
+def install(swarm: Swarm) -> None:
+    """Make ``swarm`` release an inbound slot when that connection closes, and upgrade
+    at most ``_CONCURRENT_HANDSHAKES`` inbound connections at once."""
+    swarm._do_handle_inbound_connection = functools.partial(  # type: ignore[method-assign]
+        _serve_inbound_until_closed, swarm, trio.CapacityLimiter(_CONCURRENT_HANDSHAKES)
+    )
+
+
+async def _serve_inbound_until_closed(
+    swarm: Swarm,
+    handshakes: trio.CapacityLimiter,
+    read_write_closer: ReadWriteCloser,
+    maddr: multiaddr.Multiaddr,
+    _event: Any,
+) -> None:
+    """Upgrade one inbound connection and hold its listener task (and so its slot)
+    until the connection closes; trio then closes the socket, already closed."""
+    remote = swarm._build_remote_multiaddr(read_write_closer)
+    if remote is not None and not await swarm.connection_gate.is_allowed(remote):
+        with contextlib.suppress(Exception):
+            await read_write_closer.close()
+        return
+    raw_conn = RawConnection(read_write_closer, False)
+    try:
+        async with handshakes:
+            muxed = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
+    except Exception as exc:
+        # A failed handshake is the peer's problem (or a port scan's), never ours.
+        logger.debug("inbound connection from %s failed: %s", remote, exc)
+        with contextlib.suppress(Exception):
+            await raw_conn.close()
+        return
+    closed = getattr(muxed, "event_closed", None)
+    if isinstance(closed, trio.Event):
+        await closed.wait()
+    else:  # a muxer without the event: the library's own behaviour
+        await swarm.manager.wait_finished()
+
+
+def slots_in_use(swarm: Swarm) -> tuple[int, int]:
+    """(inbound slots taken, inbound slots in all)."""
+    limiter = swarm._inbound_limiter
+    return int(limiter.borrowed_tokens), int(limiter.total_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStats:
+    connections: int
+    inbound_slots_used: int
+    inbound_slots: int
+    trimmed: int
+
+
+class IdleTrimmer:
+    """Closes idle inbound connections while more than half of the slots are taken."""
+
+    def __init__(self, host: IHost, idle_s: float) -> None:
+        self._swarm = host.get_network()
+        self._idle_s = idle_s
+        self._idle_since: dict[int, float] = {}
+        self.trimmed = 0
+
+    def statistics(self) -> ConnectionStats:
+        used, total = slots_in_use(self._swarm)  # type: ignore[arg-type]
+        return ConnectionStats(len(self._swarm.get_connections()), used, total, self.trimmed)
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(_TRIM_EVERY_S)
+            await self.trim_once(time.monotonic())
+
+    async def trim_once(self, now: float) -> int:
+        """Note which inbound connections are idle; close the longest idle ones while
+        over half of the slots are taken. Returns how many were closed."""
+        inbound = [
+            c
+            for c in self._swarm.get_connections()
+            if getattr(c, "direction", None) == Direction.INBOUND
+        ]
+        idle: list[tuple[float, Any]] = []
+        seen: dict[int, float] = {}
+        for conn in inbound:
+            if conn.get_streams():
+                continue
+            since = self._idle_since.get(id(conn), now)
+            seen[id(conn)] = since
+            if now - since >= self._idle_s:
+                idle.append((since, conn))
+        self._idle_since = seen
+        used, total = slots_in_use(self._swarm)  # type: ignore[arg-type]
+        excess = used - total // 2
+        closed = 0
+        for _, conn in sorted(idle, key=lambda item: item[0])[: max(0, excess)]:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            closed += 1
+        if closed:
+            self.trimmed += closed
+            logger.info(
+                "closed %d idle inbound connections (%d of %d slots taken)", closed, used, total
+            )
+        return closed
