@@ -127,8 +127,11 @@ class Announcer:
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await self.announce_now()
-            logger.info("announced %d experts", len(self._live()))
+            try:
+                await self.announce_now()
+                logger.info("announced %d experts", len(self._live()))
+            except Exception:  # a peer failing us must not keep the daemon from starting
+                logger.exception("first announcement failed; retrying next round")
             task_status.started()
             while True:
                 with trio.move_on_after(self._config.announce_period_s):
@@ -142,5 +145,8 @@ class Announcer:
             with trio.CancelScope(shield=True), trio.move_on_after(self._timeouts.shutdown_grace_s):
                 self._uids, withdrawn = set(), self._announced
                 if withdrawn:
-                    await self._dht.put(self.records(withdraw=withdrawn))
-                    logger.info("withdrew %d experts from the DHT", len(withdrawn))
+                    try:
+                        await self._dht.put(self.records(withdraw=withdrawn))
+                        logger.info("withdrew %d experts from the DHT", len(withdrawn))
+                    except Exception as exc:  # the records expire on their own
+                        logger.info("could not withdraw the experts: %r", exc)

@@ -142,6 +142,10 @@ class ReplicaAverager:
                 used += await self.average(uid)
             except VolunteerdError as exc:
                 logger.info("averaging %s failed: %s", uid, exc)
+            except Exception as exc:
+                # Peers come and go under the lookup (py-libp2p raises its own errors,
+                # e.g. PeerStoreError for one that left): never a reason to stop serving.
+                logger.warning("averaging %s failed: %r", uid, exc)
         return used
 
     async def average(self, uid: str) -> int:
