@@ -65,10 +65,11 @@ def run_cli(home: Path, *args: str, timeout_s: float = 60) -> subprocess.Complet
 def spawn(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     procs: list[Proc] = []
 
-    def start(name: str, *args: str) -> Proc:
+    def start(name: str, *args: str, port: int = 0) -> Proc:
         home = tmp_path / name
         home.mkdir(exist_ok=True)
         ready = home / "ready.json"
+        ready.unlink(missing_ok=True)  # a restart under the same name
         log = home / "log.txt"
         process = subprocess.Popen(
             [
@@ -79,7 +80,7 @@ def spawn(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
                 "--listen-host",
                 "127.0.0.1",
                 "--port",
-                "0",
+                str(port),
                 "--ready-file",
                 str(ready),
             ],
