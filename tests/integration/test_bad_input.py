@@ -49,12 +49,12 @@ async def forward(
 
 
 async def raw_exchange(
-    client: Node, server: Running, payload: bytes, *, close: bool = False
+    client: Node, server: Running, payload: bytes, *, close: bool = False, verb: Verb = Verb.FORWARD
 ) -> dict | None:  # type: ignore[type-arg]
-    """Write raw bytes on a fresh forward stream; return the reply header (or None if the
-    server closed the stream without a reply)."""
+    """Write raw bytes on a fresh stream of ``verb``; return the reply header (or None if
+    the server closed the stream without a reply)."""
     stream = await client.host.new_stream(
-        ID.from_base58(server.node.peer_id), [TProtocol(PROTOCOLS[Verb.FORWARD].protocol_id)]
+        ID.from_base58(server.node.peer_id), [TProtocol(PROTOCOLS[verb].protocol_id)]
     )
     await stream.write(payload)
     if close:
@@ -154,3 +154,51 @@ async def test_a_sender_that_stalls_inside_a_frame_is_dropped(tmp_path: Path) ->
         assert dropped
         assert server.node.server.stats.errors.get("slow_sender") == 1
         assert (await forward(client, server, torch.randn(2, HIDDEN))).shape == (2, HIDDEN)
+
+
+async def test_a_verb_without_tensors_refuses_a_body_from_its_prefix(tmp_path: Path) -> None:
+    """255 MiB declared on `info` (which carries no tensors) is refused before a byte of
+    it is read; it used to be read in full, four such frames costing a gigabyte."""
+    async with daemon_and_client(tmp_path) as (server, client):
+        declared = 255 << 20
+        raw = json.dumps({"uid": "ffn.0.0"}).encode()
+        payload = PREFIX.pack(b"VD", 1, 0, len(raw), declared) + raw + bytes(64 << 10)
+        reply = await raw_exchange(client, server, payload, verb=Verb.INFO)
+        assert reply is not None
+        assert reply["code"] == "too_large"
+        assert "carry no tensors" in reply["message"]
+        assert server.node.server.stats.bytes_in < 1 << 20
+        await forward(client, server, torch.randn(2, HIDDEN))  # still serving
+
+
+async def test_requests_in_flight_share_one_byte_budget(tmp_path: Path) -> None:
+    """Frames being read count against max_inflight_mib, all peers together: while one
+    peer's 900 KiB frame is in flight, another's 500 KiB is refused busy, then served."""
+    async with (
+        daemon_and_client(
+            tmp_path, wire={"max_inflight_mib": 1}, runtime={"max_batch_size": 8192}
+        ) as (server, client),
+        open_peer(local_config()) as other,
+    ):
+        meta, data = to_wire(torch.randn(900 * 1024 // (4 * HIDDEN), HIDDEN))
+        frame = encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [data])
+        stream = await client.host.new_stream(
+            ID.from_base58(server.node.peer_id), [TProtocol(PROTOCOLS[Verb.FORWARD].protocol_id)]
+        )
+        await stream.write(frame[: len(frame) // 2])  # and stalls, inside its frame
+        with trio.fail_after(10):
+            while server.node.server.inflight_bytes < len(frame):  # noqa: ASYNC110 - polling
+                await trio.sleep(0.01)
+        small = torch.randn(500 * 1024 // (4 * HIDDEN), HIDDEN)
+        with pytest.raises(RemoteError) as refused:
+            await forward(other, server, small)
+        assert refused.value.code == "busy"
+        await stream.write(frame[len(frame) // 2 :])
+        with trio.fail_after(10):
+            prefix = await read_prefix(stream)
+            assert prefix is not None
+            reply = await read_frame_rest(stream, bytes(prefix), local_config().wire)
+        assert json.loads(reply.header)["status"] == "ok"
+        await stream.close()
+        await forward(other, server, small)
+        assert server.node.server.inflight_bytes == 0

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import torch
+import trio
+import trio.lowlevel
 
-from volunteerd.experts import Retained, WeightsSnapshot
-from volunteerd.runtime import RetainedStore
+from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
+from volunteerd.experts import Retained, WeightsSnapshot, to_wire
+from volunteerd.runtime import ExpertRuntime, RetainedStore
+from volunteerd.wire import WireTensor
 
 
 def kept(nbytes: int, weights: WeightsSnapshot | None = None) -> Retained:
@@ -51,3 +55,93 @@ def test_budget_evicts_oldest_and_charges_shared_weights_once() -> None:
     assert store.take(second or "", "e.0", "p") is not None
     assert store.put("e.0", "p", kept(5000)) is None  # can never fit
     assert RetainedStore(0, 60).enabled is False
+
+
+# -- the budget in a running runtime ------------------------------------------------------
+
+HIDDEN = 64
+ROWS = 256
+BUDGET_MB = 2
+
+
+def _runtime(**runtime: object) -> ExpertRuntime:
+    config = RuntimeConfig.model_validate(
+        {"device": "cpu", "max_batch_wait_s": 0.001, "retain_activations_mb": BUDGET_MB, **runtime}
+    )
+    experts = ExpertsConfig(hidden_dim=HIDDEN)
+    return ExpertRuntime(["ffn.0.0"], experts, config, WireLimits(), torch.device("cpu"))
+
+
+def _inputs() -> list[WireTensor]:
+    meta, data = to_wire(torch.randn(ROWS, HIDDEN))
+    return [WireTensor(meta.dtype, meta.shape, memoryview(bytearray(data)))]
+
+
+def graph_bytes(retained: Retained) -> int:
+    """What a kept forward really holds, counted apart from the store: the storages of
+    its inputs, its output and every tensor its autograd graph saved, weights aside."""
+    weights = {p.untyped_storage().data_ptr() for p in retained.weights.params.values()}
+    storages = {t.untyped_storage().data_ptr(): t for t in (*retained.leaves, retained.output)}
+    seen, todo = set(), [retained.output.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for name in dir(fn):
+            if name.startswith("_saved_"):
+                value = getattr(fn, name)
+                if isinstance(value, torch.Tensor):
+                    storages[value.untyped_storage().data_ptr()] = value
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return sum(t.untyped_storage().nbytes() for p, t in storages.items() if p not in weights)
+
+
+async def test_kept_forwards_in_flight_never_overshoot_the_budget() -> None:
+    """Many kept forwards at once: the budget is taken before each graph is computed, so
+    what is kept and in flight together stays within it; the rest are served unkept."""
+    rt = _runtime()
+    budget = BUDGET_MB << 20
+    most = 0
+    handles: list[str | None] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.serve)
+
+        async def kept_forward() -> None:
+            reply, _ = await rt.forward("ffn.0.0", _inputs(), retain=True, peer_id="p")
+            assert reply.tensors[0].shape == (ROWS, HIDDEN)
+            handles.append(reply.handle)
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, rt.retained.statistics().nbytes)
+                await trio.lowlevel.checkpoint()
+
+        nursery.start_soon(watch)
+        async with trio.open_nursery() as calls:
+            for _ in range(64):
+                calls.start_soon(kept_forward)
+        nursery.cancel_scope.cancel()
+    kept = [h for h in handles if h is not None]
+    # The store charges at least what each kept graph really holds.
+    for entry in rt.retained._entries.values():
+        assert entry.retained.nbytes >= graph_bytes(entry.retained) > 0
+    assert len(handles) == 64
+    assert 0 < len(kept) < 64
+    assert most <= budget
+    assert rt.retained.statistics().refused + rt.retained.statistics().evicted > 0
+
+
+async def test_kept_forwards_give_memory_back_when_they_expire_without_requests() -> None:
+    rt = _runtime(retain_s=0.2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.serve)
+        reply, _ = await rt.forward("ffn.0.0", _inputs(), retain=True, peer_id="p")
+        assert reply.handle is not None
+        assert rt.retained.statistics().nbytes > 0
+        with trio.fail_after(20):
+            while rt.retained.statistics().entries:  # noqa: ASYNC110 - no request comes
+                await trio.sleep(0.05)
+        assert rt.retained.statistics().nbytes == 0
+        nursery.cancel_scope.cancel()

@@ -62,6 +62,12 @@ class ProtocolSpec:
     idempotent: bool
 
 
+# The verbs whose *requests* carry tensors, and so a frame body; every other verb's
+# request is its JSON header alone, and a body on it is refused from the prefix.
+REQUESTS_WITH_TENSORS = frozenset(
+    {Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH}
+)
+
 PROTOCOLS: dict[Verb, ProtocolSpec] = {
     spec.verb: spec
     for spec in (

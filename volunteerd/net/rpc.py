@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from volunteerd.config import PeerLimitsConfig, TimeoutsConfig, WireLimits
 from volunteerd.errors import (
+    Busy,
     FrameTooLarge,
     MalformedFrame,
     PeerError,
@@ -48,7 +49,7 @@ from volunteerd.errors import (
 from volunteerd.net.framing import read_exactly, read_frame_rest, read_prefix
 from volunteerd.net.limits import PeerLimiter
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, short
-from volunteerd.net.protocols import PROTOCOLS, ProtocolSpec, Verb
+from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, ProtocolSpec, Verb
 from volunteerd.net.throttle import Throttle
 from volunteerd.wire import (
     PREFIX,
@@ -131,6 +132,16 @@ class RpcServer:
         self._peer_limits = peer_limits
         self._limiter = PeerLimiter(peer_limits)
         self.stats = RpcStats()
+        # Only requests with tensors have a body: every other verb's cap is 0, so a
+        # huge frame on `info` is refused from its prefix, before anything is read.
+        self._body_caps = {
+            verb: limits.max_body_bytes if verb in REQUESTS_WITH_TENSORS else 0
+            for verb in self._handlers
+        }
+        # Declared bytes of the frames being read or handled now, from every peer.
+        self._inflight_bytes = 0
+        self._inflight_budget = limits.max_inflight_mib << 20
+        self._charged: dict[int, int] = {}  # by id(stream): one request at a time each
 
     def open_streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
@@ -167,7 +178,9 @@ class RpcServer:
                     first = await read_exactly(stream, 1, started=False)
                     if first is None:
                         return
-                    if not await self._serve_one(spec, handler, stream, peer_id, bytes(first)):
+                    keep = await self._serve_one(spec, handler, stream, peer_id, bytes(first))
+                    self._release(stream)
+                    if not keep:
                         return
                     continue
                 return  # idle for too long: close, the client reconnects when it needs to
@@ -180,6 +193,7 @@ class RpcServer:
         except Exception as exc:  # the stream failed under us: nothing to answer
             logger.debug("%s stream from %s ended: %r", spec.verb, short(peer_id), exc)
         finally:
+            self._release(stream)
             self._limiter.close_stream(peer_id)
             await _close(stream)
 
@@ -203,12 +217,23 @@ class RpcServer:
                     max_header_bytes=self._limits.max_header_bytes,
                     max_body_bytes=self._limits.max_body_bytes,
                 )
+                if sizes.body_bytes > self._body_caps[spec.verb]:
+                    raise FrameTooLarge(
+                        f"{spec.verb} requests carry no tensors: a body of "
+                        f"{sizes.body_bytes} bytes is refused"
+                    )
                 declared = PREFIX.size + sizes.header_bytes + sizes.body_bytes
                 reason = self._limiter.admit(peer_id, declared)
+                if reason is None and not self._reserve(stream, declared):
+                    reason = "inflight"
                 if reason is not None:
                     # Refused before the header or body is read: the frame stays unread,
                     # so the stream is out of step and closes after the reply.
-                    refusal = RateLimited(f"over this peer's {_LIMIT_NAMES[reason]}")
+                    refusal: VolunteerdError = (
+                        Busy(f"server busy: {self._inflight_bytes >> 20} MiB of requests in flight")
+                        if reason == "inflight"
+                        else RateLimited(f"over this peer's {_LIMIT_NAMES[reason]}")
+                    )
                     await self._refuse_limited(spec, stream, peer_id, reason, refusal)
                     return False
                 frame = await read_frame_rest(stream, prefix, self._limits)
@@ -241,8 +266,32 @@ class RpcServer:
         await stream.write(data)
         return True
 
+    def _reserve(self, stream: INetStream, declared: int) -> bool:
+        """Charge a frame to the in-flight budget shared by all peers until its reply is
+        written; False when it does not fit. A frame always fits an idle server, so the
+        largest one allowed is never refused for good."""
+        if self._inflight_bytes and self._inflight_bytes + declared > self._inflight_budget:
+            return False
+        self._inflight_bytes += declared
+        self._charged[id(stream)] = declared
+        return True
+
+    def _release(self, stream: INetStream) -> None:
+        """The stream's request is answered (or abandoned): its bytes leave the budget."""
+        self._inflight_bytes -= self._charged.pop(id(stream), 0)
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Declared bytes of the requests being read or answered now."""
+        return self._inflight_bytes
+
     async def _refuse_limited(
-        self, spec: ProtocolSpec, stream: INetStream, peer_id: str, reason: str, exc: RateLimited
+        self,
+        spec: ProtocolSpec,
+        stream: INetStream,
+        peer_id: str,
+        reason: str,
+        exc: VolunteerdError,
     ) -> None:
         self.stats.count_refused(peer_id, reason)
         logger.debug("rate-limited %s from %s: %s", spec.verb, short(peer_id), exc)
@@ -442,6 +491,21 @@ class RpcClient:
         except trio.TooSlowError:
             raise PeerUnreachable(
                 f"{short(peer.peer_id)}: no stream within {self._timeouts.connect_s}s"
+            ) from None
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+
+    async def connect(self, peer: PeerAddress) -> None:
+        """Open a connection to ``peer`` (no stream) unless one is open. Raises
+        PeerUnreachable."""
+        try:
+            with trio.fail_after(self._timeouts.connect_s):
+                await self._ensure_connected(peer, ID.from_base58(peer.peer_id))
+        except trio.TooSlowError:
+            raise PeerUnreachable(
+                f"{short(peer.peer_id)}: no connection within {self._timeouts.connect_s}s"
             ) from None
         except (trio.Cancelled, KeyboardInterrupt):
             raise

@@ -3,7 +3,9 @@
 A trainer that will call backward asks the server to keep the forward's graph; the
 reply carries a random handle. The backward names the handle instead of sending the
 inputs again. Entries are dropped after ``retain_s``, when the byte budget needs room
-(oldest first), or when used; a handle that is gone, belongs to another expert or was
+(oldest first), or when used. The budget is taken before a kept forward is computed
+(``reserve``), so forwards in flight count too; a forward that does not fit is served
+without being kept. A handle that is gone, belongs to another expert or was
 issued to another peer is simply unknown, and the trainer falls back to the stateless
 backward (sending the inputs).
 """
@@ -36,6 +38,7 @@ class RetainedStats:
     hits: int
     misses: int
     evicted: int
+    refused: int = 0  # forwards served without keeping them: no room in the budget
 
 
 class RetainedStore:
@@ -48,16 +51,50 @@ class RetainedStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         # Weight snapshots are shared by entries: charged once while any entry holds one.
         self._snapshot_refs: dict[int, int] = {}
-        self._nbytes = 0
-        self._hits = self._misses = self._evicted = 0
+        self._nbytes = 0  # kept entries and reservations of forwards in flight
+        self._per_row: dict[str, int] = {}  # uid -> largest graph bytes per row seen
+        self._hits = self._misses = self._evicted = self._refused = 0
 
     @property
     def enabled(self) -> bool:
         return self._budget > 0
 
-    def put(self, uid: str, peer_id: str, retained: Retained) -> str | None:
-        """Keep ``retained``; returns its handle, or None if it cannot fit."""
-        self._expire()
+    def reserve(self, uid: str, samples: int, input_bytes: int) -> int | None:
+        """Room for the graph of a forward of ``samples`` rows, taken *before* it is
+        computed: concurrent kept forwards must not overshoot the budget while they run.
+
+        The size is this expert's largest graph per row seen so far (8 times the input
+        until one is seen). Older entries are evicted to make room. Returns the bytes
+        reserved (hand them to ``put``, or to ``release`` if the forward fails), or
+        None when they cannot fit: then run the forward without keeping it."""
+        self.expire()
+        per_row = self._per_row.get(uid)
+        estimate = samples * per_row if per_row is not None else 8 * input_bytes
+        if estimate > self._budget:
+            return None
+        while self._nbytes + estimate > self._budget and self._entries:
+            self._drop(next(iter(self._entries)))
+            self._evicted += 1
+        if self._nbytes + estimate > self._budget:  # other reservations fill it
+            self._refused += 1
+            return None
+        self._nbytes += estimate
+        return estimate
+
+    def release(self, reserved: int) -> None:
+        """Give back a reservation whose forward was not kept."""
+        self._nbytes -= reserved
+
+    def put(
+        self, uid: str, peer_id: str, retained: Retained, reserved: int = 0, samples: int = 0
+    ) -> str | None:
+        """Keep ``retained`` in place of the ``reserved`` bytes; returns its handle, or
+        None if it cannot fit."""
+        self._nbytes -= reserved
+        if samples:
+            per_row = -(-retained.nbytes // samples)
+            self._per_row[uid] = max(per_row, self._per_row.get(uid, 0))
+        self.expire()
         cost = self._cost_of(retained)
         if cost > self._budget:
             return None
@@ -65,6 +102,9 @@ class RetainedStore:
             self._drop(next(iter(self._entries)))
             self._evicted += 1
         cost = self._cost_of(retained)  # evictions may have released its snapshot
+        if self._nbytes + cost > self._budget:  # forwards in flight hold the rest
+            self._refused += 1
+            return None
         handle = secrets.token_hex(16)
         self._entries[handle] = _Entry(uid, peer_id, retained, self._clock() + self._ttl_s)
         self._charge(retained, +1)
@@ -73,7 +113,7 @@ class RetainedStore:
     def take(self, handle: str, uid: str, peer_id: str) -> Retained | None:
         """The entry for ``handle`` if it is alive and was issued to this peer for this
         expert (and then removed); otherwise None, and the entry stays for its owner."""
-        self._expire()
+        self.expire()
         entry = self._entries.get(handle)
         if entry is None or entry.uid != uid or entry.peer_id != peer_id:
             self._misses += 1
@@ -88,7 +128,12 @@ class RetainedStore:
 
     def statistics(self) -> RetainedStats:
         return RetainedStats(
-            len(self._entries), self._nbytes, self._hits, self._misses, self._evicted
+            len(self._entries),
+            self._nbytes,
+            self._hits,
+            self._misses,
+            self._evicted,
+            self._refused,
         )
 
     def _cost_of(self, retained: Retained) -> int:
@@ -112,7 +157,9 @@ class RetainedStore:
         entry = self._entries.pop(handle)
         self._charge(entry.retained, -1)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Drop entries older than ``retain_s`` (also called once a second by the
+        runtime, so an idle server gives their memory back)."""
         now = self._clock()
         while self._entries:
             handle, entry = next(iter(self._entries.items()))
