@@ -1,14 +1,17 @@
 """ExpertBackend: the kept-graph backward gives the stateless backward's gradients,
-even when other optimizer steps happen in between."""
+even when other optimizer steps happen in between; a step that would wreck the weights
+is undone exactly."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from volunteerd.config import ExpertsConfig
 from volunteerd.experts import ExpertBackend
+from volunteerd.experts.stepcheck import StepCheck
 
 
 def backend(optimizer: str = "sgd") -> ExpertBackend:
@@ -92,3 +95,266 @@ def test_weights_are_copied_only_when_a_step_meets_a_kept_forward() -> None:
     assert [p.data_ptr() for p in b.module.parameters()] != storage
     b.backward_retained([(kept, [g])])
     b.step()
+
+
+# The attacks of issue 12: one stateless backward of one sample from a stranger.
+ATTACKS = {
+    "one input of 3e38": (0, 3e38, None),  # (where in the input, its value, gradients)
+    "inputs of 1e20": (None, 1e20, None),
+    "gradients of 3e38": (None, None, 3e38),
+    "gradients of 1e30": (None, None, 1e30),
+    "gradients of 1e6": (None, None, 1e6),
+}
+
+
+def attack(b: ExpertBackend, name: str) -> None:
+    where, x_value, g_value = ATTACKS[name]
+    generator = torch.Generator().manual_seed(11)
+    x, g = torch.randn(1, 16, generator=generator), torch.randn(1, 16, generator=generator)
+    if x_value is not None and where is not None:
+        x[0, where] = x_value
+    elif x_value is not None:
+        x.fill_(x_value)
+    if g_value is not None:
+        g.fill_(g_value)
+    b.backward([x], [g])
+
+
+def honest_steps(backends: list[ExpertBackend], check: StepCheck, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, g = torch.randn(8, 16, generator=generator), torch.randn(8, 16, generator=generator)
+        for b in backends:
+            b.backward([x], [g * 0.01])
+            assert b.step(check).undone is None
+
+
+def assert_same_state(a: ExpertBackend, b: ExpertBackend) -> None:
+    sa, sb = a.state(), b.state()
+    assert sa.updates == sb.updates
+    for name in sa.params:
+        assert torch.equal(sa.params[name], sb.params[name]), name
+    assert sa.optimizer_state.keys() == sb.optimizer_state.keys()
+    for index, entry in sa.optimizer_state.items():
+        assert entry.keys() == sb.optimizer_state[index].keys()
+        for key, value in entry.items():
+            assert torch.equal(value, sb.optimizer_state[index][key]), (index, key)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "name", "reason"),
+    [
+        # NaN gradients (the layer norm's variance overflowed) are refused unapplied.
+        ("adam", "one input of 3e38", "non_finite_gradients"),
+        ("adam", "inputs of 1e20", "non_finite_gradients"),
+        ("adam", "gradients of 3e38", "non_finite"),
+        ("adam", "gradients of 1e30", "non_finite_optimizer_state"),
+        ("sgd", "one input of 3e38", "non_finite_gradients"),
+        ("sgd", "gradients of 3e38", "non_finite_weights"),
+        ("sgd", "gradients of 1e30", "too_large_step"),
+        ("sgd", "gradients of 1e6", "too_large_step"),
+    ],
+)
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+def test_a_wrecking_step_is_undone_and_training_goes_on_as_if_it_never_came(
+    optimizer: str, name: str, reason: str, trained: bool
+) -> None:
+    # Unchecked, the attack wrecks the expert: that is what the check is for.
+    victim = backend(optimizer)
+    attack(victim, name)
+    victim.step()
+    weights = torch.cat([p.detach().flatten() for p in victim.module.parameters()])
+    state = [v for s in victim.optimizer.state.values() for v in s.values()]
+    wrecked = not torch.isfinite(weights).all() or not all(torch.isfinite(v).all() for v in state)
+    assert wrecked or float(weights.abs().max()) > 1e3
+
+    check = StepCheck(max_ratio=1.0)
+    a, twin = backend(optimizer), backend(optimizer)  # twin never sees the attack
+    if trained:
+        honest_steps([a, twin], check, 3, seed=1)
+    attack(a, name)
+    outcome = a.step(check)
+    # With Adam, whether NaN reaches the gradients, the weights or only the state (an
+    # infinite second moment makes the update 0) depends on the values: each is undone
+    # (or, NaN gradients, refused before the step).
+    non_finite = {"non_finite_gradients", "non_finite_weights", "non_finite_optimizer_state"}
+    assert outcome.undone in (non_finite if reason == "non_finite" else {reason})
+    assert a.updates == twin.updates == (3 if trained else 0)
+    assert_same_state(a, twin)  # bit for bit, optimizer state (or its absence) included
+    assert all(p.grad is not None and not p.grad.any() for p in a.module.parameters())
+    honest_steps([a, twin], check, 2, seed=2)
+    assert_same_state(a, twin)
+    assert check.undone == 1
+
+
+def test_adam_takes_huge_finite_gradients_in_its_stride() -> None:
+    # Adam divides by the gradients' running RMS, so gradients of 1e6 move each weight
+    # by at most about the learning rate: the step is applied (the guard's bounds and
+    # statistics are what keep such gradients out).
+    b = backend("adam")
+    attack(b, "gradients of 1e6")
+    outcome = b.step(StepCheck(max_ratio=1.0))
+    assert outcome.undone is None
+    assert 0 < outcome.moved < 1.0
+
+
+def test_a_step_is_undone_when_it_moves_the_weights_further_than_the_bound() -> None:
+    check = StepCheck(max_ratio=1.0)
+    a, twin = backend("sgd"), backend("sgd")
+    honest_steps([a, twin], check, 1, seed=3)
+    a.backward([torch.randn(4, 16)], [torch.randn(4, 16) * 0.01])
+    moved = a.step(StepCheck(max_ratio=1e-9))
+    assert moved.undone == "too_large_step"
+    assert moved.moved > 1e-9
+    assert_same_state(a, twin)
+
+
+def test_an_undone_step_leaves_kept_forwards_intact() -> None:
+    b = backend("adam")
+    check = StepCheck(max_ratio=1.0)
+    at_forward = copy.deepcopy(b.module)
+    x, g = torch.randn(4, 16), torch.randn(4, 16)
+    _, kept = b.forward_retained([x])
+    attack(b, "gradients of 3e38")  # another trainer's backward in between
+    assert b.step(check).undone in {"non_finite_weights", "non_finite_optimizer_state"}
+    ((grad_x,),) = b.backward_retained([(kept, [g])])
+    assert b.step(check).undone is None
+    x_ref = x.clone().requires_grad_()
+    at_forward(x_ref).backward(g)
+    torch.testing.assert_close(grad_x, x_ref.grad)
+    assert b.updates == 1
+
+
+def test_one_shadow_serves_every_expert_of_a_device() -> None:
+    check = StepCheck(max_ratio=1.0)
+    experts = [backend("adam"), backend("adam")]
+    honest_steps(experts, check, 2, seed=4)  # the first step creates Adam's state
+    buffers = [t.data_ptr() for t in check._shadow]
+    honest_steps(experts, check, 3, seed=5)
+    assert [t.data_ptr() for t in check._shadow] == buffers, "allocated once, reused"
+    assert check.checked == 10
+
+
+# The cheap path: a step whose bounds vouch for it is applied without a copy.
+
+CHEAP = {
+    "adam": {"name": "adam", "lr": 1e-3},
+    "sgd": {"name": "sgd", "lr": 0.1, "weight_decay": 1e-2},
+    "sgd-momentum": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+}
+
+
+def cheap_backend(optimizer: str) -> ExpertBackend:
+    config = ExpertsConfig(hidden_dim=16, optimizer=CHEAP[optimizer])
+    return ExpertBackend("ffn.0.0", config, torch.device("cpu"), 1024)
+
+
+def honest_gradients(backends: list[ExpertBackend], generator: torch.Generator) -> None:
+    x, g = torch.randn(8, 16, generator=generator), torch.randn(8, 16, generator=generator)
+    for b in backends:
+        b.backward([x], [g * 0.01])
+
+
+@pytest.mark.parametrize("optimizer", list(CHEAP))
+def test_honest_steps_take_the_cheap_path_and_train_exactly_as_unchecked(optimizer: str) -> None:
+    check = StepCheck(max_ratio=1.0)
+    a, plain = cheap_backend(optimizer), cheap_backend(optimizer)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(5):
+        honest_gradients([a, plain], generator)
+        outcome = a.step(check)
+        assert plain.step().undone is None
+        assert (outcome.judged, outcome.undone, outcome.broken) == ("predicted", None, None)
+        assert 0 < outcome.moved <= 1.0
+    assert check._shadow == [], "nothing was copied"
+    assert (check.checked, check.predicted, check.full, check.undone) == (5, 5, 0, 0)
+    assert_same_state(a, plain)  # the prediction changes nothing about the step
+
+
+@pytest.mark.parametrize("optimizer", list(CHEAP))
+def test_the_predicted_bound_is_never_below_the_measured_step(optimizer: str) -> None:
+    # The same steps measured against the shadow (audit) and bounded (predicted), on
+    # twins; gradients honest, then loud and of one sign (Adam's worst case: its moving
+    # averages agree), then huge (an SGD step moving the weights 6e4 times their norm).
+    measured, bounded = cheap_backend(optimizer), cheap_backend(optimizer)
+    check = StepCheck(max_ratio=1e9)  # judge nothing: compare the numbers
+    generator = torch.Generator().manual_seed(7)
+    for scale in [0.01] * 3 + [1.0, 10.0, 1e3]:
+        x = torch.randn(8, 16, generator=generator)
+        g = torch.randn(8, 16, generator=generator).abs() * scale
+        for b in (measured, bounded):
+            b.backward([x], [g])
+        exact = measured.step(check, audit=True)
+        bound = bounded.step(check)
+        assert (exact.judged, bound.judged) == ("full", "predicted")
+        assert exact.moved <= bound.moved, scale
+    assert_same_state(measured, bounded)
+
+
+def test_a_step_its_bounds_already_break_is_refused_without_being_applied() -> None:
+    # SGD, gradients just under the guard's bound: the lower bound of the step is far
+    # above max_ratio, so it is never applied (and nothing needs copying back).
+    check = StepCheck(max_ratio=1.0)
+    a, twin = cheap_backend("sgd-momentum"), cheap_backend("sgd-momentum")
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        honest_gradients([a, twin], generator)
+        a.step(check)
+        twin.step(check)
+    a.backward([torch.randn(1, 16)], [torch.full((1, 16), 9e5)])
+    outcome = a.step(check)
+    assert (outcome.undone, outcome.judged) == ("too_large_step", "refused")
+    assert outcome.moved > 1.0
+    assert check._shadow == []
+    assert_same_state(a, twin)
+    assert all(p.grad is not None and not p.grad.any() for p in a.module.parameters())
+    a.backward([torch.randn(1, 16)], [torch.full((1, 16), float("nan"))])
+    assert (a.step(check).undone, check.undone) == ("non_finite_gradients", 2)
+    assert_same_state(a, twin)
+
+
+def test_an_audit_gives_the_full_check_and_still_undoes() -> None:
+    check = StepCheck(max_ratio=1.0, full_every=3)
+    a, twin = cheap_backend("sgd"), cheap_backend("sgd")
+    generator = torch.Generator().manual_seed(9)
+    judged = []
+    for _ in range(6):
+        honest_gradients([a, twin], generator)
+        judged.append(a.step(check).judged)
+        twin.step()
+    assert judged == ["predicted", "predicted", "full"] * 2  # every 3rd step of the expert
+    # Asked to audit, an attack step is applied against the shadow and undone from it.
+    a.backward([torch.randn(1, 16)], [torch.full((1, 16), 9e5)])
+    outcome = a.step(check, audit=True)
+    assert (outcome.undone, outcome.judged) == ("too_large_step", "full")
+    assert_same_state(a, twin)
+    # A bound that cannot vouch for a step (here: a tighter max_ratio than Adam's bound
+    # at this learning rate) sends it to the full check too, which keeps an honest one.
+    adam = cheap_backend("adam")
+    honest_gradients([adam], generator)
+    outcome = adam.step(StepCheck(max_ratio=0.05))
+    assert (outcome.judged, outcome.undone) == ("full", None)
+    assert outcome.moved <= 0.05
+
+
+def test_weights_broken_behind_the_bounds_are_reported_not_served_as_good() -> None:
+    # The bounds rule a broken weight out after a predicted step; the check after it
+    # still looks. Here a weight goes NaN outside any step (as a bit flip would).
+    check = StepCheck(max_ratio=1.0)
+    b = cheap_backend("adam")
+    generator = torch.Generator().manual_seed(10)
+    honest_gradients([b], generator)
+    assert b.step(check).judged == "predicted"
+    honest_gradients([b], generator)
+    with torch.no_grad():
+        next(b.module.parameters()).view(-1)[0] = float("nan")
+    outcome = b.step(check)
+    assert (outcome.judged, outcome.broken, outcome.undone) == (
+        "predicted",
+        "non_finite_weights",
+        None,
+    )
+    # Weights written another way (a checkpoint, an average) are measured anew first.
+    b.load_state(cheap_backend("adam").state())
+    honest_gradients([b], generator)
+    assert b.step(check).judged == "predicted"

@@ -1,5 +1,6 @@
 """Expert checkpoints: bit-exact round trips, and a damaged, partial or foreign file is
-never loaded: the previous good one is, and the log says which was skipped and why."""
+never loaded: the previous good one is, and the log says which was skipped and why. A
+broken state is never written."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
-from volunteerd.config import ExpertsConfig
+from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import CheckpointConfig
-from volunteerd.experts import ExpertBackend
+from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.experts.checkpoint import (
     MAGIC,
     CheckpointError,
@@ -22,6 +24,7 @@ from volunteerd.experts.checkpoint import (
 )
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.wire import WireTensor
 
 UID = "ffn.0.1"
 HIDDEN = 16
@@ -266,3 +269,85 @@ async def test_checkpointer_saves_changed_experts_and_restores_them(tmp_path: Pa
     assert loaded["ffn.0.1"].name == "000000000002.ckpt"
     assert second.backend("ffn.0.1").updates == 4
     assert_same_state(first.backend("ffn.0.1"), second.backend("ffn.0.1"))
+
+
+def test_a_non_finite_state_is_never_written_and_the_good_files_stay(tmp_path: Path) -> None:
+    store, b, older, newer = saved_twice(tmp_path)
+    state = b.state()
+    # What the attack of issue 12 left: finite weights, an infinite Adam second moment.
+    state.optimizer_state[2]["exp_avg_sq"][0, 0] = float("inf")
+    assert state.non_finite() == ["optim/2/exp_avg_sq"]
+    with pytest.raises(CheckpointError, match="optim/2/exp_avg_sq not finite"):
+        store.save(state)
+    assert store.files(UID) == [newer, older]
+    found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == newer
+
+
+async def test_checkpointer_refuses_a_broken_state_once_and_keeps_the_last_good_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    experts = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "adam", "lr": 0.01})
+
+    def runtime() -> ExpertRuntime:
+        return ExpertRuntime(
+            [UID], experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+        )
+
+    config = CheckpointConfig(every_s=60, keep=2)
+    first = runtime()
+    saver = Checkpointer(first, tmp_path, config)
+    await saver.restore()
+    await first.with_expert(UID, lambda b: train(b, 3, seed=7))
+    assert await saver.save_changed() == 1
+    good = saver.store.files(UID)
+
+    def wreck(b: ExpertBackend) -> None:  # weights broken by something other than a step
+        with torch.no_grad():
+            b.module.up.weight[0, 0] = float("nan")  # type: ignore[index]
+        b.updates += 1
+
+    await first.with_expert(UID, wreck)
+    with caplog.at_level(logging.ERROR):
+        assert await saver.save_changed() == 0
+    assert "up.weight not finite; its last good checkpoint stays" in caplog.text
+    assert await saver.save_changed() == 0  # the same broken state is not tried again
+    assert saver.statistics().refused == 1
+    assert saver.store.files(UID) == good
+
+    second = runtime()
+    loaded = await Checkpointer(second, tmp_path, config).restore()
+    assert loaded == {UID: good[0]}
+    assert second.backend(UID).updates == 3
+
+
+async def test_an_undone_step_never_reaches_a_checkpoint(tmp_path: Path) -> None:
+    """A backward whose step the runtime undoes (SGD, gradients just under the guard's
+    bound) changes nothing a checkpoint could see: nothing new is written."""
+    experts = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "sgd", "lr": 0.01})
+    run = ExpertRuntime(
+        [UID], experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+    saver = Checkpointer(run, tmp_path, CheckpointConfig(every_s=60, keep=2))
+
+    def wire(t: torch.Tensor) -> WireTensor:
+        meta, data = to_wire(t)
+        return WireTensor(meta.dtype, meta.shape, memoryview(bytearray(data)))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run.serve)
+        await saver.restore()
+        x = torch.randn(1, HIDDEN)
+        await run.backward(UID, [wire(x), wire(torch.randn(1, HIDDEN) * 0.01)], peer_id="a")
+        await run.settled()
+        assert await saver.save_changed() == 1
+        before = run.backend(UID).state()
+        await run.backward(UID, [wire(x), wire(torch.full((1, HIDDEN), 9e5))], peer_id="b")
+        await run.settled()
+        assert run.guard.undone == {(UID, "too_large_step"): 1}
+        assert await saver.save_changed() == 0
+        found = saver.store.load_newest(UID)
+        assert found is not None
+        assert all(torch.equal(found[0].params[k], before.params[k]) for k in before.params)
+        run.close()

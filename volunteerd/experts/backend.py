@@ -16,10 +16,16 @@ Both backwards return the input gradients and leave the parameter gradients accu
 ``step`` applies them. The runtime answers a backward first and steps right after, so
 the optimizer's work is off the trainer's critical path. These methods block and must
 run on the device's worker thread, never on the event loop.
+
+With a ``StepCheck`` a step that would make a weight or an optimizer state non-finite,
+or move the weights by more than a bound relative to their norm, is refused before it
+is applied (its bounds already show it) or undone after: weights, optimizer state and
+the update count are exactly what they were before it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,10 +36,19 @@ from torch.func import functional_call
 from volunteerd.config import ExpertsConfig, OptimizerConfig
 from volunteerd.experts.checkpoint import CheckpointError, ExpertState
 from volunteerd.experts.registry import build_module, schemas_for
+from volunteerd.experts.stepcheck import StepCheck, StepMemo, StepOutcome
 from volunteerd.experts.tensor_codec import TORCH_DTYPES
 from volunteerd.wire import ExpertInfo
 
-__all__ = ["ExpertBackend", "Retained", "WeightsSnapshot", "make_optimizer"]
+__all__ = [
+    "ExpertBackend",
+    "Retained",
+    "StepCheck",
+    "StepMemo",
+    "StepOutcome",
+    "WeightsSnapshot",
+    "make_optimizer",
+]
 
 
 def make_optimizer(
@@ -111,6 +126,7 @@ class ExpertBackend:
     ) -> None:
         self.uid = uid
         self.device = device
+        self.config = config  # what it was built from: its seeded weights, if ever needed
         self.module = build_module(config, uid).to(device)
         self.optimizer = make_optimizer(list(self.module.parameters()), config.optimizer)
         self.wire_dtype = TORCH_DTYPES[config.dtype]
@@ -129,6 +145,7 @@ class ExpertBackend:
         self.revision = 0
         self.optimizer_name = config.optimizer.name
         self._snapshot: WeightsSnapshot | None = None
+        self._step_memo = StepMemo()  # valid while (updates, revision) says so
 
     def _leaves(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [x.to(self.device, torch.float32).detach().requires_grad_() for x in inputs]
@@ -154,19 +171,24 @@ class ExpertBackend:
     ) -> tuple[list[torch.Tensor], Retained]:
         """Forward with autograd on, on this generation's weights; keep the graph."""
         weights = self._weights()
-        weight_ptrs = {p.data_ptr() for p in weights.params.values()}
-        saved = 0
+        weight_ptrs = {p.untyped_storage().data_ptr() for p in weights.params.values()}
+        # Every storage the kept graph holds, each once (a tensor saved by two nodes
+        # costs once): what the retained-activation budget must see.
+        held: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal saved
-            if t.data_ptr() not in weight_ptrs:
-                saved += t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weight_ptrs:
+                held[storage.data_ptr()] = storage.nbytes()
             return t
 
         leaves = self._leaves(inputs)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = functional_call(self.module, weights.params, tuple(leaves))
+        for kept in (out, *leaves):
+            held[kept.untyped_storage().data_ptr()] = kept.untyped_storage().nbytes()
         weights.pending += 1
+        saved = sum(held.values())
         return [out.detach().to(self.wire_dtype)], Retained(leaves, out, weights, saved)
 
     def backward_retained(
@@ -222,8 +244,11 @@ class ExpertBackend:
             for x in leaves
         ]
 
-    def step(self) -> None:
-        """Apply the accumulated gradients (one optimizer step) and clear them."""
+    def step(self, check: StepCheck | None = None, *, audit: bool = False) -> StepOutcome:
+        """Apply the accumulated gradients (one optimizer step) and clear them. With
+        ``check``, a step that breaks the weights is refused or undone (the gradients
+        are dropped and ``updates`` stays as it was); ``audit`` asks it for the full
+        check."""
         snapshot = self._snapshot
         if snapshot is not None and snapshot.pending > 0:
             # Kept forwards still need these values: the live weights move to fresh
@@ -232,9 +257,21 @@ class ExpertBackend:
                 for p in self.module.parameters():
                     p.data = p.data.clone()
         self._snapshot = None  # the next kept forward starts a new generation
-        self.optimizer.step()
+        if check is None:
+            self.optimizer.step()
+            outcome = StepOutcome(None, math.nan, "unchecked")
+        else:
+            outcome = check.step(
+                list(self.module.parameters()),
+                self.optimizer,
+                self._step_memo,
+                version=(self.updates, self.revision),
+                audit=audit,
+            )
         self.optimizer.zero_grad(set_to_none=False)
-        self.updates += 1
+        if outcome.undone is None:
+            self.updates += 1
+        return outcome
 
     # State for checkpoints and replicas. Like the compute calls, these run on the
     # device's worker thread inside the executor's turn: no step runs meanwhile.

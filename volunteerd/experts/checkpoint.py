@@ -20,7 +20,9 @@ Files live in ``<checkpoints dir>/<uid>/<sequence>.ckpt``. A save writes a tempo
 file in the same folder, flushes and fsyncs it, renames it into place and fsyncs the
 folder, so a crash at any moment leaves either the previous set of files or the new
 one, plus at most a temporary file that ``remove_temporaries`` deletes on the next
-start. The newest ``keep`` files per expert are kept.
+start. The newest ``keep`` files per expert are kept. ``CheckpointStore.save`` refuses
+a state with a non-finite value (it could only replace a good file with one that is
+refused on load), so the last good files stay.
 """
 
 from __future__ import annotations
@@ -117,6 +119,15 @@ class ExpertState:
     updates: int
     params: dict[str, torch.Tensor]
     optimizer_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def non_finite(self) -> list[str]:
+        """The names (as in the file) of the floating-point tensors holding a NaN or an
+        infinity; empty when the state is sound."""
+        return [
+            name
+            for name, t in self.named_tensors()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         out = [(f"param/{name}", t) for name, t in self.params.items()]
@@ -301,7 +312,14 @@ class CheckpointStore:
 
     def save(self, state: ExpertState) -> Path:
         """Write a new checkpoint for ``state.uid`` atomically, then delete all but the
-        newest ``keep``. Returns the new file's path."""
+        newest ``keep``. Returns the new file's path. Raises CheckpointError, writing and
+        deleting nothing, when a value of ``state`` is not finite."""
+        broken = state.non_finite()
+        if broken:
+            raise CheckpointError(
+                f"{state.uid}: not saved, {', '.join(broken[:3])}"
+                f"{' and more' if len(broken) > 3 else ''} not finite"
+            )
         folder = self._dir(state.uid)
         if not folder.is_dir():
             folder.mkdir(parents=True, exist_ok=True)

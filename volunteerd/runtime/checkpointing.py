@@ -7,6 +7,11 @@ expert whose weights changed since its last save; ``save_changed`` is also the f
 save on a graceful stop. A save copies the tensors on the device's worker in its turn
 (between optimizer steps, so the copy is consistent) and writes the file in another
 thread, never on the event loop. See ``experts.checkpoint`` for the file format.
+
+A state with a NaN or an infinity is never written (the store refuses it): the last good
+files stay, the refusal is logged and counted, and the same state is not tried again.
+Steps that the runtime undid never reach a checkpoint: a step, its check and its undoing
+run in one turn of the worker, and the copy for a save is taken in another.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from volunteerd.config import CheckpointConfig
-from volunteerd.errors import UnknownExpert
+from volunteerd.errors import CheckpointError, UnknownExpert
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint import CheckpointStore, ExpertState
 from volunteerd.runtime.service import ExpertRuntime
@@ -42,6 +47,7 @@ class CheckpointStats:
     saves: int
     failures: int
     last_round_s: float
+    refused: int = 0  # states not written because a value was not finite
 
 
 class Checkpointer:
@@ -50,12 +56,16 @@ class Checkpointer:
     def __init__(self, runtime: ExpertRuntime, directory: Path, config: CheckpointConfig) -> None:
         self.runtime = runtime
         self.store = CheckpointStore(directory, keep=config.keep)
+        # An expert whose weights a step broke beyond undoing is restored from here.
+        runtime.restore_checkpoint = self.restore_into
         self._config = config
         self._saved: dict[str, tuple[int, int]] = {}  # uid -> (updates, revision) on disk
+        self._refused: dict[str, tuple[int, int]] = {}  # uid -> version found non-finite
         self._restored: dict[str, str] = {}
         self.saved_at: dict[str, float] = {}  # uid -> time.time() of its newest file
         self._saves = 0
         self._failures = 0
+        self._refused_count = 0
         self._last_round_s = 0.0
 
     async def restore(self) -> dict[str, Path]:
@@ -99,11 +109,14 @@ class Checkpointer:
     async def save(self, backend: ExpertBackend) -> None:
         """Save ``backend`` now if it changed (one that is being removed, for a later
         rejoin). A failed write is logged."""
-        if self._saved.get(backend.uid) == (backend.updates, backend.revision):
+        if not self._wants(backend):
             return
         state, version = await self.runtime.executor.run(partial(_state_and_version, backend))
         try:
             await trio.to_thread.run_sync(self.store.save, state)
+        except CheckpointError as exc:
+            self._refuse(backend.uid, version, exc)
+            return
         except OSError as exc:
             self._failures += 1
             logger.error("could not save a checkpoint of %s: %s", backend.uid, exc)
@@ -129,13 +142,16 @@ class Checkpointer:
         for uid in self.runtime.uids:
             try:
                 backend = self.runtime.backend(uid)
-                if self._saved.get(uid) == (backend.updates, backend.revision):
+                if not self._wants(backend):
                     continue
                 state, version = await self.runtime.with_expert(uid, _state_and_version)
             except UnknownExpert:
                 continue  # removed meanwhile (its last state was saved when it left)
             try:
                 path = await trio.to_thread.run_sync(self.store.save, state)
+            except CheckpointError as exc:
+                self._refuse(uid, version, exc)
+                continue
             except OSError as exc:
                 self._failures += 1
                 logger.error("could not save a checkpoint of %s: %s", uid, exc)
@@ -150,12 +166,23 @@ class Checkpointer:
             logger.info("saved %d checkpoints in %.2f s", saved, self._last_round_s)
         return saved
 
+    def _wants(self, backend: ExpertBackend) -> bool:
+        """Whether ``backend`` changed since it was last saved, or last refused."""
+        version = (backend.updates, backend.revision)
+        return version not in (self._saved.get(backend.uid), self._refused.get(backend.uid))
+
+    def _refuse(self, uid: str, version: tuple[int, int], exc: CheckpointError) -> None:
+        self._refused[uid] = version
+        self._refused_count += 1
+        logger.error("%s; its last good checkpoint stays", exc)
+
     def statistics(self) -> CheckpointStats:
         return CheckpointStats(
             restored=dict(self._restored),
             saves=self._saves,
             failures=self._failures,
             last_round_s=self._last_round_s,
+            refused=self._refused_count,
         )
 
 

@@ -1,60 +1,128 @@
-"""RequestGuard: what an expert accepts from trainers, judged on the values sent.
+"""RequestGuard: what an expert accepts from trainers, and whom it stops accepting.
 
 Every trainer's gradients move weights that the whole swarm shares, so one faulty or
 malicious trainer must not be able to wreck them. The guard sits between decoding and
-the queue:
+the queue, and hears about every optimizer step that had to be undone:
 
-* inputs and gradients with NaN or infinity are refused (``Rejected``);
+* inputs and gradients with NaN or infinity are refused (``Rejected``), and so is any
+  input value above ``max_input_abs`` or gradient value above ``max_gradient_abs``
+  (1e6 each by default). These bounds hold from the first request: float32 squares
+  overflow above 1.8e19, so one finite 3e38 (or a row of 1e20) used to make a layer
+  norm's variance infinite and every weight NaN;
 * each expert remembers the norms of the last ``window`` gradient rows it accepted
   (one row per sample). Once ``warmup`` rows are known, a row whose norm is above both
   ``median + max_deviations * 1.4826 * MAD`` and the 99th percentile of those norms
   is an outlier: it is scaled down to that
   threshold ("clip", the default) or the request is refused ("reject"). A request whose
   largest row is ``reject_ratio`` times the threshold is refused either way: it is no
-  accident.
+  accident;
+* the runtime checks every optimizer step (``experts.stepcheck.StepCheck``) and refuses or
+  undoes one that would make a weight or optimizer state non-finite or move the weights
+  too far; it then asks ``step_undone`` whom to blame. Until an expert's guard has
+  warmed up (``warmed_up``), its steps get the full check; after that the check's cheap
+  prediction, with a full check every ``full_check_every`` steps. One step may join
+  several trainers' requests (the batcher merges them, and backwards that finish before
+  the step runs share it). A trainer that had the step to itself is blamed. Of several,
+  only those whose largest gradient row norm is ``blame_ratio`` (10) times the median of
+  the others' are: the gradient is what moves the weights (the built-in experts
+  normalise their inputs first), and a step that breaks with nobody standing out says
+  more about the model (e.g. a learning rate too high) than about a peer: it is undone
+  and counted, and no one is banned. Honest requests merged into an undone step lose
+  their update.
+* a blamed trainer is banned for ``ban_s`` (600 s): every later request of that peer,
+  for any expert of this daemon, is refused with ``rejected`` before it is decoded
+  further or queued.
 
-What was clipped or refused is counted per peer and reason. The guard runs on the event
-loop on CPU tensors; its cost is a norm per row and a median of ``window`` floats.
+What was refused, clipped, undone or banned is counted per peer and reason. The guard
+runs on the event loop on CPU tensors; its cost is a max and a norm per row and a
+median of ``window`` floats.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from volunteerd.config import GuardConfig
 from volunteerd.errors import Rejected
 
-__all__ = ["RequestGuard"]
+__all__ = ["RequestGuard", "Sender"]
 
 logger = logging.getLogger(__name__)
 
 # The MAD of a normal distribution times this is its standard deviation.
 _MAD_TO_SIGMA = 1.4826
+# Bans remembered at most (each costs the attacker a request whose step was undone);
+# beyond it the oldest are forgotten first.
+_MAX_BANNED = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Who sent gradients that went into an optimizer step, and how loud they were."""
+
+    peer_id: str
+    grad_norm: float  # the largest gradient row norm of the request, as applied
 
 
 class RequestGuard:
-    def __init__(self, config: GuardConfig) -> None:
+    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         self._norms: dict[str, deque[float]] = {}
-        # (peer id, reason) -> count; reasons: non_finite_input, non_finite_gradient,
-        # outlier_gradient (refused), clipped (accepted after scaling down)
+        # (peer id, reason) -> count; reasons: non_finite_input, input_out_of_range,
+        # non_finite_gradient, gradient_out_of_range, outlier_gradient (refused),
+        # clipped (accepted after scaling down), step_undone (blamed for an undone
+        # step), banned (refused while banned)
         self.counts: Counter[tuple[str, str]] = Counter()
+        # uid -> steps refused or undone, by reason (non_finite_gradients,
+        # non_finite_weights, non_finite_optimizer_state, too_large_step)
+        self.undone: Counter[tuple[str, str]] = Counter()
+        # uid -> steps that left the weights broken although the check's bounds vouched
+        # for them (the expert was restored from its checkpoint), by reason
+        self.broken: Counter[tuple[str, str]] = Counter()
+        self._banned: dict[str, tuple[float, str]] = {}  # peer -> (until, why)
         self.accepted = 0
 
+    def check_peer(self, uid: str, peer_id: str) -> None:
+        """Refuse every request of a peer while it is banned."""
+        entry = self._banned.get(peer_id)
+        if entry is None:
+            return
+        until, why = entry
+        left = until - self._clock()
+        if left <= 0:
+            del self._banned[peer_id]
+            return
+        self.counts[(peer_id, "banned")] += 1
+        raise Rejected(f"{uid}: requests from this peer are refused for {left:.0f} s: {why}")
+
     def check_inputs(self, uid: str, peer_id: str, tensors: Sequence[torch.Tensor]) -> None:
-        """Refuse inputs that are not all finite."""
-        if not all(_finite(t) for t in tensors):
+        """Refuse inputs that are not all finite or hold a value above the bound."""
+        top = _largest(tensors)
+        if top != top or top == float("inf"):
             self._refuse(uid, peer_id, "non_finite_input", "inputs are not all finite")
+        if top > self.config.max_input_abs:
+            self._refuse(
+                uid,
+                peer_id,
+                "input_out_of_range",
+                f"an input value of {top:.3g} is above the bound of "
+                f"{self.config.max_input_abs:.3g}",
+            )
 
     def filter_gradients(
         self, uid: str, peer_id: str, grads: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """The gradients to apply: refused (``Rejected``) or with outlier rows clipped."""
-        if not all(_finite(g) for g in grads):
+    ) -> tuple[list[torch.Tensor], float]:
+        """The gradients to apply, refused (``Rejected``) or with outlier rows clipped,
+        and the largest row norm among them (for ``step_undone``'s blame)."""
+        top_value = _largest(grads)
+        if top_value != top_value or top_value == float("inf"):
             self._refuse(uid, peer_id, "non_finite_gradient", "gradients are not all finite")
         norms = _row_norms(grads)
         history = self._norms.setdefault(uid, deque(maxlen=self.config.window))
@@ -73,10 +141,20 @@ class RequestGuard:
             scale = (threshold / norms.clamp_min(1e-30)).clamp(max=1.0)
             out = [(g.float() * scale.view(-1, *[1] * (g.dim() - 1))).to(g.dtype) for g in grads]
             norms = norms * scale
+            top_value = _largest(out)
             self.counts[(peer_id, "clipped")] += 1
+        # Checked on what would be applied: clipping may have brought a row under it.
+        if top_value > self.config.max_gradient_abs:
+            self._refuse(
+                uid,
+                peer_id,
+                "gradient_out_of_range",
+                f"a gradient value of {top_value:.3g} is above the bound of "
+                f"{self.config.max_gradient_abs:.3g}",
+            )
         history.extend(norms.tolist())
         self.accepted += 1
-        return out
+        return out, float(norms.max()) if norms.numel() else 0.0
 
     def threshold(self, uid: str) -> float | None:
         """The largest row norm accepted as is, or None while warming up."""
@@ -94,6 +172,78 @@ class RequestGuard:
         high = float(torch.quantile(values, 0.99))
         return max(median + self.config.max_deviations * spread, high)
 
+    def warmed_up(self, uid: str) -> bool:
+        """Whether ``uid``'s gradient statistics are judged yet (``warmup`` rows)."""
+        history = self._norms.get(uid)
+        return history is not None and len(history) >= self.config.warmup
+
+    def step_broken(self, uid: str, reason: str) -> None:
+        """Count a step of ``uid`` that broke its weights and could not be undone. Nobody
+        is banned: the step's bounds held, so no peer's gradients can be blamed."""
+        self.broken[(uid, reason)] += 1
+
+    def blame(self, senders: Sequence[Sender]) -> list[str]:
+        """The peers to blame for an undone step that joined ``senders``' requests: the
+        only peer, or those whose largest row norm is ``blame_ratio`` times the median
+        of the other peers' (lower median); none when nobody stands out."""
+        loudest: dict[str, float] = {}
+        for sender in senders:
+            if sender.peer_id:  # "" is a local caller, not a peer
+                loudest[sender.peer_id] = max(loudest.get(sender.peer_id, 0.0), sender.grad_norm)
+        if len(loudest) <= 1:
+            return list(loudest)
+        blamed = []
+        for peer, norm in loudest.items():
+            others = sorted(v for p, v in loudest.items() if p != peer)
+            median = others[(len(others) - 1) // 2]
+            if norm > self.config.blame_ratio * median:
+                blamed.append(peer)
+        return blamed
+
+    def step_undone(self, uid: str, reason: str, senders: Sequence[Sender]) -> list[str]:
+        """Count an undone step of ``uid`` and ban the peers to blame; returns them."""
+        self.undone[(uid, reason)] += 1
+        blamed = self.blame(senders)
+        for peer in blamed:
+            self.counts[(peer, "step_undone")] += 1
+            self.ban(peer, f"a step of {uid} with its gradients was undone ({reason})")
+        peers = len({s.peer_id for s in senders})
+        if blamed:
+            logger.warning(
+                "undid a step of %s (%s); banned %s for %.0f s",
+                uid,
+                reason,
+                ", ".join(f"…{p[-8:]}" for p in blamed),
+                self.config.ban_s,
+            )
+        else:
+            logger.warning(
+                "undid a step of %s (%s) from %d peers, none of whom stands out: the "
+                "expert may be diverging (learning rate too high?)",
+                uid,
+                reason,
+                peers,
+            )
+        return blamed
+
+    def ban(self, peer_id: str, why: str) -> None:
+        """Refuse ``peer_id``'s requests for ``ban_s``."""
+        if self.config.ban_s <= 0 or not peer_id:
+            return
+        now = self._clock()
+        self._banned.pop(peer_id, None)  # re-inserted last: the newest ban
+        self._banned[peer_id] = (now + self.config.ban_s, why)
+        if len(self._banned) > _MAX_BANNED:
+            for peer in [p for p, (until, _) in self._banned.items() if until <= now]:
+                del self._banned[peer]
+            while len(self._banned) > _MAX_BANNED:
+                del self._banned[next(iter(self._banned))]
+
+    def banned(self) -> dict[str, float]:
+        """Peers banned now, with the seconds left."""
+        now = self._clock()
+        return {p: until - now for p, (until, _) in self._banned.items() if until > now}
+
     def by_peer(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for (peer, reason), count in self.counts.items():
@@ -106,8 +256,17 @@ class RequestGuard:
         raise Rejected(f"{uid}: {message}")
 
 
-def _finite(tensor: torch.Tensor) -> bool:
-    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+def _largest(tensors: Sequence[torch.Tensor]) -> float:
+    """The largest |value| of the floating-point tensors: NaN if any is NaN, inf if any
+    is infinite (one pass over each tensor)."""
+    top = 0.0
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            value = float(torch.linalg.vector_norm(t, float("inf")))
+            if value != value:
+                return value
+            top = max(top, value)
+    return top
 
 
 def _row_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:

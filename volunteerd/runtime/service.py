@@ -8,26 +8,43 @@ only; the daemon binds it to the network.
 Per expert there are four queues: merged forwards, forwards kept for their backward
 (one graph each), stateless backwards (merged), and backwards through kept forwards
 (several per optimizer step). See ``experts.backend`` for the two kinds of backward.
+
+Every request passes the ``RequestGuard`` (a banned peer is refused at once; values are
+bounded) and every optimizer step is checked (``experts.stepcheck.StepCheck``): one that
+breaks the weights is refused or undone and the guard blames and bans its senders (see
+``runtime.guard``). A step that the check's bounds vouched for but that left a weight
+non-finite all the same (which the bounds rule out: the check of the check) cannot be
+undone: the expert refuses requests (``Busy``) until it is restored from its newest
+checkpoint, or to its seeded weights when it has none.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import trio
 
 from volunteerd.config import ExpertsConfig, GuardConfig, RuntimeConfig, WireLimits
-from volunteerd.errors import ActivationsExpired, ShuttingDown, UnknownExpert
+from volunteerd.errors import (
+    ActivationsExpired,
+    Busy,
+    CheckpointError,
+    ShuttingDown,
+    UnknownExpert,
+)
 from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
+from volunteerd.experts.stepcheck import StepCheck, StepOutcome
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
-from volunteerd.runtime.guard import RequestGuard
+from volunteerd.runtime.guard import RequestGuard, Sender
 from volunteerd.runtime.retained import RetainedStats, RetainedStore
 from volunteerd.wire import (
     Compression,
@@ -45,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["ExpertRuntime", "ExpertStats"]
 
 logger = logging.getLogger(__name__)
+
+_EXPIRE_RETAINED_EVERY_S = 1.0
 
 Tensors = list[torch.Tensor]
 T = TypeVar("T")
@@ -81,25 +100,37 @@ class _Hosted:
         self.step_pending = False
         self.compute_s = 0.0  # added on the worker thread, read on the trio thread
         self.last_used: float | None = None
+        # Whose gradients the next optimizer step applies: noted on the worker thread
+        # as each batch runs (a backward finishing just before a step is in that step).
+        self.senders: list[Sender] = []
+        # Set on the worker when a step left the weights non-finite and could not be
+        # undone: no batch of this expert runs until it is restored.
+        self.broken = False
         n_in = len(backend.info.inputs)
 
         def forward(items: list[Tensors]) -> list[Tensors]:
+            self.refuse_if_broken()
             with self.timed():
                 return _split(backend.forward(_cat(items)), [t[0].shape[0] for t in items])
 
-        def backward(items: list[Tensors]) -> list[Tensors]:
+        def backward(items: list[tuple[Tensors, Sender]]) -> list[Tensors]:
+            self.refuse_if_broken()
             with self.timed():
-                joined = _cat(items)
+                self.senders.extend(sender for _, sender in items)
+                joined = _cat([tensors for tensors, _ in items])
                 grads = backend.backward(joined[:n_in], joined[n_in:])
-                return _split(grads, [t[0].shape[0] for t in items])
+                return _split(grads, [t[0].shape[0] for t, _ in items])
 
         def forward_retained(items: list[Tensors]) -> list[tuple[Tensors, Retained]]:
+            self.refuse_if_broken()
             with self.timed():
                 return [backend.forward_retained(item) for item in items]
 
-        def backward_retained(items: list[tuple[Retained, Tensors]]) -> list[Tensors]:
+        def backward_retained(items: list[tuple[Retained, Tensors, Sender]]) -> list[Tensors]:
+            self.refuse_if_broken()
             with self.timed():
-                return backend.backward_retained(items)
+                self.senders.extend(sender for _, _, sender in items)
+                return backend.backward_retained([(kept, grads) for kept, grads, _ in items])
 
         uid = backend.uid
         self.forward = BatchQueue(f"{uid}/forward", forward, executor, config)
@@ -122,9 +153,21 @@ class _Hosted:
         finally:
             self.compute_s += time.perf_counter() - start
 
-    def step(self) -> None:
+    def refuse_if_broken(self) -> None:
+        if self.broken:
+            raise Busy(f"{self.backend.uid} is being restored from its checkpoint")
+
+    def step(
+        self, check: StepCheck | None, audit: bool = False
+    ) -> tuple[StepOutcome, list[Sender]]:
+        """One optimizer step (refused or undone if ``check`` finds it breaks the
+        weights; ``audit`` asks for its full check), and whose gradients it applied."""
+        senders, self.senders = self.senders, []
         with self.timed():
-            self.backend.step()
+            outcome = self.backend.step(check, audit=audit)
+        if outcome.broken is not None:
+            self.broken = True
+        return outcome, senders
 
     @property
     def queues(self) -> tuple[BatchQueue, ...]:  # type: ignore[type-arg]
@@ -164,7 +207,17 @@ class ExpertRuntime:
     ) -> None:
         self.device = device
         self.executor = DeviceExecutor(device)
-        self.guard = RequestGuard(guard or GuardConfig())
+        guard = guard or GuardConfig()
+        self.guard = RequestGuard(guard)
+        # One shadow for every expert: steps run one at a time on the device's worker.
+        self.step_check = (
+            StepCheck(guard.max_step_ratio, full_every=guard.full_check_every)
+            if guard.check_steps
+            else None
+        )
+        # Loads an expert's newest good checkpoint (the checkpointer sets it): how an
+        # expert broken by a step that could not be undone gets its weights back.
+        self.restore_checkpoint: Callable[[ExpertBackend], Awaitable[Path | None]] | None = None
         self.retained = RetainedStore(runtime.retain_activations_mb << 20, runtime.retain_s)
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
         self._runtime_config = runtime
@@ -203,13 +256,24 @@ class ExpertRuntime:
                 for hosted in self._experts.values():
                     await hosted.start(nursery)
                 logger.info("serving %d experts on %s", len(self._experts), self.device)
+                expiry = trio.CancelScope()
+                nursery.start_soon(self._expire_retained, expiry)
                 task_status.started()
                 # Experts may be added later (add_expert): stay until closed.
                 await self._close_requested.wait()
+                expiry.cancel()  # the batchers still finish what is queued
         finally:
             self._nursery = None
             self.retained.clear()
             self._finished.set()
+
+    async def _expire_retained(self, scope: trio.CancelScope) -> None:
+        """Forwards kept past ``retain_s`` give their memory back even when no request
+        comes to drop them."""
+        with scope:
+            while True:
+                await trio.sleep(_EXPIRE_RETAINED_EVERY_S)
+                self.retained.expire()
 
     def close(self) -> None:
         """Refuse new requests; queued ones still finish, then ``serve`` returns."""
@@ -269,6 +333,8 @@ class ExpertRuntime:
         and the reply carries its handle. With ``compression`` floating-point tensors
         travel narrowed, both ways."""
         hosted = self._hosted(uid)
+        self.guard.check_peer(uid, peer_id)
+        hosted.refuse_if_broken()
         hosted.last_used = time.time()
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
@@ -278,9 +344,17 @@ class ExpertRuntime:
         inputs = _decode(tensors, [s.dtype for s in info.inputs])
         self.guard.check_inputs(uid, peer_id, inputs)
         shape = tuple(m.shape[1:] for m in metas)
+        reserved = None
         if retain and self.retained.enabled:
-            outputs, kept = await hosted.forward_retained.submit(inputs, samples=samples)
-            handle = self.retained.put(uid, peer_id, kept)
+            input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+            reserved = self.retained.reserve(uid, samples, input_bytes)
+        if reserved is not None:
+            try:
+                outputs, kept = await hosted.forward_retained.submit(inputs, samples=samples)
+            except BaseException:
+                self.retained.release(reserved)
+                raise
+            handle = self.retained.put(uid, peer_id, kept, reserved, samples)
             return _reply(outputs, compression, handle)
         outputs = await hosted.forward.submit(inputs, samples=samples, shape_key=shape)
         return _reply(outputs, compression)
@@ -298,6 +372,8 @@ class ExpertRuntime:
         the inputs followed by the output gradients. Raises ActivationsExpired for a
         handle this server no longer knows."""
         hosted = self._hosted(uid)
+        self.guard.check_peer(uid, peer_id)
+        hosted.refuse_if_broken()
         hosted.last_used = time.time()
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
@@ -310,10 +386,12 @@ class ExpertRuntime:
                 raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
             if tuple(kept.output.shape) != metas[0].shape:
                 raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
-            grads = self.guard.filter_gradients(
+            grads, loudest = self.guard.filter_gradients(
                 uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs])
             )
-            result = await hosted.backward_retained.submit((kept, grads), samples=samples)
+            result = await hosted.backward_retained.submit(
+                (kept, grads, Sender(peer_id, loudest)), samples=samples
+            )
             self._step_soon(hosted)
             return _reply(result, compression)
         schemas = [*info.inputs, *info.outputs]
@@ -324,8 +402,10 @@ class ExpertRuntime:
         decoded = _decode(tensors, [s.dtype for s in schemas])
         n_in = len(info.inputs)
         self.guard.check_inputs(uid, peer_id, decoded[:n_in])
-        decoded[n_in:] = self.guard.filter_gradients(uid, peer_id, decoded[n_in:])
-        grads = await hosted.backward.submit(decoded, samples=samples, shape_key=shape)
+        decoded[n_in:], loudest = self.guard.filter_gradients(uid, peer_id, decoded[n_in:])
+        grads = await hosted.backward.submit(
+            (decoded, Sender(peer_id, loudest)), samples=samples, shape_key=shape
+        )
         self._step_soon(hosted)
         return _reply(grads, compression)
 
@@ -341,16 +421,58 @@ class ExpertRuntime:
 
         async def step() -> None:
             try:
+                # Until the guard knows what this expert's gradients look like, every
+                # step gets the full check (a few steps after a start); after that the
+                # cheap prediction, whoever sent the gradients: the bounds do not depend
+                # on trust, and a check per new identity would let fresh identities buy
+                # full checks for the price of a request.
+                audit = not self.guard.warmed_up(hosted.backend.uid)
                 async with self.executor.turn():
                     # From here on, new gradients wait for the next step.
                     hosted.step_pending = False
-                    await self.executor.run_now(hosted.step)
+                    outcome, senders = await self.executor.run_now(
+                        partial(hosted.step, self.step_check, audit)
+                    )
+                if outcome.broken is not None:
+                    await self._restore(hosted, outcome.broken)
+                elif outcome.undone is not None:
+                    self.guard.step_undone(hosted.backend.uid, outcome.undone, senders)
             finally:
                 self._steps_in_flight -= 1
                 if self._steps_in_flight == 0:
                     self._no_steps.set()
 
         self._nursery.start_soon(step)
+
+    async def _restore(self, hosted: _Hosted, reason: str) -> None:
+        """Give a broken expert good weights again: its newest checkpoint, else its
+        seeded initial weights (and an empty optimizer state first, either way: the
+        checkpoint may be of another optimizer). What was learnt since that checkpoint
+        is lost."""
+        backend = hosted.backend
+        uid = backend.uid
+        self.guard.step_broken(uid, reason)
+        logger.error(
+            "a step of %s left its weights non-finite (%s) although its bounds vouched "
+            "for it, and could not be undone: restoring %s from its newest checkpoint; "
+            "the updates since are lost",
+            uid,
+            reason,
+            uid,
+        )
+        seeded = await trio.to_thread.run_sync(
+            partial(ExpertBackend, uid, backend.config, torch.device("cpu"), self._max_samples)
+        )
+        await self.executor.run(partial(backend.load_state, seeded.state()))
+        path = None
+        if self.restore_checkpoint is not None:
+            try:
+                path = await self.restore_checkpoint(backend)
+            except (CheckpointError, OSError) as exc:
+                logger.error("could not restore %s from a checkpoint: %s", uid, exc)
+        if path is None:
+            logger.error("%s has no checkpoint: back to its seeded initial weights", uid)
+        hosted.broken = False
 
     async def settled(self) -> None:
         """Wait until every queued optimizer step has run."""
