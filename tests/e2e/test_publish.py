@@ -1,5 +1,6 @@
 """``volunteerd publish`` as an owner runs it, and daemons joining what was published:
-one that trusts the owner serves a share of the experts, one that does not exits 3."""
+one that trusts the owner serves a share of the experts, one that trusts nobody exits 3
+naming the owner, one that trusts someone else exits 5 without naming anyone."""
 
 from __future__ import annotations
 
@@ -45,14 +46,24 @@ def test_publish_then_a_trusting_daemon_joins_and_a_distrustful_one_exits_3(
     assert "joined experiment 'e2e-demo'" in trusting.log.read_text()
     assert "hosting 2 experts" in trusting.log.read_text()
 
-    stranger = run_cli(tmp_path / "stranger", "id").stdout.strip()
-    distrustful = spawn(
-        "distrustful", "serve", *join, "--set", f'experiments.trusted_owners=["{stranger}"]'
-    )
+    # Trusting nobody yet: exits 3 and names the owner it found, as a hint.
+    distrustful = spawn("distrustful", "serve", *join)
     assert distrustful.process.wait(60) == ExitCode.CONFIG
     log = distrustful.log.read_text()
     assert owner_id in log
     assert "experiments.trusted_owners" in log
+
+    # Trusting someone else: strangers' manifests are never suggested (anyone can
+    # publish under any name); not found from a trusted owner, exit 5.
+    stranger = run_cli(tmp_path / "stranger", "id").stdout.strip()
+    elsewhere = spawn(
+        "elsewhere", "serve", *join, "--set", f'experiments.trusted_owners=["{stranger}"]',
+        "--set", "experiments.join_timeout_s=3",
+    )  # fmt: skip
+    assert elsewhere.process.wait(60) == ExitCode.UNAVAILABLE
+    log = elsewhere.log.read_text()
+    assert owner_id not in log
+    assert "trusted owner" in log
 
     assert trusting.stop(signal.SIGTERM) == ExitCode.INTERRUPTED
     assert boot.stop(signal.SIGINT) == ExitCode.INTERRUPTED

@@ -15,7 +15,7 @@ import trio
 
 from volunteerd.config import Config
 from volunteerd.daemon import Running
-from volunteerd.errors import UntrustedManifest
+from volunteerd.errors import ResourceUnavailable, UntrustedManifest
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint import CheckpointHeader, encode_checkpoint
 from volunteerd.identity import Identity
@@ -170,7 +170,8 @@ async def test_daemon_refuses_a_manifest_signed_by_an_untrusted_key(tmp_path: Pa
     manifest = make_manifest(owner)
     async with open_peer(local_config()) as boot:
         assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
-        config = joining_config(boot.multiaddrs, [str(peer_id_for(trusted))])
+        # No owner trusted yet: the error names who published, as a hint.
+        config = joining_config(boot.multiaddrs, [])
         with pytest.raises(BaseException) as info:
             async with open_daemon(config, tmp_path / "d"):
                 pass
@@ -179,7 +180,17 @@ async def test_daemon_refuses_a_manifest_signed_by_an_untrusted_key(tmp_path: Pa
         message = str(error)
         assert manifest.owner in message
         assert "experiments.trusted_owners" in message
-        print(message)
+
+        # An owner is trusted: strangers' manifests (anyone can publish under any name)
+        # are neither used nor suggested; the daemon says it found no trusted one.
+        config = joining_config(boot.multiaddrs, [str(peer_id_for(trusted))], join_timeout_s=3.0)
+        with pytest.raises(BaseException) as info:
+            async with open_daemon(config, tmp_path / "e"):
+                pass
+        unavailable = _find(info.value, ResourceUnavailable)
+        assert unavailable is not None, info.value
+        assert "trusted owner" in str(unavailable)
+        assert manifest.owner not in str(unavailable)
 
 
 def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:

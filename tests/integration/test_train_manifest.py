@@ -60,8 +60,12 @@ async def test_the_trainer_takes_the_experts_settings_from_a_trusted_manifest() 
                 assert m.compression == "float16"
                 assert (resolved.experts.name, resolved.experts.lr) == ("sgd", 0.05)
                 assert m.layer_name(2) == "mix2"
-                with pytest.raises(UntrustedManifest, match=owner_id):
-                    resolve_manifest(experiment("chars", [stranger_id]), client)
+                with pytest.raises(UntrustedManifest, match=owner_id):  # nobody trusted yet
+                    resolve_manifest(experiment("chars", []), client)
+                # Trusting someone else: the owner's manifest is neither used nor named.
+                with pytest.raises(ConfigError, match="trusted owner") as info:
+                    resolve_manifest(experiment("chars", [stranger_id]), client, timeout_s=1)
+                assert owner_id not in str(info.value)
                 with pytest.raises(ConfigError, match="not found"):
                     resolve_manifest(experiment("other", [owner_id]), client, timeout_s=1)
                 plain = Experiment()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import trio
+
 from volunteerd.identity import Identity
 from volunteerd.moe import ExpertDirectory
-from volunteerd.net import ExpertRecord, peer_id_for
+from volunteerd.net import ExpertRecord, PeerAddress, peer_id_for
 from volunteerd.net.records import sign_record
 
 
@@ -55,3 +57,63 @@ async def test_an_empty_refresh_right_after_servers_answered_is_not_believed() -
     clock.now += 16.0
     assert (await directory.children(["ffn."]))["ffn."] == {}  # banned
     assert directory.ban_reasons["timeout"] == 1
+
+
+def flood(honest: list[Identity], junk: int, key: str = "ffn.0.") -> list[ExpertRecord]:
+    """What a storing node answers: the writers it has seen longest (honest) first."""
+    records = [record(i, key, [0, 1]) for i in honest]
+    return records + [record(Identity.generate(), key, [0, 1]) for _ in range(junk)]
+
+
+class Verifier:
+    """Answers for the honest peers only; counts every dial."""
+
+    def __init__(self, honest: list[Identity]) -> None:
+        self.honest = {str(peer_id_for(i)) for i in honest}
+        self.asked: list[str] = []
+
+    async def __call__(self, peer: PeerAddress, uid: str) -> bool:
+        self.asked.append(peer.peer_id)
+        await trio.sleep(0.01)
+        return peer.peer_id in self.honest
+
+
+async def test_only_peers_that_answered_are_offered_and_junk_costs_a_few_dials() -> None:
+    honest = [Identity.generate() for _ in range(2)]
+    dht, verify = FakeDHT(), Verifier(honest)
+    dht.answers["ffn.0."] = flood(honest, junk=1000)
+    directory = ExpertDirectory(dht, verify=verify, max_verifying=4)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(directory.serve)
+        children = (await directory.children(["ffn.0."]))["ffn.0."]
+        assert {c: {p.peer_id for p in peers} for c, peers in children.items()} == {
+            0: verify.honest,
+            1: verify.honest,
+        }
+        # Verified peers are enough: the thousand others were never dialled.
+        await directory.children(["ffn.0."])
+        assert len(verify.asked) <= 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_junk_listed_first_is_tried_a_few_at_a_time_and_not_again() -> None:
+    honest = [Identity.generate()]
+    dht, verify = FakeDHT(), Verifier(honest)
+    junk = flood([], junk=50)
+    dht.answers["ffn.0."] = junk[:10] + flood(honest, junk=0) + junk[10:]
+    clock = Clock()
+    directory = ExpertDirectory(dht, verify=verify, ban_s=60.0, clock=clock)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(directory.serve)
+        for _ in range(5):  # each step tries the next few candidates
+            children = (await directory.children(["ffn.0."]))["ffn.0."]
+            if children:
+                break
+        assert {p.peer_id for p in children[0]} == verify.honest
+        asked = len(verify.asked)
+        assert asked <= 11 + 4, "at most a few candidates beyond the honest one"
+        assert len(set(verify.asked)) == asked, "nobody is asked twice within ban_s"
+        await directory.children(["ffn.0."])
+        assert len(verify.asked) == asked
+        assert directory.verifications["failed"] >= 10
+        nursery.cancel_scope.cancel()

@@ -18,6 +18,7 @@ from volunteerd.net.manifests import (
     validate_manifest_record,
 )
 from volunteerd.net.peers import peer_id_for, public_key_of
+from volunteerd.net.store import Source
 from volunteerd.swarm.manifest import (
     ExperimentManifest,
     choose_trusted,
@@ -33,12 +34,17 @@ OWNER = Identity.generate()
 OWNER_ID = str(peer_id_for(OWNER))
 
 
-def manifest(owner: Identity = OWNER, *, issued: float = NOW, **kw) -> ExperimentManifest:  # type: ignore[no-untyped-def]
+def manifest(
+    owner: Identity = OWNER, *, issued: float = NOW, expires_days: float = 7, **kw
+) -> ExperimentManifest:  # type: ignore[no-untyped-def]
     kw.setdefault("name", "stdlib-chars")
     kw.setdefault("grid", (4, 4))
     kw.setdefault("hidden_dim", 16)
     return ExperimentManifest(
-        owner=str(peer_id_for(owner)), issued_at=issued, expires_at=issued + 7 * DAY, **kw
+        owner=str(peer_id_for(owner)),
+        issued_at=issued,
+        expires_at=issued + expires_days * DAY,
+        **kw,
     )
 
 
@@ -156,12 +162,54 @@ def test_trusted_owner_chosen_and_untrusted_refused_with_a_clear_error() -> None
     theirs = sign_manifest(manifest(stranger, issued=NOW + 100), stranger)
     assert choose_trusted("stdlib-chars", [theirs, mine], [OWNER_ID]) == parse_manifest(mine)
     assert choose_trusted("stdlib-chars", [], [OWNER_ID]) is None
+    # No owner trusted yet: the error names who published, as a hint.
     with pytest.raises(UntrustedManifest) as info:
-        choose_trusted("stdlib-chars", [theirs], [OWNER_ID])
+        choose_trusted("stdlib-chars", [theirs], [])
     message = str(info.value)
     assert theirs.owner in message
     assert "experiments.trusted_owners" in message
     assert isinstance(info.value, ConfigError)  # exit code 3
+
+
+def test_strangers_are_never_suggested_once_an_owner_is_trusted() -> None:
+    strangers = [Identity.generate() for _ in range(16)]
+    theirs = [sign_manifest(manifest(s, issued=NOW + 100), s) for s in strangers]
+    assert choose_trusted("stdlib-chars", theirs, [OWNER_ID]) is None
+
+
+def test_sixteen_untrusted_owners_cannot_evict_a_trusted_manifest() -> None:
+    clock = [NOW]
+    store = ManifestStore(CONFIG, public_key_of, clock=lambda: clock[0], trusted_owners=[OWNER_ID])
+    clock[0] = NOW + 10
+    attackers = [Identity.generate() for _ in range(16)]
+    for attacker in attackers:  # 30-day manifests, all there before the owner's
+        record = sign_manifest(manifest(attacker, issued=NOW + 10, expires_days=30), attacker)
+        assert store.put(record, Source(str(peer_id_for(attacker)), "203.0.113.0/24"))
+    mine = sign_manifest(manifest(), OWNER)
+    assert store.put(mine, Source("someone", "198.51.100.0/24"))
+    assert store.get("stdlib-chars", OWNER_ID) == [mine]
+    for attacker in [Identity.generate() for _ in range(16)]:
+        record = sign_manifest(manifest(attacker, issued=NOW + 10, expires_days=30), attacker)
+        store.put(record, Source(str(peer_id_for(attacker)), "203.0.113.0/24"))
+    assert store.get("stdlib-chars", OWNER_ID) == [mine]
+    assert store.get("stdlib-chars")[0] == mine  # trusted first
+    assert len(store.get("stdlib-chars")) == 16
+
+
+def test_one_key_with_1023_junk_names_cannot_crowd_out_a_new_experiment() -> None:
+    clock = [NOW]
+    store = ManifestStore(CONFIG, public_key_of, clock=lambda: clock[0])
+    junk = Identity.generate()
+    source = Source(str(peer_id_for(junk)), "203.0.113.0/24")
+    outcomes = [
+        store.offer(sign_manifest(manifest(junk, name=f"junk-{i}"), junk), source)
+        for i in range(1023)
+    ]
+    assert outcomes.count(None) == CONFIG.max_manifests_per_owner
+    assert store.statistics().refused == {}  # offer() does not count; put() does
+    mine = sign_manifest(manifest(name="new-experiment"), OWNER)
+    assert store.put(mine, Source("owner", "198.51.100.0/24"))
+    assert store.get("new-experiment") == [mine]
 
 
 def test_manifest_file_is_stamped_by_publishing(tmp_path: Path) -> None:

@@ -1,10 +1,12 @@
 """DHT records: signatures, expiry, sizes and keys are checked; the store keeps one
-record per (key, peer), the newest, until it expires."""
+record per (key, peer), the newest, until it expires, within caps that a flood of
+fresh identities cannot use to displace the servers seen before it."""
 
 from __future__ import annotations
 
 import base64
 import json
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -13,15 +15,18 @@ from hypothesis import strategies as st
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
 from volunteerd.identity import Identity
+from volunteerd.net.dht import fit_reply
 from volunteerd.net.peers import peer_id_for, public_key_of
 from volunteerd.net.records import (
     ExpertRecord,
+    FindReply,
     RecordStore,
     merge_newest,
     parse_record,
     sign_record,
     validate_record,
 )
+from volunteerd.net.store import Source, ip_prefix
 
 NOW = 1_800_000_000.0
 CONFIG = DHTConfig(max_record_ttl_s=600, max_clock_skew_s=30, max_records_per_key=3, max_keys=4)
@@ -166,18 +171,100 @@ def test_store_refuses_forged_records() -> None:
     assert s.get("ffn.") == []
 
 
-def test_store_is_bounded_in_keys_and_records_per_key() -> None:
-    s = store([NOW])
-    peers = [Identity.generate() for _ in range(5)]
-    for i, peer in enumerate(peers[:3]):
-        assert s.put(make(peer, ttl_s=30 + i))
-    # A full key makes room only for a record that outlives the soonest-expiring one.
-    assert not s.put(make(peers[3], ttl_s=10))
-    assert s.put(make(peers[4], ttl_s=100))
-    assert len(s.get("ffn.")) == 3
-    for key in ("a.", "b.", "c."):
-        assert s.put(make(peers[0], key=key))
-    assert not s.put(make(peers[0], key="d."))
+def test_a_full_key_keeps_the_writers_seen_longest() -> None:
+    now = [NOW]
+    config = DHTConfig(max_record_ttl_s=600, max_clock_skew_s=30, max_records_per_key=3)
+    s = RecordStore(config, public_key_of, clock=lambda: now[0])
+    incumbents = [Identity.generate() for _ in range(3)]
+    for peer in incumbents:
+        assert s.put(make(peer, ttl_s=30))
+    now[0] += 5
+    # A newcomer never displaces a writer seen before it, however long its record lives.
+    newcomer = Identity.generate()
+    assert not s.put(make(newcomer, ttl_s=600, now=now[0]))
+    assert s.statistics().refused == {"key_full": 1}
+    # Incumbents keep refreshing their own slots.
+    assert all(s.put(make(p, ttl_s=30, now=now[0])) for p in incumbents)
+    assert {r.peer_id for r in s.get("ffn.")} == {str(peer_id_for(p)) for p in incumbents}
+    # A writer seen longer than the newest one displaces it on another key.
+    assert s.put(make(newcomer, key="a.", now=now[0]))
+    for peer in incumbents[1:]:
+        s.put(make(peer, key="a.", now=now[0]))
+    now[0] += 1
+    assert s.put(make(incumbents[0], key="a.", now=now[0]))
+    assert str(peer_id_for(newcomer)) not in {r.peer_id for r in s.get("a.")}
+    assert s.statistics().evicted == 1
+
+
+def test_answers_list_the_writers_seen_longest_first() -> None:
+    now = [NOW]
+    s = store(now)
+    peers = [Identity.generate() for _ in range(3)]
+    for i, peer in enumerate(peers):
+        now[0] = NOW + i
+        assert s.put(make(peer, now=now[0]))
+    # refreshing does not make an old writer new
+    assert s.put(make(peers[0], now=now[0] + 1))
+    assert [r.peer_id for r in s.get("ffn.")] == [str(peer_id_for(p)) for p in peers]
+
+
+def test_a_record_with_4096_children_is_refused_before_its_signature_is_checked() -> None:
+    s = RecordStore(DHTConfig(max_record_ttl_s=600), public_key_of, clock=lambda: NOW)
+    fat = make(Identity.generate(), children=list(range(4096)))
+    assert not s.put(fat.model_copy(update={"signature": "bm90IGNoZWNrZWQ="}))
+    assert s.statistics().refused == {"too_large": 1}
+    assert s.put(make(Identity.generate(), children=list(range(256))))
+    with pytest.raises(InvalidRecord, match="at most 256"):
+        validate_record(
+            fat, public_key_of=public_key_of, now=NOW, max_ttl_s=600, max_clock_skew_s=30,
+            max_children=256,
+        )  # fmt: skip
+
+
+def test_identities_behind_one_address_share_one_quota() -> None:
+    config = DHTConfig(max_record_ttl_s=600, peer_quota_mb=0.01, ip_prefix_quota_mb=0.02)
+    s = RecordStore(config, public_key_of, clock=lambda: NOW)
+    honest = Source("honest", ip_prefix("198.51.100.7"))
+    kept = make(Identity.generate(), key="ffn.0.")
+    assert s.put(kept, honest)
+    refused: list[str | None] = []
+    for i in range(200):  # 200 identities through 20 connections from one /24
+        source = Source(f"attacker-{i % 20}", ip_prefix(f"203.0.113.{i % 20}"))
+        refused.append(s.offer(make(Identity.generate(), key="ffn.0."), source))
+    stored = refused.count(None)
+    assert 0 < stored * 1600 <= 0.02 * (1 << 20)
+    assert set(refused) == {None, "prefix_quota"}
+    # One connection alone fills its own, smaller quota; another network has its room.
+    alone = Source("one", ip_prefix("192.0.2.1"))
+    outcomes = [s.offer(make(Identity.generate(), key="ffn.1."), alone) for _ in range(20)]
+    assert outcomes[0] is None
+    assert outcomes[-1] == "peer_quota"
+    assert kept in s.get("ffn.0.")
+    assert ip_prefix("2001:db8:1:2::5") == ip_prefix("2001:db8:1:ffff::9") == "2001:db8:1::/48"
+
+
+def test_memory_stays_within_the_budget_under_a_flood_of_fat_records() -> None:
+    budget_mb = 1.0
+    config = DHTConfig(max_record_ttl_s=600, store_budget_mb=budget_mb)
+    identities = [Identity.generate() for _ in range(60)]
+    flood = [
+        make(identity, key=f"ffn.{k}.", children=list(range(256)))
+        for identity in identities
+        for k in range(10)
+    ]
+    tracemalloc.start()
+    s = RecordStore(config, public_key_of, clock=lambda: NOW)
+    for i, record in enumerate(flood):
+        s.put(record.model_copy(), Source(f"p{i}", ip_prefix(f"10.{i % 250}.{i // 250}.1")))
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    stats = s.statistics()
+    budget = budget_mb * (1 << 20) * 3 / 4
+    assert stats.bytes <= budget
+    assert stats.refused["budget"] > 0
+    # The estimate bounds what the records really hold (flood list itself excluded:
+    # its copies are what the store keeps).
+    assert held <= budget * 1.25
 
 
 def test_merge_keeps_withdrawals_newer_than_announcements() -> None:
@@ -185,3 +272,13 @@ def test_merge_keeps_withdrawals_newer_than_announcements() -> None:
     announced = make(a, children=[1])
     withdrawn = make(a, children=[], active=False, now=NOW + 1)
     assert merge_newest([announced, withdrawn]) == [withdrawn]
+
+
+def test_a_find_reply_fits_the_header_cap_and_keeps_every_keys_best_writers() -> None:
+    flooded = [make(Identity.generate(), key="ffn.0.") for _ in range(600)]
+    quiet = [make(Identity.generate(), key="ffn.1.") for _ in range(2)]
+    records = fit_reply([flooded, quiet], 48 * 1024)
+    reply = FindReply(records=records).model_dump_json()
+    assert len(reply) <= 48 * 1024
+    assert records[:4] == [flooded[0], quiet[0], flooded[1], quiet[1]]
+    assert len(records) < 602

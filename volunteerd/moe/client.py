@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from volunteerd.config import Config
 from volunteerd.identity import Identity
-from volunteerd.moe.directory import Children, ExpertDirectory
+from volunteerd.moe.directory import Children, ExpertDirectory, info_verifier
 from volunteerd.net.background import BackgroundNode
 
 __all__ = ["SwarmClient"]
@@ -29,10 +29,15 @@ class SwarmClient:
         *,
         refresh_s: float = 5.0,
         ban_s: float = 60.0,
+        verify_servers: bool = True,
     ) -> None:
+        """``verify_servers=False`` offers every announced server without asking it
+        first: only for benchmarks that show what the verification is worth."""
         self.node = BackgroundNode(identity or Identity.generate(), config)
+        self._config = config
         self._refresh_s = refresh_s
         self._ban_s = ban_s
+        self._verify_servers = verify_servers
         self._directory: ExpertDirectory | None = None
 
     def __enter__(self) -> SwarmClient:
@@ -49,8 +54,18 @@ class SwarmClient:
 
     def start(self) -> None:
         self.node.start()
+        node = self.node.node
+        timeouts = self._config.timeouts
         self._directory = ExpertDirectory(
-            self.node.node.dht, refresh_s=self._refresh_s, ban_s=self._ban_s
+            node.dht,
+            refresh_s=self._refresh_s,
+            ban_s=self._ban_s,
+            # An announced server is offered once it answered (issue 12: Sybil floods).
+            verify=(
+                info_verifier(node.rpc, timeouts.connect_s + timeouts.dht_rpc_s)
+                if self._verify_servers
+                else None
+            ),
         )
         self.node.start_service(self._directory.serve)
 

@@ -5,31 +5,69 @@ what it lacks in one batched DHT lookup; ``serve`` refreshes, every ``refresh_s`
 keys used recently, so a training step seldom waits for the DHT. Peers that failed a
 call are banned for ``ban_s``: their experts are not offered to the beam search from the
 next step on, whatever the DHT still says.
+
+Anyone can announce anything in the DHT, under as many fresh identities as it likes
+(issue 12: 1,100 of them hid every honest server). So with a ``verify`` function (the
+swarm client passes one that asks the peer ``info``), a peer is offered only after it
+has answered once, at the address it announces, under the identity it announces
+(the Noise handshake proves the key). Verification runs in the background, at most
+``max_verifying`` at a time, in the order the DHT lists the peers (storing nodes list
+the writers they have seen longest first), a few candidates per child at most, so a
+flood of fake records costs the trainer a bounded number of refused dials. A peer that
+failed is not asked again for ``ban_s``; a verified one is remembered. A prefix looked
+up for the first time waits up to ``verify_wait_s`` for its first answers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 
-from volunteerd.net import ExpertDHT, PeerAddress, short
+from volunteerd.errors import PeerError, RemoteError
+from volunteerd.net import ExpertDHT, PeerAddress, RpcClient, Verb, short
+from volunteerd.wire import ExpertInfo, InfoRequest
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["Children", "ExpertDirectory"]
+__all__ = ["Children", "ExpertDirectory", "Verify", "info_verifier"]
 
 logger = logging.getLogger(__name__)
 
 # prefix key -> next coordinate -> servers announcing it
 Children = dict[int, list[PeerAddress]]
+# (peer, a uid it announces) -> did it answer as a volunteerd server?
+Verify = Callable[[PeerAddress, str], Awaitable[bool]]
+
+_MAX_REMEMBERED = 65_536  # verified and failed peers, each
+_CANDIDATES_PER_CHILD = 4  # unverified peers of one child being verified at once
+
+
+def info_verifier(rpc: RpcClient, timeout_s: float) -> Verify:
+    """A ``Verify`` that asks the peer ``info`` about the uid: any answer of our protocol
+    (the expert's info, or a typed error such as ``busy``) from that peer id is a live
+    server; a refused dial, a timeout or a broken reply is not."""
+
+    async def verify(peer: PeerAddress, uid: str) -> bool:
+        try:
+            with trio.fail_after(timeout_s):
+                reply, _ = await rpc.call(peer, Verb.INFO, InfoRequest(uid=uid))
+        except RemoteError:
+            return True  # a typed error (busy, unknown_expert...) is our protocol too
+        except PeerError:
+            return False
+        except trio.TooSlowError:
+            return False
+        return isinstance(reply, ExpertInfo)
+
+    return verify
 
 
 @dataclass(slots=True)
@@ -46,20 +84,34 @@ class ExpertDirectory:
         *,
         refresh_s: float = 5.0,
         ban_s: float = 60.0,
+        verify: Verify | None = None,
+        verify_wait_s: float = 5.0,
+        max_verifying: int = 8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._dht = dht
         self._refresh_s = refresh_s
         self._ban_s = ban_s
+        self._verify = verify
+        self._verify_wait_s = verify_wait_s
+        self._verifying = trio.CapacityLimiter(max_verifying)
         self._clock = clock
         self._cache: dict[str, _Entry] = {}
         self._banned: dict[str, float] = {}
+        self._verified: OrderedDict[str, float] = OrderedDict()  # peer -> when
+        self._failed: OrderedDict[str, float] = OrderedDict()  # peer -> retry after
+        self._pending: set[str] = set()
+        self._inline: list[tuple[PeerAddress, str]] = []  # to verify when not served
+        self._nursery: trio.Nursery | None = None
+        self._changed = trio.Event()
         self.ban_reasons: Counter[str] = Counter()  # reason (first word) -> bans
         self.lookups = 0
         self.empty_answers = 0  # refreshes that found nobody and were not believed
+        self.verifications: Counter[str] = Counter()  # "ok" / "failed" -> peers
 
     async def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
-        """Alive children of each prefix key, without banned peers."""
+        """Alive children of each prefix key: verified (when verifying), unbanned peers,
+        those verified earliest first."""
         now = self._clock()
         wanted = list(dict.fromkeys(prefixes))
         stale_after = 3 * self._refresh_s
@@ -68,19 +120,32 @@ class ExpertDirectory:
             for p in wanted
             if p not in self._cache or now - self._cache[p].fetched_at > stale_after
         ]
+        cold = [p for p in missing if p not in self._cache]
         if missing:
             await self._fetch(missing)
+        if self._verify is not None:
+            self._schedule(wanted)
+            if cold:
+                await self._wait_for_answers(cold)
+        now = self._clock()
         self._banned = {p: t for p, t in self._banned.items() if t > now}
         out: dict[str, Children] = {}
         for prefix in wanted:
             entry = self._cache[prefix]
             entry.used_at = now
-            alive = {
-                child: [p for p in peers if p.peer_id not in self._banned]
-                for child, peers in entry.children.items()
-            }
-            out[prefix] = {child: peers for child, peers in alive.items() if peers}
+            out[prefix] = {}
+            for child, peers in entry.children.items():
+                alive = [p for p in peers if self._offered(p.peer_id)]
+                if self._verify is not None:
+                    alive.sort(key=lambda p: self._verified[p.peer_id])
+                if alive:
+                    out[prefix][child] = alive
         return out
+
+    def _offered(self, peer_id: str) -> bool:
+        if peer_id in self._banned:
+            return False
+        return self._verify is None or peer_id in self._verified
 
     def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
         """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``)."""
@@ -95,9 +160,106 @@ class ExpertDirectory:
         until = self._banned.get(peer_id)
         return until is not None and until > self._clock()
 
+    def is_verified(self, peer_id: str) -> bool:
+        return peer_id in self._verified
+
     @property
     def banned(self) -> Mapping[str, float]:
         return dict(self._banned)
+
+    # -- verification -----------------------------------------------------------------
+
+    def _schedule(self, prefixes: Iterable[str]) -> None:
+        """Start verifying, for every child of ``prefixes``, the first few unverified
+        candidates in the DHT's order (at most ``_CANDIDATES_PER_CHILD`` at a time, so
+        every replica is verified in turn -- spot checks and failover need them all --
+        while junk records cost one failed `info` each per ``ban_s``)."""
+        now = self._clock()
+        for prefix in prefixes:
+            entry = self._cache.get(prefix)
+            if entry is None:
+                continue
+            for child, peers in entry.children.items():
+                started = 0
+                for peer in peers:
+                    if started >= _CANDIDATES_PER_CHILD:
+                        break
+                    pid = peer.peer_id
+                    if pid in self._verified or pid in self._banned:
+                        continue
+                    if pid in self._pending:
+                        started += 1
+                        continue
+                    retry_at = self._failed.get(pid)
+                    if retry_at is not None and retry_at > now:
+                        continue
+                    self._pending.add(pid)
+                    started += 1
+                    self._start(peer, f"{prefix}{child}" if prefix.endswith(".") else prefix)
+
+    def _start(self, peer: PeerAddress, uid: str) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._verify_one, peer, uid)
+        else:
+            # Not served (a bare directory in a test): nothing runs in the background,
+            # so the first wait verifies inline.
+            self._inline.append((peer, uid))
+
+    async def _verify_one(self, peer: PeerAddress, uid: str) -> None:
+        verify = self._verify
+        if verify is None:
+            return
+        try:
+            async with self._verifying:
+                try:
+                    ok = await verify(peer, uid)
+                except Exception as exc:  # a verifier must not end the directory
+                    logger.debug("verifying %s failed: %r", short(peer.peer_id), exc)
+                    ok = False
+        finally:
+            self._pending.discard(peer.peer_id)
+        if ok:
+            self._verified[peer.peer_id] = self._clock()
+            self._failed.pop(peer.peer_id, None)
+            _bound(self._verified)
+        else:
+            self._failed[peer.peer_id] = self._clock() + self._ban_s
+            self._failed.move_to_end(peer.peer_id)
+            _bound(self._failed)
+        self.verifications["ok" if ok else "failed"] += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_for_answers(self, prefixes: list[str]) -> None:
+        """Until every child of ``prefixes`` has a verified peer or nobody left to try,
+        for at most ``verify_wait_s``."""
+        with trio.move_on_after(self._verify_wait_s):
+            if self._nursery is None:
+                async with trio.open_nursery() as nursery:
+                    for peer, uid in self._take_inline():
+                        nursery.start_soon(self._verify_one, peer, uid)
+                return
+            while self._waiting_on(prefixes):
+                await self._changed.wait()
+                self._schedule(prefixes)
+
+    def _take_inline(self) -> list[tuple[PeerAddress, str]]:
+        inline, self._inline = self._inline, []
+        return inline
+
+    def _waiting_on(self, prefixes: list[str]) -> bool:
+        for prefix in prefixes:
+            entry = self._cache.get(prefix)
+            if entry is None:
+                continue
+            for peers in entry.children.values():
+                if any(p.peer_id in self._verified for p in peers):
+                    continue
+                if any(p.peer_id in self._pending for p in peers):
+                    return True
+        return False
+
+    # -- lookups ----------------------------------------------------------------------
 
     async def _fetch(self, keys: list[str]) -> None:
         self.lookups += 1
@@ -105,7 +267,7 @@ class ExpertDirectory:
         now = self._clock()
         for key in keys:
             children: Children = {}
-            for record in records.get(key, []):
+            for record in records.get(key, []):  # in the DHT's order: seen longest first
                 peer = PeerAddress(record.peer_id, record.addrs)
                 for child in record.children:
                     children.setdefault(child, []).append(peer)
@@ -125,8 +287,19 @@ class ExpertDirectory:
             self._cache[key] = _Entry(children, now, old.used_at if old else now)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Refresh recently used keys every ``refresh_s`` until cancelled."""
-        task_status.started()
+        """Refresh recently used keys every ``refresh_s`` and verify announced peers in
+        the background, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for peer, uid in self._take_inline():
+                nursery.start_soon(self._verify_one, peer, uid)
+            task_status.started()
+            try:
+                await self._refresh_forever()
+            finally:
+                self._nursery = None
+
+    async def _refresh_forever(self) -> None:
         while True:
             await trio.sleep(self._refresh_s)
             now = self._clock()
@@ -139,3 +312,11 @@ class ExpertDirectory:
                         await self._fetch(recent)
                 except (trio.TooSlowError, Exception) as exc:  # the next round retries
                     logger.warning("refreshing %d DHT keys failed: %s", len(recent), exc)
+                    continue
+                if self._verify is not None:
+                    self._schedule(recent)
+
+
+def _bound(remembered: OrderedDict[str, float]) -> None:
+    while len(remembered) > _MAX_REMEMBERED:
+        remembered.popitem(last=False)

@@ -24,6 +24,7 @@ from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
 
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.errors import InvalidRecord, PeerError
@@ -50,15 +51,49 @@ from volunteerd.net.records import (
     validate_record,
 )
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
+from volunteerd.net.store import Source, StoreStatistics, ip_prefix
 
-__all__ = ["ExpertDHT", "StoreOutcome"]
+__all__ = ["DHTStatistics", "ExpertDHT", "StoreOutcome"]
 
 logger = logging.getLogger(__name__)
 
 _FIND_BATCH = 64
+# A find reply is one JSON header, and readers refuse headers over wire.max_header_bytes
+# (64 KiB by default): a key flooded with hundreds of records must not make the whole
+# answer unreadable. Keep it under 48 KiB.
+_FIND_REPLY_BYTES = 48 * 1024
 _CLOSEST_CACHE_S = 30.0
 # Other peers' routing tables keep a dead peer for long; do not ask it again meanwhile.
 _DEAD_PEER_S = 60.0
+
+
+def fit_reply(per_key: Sequence[Sequence[ExpertRecord]], budget_bytes: int) -> list[ExpertRecord]:
+    """Records of several keys within ``budget_bytes`` of JSON: round-robin over the
+    keys, each key's best-ranked records first (the store lists writers seen longest
+    first), so every key keeps its best writers when a flooded key would fill it."""
+    out: list[ExpertRecord] = []
+    used = 0
+    for position in range(max((len(records) for records in per_key), default=0)):
+        for records in per_key:
+            if position >= len(records):
+                continue
+            record = records[position]
+            # an upper bound of its JSON: fields' names and times, up to 8 bytes a child
+            size = 320 + len(record.peer_id) + len(record.key) + 8 * len(record.children)
+            size += sum(len(a) + 3 for a in record.addrs)
+            if used + size > budget_bytes:
+                return out
+            used += size
+            out.append(record)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DHTStatistics:
+    """``ExpertDHT.statistics()``: the expert record store and the manifest store."""
+
+    records: StoreStatistics
+    manifests: StoreStatistics
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +117,8 @@ class ExpertDHT:
         rpc: RpcClient,
         config: DHTConfig,
         timeouts: TimeoutsConfig,
+        *,
+        trusted_owners: Iterable[str] = (),
     ) -> None:
         self._host = host
         self._kad = kad
@@ -90,7 +127,7 @@ class ExpertDHT:
         self._timeouts = timeouts
         self._self_id = host.get_id()
         self.store = RecordStore(config, public_key_of)
-        self.manifests = ManifestStore(config, public_key_of)
+        self.manifests = ManifestStore(config, public_key_of, trusted_owners=trusted_owners)
         self._dead_until: dict[ID, float] = {}
         # key -> (routing table size then, valid until, closest peers)
         self._closest_cache: dict[str, tuple[int, float, list[ID]]] = {}
@@ -107,24 +144,49 @@ class ExpertDHT:
             Verb.MANIFEST_FIND: self._on_manifest_find,
         }
 
+    def _source(self, peer_id: str) -> Source:
+        """Who stores: the requesting peer and the IP prefix of its connection (a quota
+        that a thousand identities behind one address share)."""
+        host = ""
+        try:
+            for conn in self._host.get_network().connections.get(ID.from_base58(peer_id), []):
+                remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+                if remote:
+                    host = str(remote[0])
+                    break
+        except Exception:  # a connection closing under us: no address, its own quota
+            host = ""
+        return Source(peer_id, ip_prefix(host) if host else f"peer:{peer_id}")
+
     async def _on_manifest_store(self, request: Request) -> Reply:
         body: ManifestStoreRequest = request.header
-        stored = sum(self.manifests.put(record) for record in body.records)
+        source = self._source(request.peer_id)
+        stored = sum(self.manifests.put(record, source) for record in body.records)
         return Reply(ManifestStoreReply(stored=stored, rejected=len(body.records) - stored))
 
     async def _on_manifest_find(self, request: Request) -> Reply:
         body: ManifestFindRequest = request.header
-        return Reply(ManifestFindReply(records=self.manifests.get(body.name)))
+        return Reply(ManifestFindReply(records=self.manifests.get(body.name, body.owner)))
 
     async def _on_store(self, request: Request) -> Reply:
         body: StoreRequest = request.header
-        stored = sum(self.store.put(record) for record in body.records)
+        source = self._source(request.peer_id)
+        stored = sum(self.store.put(record, source) for record in body.records)
         return Reply(StoreReply(stored=stored, rejected=len(body.records) - stored))
 
     async def _on_find(self, request: Request) -> Reply:
         body: FindRequest = request.header
-        records = [r for key in dict.fromkeys(body.keys) for r in self.store.get(key)]
-        return Reply(FindReply(records=records[:16384]))
+        per_key = [self.store.get(key) for key in dict.fromkeys(body.keys)]
+        return Reply(FindReply(records=fit_reply(per_key, _FIND_REPLY_BYTES)))
+
+    def statistics(self) -> DHTStatistics:
+        """What this node stores for others now, and what it refused (by reason)."""
+        return DHTStatistics(self.store.statistics(), self.manifests.statistics())
+
+    def expire(self) -> None:
+        """Drop expired records and manifests (the node calls this every few seconds)."""
+        self.store.expire()
+        self.manifests.expire()
 
     # -- membership -------------------------------------------------------------------
 
@@ -206,7 +268,15 @@ class ExpertDHT:
         return closest
 
     def _address(self, peer_id: ID) -> PeerAddress:
-        addrs = self._host.get_peerstore().addrs(peer_id)
+        """The peer's known addresses; none when the peerstore has forgotten it.
+
+        py-libp2p raises PeerStoreError for a peer whose entry was removed (it drops
+        peers whose connections closed): a lookup's answer may name one that left a
+        moment ago. That is a peer we cannot dial, never an error of ours."""
+        try:
+            addrs = self._host.get_peerstore().addrs(peer_id)
+        except PeerStoreError:
+            addrs = []
         return PeerAddress(str(peer_id), tuple(dialable_part(str(a)) for a in addrs))
 
     async def _group_by_peer(self, keys: Iterable[str]) -> dict[ID, list[str]]:
@@ -266,11 +336,20 @@ class ExpertDHT:
     async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
         """Active, valid, unexpired records per key, newest per peer, from the closest peers."""
         by_peer = await self._group_by_peer(keys)
-        found: list[ExpertRecord] = []
+        # (position in the storing peer's answer for its key, record): storing peers
+        # list the writers they have seen longest first, and readers keep that order.
+        found: list[tuple[int, ExpertRecord]] = []
+
+        def take(records: Iterable[ExpertRecord]) -> None:
+            position: dict[str, int] = {}
+            for record in records:
+                rank = position.get(record.key, 0)
+                position[record.key] = rank + 1
+                found.append((rank, record))
 
         async def find_on(peer_id: ID, peer_keys: list[str]) -> None:
             if peer_id == self._self_id:
-                found.extend(r for k in peer_keys for r in self.store.get(k))
+                take(r for k in peer_keys for r in self.store.get(k))
                 return
             for start in range(0, len(peer_keys), _FIND_BATCH):
                 chunk = peer_keys[start : start + _FIND_BATCH]
@@ -284,15 +363,21 @@ class ExpertDHT:
                     self.forget_peer(str(peer_id))
                     return
                 wanted = set(chunk)
-                found.extend(r for r in reply.records if r.key in wanted and self._valid(r))
+                take(r for r in reply.records if r.key in wanted and self._valid(r))
 
         async with trio.open_nursery() as nursery:
             for peer_id, peer_keys in by_peer.items():
                 nursery.start_soon(find_on, peer_id, peer_keys)
+        best: dict[tuple[str, str], int] = {}
+        for rank, record in found:
+            slot = (record.key, record.peer_id)
+            best[slot] = min(rank, best.get(slot, rank))
         result: dict[str, list[ExpertRecord]] = {key: [] for key in keys}
-        for record in merge_newest(found):
+        for record in merge_newest(r for _, r in found):
             if record.active:
                 result[record.key].append(record)
+        for records in result.values():
+            records.sort(key=lambda r: best[(r.key, r.peer_id)])
         return result
 
     def _valid(self, record: ExpertRecord) -> bool:
@@ -303,9 +388,10 @@ class ExpertDHT:
                 now=time.time(),
                 max_ttl_s=self._config.max_record_ttl_s,
                 max_clock_skew_s=self._config.max_clock_skew_s,
+                max_children=self._config.max_children_per_record,
             )
         except InvalidRecord as exc:
-            logger.info("dropped a record from the DHT: %s", exc)
+            logger.debug("dropped a record from the DHT: %s", exc)
             return False
         return True
 
@@ -338,18 +424,22 @@ class ExpertDHT:
                 nursery.start_soon(store_on, peer_id)
         return acks
 
-    async def get_manifests(self, name: str) -> list[ManifestRecord]:
-        """Every owner's newest valid manifest for experiment ``name``."""
+    async def get_manifests(self, name: str, owner: str | None = None) -> list[ManifestRecord]:
+        """Every owner's newest valid manifest for experiment ``name``; only ``owner``'s
+        when given (storing peers then answer with that owner's alone, so strangers'
+        manifests under the same name cannot crowd it out of the answer)."""
         found: list[ManifestRecord] = []
 
         async def find_on(peer_id: ID) -> None:
             if peer_id == self._self_id:
-                found.extend(self.manifests.get(name))
+                found.extend(self.manifests.get(name, owner))
                 return
             try:
                 with trio.fail_after(self._timeouts.dht_rpc_s):
                     reply, _ = await self._rpc.call(
-                        self._address(peer_id), Verb.MANIFEST_FIND, ManifestFindRequest(name=name)
+                        self._address(peer_id),
+                        Verb.MANIFEST_FIND,
+                        ManifestFindRequest(name=name, owner=owner),
                     )
             except (PeerError, trio.TooSlowError) as exc:
                 logger.debug("manifest find on %s failed: %s", short(peer_id), exc)
@@ -367,7 +457,7 @@ class ExpertDHT:
                 except InvalidRecord as exc:
                     logger.info("dropped a manifest from the DHT: %s", exc)
                     continue
-                if record.name == name:
+                if record.name == name and owner in (None, record.owner):
                     found.append(record)
 
         async with trio.open_nursery() as nursery:

@@ -10,8 +10,11 @@ the form, the times, the sizes and the owner's signature.
 A storing node keeps one envelope per (name, owner), the one issued last, until it
 expires (lifetimes of days, capped by ``dht.max_manifest_ttl_s``). Keeping one per
 owner rather than one per name means nobody can hide an owner's manifest by storing a
-newer one of their own under the same name: a reader gets every owner's and picks
-the ones it trusts.
+newer one of their own under the same name: a reader asks for the owners it trusts
+(``ManifestFindRequest.owner``), or for every owner's and picks. The store is bounded
+(``net/store.py``): per owner, per name, per peer and IP prefix, and in memory; an
+owner this node trusts is never displaced by others, and otherwise owners seen for
+longer are kept before newcomers.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import base64
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
 from volunteerd.identity import Identity, verify_signature
+from volunteerd.net.store import RecordLimits, SignedRecordStore
 
 __all__ = [
     "MAX_MANIFEST_BODY",
@@ -37,7 +41,9 @@ __all__ = [
     "ManifestStore",
     "ManifestStoreReply",
     "ManifestStoreRequest",
+    "manifest_bytes",
     "manifest_key",
+    "manifest_limits",
     "sign_manifest_record",
     "validate_manifest_record",
 ]
@@ -133,8 +139,12 @@ class ManifestStoreReply(BaseModel):
 
 
 class ManifestFindRequest(BaseModel):
+    """Asks for ``name``'s manifests: only ``owner``'s when given (what a trainer or a
+    daemon that trusts an owner asks), else every owner's."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: Name
+    owner: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
 
 class ManifestFindReply(BaseModel):
@@ -143,66 +153,59 @@ class ManifestFindReply(BaseModel):
     records: Annotated[list[ManifestRecord], Field(max_length=MAX_OWNERS_PER_NAME)]
 
 
-class ManifestStore:
+def manifest_bytes(record: ManifestRecord) -> int:
+    """Estimated memory of a stored manifest: its texts plus the objects around them."""
+    return 1536 + len(record.body) + len(record.owner) + len(record.name)
+
+
+def manifest_limits(config: DHTConfig) -> RecordLimits:
+    """The manifest store's share of ``config``'s budget: 1/4, of which one peer or one
+    IP prefix may fill a quarter at most."""
+    mib = 1 << 20
+    budget = int(config.store_budget_mb * mib / 4)
+    return RecordLimits(
+        max_records=MAX_NAMES,
+        max_record_bytes=1536 + MAX_MANIFEST_BODY + 256,
+        max_per_key=MAX_OWNERS_PER_NAME,
+        max_per_writer=config.max_manifests_per_owner,
+        peer_bytes=min(int(config.peer_quota_mb * mib), budget // 4),
+        prefix_bytes=min(int(config.ip_prefix_quota_mb * mib), budget // 4),
+        budget_bytes=budget,
+        forget_s=config.max_record_ttl_s,
+    )
+
+
+class ManifestStore(SignedRecordStore[ManifestRecord]):
     """Manifests this node keeps for the swarm: one per (name, owner), the newest,
-    each until it expires. At most ``MAX_NAMES`` names and ``MAX_OWNERS_PER_NAME``
-    owners a name (when full, the envelope expiring first makes room)."""
+    each until it expires, within the bounds of ``SignedRecordStore``: at most
+    ``MAX_NAMES`` manifests, ``MAX_OWNERS_PER_NAME`` owners a name and
+    ``max_manifests_per_owner`` names an owner. Owners in ``trusted_owners`` (this
+    node's own ``experiments.trusted_owners``) are never displaced by others."""
 
     def __init__(
         self,
         config: DHTConfig,
         public_key_of: Callable[[str], bytes | None],
         clock: Callable[[], float] = time.time,
+        trusted_owners: Iterable[str] = (),
     ) -> None:
-        self._config = config
-        self._public_key_of = public_key_of
-        self._clock = clock
-        self._records: dict[str, dict[str, ManifestRecord]] = {}
+        trusted = frozenset(trusted_owners)
 
-    def put(self, record: ManifestRecord) -> bool:
-        """Validate and keep ``record``; False if refused. Raises nothing."""
-        now = self._clock()
-        try:
+        def validate(record: ManifestRecord, now: float) -> None:
             validate_manifest_record(
                 record,
-                public_key_of=self._public_key_of,
+                public_key_of=public_key_of,
                 now=now,
-                max_ttl_s=self._config.max_manifest_ttl_s,
-                max_clock_skew_s=self._config.max_clock_skew_s,
+                max_ttl_s=config.max_manifest_ttl_s,
+                max_clock_skew_s=config.max_clock_skew_s,
             )
-        except InvalidRecord:
-            return False
-        per_name = self._records.get(record.name)
-        if per_name is None:
-            if len(self._records) >= MAX_NAMES:
-                self.expire()
-                if len(self._records) >= MAX_NAMES:
-                    return False
-            per_name = self._records[record.name] = {}
-        old = per_name.get(record.owner)
-        if old is not None and old.issued_at >= record.issued_at:
-            return old == record
-        if old is None and len(per_name) >= MAX_OWNERS_PER_NAME:
-            soonest = min(per_name.values(), key=lambda r: r.expires_at)
-            if soonest.expires_at >= record.expires_at:
-                return False
-            del per_name[soonest.owner]
-        per_name[record.owner] = record
-        return True
 
-    def get(self, name: str) -> list[ManifestRecord]:
-        """Unexpired envelopes for ``name``, one per owner."""
-        self.expire()
-        return list(self._records.get(name, {}).values())
-
-    def expire(self) -> int:
-        now = self._clock()
-        dropped = 0
-        for name in list(self._records):
-            per_name = self._records[name]
-            for owner in [o for o, r in per_name.items() if r.expires_at <= now]:
-                del per_name[owner]
-                dropped += 1
-            if not per_name:
-                del self._records[name]
-        return dropped
+        super().__init__(
+            manifest_limits(config),
+            validate=validate,
+            key_of=lambda r: r.name,
+            writer_of=lambda r: r.owner,
+            size_of=manifest_bytes,
+            trusted=trusted.__contains__,
+            clock=clock,
+        )

@@ -39,7 +39,7 @@ from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointing import Checkpointer
 from volunteerd.runtime.hardware import capacity, detect
 from volunteerd.swarm.assignment import Choice, choose_experts
-from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted
+from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -141,8 +141,8 @@ class Joiner:
                 await trio.sleep(self._config.rebalance_every_s * self._rng.uniform(0.8, 1.2))
                 try:
                     await self.rebalance()
-                except VolunteerdError as exc:  # a bad round must not end the daemon
-                    logger.warning("re-balancing failed: %s", exc)
+                except Exception as exc:  # a bad round must not end the daemon
+                    logger.warning("re-balancing failed: %r", exc)
 
     async def find_manifest(self) -> ExperimentManifest:
         """The trusted manifest of ``config.join``, looked up until ``join_timeout_s``.
@@ -150,8 +150,14 @@ class Joiner:
         name = self._config.join
         with trio.move_on_after(self._config.join_timeout_s):
             while True:
-                records = await self._node.dht.get_manifests(name)
-                manifest = choose_trusted(name, records, self._config.trusted_owners)
+                owners = self._config.trusted_owners
+                try:
+                    records = await lookup_manifests(self._node.dht, name, owners)
+                except Exception as exc:  # peers failing us: look again until the timeout
+                    logger.info("looking up experiment %r failed: %r", name, exc)
+                    await trio.sleep(_RETRY_S)
+                    continue
+                manifest = choose_trusted(name, records, owners)
                 if manifest is not None:
                     self.record = next(
                         r
@@ -160,8 +166,13 @@ class Joiner:
                     )
                     return manifest
                 await trio.sleep(_RETRY_S)
+        whose = (
+            " from a trusted owner (experiments.trusted_owners)"
+            if self._config.trusted_owners
+            else ""
+        )
         raise ResourceUnavailable(
-            f"experiment {name!r} was not found in the DHT within "
+            f"experiment {name!r} was not found in the DHT{whose} within "
             f"{self._config.join_timeout_s:.0f}s: is it published, and are the bootstrap "
             "peers right?"
         )
@@ -177,8 +188,8 @@ class Joiner:
             await trio.sleep(self._config.republish_every_s)
             try:
                 await self.republish()
-            except VolunteerdError as exc:
-                logger.info("could not store the manifest again: %s", exc)
+            except Exception as exc:  # the next round retries
+                logger.info("could not store the manifest again: %r", exc)
 
     async def live_replicas(self, uids: Sequence[str]) -> dict[str, list[PeerAddress]]:
         """uid -> the other daemons announcing it now."""

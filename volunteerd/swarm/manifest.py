@@ -5,8 +5,9 @@ experts' optimizer, the wire compression, the replication target and the seed ev
 newcomer initialises from. Its owner writes it as TOML (``volunteerd publish
 experiment.toml``), which signs it with the owner's key and stores it in the DHT
 (``volunteerd.net.manifests`` carries it as an opaque signed envelope). A daemon joins
-an experiment by name and accepts only manifests whose owner is in
-``experiments.trusted_owners``; anything else is refused with ``UntrustedManifest``.
+an experiment by (name, owner) for each owner in ``experiments.trusted_owners`` and
+accepts only those owners' manifests; with no owner trusted yet, others' manifests
+are refused with ``UntrustedManifest``, which names them.
 
 The TOML file holds the manifest's fields except ``owner``, ``issued_at`` and
 ``expires_at``, which publishing fills in, plus an optional ``lifetime_days``::
@@ -33,12 +34,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
+import trio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from volunteerd import uids
 from volunteerd.config import ExpertsConfig, OptimizerConfig
 from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
 from volunteerd.identity import Identity
+from volunteerd.net import ExpertDHT
 from volunteerd.net.manifests import NAME_PATTERN, ManifestRecord, sign_manifest_record
 from volunteerd.wire import Compression
 
@@ -46,12 +49,15 @@ __all__ = [
     "ExperimentManifest",
     "choose_trusted",
     "load_manifest_file",
+    "lookup_manifests",
     "parse_manifest",
     "sign_manifest",
 ]
 
 DEFAULT_LIFETIME_DAYS = 7.0
 MAX_EXPERTS = 4096
+_MAX_OWNERS_ASKED = 16
+_MAX_OWNERS_NAMED = 4
 
 
 class ExperimentManifest(BaseModel):
@@ -183,14 +189,36 @@ def parse_manifest(record: ManifestRecord) -> ExperimentManifest:
     return manifest
 
 
+async def lookup_manifests(
+    dht: ExpertDHT, name: str, trusted_owners: Iterable[str]
+) -> list[ManifestRecord]:
+    """The manifests of ``name`` in the DHT: asked for by (name, owner), one lookup per
+    trusted owner, so that strangers' manifests under the same name are never even
+    fetched; every owner's when no owner is trusted yet (to name them in the error)."""
+    owners = list(dict.fromkeys(trusted_owners))[:_MAX_OWNERS_ASKED]
+    if not owners:
+        return await dht.get_manifests(name)
+    found: list[ManifestRecord] = []
+
+    async def ask(owner: str) -> None:
+        found.extend(await dht.get_manifests(name, owner))
+
+    async with trio.open_nursery() as nursery:
+        for owner in owners:
+            nursery.start_soon(ask, owner)
+    return found
+
+
 def choose_trusted(
     name: str, records: Sequence[ManifestRecord], trusted_owners: Iterable[str]
 ) -> ExperimentManifest | None:
     """The newest well-formed manifest of ``name`` whose owner is trusted.
 
-    None when there is no manifest at all (not published yet, or not found yet).
-    Raises UntrustedManifest, naming the owners, when manifests exist but none is
-    signed by a trusted owner."""
+    None when there is no trusted manifest (not published yet, or not found yet).
+    Raises UntrustedManifest, naming the owners, when no owner is trusted at all and
+    others' manifests exist: the first run's hint of whom to trust. Once an owner is
+    trusted, strangers' manifests are never suggested (anyone can publish under any
+    name: a flood of fresh keys must not be offered as owners to trust)."""
     trusted = set(trusted_owners)
     best: ExperimentManifest | None = None
     strangers: list[str] = []
@@ -206,6 +234,6 @@ def choose_trusted(
             continue
         if best is None or manifest.issued_at > best.issued_at:
             best = manifest
-    if best is None and strangers:
-        raise UntrustedManifest(name, sorted(set(strangers)))
+    if best is None and strangers and not trusted:
+        raise UntrustedManifest(name, sorted(set(strangers))[:_MAX_OWNERS_NAMED])
     return best

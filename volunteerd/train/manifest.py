@@ -2,11 +2,11 @@
 
 An experiment file may name a published manifest (``swarm.manifest``) and the owners it
 trusts (``swarm.trusted_owners``). Before training, the trainer looks the manifest up in
-the DHT, accepts it only from a trusted owner (as daemons do), and takes from it what
-must agree with the daemons hosting the experts: the uid prefix, the number of layers
-(one grid per transformer block), the grid, the experts' width, their optimizer and the
-wire compression. Everything else (data, attention, training schedule) stays the
-trainer's own.
+the DHT by (name, owner) for each trusted owner, accepts it only from them (as daemons
+do), and takes from it what must agree with the daemons hosting the experts: the uid
+prefix, the number of layers (one grid per transformer block), the grid, the experts'
+width, their optimizer and the wire compression. Everything else (data, attention,
+training schedule) stays the trainer's own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 from volunteerd.errors import ConfigError
 from volunteerd.moe import SwarmClient
-from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted
+from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
 from volunteerd.train.experiment import Experiment
 
 __all__ = ["apply_manifest", "resolve_manifest"]
@@ -58,20 +58,24 @@ def resolve_manifest(
 ) -> Experiment:
     """Look up ``experiment.swarm.manifest`` and apply it; unchanged when none is named.
 
-    Raises UntrustedManifest when only untrusted owners published it, ConfigError when
-    it is not found within ``timeout_s``."""
+    Raises UntrustedManifest (naming the owners found) when no owner is trusted and
+    others published it, ConfigError when no trusted owner's is found within
+    ``timeout_s``."""
     swarm = experiment.swarm
     if not swarm.manifest:
         return experiment
     deadline = time.monotonic() + timeout_s
     while True:
-        records = client.run(client.node.node.dht.get_manifests, swarm.manifest)
+        records = client.run(
+            lookup_manifests, client.node.node.dht, swarm.manifest, swarm.trusted_owners
+        )
         manifest = choose_trusted(swarm.manifest, records, swarm.trusted_owners)
         if manifest is not None:
             break
         if time.monotonic() > deadline:
+            whose = " from a trusted owner (swarm.trusted_owners)" if swarm.trusted_owners else ""
             raise ConfigError(
-                f"experiment manifest {swarm.manifest!r} not found in the swarm within "
+                f"experiment manifest {swarm.manifest!r} not found in the swarm{whose} within "
                 f"{timeout_s:.0f}s: was it published (volunteerd publish)?"
             )
         time.sleep(1.0)
