@@ -158,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     snooze.add_argument("duration", nargs="?", default="1h", help="e.g. 30m, 2h, 1h30m")
     limit = sub.add_parser("limit", help="show or change the bandwidth limits (0 = none)")
     _common(limit)
-    limit.add_argument("--up", type=float, metavar="MBIT", help="upload limit in Mbit/s")
-    limit.add_argument("--down", type=float, metavar="MBIT", help="download limit in Mbit/s")
-    limit.add_argument("--quota", type=float, metavar="GB", help="monthly transfer quota")
+    # read as text: checked (finite, in range) by _limit_changes before the daemon is asked
+    limit.add_argument("--up", metavar="MBIT", help="upload limit in Mbit/s (0 = none)")
+    limit.add_argument("--down", metavar="MBIT", help="download limit in Mbit/s (0 = none)")
+    limit.add_argument("--quota", metavar="GB", help="monthly transfer quota (0 = none)")
     dashboard = sub.add_parser("dashboard", help="open the dashboard in the browser")
     _common(dashboard)
     dashboard.add_argument(
@@ -239,6 +240,8 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
     from volunteerd.control import commands
     from volunteerd.control.client import ControlClient
 
+    # a bad value is a usage error whether a daemon runs or not, and never reaches it
+    changes = _limit_changes(args) if args.command == "limit" else {}
     client = ControlClient.for_data_dir(paths.data_dir)
     if args.command == "status":
         status = client.status()
@@ -254,15 +257,6 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             raise UsageError(str(exc)) from None
         print(commands.describe_change(client.snooze(seconds)))
     elif args.command == "limit":
-        changes = {
-            key: value
-            for key, value in (
-                ("upload_mbit", args.up),
-                ("download_mbit", args.down),
-                ("monthly_quota_gb", args.quota),
-            )
-            if value is not None
-        }
         limits = client.set_limits(**changes) if changes else client.limits()
         print(commands.format_limits(limits))
     elif args.command == "dashboard":
@@ -275,6 +269,30 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             if not webbrowser.open(url):
                 print(f"open this address in a browser: {url}")
     return ExitCode.OK
+
+
+def _limit_changes(args: argparse.Namespace) -> dict[str, float]:
+    """The limits ``volunteerd limit`` was asked to change, checked as the control API
+    checks them (a finite number within the documented range). Raises UsageError
+    naming the flag, the value and the rule."""
+    from pydantic import ValidationError
+
+    from volunteerd.control.models import LimitsChange
+
+    changes: dict[str, float] = {}
+    for flag, field, raw in (
+        ("--up", "upload_mbit", args.up),
+        ("--down", "download_mbit", args.down),
+        ("--quota", "monthly_quota_gb", args.quota),
+    ):
+        if raw is None:
+            continue
+        try:
+            checked = LimitsChange.model_validate({field: raw})
+        except ValidationError as exc:
+            raise UsageError(f"{flag} {raw}: {field}: {exc.errors()[0]['msg']}") from None
+        changes[field] = getattr(checked, field)
+    return changes
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -409,7 +427,10 @@ async def _serve_reloading_limits(
                     logger.error("SIGHUP: configuration not reloaded: %s", exc)
                     continue
                 logger.info("SIGHUP: reloading the limits")
-                await running.volunteer.set_limits(config.limits, persist=False)
+                try:
+                    await running.volunteer.set_limits(config.limits, persist=False)
+                except ConfigError as exc:  # the old limits stay (set_limits rolls back)
+                    logger.error("SIGHUP: limits not applied: %s", exc)
 
 
 def _publish(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode:

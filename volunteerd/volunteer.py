@@ -226,7 +226,9 @@ class Volunteer:
     ) -> LimitsConfig:
         """Apply new limits at once: a whole ``limits``, or single ``changes`` such as
         ``upload_mbit=10``. With ``persist`` they are written to ``limits.toml``.
-        Raises ConfigError for an invalid value (nothing changes then)."""
+        All or nothing: the complete new limits are validated first, and if applying
+        them still fails half-way the old ones are put back. Raises ConfigError for an
+        invalid value or a failed change (the old limits hold then)."""
         base = limits or self.limits
         try:
             new = LimitsConfig.model_validate({**base.model_dump(), **changes})
@@ -234,9 +236,18 @@ class Volunteer:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"limits.{where}: {first['msg']}") from None
+        old = self.limits
+        try:
+            self._throttle.apply(new)
+            self._apply_compute_limits(new)
+        except Exception as exc:
+            # not expected within the validated ranges; but a rate applied before a
+            # quota that failed must not stay behind
+            logger.exception("applying the limits %s failed; keeping the old ones", new)
+            self._throttle.apply(old)
+            self._apply_compute_limits(old)
+            raise ConfigError(f"the limits could not be applied ({exc}); nothing changed") from exc
         self.limits = new
-        self._throttle.apply(new)
-        self._apply_compute_limits(new)
         if persist and self._limits_file is not None:
             try:
                 write_atomic(self._limits_file, limits_overlay_toml(new))

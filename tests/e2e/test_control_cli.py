@@ -52,6 +52,20 @@ def test_control_verbs_drive_a_running_daemon(spawn, tmp_path: Path) -> None:  #
     refused = run_cli(home, "limit", "--up", "-1")
     assert refused.returncode == 2
     assert "upload_mbit" in refused.stderr
+    # issue 12: `limit --up inf` made every later status a 500 until a restart
+    for value in ("inf", "nan", "1e999", "Infinity"):
+        refused = run_cli(home, "limit", "--up", value, "--down", "3")
+        assert refused.returncode == 2, (value, refused.stderr)
+        assert f"--up {value}: upload_mbit: Input should be a finite number" in refused.stderr
+    refused = run_cli(home, "limit", "--quota", "1e300")
+    assert refused.returncode == 2
+    assert "monthly_quota_gb" in refused.stderr
+    unchanged = run_cli(home, "limit")  # nothing of the refused changes was applied
+    assert unchanged.returncode == 0, unchanged.stderr
+    assert "upload        8 Mbit/s" in unchanged.stdout
+    assert "download      20 Mbit/s" in unchanged.stdout
+    assert "monthly quota none" in unchanged.stdout
+    assert run_cli(home, "status").returncode == 0
     bad_duration = run_cli(home, "snooze", "soon")
     assert bad_duration.returncode == 2
     assert "not a duration" in bad_duration.stderr
@@ -61,6 +75,15 @@ def test_control_verbs_drive_a_running_daemon(spawn, tmp_path: Path) -> None:  #
     assert url == f"{ready['control_url']}/#token={token}"
     assert daemon.process.poll() is None  # refused input left it running
     assert daemon.stop() == 130
+
+
+def test_limit_refuses_a_bad_value_before_asking_the_daemon(tmp_path: Path) -> None:
+    """A bad value is bad usage (exit 2) whether a daemon runs or not."""
+    for flag, value in (("--up", "inf"), ("--down", "nan"), ("--quota", "1e999"), ("--up", "x")):
+        result = run_cli(tmp_path, "limit", flag, value)
+        assert result.returncode == 2, (flag, value, result.stderr)
+        assert f"{flag} {value}:" in result.stderr
+        assert "not running" not in result.stderr
 
 
 def test_control_verbs_without_a_daemon_exit_5(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.e2e.conftest import Proc
+from volunteerd.control.client import ControlClient
 
 SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']
 
@@ -37,5 +38,15 @@ def test_sighup_applies_the_limits_file_and_keeps_serving(
     server.process.send_signal(signal.SIGHUP)
     wait_for_log(server, "configuration not reloaded")
 
+    # issue 12: TOML's inf was taken, and every later status reply failed on it
+    limits.write_text("[limits]\nupload_mbit = inf\nmonthly_quota_gb = 1e300\n")
+    server.process.send_signal(signal.SIGHUP)
+    wait_for_log(server, "limits.upload_mbit = inf: Input should be a finite number")
+    assert "limits.monthly_quota_gb = 1e+300" in server.log.read_text()
+
     assert server.process.poll() is None
+    api = ControlClient.for_data_dir(tmp_path / "server" / "data")
+    kept = api.limits()  # the API answers, with the limits of the last good reload
+    assert (kept.upload_mbit, kept.duty_cycle, kept.monthly_quota_gb) == (3.0, 0.5, 0.0)
+    assert api.status().limits.upload_mbit == 3.0
     assert server.stop() == 130

@@ -9,8 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
-from volunteerd.config import CONFIG_VERSION, Config, dump_toml, load_config, migrations
+from volunteerd.config import (
+    CONFIG_VERSION,
+    Config,
+    LimitsConfig,
+    dump_toml,
+    load_config,
+    migrations,
+)
+from volunteerd.control.models import LimitsChange
 from volunteerd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,3 +189,54 @@ def test_migrations_chain_in_order_and_leave_the_input_alone(
     assert original == {"version": 1, "network": {"port": 1}}
     with pytest.raises(ConfigError, match="newer volunteerd"):
         migrations.migrate({"version": 4}, "test", current=3)
+
+
+# -- numbers that are not numbers (issue 12) --------------------------------------------------
+
+
+def _models(model: type[BaseModel]) -> list[type[BaseModel]]:
+    found = [model]
+    for field in model.model_fields.values():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found += _models(field.annotation)
+    return found
+
+
+def test_no_setting_takes_infinity_or_nan() -> None:
+    """TOML spells them ``inf`` and ``nan``; no setting means either (an infinite
+    limit, period or lifetime breaks arithmetic and JSON far from its key)."""
+    for model in _models(Config):
+        assert model.model_config.get("allow_inf_nan") is False, model.__name__
+    assert len(_models(Config)) > 15
+
+
+def test_inf_and_nan_in_the_file_are_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        "[limits]\nupload_mbit = inf\nduty_cycle = nan\n"
+        "[dht]\nmax_record_ttl_s = inf\n[timeouts]\nrequest_s = -inf\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={"VOLUNTEERD_LIMITS__MONTHLY_QUOTA_GB": "1e300"})
+    text = str(info.value)
+    for key in ("limits.upload_mbit", "limits.duty_cycle", "dht.max_record_ttl_s"):
+        assert re.search(rf"{re.escape(key)} = (inf|nan): Input should be a finite number", text)
+    assert "timeouts.request_s = -inf: Input should be a finite number" in text
+    assert "limits.monthly_quota_gb = 1e+300: Input should be less than or equal to 1000000" in text
+    assert "VOLUNTEERD_LIMITS__MONTHLY_QUOTA_GB" in text
+
+
+def test_a_limits_file_with_infinity_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "limits.toml").write_text("[limits]\nupload_mbit = inf\n")
+    with pytest.raises(ConfigError, match=r"limits\.upload_mbit = inf: .*finite") as info:
+        load_config(tmp_path / "config.toml", env={})
+    assert str(tmp_path / "limits.toml") in str(info.value)
+
+
+def test_the_api_accepts_exactly_the_limits_the_config_accepts() -> None:
+    """``control`` imports no config, so LimitsChange repeats the ranges."""
+    assert set(LimitsChange.model_fields) == set(LimitsConfig.model_fields)
+    for name, field in LimitsConfig.model_fields.items():
+        assert LimitsChange.model_fields[name].metadata == field.metadata, name
+    assert LimitsChange.model_config.get("allow_inf_nan") is False

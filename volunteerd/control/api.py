@@ -5,15 +5,23 @@ daemon implements it in ``volunteerd.controls``); this module knows HTTP, not th
 daemon. Errors are JSON, ``{"error": "...", "field": "..."}``:
 
 * 401 no or wrong token, 403 a foreign Host or Origin (see ``auth``),
-* 404 no such route, 405 wrong method,
-* 422 a body or query that does not validate, with the first bad field named,
+* 404 no such route, 405 wrong method (with an ``Allow`` header),
+* 413 a body over ``MAX_BODY_BYTES``,
+* 422 a body or query that does not validate, with the first bad field named: not
+  JSON, nested deeper than ``MAX_BODY_DEPTH``, an unknown field, a number that is not
+  finite or out of its range,
 * 409 a change the daemon refused (e.g. limits it cannot apply).
+
+Bodies are validated completely before anything changes, and replies are always
+valid JSON: a non-finite number in a snapshot is sent as ``null`` (and logged) rather
+than failing the reply, so one bad value cannot silence the status of a daemon.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,12 +51,18 @@ from volunteerd.control.models import (
 )
 from volunteerd.errors import VolunteerdError
 
-__all__ = ["ROUTES", "STATIC_DIR", "Controls", "build_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_BODY_DEPTH", "ROUTES", "STATIC_DIR", "Controls", "build_app"]
 
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "dashboard" / "static"
-_MAX_BODY = 64 << 10
+MAX_BODY_BYTES = 64 << 10
+# Bodies are flat objects; a deeper one is an attack on the parser (Python's json
+# recurses once per level and raises RecursionError near 1,000 levels).
+MAX_BODY_DEPTH = 32
+# An over-size body is still read (and dropped) up to this much, so that the client
+# that sent it reads the 413 instead of a connection reset; beyond it, we stop reading.
+_DRAIN_BYTES = 1 << 20
 _MAX_WAIT_S = 60.0
 
 
@@ -77,17 +91,55 @@ class _Refused(Exception):
         self.field = field
 
 
-def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
+class _JSONReply(JSONResponse):
+    """A reply that is always valid JSON. Starlette's encoder refuses infinity and NaN
+    by raising, which made every reply that holds one a 500; here such a number
+    becomes ``null``, and the paths of the values are logged."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return _dumps(content)
+        except ValueError:
+            bad: list[str] = []
+            cleaned = _finite(content, "", bad)
+            logger.warning("a reply held non-finite numbers, sent as null: %s", ", ".join(bad))
+            return _dumps(cleaned)
+
+
+def _dumps(content: Any) -> bytes:
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+def _finite(value: Any, path: str, bad: list[str]) -> Any:
+    """``value`` with every non-finite float replaced by None (their paths in ``bad``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        bad.append(path or "(reply)")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), bad) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v, f"{path}[{i}]", bad) for i, v in enumerate(value)]
+    return value
+
+
+def _error(
+    status: int,
+    message: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body: dict[str, Any] = {"error": message}
     if field is not None:
         body["field"] = field
-    return JSONResponse(body, status_code=status)
+    return _JSONReply(body, status_code=status, headers=headers)
 
 
 def _json(model: BaseModel | list[Any]) -> JSONResponse:
     if isinstance(model, list):
-        return JSONResponse([m.model_dump(mode="json") for m in model])
-    return JSONResponse(model.model_dump(mode="json"))
+        return _JSONReply([m.model_dump(mode="json") for m in model])
+    return _JSONReply(model.model_dump(mode="json"))
 
 
 def _invalid(exc: ValidationError, prefix: str = "") -> _Refused:
@@ -97,17 +149,59 @@ def _invalid(exc: ValidationError, prefix: str = "") -> _Refused:
 
 
 async def _body(request: Request, model: type[Any]) -> Any:
-    raw = await request.body()
-    if len(raw) > _MAX_BODY:
-        raise _Refused(413, f"the body is over {_MAX_BODY} bytes")
+    """The request's body as ``model``, validated whole (nothing is applied before).
+    Raises _Refused: 413 over ``MAX_BODY_BYTES``; 422 not JSON, too deep, or invalid."""
+    raw = await _read_capped(request)
+    too_deep = _Refused(422, f"body: nested deeper than {MAX_BODY_DEPTH} levels", "body")
     try:
         data = json.loads(raw) if raw.strip() else {}
+    except RecursionError:
+        # The C parser gives up cleanly near the interpreter's recursion limit (~1,000
+        # levels), before any Python code walks the result.
+        raise too_deep from None
     except ValueError as exc:
         raise _Refused(422, f"body: not JSON ({exc})", "body") from None
+    # fewer brackets than the limit cannot nest deeper: the walk is for odd bodies only
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _deeper_than(data, MAX_BODY_DEPTH):
+        raise too_deep
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
+
+
+async def _read_capped(request: Request) -> bytes:
+    """The body, or 413 once it passes ``MAX_BODY_BYTES``: never more than that is
+    kept in memory, and a body announced above ``_DRAIN_BYTES`` is not read at all."""
+    too_large = _Refused(413, f"body: over {MAX_BODY_BYTES} bytes (64 KiB)", "body")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > _DRAIN_BYTES:
+        raise too_large
+    kept: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            kept.append(chunk)
+        elif size > _DRAIN_BYTES:
+            break
+    if size > MAX_BODY_BYTES:
+        raise too_large
+    return b"".join(kept)
+
+
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Whether parsed JSON nests arrays and objects more than ``limit`` deep; level by
+    level, without recursion (the depth may be near the interpreter's limit)."""
+    level = [data]
+    for depth in range(1, limit + 2):
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            return False
+        if depth > limit:
+            return True
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return True  # not reached: the last round returns
 
 
 def _query_float(request: Request, name: str, default: float, low: float, high: float) -> float:
@@ -184,7 +278,7 @@ async def events(request: Request, controls: Controls) -> Response:
 async def shutdown(request: Request, controls: Controls) -> Response:
     await _body(request, _Empty)
     controls.shutdown()
-    return JSONResponse({"stopping": True}, status_code=202)
+    return _JSONReply({"stopping": True}, status_code=202)
 
 
 async def metrics(request: Request, controls: Controls) -> Response:
@@ -213,16 +307,36 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
 ]
 
 
-def _endpoint(handler: Handler, controls: Controls) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
+class _Endpoint:
+    """One path of ``ROUTES``, with its handlers by method. An ASGI app, so that its
+    Starlette route takes every method and this answers a wrong one with 405 itself:
+    a route that names its methods lets a wrong one fall through to the dashboard's
+    static files, which made it a 404."""
+
+    def __init__(self, path: str, handlers: dict[str, Handler], controls: Controls) -> None:
+        self._path = path
+        self._handlers = handlers
+        self._controls = controls
+        self._allow = ", ".join(sorted({*handlers, *(["HEAD"] if "GET" in handlers else [])}))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._respond(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def _respond(self, request: Request) -> Response:
+        handler = self._handlers.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
+            return _error(
+                405,
+                f"{request.method} is not allowed on {self._path} (use {self._allow})",
+                headers={"Allow": self._allow},
+            )
         try:
-            return await handler(request, controls)
+            return await handler(request, self._controls)
         except _Refused as exc:
             return _error(exc.status, str(exc), exc.field)
         except VolunteerdError as exc:
             return _error(409, str(exc))
-
-    return endpoint
 
 
 # On every reply: the page loads only its own files and talks only to this server; no
@@ -287,9 +401,11 @@ class _Guard:
 def build_app(controls: Controls, *, token: str) -> _Guard:
     """The ASGI app; call its ``set_port`` once the server's port is known (until then
     every request is refused as coming from a foreign host)."""
+    by_path: dict[str, dict[str, Handler]] = {}
+    for method, path, handler, _ in ROUTES:
+        by_path.setdefault(path, {})[method] = handler
     routes: list[BaseRoute] = [
-        Route(path, _endpoint(handler, controls), methods=[method])
-        for method, path, handler, _ in ROUTES
+        Route(path, _Endpoint(path, handlers, controls)) for path, handlers in by_path.items()
     ]
     if STATIC_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard"))
@@ -298,7 +414,13 @@ def build_app(controls: Controls, *, token: str) -> _Guard:
         return _error(404, f"no such page: {request.url.path}")
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
-        return _error(405, f"{request.method} is not allowed on {request.url.path}")
+        # only the dashboard's static files get here (the API's routes answer 405
+        # themselves), and they are read-only
+        return _error(
+            405,
+            f"{request.method} is not allowed on {request.url.path}",
+            headers={"Allow": "GET, HEAD"},
+        )
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     open_paths = {path for _, path, _, needs_token in ROUTES if not needs_token}

@@ -154,7 +154,14 @@ class ControlClient:
         headers = {"Authorization": f"Bearer {self.endpoint.token}"}
         payload = None
         if body is not None:
-            payload = json.dumps(body).encode()
+            try:
+                # never send Python's Infinity/NaN, which are not JSON (the daemon
+                # would refuse them too, with the same status)
+                payload = json.dumps(body, allow_nan=False).encode()
+            except ValueError:
+                raise ControlError(
+                    f"{path}: a value is not a finite number: {body}", status=422
+                ) from None
             headers["Content-Type"] = "application/json"
         extra = 0.0
         if "wait_s=" in path:  # a long poll may take its wait, then some

@@ -40,7 +40,9 @@ class _Reply(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # A request never carries infinity or NaN (JSON has neither; Python's parser reads
+    # ``Infinity``, ``NaN`` and ``1e999`` as such, and pydantic the strings "inf", "nan")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 # -- request bodies ---------------------------------------------------------------------
@@ -50,14 +52,27 @@ class SnoozeBody(_Body):
     seconds: float = Field(gt=0, le=7 * 86400, description="pause for this long (at most a week)")
 
 
+# The ranges of ``config.LimitsConfig`` (this package imports no config; a unit test
+# keeps them equal), so that a change that validates here can also be applied.
+MAX_RATE_MBIT = 100_000.0  # 100 Gbit/s
+MAX_QUOTA_GB = 1_000_000.0  # 1 PB a month
+MAX_BATCH_SIZE = 1 << 20
+
+
 class LimitsChange(_Body):
     """Only the limits to change; the others keep their values."""
 
-    upload_mbit: float | None = Field(None, ge=0, description="Mbit/s, 0 = unlimited")
-    download_mbit: float | None = Field(None, ge=0, description="Mbit/s, 0 = unlimited")
-    monthly_quota_gb: float | None = Field(None, ge=0, description="GB per month, 0 = none")
+    upload_mbit: float | None = Field(
+        None, ge=0, le=MAX_RATE_MBIT, description="Mbit/s, 0 = unlimited"
+    )
+    download_mbit: float | None = Field(
+        None, ge=0, le=MAX_RATE_MBIT, description="Mbit/s, 0 = unlimited"
+    )
+    monthly_quota_gb: float | None = Field(
+        None, ge=0, le=MAX_QUOTA_GB, description="GB per month, 0 = none"
+    )
     duty_cycle: float | None = Field(None, gt=0, le=1)
-    max_batch_size: int | None = Field(None, ge=0, le=1 << 20)
+    max_batch_size: int | None = Field(None, ge=0, le=MAX_BATCH_SIZE)
 
     def changes(self) -> dict[str, float | int]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -349,6 +349,12 @@ form.addEventListener("submit", async (e) => {
     }
     if (el.value.trim() === "") continue;
     const value = Number(el.value);
+    if (!Number.isFinite(value)) {
+      // JSON.stringify would send 1e999 as null, which the daemon reads as "no change"
+      fieldError(field, "must be a finite number");
+      el.focus();
+      return;
+    }
     if (value !== limitsShown?.[field]) change[field] = value;
   }
   if (Object.keys(change).length === 0) {
