@@ -4,9 +4,17 @@ What it measures
     ``--servers`` daemons (separate processes, 127.0.0.1) host a 4x4 grid of ``ffn``
     experts of hidden size ``--hidden`` (whole rows each). A trainer in this process runs
     ``RemoteMixtureOfExperts(hidden, (4, 4), "ffn.", k_best=4)`` steps: forward a random
-    ``--batch`` x hidden batch, then ``out.sum().backward()``; each step is timed. Then one
+    ``--batch`` x hidden batch, then backward of ``--loss``; each step is timed. Then one
     daemon is killed (SIGKILL) and the benchmark counts the steps, after the first one that
     meets its failure, that still choose any of its experts (target: none).
+
+    ``--loss sum`` (the default, as in hivemind's benchmark) is ``out.sum()``: it pushes
+    every output down without bound (the largest element grows from ~4 to ~10^4 in ~100
+    steps and ~4 x 10^4 in 165, past the trainer's ``max_abs``); the layer reports a
+    diverging model (``diverging`` rounds, a warning a minute) and keeps its peers (issue
+    12, item 8: it used to ban them all and stop with ``NoExpertsAvailable``).
+    ``--loss square`` is ``out.square().mean()``: the experts learn to answer small and
+    the model stays bounded however many steps run. A step costs the same either way.
 
     With ``--hivemind-python`` (or HIVEMIND_PYTHON) it also runs
     ``benchmarks/hivemind_step_latency.py`` on the same workload, in the same run.
@@ -59,12 +67,18 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         x = torch.randn(args.batch, args.hidden)
 
+        largest = 0.0
+
         def step() -> tuple[float, set[str]]:
+            nonlocal largest
             before = {uid: sum(v[:2]) for uid, v in moe.stats.by_uid.items()}
             start = time.perf_counter()
             inputs = x.detach().requires_grad_()
-            moe(inputs).sum().backward()
+            out = moe(inputs)
+            loss = out.sum() if args.loss == "sum" else out.square().mean()
+            loss.backward()
             elapsed = (time.perf_counter() - start) * 1000
+            largest = float(out.detach().abs().max())
             chosen = {u for u, v in moe.stats.by_uid.items() if sum(v[:2]) > before.get(u, 0)}
             return elapsed, chosen
 
@@ -89,7 +103,17 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             else None
         )
         last_chosen = max((i for i, a in enumerate(after) if a[1]), default=None)
+        checks = {
+            "steps_run": args.warmup + len(times) + len(after),
+            "largest_output": largest,
+            "max_abs": moe.checks.max_abs,
+            "diverging_rounds": dict(moe.stats.diverging),
+            "rejected": dict(moe.stats.rejected),
+            "bans": dict(client.directory.ban_reasons),
+            "bans_held_back": moe.stats.bans_held_back,
+        }
     return {
+        "checks": checks,
         "median_ms": statistics.median(times),
         "p95_ms": pct(times, 0.95),
         "mean_ms": statistics.fmean(times),
@@ -137,6 +161,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps-after-kill", type=int, default=10)
+    p.add_argument(
+        "--loss",
+        choices=["sum", "square"],
+        default="sum",
+        help="sum: out.sum(), grows without bound (as hivemind's); square: out.square().mean()",
+    )
     p.add_argument("--hivemind-python", default=os.environ.get("HIVEMIND_PYTHON"))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -154,6 +184,13 @@ def main() -> int:
         f"{'volunteerd':20} {ours['median_ms']:10.1f} {ours['p95_ms']:10.1f}  "
         f"in {k['steps_choosing_dead_after_first_failure']} steps after the first failure "
         f"(that step: {k['failure_step_ms']:.0f} ms)"
+    )
+    c = ours["checks"]
+    print(
+        f"checks ({args.loss} loss): {c['steps_run']} steps run, largest |output| "
+        f"{c['largest_output']:,.0f} (max_abs {c['max_abs']:g}), diverging rounds "
+        f"{c['diverging_rounds'] or 0}, answers dropped {c['rejected'] or 0}, bans "
+        f"{c['bans'] or 0}, bans held back {c['bans_held_back']}"
     )
     if hive:
         kill_s = hive.get("kill_until_not_chosen_s")

@@ -20,7 +20,8 @@ from torch import nn
 from volunteerd.daemon import Running
 from volunteerd.errors import RemoteError
 from volunteerd.experts import ExpertBackend, to_wire
-from volunteerd.moe import OutputChecks, RemoteMixtureOfExperts, SwarmClient
+from volunteerd.moe import ModelDiverging, OutputChecks, RemoteMixtureOfExperts, SwarmClient
+from volunteerd.moe.checks import NON_FINITE, OUT_OF_RANGE
 from volunteerd.net import Verb
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import BackwardRequest
@@ -227,3 +228,57 @@ async def test_an_expert_refuses_wrecking_gradients_and_counts_them(tmp_path: Pa
             assert counts == {"non_finite_gradient": 1, "outlier_gradient": 1, "clipped": 1}
             # And the daemon goes on serving ordinary requests.
             await backward(torch.randn(8, HIDDEN) * 0.01)
+
+
+async def test_honest_experts_that_grow_past_max_abs_are_not_banned(tmp_path: Path) -> None:
+    """Issue 12, item 8: under ``out.sum()`` (the step benchmark's loss) honest outputs
+    grow without bound and crossed ``max_abs``; every peer was banned until the layer
+    had no experts. Now the layer reports a diverging model and keeps its peers; and a
+    model whose every answer is NaN is a typed error, not a ban of everyone."""
+    async with open_peer(local_config()) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs, uids=GRID,
+            experts={"hidden_dim": HIDDEN, "seed": 7, "optimizer": {"lr": 0.05}},
+        )  # fmt: skip
+        async with (
+            open_daemon(config, tmp_path / "a") as a,
+            open_daemon(config, tmp_path / "b") as b,
+            open_daemon(config, tmp_path / "c") as c,
+        ):
+
+            def run() -> None:
+                with SwarmClient(local_config(bootstrap=boot.multiaddrs), ban_s=600) as client:
+                    wait_for_replicas(client, 2)  # two peers to compare at least
+                    torch.manual_seed(0)
+                    x = torch.randn(32, HIDDEN)
+                    moe = RemoteMixtureOfExperts(
+                        HIDDEN, (2, 2), "ffn.", k_best=2, k_min=1, grace_after_k_min_s=1.0,
+                        forward_timeout_s=10.0, backward_timeout_s=10.0, client=client,
+                    )  # fmt: skip
+                    with torch.no_grad():
+                        start = float(moe(x).abs().max())
+                    # max_abs just above where the model starts, as 1e4 was for the
+                    # benchmark's model
+                    moe.checks = OutputChecks(max_abs=2 * start)
+                    largest = start
+                    for _ in range(60):
+                        y = moe(x)
+                        largest = float(y.detach().abs().max())
+                        y.sum().backward()
+                        if largest > 5 * moe.checks.max_abs:
+                            break
+                    assert largest > 5 * moe.checks.max_abs, (start, largest)
+                    assert moe.stats.diverging[OUT_OF_RANGE] >= 1, moe.stats
+                    assert client.directory.banned == {}, client.directory.ban_reasons
+                    assert moe.stats.bans_held_back == 0
+
+                    # Diverged for good: every expert answers NaN.
+                    for daemon in (a, b, c):
+                        for uid in daemon.runtime.uids:
+                            corrupt_forward(daemon.runtime.backend(uid), _nan)
+                    with pytest.raises(ModelDiverging, match="diverging"):
+                        moe(x)
+                    assert moe.stats.diverging[NON_FINITE] >= 1
+                    assert client.directory.banned == {}, client.directory.ban_reasons
+
+            await trio.to_thread.run_sync(run)

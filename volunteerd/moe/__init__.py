@@ -8,6 +8,7 @@ from volunteerd.moe.directory import ExpertDirectory
 from volunteerd.moe.layer import (
     LocalMixtureOfExperts,
     MixtureOfExperts,
+    ModelDiverging,
     MoEStats,
     NoExpertsAvailable,
     RemoteMixtureOfExperts,
@@ -21,6 +22,7 @@ __all__ = [
     "LocalMixtureOfExperts",
     "MixtureOfExperts",
     "MoEStats",
+    "ModelDiverging",
     "NoExpertsAvailable",
     "OutputChecks",
     "RemoteExpert",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from torch.autograd.function import once_differentiable
 from volunteerd import uids
 from volunteerd.errors import PeerUnreachable, RemoteError, RequestTimeout, VolunteerdError
 from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
-from volunteerd.moe.checks import OutputChecks, Suspicion, agree, judge
+from volunteerd.moe.checks import OutputChecks, Suspicion, Verdict, agree, judge_round
 from volunteerd.moe.client import SwarmClient
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
@@ -39,6 +40,7 @@ __all__ = [
     "LocalMixtureOfExperts",
     "MixtureOfExperts",
     "MoEStats",
+    "ModelDiverging",
     "NoExpertsAvailable",
     "RemoteMixtureOfExperts",
     "grid_uids",
@@ -48,6 +50,13 @@ logger = logging.getLogger(__name__)
 
 # Masked-out scores: finite, so a token no expert answered mixes zeros without NaNs.
 _MASKED = -1e9
+# A diverging model fails every round: say so at most this often per layer and check.
+_WARN_EVERY_S = 60.0
+# Typed refusals from a live server: loaded, forgetful, or refusing what we sent (too
+# big, too often, values it will not train on) — the request's fault, not the peer's.
+_NOT_BANNED = frozenset(
+    {"busy", "expired", "shutting_down", "paused", "rejected", "too_large", "rate_limited"}
+)
 
 
 def grid_uids(name: str, grid_size: Sequence[int]) -> list[str]:
@@ -57,6 +66,13 @@ def grid_uids(name: str, grid_size: Sequence[int]) -> list[str]:
 
 class NoExpertsAvailable(VolunteerdError):
     """No expert of the layer could be found alive, or none answered."""
+
+
+class ModelDiverging(VolunteerdError):
+    """Experts answered, but the output checks refused every answer a token could use,
+    and they blame no peer: most answers of a round were non-finite, or exceeded
+    ``max_abs`` without having grown there step by step. The model (its loss, learning
+    rate, or ``max_abs``) needs the researcher's attention; retrying will not help."""
 
 
 @dataclass(slots=True)
@@ -74,6 +90,11 @@ class MoEStats:
     disagreements: int = 0
     # answers dropped by the output checks, by reason (non_finite, out_of_range, ...)
     rejected: Counter[str] = field(default_factory=Counter)
+    # rounds in which most answers (from most peers) failed a check, by check: the
+    # model diverging, not its peers; nobody was banned for them
+    diverging: Counter[str] = field(default_factory=Counter)
+    # bans not made because the peer was the last one the step could still use
+    bans_held_back: int = 0
     # calls that got no answer, by error code (busy, timeout, rejected, ...)
     failures: Counter[str] = field(default_factory=Counter)
     unanswered_tokens: int = 0
@@ -229,10 +250,16 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
     at most ``forward_timeout_s``; the softmax is renormalised over the experts that
     answered. Tokens whose chosen experts all failed are sent to their next best ones
     (up to ``spare`` further candidates); a token nobody answers contributes zeros, and
-    if no token at all gets an answer the layer raises ``NoExpertsAvailable``. Backward
-    sends gradients only to experts that answered, under the same rule
-    (``backward_timeout_s``); missing gradients count as zero. Peers that fail are not
-    chosen again for the client's ``ban_s``.
+    if no token at all gets an answer the layer raises ``NoExpertsAvailable`` (or
+    ``ModelDiverging`` when answers came but the output checks refused them without
+    blaming any peer). Backward sends gradients only to experts that answered, under the
+    same rule (``backward_timeout_s``); missing gradients count as zero.
+
+    Peers that fail a call are not chosen again for the client's ``ban_s``; peers that
+    fail the output checks (``checks``) while their peers pass, for ``checks.ban_s``.
+    A round that most peers fail is the model's fault: it is counted in
+    ``stats.diverging`` and logged as a warning, and nobody is banned. The layer never
+    bans the last peer a step could still use (``stats.bans_held_back``).
     """
 
     def __init__(
@@ -271,6 +298,9 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self.checks = checks or OutputChecks()
         self.suspicion = Suspicion()
         self.stats = MoEStats()
+        # typical RMS of the last accepted round, per verb (see checks.judge_round)
+        self._scale: dict[Verb, float] = {}
+        self._warned_at: dict[str, float] = {}
         # Makes autograd call our backward even when the inputs need no gradient.
         self._dummy = torch.empty(0, requires_grad=True)
 
@@ -310,7 +340,23 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             )
         )
 
-    def _note_failure(self, call: Call, outcome: Outcome) -> None:
+    def _ban(self, peer_id: str, reason: str, seconds: float | None, usable: set[str]) -> bool:
+        """Ban ``peer_id`` unless no other peer in ``usable`` (those the step could use)
+        is left unbanned: a layer that bans its last peer cannot train at all, and
+        whatever fails every peer is more likely the trainer's side. Returns whether
+        the peer is banned."""
+        directory = self.client.directory
+        if not any(p != peer_id and not directory.is_banned(p) for p in usable):
+            self.stats.bans_held_back += 1
+            logger.warning(
+                "%s: not banning %s (%s): no other peer of this step is left",
+                self.name, short(peer_id), reason,
+            )  # fmt: skip
+            return False
+        self.client.ban(peer_id, reason, seconds)
+        return True
+
+    def _note_failure(self, call: Call, outcome: Outcome, usable: set[str]) -> None:
         """Count a call that did not answer; ban its peer unless it was merely slow or
         loaded."""
         if outcome.late:
@@ -320,7 +366,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         code = error.code if isinstance(error, VolunteerdError) else type(error).__name__
         self.stats.failures[code] += 1
         if isinstance(error, RemoteError):
-            if error.code in {"busy", "expired", "shutting_down", "paused", "rejected"}:
+            if error.code in _NOT_BANNED:
                 # alive, just loaded (or forgetful, or refusing what we sent): choose it
                 # again later
                 return
@@ -331,32 +377,76 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             reason = "unreachable"
         else:
             reason = "failed"
-        self.client.ban(call.peer.peer_id, f"{reason}: {call.uid}: {error}")
+        self._ban(call.peer.peer_id, f"{reason}: {call.uid}: {error}", None, usable)
 
-    def _misbehaved(self, peer: PeerAddress, uid: str, reason: str) -> None:
-        """A peer sent something no honest expert sends: drop it for ``checks.ban_s``."""
-        self.stats.rejected[reason] += 1
+    def _misbehaved(self, peer: PeerAddress, uid: str, reason: str, usable: set[str]) -> None:
+        """A peer sent what its peers did not: drop it for ``checks.ban_s``."""
         logger.warning("dropping %s's answer from %s: %s", uid, short(peer.peer_id), reason)
-        self.client.ban(peer.peer_id, f"{reason}: {uid}", self.checks.ban_s)
-        self.suspicion.forget(peer.peer_id)
+        if self._ban(peer.peer_id, f"{reason}: {uid}", self.checks.ban_s, usable):
+            self.suspicion.forget(peer.peer_id)
 
     def _decode(self, outcome: Outcome) -> torch.Tensor | None:
         if not outcome.ok or not outcome.tensors:
             return None
         return from_wire(outcome.tensors[0])
 
-    def _accept(self, calls: Sequence[Call], outcomes: Sequence[Outcome]) -> list[Any]:
-        """The first tensor of each answer that passes the output checks, else None.
-        Failures are noted and misbehaving peers banned."""
+    def _accept(
+        self, verb: Verb, calls: Sequence[Call], outcomes: Sequence[Outcome], usable: set[str]
+    ) -> tuple[list[Any], int]:
+        """The first tensor of each answer that passes the output checks, else None, and
+        how many answers the checks dropped without blaming their peer. Failures are
+        noted, convicted peers banned, a diverging model reported."""
         tensors = [self._decode(o) for o in outcomes]
-        reasons = judge(tensors, self.checks)
+        verdict = judge_round(
+            tensors,
+            self.checks,
+            peers=[c.peer.peer_id for c in calls],
+            reference=self._scale.get(verb),
+        )
+        if verdict.scale is not None:
+            self._scale[verb] = verdict.scale
+        if verdict.diverging is not None:
+            answered = [i for i, t in enumerate(tensors) if t is not None]
+            self._report_diverging(verb, verdict, calls, answered)
+        unblamed = 0
         for i, (call, outcome) in enumerate(zip(calls, outcomes, strict=True)):
+            reason = verdict.reasons[i]
             if tensors[i] is None:
-                self._note_failure(call, outcome)
-            elif reasons[i] is not None:
-                self._misbehaved(call.peer, call.uid, str(reasons[i]))
+                self._note_failure(call, outcome, usable)
+            elif reason is not None:
+                self.stats.rejected[reason] += 1
+                if verdict.convicted[i]:
+                    self._misbehaved(call.peer, call.uid, reason, usable)
+                else:
+                    unblamed += 1
                 tensors[i] = None
-        return tensors
+        return tensors, unblamed
+
+    def _report_diverging(
+        self, verb: Verb, verdict: Verdict, calls: Sequence[Call], answered: list[int]
+    ) -> None:
+        """Count a round that most peers failed, and warn (at most every _WARN_EVERY_S)."""
+        check = str(verdict.diverging)
+        self.stats.diverging[check] += 1
+        now = time.monotonic()
+        if now - self._warned_at.get(check, -_WARN_EVERY_S) < _WARN_EVERY_S:
+            return
+        self._warned_at[check] = now
+        blamed = verdict.blamed_on_model
+        what = "non-finite" if check == "non_finite" else f"above max_abs={self.checks.max_abs:g}"
+        kept = (
+            "accepted as the model's own scale" if verdict.reasons[blamed[0]] is None else "dropped"
+        )
+        hint = "" if check == "non_finite" else ", or raise max_abs if such values are expected"
+        logger.warning(
+            "%s: the model is diverging: %d of %d %s answers, from %d of %d peers, were %s "
+            "(%s; no peer banned; %d such rounds so far). Bound the loss or lower the "
+            "learning rate%s.",
+            self.name, len(blamed), len(answered), verb.value,
+            len({calls[i].peer.peer_id for i in blamed}),
+            len({calls[i].peer.peer_id for i in answered}),
+            what, kept, self.stats.diverging[check], hint,
+        )  # fmt: skip
 
     def _replicas(
         self, uid: str, route: Route, failed: dict[str, set[str]], exclude: str = ""
@@ -446,11 +536,19 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             odd = set(self.suspicion.record(main_peer.peer_id, checker.peer_id))
             liars = [p for p in (main_peer, checker) if p.peer_id in odd]
         for peer in liars:
-            self._misbehaved(peer, call.uid, "disagreed")
+            self.stats.rejected["disagreed"] += 1
+            self._misbehaved(peer, call.uid, "disagreed", _usable(route))
         if any(p.peer_id == main_peer.peer_id for p in liars):
             calls[check.index] = Call(call.uid, checker, check.call.header, call.buffers, call.rows)
             outcomes[check.index] = outcome
             ys[check.index] = y_check
+
+
+def _usable(route: Route) -> set[str]:
+    """The peers a step's route may call (the directory left banned ones out)."""
+    return {
+        p.peer_id for peers in route.peers.values() for p in peers if isinstance(p, PeerAddress)
+    }
 
 
 @dataclass(slots=True)
@@ -505,6 +603,8 @@ class _RemoteExperts(torch.autograd.Function):
         }
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         answered: list[_Answered] = []
+        usable = _usable(route)
+        unblamed = 0  # answers the checks dropped without blaming a peer
         for round_ in range(2):
             groups: dict[str, _Group] = {}
             for (n, k), c in assignment.items():
@@ -519,7 +619,8 @@ class _RemoteExperts(torch.autograd.Function):
                 Verb.FORWARD, calls + [c.call for c in checks], N, layer.forward_timeout_s
             )
             main = outcomes[: len(calls)]
-            ys = layer._accept(calls, main)
+            ys, dropped = layer._accept(Verb.FORWARD, calls, main, usable)
+            unblamed += dropped
             for check, outcome in zip(checks, outcomes[len(calls) :], strict=True):
                 layer._spot_check(check, calls, main, ys, outcome, route)
             next_assignment: dict[tuple[int, int], int] = {}
@@ -575,6 +676,14 @@ class _RemoteExperts(torch.autograd.Function):
             layer.stats.backtracked += len(silent)
         unanswered = int((~answered_NK.any(dim=1)).sum())
         layer.stats.unanswered_tokens += unanswered
+        if unanswered == N and unblamed:
+            raise ModelDiverging(
+                f"no answer under {layer.name}. passed the output checks ({unblamed} dropped "
+                "without a peer to blame; rounds that most peers failed so far: "
+                f"{dict(layer.stats.diverging)}): the model is diverging. Bound the loss or "
+                f"lower the learning rate, or raise max_abs ({layer.checks.max_abs:g}) if "
+                "such values are expected."
+            )
         if unanswered == N:
             raise NoExpertsAvailable(
                 f"none of the experts chosen under {layer.name}. answered "
@@ -620,7 +729,9 @@ class _RemoteExperts(torch.autograd.Function):
             outcomes = layer._run_calls(
                 Verb.BACKWARD, calls, x_cpu.shape[0], layer.backward_timeout_s
             )
-            grads_in = layer._accept(calls, outcomes)
+            grads_in, _unblamed = layer._accept(
+                Verb.BACKWARD, calls, outcomes, {a.peer.peer_id for a in ctx.answered}
+            )
             retry = []
             for item, outcome, g in zip(pending, outcomes, grads_in, strict=True):
                 if g is not None:

@@ -104,6 +104,9 @@ class TrainSummary:
     failures: dict[str, int] = field(default_factory=dict)
     # peers banned, by reason (unreachable, timeout, non_finite, disagreed, ...)
     bans: dict[str, int] = field(default_factory=dict)
+    # rounds whose answers most peers sent non-finite or above max_abs, by check: the
+    # model diverging (nobody was banned for them; see docs/security.md)
+    diverging: dict[str, int] = field(default_factory=dict)
     # uid -> [calls answered, calls failed, tokens served]
     experts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -241,6 +244,9 @@ class Trainer:
                 sum((Counter(layer.stats.failures) for layer in self.remote_layers()), Counter())
             ),
             bans=self._bans(),
+            diverging=dict(
+                sum((Counter(layer.stats.diverging) for layer in self.remote_layers()), Counter())
+            ),
         )
 
     def _bans(self) -> dict[str, int]:

@@ -1,0 +1,229 @@
+"""The trainer's output checks judge peers against their peers, not against the model.
+
+A round is the answers of one forward (or backward) fan-out of a layer. Bans need
+evidence that a peer differs from the other peers of its round; a check that most of
+the round fails reports a diverging model and bans nobody.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from volunteerd.errors import RequestTimeout
+from volunteerd.experts import to_wire
+from volunteerd.moe import RemoteMixtureOfExperts
+from volunteerd.moe.checks import NON_FINITE, OUT_OF_RANGE, OutputChecks, judge_round
+from volunteerd.moe.dispatch import Call, Outcome
+from volunteerd.net import PeerAddress, Verb
+from volunteerd.wire import WireTensor
+
+CHECKS = OutputChecks(max_abs=100.0, max_ratio=1000.0, max_growth=10.0)
+
+
+def answers(scale: float, count: int, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` honest-looking answers whose largest element is about ``scale``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        t = torch.rand(4, 8, generator=g) * 2 - 1
+        out.append(t / t.abs().max() * scale)
+    return out
+
+
+def test_a_round_that_all_grew_past_max_abs_is_the_model_not_the_peers() -> None:
+    # Three honest peers whose outputs all grew from 90 to 150 (max_abs 100): the last
+    # accepted round's scale says this is growth, not an attack.
+    last = judge_round(answers(90.0, 6), CHECKS, peers=list("aabbcc"))
+    assert last.reasons == [None] * 6
+    assert last.scale is not None
+    now = judge_round(answers(150.0, 6, seed=1), CHECKS, peers=list("aabbcc"), reference=last.scale)
+    assert now.reasons == [None] * 6, "accepted as the model's own scale"
+    assert now.convicted == [False] * 6
+    assert now.diverging == OUT_OF_RANGE
+    assert now.blamed_on_model == tuple(range(6))
+    assert now.scale is not None
+    assert now.scale > last.scale
+
+
+def test_a_round_above_max_abs_with_no_history_is_dropped_but_nobody_is_banned() -> None:
+    verdict = judge_round(answers(150.0, 6), CHECKS, peers=list("aabbcc"))
+    assert verdict.reasons == [OUT_OF_RANGE] * 6
+    assert verdict.convicted == [False] * 6
+    assert verdict.diverging == OUT_OF_RANGE
+    assert verdict.scale is None
+
+
+def test_a_jump_far_beyond_the_last_round_is_not_growth() -> None:
+    last = judge_round(answers(1.0, 4), CHECKS, peers=list("abcd"))
+    # Everyone (or one peer answering every call) suddenly 1e6 times louder.
+    verdict = judge_round(answers(1e6, 4, seed=1), CHECKS, peers=list("abcd"), reference=last.scale)
+    assert verdict.reasons == [OUT_OF_RANGE] * 4
+    assert verdict.convicted == [False] * 4
+    assert verdict.diverging == OUT_OF_RANGE
+
+
+def test_one_peer_far_louder_than_the_rest_is_convicted() -> None:
+    tensors = answers(1.0, 4)
+    tensors[2] = tensors[2] * 1e6
+    verdict = judge_round(tensors, CHECKS, peers=list("abcd"), reference=1.0)
+    assert verdict.reasons == [None, None, OUT_OF_RANGE, None]
+    assert verdict.convicted == [False, False, True, False]
+    assert verdict.diverging is None
+
+
+def test_one_peer_over_max_abs_but_not_loud_is_dropped_not_banned() -> None:
+    # Honest experts of a growing model cross max_abs one after another: the first to
+    # cross is no outlier.
+    tensors = answers(80.0, 3) + answers(120.0, 1, seed=1)
+    verdict = judge_round(tensors, CHECKS, peers=list("abcd"), reference=50.0)
+    assert verdict.reasons == [None, None, None, OUT_OF_RANGE]
+    assert verdict.convicted == [False] * 4
+    assert verdict.diverging is None
+
+
+def test_an_all_nan_round_is_a_diverged_model() -> None:
+    nan = [torch.full((4, 8), float("nan")) for _ in range(5)]
+    verdict = judge_round(nan, CHECKS, peers=list("aabbc"), reference=1.0)
+    assert verdict.reasons == [NON_FINITE] * 5
+    assert verdict.convicted == [False] * 5
+    assert verdict.diverging == NON_FINITE
+    assert verdict.scale is None
+
+
+def test_one_nan_peer_among_finite_ones_is_convicted() -> None:
+    tensors = answers(1.0, 4)
+    tensors[1] = torch.full_like(tensors[1], float("inf"))
+    verdict = judge_round([*tensors, None], CHECKS, peers=list("abcde"))
+    assert verdict.reasons == [None, NON_FINITE, None, None, None]
+    assert verdict.convicted == [False, True, False, False, False]
+    assert verdict.diverging is None
+
+
+def test_a_peer_answering_most_calls_is_judged_as_one_peer() -> None:
+    # Peer "bad" got three of the four calls and answered NaN; "good" answered fine.
+    # Most answers failed, but not most peers: the peer is the odd one out.
+    tensors = answers(1.0, 4)
+    for i in (0, 1, 3):
+        tensors[i] = torch.full_like(tensors[i], float("nan"))
+    verdict = judge_round(tensors, CHECKS, peers=["bad", "bad", "good", "bad"])
+    assert verdict.convicted == [True, True, False, True]
+    assert verdict.diverging is None
+
+
+def test_a_lone_peer_is_never_convicted() -> None:
+    # Nobody to compare it with: its bad answers are dropped, it is not banned.
+    tensors = answers(1.0, 4)
+    tensors[0] = torch.full_like(tensors[0], float("nan"))
+    tensors[1] = tensors[1] * 1e6
+    verdict = judge_round(tensors, CHECKS, peers=["solo"] * 4, reference=1.0)
+    assert verdict.reasons == [NON_FINITE, OUT_OF_RANGE, None, None]
+    assert verdict.convicted == [False] * 4
+    assert verdict.diverging is None  # one answer in four is no diverging model
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason", "convicted"),
+    [
+        (torch.full((4, 8), float("nan")), NON_FINITE, True),  # NaN is never honest
+        (torch.ones(4, 8) * 1e6, OUT_OF_RANGE, False),  # which of two is right? no ban
+    ],
+)
+def test_two_answers_only(bad: torch.Tensor, reason: str, convicted: bool) -> None:
+    verdict = judge_round([answers(1.0, 1)[0], bad], CHECKS, peers=["good", "bad"])
+    assert verdict.reasons == [None, reason]
+    assert verdict.convicted == [False, convicted]
+    assert verdict.diverging is None
+
+
+def test_two_nan_answers_of_two_are_a_diverged_model() -> None:
+    nan = torch.full((4, 8), float("nan"))
+    verdict = judge_round([nan, nan.clone()], CHECKS, peers=["a", "b"])
+    assert verdict.convicted == [False, False]
+    assert verdict.diverging == NON_FINITE
+
+
+def test_a_peer_answering_zeros_cannot_make_an_honest_peer_look_loud() -> None:
+    tensors = [torch.zeros(4, 8), torch.zeros(4, 8), *answers(1.0, 2)]
+    verdict = judge_round(tensors, CHECKS, peers=["zero", "zero", "honest", "honest"])
+    assert verdict.reasons == [None] * 4
+    assert verdict.convicted == [False] * 4
+
+
+def test_growth_limit_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_growth"):
+        OutputChecks(max_growth=1.0)
+
+
+# -- the layer: what it does with a verdict -----------------------------------------------
+
+
+class _Directory:
+    def __init__(self) -> None:
+        self.banned: dict[str, str] = {}
+
+    def is_banned(self, peer_id: str) -> bool:
+        return peer_id in self.banned
+
+
+class _Client:
+    """What the layer needs of a SwarmClient to judge answers: bans."""
+
+    def __init__(self) -> None:
+        self.directory = _Directory()
+
+    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+        self.directory.banned[peer_id] = reason
+
+
+def _layer() -> tuple[RemoteMixtureOfExperts, _Client]:
+    client = _Client()
+    layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)  # type: ignore[arg-type]
+    return layer, client
+
+
+def _round(tensors: list[torch.Tensor], peers: str) -> tuple[list[Call], list[Outcome]]:
+    calls, outcomes = [], []
+    for i, (t, peer) in enumerate(zip(tensors, peers, strict=True)):
+        calls.append(Call(f"ffn.{i}", PeerAddress(peer, ()), None, [], [0]))
+        meta, data = to_wire(t)
+        wire = WireTensor(meta.dtype, tuple(meta.shape), memoryview(bytearray(data)))
+        outcomes.append(Outcome(reply=object(), tensors=[wire]))
+    return calls, outcomes
+
+
+def test_the_layer_reports_a_round_most_peers_fail_and_bans_nobody() -> None:
+    layer, client = _layer()
+    calls, outcomes = _round([torch.full((2, 8), float("nan"))] * 3, "abc")
+    ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+    assert ys == [None, None, None]
+    assert unblamed == 3
+    assert layer.stats.diverging == {NON_FINITE: 1}
+    assert layer.stats.rejected == {NON_FINITE: 3}
+    assert client.directory.banned == {}
+
+
+def test_the_layer_bans_the_odd_peer_out() -> None:
+    layer, client = _layer()
+    tensors = answers(1.0, 3)
+    tensors[1] = torch.full_like(tensors[1], float("nan"))
+    calls, outcomes = _round(tensors, "abc")
+    ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+    assert [y is None for y in ys] == [False, True, False]
+    assert unblamed == 0
+    assert list(client.directory.banned) == ["b"]
+    assert layer.stats.diverging == {}
+
+
+def test_the_layer_never_bans_its_last_peer() -> None:
+    # Two peers serve the step: "a" answers one call and times out on another (banned
+    # for that), then "b" answers NaN. Banning "b" too would leave nothing to train with.
+    layer, client = _layer()
+    good, nan = answers(1.0, 1)[0], torch.full((4, 8), float("nan"))
+    calls, outcomes = _round([good, good, nan], "aab")
+    outcomes[1] = Outcome(error=RequestTimeout("no answer in time"))
+    ys, _ = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b"})
+    assert [y is None for y in ys] == [False, True, True]
+    assert list(client.directory.banned) == ["a"]
+    assert layer.stats.bans_held_back == 1
+    assert layer.stats.rejected == {NON_FINITE: 1}
