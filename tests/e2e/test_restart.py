@@ -54,10 +54,11 @@ def test_restart_with_a_trainer_connected_binds_the_same_port_at_once(spawn) -> 
     restarted = {}
 
     async def trainer() -> None:
+        # A peer that connected and says nothing (a stalled handshake) is certain to be
+        # closed by the daemon first, so that a closed socket lingers on its port.
+        stalled = socket.create_connection(("127.0.0.1", port))
         async with open_peer(local_config()) as client:
             await client.rpc.call(address, Verb.FORWARD, request, [data])
-            # Stopped while the trainer's connection is open: the daemon closes it first,
-            # so its closed socket lingers on the daemon's port.
             assert await trio.to_thread.run_sync(first.stop) == ExitCode.INTERRUPTED
             lingering = lingering_on(port)
             assert lingering is None or lingering > 0, "the scenario needs a lingering socket"
@@ -72,6 +73,7 @@ def test_restart_with_a_trainer_connected_binds_the_same_port_at_once(spawn) -> 
                     except Exception:
                         await trio.sleep(0.2)
             assert reply.status == "ok"
+        stalled.close()
 
     trio.run(trainer)
     assert f"/tcp/{port}/" in restarted["info"]["multiaddrs"][0]
