@@ -59,6 +59,29 @@ async def test_an_empty_refresh_right_after_servers_answered_is_not_believed() -
     assert directory.ban_reasons["timeout"] == 1
 
 
+async def test_a_short_refresh_keeps_servers_listed_moments_ago() -> None:
+    """A lookup that reaches only some storing nodes lists only some servers: the others
+    stay offered until they have been missing for three refresh periods."""
+    kept, listed = Identity.generate(), Identity.generate()
+    dht, clock = FakeDHT(), Clock()
+    directory = ExpertDirectory(dht, refresh_s=5.0, clock=clock)  # type: ignore[arg-type]
+    dht.answers["ffn."] = [record(kept, "ffn.", [0, 1]), record(listed, "ffn.", [1])]
+    await directory.children(["ffn."])
+
+    dht.answers["ffn."] = [record(listed, "ffn.", [1])]  # a short answer
+    clock.now += 6.0
+    await directory._fetch(["ffn."])
+    children = (await directory.children(["ffn."]))["ffn."]
+    assert [p.peer_id for p in children[0]] == [str(peer_id_for(kept))]
+    assert {p.peer_id for p in children[1]} == {str(peer_id_for(kept)), str(peer_id_for(listed))}
+
+    clock.now += 10.0  # missing for 16 s since it was last listed: gone
+    await directory._fetch(["ffn."])
+    children = (await directory.children(["ffn."]))["ffn."]
+    assert 0 not in children
+    assert [p.peer_id for p in children[1]] == [str(peer_id_for(listed))]
+
+
 def flood(honest: list[Identity], junk: int, key: str = "ffn.0.") -> list[ExpertRecord]:
     """What a storing node answers: the writers it has seen longest (honest) first."""
     records = [record(i, key, [0, 1]) for i in honest]

@@ -56,16 +56,17 @@ class SwarmClient:
         self.node.start()
         node = self.node.node
         timeouts = self._config.timeouts
+        verify_s = timeouts.connect_s + timeouts.dht_rpc_s
         self._directory = ExpertDirectory(
             node.dht,
             refresh_s=self._refresh_s,
             ban_s=self._ban_s,
             # An announced server is offered once it answered (issue 12: Sybil floods).
-            verify=(
-                info_verifier(node.rpc, timeouts.connect_s + timeouts.dht_rpc_s)
-                if self._verify_servers
-                else None
-            ),
+            verify=info_verifier(node.rpc, verify_s) if self._verify_servers else None,
+            # A first lookup waits for every answer that can still come: on a loaded
+            # machine a server's first `info` (a new connection) can take seconds, and
+            # a layer that starts without it routes around an expert that is there.
+            verify_wait_s=verify_s,
         )
         self.node.start_service(self._directory.serve)
 
@@ -84,6 +85,10 @@ class SwarmClient:
 
     def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
         return self.run(self.directory.children, list(prefixes))
+
+    def look_again(self, prefixes: Iterable[str]) -> dict[str, Children]:
+        """``children`` from a fresh DHT lookup (see ExpertDirectory.look_again)."""
+        return self.run(self.directory.look_again, list(prefixes))
 
     def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
         """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""

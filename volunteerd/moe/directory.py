@@ -24,7 +24,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -75,6 +75,8 @@ class _Entry:
     children: Children
     fetched_at: float
     used_at: float
+    # (child, peer id) -> when a lookup last listed it
+    seen: dict[tuple[int, str], float] = field(default_factory=dict)
 
 
 class ExpertDirectory:
@@ -141,6 +143,14 @@ class ExpertDirectory:
                 if alive:
                     out[prefix][child] = alive
         return out
+
+    async def look_again(self, prefixes: Iterable[str]) -> dict[str, Children]:
+        """``children``, from a fresh DHT lookup of ``prefixes`` rather than the cache:
+        for a layer that found no expert alive, in case its cached answer came back
+        short (a lookup that reached too few storing nodes)."""
+        wanted = list(dict.fromkeys(prefixes))
+        await self._fetch(wanted)
+        return await self.children(wanted)
 
     def _offered(self, peer_id: str) -> bool:
         if peer_id in self._banned:
@@ -265,26 +275,33 @@ class ExpertDirectory:
         self.lookups += 1
         records = await self._dht.get(keys)
         now = self._clock()
+        stale_after = 3 * self._refresh_s
         for key in keys:
             children: Children = {}
+            seen: dict[tuple[int, str], float] = {}
             for record in records.get(key, []):  # in the DHT's order: seen longest first
                 peer = PeerAddress(record.peer_id, record.addrs)
                 for child in record.children:
                     children.setdefault(child, []).append(peer)
+                    seen[(child, record.peer_id)] = now
             old = self._cache.get(key)
-            if (
-                not children
-                and old is not None
-                and old.children
-                and now - old.fetched_at < 3 * self._refresh_s
-            ):
-                # Nobody at all, where servers answered moments ago: more likely a lookup
-                # that failed (a loaded machine, a lost DHT round) than every server gone
-                # at once. Keep the last answer until it is stale; servers that are really
-                # gone fail their calls and are banned meanwhile.
+            answered = bool(children)
+            if old is not None:
+                # A lookup may come back short (a loaded machine, a storing node that did
+                # not answer in time): a server listed moments ago stays until it has
+                # been missing for stale_after. Servers that are really gone fail their
+                # calls and are banned meanwhile. Believing a short answer once left a
+                # layer with only a banned peer, and NoExpertsAvailable.
+                for child, peers in old.children.items():
+                    listed = {p.peer_id for p in children.get(child, [])}
+                    for peer in peers:
+                        last = old.seen.get((child, peer.peer_id), old.fetched_at)
+                        if peer.peer_id not in listed and now - last < stale_after:
+                            children.setdefault(child, []).append(peer)
+                            seen[(child, peer.peer_id)] = last
+            if children and not answered:
                 self.empty_answers += 1
-                continue
-            self._cache[key] = _Entry(children, now, old.used_at if old else now)
+            self._cache[key] = _Entry(children, now, old.used_at if old else now, seen)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Refresh recently used keys every ``refresh_s`` and verify announced peers in

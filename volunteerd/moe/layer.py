@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -95,6 +95,8 @@ class MoEStats:
     diverging: Counter[str] = field(default_factory=Counter)
     # bans not made because the peer was the last one the step could still use
     bans_held_back: int = 0
+    # routes that found no expert alive in the cache and looked the DHT up again
+    lookups_again: int = 0
     # calls that got no answer, by error code (busy, timeout, rejected, ...)
     failures: Counter[str] = field(default_factory=Counter)
     unanswered_tokens: int = 0
@@ -156,10 +158,17 @@ class MixtureOfExperts(nn.Module):
         raise NotImplementedError
 
     def route(self, logits: Sequence[torch.Tensor]) -> Route:
+        return self._search(logits, self.alive_children)
+
+    def _search(
+        self,
+        logits: Sequence[torch.Tensor],
+        children: Callable[[list[str]], dict[str, dict[int, list[Any]]]],
+    ) -> Route:
         route = beam_search(
             logits,
             self.name,
-            self.alive_children,
+            children,
             beam_size=max(self.beam_size, self.k_best + self.spare),
             k=self.k_best + self.spare,
         )
@@ -306,6 +315,24 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
 
     def alive_children(self, prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
         return dict(self.client.children(prefixes))  # type: ignore[arg-type]
+
+    def route(self, logits: Sequence[torch.Tensor]) -> Route:
+        """The beam search over what the directory knows; when it finds no expert alive,
+        once more over a fresh DHT lookup of every prefix it asked for. A lookup that
+        reached too few storing nodes can list only a banned peer for a prefix, and a
+        layer must not give up on a swarm that is there."""
+        asked: list[str] = []
+
+        def remember(prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
+            asked.extend(prefixes)
+            return self.alive_children(prefixes)
+
+        try:
+            return self._search(logits, remember)
+        except NoExpertsAvailable:
+            self.stats.lookups_again += 1
+            self.client.look_again(asked)
+            return super().route(logits)
 
     def apply_experts(
         self, x_NH: torch.Tensor, route: Route
