@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -269,6 +269,81 @@ class DaemonControls:
                 (label(direction="down"), float(throttle.bytes_down)),
             ],
         )
+        connections = self._node.connections.statistics()
+        metric(
+            "inbound_slots",
+            "gauge",
+            "inbound connection slots: taken now, and in all",
+            [
+                (label(state="used"), float(connections.inbound_slots_used)),
+                (label(state="total"), float(connections.inbound_slots)),
+            ],
+        )
+        metric(
+            "idle_connections_closed_total",
+            "counter",
+            "idle inbound connections closed to free slots",
+            [("", float(connections.trimmed))],
+        )
+        metric(
+            "inflight_request_bytes",
+            "gauge",
+            "declared bytes of requests being read or answered now, all peers",
+            [("", float(self._node.server.inflight_bytes))],
+        )
+        retained = self._runtime.retained_statistics()
+        metric(
+            "retained_bytes",
+            "gauge",
+            "memory of forward passes kept for their backward (and reserved for ones running)",
+            [("", float(retained.nbytes))],
+        )
+        dht = self._node.dht.statistics()
+        stores = (("records", dht.records), ("manifests", dht.manifests))
+        metric(
+            "dht_store_bytes",
+            "gauge",
+            "estimated memory of what this node stores for others, and its budget",
+            [
+                sample
+                for name, store in stores
+                for sample in (
+                    (label(store=name, kind="used"), float(store.bytes)),
+                    (label(store=name, kind="budget"), float(store.budget_bytes)),
+                )
+            ],
+        )
+        metric(
+            "dht_store_records",
+            "gauge",
+            "records this node stores for others",
+            [(label(store=name), float(store.records)) for name, store in stores],
+        )
+        metric(
+            "dht_store_refused_total",
+            "counter",
+            "records refused by this node's store, by reason",
+            [
+                (label(store=name, reason=reason), float(count))
+                for name, store in stores
+                for reason, count in sorted(store.refused.items())
+            ],
+        )
+        guarded: dict[str, int] = {}
+        for (_, reason), count in self._runtime.guard.counts.items():
+            guarded[reason] = guarded.get(reason, 0) + count
+        metric(
+            "guard_total",
+            "counter",
+            "trainer requests clipped, refused, undone or refused while banned, by reason",
+            [(label(reason=r), float(n)) for r, n in sorted(guarded.items())],
+        )
+        metric(
+            "guard_banned_peers",
+            "gauge",
+            "trainers this daemon refuses now",
+            [("", float(len(self._runtime.guard.banned())))],
+        )
         metric(
             "limit_mbit",
             "gauge",
@@ -301,10 +376,10 @@ class DaemonControls:
         self._note_changes()
 
     async def set_limits(self, change: LimitsChange) -> LimitsView:
-        changes = change.changes()
+        changes: dict[str, Any] = change.changes()
         if changes:
-            new = self._volunteer.limits.model_copy(update=changes)
-            await self._volunteer.set_limits(new)
+            # validated whole by the volunteer before anything is applied
+            await self._volunteer.set_limits(**changes)
             described = ", ".join(f"{k} = {v:g}" for k, v in changes.items())
             self.events.post("limits", f"limits changed: {described}")
         self._note_changes()

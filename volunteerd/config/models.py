@@ -40,7 +40,12 @@ CONFIG_VERSION: Final = 1
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # No setting means infinity or NaN (TOML spells them inf and nan, and pydantic would
+    # also take the strings "inf" and "nan" for a float): an infinite limit or period
+    # only breaks arithmetic and JSON later, far from the key that caused it.
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+    )
 
 
 class NetworkConfig(_Model):
@@ -50,6 +55,13 @@ class NetworkConfig(_Model):
         "0.0.0.0", description="IP address to listen on (0.0.0.0 = every interface)"
     )
     port: int = Field(38400, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    max_connections: int = Field(
+        1000,
+        ge=32,
+        le=100_000,
+        description="open connections at once, inbound and outbound (a tenth is kept for "
+        "this node's own dials); idle ones are closed when over half are taken",
+    )
     announce_addrs: list[str] = Field(
         default_factory=list,
         description="multiaddrs to advertise instead of the listening ones (e.g. after "
@@ -98,8 +110,43 @@ class DHTConfig(_Model):
     max_clock_skew_s: float = Field(
         30.0, ge=0, description="how far in the future a record's issue time may be"
     )
-    max_records_per_key: int = Field(1024, ge=1, description="servers remembered per key")
-    max_keys: int = Field(100_000, ge=1, description="keys this node stores for others")
+    max_records_per_key: int = Field(
+        512,
+        ge=1,
+        le=16384,
+        description="servers remembered per key; when full, a newcomer is refused rather "
+        "than displacing a server seen for longer",
+    )
+    max_keys: int = Field(
+        100_000, ge=1, description="expert records (so keys) this node stores for others"
+    )
+    max_children_per_record: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="next coordinates one prefix record may list (the largest grid "
+        "dimension this node stores records for)",
+    )
+    max_records_per_writer: int = Field(
+        1024, ge=1, description="keys one announcing peer may hold records under"
+    )
+    store_budget_mb: float = Field(
+        64.0,
+        gt=0,
+        description="memory for records stored for others: three quarters for expert "
+        "records, one quarter for experiment manifests",
+    )
+    peer_quota_mb: float = Field(
+        4.0, gt=0, description="of that, what one peer's connection may fill"
+    )
+    ip_prefix_quota_mb: float = Field(
+        16.0,
+        gt=0,
+        description="of that, what peers from one IPv4 /24 or IPv6 /48 may fill together",
+    )
+    max_manifests_per_owner: int = Field(
+        16, ge=1, le=1024, description="experiment names one owner may store manifests for"
+    )
     max_manifest_ttl_s: float = Field(
         30 * 86400.0,
         gt=0,
@@ -164,9 +211,10 @@ class ExpertsConfig(_Model):
 
 
 class GuardConfig(_Model):
-    """What an expert accepts from trainers: statistical filtering of the gradients
-    (and inputs) they send, so that one faulty or malicious trainer cannot wreck the
-    weights that everybody shares."""
+    """What an expert accepts from trainers: bounds on the inputs and gradients they
+    send, statistical filtering of the gradients, a check after every optimizer step that
+    undoes one that breaks the weights, and bans for the trainers to blame, so that one
+    faulty or malicious trainer cannot wreck the weights that everybody shares."""
 
     window: int = Field(
         256, ge=8, le=100_000, description="recent gradient row norms each expert remembers"
@@ -190,6 +238,55 @@ class GuardConfig(_Model):
         gt=1,
         description="a request whose largest row norm is this many times the threshold "
         "is refused even when clipping",
+    )
+    # Absolute bounds hold from the first request (the statistics need warmup rows).
+    # Honest activations of the built-in (pre-norm, residual) experts stay below ~1e4 and
+    # honest output gradients below ~1 (7e4 with fp16 loss scaling); float32 squares
+    # overflow above 1.8e19, which is what turned a single request into NaN weights.
+    max_input_abs: float = Field(
+        1e6,
+        gt=0,
+        le=1e15,
+        description="largest |value| accepted in an input; a request with a larger one is refused",
+    )
+    max_gradient_abs: float = Field(
+        1e6,
+        gt=0,
+        le=1e15,
+        description="largest |value| accepted in an output gradient (after clipping); a "
+        "request with a larger one is refused",
+    )
+    check_steps: bool = Field(
+        True,
+        description="refuse or undo an optimizer step that makes a weight or optimizer "
+        "state non-finite or moves the weights by more than max_step_ratio (a step its "
+        "bounds vouch for costs two norms; any other a copy of one expert's weights and "
+        "optimizer state)",
+    )
+    full_check_every: int = Field(
+        100,
+        ge=0,
+        description="give every Nth optimizer step of an expert the full check (copy, "
+        "measure, undo if refused) even when its bounds vouch for it; 0 = only when they "
+        "do not",
+    )
+    max_step_ratio: float = Field(
+        1.0,
+        gt=0,
+        description="the most one optimizer step may move an expert's weights, as a "
+        "fraction of their norm (all parameters together); a larger step is refused or undone",
+    )
+    ban_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long a trainer blamed for an undone step is refused (every "
+        "request, every expert of this daemon); 0 = never refused",
+    )
+    blame_ratio: float = Field(
+        10.0,
+        gt=1,
+        description="in a step merged from several trainers' requests, a trainer is blamed "
+        "only if its largest gradient row norm is this many times the median of the others'",
     )
 
 
@@ -246,6 +343,13 @@ class WireLimits(_Model):
     max_body_bytes: int = Field(256 << 20, ge=1024, le=4 << 30, description="tensor bytes")
     max_tensors: int = Field(128, ge=1, le=1024, description="tensors in one message")
     max_request_samples: int = Field(8192, ge=1, le=1 << 20, description="samples a request")
+    max_inflight_mib: int = Field(
+        1024,
+        ge=1,
+        le=1 << 20,
+        description="declared bytes of requests being read or answered at once, all peers "
+        "together (over it: busy); one request always fits an idle server",
+    )
 
 
 class TimeoutsConfig(_Model):
@@ -257,6 +361,12 @@ class TimeoutsConfig(_Model):
         30.0, gt=0, description="a started frame must arrive completely within this"
     )
     stream_idle_s: float = Field(120.0, gt=0, description="server closes idle streams")
+    connection_idle_s: float = Field(
+        30.0,
+        gt=0,
+        description="an inbound connection with no stream this long is closed while over "
+        "half of network.max_connections are taken",
+    )
     pool_idle_s: float = Field(60.0, gt=0, description="client drops pooled idle streams")
     dht_rpc_s: float = Field(5.0, gt=0, description="one DHT store or find request")
     dht_lookup_s: float = Field(15.0, gt=0, description="a whole DHT lookup")
@@ -397,6 +507,14 @@ class ReachabilityConfig(_Model):
         return self
 
 
+# Upper bounds of the limits, far above any home connection, but low enough that the
+# bytes they become (rates x 125,000, a quota x 10^9) stay exact, finite numbers. The
+# control API's ``LimitsChange`` repeats them (control imports no config); a unit
+# test keeps the two equal.
+MAX_RATE_MBIT: Final = 100_000.0  # 100 Gbit/s
+MAX_QUOTA_GB: Final = 1_000_000.0  # 1 PB a month
+
+
 class LimitsConfig(_Model):
     """What this machine gives: bandwidth, a monthly transfer quota and compute.
 
@@ -405,16 +523,23 @@ class LimitsConfig(_Model):
     """
 
     upload_mbit: float = Field(
-        0.0, ge=0, description="upload limit in Mbit/s for all peers together (0 = none)"
+        0.0,
+        ge=0,
+        le=MAX_RATE_MBIT,
+        description="upload limit in Mbit/s for all peers together (0 = none; at most 100,000)",
     )
     download_mbit: float = Field(
-        0.0, ge=0, description="download limit in Mbit/s for all peers together (0 = none)"
+        0.0,
+        ge=0,
+        le=MAX_RATE_MBIT,
+        description="download limit in Mbit/s for all peers together (0 = none; at most 100,000)",
     )
     monthly_quota_gb: float = Field(
         0.0,
         ge=0,
+        le=MAX_QUOTA_GB,
         description="GB (10^9 bytes) sent and received per calendar month; when used up, "
-        "serving pauses until the month ends (0 = no quota)",
+        "serving pauses until the month ends (0 = no quota; at most 1,000,000)",
     )
     duty_cycle: float = Field(
         1.0,
