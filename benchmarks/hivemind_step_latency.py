@@ -57,8 +57,8 @@ Cleanup
 
 How to run (with hivemind's own virtual environment, see benchmarks/setup_hivemind.sh)::
 
-    /work/hivemind-venv/bin/python benchmarks/hivemind_step_latency.py            # defaults
-    /work/hivemind-venv/bin/python benchmarks/hivemind_step_latency.py --servers 2 --kill-one
+    .hivemind-venv/bin/python benchmarks/hivemind_step_latency.py            # defaults
+    .hivemind-venv/bin/python benchmarks/hivemind_step_latency.py --servers 2 --kill-one
 
 This script deliberately imports nothing from volunteerd.
 """

@@ -33,7 +33,7 @@ Cleanup
 
 How to run (with hivemind's own virtual environment, see benchmarks/setup_hivemind.sh)::
 
-    /work/hivemind-venv/bin/python benchmarks/hivemind_throughput.py \\
+    .hivemind-venv/bin/python benchmarks/hivemind_throughput.py \\
         --hidden 1024 --batch 512 --experts 2 --clients 2
 
 This script deliberately imports nothing from volunteerd.

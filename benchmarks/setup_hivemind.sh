@@ -3,13 +3,13 @@
 # benchmarks/hivemind_throughput.py. It lives outside the project on purpose: hivemind's
 # dependencies (grpcio, protobuf, pydantic, ...) must not leak into volunteerd's environment.
 #
-# Usage: benchmarks/setup_hivemind.sh [VENV_DIR]   (default: /work/hivemind-venv)
+# Usage: benchmarks/setup_hivemind.sh [VENV_DIR]   (default: .hivemind-venv)
 #
 # torch is pinned and installed first so that pip finds it satisfied when it resolves
 # hivemind (which asks for torch>=1.9.0) and never downloads a CUDA build.
 set -euo pipefail
 
-VENV="${1:-/work/hivemind-venv}"
+VENV="${1:-.hivemind-venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 HIVEMIND_VERSION="1.1.12"

@@ -22,7 +22,7 @@ What it measures
 Run::
 
     .venv/bin/python benchmarks/step_latency.py
-    .venv/bin/python benchmarks/step_latency.py --hivemind-python /work/hivemind-venv/bin/python
+    .venv/bin/python benchmarks/step_latency.py --hivemind-python .hivemind-venv/bin/python
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ What it measures
 Run::
 
     .venv/bin/python benchmarks/throughput.py                       # defaults below
-    .venv/bin/python benchmarks/throughput.py --hivemind-python /work/hivemind-venv/bin/python
+    .venv/bin/python benchmarks/throughput.py --hivemind-python .hivemind-venv/bin/python
     .venv/bin/python benchmarks/throughput.py --hidden 512 --experts 4 --compression float16
 
 Prints one table (and ``--json`` a JSON line) to stdout; logs go to stderr.
