@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 _MASKED = -1e9
 # A diverging model fails every round: say so at most this often per layer and check.
 _WARN_EVERY_S = 60.0
+# A layer that finds no expert alive looks the DHT up this many times, this far apart,
+# before NoExpertsAvailable: one lookup on a loaded machine may reach too few nodes.
+_LOOKUPS_AGAIN = 3
+_LOOK_AGAIN_AFTER_S = 1.0
 # Typed refusals from a live server: loaded, forgetful, or refusing what we sent (too
 # big, too often, values it will not train on) — the request's fault, not the peer's.
 _NOT_BANNED = frozenset(
@@ -330,9 +334,17 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         try:
             return self._search(logits, remember)
         except NoExpertsAvailable:
+            pass
+        for _ in range(_LOOKUPS_AGAIN - 1):
             self.stats.lookups_again += 1
             self.client.look_again(asked)
-            return super().route(logits)
+            try:
+                return super().route(logits)
+            except NoExpertsAvailable:
+                time.sleep(_LOOK_AGAIN_AFTER_S)  # a loaded machine's lookups catch up
+        self.stats.lookups_again += 1
+        self.client.look_again(asked)
+        return super().route(logits)
 
     def apply_experts(
         self, x_NH: torch.Tensor, route: Route
