@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from volunteerd.demo.local_swarm import LocalSwarm
 from volunteerd.demo.run import run_training, trainer_config
-from volunteerd.demo.swarm import LocalSwarm
 from volunteerd.logs import configure_logging
 from volunteerd.moe import SwarmClient
 from volunteerd.train import Experiment

@@ -32,8 +32,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from volunteerd.control.client import ControlClient
+from volunteerd.demo.local_swarm import LocalSwarm
 from volunteerd.demo.run import run_training, trainer_config
-from volunteerd.demo.swarm import LocalSwarm
 from volunteerd.logs import configure_logging
 from volunteerd.moe import SwarmClient
 from volunteerd.train import Experiment

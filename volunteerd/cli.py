@@ -212,7 +212,7 @@ def _service_parser(sub: Any) -> None:
 
 def _service(args: argparse.Namespace) -> ExitCode:
     """``volunteerd service install|uninstall|status|render`` (volunteerd/service/)."""
-    from volunteerd.service import commands as service
+    from volunteerd.service import install as service
 
     if args.service_command == "render":
         return service.render_reference(args.platform, Path(args.out), args.exec_command)
@@ -237,7 +237,7 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
 
         configure_logging("INFO")
         return ExitCode(run_tray(paths, start_daemon=not args.no_start, backend=args.backend))
-    from volunteerd.control import commands
+    from volunteerd.control import verbs as commands
     from volunteerd.control.client import ControlClient
 
     # a bad value is a usage error whether a daemon runs or not, and never reaches it
@@ -538,7 +538,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
     from volunteerd.demo import run_demo, run_training, trainer_config
     from volunteerd.moe import SwarmClient
     from volunteerd.train import load_experiment
-    from volunteerd.train.manifest import resolve_manifest
+    from volunteerd.train.published import resolve_manifest
 
     stop = _stop_on_signals()
     configure_logging("WARNING")

@@ -24,13 +24,11 @@ import torch
 import trio
 
 from volunteerd import __version__
-from volunteerd.accounting import Accountant
 from volunteerd.config import Config
 from volunteerd.control.server import serve_control
-from volunteerd.controls import DaemonControls
 from volunteerd.errors import ResourceUnavailable, VolunteerdError, wire_code
 from volunteerd.experts import ExpertBackend, to_wire
-from volunteerd.experts.checkpoint import encode_checkpoint
+from volunteerd.experts.checkpoint_file import encode_checkpoint
 from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import (
     Announcer,
@@ -47,11 +45,13 @@ from volunteerd.net.throttle import Throttle, TransferLedger
 from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
 from volunteerd.runtime.averaging import ReplicaAverager
-from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.checkpointer import Checkpointer
+from volunteerd.server.contribution import Accountant
+from volunteerd.server.control_view import DaemonControls
+from volunteerd.server.pausing import Volunteer
 from volunteerd.stats import StatsStore
 from volunteerd.swarm.download import ShardDownloader
 from volunteerd.swarm.joiner import Joiner, capacity_for
-from volunteerd.volunteer import Volunteer
 from volunteerd.wire import (
     BackwardRequest,
     BatchReply,

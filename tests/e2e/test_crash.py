@@ -14,7 +14,7 @@ import torch
 from tests.e2e.conftest import Proc
 from volunteerd.errors import ExitCode
 from volunteerd.experts import to_wire
-from volunteerd.experts.checkpoint import header_json, read_checkpoint
+from volunteerd.experts.checkpoint_file import header_json, read_checkpoint
 from volunteerd.identity import Identity
 from volunteerd.net import PeerAddress, Verb, parse_peer_multiaddr
 from volunteerd.net.background import BackgroundNode

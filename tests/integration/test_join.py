@@ -17,7 +17,7 @@ from volunteerd.config import Config
 from volunteerd.daemon import Running
 from volunteerd.errors import ResourceUnavailable, UntrustedManifest
 from volunteerd.experts import ExpertBackend
-from volunteerd.experts.checkpoint import CheckpointHeader, encode_checkpoint
+from volunteerd.experts.checkpoint_file import CheckpointHeader, encode_checkpoint
 from volunteerd.identity import Identity
 from volunteerd.net.peers import peer_id_for
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest

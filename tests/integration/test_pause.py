@@ -19,8 +19,8 @@ from volunteerd.errors import RemoteError
 from volunteerd.experts import to_wire
 from volunteerd.moe import RemoteMixtureOfExperts, SwarmClient
 from volunteerd.net import Node, Verb
+from volunteerd.server.pausing import Volunteer
 from volunteerd.testing import local_config, open_daemon, open_peer
-from volunteerd.volunteer import Volunteer
 from volunteerd.wire import ForwardRequest
 
 HIDDEN = 16

@@ -16,7 +16,7 @@ import trio
 
 from volunteerd.daemon import Running
 from volunteerd.experts import ExpertBackend
-from volunteerd.experts.checkpoint import ExpertState, read_checkpoint
+from volunteerd.experts.checkpoint_file import ExpertState, read_checkpoint
 from volunteerd.identity import Identity
 from volunteerd.net import Node, download_shard, partial_paths
 from volunteerd.runtime import ExpertRuntime

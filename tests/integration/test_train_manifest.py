@@ -14,7 +14,7 @@ from volunteerd.net import peer_id_for
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
 from volunteerd.testing import local_config, open_peer
 from volunteerd.train import Experiment
-from volunteerd.train.manifest import apply_manifest, resolve_manifest
+from volunteerd.train.published import apply_manifest, resolve_manifest
 
 
 def manifest(owner: Identity, **fields: object) -> ExperimentManifest:

@@ -26,19 +26,18 @@ ALLOWED: dict[str, set[str]] = {
     "swarm": {"net", "wire", "experts", "config", "identity", "runtime"},
     "train": {"moe", "experts", "config", "swarm"},
     "demo": {"train", "moe", "config", "control"},
-    "volunteer": {"config", "net", "runtime"},
     # the control API knows HTTP and its own models; the daemon hands it snapshots
     "control": set(),
     "dashboard": set(),
     "tray": {"control", "paths"},
     # autostart files and service managers; finds the daemon through control.client
     "service": {"control", "config", "paths"},
-    "accounting": {"config", "net", "runtime", "stats", "wire"},
-    "controls": {"accounting", "control", "config", "net", "runtime", "stats", "volunteer"},
+    # the serving side: request pipeline, pause gate, contribution counting, what the
+    # control API reads
+    "server": {"config", "control", "experts", "net", "runtime", "stats", "wire"},
     "daemon": {
-        "accounting",
         "control",
-        "controls",
+        "server",
         "stats",
         "config",
         "identity",
@@ -48,7 +47,6 @@ ALLOWED: dict[str, set[str]] = {
         "experts",
         "wire",
         "swarm",
-        "volunteer",
     },
     "testing": {"config", "daemon", "identity", "net", "paths", "swarm"},
     "cli": {

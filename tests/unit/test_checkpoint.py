@@ -15,7 +15,7 @@ import trio
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import CheckpointConfig
 from volunteerd.experts import ExpertBackend, to_wire
-from volunteerd.experts.checkpoint import (
+from volunteerd.experts.checkpoint_file import (
     MAGIC,
     CheckpointError,
     CheckpointStore,
@@ -23,7 +23,7 @@ from volunteerd.experts.checkpoint import (
     write_checkpoint,
 )
 from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.wire import WireTensor
 
 UID = "ffn.0.1"

@@ -13,7 +13,7 @@ from volunteerd.config import CheckpointConfig, ExpertsConfig, RuntimeConfig, Wi
 from volunteerd.errors import ShuttingDown, UnknownExpert
 from volunteerd.experts import to_wire
 from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.wire import WireTensor
 
 HIDDEN = 16

@@ -15,7 +15,7 @@ from volunteerd.errors import Rejected
 from volunteerd.experts import to_wire
 from volunteerd.moe.checks import OutputChecks, Suspicion, agree, judge
 from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.runtime.guard import RequestGuard, Sender
 from volunteerd.wire import WireTensor
 

@@ -17,7 +17,6 @@ import pytest
 from volunteerd.cli import main
 from volunteerd.config import TimeoutsConfig
 from volunteerd.errors import ExitCode
-from volunteerd.service.commands import PLACEHOLDER_ARGV
 from volunteerd.service.files import (
     PLATFORMS,
     Launch,
@@ -25,6 +24,7 @@ from volunteerd.service.files import (
     render,
     stop_timeout_s,
 )
+from volunteerd.service.install import PLACEHOLDER_ARGV
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = "{http://schemas.microsoft.com/windows/2004/02/mit/task}"

@@ -1,7 +1,7 @@
 """The control API: the one way into a running daemon. Every route is in ``ROUTES``.
 
 The app is built around ``Controls``, what the daemon shows and lets change (the
-daemon implements it in ``volunteerd.controls``); this module knows HTTP, not the
+daemon implements it in ``volunteerd.server.control_view``); this module knows HTTP, not the
 daemon. Errors are JSON, ``{"error": "...", "field": "..."}``:
 
 * 401 no or wrong token, 403 a foreign Host or Origin (see ``auth``),

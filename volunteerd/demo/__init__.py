@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
+from volunteerd.demo.local_swarm import LocalSwarm, SwarmNode
 from volunteerd.demo.run import run_demo, run_training, trainer_config
-from volunteerd.demo.swarm import LocalSwarm, SwarmNode
 
 __all__ = ["LocalSwarm", "SwarmNode", "run_demo", "run_training", "trainer_config"]

@@ -23,7 +23,7 @@ import torch
 
 from volunteerd.config import Config
 from volunteerd.control.client import ControlClient
-from volunteerd.demo.swarm import LocalSwarm, SwarmNode
+from volunteerd.demo.local_swarm import LocalSwarm, SwarmNode
 from volunteerd.errors import ControlError
 from volunteerd.moe import SwarmClient
 from volunteerd.train import (

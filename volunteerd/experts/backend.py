@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from volunteerd.config import ExpertsConfig, OptimizerConfig
-from volunteerd.experts.checkpoint import CheckpointError, ExpertState
+from volunteerd.experts.checkpoint_file import CheckpointError, ExpertState
 from volunteerd.experts.registry import build_module, schemas_for
 from volunteerd.experts.stepcheck import StepCheck, StepMemo, StepOutcome
 from volunteerd.experts.tensor_codec import TORCH_DTYPES

@@ -2,7 +2,7 @@
 SHA-256, resumable after a dropped connection or a restart.
 
 A shard is a snapshot of one expert's weights and optimizer state as bytes (a
-checkpoint file, ``volunteerd.experts.checkpoint``); this module only moves bytes.
+checkpoint file, ``volunteerd.experts.checkpoint_file``); this module only moves bytes.
 
 Server: ``ShardServer(snapshot)`` answers the ``shard`` verb. A request without a
 ``sha256`` gets a fresh snapshot (the callback), which is then kept, keyed by its

@@ -17,7 +17,7 @@ import trio
 from volunteerd.config import TimeoutsConfig
 from volunteerd.errors import CheckpointError
 from volunteerd.experts import ExpertBackend
-from volunteerd.experts.checkpoint import ExpertState, read_checkpoint
+from volunteerd.experts.checkpoint_file import ExpertState, read_checkpoint
 from volunteerd.net import PeerAddress, RpcClient
 from volunteerd.net.shard import ShardResult, download_shard
 

@@ -32,11 +32,11 @@ import trio
 from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
 from volunteerd.errors import ResourceUnavailable, UnknownExpert, VolunteerdError
 from volunteerd.experts import ExpertBackend
-from volunteerd.experts.checkpoint import ExpertState
+from volunteerd.experts.checkpoint_file import ExpertState
 from volunteerd.net import Announcer, Node, PeerAddress
 from volunteerd.net.manifests import ManifestRecord
 from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.runtime.hardware import capacity, detect
 from volunteerd.swarm.assignment import Choice, choose_experts
 from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests

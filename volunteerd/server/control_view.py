@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from volunteerd import __version__
-from volunteerd.accounting import Accountant
 from volunteerd.control.events import EventLog
 from volunteerd.control.models import (
     ExpertView,
@@ -34,9 +33,10 @@ from volunteerd.control.models import (
 )
 from volunteerd.net import Node
 from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.checkpointing import Checkpointer
+from volunteerd.runtime.checkpointer import Checkpointer
+from volunteerd.server.contribution import Accountant
+from volunteerd.server.pausing import Volunteer
 from volunteerd.stats import Totals as StoreTotals
-from volunteerd.volunteer import Volunteer
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

@@ -29,7 +29,7 @@ import trio
 from volunteerd.config import CheckpointConfig
 from volunteerd.errors import CheckpointError, UnknownExpert
 from volunteerd.experts import ExpertBackend
-from volunteerd.experts.checkpoint import CheckpointStore, ExpertState
+from volunteerd.experts.checkpoint_file import CheckpointStore, ExpertState
 from volunteerd.runtime.service import ExpertRuntime
 
 if TYPE_CHECKING:
