@@ -16,6 +16,9 @@ from volunteerd.testing import local_config, open_peer
 from volunteerd.train import Experiment
 from volunteerd.train.published import apply_manifest, resolve_manifest
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 
 def manifest(owner: Identity, **fields: object) -> ExperimentManifest:
     now = time.time()

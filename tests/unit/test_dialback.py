@@ -12,7 +12,7 @@ from volunteerd.errors import InvalidRecord, Rejected
 from volunteerd.identity import Identity
 from volunteerd.net.dialback import MAX_DIALBACK_ADDRS, DialBackRequest, dialable_addrs
 from volunteerd.net.peers import dialable_part, parse_circuit_addr, peer_id_for
-from volunteerd.net.records import parse_record, sign_record
+from volunteerd.net.records import EXPERT_RECORDS, sign_record
 
 ME = str(peer_id_for(Identity.generate()))
 RELAY = str(peer_id_for(Identity.generate()))
@@ -82,7 +82,7 @@ def test_records_carry_circuit_addresses_but_not_other_p2p_addresses() -> None:
         data["addrs"] = [addr]
         return json.dumps(data).encode()
 
-    assert parse_record(record(CIRCUIT)).addrs == (CIRCUIT,)
+    assert EXPERT_RECORDS.decode(record(CIRCUIT)).addrs == (CIRCUIT,)
     for bad in [f"{CIRCUIT}/p2p/{peer_id}", f"/ip4/1.2.3.4/tcp/5/p2p/{RELAY}", "p2p-circuit"]:
         with pytest.raises(InvalidRecord):
-            parse_record(record(bad))
+            EXPERT_RECORDS.decode(record(bad))

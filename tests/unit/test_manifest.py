@@ -11,14 +11,9 @@ import pytest
 from volunteerd.config import DHTConfig
 from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
 from volunteerd.identity import Identity
-from volunteerd.net.manifests import (
-    MAX_MANIFEST_BODY,
-    ManifestRecord,
-    ManifestStore,
-    validate_manifest_record,
-)
-from volunteerd.net.peers import peer_id_for, public_key_of
-from volunteerd.net.store import Source
+from volunteerd.net.peers import peer_id_for
+from volunteerd.net.records import MANIFESTS, MAX_MANIFEST_BODY, ManifestRecord
+from volunteerd.net.store import SignedRecordStore, Source
 from volunteerd.swarm.manifest import (
     ExperimentManifest,
     choose_trusted,
@@ -49,13 +44,7 @@ def manifest(
 
 
 def check(record: ManifestRecord, now: float = NOW) -> None:
-    validate_manifest_record(
-        record,
-        public_key_of=public_key_of,
-        now=now,
-        max_ttl_s=CONFIG.max_manifest_ttl_s,
-        max_clock_skew_s=CONFIG.max_clock_skew_s,
-    )
+    MANIFESTS.validate(record, CONFIG, now=now)
 
 
 def test_signed_manifest_validates_and_round_trips() -> None:
@@ -126,11 +115,9 @@ def test_body_that_disagrees_with_its_envelope_is_refused() -> None:
     record = sign_manifest(m, OWNER)
     other = sign_manifest(manifest(name="other"), OWNER)
     # Correctly signed envelope of "stdlib-chars" carrying another experiment's body.
-    from volunteerd.net.manifests import sign_manifest_record
-
-    swapped = sign_manifest_record(
-        OWNER, OWNER_ID, name=m.name, body=other.body, issued_at=NOW, expires_at=NOW + 7 * DAY
-    )
+    swapped = ManifestRecord(
+        name=m.name, owner=OWNER_ID, body=other.body, issued_at=NOW, expires_at=NOW + 7 * DAY
+    ).signed(OWNER)
     check(swapped)
     with pytest.raises(InvalidRecord, match="disagrees"):
         parse_manifest(swapped)
@@ -139,7 +126,7 @@ def test_body_that_disagrees_with_its_envelope_is_refused() -> None:
 
 def test_store_keeps_newest_per_owner_and_never_lets_one_owner_hide_another() -> None:
     clock = [NOW]
-    store = ManifestStore(CONFIG, public_key_of, clock=lambda: clock[0])
+    store = SignedRecordStore(MANIFESTS, CONFIG, clock=lambda: clock[0])
     stranger = Identity.generate()
     old, new = sign_manifest(manifest(), OWNER), sign_manifest(manifest(issued=NOW + 5), OWNER)
     theirs = sign_manifest(manifest(stranger, issued=NOW + 10), stranger)
@@ -179,7 +166,7 @@ def test_strangers_are_never_suggested_once_an_owner_is_trusted() -> None:
 
 def test_sixteen_untrusted_owners_cannot_evict_a_trusted_manifest() -> None:
     clock = [NOW]
-    store = ManifestStore(CONFIG, public_key_of, clock=lambda: clock[0], trusted_owners=[OWNER_ID])
+    store = SignedRecordStore(MANIFESTS, CONFIG, clock=lambda: clock[0], trusted_writers=[OWNER_ID])
     clock[0] = NOW + 10
     attackers = [Identity.generate() for _ in range(16)]
     for attacker in attackers:  # 30-day manifests, all there before the owner's
@@ -198,7 +185,7 @@ def test_sixteen_untrusted_owners_cannot_evict_a_trusted_manifest() -> None:
 
 def test_one_key_with_1023_junk_names_cannot_crowd_out_a_new_experiment() -> None:
     clock = [NOW]
-    store = ManifestStore(CONFIG, public_key_of, clock=lambda: clock[0])
+    store = SignedRecordStore(MANIFESTS, CONFIG, clock=lambda: clock[0])
     junk = Identity.generate()
     source = Source(str(peer_id_for(junk)), "203.0.113.0/24")
     outcomes = [

@@ -15,21 +15,14 @@ from hypothesis import strategies as st
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
 from volunteerd.identity import Identity
-from volunteerd.net.dht import fit_reply
-from volunteerd.net.peers import peer_id_for, public_key_of
-from volunteerd.net.records import (
-    ExpertRecord,
-    FindReply,
-    RecordStore,
-    merge_newest,
-    parse_record,
-    sign_record,
-    validate_record,
-)
-from volunteerd.net.store import Source, ip_prefix
+from volunteerd.net.dht import fit_reply, merge_answers
+from volunteerd.net.peers import peer_id_for
+from volunteerd.net.records import EXPERT_RECORDS, ExpertRecord, FindReply, sign_record
+from volunteerd.net.store import SignedRecordStore, Source, ip_prefix
 
 NOW = 1_800_000_000.0
 CONFIG = DHTConfig(max_record_ttl_s=600, max_clock_skew_s=30, max_records_per_key=3, max_keys=4)
+CHECKS = DHTConfig(max_record_ttl_s=600, max_clock_skew_s=30, max_children_per_record=4096)
 
 
 def make(identity: Identity, key: str = "ffn.", **kw) -> ExpertRecord:  # type: ignore[no-untyped-def]
@@ -42,9 +35,7 @@ def make(identity: Identity, key: str = "ffn.", **kw) -> ExpertRecord:  # type: 
 
 
 def check(record: ExpertRecord, now: float = NOW) -> None:
-    validate_record(
-        record, public_key_of=public_key_of, now=now, max_ttl_s=600, max_clock_skew_s=30
-    )
+    EXPERT_RECORDS.validate(record, CHECKS, now=now)
 
 
 def test_a_signed_record_validates() -> None:
@@ -112,14 +103,14 @@ def test_bad_signature_encoding_is_rejected() -> None:
 def test_malformed_or_oversized_records_do_not_parse(change: dict) -> None:  # type: ignore[type-arg]
     data = make(Identity.generate()).model_dump(mode="json") | change
     with pytest.raises(InvalidRecord, match="malformed"):
-        parse_record(json.dumps(data))
+        EXPERT_RECORDS.decode(json.dumps(data))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_crash_the_validator(raw: bytes) -> None:
     try:
-        check(parse_record(raw))
+        check(EXPERT_RECORDS.decode(raw))
     except InvalidRecord:
         pass
 
@@ -134,15 +125,15 @@ def test_fuzzed_fields_are_rejected_or_valid_never_crash(field: str, value: obje
     data = original.model_dump(mode="json")
     data[field] = value
     try:
-        check(parse_record(json.dumps(data)))
+        check(EXPERT_RECORDS.decode(json.dumps(data)))
     except InvalidRecord:
         return
     # The only way through is leaving the signed content as it was.
-    assert parse_record(json.dumps(data)) == original
+    assert EXPERT_RECORDS.decode(json.dumps(data)) == original
 
 
-def store(now: list[float]) -> RecordStore:
-    return RecordStore(CONFIG, public_key_of, clock=lambda: now[0])
+def store(now: list[float]) -> SignedRecordStore[ExpertRecord]:
+    return SignedRecordStore(EXPERT_RECORDS, CONFIG, clock=lambda: now[0])
 
 
 def test_store_keeps_newest_record_per_peer_and_drops_expired() -> None:
@@ -174,7 +165,7 @@ def test_store_refuses_forged_records() -> None:
 def test_a_full_key_keeps_the_writers_seen_longest() -> None:
     now = [NOW]
     config = DHTConfig(max_record_ttl_s=600, max_clock_skew_s=30, max_records_per_key=3)
-    s = RecordStore(config, public_key_of, clock=lambda: now[0])
+    s = SignedRecordStore(EXPERT_RECORDS, config, clock=lambda: now[0])
     incumbents = [Identity.generate() for _ in range(3)]
     for peer in incumbents:
         assert s.put(make(peer, ttl_s=30))
@@ -209,21 +200,18 @@ def test_answers_list_the_writers_seen_longest_first() -> None:
 
 
 def test_a_record_with_4096_children_is_refused_before_its_signature_is_checked() -> None:
-    s = RecordStore(DHTConfig(max_record_ttl_s=600), public_key_of, clock=lambda: NOW)
+    s = SignedRecordStore(EXPERT_RECORDS, DHTConfig(max_record_ttl_s=600), clock=lambda: NOW)
     fat = make(Identity.generate(), children=list(range(4096)))
     assert not s.put(fat.model_copy(update={"signature": "bm90IGNoZWNrZWQ="}))
     assert s.statistics().refused == {"too_large": 1}
     assert s.put(make(Identity.generate(), children=list(range(256))))
     with pytest.raises(InvalidRecord, match="at most 256"):
-        validate_record(
-            fat, public_key_of=public_key_of, now=NOW, max_ttl_s=600, max_clock_skew_s=30,
-            max_children=256,
-        )  # fmt: skip
+        EXPERT_RECORDS.validate(fat, DHTConfig(max_record_ttl_s=600), now=NOW)
 
 
 def test_identities_behind_one_address_share_one_quota() -> None:
     config = DHTConfig(max_record_ttl_s=600, peer_quota_mb=0.01, ip_prefix_quota_mb=0.02)
-    s = RecordStore(config, public_key_of, clock=lambda: NOW)
+    s = SignedRecordStore(EXPERT_RECORDS, config, clock=lambda: NOW)
     honest = Source("honest", ip_prefix("198.51.100.7"))
     kept = make(Identity.generate(), key="ffn.0.")
     assert s.put(kept, honest)
@@ -253,7 +241,7 @@ def test_memory_stays_within_the_budget_under_a_flood_of_fat_records() -> None:
         for k in range(10)
     ]
     tracemalloc.start()
-    s = RecordStore(config, public_key_of, clock=lambda: NOW)
+    s = SignedRecordStore(EXPERT_RECORDS, config, clock=lambda: NOW)
     for i, record in enumerate(flood):
         s.put(record.model_copy(), Source(f"p{i}", ip_prefix(f"10.{i % 250}.{i // 250}.1")))
     held, _ = tracemalloc.get_traced_memory()
@@ -271,13 +259,14 @@ def test_merge_keeps_withdrawals_newer_than_announcements() -> None:
     a = Identity.generate()
     announced = make(a, children=[1])
     withdrawn = make(a, children=[], active=False, now=NOW + 1)
-    assert merge_newest([announced, withdrawn]) == [withdrawn]
+    assert merge_answers(EXPERT_RECORDS, [(0, announced), (1, withdrawn)]) == [withdrawn]
+    assert merge_answers(EXPERT_RECORDS, [(1, withdrawn), (0, announced)]) == [withdrawn]
 
 
 def test_a_find_reply_fits_the_header_cap_and_keeps_every_keys_best_writers() -> None:
     flooded = [make(Identity.generate(), key="ffn.0.") for _ in range(600)]
     quiet = [make(Identity.generate(), key="ffn.1.") for _ in range(2)]
-    records = fit_reply([flooded, quiet], 48 * 1024)
+    records = fit_reply([flooded, quiet], 48 * 1024, EXPERT_RECORDS.wire_size_of)
     reply = FindReply(records=records).model_dump_json()
     assert len(reply) <= 48 * 1024
     assert records[:4] == [flooded[0], quiet[0], flooded[1], quiet[1]]

@@ -144,6 +144,16 @@ class DHTConfig(_Model):
         gt=0,
         description="of that, what peers from one IPv4 /24 or IPv6 /48 may fill together",
     )
+    max_manifests: int = Field(
+        1024, ge=1, le=100_000, description="experiment manifests this node stores for others"
+    )
+    max_owners_per_name: int = Field(
+        16,
+        ge=1,
+        le=16,
+        description="owners whose manifests this node stores per experiment name; when "
+        "full, a newcomer is refused rather than displacing an owner seen for longer",
+    )
     max_manifests_per_owner: int = Field(
         16, ge=1, le=1024, description="experiment names one owner may store manifests for"
     )

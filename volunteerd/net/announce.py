@@ -127,6 +127,10 @@ class Announcer:
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
+            # Rounds start every announce_period_s, however long each takes: counting
+            # the period from a round's end would add a slow round's time (lookups
+            # under load) to the gap between refreshes, and records would lapse.
+            next_round = trio.current_time() + self._config.announce_period_s
             try:
                 await self.announce_now()
                 logger.info("announced %d experts", len(self._live()))
@@ -134,9 +138,10 @@ class Announcer:
                 logger.exception("first announcement failed; retrying next round")
             task_status.started()
             while True:
-                with trio.move_on_after(self._config.announce_period_s):
+                with trio.move_on_at(next_round):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                next_round = trio.current_time() + self._config.announce_period_s
                 try:
                     await self.announce_now()
                 except Exception:  # a bad round must not end the server: next round retries

@@ -3,21 +3,26 @@
 py-libp2p's KadDHT finds the peers closest to a key well, but its value store keeps
 one value per key for 24 h, answers from a local cache first and ignores expiry, and
 its provider records never forget a dead provider (see docs/decisions/0002). So the
-routing table and iterative lookups are KadDHT's, while records live on the
-``replication`` closest peers (this node included when it is among them) through the
-``dht-store`` and ``dht-find`` verbs, in a ``RecordStore`` that honours each
-record's own expiry and keeps one record per (key, peer).
+routing table and iterative lookups are KadDHT's, while signed records live on the
+``replication`` closest peers (this node included when it is among them), in a
+``SignedRecordStore`` per kind that honours each record's own expiry and keeps one
+record per (key, writer).
 
-Every record that arrives, whether in a store request or in a find reply, is checked
-by ``validate_record``: a storing peer cannot forge or revive another peer's record.
+Both kinds of ``net/records.py`` take one path: ``_put`` stores records on the closest
+peers to their key with the kind's store verb (``dht-store``, ``manifest-store``),
+``_find`` asks them with its find verb (``dht-find``, ``manifest-find``) and keeps the
+newest valid record per (key, writer). Every record that arrives, in a store request or
+in a find reply, is checked by its kind's ``validate``: a storing peer cannot forge or
+revive another peer's record.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import trio
 from libp2p.abc import IHost
@@ -25,39 +30,31 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
+from pydantic import BaseModel
 
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.errors import InvalidRecord, PeerError
-from volunteerd.net.manifests import (
-    ManifestFindReply,
+from volunteerd.net.envelope import RecordKind, SignedRecord
+from volunteerd.net.peers import PeerAddress, dialable_part, short
+from volunteerd.net.protocols import PROTOCOLS, Verb
+from volunteerd.net.records import (
+    EXPERT_RECORDS,
+    MANIFESTS,
+    ExpertRecord,
+    FindRequest,
     ManifestFindRequest,
     ManifestRecord,
-    ManifestStore,
-    ManifestStoreReply,
-    ManifestStoreRequest,
-    manifest_key,
-    validate_manifest_record,
-)
-from volunteerd.net.peers import PeerAddress, dialable_part, public_key_of, short
-from volunteerd.net.protocols import Verb
-from volunteerd.net.records import (
-    ExpertRecord,
-    FindReply,
-    FindRequest,
-    RecordStore,
     StoreReply,
-    StoreRequest,
-    merge_newest,
-    validate_record,
 )
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
-from volunteerd.net.store import Source, StoreStatistics, ip_prefix
+from volunteerd.net.store import SignedRecordStore, Source, StoreStatistics, ip_prefix
 
 __all__ = ["DHTStatistics", "ExpertDHT", "StoreOutcome"]
 
 logger = logging.getLogger(__name__)
 
-_FIND_BATCH = 64
+R = TypeVar("R", bound=SignedRecord)
+
 # A find reply is one JSON header, and readers refuse headers over wire.max_header_bytes
 # (64 KiB by default): a key flooded with hundreds of records must not make the whole
 # answer unreadable. Keep it under 48 KiB.
@@ -67,33 +64,59 @@ _CLOSEST_CACHE_S = 30.0
 _DEAD_PEER_S = 60.0
 
 
-def fit_reply(per_key: Sequence[Sequence[ExpertRecord]], budget_bytes: int) -> list[ExpertRecord]:
+@dataclass(frozen=True, slots=True)
+class _Verbs(Generic[R]):
+    """How one kind travels: its store and find verbs (their messages are in
+    ``PROTOCOLS``), and how many records or keys one request carries at most."""
+
+    kind: RecordKind[R]
+    store: Verb
+    find: Verb
+    find_request: type[FindRequest] | type[ManifestFindRequest]
+    store_batch: int
+    find_batch: int
+
+
+_EXPERT_VERBS = _Verbs(EXPERT_RECORDS, Verb.DHT_STORE, Verb.DHT_FIND, FindRequest, 256, 64)
+_MANIFEST_VERBS = _Verbs(
+    MANIFESTS, Verb.MANIFEST_STORE, Verb.MANIFEST_FIND, ManifestFindRequest, 4, 1
+)
+
+
+def fit_reply(
+    per_key: Sequence[Sequence[R]], budget_bytes: int, wire_size_of: Callable[[R], int]
+) -> list[R]:
     """Records of several keys within ``budget_bytes`` of JSON: round-robin over the
     keys, each key's best-ranked records first (the store lists writers seen longest
     first), so every key keeps its best writers when a flooded key would fill it."""
-    out: list[ExpertRecord] = []
+    out: list[R] = []
     used = 0
     for position in range(max((len(records) for records in per_key), default=0)):
         for records in per_key:
             if position >= len(records):
                 continue
-            record = records[position]
-            # an upper bound of its JSON: fields' names and times, up to 8 bytes a child
-            size = 320 + len(record.peer_id) + len(record.key) + 8 * len(record.children)
-            size += sum(len(a) + 3 for a in record.addrs)
+            size = wire_size_of(records[position])
             if used + size > budget_bytes:
                 return out
             used += size
-            out.append(record)
+            out.append(records[position])
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class DHTStatistics:
-    """``ExpertDHT.statistics()``: the expert record store and the manifest store."""
-
-    records: StoreStatistics
-    manifests: StoreStatistics
+def merge_answers(kind: RecordKind[R], answers: Iterable[tuple[int, R]]) -> list[R]:
+    """One record per (key, writer), the newest (a withdrawal beats the announcement it
+    follows), ordered by the best position any storing peer gave that writer in its
+    answer: ``answers`` are (position, record) pairs."""
+    best: dict[tuple[str, str], tuple[int, R]] = {}
+    for position, record in answers:
+        slot = (kind.key_of(record), kind.writer_of(record))
+        old = best.get(slot)
+        if old is None:
+            best[slot] = (position, record)
+        else:
+            newest = record if record.issued_at > old[1].issued_at else old[1]
+            best[slot] = (min(position, old[0]), newest)
+    return [record for _, record in sorted(best.values(), key=lambda item: item[0])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +130,17 @@ class StoreOutcome:
         return min(self.acks.values(), default=0)
 
 
+@dataclass(frozen=True, slots=True)
+class DHTStatistics:
+    """``ExpertDHT.statistics()``: the expert record store and the manifest store."""
+
+    records: StoreStatistics
+    manifests: StoreStatistics
+
+
 class ExpertDHT:
-    """Stores and finds expert records. Constructed by ``open_node``; no I/O here."""
+    """Stores and finds expert records and experiment manifests. Constructed by
+    ``open_node``; no I/O here."""
 
     def __init__(
         self,
@@ -126,23 +158,43 @@ class ExpertDHT:
         self._config = config
         self._timeouts = timeouts
         self._self_id = host.get_id()
-        self.store = RecordStore(config, public_key_of)
-        self.manifests = ManifestStore(config, public_key_of, trusted_owners=trusted_owners)
+        self.records = SignedRecordStore(EXPERT_RECORDS, config)
+        self.manifests = SignedRecordStore(MANIFESTS, config, trusted_writers=trusted_owners)
         self._dead_until: dict[ID, float] = {}
         # key -> (routing table size then, valid until, closest peers)
         self._closest_cache: dict[str, tuple[int, float, list[ID]]] = {}
+        # record key -> the closest peers that accepted this node's last record for it
+        self._holders: dict[str, set[ID]] = {}
         # Peers serve at most 12 concurrent Kademlia streams and reset the rest.
         self._lookups = trio.CapacityLimiter(4)
+
+    def _store_of(self, kind: RecordKind[R]) -> SignedRecordStore[R]:
+        store: SignedRecordStore[Any] = self.records if kind is EXPERT_RECORDS else self.manifests
+        return store
 
     # -- serving other peers ----------------------------------------------------------
 
     def handlers(self) -> dict[Verb, Handler]:
-        return {
-            Verb.DHT_STORE: self._on_store,
-            Verb.DHT_FIND: self._on_find,
-            Verb.MANIFEST_STORE: self._on_manifest_store,
-            Verb.MANIFEST_FIND: self._on_manifest_find,
-        }
+        return {**self._handlers(_EXPERT_VERBS), **self._handlers(_MANIFEST_VERBS)}
+
+    def _handlers(self, verbs: _Verbs[R]) -> dict[Verb, Handler]:
+        """The kind's store verb (records validated into this node's store, counted
+        against the storing connection's quotas) and its find verb."""
+        store = self._store_of(verbs.kind)
+
+        async def on_store(request: Request) -> Reply:
+            records: list[R] = request.header.records
+            source = self._source(request.peer_id)
+            stored = sum(store.put(record, source) for record in records)
+            return Reply(StoreReply(stored=stored, rejected=len(records) - stored))
+
+        async def on_find(request: Request) -> Reply:
+            keys, writer = request.header.query()
+            per_key = [store.get(key, writer) for key in dict.fromkeys(keys)]
+            fitted = fit_reply(per_key, _FIND_REPLY_BYTES, verbs.kind.wire_size_of)
+            return Reply(PROTOCOLS[verbs.find].reply(records=fitted))
+
+        return {verbs.store: on_store, verbs.find: on_find}
 
     def _source(self, peer_id: str) -> Source:
         """Who stores: the requesting peer and the IP prefix of its connection (a quota
@@ -158,34 +210,13 @@ class ExpertDHT:
             host = ""
         return Source(peer_id, ip_prefix(host) if host else f"peer:{peer_id}")
 
-    async def _on_manifest_store(self, request: Request) -> Reply:
-        body: ManifestStoreRequest = request.header
-        source = self._source(request.peer_id)
-        stored = sum(self.manifests.put(record, source) for record in body.records)
-        return Reply(ManifestStoreReply(stored=stored, rejected=len(body.records) - stored))
-
-    async def _on_manifest_find(self, request: Request) -> Reply:
-        body: ManifestFindRequest = request.header
-        return Reply(ManifestFindReply(records=self.manifests.get(body.name, body.owner)))
-
-    async def _on_store(self, request: Request) -> Reply:
-        body: StoreRequest = request.header
-        source = self._source(request.peer_id)
-        stored = sum(self.store.put(record, source) for record in body.records)
-        return Reply(StoreReply(stored=stored, rejected=len(body.records) - stored))
-
-    async def _on_find(self, request: Request) -> Reply:
-        body: FindRequest = request.header
-        per_key = [self.store.get(key) for key in dict.fromkeys(body.keys)]
-        return Reply(FindReply(records=fit_reply(per_key, _FIND_REPLY_BYTES)))
-
     def statistics(self) -> DHTStatistics:
         """What this node stores for others now, and what it refused (by reason)."""
-        return DHTStatistics(self.store.statistics(), self.manifests.statistics())
+        return DHTStatistics(self.records.statistics(), self.manifests.statistics())
 
     def expire(self) -> None:
         """Drop expired records and manifests (the node calls this every few seconds)."""
-        self.store.expire()
+        self.records.expire()
         self.manifests.expire()
 
     # -- membership -------------------------------------------------------------------
@@ -279,12 +310,14 @@ class ExpertDHT:
             addrs = []
         return PeerAddress(str(peer_id), tuple(dialable_part(str(a)) for a in addrs))
 
-    async def _group_by_peer(self, keys: Iterable[str]) -> dict[ID, list[str]]:
+    async def _group_by_peer(self, verbs: _Verbs[R], keys: Iterable[str]) -> dict[ID, list[str]]:
+        """The closest peers to each key (a kind's key is looked up as its DHT key), and
+        the keys each of them stores."""
         keys = list(dict.fromkeys(keys))
         closest: dict[str, list[ID]] = {}
 
         async def lookup(key: str) -> None:
-            closest[key] = await self._closest(key)
+            closest[key] = await self._closest(verbs.kind.dht_key(key))
 
         async with trio.open_nursery() as nursery:
             for key in keys:
@@ -295,180 +328,152 @@ class ExpertDHT:
                 by_peer.setdefault(peer_id, []).append(key)
         return by_peer
 
-    # -- storing and finding ----------------------------------------------------------
+    # -- storing and finding, for every kind --------------------------------------------
 
-    async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
-        """Store each record on the closest peers to its key; returns the acks per key."""
-        by_key: dict[str, list[ExpertRecord]] = {}
+    async def _ask(self, peer_id: ID, verb: Verb, request: BaseModel) -> Any:
+        """``peer_id``'s reply to ``request``; None when it failed to answer (then it is
+        forgotten)."""
+        try:
+            with trio.fail_after(self._timeouts.dht_rpc_s):
+                reply, _ = await self._rpc.call(self._address(peer_id), verb, request)
+        except (PeerError, trio.TooSlowError) as exc:
+            logger.debug("%s on %s failed: %s", verb, short(peer_id), exc)
+            self.forget_peer(str(peer_id))
+            return None
+        return reply
+
+    async def _put(self, verbs: _Verbs[R], records: Sequence[R]) -> dict[str, int]:
+        """Store each record on the closest peers to its key; returns, per key, how many
+        of them (this node included) accepted all of that key's records.
+
+        The peers holding this node's previous record for a key get the new one at
+        once, while the closest peers are looked up: after any change of membership
+        that lookup goes over the network, and under load it can take longer than
+        what is left of the previous record's life. Waiting for it would let a live
+        server's records lapse."""
+        kind, store = verbs.kind, self._store_of(verbs.kind)
+        by_key: dict[str, list[R]] = {}
         for record in records:
-            by_key.setdefault(record.key, []).append(record)
-        by_peer = await self._group_by_peer(by_key)
-        acks = dict.fromkeys(by_key, 0)
+            by_key.setdefault(kind.key_of(record), []).append(record)
+        accepted_by: dict[str, set[ID]] = {key: set() for key in by_key}
 
         async def store_on(peer_id: ID, keys: list[str]) -> None:
             batch = [r for k in keys for r in by_key[k]]
             if peer_id == self._self_id:
-                accepted = {r.key for r in batch if self.store.put(r)}
+                accepted = {kind.key_of(r) for r in batch if store.put(r)}
             else:
                 accepted = set()
-                for start in range(0, len(batch), 256):
-                    chunk = batch[start : start + 256]
-                    try:
-                        with trio.fail_after(self._timeouts.dht_rpc_s):
-                            reply, _ = await self._rpc.call(
-                                self._address(peer_id), Verb.DHT_STORE, StoreRequest(records=chunk)
-                            )
-                    except (PeerError, trio.TooSlowError) as exc:
-                        logger.debug("store on %s failed: %s", short(peer_id), exc)
-                        self.forget_peer(str(peer_id))
+                for start in range(0, len(batch), verbs.store_batch):
+                    chunk = batch[start : start + verbs.store_batch]
+                    request = PROTOCOLS[verbs.store].request(records=chunk)
+                    reply = await self._ask(peer_id, verbs.store, request)
+                    if reply is None:
                         return
                     if isinstance(reply, StoreReply) and reply.stored == len(chunk):
-                        accepted.update(r.key for r in chunk)
+                        accepted.update(kind.key_of(r) for r in chunk)
             for key in keys:
                 if key in accepted:
-                    acks[key] += 1
+                    accepted_by[key].add(peer_id)
 
+        holding: dict[ID, list[str]] = {}
+        for key in by_key:
+            for peer_id in self._holders.get(key, ()):
+                if peer_id not in self._dead_until:
+                    holding.setdefault(peer_id, []).append(key)
         async with trio.open_nursery() as nursery:
-            for peer_id, keys in by_peer.items():
+            for peer_id, keys in holding.items():
                 nursery.start_soon(store_on, peer_id, keys)
-        return StoreOutcome(acks)
+            by_peer = await self._group_by_peer(verbs, by_key)
+            for peer_id, keys in by_peer.items():
+                already = holding.get(peer_id, [])
+                if rest := [key for key in keys if key not in already]:
+                    nursery.start_soon(store_on, peer_id, rest)
+        acks: dict[str, int] = {}
+        for key, peers in accepted_by.items():
+            # Earlier holders no longer among the closest keep their copy until it
+            # expires; readers do not ask them, so they neither count nor get the next.
+            closest = {p for p, keys in by_peer.items() if key in keys}
+            self._holders[key] = peers & closest
+            acks[key] = len(self._holders[key])
+        return acks
 
-    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
-        """Active, valid, unexpired records per key, newest per peer, from the closest peers."""
-        by_peer = await self._group_by_peer(keys)
-        # (position in the storing peer's answer for its key, record): storing peers
-        # list the writers they have seen longest first, and readers keep that order.
-        found: list[tuple[int, ExpertRecord]] = []
+    async def _find(
+        self, verbs: _Verbs[R], keys: Sequence[str], writer: str | None = None
+    ) -> dict[str, list[R]]:
+        """Valid, unexpired records per key (only ``writer``'s when given) from the
+        closest peers: the newest per writer, in the storing peers' order (they list the
+        writers they have seen longest first)."""
+        kind, store = verbs.kind, self._store_of(verbs.kind)
+        by_peer = await self._group_by_peer(verbs, keys)
+        # (position in the storing peer's answer for its key, record)
+        found: list[tuple[int, R]] = []
 
-        def take(records: Iterable[ExpertRecord]) -> None:
+        def take(records: Iterable[R]) -> None:
             position: dict[str, int] = {}
             for record in records:
-                rank = position.get(record.key, 0)
-                position[record.key] = rank + 1
-                found.append((rank, record))
+                key = kind.key_of(record)
+                position[key] = position.get(key, -1) + 1
+                found.append((position[key], record))
 
         async def find_on(peer_id: ID, peer_keys: list[str]) -> None:
             if peer_id == self._self_id:
-                take(r for k in peer_keys for r in self.store.get(k))
+                take(r for k in peer_keys for r in store.get(k, writer))
                 return
-            for start in range(0, len(peer_keys), _FIND_BATCH):
-                chunk = peer_keys[start : start + _FIND_BATCH]
-                try:
-                    with trio.fail_after(self._timeouts.dht_rpc_s):
-                        reply, _ = await self._rpc.call(
-                            self._address(peer_id), Verb.DHT_FIND, FindRequest(keys=chunk)
-                        )
-                except (PeerError, trio.TooSlowError) as exc:
-                    logger.debug("find on %s failed: %s", short(peer_id), exc)
-                    self.forget_peer(str(peer_id))
+            for start in range(0, len(peer_keys), verbs.find_batch):
+                chunk = peer_keys[start : start + verbs.find_batch]
+                reply = await self._ask(
+                    peer_id, verbs.find, verbs.find_request.asking(chunk, writer)
+                )
+                if reply is None:
                     return
                 wanted = set(chunk)
-                take(r for r in reply.records if r.key in wanted and self._valid(r))
+                take(
+                    r
+                    for r in reply.records
+                    if kind.key_of(r) in wanted
+                    and writer in (None, kind.writer_of(r))
+                    and self._valid(kind, r)
+                )
 
         async with trio.open_nursery() as nursery:
             for peer_id, peer_keys in by_peer.items():
                 nursery.start_soon(find_on, peer_id, peer_keys)
-        best: dict[tuple[str, str], int] = {}
-        for rank, record in found:
-            slot = (record.key, record.peer_id)
-            best[slot] = min(rank, best.get(slot, rank))
-        result: dict[str, list[ExpertRecord]] = {key: [] for key in keys}
-        for record in merge_newest(r for _, r in found):
-            if record.active:
-                result[record.key].append(record)
-        for records in result.values():
-            records.sort(key=lambda r: best[(r.key, r.peer_id)])
+        result: dict[str, list[R]] = {key: [] for key in keys}
+        for record in merge_answers(kind, found):
+            result[kind.key_of(record)].append(record)
         return result
 
-    def _valid(self, record: ExpertRecord) -> bool:
+    def _valid(self, kind: RecordKind[R], record: R) -> bool:
         try:
-            validate_record(
-                record,
-                public_key_of=public_key_of,
-                now=time.time(),
-                max_ttl_s=self._config.max_record_ttl_s,
-                max_clock_skew_s=self._config.max_clock_skew_s,
-                max_children=self._config.max_children_per_record,
-            )
+            kind.validate(record, self._config, now=time.time())
         except InvalidRecord as exc:
-            logger.debug("dropped a record from the DHT: %s", exc)
+            logger.debug("dropped a %s from the DHT: %s", kind.name, exc)
             return False
         return True
+
+    # -- expert records ---------------------------------------------------------------
+
+    async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
+        """Store each record on the closest peers to its key; returns the acks per key."""
+        return StoreOutcome(await self._put(_EXPERT_VERBS, records))
+
+    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
+        """Active, valid, unexpired records per key, newest per peer, from the closest
+        peers, the writers they have seen longest first."""
+        found = await self._find(_EXPERT_VERBS, keys)
+        return {key: [r for r in records if r.active] for key, records in found.items()}
 
     # -- experiment manifests (docs/protocol.md, "Experiment manifests") --------------
 
     async def put_manifest(self, record: ManifestRecord) -> int:
         """Store ``record`` on the closest peers to its name; returns how many accepted."""
-        acks = 0
-
-        async def store_on(peer_id: ID) -> None:
-            nonlocal acks
-            if peer_id == self._self_id:
-                acks += self.manifests.put(record)
-                return
-            try:
-                with trio.fail_after(self._timeouts.dht_rpc_s):
-                    reply, _ = await self._rpc.call(
-                        self._address(peer_id),
-                        Verb.MANIFEST_STORE,
-                        ManifestStoreRequest(records=[record]),
-                    )
-            except (PeerError, trio.TooSlowError) as exc:
-                logger.debug("manifest store on %s failed: %s", short(peer_id), exc)
-                self.forget_peer(str(peer_id))
-                return
-            acks += isinstance(reply, ManifestStoreReply) and reply.stored == 1
-
-        async with trio.open_nursery() as nursery:
-            for peer_id in await self._closest(manifest_key(record.name)):
-                nursery.start_soon(store_on, peer_id)
-        return acks
+        return (await self._put(_MANIFEST_VERBS, [record]))[record.name]
 
     async def get_manifests(self, name: str, owner: str | None = None) -> list[ManifestRecord]:
         """Every owner's newest valid manifest for experiment ``name``; only ``owner``'s
         when given (storing peers then answer with that owner's alone, so strangers'
         manifests under the same name cannot crowd it out of the answer)."""
-        found: list[ManifestRecord] = []
-
-        async def find_on(peer_id: ID) -> None:
-            if peer_id == self._self_id:
-                found.extend(self.manifests.get(name, owner))
-                return
-            try:
-                with trio.fail_after(self._timeouts.dht_rpc_s):
-                    reply, _ = await self._rpc.call(
-                        self._address(peer_id),
-                        Verb.MANIFEST_FIND,
-                        ManifestFindRequest(name=name, owner=owner),
-                    )
-            except (PeerError, trio.TooSlowError) as exc:
-                logger.debug("manifest find on %s failed: %s", short(peer_id), exc)
-                self.forget_peer(str(peer_id))
-                return
-            for record in reply.records:
-                try:
-                    validate_manifest_record(
-                        record,
-                        public_key_of=public_key_of,
-                        now=time.time(),
-                        max_ttl_s=self._config.max_manifest_ttl_s,
-                        max_clock_skew_s=self._config.max_clock_skew_s,
-                    )
-                except InvalidRecord as exc:
-                    logger.info("dropped a manifest from the DHT: %s", exc)
-                    continue
-                if record.name == name and owner in (None, record.owner):
-                    found.append(record)
-
-        async with trio.open_nursery() as nursery:
-            for peer_id in await self._closest(manifest_key(name)):
-                nursery.start_soon(find_on, peer_id)
-        newest: dict[str, ManifestRecord] = {}
-        for record in found:
-            old = newest.get(record.owner)
-            if old is None or record.issued_at > old.issued_at:
-                newest[record.owner] = record
-        return list(newest.values())
+        return (await self._find(_MANIFEST_VERBS, [name], owner))[name]
 
     async def find_expert(self, uid: str) -> list[PeerAddress]:
         """Servers announcing ``uid`` now."""

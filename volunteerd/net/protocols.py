@@ -12,13 +12,15 @@ from enum import StrEnum
 from pydantic import BaseModel
 
 from volunteerd.net.dialback import DialBackReply, DialBackRequest
-from volunteerd.net.manifests import (
+from volunteerd.net.records import (
+    FindReply,
+    FindRequest,
     ManifestFindReply,
     ManifestFindRequest,
-    ManifestStoreReply,
     ManifestStoreRequest,
+    StoreReply,
+    StoreRequest,
 )
-from volunteerd.net.records import FindReply, FindRequest, StoreReply, StoreRequest
 from volunteerd.wire import (
     BackwardBatchRequest,
     BackwardRequest,
@@ -108,7 +110,7 @@ PROTOCOLS: dict[Verb, ProtocolSpec] = {
             Verb.MANIFEST_STORE,
             "/volunteerd/manifest-store/1",
             ManifestStoreRequest,
-            ManifestStoreReply,
+            StoreReply,
             False,
             True,
         ),

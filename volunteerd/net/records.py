@@ -1,6 +1,11 @@
-"""Signed, expiring DHT records for expert discovery, and the store that keeps them.
+"""The two kinds of signed record in the DHT: expert records and experiment manifests.
 
-A server hosting ``ffn.3.17`` announces one record per key in ``uid_prefixes``:
+Both travel in the envelope of ``net/envelope.py`` and are kept for others by the one
+store of ``net/store.py``; this module says only what differs: their fields, their
+slot, their size, their caps and their own rules, and the messages of their verbs.
+
+**Expert records.** A server hosting ``ffn.3.17`` announces one record per key in
+``uid_prefixes``:
 
 =============  ==========================================================
 key            record says
@@ -11,51 +16,62 @@ key            record says
 =============  ==========================================================
 
 Many servers share a key: a storing node keeps one record per (key, peer), the one
-issued last, within per-key, per-peer, per-IP-prefix and memory bounds
-(``net/store.py``: a flood of fresh identities never displaces servers seen before
-it). A record is signed by the announcing peer's Ed25519 key (the key is embedded in
-its peer id), carries its own expiry, and is refused when the signature,
-the times, the sizes or the key are wrong. A server that stops cleanly publishes
-``active=False`` records so that its experts vanish at once; one that crashes
-vanishes when its records expire.
+issued last. A server that stops cleanly publishes ``active=False`` records so that its
+experts vanish at once; one that crashes vanishes when its records expire.
+
+**Experiment manifests.** An experiment's owner signs its manifest with the key its
+peer id embeds and stores it under ``experiment/<name>``. The body is an opaque,
+size-capped JSON text that ``volunteerd.swarm.manifest`` parses. A storing node keeps
+one manifest per (name, owner), so nobody can hide an owner's manifest by storing a
+newer one of their own under the same name: a reader asks for the owners it trusts
+(``ManifestFindRequest.owner``), or for every owner's and picks. An owner this node
+trusts is never displaced by others.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import math
 import time
-from collections.abc import Callable, Iterable
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from functools import partial
+from typing import Annotated, ClassVar, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from volunteerd import uids
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
-from volunteerd.identity import Identity, verify_signature
+from volunteerd.identity import Identity
+from volunteerd.net.envelope import RecordKind, RecordLimits, SignedRecord
 from volunteerd.net.peers import parse_circuit_addr
-from volunteerd.net.store import RecordLimits, SignedRecordStore
 
 __all__ = [
+    "EXPERT_RECORDS",
+    "MANIFESTS",
+    "MAX_ADDRS",
+    "MAX_MANIFEST_BODY",
+    "MAX_OWNERS_PER_NAME",
+    "NAME_PATTERN",
     "ExpertRecord",
     "FindReply",
     "FindRequest",
-    "RecordStore",
+    "ManifestFindReply",
+    "ManifestFindRequest",
+    "ManifestRecord",
+    "ManifestStoreRequest",
     "StoreReply",
     "StoreRequest",
-    "merge_newest",
-    "parse_record",
-    "record_bytes",
-    "record_limits",
+    "manifest_key",
     "sign_record",
-    "validate_record",
 ]
 
-_DOMAIN = b"volunteerd/expert-record/v1\n"
 MAX_ADDRS = 8
 MAX_CHILDREN = 4096
+MAX_MANIFEST_BODY = 16 * 1024
+# A wire bound (a find reply lists at most this many owners); dht.max_owners_per_name
+# may only lower it.
+MAX_OWNERS_PER_NAME = 16
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+_MIB = 1 << 20
 
 
 def _check_key(value: str) -> str:
@@ -76,26 +92,59 @@ def _check_addr(value: str) -> str:
 
 Key = Annotated[str, Field(max_length=uids.MAX_UID_LENGTH), AfterValidator(_check_key)]
 Addr = Annotated[str, Field(max_length=200), AfterValidator(_check_addr)]
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+PeerIdText = Annotated[str, Field(min_length=1, max_length=128)]
 
 
-class ExpertRecord(BaseModel):
+def _limits(config: DHTConfig, *, manifests: bool) -> RecordLimits:
+    """How ``config`` bounds a kind. Expert records get three quarters of
+    ``store_budget_mb`` and a record is as large as its children; manifests get a
+    quarter, of which one peer or one IP prefix may fill a quarter at most."""
+    if manifests:
+        budget = int(config.store_budget_mb * _MIB / 4)
+        max_ttl_s, max_records = config.max_manifest_ttl_s, config.max_manifests
+        max_per_key, max_per_writer = config.max_owners_per_name, config.max_manifests_per_owner
+        largest = 1536 + MAX_MANIFEST_BODY + 256
+        source_cap = budget // 4
+    else:
+        budget = int(config.store_budget_mb * _MIB * 3 / 4)
+        max_ttl_s, max_records = config.max_record_ttl_s, config.max_keys
+        max_per_key, max_per_writer = config.max_records_per_key, config.max_records_per_writer
+        largest = 1536 + 48 * config.max_children_per_record + 2 * MAX_ADDRS * 200
+        source_cap = budget  # a quota beyond the whole budget is the budget: no cap
+    return RecordLimits(
+        max_ttl_s=max_ttl_s,
+        max_records=max_records,
+        max_record_bytes=largest,
+        max_per_key=max_per_key,
+        max_per_writer=max_per_writer,
+        peer_bytes=min(int(config.peer_quota_mb * _MIB), source_cap),
+        prefix_bytes=min(int(config.ip_prefix_quota_mb * _MIB), source_cap),
+        budget_bytes=budget,
+        forget_s=config.max_record_ttl_s,
+    )
+
+
+# -- expert records ----------------------------------------------------------------------
+
+
+class _ExpertClaim(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     key: Key
-    peer_id: Annotated[str, Field(min_length=1, max_length=128)]
+    peer_id: PeerIdText
     addrs: Annotated[tuple[Addr, ...], Field(max_length=MAX_ADDRS)]
     children: Annotated[
         tuple[Annotated[int, Field(ge=0, le=uids.MAX_COORDINATE)], ...],
         Field(max_length=MAX_CHILDREN),
     ] = ()
     active: bool = True
-    issued_at: float
-    expires_at: float
-    signature: Annotated[str, Field(max_length=128)] = ""
 
-    def signing_bytes(self) -> bytes:
-        payload = self.model_dump(mode="json", exclude={"signature"})
-        return _DOMAIN + json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+class ExpertRecord(SignedRecord, _ExpertClaim):
+    """A peer's signed claim to host experts under ``key`` (see the module docstring)."""
+
+    domain: ClassVar[bytes] = b"volunteerd/expert-record/v1\n"
 
     @property
     def is_uid(self) -> bool:
@@ -114,7 +163,7 @@ def sign_record(
     now: float | None = None,
 ) -> ExpertRecord:
     issued = time.time() if now is None else now
-    unsigned = ExpertRecord(
+    return ExpertRecord(
         key=key,
         peer_id=peer_id,
         addrs=tuple(addrs),
@@ -122,61 +171,46 @@ def sign_record(
         active=active,
         issued_at=issued,
         expires_at=issued + ttl_s,
-    )
-    signature = base64.b64encode(identity.sign(unsigned.signing_bytes())).decode()
-    return unsigned.model_copy(update={"signature": signature})
+    ).signed(identity)
 
 
-def validate_record(
-    record: ExpertRecord,
-    *,
-    public_key_of: Callable[[str], bytes | None],
-    now: float,
-    max_ttl_s: float,
-    max_clock_skew_s: float,
-    max_children: int = MAX_CHILDREN,
-) -> None:
-    """Raise InvalidRecord unless ``record`` is well-formed, current and truly signed.
-
-    ``public_key_of`` maps a peer id to the Ed25519 public key it embeds; a prefix
-    record may list at most ``max_children`` next coordinates.
-    """
-    if not (math.isfinite(record.issued_at) and math.isfinite(record.expires_at)):
-        # NaN compares false with everything and would slip past the checks below.
-        raise InvalidRecord(f"record for {record.key!r} has a time that is not finite")
-    if record.expires_at <= now:
-        raise InvalidRecord(f"record for {record.key!r} expired {now - record.expires_at:.1f}s ago")
-    if record.issued_at > now + max_clock_skew_s:
-        raise InvalidRecord(f"record for {record.key!r} is issued in the future")
-    if record.expires_at - record.issued_at > max_ttl_s:
-        raise InvalidRecord(f"record for {record.key!r} lives longer than {max_ttl_s}s")
-    if record.expires_at < record.issued_at:
-        raise InvalidRecord("record expires before it is issued")
-    if len(record.children) > max_children:
+def _expert_rules(record: ExpertRecord, config: DHTConfig) -> None:
+    """A prefix record lists at most ``max_children_per_record`` next coordinates, an
+    active one at least one; a uid record lists none."""
+    if len(record.children) > config.max_children_per_record:
         raise InvalidRecord(
-            f"record for {record.key!r} lists {len(record.children)} children; at most "
-            f"{max_children}"
+            f"record {record.key!r} lists {len(record.children)} children; at most "
+            f"{config.max_children_per_record}"
         )
     if record.is_uid and record.children:
         raise InvalidRecord(f"record for uid {record.key!r} must not list children")
     if not record.is_uid and record.active and not record.children:
         raise InvalidRecord(f"active record for prefix {record.key!r} lists no children")
-    public_key = public_key_of(record.peer_id)
-    if public_key is None:
-        raise InvalidRecord("record's peer id does not embed an Ed25519 key")
-    try:
-        signature = base64.b64decode(record.signature, validate=True)
-    except ValueError:
-        raise InvalidRecord("record signature is not base64") from None
-    if not verify_signature(public_key, record.signing_bytes(), signature):
-        raise InvalidRecord(f"bad signature on record for {record.key!r}")
 
 
-def parse_record(raw: bytes | str) -> ExpertRecord:
-    try:
-        return ExpertRecord.model_validate_json(raw)
-    except ValidationError as exc:
-        raise InvalidRecord(f"malformed record: {exc.errors()[0]['msg']}") from None
+def _expert_bytes(record: ExpertRecord) -> int:
+    """Estimated memory of a stored record (measured with tracemalloc: ~1.4 KiB with
+    no children, ~40 bytes a child)."""
+    return 1536 + 48 * len(record.children) + 2 * sum(len(a) for a in record.addrs)
+
+
+def _expert_wire_bytes(record: ExpertRecord) -> int:
+    """An upper bound of its JSON: fields' names and times, up to 8 bytes a child."""
+    size = 320 + len(record.peer_id) + len(record.key) + 8 * len(record.children)
+    return size + sum(len(a) + 3 for a in record.addrs)
+
+
+EXPERT_RECORDS: RecordKind[ExpertRecord] = RecordKind(
+    name="record",
+    model=ExpertRecord,
+    key_of=lambda r: r.key,
+    writer_of=lambda r: r.peer_id,
+    dht_key=lambda key: key,
+    size_of=_expert_bytes,
+    wire_size_of=_expert_wire_bytes,
+    limits=partial(_limits, manifests=False),
+    rules=_expert_rules,
+)
 
 
 class StoreRequest(BaseModel):
@@ -185,6 +219,8 @@ class StoreRequest(BaseModel):
 
 
 class StoreReply(BaseModel):
+    """The reply to ``dht-store`` and to ``manifest-store``."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
     status: Literal["ok"] = "ok"
     stored: int = 0
@@ -195,6 +231,14 @@ class FindRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     keys: Annotated[list[Key], Field(min_length=1, max_length=64)]
 
+    @classmethod
+    def asking(cls, keys: list[str], writer: str | None) -> Self:
+        """Expert records are asked for by key alone: readers keep whose they want."""
+        return cls(keys=keys)
+
+    def query(self) -> tuple[list[str], str | None]:
+        return self.keys, None
+
 
 class FindReply(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -202,65 +246,69 @@ class FindReply(BaseModel):
     records: Annotated[list[ExpertRecord], Field(max_length=16384)]
 
 
-def record_bytes(record: ExpertRecord) -> int:
-    """Estimated memory of a stored record (measured with tracemalloc: ~1.4 KiB with
-    no children, ~40 bytes a child)."""
-    return 1536 + 48 * len(record.children) + 2 * sum(len(a) for a in record.addrs)
+# -- experiment manifests ----------------------------------------------------------------
 
 
-def record_limits(config: DHTConfig) -> RecordLimits:
-    """The expert record store's share of ``config``'s budget and quotas: 3/4."""
-    mib = 1 << 20
-    largest = 1536 + 48 * config.max_children_per_record + 2 * MAX_ADDRS * 200
-    return RecordLimits(
-        max_records=config.max_keys,
-        max_record_bytes=largest,
-        max_per_key=config.max_records_per_key,
-        max_per_writer=config.max_records_per_writer,
-        peer_bytes=int(config.peer_quota_mb * mib),
-        prefix_bytes=int(config.ip_prefix_quota_mb * mib),
-        budget_bytes=int(config.store_budget_mb * mib * 3 / 4),
-        forget_s=config.max_record_ttl_s,
-    )
+def manifest_key(name: str) -> str:
+    """The DHT key whose closest peers store experiment ``name``'s manifests."""
+    return f"experiment/{name}"
 
 
-class RecordStore(SignedRecordStore[ExpertRecord]):
-    """Expert records this node keeps for the swarm: one per (key, peer), each until it
-    expires, within the bounds and preferences of ``SignedRecordStore``. A prefix
-    record listing more than ``max_children_per_record`` children is refused."""
+class _ManifestText(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __init__(
-        self,
-        config: DHTConfig,
-        public_key_of: Callable[[str], bytes | None],
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        def validate(record: ExpertRecord, now: float) -> None:
-            validate_record(
-                record,
-                public_key_of=public_key_of,
-                now=now,
-                max_ttl_s=config.max_record_ttl_s,
-                max_clock_skew_s=config.max_clock_skew_s,
-                max_children=config.max_children_per_record,
-            )
-
-        super().__init__(
-            record_limits(config),
-            validate=validate,
-            key_of=lambda r: r.key,
-            writer_of=lambda r: r.peer_id,
-            size_of=record_bytes,
-            clock=clock,
-        )
+    name: Name
+    owner: PeerIdText
+    body: Annotated[str, Field(max_length=MAX_MANIFEST_BODY)]
 
 
-def merge_newest(records: Iterable[ExpertRecord]) -> list[ExpertRecord]:
-    """One record per (key, peer): the newest. Withdrawn records are kept (callers filter)."""
-    newest: dict[tuple[str, str], ExpertRecord] = {}
-    for record in records:
-        slot = (record.key, record.peer_id)
-        old = newest.get(slot)
-        if old is None or record.issued_at > old.issued_at:
-            newest[slot] = record
-    return list(newest.values())
+class ManifestRecord(SignedRecord, _ManifestText):
+    """One owner's signed manifest for one experiment name; ``body`` is the manifest."""
+
+    domain: ClassVar[bytes] = b"volunteerd/experiment-manifest/v1\n"
+
+
+def _manifest_bytes(record: ManifestRecord) -> int:
+    """Estimated memory of a stored manifest: its texts plus the objects around them."""
+    return 1536 + len(record.body) + len(record.owner) + len(record.name)
+
+
+MANIFESTS: RecordKind[ManifestRecord] = RecordKind(
+    name="manifest",
+    model=ManifestRecord,
+    key_of=lambda r: r.name,
+    writer_of=lambda r: r.owner,
+    dht_key=manifest_key,
+    size_of=_manifest_bytes,
+    # exact: a body is JSON text, and escaping it again may nearly double it
+    wire_size_of=lambda r: len(r.model_dump_json().encode()),
+    limits=partial(_limits, manifests=True),
+)
+
+
+class ManifestStoreRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    records: Annotated[list[ManifestRecord], Field(min_length=1, max_length=4)]
+
+
+class ManifestFindRequest(BaseModel):
+    """Asks for ``name``'s manifests: only ``owner``'s when given (what a trainer or a
+    daemon that trusts an owner asks), else every owner's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: Name
+    owner: PeerIdText | None = None
+
+    @classmethod
+    def asking(cls, names: list[str], owner: str | None) -> Self:
+        """One name a request (``find_batch`` 1)."""
+        return cls(name=names[0], owner=owner)
+
+    def query(self) -> tuple[list[str], str | None]:
+        return [self.name], self.owner
+
+
+class ManifestFindReply(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    status: Literal["ok"] = "ok"
+    records: Annotated[list[ManifestRecord], Field(max_length=MAX_OWNERS_PER_NAME)]

@@ -1,9 +1,10 @@
-"""One bounded store for the signed records a node keeps for others.
+"""One bounded store for the signed records a node keeps for others, of any kind.
 
-Expert records (``net/records.py``) and experiment manifests (``net/manifests.py``)
-are both signed statements by one *writer* (the announcing peer, the manifest's owner)
-about one *key* (``ffn.3.``, an experiment name). Both are stored by this class, which
-knows nothing of what they say: their module hands it a validator and a size estimate.
+Every kind (``net/records.py``: expert records, experiment manifests) is a signed
+statement by one *writer* (the announcing peer, the manifest's owner) about one *key*
+(``ffn.3.``, an experiment name), checked by its ``RecordKind`` (``net/envelope.py``).
+This store knows nothing of what records say: the kind gives their slot, their size,
+their validation and, from the config, their caps.
 
 What it bounds, and whom a full store prefers (docs/decisions/0009-bounded-record-store.md):
 
@@ -35,26 +36,18 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
+from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
+from volunteerd.net.envelope import RecordKind, SignedRecord
 
 __all__ = [
-    "RecordLimits",
     "SignedRecordStore",
     "Source",
     "StoreStatistics",
     "ip_prefix",
 ]
-
-
-class SignedRecord(Protocol):
-    @property
-    def issued_at(self) -> float: ...
-
-    @property
-    def expires_at(self) -> float: ...
-
 
 R = TypeVar("R", bound=SignedRecord)
 
@@ -78,18 +71,6 @@ class Source:
 
     peer_id: str
     prefix: str
-
-
-@dataclass(frozen=True, slots=True)
-class RecordLimits:
-    max_records: int
-    max_record_bytes: int
-    max_per_key: int
-    max_per_writer: int
-    peer_bytes: int
-    prefix_bytes: int
-    budget_bytes: int
-    forget_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,30 +117,28 @@ class _Scope:
 
 
 class SignedRecordStore(Generic[R]):
-    """Validated records, one per (key, writer), each until it expires, within limits.
+    """Valid records of one ``kind``, one per (key, writer), each until it expires,
+    within the kind's limits under ``config``.
 
-    ``validate(record, now)`` raises InvalidRecord; ``key_of``/``writer_of`` name the
-    record's slot; ``size_of`` estimates its memory. ``trusted(writer)`` marks writers
-    whose records untrusted ones never displace. Nothing here raises on bad input.
+    Records of ``trusted_writers`` are never displaced by others' (a daemon's
+    ``experiments.trusted_owners``). Nothing here raises on bad input.
     """
 
     def __init__(
         self,
-        limits: RecordLimits,
+        kind: RecordKind[R],
+        config: DHTConfig,
         *,
-        validate: Callable[[R, float], None],
-        key_of: Callable[[R], str],
-        writer_of: Callable[[R], str],
-        size_of: Callable[[R], int],
-        trusted: Callable[[str], bool] = lambda writer: False,
+        trusted_writers: Iterable[str] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.limits = limits
-        self._validate = validate
-        self._key_of = key_of
-        self._writer_of = writer_of
-        self._size_of = size_of
-        self._trusted = trusted
+        self.kind = kind
+        self.limits = kind.limits(config)
+        self._config = config
+        self._key_of = kind.key_of
+        self._writer_of = kind.writer_of
+        self._size_of = kind.size_of
+        self._trusted = frozenset(trusted_writers)
         self._clock = clock
         self._keys: dict[str, dict[str, _Entry[R]]] = {}
         self._writers: dict[str, _Writer] = {}
@@ -219,7 +198,7 @@ class SignedRecordStore(Generic[R]):
 
     def _valid(self, record: R, now: float) -> bool:
         try:
-            self._validate(record, now)
+            self.kind.validate(record, self._config, now=now)
         except InvalidRecord:
             return False
         return True
@@ -243,7 +222,7 @@ class SignedRecordStore(Generic[R]):
         """Higher is better: own records, then trusted writers, then the longest seen."""
         writer = self._writers.get(writer_id)
         first_seen = writer.first_seen if writer is not None else self._clock()
-        return (int(source is None), int(self._trusted(writer_id)), -first_seen)
+        return (int(source is None), int(writer_id in self._trusted), -first_seen)
 
     def _plan_room(self, entry: _Entry[R]) -> tuple[str | None, list[_Entry[R]]]:
         """The lower-ranked records to evict so that ``entry`` fits every quota, or the

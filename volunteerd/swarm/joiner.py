@@ -34,7 +34,7 @@ from volunteerd.errors import ResourceUnavailable, UnknownExpert, VolunteerdErro
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import ExpertState
 from volunteerd.net import Announcer, Node, PeerAddress
-from volunteerd.net.manifests import ManifestRecord
+from volunteerd.net.records import ManifestRecord
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.runtime.hardware import capacity, detect

@@ -4,7 +4,7 @@ A manifest names the experiment, the expert architecture and sizes, the uid grid
 experts' optimizer, the wire compression, the replication target and the seed every
 newcomer initialises from. Its owner writes it as TOML (``volunteerd publish
 experiment.toml``), which signs it with the owner's key and stores it in the DHT
-(``volunteerd.net.manifests`` carries it as an opaque signed envelope). A daemon joins
+(``volunteerd.net.records`` carries it as an opaque signed envelope). A daemon joins
 an experiment by (name, owner) for each owner in ``experiments.trusted_owners`` and
 accepts only those owners' manifests; with no owner trusted yet, others' manifests
 are refused with ``UntrustedManifest``, which names them.
@@ -42,7 +42,7 @@ from volunteerd.config import ExpertsConfig, OptimizerConfig
 from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
 from volunteerd.identity import Identity
 from volunteerd.net import ExpertDHT
-from volunteerd.net.manifests import NAME_PATTERN, ManifestRecord, sign_manifest_record
+from volunteerd.net.records import NAME_PATTERN, ManifestRecord
 from volunteerd.wire import Compression
 
 __all__ = [
@@ -163,14 +163,13 @@ def _canonical(manifest: ExperimentManifest) -> str:
 
 def sign_manifest(manifest: ExperimentManifest, identity: Identity) -> ManifestRecord:
     """The DHT envelope of ``manifest``, signed by ``identity`` (its owner)."""
-    return sign_manifest_record(
-        identity,
-        manifest.owner,
+    return ManifestRecord(
         name=manifest.name,
+        owner=manifest.owner,
         body=_canonical(manifest),
         issued_at=manifest.issued_at,
         expires_at=manifest.expires_at,
-    )
+    ).signed(identity)
 
 
 def parse_manifest(record: ManifestRecord) -> ExperimentManifest:
