@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 
@@ -21,6 +22,9 @@ from volunteerd.wire import (
     ForwardRequest,
     TensorReply,
 )
+
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
 
 
 def test_host_negotiates_noise_and_yamux_only() -> None:

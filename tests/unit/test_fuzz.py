@@ -1,11 +1,13 @@
 """Fuzzing the two doors hostile peers knock on: the RPC server's frame decoder and the
 DHT record validator, and the per-peer limiter's arithmetic.
 
-The decoder is driven through the real ``RpcServer`` stream loop over an in-memory
-stream, so everything between the bytes and the handler is exercised: prefix, caps,
-per-peer limits, header models, tensor count, body split. Properties: every frame
-gets a typed reply (never "internal", never an escaped exception), and memory grows
-with the bytes that actually arrived, never with the sizes a prefix declares.
+The decoder is driven through the stream handler ``RpcServer.install`` registers (the
+one a node runs), over an in-memory stream, so everything between the bytes and the
+handler is exercised: prefix, caps, per-peer limits, header models (``wire``'s
+``decode_header``), tensor count, body split. Properties: every frame gets a typed
+reply (never "internal", never an escaped exception), and memory grows with the bytes
+that actually arrived, never with the sizes a prefix declares. The same bytes sent over
+a memory network's link leave the server serving the next honest client.
 """
 
 from __future__ import annotations
@@ -13,31 +15,33 @@ from __future__ import annotations
 import base64
 import json
 import tracemalloc
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from libp2p.network.stream.exceptions import StreamEOF
 
 from volunteerd.config import DHTConfig, TimeoutsConfig, WireLimits
 from volunteerd.config.models import PeerLimitsConfig
-from volunteerd.errors import WIRE_CODES, InvalidRecord, UnknownExpert
+from volunteerd.errors import WIRE_CODES, InvalidRecord, MalformedFrame, UnknownExpert
 from volunteerd.identity import Identity
 from volunteerd.net.limits import PeerLimiter
-from volunteerd.net.peers import peer_id_for, public_key_of
-from volunteerd.net.protocols import PROTOCOLS, Verb
-from volunteerd.net.records import ExpertRecord, RecordStore, parse_record, sign_record
-from volunteerd.net.records import validate_record as _validate
-from volunteerd.net.rpc import Reply, Request, RpcServer
+from volunteerd.net.peers import peer_id_for
+from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, Verb
+from volunteerd.net.records import EXPERT_RECORDS, ExpertRecord, sign_record
+from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
+from volunteerd.net.store import SignedRecordStore
+from volunteerd.net.transport import Stream, StreamHandler
+from volunteerd.testing.memnet import Link, MemoryNetwork
 from volunteerd.wire import (
     PREFIX,
     ForwardBatchRequest,
     ForwardRequest,
     TensorMeta,
     TensorReply,
+    decode_header,
     encode_frame,
 )
 
@@ -48,21 +52,22 @@ ALLOWED_CODES = WIRE_CODES - {"internal"}
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-class MemoryStream:
+class ScriptedStream:
     """A stream that delivers ``data`` in ``chunk``-sized reads, then EOF; records what
     the server writes and how far it read."""
+
+    remote_peer_id = PEER
 
     def __init__(self, data: bytes, chunk: int = 1 << 16) -> None:
         self._data = data
         self._chunk = chunk
         self.consumed = 0
         self.written = bytearray()
-        self.muxed_conn = SimpleNamespace(peer_id=PEER)
 
-    async def read(self, n: int = -1) -> bytes:
+    async def read(self, n: int) -> bytes:
         await trio.lowlevel.checkpoint()
         if self.consumed >= len(self._data):
-            raise StreamEOF
+            return b""
         end = min(len(self._data), self.consumed + min(n, self._chunk))
         out = self._data[self.consumed : end]
         self.consumed = end
@@ -86,26 +91,46 @@ async def _echo(request: Request) -> Reply:
     raise UnknownExpert("fuzz: decoded")
 
 
-def serve(data: bytes, verb: Verb = Verb.FORWARD, chunk: int = 1 << 16) -> MemoryStream:
-    """Run the server's stream loop over ``data``; returns the stream with its replies."""
-    server = RpcServer(
-        host=None,  # type: ignore[arg-type]  # never installed: streams are handed in
+class HandlersOnly:
+    """A ``StreamHost`` that only records what ``RpcServer.install`` registers."""
+
+    peer_id = "QmServer"
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, StreamHandler] = {}
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        self.handlers[protocol] = handler
+
+    async def connect(self, peer: object) -> None:
+        raise NotImplementedError
+
+    async def open_stream(self, peer: object, protocol: str) -> Stream:
+        raise NotImplementedError
+
+
+def serve(data: bytes, verb: Verb = Verb.FORWARD, chunk: int = 1 << 16) -> ScriptedStream:
+    """Hand a stream delivering ``data`` to the handler the server installed for
+    ``verb``; returns the stream with the server's replies."""
+    host = HandlersOnly()
+    RpcServer(
+        host,  # type: ignore[arg-type]  # connect/open_stream are never called
         handlers={v: _echo for v in PROTOCOLS},
         limits=LIMITS,
         timeouts=TIMEOUTS,
         peer_limits=PeerLimitsConfig(),
-    )
-    stream = MemoryStream(data, chunk)
+    ).install()
+    stream = ScriptedStream(data, chunk)
 
     async def main() -> None:
         with trio.fail_after(10):
-            await server._serve_stream(PROTOCOLS[verb], stream)  # type: ignore[arg-type]
+            await host.handlers[PROTOCOLS[verb].protocol_id](stream)
 
     trio.run(main)
     return stream
 
 
-def replies(written: bytes) -> list[dict[str, Any]]:
+def replies(written: bytes | bytearray) -> list[dict[str, Any]]:
     """The reply headers the server wrote, in order (each frame must parse)."""
     out = []
     view = memoryview(written)
@@ -117,7 +142,7 @@ def replies(written: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def assert_typed(written: bytes) -> list[dict[str, Any]]:
+def assert_typed(written: bytes | bytearray) -> list[dict[str, Any]]:
     headers = replies(written)
     for header in headers:
         assert header["status"] in {"ok", "error"}
@@ -171,7 +196,18 @@ field_names = st.sampled_from(
 def test_arbitrary_json_headers_get_typed_replies(header: object, body: bytes, verb: Verb) -> None:
     raw = json.dumps(header).encode()
     frame = PREFIX.pack(b"VD", 1, 0, len(raw), len(body)) + raw + body
-    assert len(assert_typed(serve(frame, verb).written)) == 1
+    (reply,) = assert_typed(serve(frame, verb).written)
+    if body and verb not in REQUESTS_WITH_TENSORS:
+        assert reply["code"] == "too_large"  # refused from its prefix, header unread
+        return
+    # The server's verdict on the header is wire.decode_header's, word for word.
+    verdict = None
+    try:
+        decode_header(PROTOCOLS[verb].request, raw)
+    except MalformedFrame as exc:
+        verdict = {"status": "error", "code": "malformed", "message": str(exc)[:1000]}
+    if verdict is not None:
+        assert reply == verdict
 
 
 @FUZZ
@@ -269,6 +305,62 @@ def test_huge_declared_tensor_shapes_allocate_nothing() -> None:
     assert reply["code"] == "malformed"
 
 
+async def read_replies(stream: Stream) -> bytes:
+    """Everything the server writes until it closes or resets the stream."""
+    out = bytearray()
+    try:
+        while chunk := await stream.read(1 << 16):
+            out += chunk
+    except Exception:  # a reset: what came before it still counts
+        pass
+    return bytes(out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.binary(max_size=400) | st.builds(lambda b: good_forward()[:20] + b, st.binary()),
+    verb=st.sampled_from(list(PROTOCOLS)),
+    close=st.booleans(),
+)
+def test_garbage_on_a_memory_link_gets_typed_replies_and_the_server_keeps_serving(
+    data: bytes, verb: Verb, close: bool
+) -> None:
+    """The installed server on a memory host, a raw stream of garbage from one peer,
+    then an honest client: typed replies (or a closed stream) for the first, an answer
+    for the second."""
+
+    async def main() -> None:
+        network = MemoryNetwork(default=Link(latency_s=0.005))
+        async with (
+            network.open_host() as server_host,
+            network.open_host() as attacker,
+            network.open_host() as honest,
+        ):
+            RpcServer(
+                server_host,
+                {v: _echo for v in PROTOCOLS},
+                LIMITS,
+                TIMEOUTS,
+                PeerLimitsConfig(),
+            ).install()
+            stream = await attacker.open_stream(server_host.address, PROTOCOLS[verb].protocol_id)
+            await stream.write(data)
+            if close:
+                await stream.close()
+            # The server closes even a silent open stream, after stream_idle_s.
+            with trio.fail_after(TIMEOUTS.stream_idle_s + TIMEOUTS.frame_read_s + 1):
+                written = await read_replies(stream)
+            assert_typed(written)
+            client = RpcClient(honest, LIMITS, TIMEOUTS)
+            meta = TensorMeta(dtype="float32", shape=(1, 2))
+            request = ForwardRequest(uid="ffn.0.0", tensors=[meta])
+            reply, _ = await client.call(server_host.address, Verb.FORWARD, request, [bytes(8)])
+            assert reply.tensors == [meta]
+            await client.aclose()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # --- the DHT record validator ------------------------------------------------------------
 
 NOW = 1_800_000_000.0
@@ -278,13 +370,7 @@ SIGNER_ID = str(peer_id_for(SIGNER))
 
 
 def validate(record: ExpertRecord) -> None:
-    _validate(
-        record,
-        public_key_of=public_key_of,
-        now=NOW,
-        max_ttl_s=DHT.max_record_ttl_s,
-        max_clock_skew_s=DHT.max_clock_skew_s,
-    )
+    EXPERT_RECORDS.validate(record, DHT, now=NOW)
 
 
 names = st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True)
@@ -317,8 +403,8 @@ def signed_records(draw: st.DrawFn) -> ExpertRecord:
 @FUZZ
 @given(record=signed_records())
 def test_valid_signed_records_pass_and_are_stored(record: ExpertRecord) -> None:
-    validate(parse_record(record.model_dump_json()))
-    assert RecordStore(DHT, public_key_of, clock=lambda: NOW).put(record)
+    validate(EXPERT_RECORDS.decode(record.model_dump_json()))
+    assert SignedRecordStore(EXPERT_RECORDS, DHT, clock=lambda: NOW).put(record)
 
 
 record_fields = st.sampled_from(
@@ -339,9 +425,9 @@ def test_records_with_fuzzed_fields_are_rejected_unless_unchanged(
 ) -> None:
     data = json.loads(record.model_dump_json()) | changes
     raw = json.dumps(data)  # NaN and Infinity travel as JSON extensions
-    store = RecordStore(DHT, public_key_of, clock=lambda: NOW)
+    store = SignedRecordStore(EXPERT_RECORDS, DHT, clock=lambda: NOW)
     try:
-        parsed = parse_record(raw)
+        parsed = EXPERT_RECORDS.decode(raw)
         stored = store.put(parsed)  # raises nothing, whatever it is given
         validate(parsed)
     except InvalidRecord:
@@ -367,7 +453,7 @@ def test_byte_flipped_records_are_rejected_unless_unchanged(
     for position, value in flips:
         raw[position % len(raw)] = value
     try:
-        parsed = parse_record(bytes(raw))
+        parsed = EXPERT_RECORDS.decode(bytes(raw))
         validate(parsed)
     except InvalidRecord:
         return

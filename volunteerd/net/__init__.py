@@ -11,21 +11,29 @@ from volunteerd.net.dht import ExpertDHT, StoreOutcome
 from volunteerd.net.node import Node, open_node
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr, peer_id_for, short
 from volunteerd.net.protocols import PROTOCOLS, ProtocolSpec, Verb
-from volunteerd.net.records import ExpertRecord, RecordStore, sign_record, validate_record
+from volunteerd.net.records import (
+    EXPERT_RECORDS,
+    MANIFESTS,
+    ExpertRecord,
+    ManifestRecord,
+    sign_record,
+)
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient, RpcServer
 from volunteerd.net.shard import ShardResult, ShardServer, download_shard, partial_paths
 from volunteerd.net.throttle import Throttle, ThrottleStats, TransferLedger
 
 __all__ = [
+    "EXPERT_RECORDS",
+    "MANIFESTS",
     "PROTOCOLS",
     "Announcer",
     "ExpertDHT",
     "ExpertRecord",
     "Handler",
+    "ManifestRecord",
     "Node",
     "PeerAddress",
     "ProtocolSpec",
-    "RecordStore",
     "Reply",
     "Request",
     "RpcClient",
@@ -45,5 +53,4 @@ __all__ = [
     "peer_id_for",
     "short",
     "sign_record",
-    "validate_record",
 ]

@@ -1,7 +1,6 @@
-"""Reading and writing whole frames on a libp2p stream, with every size capped.
+"""Reading whole frames from a stream, with every size capped.
 
-py-libp2p raises ``StreamEOF`` when the remote closes instead of returning ``b""``;
-here a clean close between frames is ``None`` and a close inside a frame is
+A clean close between frames is ``None`` and a close inside a frame is
 ``MalformedFrame`` ("truncated").
 """
 
@@ -9,11 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libp2p.abc import INetStream
-from libp2p.network.stream.exceptions import StreamEOF
-
 from volunteerd.config import WireLimits
 from volunteerd.errors import MalformedFrame
+from volunteerd.net.transport import Stream
 from volunteerd.wire import PREFIX, parse_prefix
 
 __all__ = ["RawFrame", "read_exactly", "read_frame_rest", "read_prefix"]
@@ -25,7 +22,7 @@ class RawFrame:
     body: memoryview
 
 
-async def read_exactly(stream: INetStream, n: int, *, started: bool) -> bytearray | None:
+async def read_exactly(stream: Stream, n: int, *, started: bool) -> bytearray | None:
     """Exactly ``n`` bytes. If the stream ends before the first byte and ``started`` is
     False, returns None (a clean close); any other early end is a truncated frame.
 
@@ -34,10 +31,7 @@ async def read_exactly(stream: INetStream, n: int, *, started: bool) -> bytearra
     """
     buf = bytearray()
     while len(buf) < n:
-        try:
-            chunk = await stream.read(n - len(buf))
-        except StreamEOF:
-            chunk = b""
+        chunk = await stream.read(n - len(buf))
         if not chunk:
             if not buf and not started:
                 return None
@@ -46,12 +40,12 @@ async def read_exactly(stream: INetStream, n: int, *, started: bool) -> bytearra
     return buf
 
 
-async def read_prefix(stream: INetStream) -> bytearray | None:
+async def read_prefix(stream: Stream) -> bytearray | None:
     """The next frame's 16-byte prefix, or None if the peer closed between frames."""
     return await read_exactly(stream, PREFIX.size, started=False)
 
 
-async def read_frame_rest(stream: INetStream, prefix: bytes, limits: WireLimits) -> RawFrame:
+async def read_frame_rest(stream: Stream, prefix: bytes, limits: WireLimits) -> RawFrame:
     """Header and body of the frame whose prefix was just read (caps checked first)."""
     sizes = parse_prefix(
         prefix, max_header_bytes=limits.max_header_bytes, max_body_bytes=limits.max_body_bytes

@@ -1,8 +1,12 @@
-"""The libp2p host: TCP, Noise and Yamux only.
+"""The libp2p host: TCP, Noise and Yamux only, and its ``StreamHost`` adapter.
 
 py-libp2p's ``new_host()`` offers plaintext and secio next to Noise unless told
 otherwise, and mplex next to Yamux; both are slow or unsafe, so the transports are
 passed explicitly here and nowhere else.
+
+``Libp2pStreamHost`` is py-libp2p's host seen through ``net/transport.py``: what the
+RPC layer uses to open and accept streams (connection reuse, relay circuits and
+py-libp2p's dialling quirks stay in here).
 """
 
 from __future__ import annotations
@@ -10,18 +14,22 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.network.swarm import Swarm
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -29,12 +37,13 @@ from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from volunteerd.errors import ResourceUnavailable
+from volunteerd.errors import PeerUnreachable, ResourceUnavailable
 from volunteerd.identity import Identity
 from volunteerd.net import connections
-from volunteerd.net.peers import key_pair_for
+from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
+from volunteerd.net.transport import StreamHandler
 
-__all__ = ["listen_multiaddr", "open_host", "transport_addrs"]
+__all__ = ["Libp2pStream", "Libp2pStreamHost", "listen_multiaddr", "open_host", "transport_addrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,3 +167,102 @@ def transport_addrs(host: IHost) -> list[str]:
         text = str(addr)
         out.append(text.split("/p2p/")[0])
     return list(dict.fromkeys(out))
+
+
+class Libp2pStream:
+    """A py-libp2p stream as a ``transport.Stream``: EOF is ``b""``, not ``StreamEOF``."""
+
+    __slots__ = ("_stream", "remote_peer_id")
+
+    def __init__(self, stream: INetStream) -> None:
+        self._stream = stream
+        self.remote_peer_id = str(stream.muxed_conn.peer_id)
+
+    async def read(self, n: int) -> bytes:
+        try:
+            return await self._stream.read(n)
+        except StreamEOF:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self._stream.write(data)
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+    async def reset(self) -> None:
+        await self._stream.reset()
+
+
+class Libp2pStreamHost:
+    """py-libp2p's ``host`` as a ``transport.StreamHost``.
+
+    One connection per peer, reused by every stream. ``connect_circuit`` (set by
+    ``open_node``) connects to a peer whose addresses include relay circuits."""
+
+    def __init__(self, host: IHost) -> None:
+        self._host = host
+        self.peer_id = str(host.get_id())
+        self.connect_circuit: Callable[[PeerAddress], Awaitable[None]] | None = None
+        self._connect_locks: dict[str, trio.Lock] = {}
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        async def on_stream(stream: INetStream) -> None:
+            await handler(Libp2pStream(stream))
+
+        self._host.set_stream_handler(TProtocol(protocol), on_stream)
+
+    async def open_stream(self, peer: PeerAddress, protocol: str) -> Libp2pStream:
+        try:
+            peer_id = ID.from_base58(peer.peer_id)
+            await self._ensure_connected(peer, peer_id)
+            stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+        except (trio.Cancelled, KeyboardInterrupt, PeerUnreachable):
+            raise
+        except Exception as exc:
+            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+        return Libp2pStream(stream)
+
+    async def connect(self, peer: PeerAddress) -> None:
+        try:
+            await self._ensure_connected(peer, ID.from_base58(peer.peer_id))
+        except (trio.Cancelled, KeyboardInterrupt, PeerUnreachable):
+            raise
+        except Exception as exc:
+            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+
+    async def _ensure_connected(self, peer: PeerAddress, peer_id: ID) -> None:
+        if self._host.get_network().connections.get(peer_id):
+            return
+        lock = self._connect_locks.setdefault(peer.peer_id, trio.Lock())
+        async with lock:
+            if self._host.get_network().connections.get(peer_id):
+                return
+            if self.connect_circuit is not None and any(is_circuit_addr(a) for a in peer.addrs):
+                await self.connect_circuit(peer)
+                return
+            info = peer.peer_info()
+            self._prefer_announced(peer_id, list(info.addrs))
+            await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
+
+    def _prefer_announced(self, peer_id: ID, addrs: list[Any]) -> None:
+        """Dial the addresses the peer announces now, not older ones.
+
+        py-libp2p dials the addresses it already knows for a peer, first ones first, and
+        after a failed dial refuses to dial that peer again for 60 s. A volunteer that
+        restarted on a new port would stay unreachable for that long; so when the
+        announced addresses differ from the known ones, the known ones are replaced and
+        the failure forgotten."""
+        if not addrs:
+            return
+        peerstore = self._host.get_peerstore()
+        try:
+            known = set(peerstore.addrs(peer_id))
+        except Exception:  # py-libp2p raises when it knows none
+            known = set()
+        if known == set(addrs):
+            return
+        peerstore.clear_addrs(peer_id)
+        failed = getattr(self._host.get_network(), "_negative_peer_cache", None)
+        if failed is not None and hasattr(failed, "evict"):
+            failed.evict(str(peer_id))

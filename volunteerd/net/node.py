@@ -1,5 +1,9 @@
 """A running libp2p node: host, Kademlia routing, our RPC server and client, the DHT.
 
+Our verbs reach the network through ``streams`` (the host seen as a
+``net/transport.StreamHost``); Kademlia, reachability and connection trimming use
+py-libp2p's ``host`` itself.
+
 ``open_node`` is the one way to get one; the node lives inside its ``async with``.
 Daemons and trainers both run their DHT in server mode: py-libp2p's client-mode
 nodes pollute the routing tables of servers (docs/decisions/0002).
@@ -21,7 +25,7 @@ from volunteerd.config import Config
 from volunteerd.identity import Identity
 from volunteerd.net.connections import IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
-from volunteerd.net.host import listen_multiaddr, open_host, transport_addrs
+from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, transport_addrs
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
 from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
@@ -38,6 +42,7 @@ _EXPIRE_EVERY_S = 10.0
 @dataclass(slots=True)
 class Node:
     host: IHost
+    streams: Libp2pStreamHost
     identity: Identity
     peer_id: str
     rpc: RpcClient
@@ -90,7 +95,8 @@ async def open_node(
     async with open_host(identity, listen, network.announce_addrs, network.max_connections) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         async with background_trio_service(kad), trio.open_nursery() as nursery:
-            rpc = RpcClient(host, config.wire, config.timeouts, throttle=throttle)
+            streams = Libp2pStreamHost(host)
+            rpc = RpcClient(streams, config.wire, config.timeouts, throttle=throttle)
             dht = ExpertDHT(
                 host,
                 kad,
@@ -100,7 +106,7 @@ async def open_node(
                 trusted_owners=config.experiments.trusted_owners,
             )
             server = RpcServer(
-                host,
+                streams,
                 {**dht.handlers(), **DialBackServer(host).handlers(), **(handlers or {})},
                 config.wire,
                 config.timeouts,
@@ -109,13 +115,15 @@ async def open_node(
             )
             server.install()
             trimmer = IdleTrimmer(host, config.timeouts.connection_idle_s)
-            node = Node(host, identity, str(host.get_id()), rpc, server, dht, throttle, trimmer)
+            node = Node(
+                host, streams, identity, streams.peer_id, rpc, server, dht, throttle, trimmer
+            )
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)
             nursery.start_soon(throttle.serve)
             relaying = Relaying(host, hop=relay or config.reachability.act_as_relay)
             await nursery.start(relaying.serve)
-            rpc.connect_circuit = relaying.connect
+            streams.connect_circuit = relaying.connect
             if bootstrap:
                 joined = await dht.bootstrap(bootstrap)
                 logger.info(

@@ -1,4 +1,4 @@
-"""Request/response over libp2p streams: a server that dispatches each verb to one
+"""Request/response over streams: a server that dispatches each verb to one
 handler, and a client that reuses streams instead of opening one per request.
 
 Server: each inbound stream is served by one task that reads a frame, calls the
@@ -15,21 +15,19 @@ volunteer's upload and download limits, shared by all peers, and the transfer co
 
 Client: a pool of idle streams per (peer, verb). Opening a stream costs a protocol
 negotiation (~5 ms) and connecting costs ~250 ms on loopback, so both are reused.
+
+Both sides see the network only as a ``StreamHost`` (``net/transport.py``): py-libp2p's
+host in a node, an in-memory one in tests. Times are trio's clock throughout.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import trio
-from libp2p.abc import IHost, INetStream
-from libp2p.custom_types import TProtocol
-from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from volunteerd.config import PeerLimitsConfig, TimeoutsConfig, WireLimits
@@ -48,14 +46,16 @@ from volunteerd.errors import (
 )
 from volunteerd.net.framing import read_exactly, read_frame_rest, read_prefix
 from volunteerd.net.limits import PeerLimiter
-from volunteerd.net.peers import PeerAddress, is_circuit_addr, short
+from volunteerd.net.peers import PeerAddress, short
 from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, ProtocolSpec, Verb
 from volunteerd.net.throttle import Throttle
+from volunteerd.net.transport import Stream, StreamHost
 from volunteerd.wire import (
     PREFIX,
     ErrorReply,
     TensorMeta,
     WireTensor,
+    decode_header,
     encode_frame,
     parse_prefix,
     split_body,
@@ -117,7 +117,7 @@ class RpcServer:
 
     def __init__(
         self,
-        host: IHost,
+        host: StreamHost,
         handlers: Mapping[Verb, Handler],
         limits: WireLimits,
         timeouts: TimeoutsConfig,
@@ -152,15 +152,15 @@ class RpcServer:
         for verb in self._handlers:
             spec = PROTOCOLS[verb]
 
-            async def on_stream(stream: INetStream, spec: ProtocolSpec = spec) -> None:
+            async def on_stream(stream: Stream, spec: ProtocolSpec = spec) -> None:
                 if self._throttle is not None:
                     stream = self._throttle.wrap(stream)
                 await self._serve_stream(spec, stream)
 
-            self._host.set_stream_handler(TProtocol(spec.protocol_id), on_stream)
+            self._host.set_stream_handler(spec.protocol_id, on_stream)
 
-    async def _serve_stream(self, spec: ProtocolSpec, stream: INetStream) -> None:
-        peer_id = str(stream.muxed_conn.peer_id)
+    async def _serve_stream(self, spec: ProtocolSpec, stream: Stream) -> None:
+        peer_id = stream.remote_peer_id
         handler = self._handlers[spec.verb]
         self.stats.streams[spec.verb] = self.stats.streams.get(spec.verb, 0) + 1
         if self._limiter.open_stream(peer_id) is not None:
@@ -201,7 +201,7 @@ class RpcServer:
         self,
         spec: ProtocolSpec,
         handler: Handler,
-        stream: INetStream,
+        stream: Stream,
         peer_id: str,
         first: bytes,
     ) -> bool:
@@ -244,7 +244,7 @@ class RpcServer:
             return False
         self.stats.bytes_in += len(prefix) + len(frame.header) + frame.body.nbytes
         try:
-            header = _decode(spec.request, frame.header)
+            header = decode_header(spec.request, frame.header)
             tensors: list[WireTensor] = []
             if spec.carries_tensors:
                 metas = _tensor_metas(header)
@@ -266,7 +266,7 @@ class RpcServer:
         await stream.write(data)
         return True
 
-    def _reserve(self, stream: INetStream, declared: int) -> bool:
+    def _reserve(self, stream: Stream, declared: int) -> bool:
         """Charge a frame to the in-flight budget shared by all peers until its reply is
         written; False when it does not fit. A frame always fits an idle server, so the
         largest one allowed is never refused for good."""
@@ -276,7 +276,7 @@ class RpcServer:
         self._charged[id(stream)] = declared
         return True
 
-    def _release(self, stream: INetStream) -> None:
+    def _release(self, stream: Stream) -> None:
         """The stream's request is answered (or abandoned): its bytes leave the budget."""
         self._inflight_bytes -= self._charged.pop(id(stream), 0)
 
@@ -288,7 +288,7 @@ class RpcServer:
     async def _refuse_limited(
         self,
         spec: ProtocolSpec,
-        stream: INetStream,
+        stream: Stream,
         peer_id: str,
         reason: str,
         exc: VolunteerdError,
@@ -298,7 +298,7 @@ class RpcServer:
         await self._refuse(spec, stream, peer_id, exc)
 
     async def _refuse(
-        self, spec: ProtocolSpec, stream: INetStream, peer_id: str, exc: BaseException
+        self, spec: ProtocolSpec, stream: Stream, peer_id: str, exc: BaseException
     ) -> None:
         code = wire_code(exc)
         self.stats.count_error(code)
@@ -315,18 +315,7 @@ _LIMIT_NAMES = {
 }
 
 
-def _decode(model: type[BaseModel], raw: bytes) -> Any:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise MalformedFrame(f"bad {model.__name__} header: {where}: {first['msg']}") from None
-    except ValueError as exc:  # e.g. undecodable text, should pydantic not wrap it
-        raise MalformedFrame(f"bad {model.__name__} header: {exc}") from None
-
-
-async def _reset(stream: INetStream) -> None:
+async def _reset(stream: Stream) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(1):
         try:
             await stream.reset()
@@ -334,7 +323,7 @@ async def _reset(stream: INetStream) -> None:
             pass
 
 
-async def _close(stream: INetStream) -> None:
+async def _close(stream: Stream) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(1):
         try:
             await stream.close()
@@ -344,7 +333,7 @@ async def _close(stream: INetStream) -> None:
 
 @dataclass(slots=True)
 class _Pooled:
-    stream: INetStream
+    stream: Stream
     idle_since: float
 
 
@@ -353,7 +342,7 @@ class RpcClient:
 
     def __init__(
         self,
-        host: IHost,
+        host: StreamHost,
         limits: WireLimits,
         timeouts: TimeoutsConfig,
         max_idle_per_peer: int = 16,
@@ -365,9 +354,6 @@ class RpcClient:
         self._timeouts = timeouts
         self._max_idle = max_idle_per_peer
         self._idle: dict[tuple[str, Verb], list[_Pooled]] = {}
-        self._connect_locks: dict[str, trio.Lock] = {}
-        # Set by open_node: connects to a peer whose addresses include relay circuits.
-        self.connect_circuit: Callable[[PeerAddress], Awaitable[None]] | None = None
         self._reply_adapters: dict[Verb, TypeAdapter[Any]] = {}
 
     async def call(
@@ -428,7 +414,7 @@ class RpcClient:
         return reply, body
 
     async def _exchange(
-        self, spec: ProtocolSpec, stream: INetStream, frame: bytes
+        self, spec: ProtocolSpec, stream: Stream, frame: bytes
     ) -> tuple[Any, memoryview]:
         try:
             with trio.fail_after(self._timeouts.request_s):
@@ -471,9 +457,9 @@ class RpcClient:
             adapter = self._reply_adapters[spec.verb] = TypeAdapter(union)
         return adapter
 
-    async def _acquire(self, peer: PeerAddress, spec: ProtocolSpec) -> tuple[INetStream, bool]:
+    async def _acquire(self, peer: PeerAddress, spec: ProtocolSpec) -> tuple[Stream, bool]:
         pool = self._idle.get((peer.peer_id, spec.verb))
-        now = time.monotonic()
+        now = trio.current_time()
         while pool:
             pooled = pool.pop()
             if now - pooled.idle_since < self._timeouts.pool_idle_s:
@@ -481,77 +467,31 @@ class RpcClient:
             await _close(pooled.stream)
         return await self._open(peer, spec), False
 
-    async def _open(self, peer: PeerAddress, spec: ProtocolSpec) -> INetStream:
-        peer_id = ID.from_base58(peer.peer_id)
+    async def _open(self, peer: PeerAddress, spec: ProtocolSpec) -> Stream:
         try:
             with trio.fail_after(self._timeouts.connect_s):
-                await self._ensure_connected(peer, peer_id)
-                stream = await self._host.new_stream(peer_id, [TProtocol(spec.protocol_id)])
-                return stream if self._throttle is None else self._throttle.wrap(stream)
+                stream = await self._host.open_stream(peer, spec.protocol_id)
         except trio.TooSlowError:
             raise PeerUnreachable(
                 f"{short(peer.peer_id)}: no stream within {self._timeouts.connect_s}s"
             ) from None
-        except (trio.Cancelled, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+        return stream if self._throttle is None else self._throttle.wrap(stream)
 
     async def connect(self, peer: PeerAddress) -> None:
         """Open a connection to ``peer`` (no stream) unless one is open. Raises
         PeerUnreachable."""
         try:
             with trio.fail_after(self._timeouts.connect_s):
-                await self._ensure_connected(peer, ID.from_base58(peer.peer_id))
+                await self._host.connect(peer)
         except trio.TooSlowError:
             raise PeerUnreachable(
                 f"{short(peer.peer_id)}: no connection within {self._timeouts.connect_s}s"
             ) from None
-        except (trio.Cancelled, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
 
-    async def _ensure_connected(self, peer: PeerAddress, peer_id: ID) -> None:
-        if self._host.get_network().connections.get(peer_id):
-            return
-        lock = self._connect_locks.setdefault(peer.peer_id, trio.Lock())
-        async with lock:
-            if self._host.get_network().connections.get(peer_id):
-                return
-            if self.connect_circuit is not None and any(is_circuit_addr(a) for a in peer.addrs):
-                await self.connect_circuit(peer)
-                return
-            info = peer.peer_info()
-            self._prefer_announced(peer_id, list(info.addrs))
-            await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
-
-    def _prefer_announced(self, peer_id: ID, addrs: list[Any]) -> None:
-        """Dial the addresses the peer announces now, not older ones.
-
-        py-libp2p dials the addresses it already knows for a peer, first ones first, and
-        after a failed dial refuses to dial that peer again for 60 s. A volunteer that
-        restarted on a new port would stay unreachable for that long; so when the
-        announced addresses differ from the known ones, the known ones are replaced and
-        the failure forgotten."""
-        if not addrs:
-            return
-        peerstore = self._host.get_peerstore()
-        try:
-            known = set(peerstore.addrs(peer_id))
-        except Exception:  # py-libp2p raises when it knows none
-            known = set()
-        if known == set(addrs):
-            return
-        peerstore.clear_addrs(peer_id)
-        failed = getattr(self._host.get_network(), "_negative_peer_cache", None)
-        if failed is not None and hasattr(failed, "evict"):
-            failed.evict(str(peer_id))
-
-    async def _release(self, peer_id: str, verb: Verb, stream: INetStream) -> None:
+    async def _release(self, peer_id: str, verb: Verb, stream: Stream) -> None:
         pool = self._idle.setdefault((peer_id, verb), [])
         if len(pool) < self._max_idle:
-            pool.append(_Pooled(stream, time.monotonic()))
+            pool.append(_Pooled(stream, trio.current_time()))
         else:
             await _close(stream)
 

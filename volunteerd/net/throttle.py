@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-from libp2p.abc import INetStream
-from libp2p.custom_types import TProtocol
 
 from volunteerd.atomic import write_atomic
 from volunteerd.config import LimitsConfig
+from volunteerd.net.transport import Stream
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -207,7 +206,7 @@ class Throttle:
     def quota_exhausted(self) -> bool:
         return self.quota_bytes > 0 and self.ledger.total >= self.quota_bytes
 
-    def wrap(self, stream: INetStream) -> INetStream:
+    def wrap(self, stream: Stream) -> Stream:
         return ThrottledStream(stream, self)
 
     async def sent(self, n: int) -> None:
@@ -249,15 +248,18 @@ class Throttle:
             logger.warning("cannot save the transfer count: %s", exc)
 
 
-class ThrottledStream(INetStream):
+class ThrottledStream:
     """``stream`` with its reads and writes paced by ``throttle``."""
 
-    def __init__(self, stream: INetStream, throttle: Throttle) -> None:
+    def __init__(self, stream: Stream, throttle: Throttle) -> None:
         self._stream = stream
         self._throttle = throttle
-        self.muxed_conn = stream.muxed_conn
 
-    async def read(self, n: int | None = None) -> bytes:
+    @property
+    def remote_peer_id(self) -> str:
+        return self._stream.remote_peer_id
+
+    async def read(self, n: int) -> bytes:
         data = await self._stream.read(n)
         if data:
             await self._throttle.received(len(data))
@@ -279,12 +281,3 @@ class ThrottledStream(INetStream):
 
     async def reset(self) -> None:
         await self._stream.reset()
-
-    def get_protocol(self) -> TProtocol | None:
-        return self._stream.get_protocol()
-
-    def set_protocol(self, protocol_id: TProtocol) -> None:
-        self._stream.set_protocol(protocol_id)
-
-    def get_remote_address(self) -> tuple[str, int] | None:
-        return self._stream.get_remote_address()

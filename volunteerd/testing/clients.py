@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from volunteerd.config import Config
 from volunteerd.identity import Identity
-from volunteerd.net.host import open_host
+from volunteerd.net.host import Libp2pStreamHost, open_host
 from volunteerd.net.rpc import RpcClient
 
 __all__ = ["open_bare_client"]
@@ -21,7 +21,7 @@ async def open_bare_client(
     """An RpcClient of a fresh identity (unless given) that closes all its connections
     on exit."""
     async with open_host(identity or Identity.generate(), None) as host:
-        rpc = RpcClient(host, config.wire, config.timeouts)
+        rpc = RpcClient(Libp2pStreamHost(host), config.wire, config.timeouts)
         try:
             yield rpc
         finally:

@@ -81,12 +81,14 @@ def parse_prefix(prefix: bytes, *, max_header_bytes: int, max_body_bytes: int) -
 
 
 def decode_header(model: type[M], raw: bytes | bytearray | memoryview) -> M:
-    """Validate a header's JSON against ``model``; any failure is MalformedFrame."""
+    """Validate a header's JSON against ``model``; any failure is MalformedFrame.
+
+    The RPC server decodes every request header with this (tests/unit/test_fuzz.py)."""
     try:
         return model.model_validate_json(bytes(raw))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise MalformedFrame(f"bad header: {where}: {first['msg']}") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedFrame(f"bad header: {exc}") from None
+        raise MalformedFrame(f"bad {model.__name__} header: {where}: {first['msg']}") from None
+    except ValueError as exc:  # e.g. undecodable text, should pydantic not wrap it
+        raise MalformedFrame(f"bad {model.__name__} header: {exc}") from None

@@ -1,0 +1,267 @@
+"""The in-memory network (volunteerd/testing/memnet.py): its links keep the latency,
+bandwidth, jitter, loss and partitions they are given, in virtual time, under the real
+RpcServer and RpcClient. Every duration asserted here is trio's (mock) clock."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import Config
+from volunteerd.errors import PeerError, PeerUnreachable, RequestTimeout
+from volunteerd.experts import from_wire, to_wire
+from volunteerd.net.peers import PeerAddress
+from volunteerd.net.protocols import Verb
+from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
+from volunteerd.net.throttle import BYTES_PER_MBIT
+from volunteerd.net.transport import Stream, StreamReset
+from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork
+from volunteerd.wire import ForwardRequest, TensorMeta, TensorReply
+
+CONFIG = Config()
+TINY = TensorMeta(dtype="float32", shape=(1,))
+
+
+async def answer_tiny(request: Request) -> Reply:
+    """A forward that answers one float whatever it is sent."""
+    return Reply(TensorReply(tensors=[TINY]), [bytes(4)])
+
+
+@asynccontextmanager
+async def server_and_client(
+    network: MemoryNetwork, link: Link
+) -> AsyncIterator[tuple[MemoryHost, MemoryHost, RpcClient]]:
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        network.set_link(server_host, client_host, link)
+        server = RpcServer(
+            server_host,
+            {Verb.FORWARD: answer_tiny},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+        )
+        server.install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        try:
+            yield server_host, client_host, client
+        finally:
+            await client.aclose()
+
+
+async def forward(
+    client: RpcClient, host: MemoryHost | PeerAddress, payload_bytes: int = 4
+) -> float:
+    """Seconds (virtual) one forward of ``payload_bytes`` takes."""
+    meta = TensorMeta(dtype="float32", shape=(payload_bytes // 4,))
+    address = host if isinstance(host, PeerAddress) else host.address
+    started = trio.current_time()
+    reply, _ = await client.call(
+        address, Verb.FORWARD, ForwardRequest(uid="ffn.0", tensors=[meta]), [bytes(meta.nbytes)]
+    )
+    assert reply.tensors == [TINY]
+    return trio.current_time() - started
+
+
+async def test_a_100ms_link_gives_a_200ms_round_trip(autojump_clock: trio.abc.Clock) -> None:
+    async with server_and_client(MemoryNetwork(), Link(latency_s=0.1)) as (host, _, client):
+        # The first call also connects: one more round trip.
+        assert await forward(client, host) == pytest.approx(0.4)
+        assert await forward(client, host) == pytest.approx(0.2)
+        assert await forward(client, host) == pytest.approx(0.2)
+
+
+async def test_ten_megabits_move_1_25_megabytes_a_second(autojump_clock: trio.abc.Clock) -> None:
+    link = Link(bytes_per_s=10 * BYTES_PER_MBIT)
+    async with server_and_client(MemoryNetwork(), link) as (host, _, client):
+        await forward(client, host)  # connected
+        took = await forward(client, host, 2_500_000)
+        assert 2.0 <= took <= 2.001  # 2.5 MB, and a few hundred bytes of headers
+
+
+async def test_streams_of_one_link_share_its_bandwidth(autojump_clock: trio.abc.Clock) -> None:
+    link = Link(bytes_per_s=10 * BYTES_PER_MBIT)
+    async with server_and_client(MemoryNetwork(), link) as (host, _, client):
+        await forward(client, host)
+        took: list[float] = []
+
+        async def one() -> None:
+            took.append(await forward(client, host, 1_250_000))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            nursery.start_soon(one)
+        # 2.5 MB in all over one 1.25 MB/s wire: the later one ends after 2 s, and
+        # the earlier one no sooner than a 64 KiB segment before it (they interleave).
+        assert 2.0 <= max(took) <= 2.001
+        assert min(took) >= 2.0 - 2 * 65536 / link.bytes_per_s
+
+
+async def test_a_partition_fails_calls_with_typed_errors_until_healed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    network = MemoryNetwork(default=Link(latency_s=0.01))
+    timeouts = CONFIG.timeouts
+    async with (
+        server_and_client(network, Link(latency_s=0.01)) as (host, client_host, client),
+        network.open_host() as stranger_host,
+    ):
+        stranger = RpcClient(stranger_host, CONFIG.wire, timeouts)
+        await forward(client, host)
+        network.partition([host], [client_host, stranger_host])
+        # Connected before: the request stalls, and no reply comes within request_s.
+        started = trio.current_time()
+        with pytest.raises(RequestTimeout):
+            await forward(client, host)
+        assert trio.current_time() - started == pytest.approx(timeouts.request_s)
+        # Not connected: the connection attempt goes unanswered for connect_s.
+        started = trio.current_time()
+        with pytest.raises(PeerUnreachable):
+            await forward(stranger, host)
+        assert trio.current_time() - started == pytest.approx(timeouts.connect_s)
+        network.heal()
+        assert await forward(client, host) == pytest.approx(0.02)
+        assert await forward(stranger, host) == pytest.approx(0.04)  # connects first
+        await stranger.aclose()
+
+
+async def test_a_host_that_left_is_refused_at_once(autojump_clock: trio.abc.Clock) -> None:
+    network = MemoryNetwork()
+    async with network.open_host() as client_host:
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        async with network.open_host() as server_host:
+            RpcServer(
+                server_host,
+                {Verb.FORWARD: answer_tiny},
+                CONFIG.wire,
+                CONFIG.timeouts,
+                CONFIG.peer_limits,
+            ).install()
+            await forward(client, server_host)
+            address = server_host.address
+        started = trio.current_time()
+        with pytest.raises(PeerError):  # the pooled stream was reset
+            await forward(client, address)
+        with pytest.raises(PeerUnreachable, match="refused"):
+            await forward(client, address)
+        assert trio.current_time() == started
+        assert not client_host.connected(address.peer_id)
+
+
+async def test_an_unserved_protocol_is_unreachable(autojump_clock: trio.abc.Clock) -> None:
+    network = MemoryNetwork()
+    async with network.open_host() as a, network.open_host() as b:
+        with pytest.raises(PeerUnreachable, match="not supported"):
+            await a.open_stream(b.address, "/volunteerd/forward/1")
+
+
+async def raw_pair(
+    network: MemoryNetwork, a: MemoryHost, b: MemoryHost
+) -> tuple[Stream, trio.MemoryReceiveChannel[Stream]]:
+    send, receive = trio.open_memory_channel[Stream](1)
+
+    async def accept(stream: Stream) -> None:
+        await send.send(stream)
+
+    b.set_stream_handler("/test/1", accept)
+    return await a.open_stream(b.address, "/test/1"), receive
+
+
+async def read_all(stream: Stream) -> bytes:
+    out = bytearray()
+    while chunk := await stream.read(1 << 20):
+        out += chunk
+    return bytes(out)
+
+
+async def test_loss_delays_but_delivers_every_byte_in_order(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    data = bytes(i % 251 for i in range(200 * 1024))
+    took = {}
+    for loss in (0.0, 0.3):
+        network = MemoryNetwork(seed=7, segment_bytes=1024)
+        async with network.open_host() as a, network.open_host() as b:
+            network.set_link(a, b, Link(latency_s=0.01, loss=loss, retransmit_s=0.2))
+            stream, accepted = await raw_pair(network, a, b)
+            started = trio.current_time()
+            await stream.write(data)
+            await stream.close()
+            assert await read_all(await accepted.receive()) == data
+            took[loss] = trio.current_time() - started
+    assert took[0.0] == pytest.approx(0.01)
+    assert took[0.3] >= took[0.0] + 0.2  # at least one of 200 segments was re-sent
+
+
+async def test_jitter_never_reorders_a_streams_bytes(autojump_clock: trio.abc.Clock) -> None:
+    network = MemoryNetwork(seed=3)
+    async with network.open_host() as a, network.open_host() as b:
+        network.set_link(a, b, Link(latency_s=0.05, jitter_s=0.05))
+        stream, accepted = await raw_pair(network, a, b)
+        for i in range(500):
+            await stream.write(i.to_bytes(2, "big"))
+        await stream.close()
+        got = await read_all(await accepted.receive())
+    assert [int.from_bytes(got[i : i + 2], "big") for i in range(0, len(got), 2)] == list(
+        range(500)
+    )
+
+
+async def test_the_same_seed_gives_the_same_timings(autojump_clock: trio.abc.Clock) -> None:
+    async def run(seed: int) -> list[float]:
+        network = MemoryNetwork(seed=seed, segment_bytes=512)
+        async with network.open_host() as a, network.open_host() as b:
+            network.set_link(a, b, Link(latency_s=0.02, jitter_s=0.03, loss=0.1))
+            stream, accepted = await raw_pair(network, a, b)
+            await stream.write(bytes(64 * 1024))
+            await stream.close()
+            inbound = await accepted.receive()
+            started, arrivals = trio.current_time(), []
+            while await inbound.read(512):
+                arrivals.append(trio.current_time() - started)
+            return arrivals
+
+    assert await run(5) == pytest.approx(await run(5))
+    assert await run(5) != pytest.approx(await run(6))
+
+
+async def test_a_reset_reaches_the_peer_and_breaks_both_ends(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    network = MemoryNetwork(default=Link(latency_s=0.1))
+    async with network.open_host() as a, network.open_host() as b:
+        stream, accepted = await raw_pair(network, a, b)
+        await stream.write(b"hello")
+        inbound = await accepted.receive()
+        await stream.reset()
+        with pytest.raises(StreamReset):
+            await inbound.read(10)  # the reset overtakes the data still in flight
+        with pytest.raises(StreamReset):
+            await stream.write(b"more")
+
+
+async def test_tensors_survive_the_trip(autojump_clock: trio.abc.Clock) -> None:
+    """Bytes are not only timed right but delivered intact through the RPC layer."""
+
+    async def echo(request: Request) -> Reply:
+        return Reply(
+            TensorReply(tensors=[t.meta for t in request.tensors]),
+            [t.data for t in request.tensors],
+        )
+
+    network = MemoryNetwork(default=Link(latency_s=0.003, bytes_per_s=5e6, jitter_s=0.002))
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        RpcServer(
+            server_host, {Verb.FORWARD: echo}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+        ).install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        x = torch.randn(300, 257)
+        meta, data = to_wire(x)
+        _, tensors = await client.call(
+            server_host.address, Verb.FORWARD, ForwardRequest(uid="ffn.0", tensors=[meta]), [data]
+        )
+        assert torch.equal(from_wire(tensors[0]), x)
+        await client.aclose()
