@@ -406,8 +406,9 @@ async def _serve_reloading_limits(
     daemon: Any, args: argparse.Namespace, *, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
     """``daemon.serve``; meanwhile SIGHUP reloads the configuration (file, limits.toml,
-    environment, flags) and applies its ``[limits]`` at once. Other sections need a
-    restart. A bad configuration is logged and the current limits stay."""
+    environment, flags) and applies its ``[limits]`` at once (a ``limits`` event). Other
+    sections need a restart. A bad configuration is logged (an ``error`` event) and the
+    current limits stay."""
     if not hasattr(signal, "SIGHUP"):  # pragma: no cover - Windows
         await daemon.serve(task_status=task_status)
         return
@@ -421,16 +422,8 @@ async def _serve_reloading_limits(
             running = await nursery.start(serve)
             task_status.started(running)
             async for _ in hangups:
-                try:
-                    config, _ = _load(args)
-                except ConfigError as exc:
-                    logger.error("SIGHUP: configuration not reloaded: %s", exc)
-                    continue
                 logger.info("SIGHUP: reloading the limits")
-                try:
-                    await running.volunteer.set_limits(config.limits, persist=False)
-                except ConfigError as exc:  # the old limits stay (set_limits rolls back)
-                    logger.error("SIGHUP: limits not applied: %s", exc)
+                await running.volunteer.reload_limits(lambda: _load(args)[0].limits)
 
 
 def _publish(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode:

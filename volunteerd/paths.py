@@ -33,6 +33,8 @@ from pathlib import Path
 
 import appdirs
 
+from volunteerd.atomic import write_atomic
+
 APP_NAME = "volunteerd"
 ENV_CONFIG = "VOLUNTEERD_CONFIG"
 ENV_DATA_DIR = "VOLUNTEERD_DATA_DIR"
@@ -93,6 +95,28 @@ class Paths:
     def tray_pid_file(self) -> Path:
         return self.data_dir / "tray.pid"
 
+    # tray.pid's format (the pid in decimal, then a newline) is written and read here
+    # only: the tray names itself in it while it runs; `volunteerd service` reads it to
+    # stop the tray, or not to start a second one (checking first that the process is a
+    # tray: a stale pid may have been reused).
+
+    def write_tray_pid(self, pid: int) -> None:
+        """Name ``pid`` as the running tray's. Raises OSError."""
+        write_atomic(self.tray_pid_file, f"{pid}\n")
+
+    def read_tray_pid(self) -> int | None:
+        """The pid ``tray_pid_file`` names, or None (no file, or not a pid)."""
+        try:
+            return int(self.tray_pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def remove_tray_pid(self, pid: int) -> None:
+        """Remove ``tray_pid_file`` if it still names ``pid`` (not taken over by a
+        newer tray)."""
+        if self.read_tray_pid() == pid:
+            self.tray_pid_file.unlink(missing_ok=True)
+
     @classmethod
     def resolve(
         cls, *, config_file: str | Path | None = None, data_dir: str | Path | None = None
@@ -127,3 +151,55 @@ class Paths:
             "tray_pid_file": str(self.tray_pid_file),
             "cache_dir": str(self.cache_dir),
         }
+
+
+class DataDirLock:
+    """``with DataDirLock(paths.lock_file):`` holds an exclusive lock on the file while a
+    node uses its data folder.
+
+    Two nodes sharing one data folder would share one identity (and its checkpoints and
+    statistics); the second one to start gets ResourceUnavailable. The operating system
+    releases the lock when the process dies, even by SIGKILL.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        from volunteerd.errors import ResourceUnavailable
+
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                _lock(fd)
+            except OSError:
+                raise ResourceUnavailable(
+                    f"another volunteerd is using {self._path.parent} "
+                    "(use --data-dir for a second node)"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+if os.name == "posix":
+    import fcntl
+
+    def _lock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+else:  # pragma: no cover - Windows
+    import msvcrt
+
+    def _lock(fd: int) -> None:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""``volunteerd serve`` reloads its limits on SIGHUP, without a restart."""
+"""``volunteerd serve`` reloads its limits on SIGHUP, without a restart, and says so in
+its events."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import Proc
 from volunteerd.control.client import ControlClient
+
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
 SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']
 
@@ -28,15 +34,25 @@ def test_sighup_applies_the_limits_file_and_keeps_serving(
     server = spawn("server", "serve", "--experts", "ffn.0.0", *SMALL)
     server.wait_ready()
     limits = tmp_path / "server" / "limits.toml"  # next to VOLUNTEERD_CONFIG
+    api = ControlClient.for_data_dir(tmp_path / "server" / "data")
+    since = api.events(0).next
 
     limits.write_text("[limits]\nupload_mbit = 3.0\nduty_cycle = 0.5\n")
     server.process.send_signal(signal.SIGHUP)
     wait_for_log(server, "'upload_mbit': 3.0")
     wait_for_log(server, "'duty_cycle': 0.5")
+    # posted as the limits are applied, in the same turn as the log line above
+    got = api.events(since)
+    assert [(e.kind, e.message) for e in got.events] == [
+        ("limits", "limits changed: upload_mbit = 3, duty_cycle = 0.5 (reloaded)")
+    ]
 
     limits.write_text("[limits]\nduty_cycle = 7\n")  # invalid: logged, nothing changes
     server.process.send_signal(signal.SIGHUP)
     wait_for_log(server, "configuration not reloaded")
+    (error,) = api.events(got.next).events
+    assert error.kind == "error"
+    assert "duty_cycle" in error.message
 
     # issue 12: TOML's inf was taken, and every later status reply failed on it
     limits.write_text("[limits]\nupload_mbit = inf\nmonthly_quota_gb = 1e300\n")
@@ -45,7 +61,6 @@ def test_sighup_applies_the_limits_file_and_keeps_serving(
     assert "limits.monthly_quota_gb = 1e+300" in server.log.read_text()
 
     assert server.process.poll() is None
-    api = ControlClient.for_data_dir(tmp_path / "server" / "data")
     kept = api.limits()  # the API answers, with the limits of the last good reload
     assert (kept.upload_mbit, kept.duty_cycle, kept.monthly_quota_gb) == (3.0, 0.5, 0.0)
     assert api.status().limits.upload_mbit == 3.0

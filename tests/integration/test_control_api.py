@@ -27,6 +27,9 @@ from volunteerd.net import Node, Verb
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import BackwardRequest, ForwardRequest
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 HIDDEN = 16
 GRID = "ffn.[0:2].[0:1]"
 

@@ -7,12 +7,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
 
-LEAVES = {"errors", "uids", "atomic"}
+LEAVES = {"errors", "uids", "atomic", "detached"}
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "uids": set(),
     "atomic": set(),
+    "detached": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),
@@ -48,7 +49,20 @@ ALLOWED: dict[str, set[str]] = {
         "wire",
         "swarm",
     },
-    "testing": {"config", "daemon", "identity", "net", "paths", "swarm"},
+    # in-memory test worlds are built from the real parts
+    "testing": {
+        "config",
+        "daemon",
+        "experts",
+        "identity",
+        "moe",
+        "net",
+        "paths",
+        "runtime",
+        "server",
+        "swarm",
+        "wire",
+    },
     "cli": {
         "control",
         "service",
@@ -70,6 +84,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 TORCH_FREE = {
     "atomic",
+    "detached",
     "errors",
     "uids",
     "paths",
@@ -92,15 +107,52 @@ def layer_of(path: Path) -> str:
     return rel.parts[0].removesuffix(".py")
 
 
-def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+def imports_of(path: Path, source: str | None = None) -> set[str]:
+    """Every module ``path`` (or ``source``, read as if at ``path``) imports, absolute:
+    ``from volunteerd import net`` is ``volunteerd.net`` (a name that is no module, e.g.
+    ``__version__``, is the package ``volunteerd``); relative imports are resolved."""
+    tree = ast.parse(path.read_text() if source is None else source)
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(path, node.module, node.level)
+            names.add(module)
+            if module == "volunteerd":
+                names.update(f"volunteerd.{a.name}" for a in node.names if _is_module(a.name))
     return names
+
+
+def _absolute(path: Path, module: str | None, level: int) -> str:
+    if level == 0:
+        return module or ""
+    parts = ["volunteerd", *path.relative_to(PACKAGE).parent.parts]
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def _is_module(name: str) -> bool:
+    return (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file()
+
+
+def test_imports_of_sees_every_form() -> None:
+    source = (
+        "import volunteerd.net\n"
+        "from volunteerd import daemon, __version__\n"
+        "from volunteerd.wire import frames\n"
+        "from . import pausing\n"
+        "from ..control import events\n"
+    )
+    names = imports_of(PACKAGE / "server" / "example.py", source)
+    assert names == {
+        "volunteerd.net",
+        "volunteerd",
+        "volunteerd.daemon",
+        "volunteerd.wire",
+        "volunteerd.server",
+        "volunteerd.control",
+    }
 
 
 def test_layers_import_only_what_the_architecture_allows() -> None:

@@ -303,6 +303,8 @@ async def test_an_expert_broken_behind_its_bounds_is_restored_and_nobody_is_bann
     sender, whose gradients were fine, is not blamed."""
     uid = "ffn.0.0"
     runtime = adam_runtime(GuardConfig(warmup=1))
+    errors: list[str] = []
+    runtime.on_error = errors.append  # the daemon posts these as error events
     checkpointer = Checkpointer(runtime, tmp_path, CheckpointConfig())
     torch.manual_seed(2)
     probe = torch.randn(3, 16)
@@ -331,6 +333,8 @@ async def test_an_expert_broken_behind_its_bounds_is_restored_and_nobody_is_bann
         await train()
         del backend.optimizer.step  # the class's step again
         assert runtime.guard.broken == {(uid, "non_finite_weights"): 1}
+        to = "its newest checkpoint" if checkpointed else "its seeded initial weights"
+        assert errors == [f"a step broke the weights of {uid}: back to {to}"]
         restored = backend.parameter_copies()
         expected = good if checkpointed else seeded
         assert all(torch.equal(restored[name], expected[name]) for name in expected)

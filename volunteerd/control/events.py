@@ -1,9 +1,12 @@
 """The daemon's recent events, for the ``events`` long poll: state changes, limit
-changes, experts taken on or dropped, reachability changes, errors.
+changes, experts taken on or dropped, reachability changes, new trainers and trimmed
+connections, bans, errors.
 
-Each event gets the next integer id; a client asks for the events after the last id it
-saw and waits (bounded) until there is one. The log keeps the newest ``keep`` events:
-a client that fell further behind gets what is left (it sees the gap in the ids).
+The services post them as they happen (``EventSink``); nothing is guessed by comparing
+snapshots. Each event gets the next integer id; a client asks for the events after the
+last id it saw and waits (bounded) until there is one. The log keeps the newest
+``keep`` events: a client that fell further behind gets what is left (it sees the gap
+in the ids).
 """
 
 from __future__ import annotations
@@ -11,26 +14,31 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
-from volunteerd.control.models import Event
+from volunteerd.control.models import Event, EventKind
 
-__all__ = ["EventLog"]
+__all__ = ["EventLog", "EventSink"]
+
+
+class EventSink(Protocol):
+    """Where services post what just happened (call from the trio thread)."""
+
+    def post(self, kind: EventKind, message: str) -> object: ...
 
 
 class EventLog:
+    """The one ``EventSink`` of a daemon, read by the control API."""
+
     def __init__(self, keep: int = 500, *, clock: Callable[[], float] = time.time) -> None:
         self._events: deque[Event] = deque(maxlen=keep)
         self._next_id = 1
         self._clock = clock
         self._changed = trio.Event()
 
-    @property
-    def last_id(self) -> int:
-        return self._next_id - 1
-
-    def post(self, kind: str, message: str) -> Event:
+    def post(self, kind: EventKind, message: str) -> Event:
         """Record an event and wake the waiting clients (call from the trio thread)."""
         event = Event(id=self._next_id, time=self._clock(), kind=kind, message=message)
         self._next_id += 1

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "API_PREFIX",
     "Event",
+    "EventKind",
     "Events",
     "ExpertView",
     "Health",
@@ -182,10 +183,16 @@ class Stats(_Reply):
     history: list[StatsBucket]  # since the ``since`` asked for, oldest first
 
 
+# What an event is about; the dashboard colours and refreshes by it.
+EventKind = Literal[
+    "started", "state", "limits", "experts", "reachability", "peers", "bans", "error"
+]
+
+
 class Event(_Reply):
     id: int
     time: float
-    kind: str  # "state", "limits", "experts", "reachability", "error", "started"
+    kind: str  # an EventKind (a plain str here: older clients read newer kinds)
     message: str
 
 

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,8 @@ class IdleTrimmer:
         self._idle_s = idle_s
         self._idle_since: dict[int, float] = {}
         self.trimmed = 0
+        # Told (closed, slots used, slots in all) after a round closed connections.
+        self.on_trimmed: Callable[[int, int, int], object] | None = None
 
     def statistics(self) -> ConnectionStats:
         used, total = slots_in_use(self._swarm)  # type: ignore[arg-type]
@@ -157,4 +160,6 @@ class IdleTrimmer:
             logger.info(
                 "closed %d idle inbound connections (%d of %d slots taken)", closed, used, total
             )
+            if self.on_trimmed is not None:
+                self.on_trimmed(closed, used, total)
         return closed

@@ -263,6 +263,7 @@ class Reachability:
         self._checked_at: float | None = None
         self._asked = 0
         self._watchers: list[Callable[[list[str]], None]] = []
+        self._mode_watchers: list[Callable[[Mode], object]] = []
 
     # -- state ------------------------------------------------------------------------
 
@@ -284,6 +285,10 @@ class Reachability:
         """Call ``callback(announce_addrs)`` whenever the addresses to announce change
         (the daemon's announcer re-announces at once)."""
         self._watchers.append(callback)
+
+    def watch_mode(self, callback: Callable[[Mode], object]) -> None:
+        """Call ``callback(mode)`` whenever the mode changes (the daemon posts an event)."""
+        self._mode_watchers.append(callback)
 
     def report(self) -> ReachabilityReport:
         return ReachabilityReport(
@@ -368,8 +373,10 @@ class Reachability:
             await self._set_mode("direct")
         elif answered or (not addrs and peers):
             await self._set_mode("relayed")  # falls to "unreachable" without a relay
-        else:
+        elif self._mode != "unknown":
             self._mode = "unknown"
+            for watcher in self._mode_watchers:
+                watcher(self._mode)
         self._notify_if_changed(announced)
         return self._mode
 
@@ -390,6 +397,8 @@ class Reachability:
         if self._mode != previous:
             log = logger.warning if self._mode in ("relayed", "unreachable") else logger.info
             log("reachability: %s. %s", self._mode, self._advice())
+            for watcher in self._mode_watchers:
+                watcher(self._mode)
         self._notify_if_changed(announced)
 
     def _notify_if_changed(self, announced: list[str]) -> None:

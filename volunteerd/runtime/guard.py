@@ -87,6 +87,8 @@ class RequestGuard:
         # for them (the expert was restored from its checkpoint), by reason
         self.broken: Counter[tuple[str, str]] = Counter()
         self._banned: dict[str, tuple[float, str]] = {}  # peer -> (until, why)
+        # Told (peer id, why) when a peer is banned (the daemon posts it as an event).
+        self.on_ban: Callable[[str, str], object] | None = None
         self.accepted = 0
 
     def check_peer(self, uid: str, peer_id: str) -> None:
@@ -238,6 +240,8 @@ class RequestGuard:
                 del self._banned[peer]
             while len(self._banned) > _MAX_BANNED:
                 del self._banned[next(iter(self._banned))]
+        if self.on_ban is not None:
+            self.on_ban(peer_id, why)
 
     def banned(self) -> dict[str, float]:
         """Peers banned now, with the seconds left."""

@@ -218,6 +218,11 @@ class ExpertRuntime:
         # Loads an expert's newest good checkpoint (the checkpointer sets it): how an
         # expert broken by a step that could not be undone gets its weights back.
         self.restore_checkpoint: Callable[[ExpertBackend], Awaitable[Path | None]] | None = None
+        # Told (added uids, dropped uids) when ``add_expert``/``remove_expert`` change
+        # what is hosted (the daemon posts it as an event).
+        self.on_experts_changed: Callable[[list[str], list[str]], object] | None = None
+        # Told what failed when an expert had to be restored (posted as an error event).
+        self.on_error: Callable[[str], object] | None = None
         self.retained = RetainedStore(runtime.retain_activations_mb << 20, runtime.retain_s)
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
         self._runtime_config = runtime
@@ -299,6 +304,8 @@ class ExpertRuntime:
         hosted = _Hosted(backend, self.executor, self._runtime_config)
         await hosted.start(self._nursery)
         self._experts[backend.uid] = hosted
+        if self.on_experts_changed is not None:
+            self.on_experts_changed([backend.uid], [])
 
     async def remove_expert(self, uid: str) -> ExpertBackend:
         """Stop hosting ``uid``: new requests for it get UnknownExpert at once, queued
@@ -307,6 +314,8 @@ class ExpertRuntime:
         Raises UnknownExpert."""
         hosted = self._hosted(uid)
         del self._experts[uid]
+        if self.on_experts_changed is not None:
+            self.on_experts_changed([], [uid])
         for queue in hosted.queues:
             queue.close()
         await hosted.stopped.wait()
@@ -473,6 +482,9 @@ class ExpertRuntime:
         if path is None:
             logger.error("%s has no checkpoint: back to its seeded initial weights", uid)
         hosted.broken = False
+        if self.on_error is not None:
+            to = "its newest checkpoint" if path is not None else "its seeded initial weights"
+            self.on_error(f"a step broke the weights of {uid}: back to {to}")
 
     async def settled(self) -> None:
         """Wait until every queued optimizer step has run."""

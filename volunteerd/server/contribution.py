@@ -3,37 +3,45 @@
 * Each expert call the daemon answers (forward or backward, alone or in a batch) is
   recorded with its samples and the bytes of its tensors in and out; a refused call
   is recorded with its wire error code as the reason ("paused", "busy", "rejected",
-  "bad_shape", ...). The expert handlers report through ``served``/``refused``;
-  requests the pause gate turns away are counted by ``wrap``.
+  "bad_shape", ...). The request pipeline (``server.pipeline``) counts each call once:
+  through ``counted`` when it reaches the runtime, through ``refused`` when the pause
+  gate turns it away.
 * Once a second ``serve`` adds the experts' compute time (worker seconds, from the
   runtime's counters), the uptime (running or paused) and a sample for the rates;
   every ``flush_s`` it writes the counts to SQLite (in a thread), every hour it folds
   old hourly rows into daily ones.
-* Per-peer request and refusal counts live in memory only (for the ``peers`` view).
+* Per-peer request and refusal counts live in memory only (for the ``peers`` view);
+  a peer's first request posts a ``peers`` event, a failed write an ``error`` event.
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
 from volunteerd.config import StatsConfig
-from volunteerd.errors import Paused, wire_code
-from volunteerd.net import Handler, Reply, Request, Throttle, Verb
+from volunteerd.control.events import EventSink
+from volunteerd.errors import VolunteerdError, wire_code
+from volunteerd.net import Throttle, short
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.stats import StatsStore
-from volunteerd.wire import WireTensor
+from volunteerd.wire import TensorReply, WireTensor
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-__all__ = ["Accountant", "PeerCounts", "RateSample"]
+__all__ = ["Accountant", "PeerCounts", "RateSample", "Result", "open_stats", "opened_stats"]
+
+Result = tuple[TensorReply, list[bytes]]  # an expert call's reply: header, buffers
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +49,6 @@ _TICK_S = 1.0
 _RATE_WINDOW_S = 10.0
 _ROLL_UP_EVERY_S = 3600.0
 _MAX_PEERS = 1000  # peers counted one by one; the rest share "other"
-_COMPUTE_VERBS = {
-    Verb.FORWARD: "forward",
-    Verb.BACKWARD: "backward",
-    Verb.FORWARD_BATCH: "forward",
-    Verb.BACKWARD_BATCH: "backward",
-}
 
 
 @dataclass(slots=True)
@@ -77,8 +79,11 @@ class Accountant:
         config: StatsConfig,
         *,
         serving: Callable[[], bool],
+        events: EventSink | None = None,
     ) -> None:
         self.store = store
+        self._events = events
+        self._failing = False  # the last flush failed (its error event is posted)
         self._runtime = runtime
         self._throttle = throttle
         self._config = config
@@ -97,14 +102,29 @@ class Accountant:
         if counts is None:
             if len(self.peers) >= _MAX_PEERS:
                 peer_id = "other"
+            elif self._events is not None and peer_id:
+                self._events.post("peers", f"{short(peer_id)} sent its first request")
             counts = self.peers.setdefault(peer_id, PeerCounts())
         counts.last_seen = time.time()
         return counts
 
+    async def counted(
+        self, kind: str, uid: str, peer_id: str, tensors: list[WireTensor], call: Awaitable[Result]
+    ) -> Result:
+        """Await ``call``, a ``kind`` ("forward", "backward") call of ``uid``, and count it
+        answered or refused (then re-raised)."""
+        try:
+            header, buffers = await call
+        except VolunteerdError as exc:
+            self.refused(uid, peer_id, exc)
+            raise
+        self.served(kind, uid, peer_id, tensors, buffers)
+        return header, buffers
+
     def served(
-        self, kind: str, uid: str, peer_id: str, tensors: list[WireTensor], reply: Reply
+        self, kind: str, uid: str, peer_id: str, tensors: list[WireTensor], buffers: list[bytes]
     ) -> None:
-        """A forward or backward call of ``uid`` answered."""
+        """A forward or backward call of ``uid`` answered with ``buffers``."""
         samples = tensors[0].shape[0] if tensors and tensors[0].shape else 0
         self.store.record(
             uid,
@@ -112,7 +132,7 @@ class Accountant:
             backward=kind == "backward",
             samples=samples,
             bytes_in=_bytes(t.data for t in tensors),
-            bytes_out=_bytes(reply.buffers),
+            bytes_out=_bytes(buffers),
         )
         self.samples += samples
         self.requests += 1
@@ -124,27 +144,6 @@ class Accountant:
         self.store.reject(uid, reason)
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         self._peer(peer_id).refused += 1
-
-    def wrap(self, handlers: Mapping[Verb, Handler]) -> dict[Verb, Handler]:
-        """``handlers`` with the pause gate's refusals of expert calls counted (wrap the
-        gated handlers: the calls the gate lets through are counted inside)."""
-
-        def counted(handler: Handler) -> Handler:
-            async def handle(request: Request) -> Reply:
-                try:
-                    return await handler(request)
-                except Paused as exc:
-                    header = request.header
-                    for item in getattr(header, "items", None) or [header]:
-                        self.refused(str(getattr(item, "uid", "")), request.peer_id, exc)
-                    raise
-
-            return handle
-
-        return {
-            verb: counted(handler) if verb in _COMPUTE_VERBS else handler
-            for verb, handler in handlers.items()
-        }
 
     # -- the loop --------------------------------------------------------------------
 
@@ -183,14 +182,20 @@ class Accountant:
     def _flush(self) -> None:
         try:
             self.store.flush()
-        except Exception:  # a full disk must not stop the daemon; counts wait in memory
+        except Exception as exc:  # a full disk must not stop the daemon; counts wait in memory
             logger.exception("could not write the statistics; retrying at the next flush")
+            if not self._failing:  # one event until a write works again, not one a flush
+                self._failing = True
+                self._post_error(f"could not write the statistics ({exc}); retrying")
+        else:
+            self._failing = False
 
     def _roll_up(self) -> None:
         try:
             folded = self.store.roll_up()
-        except Exception:
+        except Exception as exc:
             logger.exception("could not roll up old statistics")
+            self._post_error(f"could not roll up old statistics ({exc})")
             return
         if folded:
             logger.info("statistics: folded %d hourly rows into daily rows", folded)
@@ -211,3 +216,35 @@ class Accountant:
         (t0, s0, r0, u0, d0), (t1, s1, r1, u1, d1) = self._window[0], self._window[-1]
         dt = max(t1 - t0, 1e-9)
         return RateSample((s1 - s0) / dt, (r1 - r0) / dt, (u1 - u0) / dt, (d1 - d0) / dt)
+
+    def _post_error(self, message: str) -> None:
+        """Post from a worker thread (flushes run in one)."""
+        if self._events is not None:
+            trio.from_thread.run_sync(self._events.post, "error", message)
+
+
+def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
+    """The contribution store at ``path``. A damaged file (or one from a newer version)
+    is moved aside, never deleted, and counting starts afresh: statistics must not stop
+    a volunteer from contributing."""
+    try:
+        return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
+    except (sqlite3.DatabaseError, RuntimeError) as exc:
+        aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+        logger.error("%s is unreadable (%s); moved to %s, counting afresh", path, exc, aside)
+        for suffix in ("", "-wal", "-shm"):
+            part = path.with_name(path.name + suffix)
+            if part.exists():
+                part.replace(aside.with_name(aside.name + suffix))
+        return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
+
+
+@asynccontextmanager
+async def opened_stats(path: Path, keep_hourly_days: int) -> AsyncIterator[StatsStore]:
+    """``open_stats`` in a thread; closed (in a thread, shielded) on the way out."""
+    store = await trio.to_thread.run_sync(open_stats, path, keep_hourly_days)
+    try:
+        yield store
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(store.close)

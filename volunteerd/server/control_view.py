@@ -1,9 +1,8 @@
 """What the control API sees of a running daemon: snapshots built from its services,
 and the changes it may ask for (pause, resume, snooze, limits, stop).
 
-``DaemonControls`` implements ``control.api.Controls``. Its ``serve`` task watches the
-daemon once a second and posts an event when something a volunteer cares about
-changes (serving or not, the experts hosted, reachability), and looks up every
+``ControlView`` implements ``control.api.Controls``. The events it serves are posted
+by the services themselves (``server.events``); its ``serve`` task looks up every
 ``_REPLICAS_EVERY_S`` how many other peers announce each hosted expert.
 """
 
@@ -12,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -41,11 +40,10 @@ from volunteerd.stats import Totals as StoreTotals
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-__all__ = ["DaemonControls"]
+__all__ = ["ControlView"]
 
 logger = logging.getLogger(__name__)
 
-_WATCH_S = 1.0
 _REPLICAS_EVERY_S = 30.0
 _DAY_S = 86400.0
 _STOP_AFTER_S = 0.2  # lets the reply to a shutdown request leave first
@@ -62,14 +60,10 @@ def _totals(t: StoreTotals) -> Totals:
     )
 
 
-@dataclass(slots=True)
-class _Seen:
-    state: str = ""
-    experts: tuple[str, ...] = ()
-    reachability: str = ""
+class ControlView:
+    """What the control API reads of the daemon's services, and the changes it asks
+    for (through ``Volunteer``, which posts them as events)."""
 
-
-class DaemonControls:
     def __init__(
         self,
         *,
@@ -80,7 +74,7 @@ class DaemonControls:
         accountant: Accountant,
         experiment: Callable[[], str | None],
         request_stop: Callable[[], None],
-        events: EventLog | None = None,
+        events: EventLog,
     ) -> None:
         self._node = node
         self._runtime = runtime
@@ -89,10 +83,9 @@ class DaemonControls:
         self._accountant = accountant
         self._experiment = experiment
         self._request_stop = request_stop
-        self.events = events or EventLog()
+        self.events = events
         self.started_at = time.time()
         self._replicas: dict[str, int] = {}
-        self._seen = _Seen()
         self._nursery: trio.Nursery | None = None
 
     # -- snapshots -------------------------------------------------------------------
@@ -365,24 +358,18 @@ class DaemonControls:
 
     async def pause(self) -> None:
         await self._volunteer.pause()
-        self._note_changes()
 
     async def resume(self) -> None:
         await self._volunteer.resume()
-        self._note_changes()
 
     async def snooze(self, seconds: float) -> None:
         await self._volunteer.snooze(seconds)
-        self._note_changes()
 
     async def set_limits(self, change: LimitsChange) -> LimitsView:
         changes: dict[str, Any] = change.changes()
         if changes:
             # validated whole by the volunteer before anything is applied
             await self._volunteer.set_limits(**changes)
-            described = ", ".join(f"{k} = {v:g}" for k, v in changes.items())
-            self.events.post("limits", f"limits changed: {described}")
-        self._note_changes()
         return self.limits()
 
     def shutdown(self) -> None:
@@ -398,49 +385,15 @@ class DaemonControls:
 
         self._nursery.start_soon(stop_soon)
 
-    # -- watching --------------------------------------------------------------------
+    # -- replicas --------------------------------------------------------------------
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.events.post("started", f"volunteerd {__version__} started as {self._node.peer_id}")
-        self._note_changes()
-        task_status.started()
+        """Count the replicas of the hosted experts until cancelled (and run the
+        delayed stop of ``shutdown``)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._count_replicas)
-            while True:
-                await trio.sleep(_WATCH_S)
-                self._note_changes()
-
-    def _note_changes(self) -> None:
-        state = self._volunteer.state
-        if state.mode == "running":
-            described = "contributing"
-        elif state.mode == "paused":
-            described = "paused by the volunteer"
-        elif state.mode == "snoozed":
-            described = state.reason  # "snoozed until <time>"
-        else:
-            described = f"paused: {state.reason}"
-        if described != self._seen.state:
-            self._seen.state = described
-            self.events.post("state", described)
-        experts = tuple(self._runtime.uids)
-        if experts != self._seen.experts:
-            added = sorted(set(experts) - set(self._seen.experts))
-            dropped = sorted(set(self._seen.experts) - set(experts))
-            self._seen.experts = experts
-            parts = ([f"hosting {', '.join(added)}"] if added else []) + (
-                [f"dropped {', '.join(dropped)}"] if dropped else []
-            )
-            if parts:
-                self.events.post("experts", "; ".join(parts))
-        reach = self._node.reachability
-        mode = reach.mode if reach is not None else "unknown"
-        if mode != self._seen.reachability:
-            first = not self._seen.reachability
-            self._seen.reachability = mode
-            if not first or mode != "unknown":
-                self.events.post("reachability", f"reachability: {mode}")
+            task_status.started()
+            await self._count_replicas()
 
     async def _count_replicas(self) -> None:
         while True:

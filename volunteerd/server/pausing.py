@@ -1,8 +1,9 @@
 """The volunteer's controls over a running daemon: pause, resume, snooze and limits.
 
-The daemon uses them now; the control API and the tray will call the same methods.
-Two things decide whether the daemon serves experts: the person's choice (running,
-paused, or snoozed until a time) and the monthly transfer quota::
+The control API (and through it the tray and the CLI) and SIGHUP call these methods;
+each change posts its ``state`` or ``limits`` event as it is made. Two things decide
+whether the daemon serves experts: the person's choice (running, paused, or snoozed
+until a time) and the monthly transfer quota::
 
              pause()                       snooze(s)
     running ─────────▶ paused     running ───────────▶ snoozed (paused until now + s)
@@ -31,7 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -41,8 +43,9 @@ from pydantic import ValidationError
 
 from volunteerd.atomic import write_atomic
 from volunteerd.config import LimitsConfig, limits_overlay_toml
+from volunteerd.control.events import EventSink
 from volunteerd.errors import ConfigError, Paused
-from volunteerd.net import Announcer, Handler, Reply, Request, Throttle, Verb
+from volunteerd.net import Announcer, Throttle
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.residency import release_device, restore_device
 
@@ -50,21 +53,10 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["GATED_VERBS", "RequestGate", "Volunteer", "VolunteerState"]
+__all__ = ["RequestGate", "Volunteer", "VolunteerState"]
 
 logger = logging.getLogger(__name__)
 
-# The verbs that cost the volunteer compute or bandwidth: refused while paused.
-GATED_VERBS = frozenset(
-    {
-        Verb.FORWARD,
-        Verb.BACKWARD,
-        Verb.FORWARD_BATCH,
-        Verb.BACKWARD_BATCH,
-        Verb.PARAMS,
-        Verb.SHARD,
-    }
-)
 _CHECK_EVERY_S = 1.0  # snooze deadline and quota
 
 Mode = Literal["running", "paused", "snoozed", "quota"]
@@ -80,7 +72,8 @@ class VolunteerState:
 
 
 class RequestGate:
-    """Refuses gated requests while closed and counts the ones in flight."""
+    """Refuses requests while closed and counts the ones in flight (the pipeline's
+    pause stage, ``server.pipeline``)."""
 
     def __init__(self) -> None:
         self.closed = False
@@ -89,28 +82,24 @@ class RequestGate:
         self._idle = trio.Event()
         self._idle.set()
 
-    def wrap(self, handlers: Mapping[Verb, Handler]) -> dict[Verb, Handler]:
-        """``handlers`` with the gated verbs passing through this gate."""
-        return {
-            verb: self._gated(handler) if verb in GATED_VERBS else handler
-            for verb, handler in handlers.items()
-        }
+    def refusal(self) -> Paused | None:
+        """What to refuse a request with now: None while open."""
+        if self.closed:
+            return Paused(f"this volunteer is not serving: {self.reason}")
+        return None
 
-    def _gated(self, handler: Handler) -> Handler:
-        async def gated(request: Request) -> Reply:
-            if self.closed:
-                raise Paused(f"this volunteer is not serving: {self.reason}")
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Count the block as a request in flight (``wait_idle`` waits for it)."""
+        if self.in_flight == 0:
+            self._idle = trio.Event()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
             if self.in_flight == 0:
-                self._idle = trio.Event()
-            self.in_flight += 1
-            try:
-                return await handler(request)
-            finally:
-                self.in_flight -= 1
-                if self.in_flight == 0:
-                    self._idle.set()
-
-        return gated
+                self._idle.set()
 
     async def wait_idle(self) -> None:
         """Return when no gated request is in flight."""
@@ -127,9 +116,9 @@ class Volunteer:
     """Pause, resume, snooze and limits for one daemon.
 
     Wire it in this order: ``restore()`` (reads ``state.json``) before the node opens,
-    hand the node ``gate.wrap(handlers)``, ``attach(announcer)`` before the announcer
+    put ``gate`` in the request pipeline, ``attach(announcer)`` before the announcer
     starts, then start ``serve`` (which releases the device if the daemon starts paused,
-    and watches the snooze deadline and the quota)."""
+    and watches the snooze deadline and the quota). Changes are posted to ``events``."""
 
     def __init__(
         self,
@@ -140,6 +129,7 @@ class Volunteer:
         state_file: Path | None,
         limits_file: Path | None,
         grace_s: float,
+        events: EventSink | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._runtime = runtime
@@ -147,6 +137,8 @@ class Volunteer:
         self._state_file = state_file
         self._limits_file = limits_file
         self._grace_s = grace_s
+        self._events = events
+        self._posted = ""  # the state last posted (serve starts from the current one)
         self._clock = clock
         self.gate = RequestGate()
         self.limits = limits
@@ -191,6 +183,7 @@ class Volunteer:
         """Bring the daemon to the saved state, then follow the snooze deadline and the
         quota until cancelled."""
         await self._reconcile()
+        self._posted = self.described
         task_status.started()
         while True:
             with trio.move_on_after(_CHECK_EVERY_S):
@@ -202,6 +195,7 @@ class Volunteer:
                 self._choice = _Choice()
                 self._save_choice()
             await self._reconcile()
+            self._post_state()  # a snooze that ended, a quota used up or renewed
 
     # -- the controls --------------------------------------------------------------
 
@@ -222,10 +216,16 @@ class Volunteer:
         await self._choose(_Choice())
 
     async def set_limits(
-        self, limits: LimitsConfig | None = None, *, persist: bool = True, **changes: Any
+        self,
+        limits: LimitsConfig | None = None,
+        *,
+        persist: bool = True,
+        reloaded: bool = False,
+        **changes: Any,
     ) -> LimitsConfig:
         """Apply new limits at once: a whole ``limits``, or single ``changes`` such as
-        ``upload_mbit=10``. With ``persist`` they are written to ``limits.toml``.
+        ``upload_mbit=10``. With ``persist`` they are written to ``limits.toml``. A
+        ``limits`` event names what changed (``reloaded``: posted even if nothing did).
         All or nothing: the complete new limits are validated first, and if applying
         them still fails half-way the old ones are put back. Raises ConfigError for an
         invalid value or a failed change (the old limits hold then)."""
@@ -254,9 +254,38 @@ class Volunteer:
             except OSError as exc:
                 logger.warning("cannot save the limits to %s: %s", self._limits_file, exc)
         logger.info("limits now %s", new.model_dump())
+        changed = {k: v for k, v in new.model_dump().items() if old.model_dump()[k] != v}
+        described = ", ".join(f"{k} = {v:g}" for k, v in changed.items())
+        if changed:
+            self._post("limits", f"limits changed: {described}{' (reloaded)' * reloaded}")
+        elif reloaded:
+            self._post("limits", "limits reloaded: unchanged")
         self._wake.set()  # a changed quota may pause or resume serving
         await self._reconcile()
+        self._post_state()
         return new
+
+    async def reload_limits(self, load: Callable[[], LimitsConfig]) -> None:
+        """Apply the limits ``load`` reads again (SIGHUP; not written to ``limits.toml``,
+        they came from the files). A configuration that does not load or apply is
+        logged and posted as an ``error``; the current limits stay."""
+        try:
+            await self.set_limits(load(), persist=False, reloaded=True)
+        except ConfigError as exc:
+            logger.error("configuration not reloaded, the limits stay: %s", exc)
+            self._post("error", f"configuration not reloaded, the limits stay: {exc}")
+
+    @property
+    def described(self) -> str:
+        """The state for people, as the ``state`` events say it."""
+        state = self.state
+        if state.mode == "running":
+            return "contributing"
+        if state.mode == "paused":
+            return "paused by the volunteer"
+        if state.mode == "snoozed":
+            return state.reason  # "snoozed until <time>"
+        return f"paused: {state.reason}"
 
     @property
     def state(self) -> VolunteerState:
@@ -284,6 +313,16 @@ class Volunteer:
         logger.info("volunteer: %s", self._describe())
         self._wake.set()
         await self._reconcile()
+        self._post_state()
+
+    def _post_state(self) -> None:
+        if (described := self.described) != self._posted:
+            self._posted = described
+            self._post("state", described)
+
+    def _post(self, kind: Literal["state", "limits", "error"], message: str) -> None:
+        if self._events is not None:
+            self._events.post(kind, message)
 
     def _wanted(self) -> bool:
         return not self._choice.paused and not self._throttle.quota_exhausted

@@ -1,0 +1,129 @@
+"""The request pipeline on its own (no network): every expert call passes the pause
+gate, then accounting, then the runtime, and is counted exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import Config, LimitsConfig
+from volunteerd.errors import Paused, Rejected
+from volunteerd.experts import to_wire
+from volunteerd.net import Handler, Request, Throttle, Verb
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.server.contribution import Accountant
+from volunteerd.server.pausing import RequestGate
+from volunteerd.server.pipeline import GATED_VERBS, expert_handlers
+from volunteerd.stats import StatsStore
+from volunteerd.wire import (
+    BackwardRequest,
+    ErrorReply,
+    ForwardBatchRequest,
+    ForwardRequest,
+    InfoRequest,
+    WireTensor,
+)
+
+HIDDEN = 8
+PEER = "12D3KooWTrainer"
+
+
+class World:
+    def __init__(self, handlers: dict[Verb, Handler], gate: RequestGate, counts: Accountant):
+        self.handlers = handlers
+        self.gate = gate
+        self.counts = counts
+
+    async def call(self, verb: Verb, header: object, tensors: list[WireTensor]) -> object:
+        return await self.handlers[verb](Request(PEER, header, tensors))
+
+
+@asynccontextmanager
+async def pipeline(tmp_path: Path) -> AsyncIterator[World]:
+    config = Config.model_validate(
+        {"experts": {"uids": "ffn.0.[0:2]", "hidden_dim": HIDDEN}, "runtime": {"device": "cpu"}}
+    )
+    runtime = ExpertRuntime(
+        config.experts.uid_list(),
+        config.experts,
+        config.runtime,
+        config.wire,
+        torch.device("cpu"),
+        guard=config.guard,
+    )
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7)
+    gate = RequestGate()
+    counts = Accountant(
+        store, runtime, Throttle(LimitsConfig()), config.stats, serving=lambda: not gate.closed
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve)
+            yield World(expert_handlers(runtime, gate=gate, accountant=counts), gate, counts)
+            runtime.close()
+    finally:
+        store.close()
+
+
+def tensor(rows: int, value: float = 1.0) -> WireTensor:
+    meta, data = to_wire(torch.full((rows, HIDDEN), value))
+    return WireTensor(meta.dtype, tuple(meta.shape), memoryview(data))
+
+
+async def test_a_forward_is_counted_once_when_answered(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as world:
+        x = tensor(3)
+        await world.call(Verb.FORWARD, ForwardRequest(uid="ffn.0.0", tensors=[x.meta]), [x])
+        assert world.counts.requests == 1
+        assert world.counts.samples == 3
+        assert world.counts.peers[PEER].requests == 1
+        assert world.counts.store.current().work.forward == 1
+
+
+async def test_a_closed_gate_refuses_before_the_runtime_and_counts_each_item_once(
+    tmp_path: Path,
+) -> None:
+    async with pipeline(tmp_path) as world:
+        world.gate.closed = True
+        x = tensor(2)
+        with pytest.raises(Paused):
+            await world.call(Verb.FORWARD, ForwardRequest(uid="ffn.0.0", tensors=[x.meta]), [x])
+        items = [ForwardRequest(uid=uid, tensors=[x.meta]) for uid in ("ffn.0.0", "ffn.0.1")]
+        with pytest.raises(Paused):
+            await world.call(Verb.FORWARD_BATCH, ForwardBatchRequest(items=items), [x, x])
+        assert world.counts.refusals == {"paused": 3}
+        assert world.counts.requests == 0
+        # what costs nothing still answers
+        info = await world.call(Verb.INFO, InfoRequest(uid="ffn.0.0"), [])
+        assert info is not None
+        assert Verb.INFO not in GATED_VERBS
+
+
+async def test_the_guard_refusal_is_counted_by_its_wire_code_once(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as world:
+        x, g = tensor(2), tensor(2, float("nan"))
+        header = BackwardRequest(uid="ffn.0.0", tensors=[x.meta, g.meta])
+        with pytest.raises(Rejected):
+            await world.call(Verb.BACKWARD, header, [x, g])
+        assert world.counts.refusals == {"rejected": 1}
+        assert world.counts.peers[PEER].refused == 1
+
+
+async def test_a_batch_item_that_fails_gets_its_own_error_and_the_rest_are_served(
+    tmp_path: Path,
+) -> None:
+    async with pipeline(tmp_path) as world:
+        x = tensor(2)
+        items = [ForwardRequest(uid=uid, tensors=[x.meta]) for uid in ("ffn.0.0", "ffn.9.9")]
+        reply = await world.call(Verb.FORWARD_BATCH, ForwardBatchRequest(items=items), [x, x])
+        answered, refused = reply.header.items  # type: ignore[attr-defined]
+        assert not isinstance(answered, ErrorReply)
+        assert isinstance(refused, ErrorReply)
+        assert refused.code == "unknown_expert"
+        assert world.counts.requests == 1
+        assert world.counts.refusals == {"unknown_expert": 1}

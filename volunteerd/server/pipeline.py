@@ -1,0 +1,180 @@
+"""The request pipeline: what happens to every expert verb between the RPC layer and
+its reply. Each request passes these stages once, in this order:
+
+1. **limits** (``net.rpc.RpcServer``, the transport, before this module): frame sizes,
+   the per-peer request rate and concurrency, the bytes in flight, the whole frame
+   read within ``frame_read_s``, the header validated;
+2. **pause gate** (``server.pausing.RequestGate``): while the volunteer is not serving,
+   the verbs that cost compute or bandwidth (``GATED_VERBS``) are refused at once with
+   ``paused`` (their expert calls are counted as refused); the ones let through are
+   counted in flight, so that pausing can wait for them;
+3. **accounting** (``server.contribution.Accountant.counted``): each expert call (every
+   item of a batch on its own) is counted once, answered or refused with its wire code;
+4. **runtime** (``runtime.service.ExpertRuntime``): the schema check, then the
+   **request guard** (``runtime.guard``: banned peers, non-finite or out-of-range
+   values, outlier gradients) -- a stage of the runtime because it judges decoded
+   tensors and hears of every optimizer step that had to be undone -- then the
+   expert's bounded queue, the batcher and the device;
+5. **reply**: the result (a batch: one reply per item, a failed item its own error
+   reply) goes back to the RPC layer, which writes it; an error raised on the way
+   becomes its wire code there.
+
+``info`` skips the gate and the accounting (it costs nothing); ``params`` and ``shard``
+pass the gate only (they are transfers, counted by the throttle).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal
+
+import trio
+
+from volunteerd.errors import Paused, VolunteerdError, wire_code
+from volunteerd.experts import ExpertBackend, to_wire
+from volunteerd.experts.checkpoint_file import encode_checkpoint
+from volunteerd.net import Handler, Reply, Request, ShardServer, Verb
+from volunteerd.net.shard import Snapshot
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.server.contribution import Accountant, Result
+from volunteerd.server.pausing import RequestGate
+from volunteerd.wire import BatchReply, ErrorReply, TensorReply, WireTensor
+from volunteerd.wire.messages import ParamsReply
+
+__all__ = ["GATED_VERBS", "expert_handlers", "shard_snapshot"]
+
+# The verbs that cost the volunteer compute or bandwidth: refused while paused.
+GATED_VERBS = frozenset(
+    {Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH, Verb.PARAMS, Verb.SHARD}
+)
+
+Kind = Literal["forward", "backward"]
+
+
+def expert_handlers(
+    runtime: ExpertRuntime,
+    *,
+    gate: RequestGate | None = None,
+    accountant: Accountant | None = None,
+    shards: ShardServer | None = None,
+) -> dict[Verb, Handler]:
+    """The expert verbs of ``runtime`` through the pipeline: ``gate`` (default: one that
+    stays open), ``accountant`` (default: none, nothing counted), ``shards`` for the
+    ``shard`` verb (default: one of ``shard_snapshot(runtime)``; start its ``serve`` so
+    idle snapshots are freed)."""
+    pipeline = _Pipeline(runtime, gate or RequestGate(), accountant)
+    shard = (shards or ShardServer(shard_snapshot(runtime))).handle
+    return {
+        Verb.FORWARD: pipeline.gated(partial(pipeline.one, "forward"), counted=True),
+        Verb.BACKWARD: pipeline.gated(partial(pipeline.one, "backward"), counted=True),
+        Verb.FORWARD_BATCH: pipeline.gated(partial(pipeline.batch, "forward"), counted=True),
+        Verb.BACKWARD_BATCH: pipeline.gated(partial(pipeline.batch, "backward"), counted=True),
+        Verb.PARAMS: pipeline.gated(pipeline.params, counted=False),
+        Verb.SHARD: pipeline.gated(shard, counted=False),
+        Verb.INFO: pipeline.info,
+    }
+
+
+class _Pipeline:
+    def __init__(
+        self, runtime: ExpertRuntime, gate: RequestGate, accountant: Accountant | None
+    ) -> None:
+        self._runtime = runtime
+        self._gate = gate
+        self._accountant = accountant
+
+    # -- stage 2: the pause gate ---------------------------------------------------------
+
+    def gated(self, handler: Handler, *, counted: bool) -> Handler:
+        async def through_the_gate(request: Request) -> Reply:
+            refusal = self._gate.refusal()
+            if refusal is not None:
+                if counted:
+                    self._refused(request, refusal)
+                raise refusal
+            async with self._gate.admitted():
+                return await handler(request)
+
+        return through_the_gate
+
+    def _refused(self, request: Request, exc: Paused) -> None:
+        if self._accountant is None:
+            return
+        header = request.header
+        for item in getattr(header, "items", None) or [header]:
+            self._accountant.refused(str(getattr(item, "uid", "")), request.peer_id, exc)
+
+    # -- stages 3 and 4: accounting, runtime ---------------------------------------------
+
+    async def call(self, kind: Kind, item: Any, tensors: list[WireTensor], peer: str) -> Result:
+        """One expert call (a request, or an item of a batch)."""
+        runtime = self._runtime
+        if kind == "forward":
+            call = runtime.forward(
+                item.uid, tensors, retain=item.retain, peer_id=peer, compression=item.compression
+            )
+        else:
+            call = runtime.backward(
+                item.uid, tensors, handle=item.handle, peer_id=peer, compression=item.compression
+            )
+        if self._accountant is None:
+            return await call
+        return await self._accountant.counted(kind, item.uid, peer, tensors, call)
+
+    async def one(self, kind: Kind, request: Request) -> Reply:
+        return Reply(*await self.call(kind, request.header, request.tensors, request.peer_id))
+
+    async def batch(self, kind: Kind, request: Request) -> Reply:
+        """A batch's items run concurrently; an item that fails gets its own error reply."""
+        items = request.header.items
+        results: list[tuple[TensorReply | ErrorReply, list[bytes]]] = [
+            (ErrorReply(code="internal"), []) for _ in items
+        ]
+
+        async def one(i: int, item: Any, tensors: list[WireTensor]) -> None:
+            try:
+                results[i] = await self.call(kind, item, tensors, request.peer_id)
+            except VolunteerdError as exc:
+                results[i] = (ErrorReply(code=wire_code(exc), message=str(exc)[:1000]), [])
+
+        offset = 0
+        async with trio.open_nursery() as nursery:
+            for i, item in enumerate(items):
+                count = len(item.tensors)
+                nursery.start_soon(one, i, item, request.tensors[offset : offset + count])
+                offset += count
+        return Reply(
+            BatchReply(items=[header for header, _ in results]),
+            [buffer for _, buffers in results for buffer in buffers],
+        )
+
+    async def params(self, request: Request) -> Reply:
+        uid = request.header.uid
+
+        def read(backend: ExpertBackend) -> Reply:
+            # Encoded in the worker's turn: one consistent copy, between optimizer steps.
+            named = [(name, *to_wire(p)) for name, p in backend.live_parameters().items()]
+            header = ParamsReply(
+                uid=uid,
+                updates=backend.updates,
+                names=[name for name, _, _ in named],
+                tensors=[meta for _, meta, _ in named],
+            )
+            return Reply(header, [data for _, _, data in named])
+
+        return await self._runtime.with_expert(uid, read)
+
+    async def info(self, request: Request) -> Reply:
+        return Reply(self._runtime.info(request.header.uid))
+
+
+def shard_snapshot(runtime: ExpertRuntime) -> Snapshot:
+    """The ``shard`` verb's snapshots: an expert's state encoded as a checkpoint file."""
+
+    async def snapshot(uid: str) -> bytes:
+        # Copied in the worker's turn (consistent, between optimizer steps), encoded in
+        # another thread so the worker goes back to batches at once.
+        state = await runtime.with_expert(uid, lambda backend: backend.state())
+        return await trio.to_thread.run_sync(lambda: b"".join(encode_checkpoint(state)))
+
+    return snapshot
