@@ -27,6 +27,8 @@
     │   ├── RequestTimeout     the peer did not answer in time
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
     │   └── ShardError         a shard download failed (bad bytes, or the peer kept failing)
+    ├── NoExpertsAvailable     no expert of a layer is alive or answers (a trainer skips the step)
+    ├── ModelDiverging         the output checks refused every answer, blaming no peer
     ├── ShuttingDown           the service is stopping                -> "shutting_down"
     ├── ControlError           the control API refused a request (``.status``, ``.field``)
     │   └── DaemonNotRunning   no daemon answers on this data folder's control address
@@ -57,6 +59,8 @@ __all__ = [
     "Interrupted",
     "InvalidRecord",
     "MalformedFrame",
+    "ModelDiverging",
+    "NoExpertsAvailable",
     "Paused",
     "PeerError",
     "PeerUnreachable",
@@ -206,6 +210,17 @@ class Paused(VolunteerdError):
     code = "paused"
 
 
+class NoExpertsAvailable(VolunteerdError):
+    """No expert of the layer could be found alive, or none answered."""
+
+
+class ModelDiverging(VolunteerdError):
+    """Experts answered, but the output checks refused every answer a token could use,
+    and they blame no peer: most answers of a round were non-finite, or exceeded
+    ``max_abs`` without having grown there step by step. The model (its loss, learning
+    rate, or ``max_abs``) needs the researcher's attention; retrying will not help."""
+
+
 class ShuttingDown(VolunteerdError):
     code = "shutting_down"
 
@@ -280,7 +295,6 @@ class ExitCode(IntEnum):
     ERROR = 1  # unexpected failure: a bug
     USAGE = 2  # bad command line (argparse's own convention)
     CONFIG = 3  # the configuration is invalid: restarting will not help
-    RESTART = 4  # a restart was requested; service managers restart on it
     UNAVAILABLE = 5  # a needed resource (port, key file) is not available
     INTERRUPTED = 130  # stopped by SIGINT/SIGTERM, cleanly
 

@@ -159,12 +159,13 @@ def desktop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Desktop]:
     logs = tmp_path_factory.mktemp("desktop")
     read_fd, write_fd = os.pipe()
     # -displayfd: Xvfb picks a free display number and writes it when it is ready
-    xvfb = subprocess.Popen(
-        [XVFB, "-displayfd", str(write_fd), "-screen", "0", "1024x768x24", "-nolisten", "tcp"],
-        pass_fds=(write_fd,),
-        stdout=subprocess.DEVNULL,
-        stderr=(logs / "xvfb.log").open("w"),
-    )
+    with (logs / "xvfb.log").open("w") as output:  # the child has its own copy
+        xvfb = subprocess.Popen(
+            [XVFB, "-displayfd", str(write_fd), "-screen", "0", "1024x768x24", "-nolisten", "tcp"],
+            pass_fds=(write_fd,),
+            stdout=subprocess.DEVNULL,
+            stderr=output,
+        )
     os.close(write_fd)
     procs = [xvfb]
     try:
@@ -173,14 +174,12 @@ def desktop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Desktop]:
         assert number, f"Xvfb did not start:\n{(logs / 'xvfb.log').read_text()}"
         desktop = Desktop(f":{number}", logs)
         env = {**os.environ, "DISPLAY": desktop.display}
-        procs.append(
-            subprocess.Popen(
-                [TRAYER, *TRAYER_ARGS],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=(logs / "trayer.log").open("w"),
+        with (logs / "trayer.log").open("w") as output:
+            procs.append(
+                subprocess.Popen(
+                    [TRAYER, *TRAYER_ARGS], env=env, stdout=subprocess.DEVNULL, stderr=output
+                )
             )
-        )
         wait_for("a system tray owns _NET_SYSTEM_TRAY_S0", lambda: _tray_owner(desktop), 15)
         yield desktop
     finally:
@@ -214,12 +213,13 @@ def test_tray_starts_the_daemon_and_its_icon_appears_in_the_tray(
     (home / "config.toml").write_text(CONFIG)
     env = {**cli_env(home), "DISPLAY": desktop.display, "PYSTRAY_BACKEND": "xorg"}
     log = home / "tray.log"
-    tray = subprocess.Popen(
-        [sys.executable, "-m", "volunteerd", "tray"],
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("w") as output:
+        tray = subprocess.Popen(
+            [sys.executable, "-m", "volunteerd", "tray"],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
     daemon_pid = None
     try:
         client = wait_for(

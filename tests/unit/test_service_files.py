@@ -64,7 +64,7 @@ def test_systemd_unit_keeps_the_exit_code_contract() -> None:
     keys = unit_lines(Launch(argv=("/opt/v/bin/python", "-m", "volunteerd")))
     assert keys["ExecStart"] == ["/opt/v/bin/python -m volunteerd serve"]
     assert keys["Restart"] == ["on-failure"]
-    assert keys["RestartForceExitStatus"] == [str(int(ExitCode.RESTART))]
+    assert "RestartForceExitStatus" not in keys  # no exit status asks for a restart
     assert keys["RestartPreventExitStatus"] == [str(int(ExitCode.CONFIG))]
     assert keys["SuccessExitStatus"] == [str(int(ExitCode.INTERRUPTED))]
     assert keys["KillSignal"] == ["SIGTERM"]

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from volunteerd.config import load_config
+from volunteerd.detached import config_variables, start_detached
 from volunteerd.paths import Paths
 from volunteerd.service.managers import Systemd
-from volunteerd.service.process import config_variables, probe, stop_daemon, stop_tray
+from volunteerd.service.process import probe, stop_daemon, stop_tray, tray_pid
 
 
 def paths_in(tmp_path: Path) -> Paths:
@@ -67,6 +69,43 @@ def test_only_section_variables_are_config_settings() -> None:
         "HOME": "/h",
     }
     assert config_variables(environ) == ["VOLUNTEERD_CONTROL__PORT"]
+    # the names the configuration itself reads (detached.py cannot import config)
+    assert load_config(None, env=environ).control.port == 0
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sessions")
+def test_a_detached_command_has_its_own_session_and_no_config_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VOLUNTEERD_CONTROL__PORT", "0")
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", "/from/the/shell")
+    log = tmp_path / "logs" / "daemon.log"
+    log.parent.mkdir()
+    log.write_text("earlier\n")
+    show = "import os; print(os.getsid(0), sorted(k for k in os.environ if 'VOLUNTEERD' in k))"
+    child = start_detached(
+        [sys.executable, "-c", show], log, {"VOLUNTEERD_CONFIG": "/chosen/config.toml"}
+    )
+    assert child.wait(30) == 0
+    earlier, shown = log.read_text().splitlines()
+    assert earlier == "earlier"  # appended, not overwritten
+    session, names = shown.split(" ", 1)
+    assert int(session) == child.pid  # its own session: a Ctrl-C here does not reach it
+    assert names == "['VOLUNTEERD_CONFIG', 'VOLUNTEERD_DATA_DIR']"
+
+
+def test_tray_pid_is_written_read_and_removed_only_by_its_owner(tmp_path: Path) -> None:
+    paths = paths_in(tmp_path)
+    assert paths.read_tray_pid() is None
+    paths.write_tray_pid(1234)
+    assert paths.read_tray_pid() == 1234
+    paths.remove_tray_pid(999)  # a newer tray took the file over: it is not ours
+    assert paths.read_tray_pid() == 1234
+    paths.remove_tray_pid(1234)
+    assert not paths.tray_pid_file.exists()
+    paths.tray_pid_file.write_text("garbage")
+    assert paths.read_tray_pid() is None
+    assert tray_pid(paths) is None
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="signals")
@@ -81,12 +120,13 @@ def test_uninstall_stops_the_tray_named_in_its_pid_file_and_nothing_else(
     )
     other = subprocess.Popen(["sleep", "30"])
     try:
-        paths.tray_pid_file.write_text(f"{other.pid}\n")  # stale: reused by another program
+        paths.write_tray_pid(other.pid)  # stale: reused by another program
         assert stop_tray(paths) is None
         assert other.poll() is None
         assert not paths.tray_pid_file.exists()
 
-        paths.tray_pid_file.write_text(f"{tray.pid}\n")
+        paths.write_tray_pid(tray.pid)
+        assert tray_pid(paths) == tray.pid
         said = stop_tray(paths)
         assert said == f"stopped the tray (pid {tray.pid})"
         assert tray.wait(10) == -signal.SIGTERM

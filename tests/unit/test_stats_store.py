@@ -99,18 +99,18 @@ while True:
 
 def test_kill_minus_nine_loses_at_most_the_unflushed_counts(tmp_path: Path) -> None:
     path = tmp_path / "stats.sqlite3"
-    writer = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(WRITER), str(path)],
         stdout=subprocess.PIPE,
         text=True,
-    )
-    assert writer.stdout is not None
-    flushed = 0
-    deadline = time.monotonic() + 60
-    while flushed < 1000 and time.monotonic() < deadline:
-        flushed = int(writer.stdout.readline())
-    writer.send_signal(signal.SIGKILL)
-    writer.wait(10)
+    ) as writer:
+        assert writer.stdout is not None
+        flushed = 0
+        deadline = time.monotonic() + 60
+        while flushed < 1000 and time.monotonic() < deadline:
+            flushed = int(writer.stdout.readline())
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(10)
     store = StatsStore.open(path)
     counted = store.totals().work.forward
     # Every flush that was reported made it; at most one more flush may have landed.

@@ -363,6 +363,28 @@ def test_app_reports_a_daemon_it_started_that_exited(tmp_path: Path) -> None:
     assert [i.text for i in view(seen).items if i.default] == ["Start volunteerd"]
 
 
+def test_the_daemon_the_tray_starts_gets_its_locations_and_not_the_shells_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a daemon started by a service manager: the tray's file locations, none of the
+    VOLUNTEERD_<SECTION>__<KEY> variables of the shell that started the tray."""
+    monkeypatch.setenv("VOLUNTEERD_CONTROL__PORT", "0")
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "the-shells"))
+    show = "import os; print(sorted((k, v) for k, v in os.environ.items() if 'VOLUNTEERD' in k))"
+    app = TrayApp(paths_in(tmp_path), serve_command=[sys.executable, "-c", show])
+    app._start_if_absent()
+    assert app._child is not None
+    assert app._child.wait(30) == 0
+    paths = app.paths
+    assert paths.daemon_log_file.read_text().strip() == str(
+        [
+            ("VOLUNTEERD_CACHE_DIR", str(paths.cache_dir)),
+            ("VOLUNTEERD_CONFIG", str(paths.config_file)),
+            ("VOLUNTEERD_DATA_DIR", str(paths.data_dir)),
+        ]
+    )
+
+
 def test_app_maps_the_model_to_pystray_items_and_clicks_only_queue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,10 +27,17 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from volunteerd import uids
-from volunteerd.errors import PeerUnreachable, RemoteError, RequestTimeout, VolunteerdError
+from volunteerd.errors import (
+    ModelDiverging,
+    NoExpertsAvailable,
+    PeerUnreachable,
+    RemoteError,
+    RequestTimeout,
+    VolunteerdError,
+)
 from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
 from volunteerd.moe.checks import OutputChecks, Suspicion, Verdict, agree, judge_round
-from volunteerd.moe.client import SwarmClient
+from volunteerd.moe.client import TrainerClient
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
 from volunteerd.net import PeerAddress, Verb, short
@@ -40,8 +47,6 @@ __all__ = [
     "LocalMixtureOfExperts",
     "MixtureOfExperts",
     "MoEStats",
-    "ModelDiverging",
-    "NoExpertsAvailable",
     "RemoteMixtureOfExperts",
     "grid_uids",
 ]
@@ -66,17 +71,6 @@ _NOT_BANNED = frozenset(
 def grid_uids(name: str, grid_size: Sequence[int]) -> list[str]:
     """Every uid of the grid ``name.[0:g0].[0:g1]...``."""
     return uids.expand_pattern(name + "".join(f".[0:{g}]" for g in grid_size))
-
-
-class NoExpertsAvailable(VolunteerdError):
-    """No expert of the layer could be found alive, or none answered."""
-
-
-class ModelDiverging(VolunteerdError):
-    """Experts answered, but the output checks refused every answer a token could use,
-    and they blame no peer: most answers of a round were non-finite, or exceeded
-    ``max_abs`` without having grown there step by step. The model (its loss, learning
-    rate, or ``max_abs``) needs the researcher's attention; retrying will not help."""
 
 
 @dataclass(slots=True)
@@ -286,7 +280,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         backward_timeout_s: float = 20.0,
         grace_after_k_min_s: float = 0.5,
         *,
-        client: SwarmClient,
+        client: TrainerClient,
         compression: Compression = "none",
         beam_size: int | None = None,
         spare: int | None = None,
@@ -369,7 +363,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         return self.client.run(
             partial(
                 call_many,
-                self.client.node.node.rpc,
+                self.client.rpc,
                 verb,
                 calls,
                 n_rows=n_rows,

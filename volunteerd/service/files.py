@@ -14,8 +14,8 @@ windows    ``volunteerd-tray.xml``      Task Scheduler task running ``tray`` at 
 =========  ===========================  =======================================
 
 The daemon's units rely on the exit-code contract of ``errors.ExitCode``: 3 (invalid
-configuration) is never restarted, 4 (restart requested) always is, 130 (stopped by a
-signal) is a clean stop, anything else non-zero is a failure to restart after a pause.
+configuration) is never restarted, 130 (stopped by a signal) is a clean stop, anything
+else non-zero is a failure to restart after a pause.
 Every file says at its top that volunteerd wrote it, and the same ``Launch`` always
 gives the same bytes, so installing twice changes nothing.
 """
@@ -168,7 +168,7 @@ def _systemd_unit(launch: Launch) -> str:
 # {_HEADER[1]}
 # Local changes: `systemctl --user edit volunteerd`.
 # Exit codes (volunteerd/errors.py): 3 = invalid configuration, do not restart;
-# 4 = restart requested; 130 = stopped by SIGINT/SIGTERM, cleanly.
+# 130 = stopped by SIGINT/SIGTERM, cleanly.
 [Unit]
 Description=volunteerd: lend this computer to train neural networks together
 StartLimitIntervalSec=600
@@ -180,7 +180,6 @@ ExecStart={" ".join(_systemd_quote(arg, command=True) for arg in launch.command(
 {env}WorkingDirectory=%h
 Restart=on-failure
 RestartSec={RESTART_DELAY_S}
-RestartForceExitStatus=4
 RestartPreventExitStatus=3
 SuccessExitStatus=130
 KillSignal=SIGTERM

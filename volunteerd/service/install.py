@@ -30,6 +30,7 @@ from pathlib import Path
 from volunteerd.atomic import write_atomic
 from volunteerd.config import Config, load_config
 from volunteerd.control.client import ControlClient
+from volunteerd.detached import config_variables, start_detached
 from volunteerd.errors import (
     ConfigError,
     ControlError,
@@ -51,9 +52,7 @@ from volunteerd.service.files import (
 )
 from volunteerd.service.managers import Manager, Systemd, manager_for
 from volunteerd.service.process import (
-    config_variables,
     probe,
-    start_detached,
     stop_daemon,
     stop_tray,
     tray_pid,
@@ -350,7 +349,9 @@ def _start(
     elif platform == "linux":
         log_hint = f"its log: {paths.daemon_log_file}"
         if running is None:
-            child = start_detached(launch.command("serve"), paths, launch.environment())
+            child = start_detached(
+                launch.command("serve"), paths.daemon_log_file, launch.environment()
+            )
             out(
                 f"no user systemd here: started volunteerd in the background (pid {child.pid}, "
                 f"output in {paths.daemon_log_file})"
@@ -401,7 +402,7 @@ def _start_tray(launch: Launch, paths: Paths) -> str:
     running = tray_pid(paths)
     if running is not None:
         return f"the tray icon is showing already (pid {running})"
-    child = start_detached(launch.command("tray"), paths, launch.environment())
+    child = start_detached(launch.command("tray"), paths.daemon_log_file, launch.environment())
     return f"started the tray icon (pid {child.pid})"
 
 

@@ -1,5 +1,6 @@
-"""The daemon as a process, seen from outside: start it detached, wait until its control
-API answers, ask it to stop (then SIGTERM it) and wait until it is gone.
+"""The daemon as a process, seen from outside: wait until its control API answers, ask it
+to stop (then SIGTERM it) and wait until it is gone; the same for the tray. Starting
+either detached is ``volunteerd.detached``'s.
 
 The daemon is found through its data folder only (``control.json`` and ``api-token``,
 as every client of the control API finds it), so these work whoever started it: a
@@ -15,20 +16,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from volunteerd.config.loading import ENV_PREFIX
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import ControlError, DaemonNotRunning, ResourceUnavailable
 from volunteerd.paths import Paths
 
 __all__ = [
     "Answer",
-    "config_variables",
     "probe",
-    "start_detached",
     "stop_daemon",
     "stop_tray",
     "tray_pid",
@@ -65,39 +63,6 @@ def probe(data_dir: Path) -> Answer | None:
     except ControlError as exc:
         return Answer(client.endpoint.url, client.endpoint.pid, refused=str(exc))
     return Answer(client.endpoint.url, client.endpoint.pid)
-
-
-def config_variables(environ: Mapping[str, str]) -> list[str]:
-    """The ``VOLUNTEERD_<SECTION>__<KEY>`` variables set in ``environ``."""
-    return sorted(
-        name for name in environ if name.startswith(ENV_PREFIX) and "__" in name[len(ENV_PREFIX) :]
-    )
-
-
-def start_detached(
-    command: Sequence[str], paths: Paths, environment: Mapping[str, str]
-) -> subprocess.Popen[bytes]:
-    """Start ``command`` (``volunteerd serve``) in its own session, as a service manager
-    would: no terminal, output appended to ``paths.daemon_log_file``, this process's
-    environment without its ``VOLUNTEERD_<SECTION>__<KEY>`` settings (a service does not
-    see them either) plus ``environment``. It outlives this process."""
-    env = {k: v for k, v in os.environ.items() if k not in config_variables(os.environ)}
-    env.update(environment)
-    log = paths.daemon_log_file
-    log.parent.mkdir(parents=True, exist_ok=True)
-    detach: dict[str, object] = {"start_new_session": True}
-    if sys.platform == "win32":  # pragma: no cover - Windows uses Task Scheduler
-        flags = subprocess.DETACHED_PROCESS | subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined,unused-ignore]
-        detach = {"creationflags": flags}
-    with log.open("ab") as out:
-        return subprocess.Popen(  # type: ignore[call-overload,no-any-return,unused-ignore]
-            list(command),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            **detach,
-        )
 
 
 def wait_until_answering(
@@ -145,9 +110,8 @@ def stop_daemon(paths: Paths, timeout_s: float) -> str:
 def tray_pid(paths: Paths) -> int | None:
     """The pid of the tray of ``paths.data_dir`` if it runs (named in ``tray.pid``, and
     its command line is volunteerd's tray: a stale pid may have been reused)."""
-    try:
-        pid = int(paths.tray_pid_file.read_text().strip())
-    except (OSError, ValueError):
+    pid = paths.read_tray_pid()
+    if pid is None:
         return None
     if not (_alive(pid) and _is_volunteerd(pid) and "tray" in _command_line(pid).split()):
         paths.tray_pid_file.unlink(missing_ok=True)  # left by a tray that was killed

@@ -73,10 +73,6 @@ class Work:
         return self.forward + self.backward
 
 
-def _values(work: Work) -> tuple[int | float, ...]:
-    return tuple(getattr(work, f.name) for f in fields(work))
-
-
 @dataclass(slots=True)
 class Totals:
     """Everything counted since some time."""

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from volunteerd.config import ExpertsConfig
+from volunteerd.errors import NoExpertsAvailable
 from volunteerd.experts import build_module, make_optimizer
 from volunteerd.moe import (
     LocalMixtureOfExperts,
-    NoExpertsAvailable,
     OutputChecks,
     RemoteMixtureOfExperts,
     SwarmClient,

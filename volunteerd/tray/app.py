@@ -12,9 +12,11 @@ Three threads, so the UI never waits for the daemon:
   dashboard, starting the daemon, quitting).
 
 If no daemon answers when the tray starts (and ``start_daemon``), it starts
-``volunteerd serve`` detached (its own session, output in ``<data dir>/daemon.log``),
-with the tray's environment and file locations; the daemon outlives the tray. If the
-daemon goes away later, the icon says "not connected" and recovers when it is back.
+``volunteerd serve`` detached (``volunteerd.detached``: its own session, output in
+``<data dir>/daemon.log``) with the tray's file locations and its environment less the
+``VOLUNTEERD_<SECTION>__<KEY>`` settings, as a service manager would; the daemon outlives
+the tray. If the daemon goes away later, the icon says "not connected" and recovers
+when it is back.
 
 Backends: pystray picks one (AppIndicator or GTK where PyGObject is installed, else
 plain X through python-xlib); ``backend`` or ``PYSTRAY_BACKEND`` chooses. The plain X
@@ -40,8 +42,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from volunteerd.atomic import write_atomic
 from volunteerd.control.client import ControlClient
+from volunteerd.detached import start_detached
 from volunteerd.errors import ControlError, DaemonNotRunning, ExitCode, ResourceUnavailable
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths
 from volunteerd.tray import menu
@@ -330,24 +332,14 @@ class TrayApp:
             if self._child is not None and self._child.poll() is None:
                 return
         log = self.paths.daemon_log_file
-        log.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.update(
-            {
-                ENV_CONFIG: str(self.paths.config_file),
-                ENV_DATA_DIR: str(self.paths.data_dir),
-                ENV_CACHE_DIR: str(self.paths.cache_dir),
-            }
-        )
-        with log.open("ab") as out:
-            child = subprocess.Popen(
-                self.serve_command,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # not stopped with the tray, nor by its Ctrl-C
-            )
+        # The tray's file locations, not only its environment's: a tray started with
+        # --config or --data-dir drives the daemon of those.
+        locations = {
+            ENV_CONFIG: str(self.paths.config_file),
+            ENV_DATA_DIR: str(self.paths.data_dir),
+            ENV_CACHE_DIR: str(self.paths.cache_dir),
+        }
+        child = start_detached(self.serve_command, log, locations)
         logger.info("started volunteerd (pid %d); its output goes to %s", child.pid, log)
         with self._lock:
             self._child, self._child_started, self._child_answered = child, time.monotonic(), False
@@ -417,25 +409,24 @@ def run_tray(paths: Paths, *, start_daemon: bool = True, backend: str | None = N
     (0 after Quit, 130 after a signal). Starts the daemon if none answers and
     ``start_daemon``. Raises ResourceUnavailable when no icon can be shown."""
     app = TrayApp(paths, start_daemon=start_daemon, backend=backend)
-    with _stopping_on_signals(app), _pid_file(paths.tray_pid_file):
+    with _stopping_on_signals(app), _named_in_tray_pid(paths):
         return app.run()
 
 
 @contextlib.contextmanager
-def _pid_file(path: Path) -> Iterator[None]:
-    """Name this process in ``path`` while the tray runs, so that ``volunteerd service
-    uninstall`` (and an upgrade) can stop it."""
-    mine = f"{os.getpid()}\n"
+def _named_in_tray_pid(paths: Paths) -> Iterator[None]:
+    """Name this process in ``paths.tray_pid_file`` while the tray runs, so that
+    ``volunteerd service uninstall`` (and an upgrade) can stop it."""
+    pid = os.getpid()
     try:
-        write_atomic(path, mine)
+        paths.write_tray_pid(pid)
     except OSError as exc:
-        logger.warning("cannot write %s: %s", path, exc)
+        logger.warning("cannot write %s: %s", paths.tray_pid_file, exc)
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
-            if path.read_text() == mine:  # not taken over by a newer tray
-                path.unlink()
+            paths.remove_tray_pid(pid)
 
 
 @contextlib.contextmanager
