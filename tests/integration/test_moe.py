@@ -1,4 +1,7 @@
-"""RemoteMixtureOfExperts over a real local swarm matches the same mixture run locally."""
+"""RemoteMixtureOfExperts over a real local swarm matches the same mixture run locally.
+
+Routing, k_min and grace, failover and backtracking are tested in more cases in process
+on memory links (tests/inprocess/test_trainer.py); here the real stack end to end."""
 
 from __future__ import annotations
 
@@ -17,10 +20,13 @@ from volunteerd.moe import (
 )
 from volunteerd.testing import local_config, open_daemon, open_peer
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 HIDDEN = 16
 
 
-@pytest.mark.parametrize(("k_best", "k_min"), [(4, 4), (2, 1)])
+@pytest.mark.parametrize(("k_best", "k_min"), [(2, 1)])
 async def test_remote_mixture_matches_local_mixture(
     tmp_path: Path, k_best: int, k_min: int
 ) -> None:

@@ -3,10 +3,16 @@
 A libp2p node running in a background thread (``BackgroundNode``) plus the expert
 directory that caches the DHT for the training loop. Use it as a context manager and
 hand it to ``RemoteMixtureOfExperts`` layers; they share its connections and cache.
+
+What a layer uses of it is ``TrainerClient``: a way into the network's trio loop from
+the torch thread, the RPC client and the directory living there. ``SwarmClient`` is
+the real one; ``volunteerd.testing.inprocess`` builds one on a test's own loop and
+memory links.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -14,14 +20,47 @@ from typing import Any, TypeVar
 from volunteerd.config import Config
 from volunteerd.identity import Identity
 from volunteerd.moe.directory import Children, ExpertDirectory, info_verifier
+from volunteerd.net import RpcClient
 from volunteerd.net.background import BackgroundNode
 
-__all__ = ["SwarmClient"]
+__all__ = ["SwarmClient", "TrainerClient"]
 
 T = TypeVar("T")
 
 
-class SwarmClient:
+class TrainerClient(ABC):
+    """The swarm as a layer sees it. ``run`` is called from a thread that is not the
+    network's loop (the torch thread); ``rpc`` and ``directory`` live on that loop."""
+
+    @abstractmethod
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)`` on the network's loop, from the calling (torch) thread."""
+
+    @property
+    @abstractmethod
+    def rpc(self) -> RpcClient: ...
+
+    @property
+    @abstractmethod
+    def directory(self) -> ExpertDirectory: ...
+
+    def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
+        return self.run(self.directory.children, list(prefixes))
+
+    def look_again(self, prefixes: Iterable[str]) -> dict[str, Children]:
+        """``children`` from a fresh DHT lookup (see ExpertDirectory.look_again)."""
+        return self.run(self.directory.look_again, list(prefixes))
+
+    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+        """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""
+
+        async def ban() -> None:
+            self.directory.ban(peer_id, reason, seconds)
+
+        self.run(ban)
+
+
+class SwarmClient(TrainerClient):
     def __init__(
         self,
         config: Config,
@@ -79,21 +118,9 @@ class SwarmClient:
             raise RuntimeError("the swarm client is not started")
         return self._directory
 
+    @property
+    def rpc(self) -> RpcClient:
+        return self.node.node.rpc
+
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """``await fn(*args)`` on the node's loop, from the calling (torch) thread."""
         return self.node.run(fn, *args)
-
-    def children(self, prefixes: Iterable[str]) -> dict[str, Children]:
-        return self.run(self.directory.children, list(prefixes))
-
-    def look_again(self, prefixes: Iterable[str]) -> dict[str, Children]:
-        """``children`` from a fresh DHT lookup (see ExpertDirectory.look_again)."""
-        return self.run(self.directory.look_again, list(prefixes))
-
-    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
-        """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""
-
-        async def ban() -> None:
-            self.directory.ban(peer_id, reason, seconds)
-
-        self.run(ban)

@@ -23,21 +23,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from volunteerd.errors import PeerError, RemoteError
-from volunteerd.net import ExpertDHT, PeerAddress, RpcClient, Verb, short
+from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, short
 from volunteerd.wire import ExpertInfo, InfoRequest
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["Children", "ExpertDirectory", "Verify", "info_verifier"]
+__all__ = ["Children", "ExpertDirectory", "RecordLookup", "Verify", "info_verifier"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,16 @@ logger = logging.getLogger(__name__)
 Children = dict[int, list[PeerAddress]]
 # (peer, a uid it announces) -> did it answer as a volunteerd server?
 Verify = Callable[[PeerAddress, str], Awaitable[bool]]
+
+
+class RecordLookup(Protocol):
+    """What the directory needs of the DHT: ``net.ExpertDHT``, or an in-process test
+    world's table of who serves what (``volunteerd.testing.inprocess``)."""
+
+    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
+        """Records per key, in the order the storing nodes list them."""
+        ...
+
 
 _MAX_REMEMBERED = 65_536  # verified and failed peers, each
 _CANDIDATES_PER_CHILD = 4  # unverified peers of one child being verified at once
@@ -82,7 +92,7 @@ class _Entry:
 class ExpertDirectory:
     def __init__(
         self,
-        dht: ExpertDHT,
+        dht: RecordLookup,
         *,
         refresh_s: float = 5.0,
         ban_s: float = 60.0,

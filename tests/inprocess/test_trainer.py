@@ -1,0 +1,332 @@
+"""The trainer path in one process: RemoteMixtureOfExperts against real expert runtimes
+behind the real server pipeline and RpcServer, on memory links (volunteerd/testing/
+inprocess.py). Routing, k_min and grace, failover, backtracking, the output checks,
+spot checks and bans, without sockets or processes.
+
+The experts compute in worker threads, so these tests run in real time; no assertion
+depends on how fast the machine is: slow experts are minutes slow, not milliseconds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import trio
+from torch import nn
+
+from volunteerd.errors import Busy, ModelDiverging, NoExpertsAvailable
+from volunteerd.moe import LocalMixtureOfExperts, OutputChecks, RemoteMixtureOfExperts
+from volunteerd.moe.checks import NON_FINITE, OUT_OF_RANGE
+from volunteerd.moe.client import TrainerClient
+from volunteerd.testing import local_config
+from volunteerd.testing.faulty import Fault, nan, noise, scaled_by
+from volunteerd.testing.inprocess import InProcessServer, open_world
+
+HIDDEN = 16
+GRID = "ffn.[0:2].[0:2]"
+CONFIG = local_config(uids=GRID, experts={"hidden_dim": HIDDEN, "seed": 7})
+
+
+def layer(client: TrainerClient, **options: object) -> RemoteMixtureOfExperts:
+    settings: dict[str, object] = {
+        "k_best": 2,
+        "k_min": 1,
+        "forward_timeout_s": 60.0,
+        "backward_timeout_s": 60.0,
+        "grace_after_k_min_s": 60.0,  # wait for everyone unless a test says otherwise
+        **options,
+    }
+    return RemoteMixtureOfExperts(HIDDEN, (2, 2), "ffn.", client=client, **settings)  # type: ignore[arg-type]
+
+
+def steps(moe: RemoteMixtureOfExperts, n: int, rows: int = 32) -> None:
+    """``n`` forward and backward passes of a random batch; every output must be finite."""
+    for _ in range(n):
+        y = moe(torch.randn(rows, HIDDEN))
+        assert torch.isfinite(y).all(), "nothing non-finite reaches training"
+        y.pow(2).mean().backward()
+
+
+def served(server: InProcessServer) -> int:
+    """Expert calls the server's runtime took."""
+    return sum(s.forward.requests + s.backward.requests for s in server.runtime.statistics())
+
+
+async def in_thread(fn: Callable[[], None]) -> None:
+    await trio.to_thread.run_sync(fn)
+
+
+async def offered(client: TrainerClient, replicas: int) -> None:
+    """Until the trainer's directory offers ``replicas`` servers of every expert of the
+    grid (each is offered once it answered ``info``)."""
+    with trio.fail_after(30):
+        while True:
+            found = await client.directory.children(["ffn.0.", "ffn.1."])
+            counts = [len(peers) for children in found.values() for peers in children.values()]
+            if len(counts) == 4 and min(counts) >= replicas:
+                return
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize(("k_best", "k_min"), [(4, 4), (2, 1)])
+async def test_remote_mixture_matches_the_local_one(k_best: int, k_min: int) -> None:
+    async with open_world(CONFIG) as world:
+        a = await world.add_server("ffn.0.[0:2]")
+        b = await world.add_server("ffn.1.[0:2]")
+        modules = {
+            uid: copy.deepcopy(s.runtime.backend(uid).module)
+            for s in (a, b)
+            for uid in s.runtime.uids
+        }
+        async with world.open_trainer() as client:
+
+            def compare() -> None:
+                torch.manual_seed(0)
+                remote = layer(client, k_best=k_best, k_min=k_min)
+                local = LocalMixtureOfExperts(HIDDEN, (2, 2), "ffn.", k_best, modules)
+                local.gate.load_state_dict(remote.gate.state_dict())
+                x = torch.randn(24, HIDDEN, requires_grad=True)
+                x_local = x.detach().clone().requires_grad_()
+                y, y_local = remote(x), local(x_local)
+                torch.testing.assert_close(y, y_local, atol=1e-5, rtol=0)
+                grad = torch.randn_like(y)
+                y.backward(grad)
+                y_local.backward(grad)
+                torch.testing.assert_close(x.grad, x_local.grad, atol=1e-5, rtol=0)
+                assert remote.gate.weight.grad is not None
+                torch.testing.assert_close(
+                    remote.gate.weight.grad, local.gate.weight.grad, atol=1e-5, rtol=0
+                )
+                stats = remote.stats
+                assert stats.forward_failed == stats.backward_failed == 0
+                assert stats.forward_ok <= 4, "one call per expert, not per token"
+                assert stats.backward_ok == stats.forward_ok
+                assert sum(v[2] for v in stats.by_uid.values()) == 24 * k_best
+
+            await in_thread(compare)
+
+
+async def test_only_alive_experts_are_chosen_best_first() -> None:
+    """The beam search picks, per token, the best-scored experts among those served."""
+    async with open_world(CONFIG) as world:
+        await world.add_server(["ffn.0.1", "ffn.1.0"])
+        async with world.open_trainer() as client:
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client, k_best=1)
+                x = torch.randn(16, HIDDEN)
+                with torch.no_grad():
+                    logits = moe.gate(x).split([2, 2], dim=1)
+                route = moe.route(list(logits))
+                for n in range(16):
+                    score = {
+                        uid: float(logits[0][n, i] + logits[1][n, j])
+                        for uid, (i, j) in {"ffn.0.1": (0, 1), "ffn.1.0": (1, 0)}.items()
+                    }
+                    assert route.uid(n, 0) == max(score, key=score.__getitem__)
+                moe(x)
+                assert set(moe.stats.by_uid) <= {"ffn.0.1", "ffn.1.0"}
+                assert moe.stats.forward_failed == 0
+
+            await in_thread(run)
+
+
+async def test_a_replica_takes_over_within_the_step_and_the_dead_one_is_banned() -> None:
+    async with open_world(CONFIG) as world:
+        await world.add_server(GRID)
+        b = await world.add_server(GRID)
+        async with world.open_trainer() as client:
+            await offered(client, 2)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client)
+                for _ in range(20):  # each call goes to a random replica
+                    steps(moe, 1)
+                    if served(b):
+                        break
+                assert served(b) > 0, "both replicas serve"
+                client.run(b.stop)
+                steps(moe, 4)
+                assert moe.stats.failovers >= 1
+                assert moe.stats.unanswered_tokens == 0
+                assert moe.stats.backtracked == 0
+                assert b.peer_id in client.directory.banned
+
+            await in_thread(run)
+
+
+async def test_tokens_whose_experts_all_failed_backtrack_to_their_next_best() -> None:
+    async with open_world(CONFIG) as world:
+        a = await world.add_server(["ffn.0.0"])
+        await world.add_server(["ffn.0.1", "ffn.1.0", "ffn.1.1"])
+        async with world.open_trainer() as client:
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client, k_best=1)  # and one spare
+                steps(moe, 1)
+                assert "ffn.0.0" in moe.stats.by_uid
+                client.run(a.stop)  # still listed: the layer finds out by calling
+                steps(moe, 1)
+                assert moe.stats.backtracked >= 1
+                assert moe.stats.failovers == 0, "no other replica to fail over to"
+                assert moe.stats.unanswered_tokens == 0
+                assert a.peer_id in client.directory.banned
+
+            await in_thread(run)
+
+
+async def test_experts_slower_than_k_min_and_grace_are_dropped_as_late_not_banned() -> None:
+    async with open_world(CONFIG) as world:
+        await world.add_server("ffn.0.[0:2]")
+        slow = await world.add_server("ffn.1.[0:2]")
+        async with world.open_trainer() as client:
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client, k_best=4, k_min=2)
+                steps(moe, 1)  # everyone answers (the grace is long)
+                assert moe.stats.forward_ok == 4
+                moe.grace_after_k_min_s = 0.0
+                slow.faults.fault = Fault(delay_s=600.0)  # far beyond any loaded machine
+                steps(moe, 1)
+                assert moe.stats.late == 2, "both of the slow server's experts"
+                assert moe.stats.forward_ok == 4 + 2
+                assert moe.stats.backward_ok == 4 + 2, "backward only to those that answered"
+                assert moe.stats.forward_failed == moe.stats.backward_failed == 0
+                assert moe.stats.unanswered_tokens == 0
+                assert client.directory.banned == {}
+
+            await in_thread(run)
+
+
+async def test_no_answer_at_all_is_the_typed_error() -> None:
+    async with open_world(CONFIG) as world:
+        servers = [await world.add_server(GRID) for _ in range(2)]
+        async with world.open_trainer() as client:
+            await offered(client, 2)
+
+            def run() -> None:
+                moe = layer(client)
+                steps(moe, 1)
+                for server in servers:
+                    server.faults.fault = Fault(refuse=Busy("loaded"))
+                with pytest.raises(NoExpertsAvailable, match="none of the experts chosen"):
+                    moe(torch.randn(4, HIDDEN))
+                assert moe.stats.failures["busy"] >= 1
+                assert client.directory.banned == {}, "busy is loaded, not broken"
+
+            await in_thread(run)
+
+
+LIES: dict[str, tuple[Fault, str]] = {
+    "nan": (Fault(outputs=nan), NON_FINITE),
+    "scaled": (Fault(outputs=scaled_by(1e6)), OUT_OF_RANGE),
+    "noise": (Fault(outputs=noise(seed=1)), "disagreed"),
+    "huge_gradients": (Fault(gradients=scaled_by(1e6)), OUT_OF_RANGE),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+async def test_a_lying_expert_is_caught_banned_and_not_called_again(lie: str) -> None:
+    fault, reason = LIES[lie]
+    async with open_world(CONFIG) as world:
+        honest = [await world.add_server(GRID) for _ in range(2)]
+        liar = await world.add_server(GRID)
+        liar.faults.fault = fault
+        async with world.open_trainer() as client:
+            await offered(client, 3)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                checks = OutputChecks(spot_check=1.0 if lie == "noise" else 0.0)
+                moe = layer(client, checks=checks)
+                for _ in range(20):
+                    steps(moe, 1)
+                    if liar.peer_id in client.directory.banned:
+                        break
+                assert liar.peer_id in client.directory.banned, moe.stats
+                assert moe.stats.rejected[reason] >= 1, moe.stats
+                assert client.directory.ban_reasons[reason] == 1
+                assert not any(s.peer_id in client.directory.banned for s in honest)
+                before = liar.faults.faulty_replies
+                calls = moe.stats.calls
+                steps(moe, 3)
+                assert moe.stats.calls > calls
+                assert liar.faults.faulty_replies == before, "banned: not called again"
+
+            await in_thread(run)
+
+
+async def test_training_through_a_swarm_with_a_liar_still_learns() -> None:
+    async with open_world(CONFIG) as world:
+        for _ in range(2):
+            await world.add_server(GRID)
+        liar = await world.add_server(GRID)
+        liar.faults.fault = Fault(outputs=nan)
+        async with world.open_trainer() as client:
+            await offered(client, 3)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client, grace_after_k_min_s=1.0)
+                head = nn.Linear(HIDDEN, HIDDEN)
+                optimizer = torch.optim.Adam([*moe.parameters(), *head.parameters()], lr=1e-2)
+                x = torch.randn(32, HIDDEN)
+                target = torch.tanh(x @ torch.randn(HIDDEN, HIDDEN))
+                losses = []
+                for _ in range(25):
+                    loss = nn.functional.mse_loss(head(moe(x)), target)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    losses.append(float(loss.detach()))
+                assert all(loss == loss for loss in losses), "no NaN reached training"
+                assert losses[-1] < 0.7 * losses[0], losses
+
+            await in_thread(run)
+
+
+async def test_honest_experts_that_grow_past_max_abs_are_not_banned() -> None:
+    """A model whose outputs grow (an unbounded loss) is reported as diverging and keeps
+    its peers; a model whose every answer is NaN is the typed error, not a ban of all."""
+    config = local_config(
+        uids=GRID, experts={"hidden_dim": HIDDEN, "seed": 7, "optimizer": {"lr": 0.05}}
+    )
+    async with open_world(config) as world:
+        servers = [await world.add_server(GRID) for _ in range(3)]
+        async with world.open_trainer(ban_s=600) as client:
+            await offered(client, 3)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                x = torch.randn(32, HIDDEN)
+                moe = layer(client)
+                with torch.no_grad():
+                    start = float(moe(x).abs().max())
+                moe.checks = OutputChecks(max_abs=2 * start)  # just above where it starts
+                largest = start
+                for _ in range(60):
+                    y = moe(x)
+                    largest = float(y.detach().abs().max())
+                    y.sum().backward()
+                    if largest > 5 * moe.checks.max_abs:
+                        break
+                assert largest > 5 * moe.checks.max_abs, (start, largest)
+                assert moe.stats.diverging[OUT_OF_RANGE] >= 1, moe.stats
+                assert client.directory.banned == {}, client.directory.ban_reasons
+                assert moe.stats.bans_held_back == 0
+
+                for server in servers:  # diverged for good: every answer is NaN
+                    server.faults.fault = Fault(outputs=nan)
+                with pytest.raises(ModelDiverging, match="diverging"):
+                    moe(x)
+                assert moe.stats.diverging[NON_FINITE] >= 1
+                assert client.directory.banned == {}, client.directory.ban_reasons
+
+            await in_thread(run)
