@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import faulthandler
 import logging
 import traceback
 from collections.abc import Generator, Iterator
 
 import pytest
+from _pytest.faulthandler import fault_handler_stderr_fd_key
 
 from volunteerd.logs import tame_third_party
 
@@ -13,6 +15,20 @@ from volunteerd.logs import tame_third_party
 def _quiet_libp2p() -> None:
     tame_third_party()
     logging.getLogger("volunteerd").setLevel(logging.INFO)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``faulthandler_timeout`` dumps every thread's stack a little before the default
+    per-test ``timeout``; a test marked with a longer timeout gets its dump as long
+    before its own (else a slow test that is not hung would dump its stacks too)."""
+    mark = item.get_closest_marker("timeout")
+    dump_s = float(item.config.getini("faulthandler_timeout") or 0)
+    if mark is None or not mark.args or dump_s <= 0:
+        return
+    margin = float(item.config.getini("timeout")) - dump_s
+    stderr = item.config.stash[fault_handler_stderr_fd_key]  # the terminal, not a capture
+    faulthandler.dump_traceback_later(float(mark.args[0]) - margin, file=stderr)
 
 
 def _leaves(exc: BaseException) -> Iterator[BaseException]:

@@ -71,24 +71,25 @@ def spawn(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
         ready = home / "ready.json"
         ready.unlink(missing_ok=True)  # a restart under the same name
         log = home / "log.txt"
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "volunteerd",
-                *args,
-                "--listen-host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--ready-file",
-                str(ready),
-            ],
-            env=cli_env(home),
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        with log.open("w") as output:  # the child has its own copy of the descriptor
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "volunteerd",
+                    *args,
+                    "--listen-host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--ready-file",
+                    str(ready),
+                ],
+                env=cli_env(home),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         proc = Proc(process, ready, log)
         procs.append(proc)
         return proc

@@ -6,11 +6,15 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from tests.e2e.conftest import run_cli
 from volunteerd.errors import ExitCode
 from volunteerd.testing import local_config, open_peer
+
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
 FAST_DHT = ["--set", "dht.announce_period_s=1", "--set", "dht.record_ttl_s=2"]
 SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']

@@ -21,8 +21,10 @@ from volunteerd.net.background import BackgroundNode
 from volunteerd.testing import local_config
 from volunteerd.wire import ForwardRequest
 
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow
+
 def test_control_verbs_drive_a_running_daemon(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     home = tmp_path / "vol"
     daemon = spawn("vol", "serve", "--experts", "ffn.[0:2].[0:1]", "--set", "control.port=0")
@@ -106,7 +108,6 @@ def test_a_taken_control_port_is_a_clear_error(tmp_path: Path) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
 
 
-@pytest.mark.slow
 def test_stats_survive_kill_9(spawn) -> None:  # type: ignore[no-untyped-def]
     """Counted calls survive SIGKILL once a flush has passed (stats.flush_s)."""
     settings = ["--experts", "ffn.0.0", "--set", "experts.hidden_dim=16",

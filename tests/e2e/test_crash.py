@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.e2e.conftest import Proc
@@ -21,6 +22,9 @@ from volunteerd.net.background import BackgroundNode
 from volunteerd.testing import local_config
 from volunteerd.wire import BackwardRequest
 from volunteerd.wire.messages import ParamsRequest
+
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
 HIDDEN = 512  # ~25 MB per checkpoint with Adam's state: a save takes a visible moment
 UIDS = [f"ffn.0.{i}" for i in range(4)]

@@ -10,7 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import cli_env
+
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
 
 def descendants(pid: int) -> list[int]:
@@ -90,6 +95,8 @@ def test_demo_ctrl_c_stops_every_process_it_started(tmp_path: Path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
+        process.wait(10)
+        process.stderr.close()
 
 
 def test_demo_local_baseline_needs_no_swarm(tmp_path: Path) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from volunteerd.moe import RemoteMixtureOfExperts, SwarmClient
 from volunteerd.testing import local_config
+
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
 HIDDEN = 16
 SMALL = ["--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"']

@@ -222,6 +222,10 @@ def home(tmp_path: Path) -> Iterator[Path]:
 @pytest.mark.timeout(1200)
 def test_install_upgrade_and_uninstall_in_a_new_home(wheel: Path, home: Path) -> None:
     env = user_environment(home)
+    # Not byte-compiling what pip installs (torch: thousands of files) saves much of the
+    # install's time; compiling is pip's work, not the installer's (and Python compiles
+    # what it imports anyway). PIP_NO_COMPILE=1 would, oddly, mean the opposite.
+    env["PIP_COMPILE"] = "0"
     data_dir = home / ".local" / "share" / "volunteerd"
     env_dir = data_dir / "env"
     link = home / ".local" / "bin" / "volunteerd"
@@ -415,7 +419,7 @@ def dpkg(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_debian_package_installs_runs_and_removes_cleanly(tmp_path: Path) -> None:
+def test_debian_package_installs_runs_and_removes_cleanly(wheel: Path, tmp_path: Path) -> None:
     if shutil.which("dpkg-deb") is None or shutil.which("dpkg") is None:
         pytest.skip("needs dpkg and dpkg-deb (a Debian system)")
     if os.geteuid() != 0:
@@ -425,7 +429,8 @@ def test_debian_package_installs_runs_and_removes_cleanly(tmp_path: Path) -> Non
 
     started = time.monotonic()
     done = subprocess.run(
-        ["bash", str(BUILD_DEB), "--out", str(tmp_path)],
+        # the session's wheel: built once for both installers' tests
+        ["bash", str(BUILD_DEB), "--out", str(tmp_path), "--wheel", str(wheel)],
         capture_output=True,
         text=True,
         timeout=SCRIPT_TIMEOUT_S,

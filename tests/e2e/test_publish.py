@@ -7,8 +7,13 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import run_cli
 from volunteerd.errors import ExitCode
+
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
 
 MANIFEST = """\
 name = "e2e-demo"
@@ -46,20 +51,22 @@ def test_publish_then_a_trusting_daemon_joins_and_a_distrustful_one_exits_3(
     assert "joined experiment 'e2e-demo'" in trusting.log.read_text()
     assert "hosting 2 experts" in trusting.log.read_text()
 
-    # Trusting nobody yet: exits 3 and names the owner it found, as a hint.
+    # Two daemons side by side (each start takes a while):
+    # trusting nobody yet: exits 3 and names the owner it found, as a hint;
     distrustful = spawn("distrustful", "serve", *join)
-    assert distrustful.process.wait(60) == ExitCode.CONFIG
-    log = distrustful.log.read_text()
-    assert owner_id in log
-    assert "experiments.trusted_owners" in log
-
-    # Trusting someone else: strangers' manifests are never suggested (anyone can
+    # trusting someone else: strangers' manifests are never suggested (anyone can
     # publish under any name); not found from a trusted owner, exit 5.
     stranger = run_cli(tmp_path / "stranger", "id").stdout.strip()
     elsewhere = spawn(
         "elsewhere", "serve", *join, "--set", f'experiments.trusted_owners=["{stranger}"]',
         "--set", "experiments.join_timeout_s=3",
     )  # fmt: skip
+
+    assert distrustful.process.wait(60) == ExitCode.CONFIG
+    log = distrustful.log.read_text()
+    assert owner_id in log
+    assert "experiments.trusted_owners" in log
+
     assert elsewhere.process.wait(60) == ExitCode.UNAVAILABLE
     log = elsewhere.log.read_text()
     assert owner_id not in log

@@ -19,6 +19,9 @@ from volunteerd.net.peers import parse_peer_multiaddr
 from volunteerd.testing import local_config, open_peer
 from volunteerd.wire import ForwardRequest
 
+# Each test starts volunteerd as a process (most, a daemon or a swarm of them).
+pytestmark = pytest.mark.slow
+
 SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']
 # The states a closed socket lingers in on the side that closed first: FIN-WAIT-1/2,
 # CLOSING, TIME-WAIT. Any of them kept a plain bind from succeeding.
@@ -44,7 +47,6 @@ def lingering_on(port: int) -> int | None:
     )
 
 
-@pytest.mark.slow
 def test_restart_with_a_trainer_connected_binds_the_same_port_at_once(spawn) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     first = spawn("server", "serve", "--experts", "ffn.0.0", *SMALL, port=port)

@@ -37,7 +37,11 @@ ICON = ".local/share/icons/hicolor/scalable/apps/volunteerd.svg"
 DATA = ".local/share/volunteerd"  # the daemon's own: kept by uninstall
 CACHE = ".cache/volunteerd"
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux files")
+pytestmark = [
+    # each test runs `volunteerd service`; some start the daemon
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux files"),
+]
 
 
 @pytest.fixture
@@ -89,7 +93,6 @@ def alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.slow
 def test_install_starts_the_daemon_and_uninstall_leaves_the_home_as_it_was(home: Path) -> None:
     before = files_in(home)
 

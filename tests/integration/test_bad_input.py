@@ -18,8 +18,12 @@ from volunteerd.errors import RemoteError
 from volunteerd.experts import to_wire
 from volunteerd.net import PROTOCOLS, Node, Verb
 from volunteerd.net.framing import read_frame_rest, read_prefix
+from volunteerd.net.host import Libp2pStream
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import PREFIX, ForwardRequest, TensorMeta, encode_frame
+
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
 
 HIDDEN = 32
 
@@ -59,11 +63,12 @@ async def raw_exchange(
     await stream.write(payload)
     if close:
         await stream.close_write()
+    reader = Libp2pStream(stream)
     with trio.fail_after(10):
-        prefix = await read_prefix(stream)
+        prefix = await read_prefix(reader)
         if prefix is None:
             return None
-        frame = await read_frame_rest(stream, bytes(prefix), local_config().wire)
+        frame = await read_frame_rest(reader, bytes(prefix), local_config().wire)
     await stream.close()
     return json.loads(frame.header)
 
@@ -195,9 +200,9 @@ async def test_requests_in_flight_share_one_byte_budget(tmp_path: Path) -> None:
         assert refused.value.code == "busy"
         await stream.write(frame[len(frame) // 2 :])
         with trio.fail_after(10):
-            prefix = await read_prefix(stream)
+            prefix = await read_prefix(Libp2pStream(stream))
             assert prefix is not None
-            reply = await read_frame_rest(stream, bytes(prefix), local_config().wire)
+            reply = await read_frame_rest(Libp2pStream(stream), bytes(prefix), local_config().wire)
         assert json.loads(reply.header)["status"] == "ok"
         await stream.close()
         await forward(other, server, small)

@@ -28,6 +28,9 @@ from volunteerd.net import Node, Verb
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import BackwardRequest, ForwardRequest, WireTensor
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 HIDDEN = 32
 UIDS = "ffn.0.[0:5]"
 
@@ -117,7 +120,6 @@ async def train(
     return losses
 
 
-@pytest.mark.slow
 async def test_each_single_request_attack_is_refused_and_changes_nothing(
     tmp_path: Path,
 ) -> None:
@@ -176,7 +178,6 @@ async def test_each_single_request_attack_is_refused_and_changes_nothing(
         assert (runtime.step_check.full, runtime.step_check.predicted) == (2, 10)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 async def test_a_request_under_the_bounds_cannot_move_the_weights_far(
     tmp_path: Path, optimizer: str

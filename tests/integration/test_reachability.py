@@ -21,6 +21,9 @@ from volunteerd.net.dialback import DialBackReply, DialBackRequest
 from volunteerd.net.peers import peer_id_for
 from volunteerd.testing import local_config, open_daemon, open_peer
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 UID = "ffn.0.1"
 
 

@@ -17,6 +17,9 @@ from volunteerd.moe import RemoteExpert
 from volunteerd.net.background import BackgroundNode
 from volunteerd.testing import local_config, open_daemon, open_peer
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 UID = "ffn.0.1"
 
 

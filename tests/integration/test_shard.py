@@ -22,6 +22,9 @@ from volunteerd.net import Node, download_shard, partial_paths
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.testing import local_config, open_daemon, open_peer
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 UID = "ffn.0.0"
 HIDDEN = 256  # ~2 MiB of weights and ~4 MiB of Adam state after one step
 CHUNK = 256 << 10
