@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from volunteerd.identity import Identity
@@ -12,6 +13,9 @@ from volunteerd.net import Verb
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import StoreReply, StoreRequest, sign_record
 from volunteerd.testing import local_config, open_daemon, open_peer
+
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
 
 
 async def test_servers_sharing_a_prefix_are_all_found(tmp_path: Path) -> None:
@@ -121,5 +125,5 @@ async def test_records_are_stored_on_the_replication_closest_peers(tmp_path: Pat
             outcome = await server.announcer.announce_now()
             assert set(outcome.acks) == {"ffn.", "ffn.0.", "ffn.0.0"}
             assert outcome.min_acks == replication
-            holders = [n for n in (boot, p1, p2, p3, server.node) if n.dht.store.get("ffn.0.0")]
+            holders = [n for n in (boot, p1, p2, p3, server.node) if n.dht.records.get("ffn.0.0")]
             assert len(holders) == replication

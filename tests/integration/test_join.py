@@ -23,6 +23,9 @@ from volunteerd.net.peers import peer_id_for
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
 from volunteerd.testing import local_config, open_daemon, open_peer
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 NAME = "join-test"
 GRID = (4, 4)
 REPLICATION = 2

@@ -21,6 +21,9 @@ from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply
 
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
 UID = "ffn.0.0"
 HIDDEN = 32
 CLIP_RATIO = 0.1

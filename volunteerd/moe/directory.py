@@ -180,9 +180,6 @@ class ExpertDirectory:
         until = self._banned.get(peer_id)
         return until is not None and until > self._clock()
 
-    def is_verified(self, peer_id: str) -> bool:
-        return peer_id in self._verified
-
     @property
     def banned(self) -> Mapping[str, float]:
         return dict(self._banned)

@@ -372,10 +372,6 @@ class SignedRecordStore(Generic[R]):
     def keys(self) -> Iterable[str]:
         return list(self._keys)
 
-    def writer_first_seen(self, writer: str) -> float | None:
-        entry = self._writers.get(writer)
-        return entry.first_seen if entry is not None else None
-
     def expire(self) -> int:
         """Drop expired records, and writers gone for ``forget_s``; returns how many
         records were dropped."""
