@@ -274,8 +274,13 @@ class ExpertDHT:
         if cached is not None and cached[0] == size and cached[1] > now:
             return cached[2]
         found: list[ID] = []
-        async with self._lookups:
-            with trio.move_on_after(self._timeouts.dht_lookup_s):
+        # The bound covers the wait for a lookup slot too: after a change of membership
+        # every key is looked up again, and queued lookups would make an announcement
+        # round last several lookups long, past its records' lifetime. A key that gets
+        # no slot in time takes the routing table's closest peers, and is looked up
+        # again next time.
+        with trio.move_on_after(self._timeouts.dht_lookup_s):
+            async with self._lookups:
                 found = await self._kad.peer_routing.find_closest_peers_network(
                     key.encode(), count=self._config.replication
                 )
