@@ -143,8 +143,16 @@ async def test_three_joiners_cover_the_grid_and_a_latecomer_downloads_from_repli
             for d in daemons:
                 for uid in hosted(d):
                     await d.runtime.with_expert(uid, train_once)
-            # Wait for the latest announcements to be in the DHT before the latecomer.
-            await trio.sleep(config.dht.announce_period_s * 1.5)
+            # Wait until a third party's lookup finds every replica, before the latecomer.
+            with trio.fail_after(30):
+                while True:
+                    found = await boot.dht.get(sorted(all_uids))
+                    hosts = {
+                        u: {d.node.peer_id for d in daemons if u in hosted(d)} for u in all_uids
+                    }
+                    if all(hosts[u] <= {r.peer_id for r in found[u]} for u in all_uids):
+                        break
+                    await trio.sleep(config.dht.announce_period_s / 2)
 
             async with open_daemon(config, tmp_path / "late") as late:
                 assert late.joiner is not None

@@ -50,6 +50,8 @@ __all__ = ["Joiner", "ReplicaDownloader", "capacity_for"]
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
+# lookups that must all find no replica before an expert starts from the seed
+_SEED_LOOKUPS = 3
 
 
 def capacity_for(config: Config, device: torch.device) -> Callable[[ExpertsConfig], int]:
@@ -287,8 +289,14 @@ class Joiner:
         uid = backend.uid
         if self._checkpointer is not None and await self._checkpointer.restore_into(backend):
             return "checkpoint"  # replica averaging catches it up with the others
-        if not replicas:
+        for attempt in range(_SEED_LOOKUPS):
+            if replicas:
+                break
             # Seeding an expert that has a replica would fork its weights: make sure.
+            # A lookup can come back short (a storing peer that did not answer in time,
+            # on a busy machine), so an orphan is believed only after a few of them.
+            if attempt:
+                await trio.sleep(_RETRY_S)
             replicas = (await self.live_replicas([uid]))[uid]
         for peer in self._rng.sample(list(replicas), len(replicas)):
             try:
