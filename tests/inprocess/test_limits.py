@@ -6,7 +6,6 @@ the wall clock: those tests run in real time and bound only what the attacker go
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,8 +19,7 @@ import trio
 from volunteerd.config import Config
 from volunteerd.errors import PeerError, RemoteError
 from volunteerd.net import PROTOCOLS, Reply, Request, RpcClient, RpcServer, Verb
-from volunteerd.net.framing import read_frame_rest, read_prefix
-from volunteerd.net.transport import Stream
+from volunteerd.testing.clients import read_reply, trickle
 from volunteerd.testing.memnet import MemoryHost, MemoryNetwork
 from volunteerd.wire import ForwardRequest, TensorMeta, TensorReply, encode_frame
 
@@ -75,39 +73,6 @@ async def forward(client: RpcClient, setup: Setup, rows: int = 2) -> None:
     assert reply.tensors[0].shape == (rows, 32)
 
 
-async def read_reply(stream: Stream) -> dict[str, Any]:
-    prefix = await read_prefix(stream)
-    assert prefix is not None
-    frame = await read_frame_rest(stream, bytes(prefix), Config().wire)
-    reply: dict[str, Any] = json.loads(frame.header)
-    return reply
-
-
-async def trickle(stream: Stream, data: bytes, every_s: float) -> float:
-    """Send ``data`` a byte at a time; the seconds from the first byte until the server
-    dropped the stream."""
-    started = trio.current_time()
-    async with trio.open_nursery() as nursery:
-
-        async def send() -> None:
-            try:
-                for i in range(len(data)):
-                    await stream.write(data[i : i + 1])
-                    await trio.sleep(every_s)
-            except Exception:
-                return
-            await trio.sleep_forever()
-
-        nursery.start_soon(send)
-        try:
-            while await stream.read(1024):
-                pass
-        except Exception:
-            pass
-        nursery.cancel_scope.cancel()
-    return trio.current_time() - started
-
-
 async def test_slow_senders_are_dropped_and_streams_capped_while_a_good_client_is_served(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -138,7 +103,7 @@ async def test_slow_senders_are_dropped_and_streams_capped_while_a_good_client_i
             await trio.sleep(0.3)  # 4 idle + 4 trickling streams: the attacker's cap
             for _ in range(2):
                 stream = await setup.attacker_host.open_stream(address, FORWARD)
-                reply = await read_reply(stream)
+                reply = await read_reply(stream, Config().wire)
                 assert reply["code"] == "rate_limited"
                 assert "streams" in reply["message"]
 

@@ -9,7 +9,6 @@ on small, shared machines.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,9 +26,9 @@ from libp2p.peer.id import ID
 from volunteerd.daemon import Running
 from volunteerd.experts import to_wire
 from volunteerd.net import PROTOCOLS, Node, Verb
-from volunteerd.net.framing import read_frame_rest, read_prefix
 from volunteerd.net.host import Libp2pStream
 from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.testing.clients import read_reply, trickle
 from volunteerd.wire import ForwardRequest, encode_frame
 
 # Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
@@ -74,41 +73,6 @@ async def open_raw(client: Node, server: Running) -> INetStream:
     )
 
 
-async def trickle(stream: INetStream, data: bytes, every_s: float) -> float:
-    """Send ``data`` one byte at a time; returns the seconds from the first byte until
-    the server dropped the stream (a reset or EOF seen by a read, or a failed write)."""
-    started = time.monotonic()
-    async with trio.open_nursery() as nursery:
-
-        async def send() -> None:
-            try:
-                for i in range(len(data)):
-                    await stream.write(data[i : i + 1])
-                    await trio.sleep(every_s)
-            except Exception:
-                nursery.cancel_scope.cancel()
-                return
-            await trio.sleep_forever()
-
-        nursery.start_soon(send)
-        try:
-            while await stream.read(1024):
-                pass
-        except Exception:
-            pass
-        nursery.cancel_scope.cancel()
-    return time.monotonic() - started
-
-
-async def read_reply(stream: INetStream) -> dict[str, Any]:
-    with trio.fail_after(10):
-        prefix = await read_prefix(Libp2pStream(stream))
-        assert prefix is not None
-        frame = await read_frame_rest(Libp2pStream(stream), bytes(prefix), local_config().wire)
-    reply: dict[str, Any] = json.loads(frame.header)
-    return reply
-
-
 async def test_slow_senders_are_dropped_and_idle_streams_capped_while_a_good_client_is_served(
     tmp_path: Path,
 ) -> None:
@@ -135,7 +99,7 @@ async def test_slow_senders_are_dropped_and_idle_streams_capped_while_a_good_cli
 
         async def loris() -> None:
             stream = await open_raw(attacker, server)
-            drop_after_s.append(await trickle(stream, frame, every_s=0.2))
+            drop_after_s.append(await trickle(Libp2pStream(stream), frame, every_s=0.2))
 
         async def good_client() -> None:
             with trio.move_on_after(3 * frame_read_s + 1):
@@ -151,7 +115,8 @@ async def test_slow_senders_are_dropped_and_idle_streams_capped_while_a_good_cli
             await trio.sleep(0.3)
             extra = [await open_raw(attacker, server) for _ in range(2)]
             for stream in extra:
-                reply = await read_reply(stream)
+                with trio.fail_after(30):
+                    reply = await read_reply(Libp2pStream(stream), local_config().wire)
                 assert reply["code"] == "rate_limited"
                 assert "streams" in reply["message"]
 
