@@ -151,7 +151,17 @@ class Announcer:
                 self._uids, withdrawn = set(), self._announced
                 if withdrawn:
                     try:
-                        await self._dht.put(self.records(withdraw=withdrawn))
-                        logger.info("withdrew %d experts from the DHT", len(withdrawn))
+                        records = self.records(withdraw=withdrawn)
+                        outcome = await self._dht.put(records)
+                        if outcome.min_acks <= 1 and self._dht.routing_table_size():
+                            # Only this node took it while it has peers: a connection
+                            # closing under the stop, most likely. Once more, else the
+                            # records stay findable until they expire.
+                            outcome = await self._dht.put(records)
+                        logger.info(
+                            "withdrew %d experts from the DHT (fewest copies per key: %d)",
+                            len(withdrawn),
+                            outcome.min_acks,
+                        )
                     except Exception as exc:  # the records expire on their own
                         logger.info("could not withdraw the experts: %r", exc)
