@@ -18,6 +18,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+import torch
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 from volunteerd.config import DHTConfig, TimeoutsConfig, WireLimits
 from volunteerd.config.models import PeerLimitsConfig
 from volunteerd.errors import WIRE_CODES, InvalidRecord, MalformedFrame, UnknownExpert
+from volunteerd.experts import from_wire, to_wire
 from volunteerd.identity import Identity
 from volunteerd.net.limits import PeerLimiter
 from volunteerd.net.peers import peer_id_for
@@ -84,8 +86,11 @@ class ScriptedStream:
 
 
 async def _echo(request: Request) -> Reply:
-    """Decoded fine: answer forwards with their own tensors, refuse the rest (typed)."""
+    """Decoded fine: answer forwards with their own tensors (read as the runtime reads
+    them: a q8 buffer no encoder makes is malformed), refuse the rest (typed)."""
     if isinstance(request.header, ForwardRequest):
+        for tensor in request.tensors:
+            from_wire(tensor)
         metas = [t.meta for t in request.tensors]
         return Reply(TensorReply(tensors=metas), [t.data for t in request.tensors])
     raise UnknownExpert("fuzz: decoded")
@@ -156,6 +161,14 @@ def good_forward(rows: int = 2, cols: int = 4) -> bytes:
     return encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [bytes(meta.nbytes)])
 
 
+def good_q8_forward(rows: int = 2, cols: int = 40) -> bytes:
+    """Quantized inputs: scales (a NaN, an infinity or a negative one is malformed)
+    then codes (-128 is malformed)."""
+    meta, data = to_wire(torch.linspace(-3, 3, rows * cols).reshape(rows, cols), "q8")
+    request = ForwardRequest(uid="ffn.0.0", tensors=[meta], compression="q8")
+    return encode_frame(request, [data])
+
+
 def good_batch() -> bytes:
     meta = TensorMeta(dtype="float16", shape=(1, 3))
     items = [ForwardRequest(uid=f"ffn.0.{i}", tensors=[meta]) for i in range(3)]
@@ -178,7 +191,12 @@ def test_arbitrary_bytes_get_typed_replies_on_every_verb(
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=20)
+    | st.sampled_from(["q8", "float16", "bfloat16"]),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner),
     max_leaves=30,
 )
@@ -212,7 +230,7 @@ def test_arbitrary_json_headers_get_typed_replies(header: object, body: bytes, v
 
 @FUZZ
 @given(
-    which=st.sampled_from(["forward", "batch"]),
+    which=st.sampled_from(["forward", "q8", "batch"]),
     flips=st.lists(
         st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=255)),
         max_size=4,
@@ -222,16 +240,16 @@ def test_arbitrary_json_headers_get_typed_replies(header: object, body: bytes, v
 def test_mutated_valid_frames_get_typed_replies_and_keep_the_stream_in_step(
     which: str, flips: list[tuple[int, int]], cut: int | None
 ) -> None:
-    good = good_forward() if which == "forward" else good_batch()
+    good = {"forward": good_forward, "q8": good_q8_forward, "batch": good_batch}[which]()
     frame = bytearray(good)
     for position, value in flips:
         frame[position % len(frame)] = value
     if cut is not None:
         frame = frame[: cut % len(frame)]
-    verb = Verb.FORWARD if which == "forward" else Verb.FORWARD_BATCH
+    verb = Verb.FORWARD_BATCH if which == "batch" else Verb.FORWARD
     stream = serve(bytes(frame) + good, verb)
     headers = assert_typed(stream.written)
-    decoded = "ok" if which == "forward" else "unknown_expert"  # the echo refuses batches
+    decoded = "unknown_expert" if which == "batch" else "ok"  # the echo refuses batches
     if not frame:
         assert [h.get("code", "ok") for h in headers] == [decoded]
         return
@@ -242,6 +260,26 @@ def test_mutated_valid_frames_get_typed_replies_and_keep_the_stream_in_step(
         assert len(headers) == 1
     if flips == [] and cut is None:
         assert [h.get("code", "ok") for h in headers] == [decoded, decoded]
+
+
+@pytest.mark.parametrize(
+    ("offset", "value"),
+    [(3, 0x7F), (3, 0xFF), (3, 0x80), (8, 0x80)],
+    ids=["nan-scale", "negative-nan-scale", "negative-scale", "code-minus-128"],
+)
+def test_q8_bodies_no_encoder_makes_are_malformed_and_the_stream_stays_in_step(
+    offset: int, value: int
+) -> None:
+    """Offsets into the body of a 2x40 q8 tensor: two float32 scales, then the codes."""
+    good = good_q8_forward()
+    frame = bytearray(good)
+    body = len(frame) - (2 * 4 + 80)
+    frame[body + offset] = value
+    if offset == 3 and value == 0x7F:
+        frame[body + 2] = 0xC0  # exponent all ones, mantissa non-zero: NaN
+    headers = assert_typed(serve(bytes(frame) + good).written)
+    assert [h.get("code", "ok") for h in headers] == ["malformed", "ok"]
+    assert "q8 tensor" in headers[0]["message"]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -52,7 +52,6 @@ from volunteerd.wire import (
     TensorReply,
     WireTensor,
     check_against_schema,
-    on_wire,
 )
 
 if TYPE_CHECKING:
@@ -340,7 +339,7 @@ class ExpertRuntime:
     ) -> tuple[TensorReply, list[bytes]]:
         """Outputs for ``tensors``; with ``retain`` the graph is kept (if memory allows)
         and the reply carries its handle. With ``compression`` floating-point tensors
-        travel narrowed, both ways."""
+        travel narrowed or quantized, both ways (``experts.tensor_codec``)."""
         hosted = self._hosted(uid)
         self.guard.check_peer(uid, peer_id)
         hosted.refuse_if_broken()
@@ -514,13 +513,6 @@ class ExpertRuntime:
         return self.retained.statistics()
 
 
-def _narrow(tensor: torch.Tensor, compression: Compression) -> torch.Tensor:
-    if compression == "none":
-        return tensor
-    name = next(name for name, dtype in TORCH_DTYPES.items() if dtype == tensor.dtype)
-    return tensor.to(TORCH_DTYPES[on_wire(name, compression)])
-
-
 def _sum(a: QueueStats, b: QueueStats) -> QueueStats:
     return QueueStats(
         requests=a.requests + b.requests,
@@ -532,7 +524,8 @@ def _sum(a: QueueStats, b: QueueStats) -> QueueStats:
 
 
 def _decode(tensors: Sequence[WireTensor], dtypes: Sequence[str]) -> list[torch.Tensor]:
-    """Wire tensors as torch tensors of the schema's dtypes (widening compressed ones)."""
+    """Wire tensors as torch tensors of the schema's dtypes (widening narrowed ones,
+    dequantizing q8 ones; MalformedFrame for a q8 buffer no encoder makes)."""
     out = []
     for tensor, dtype in zip(tensors, dtypes, strict=True):
         decoded = from_wire(tensor)
@@ -543,5 +536,5 @@ def _decode(tensors: Sequence[WireTensor], dtypes: Sequence[str]) -> list[torch.
 def _reply(
     tensors: Sequence[torch.Tensor], compression: Compression = "none", handle: str | None = None
 ) -> tuple[TensorReply, list[bytes]]:
-    encoded = [to_wire(_narrow(t, compression)) for t in tensors]
+    encoded = [to_wire(t, compression) for t in tensors]
     return TensorReply(tensors=[m for m, _ in encoded], handle=handle), [b for _, b in encoded]

@@ -2,13 +2,25 @@
 
 Pure and torch-free: a tensor on the wire is a ``WireTensor`` (dtype name, shape and a
 little-endian buffer). Conversion to and from torch lives in ``volunteerd.experts``.
-Only the dtypes in ``DTYPE_SIZES`` exist; anything else is refused before a byte of
-the body is interpreted.
+Only the dtypes in ``DTYPE_SIZES`` and ``q8`` exist; anything else is refused before a
+byte of the body is interpreted.
+
+``q8`` is blockwise 8-bit quantization of a floating-point tensor: the flattened values
+are cut into blocks of ``Q8_BLOCK`` (the last one may be shorter), and each block travels
+as one float32 scale and one signed byte per value, ``value ≈ code * scale``, codes in
+[-127, 127]. The buffer holds every block's scale first, then every code, so its size
+follows from the shape alone (``q8_nbytes``). Absmax-symmetric rather than min/max with
+an offset: what crosses the expert boundary (normalised hidden states, their gradients)
+is centred on zero, so the offset would buy little for a second scalar per block, while
+symmetric codes keep zero exact (padding rows, zeroed gradients) and the error the same
+for either sign. ``split_body`` refuses a q8 buffer that no encoder makes (``check_q8``),
+on both sides of a call, so a decoded q8 tensor is always finite.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -22,23 +34,43 @@ __all__ = [
     "FLOAT_DTYPES",
     "MAX_DIM",
     "MAX_NDIM",
+    "Q8_BLOCK",
+    "Q8_CODE_MAX",
+    "Q8_MAX_SCALE",
     "Compression",
     "DType",
     "TensorMeta",
     "TensorSchema",
+    "WireDType",
     "WireTensor",
     "check_against_schema",
+    "check_q8",
     "on_wire",
+    "q8_nbytes",
     "split_body",
 ]
 
+# What tensors are (an expert's schema), and how they may travel.
 DType = Literal["float32", "float16", "bfloat16", "int64"]
+WireDType = Literal["float32", "float16", "bfloat16", "int64", "q8"]
 # What floating-point tensors are narrowed to on the wire, chosen per request.
-Compression = Literal["none", "float16", "bfloat16"]
+Compression = Literal["none", "float16", "bfloat16", "q8"]
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}
 MAX_NDIM = 8
 MAX_DIM = 1 << 31
+# Values per q8 block: a 4-byte scale per 64 values is 6 % on top of the codes, and a
+# block small enough that one outlier coarsens only its 63 neighbours.
+Q8_BLOCK = 64
+Q8_CODE_MAX = 127
+# The largest block scale, a float32 whose codes still dequantize to finite float32
+# values (float32's max / 127 itself does not: 127 times it rounds up to infinity).
+Q8_MAX_SCALE: float = struct.unpack(
+    "<f", struct.pack("<f", 3.4028234663852886e38 / 127 * (1 - 2**-20))
+)[0]
+# Non-negative float32s are ordered as their bit patterns; a negative one, NaN or an
+# infinity has a pattern above this one.
+_Q8_MAX_SCALE_BITS: int = struct.unpack("<I", struct.pack("<f", Q8_MAX_SCALE))[0]
 
 Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
 
@@ -48,7 +80,7 @@ class TensorMeta(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dtype: DType
+    dtype: WireDType
     shape: Annotated[tuple[Dim, ...], Field(max_length=MAX_NDIM)]
 
     @property
@@ -57,7 +89,15 @@ class TensorMeta(BaseModel):
 
     @property
     def nbytes(self) -> int:
+        if self.dtype == "q8":
+            return q8_nbytes(self.numel)
         return self.numel * DTYPE_SIZES[self.dtype]
+
+
+def q8_nbytes(numel: int) -> int:
+    """Bytes of a q8 buffer of ``numel`` values: a float32 scale per started block, then
+    a byte per value."""
+    return 4 * -(-numel // Q8_BLOCK) + numel
 
 
 class TensorSchema(BaseModel):
@@ -94,13 +134,30 @@ def split_body(metas: Sequence[TensorMeta], body: memoryview) -> list[WireTensor
     offset = 0
     for meta in metas:
         end = offset + meta.nbytes
+        if meta.dtype == "q8":
+            check_q8(body[offset:end], meta.numel)
         out.append(WireTensor(meta.dtype, meta.shape, body[offset:end]))
         offset = end
     return out
 
 
+def check_q8(data: memoryview, numel: int) -> None:
+    """Refuse (MalformedFrame) a q8 buffer of ``numel`` values that no encoder makes: a
+    block scale that is negative (-0 too), NaN, infinite or above ``Q8_MAX_SCALE``, or
+    a code of -128. Two scans in C; the wire is little-endian, as the machine must be
+    (``volunteerd.experts`` refuses to load on any other)."""
+    if data.nbytes != q8_nbytes(numel):
+        raise MalformedFrame(f"a q8 tensor of {numel} values takes {q8_nbytes(numel)} bytes")
+    scales = 4 * -(-numel // Q8_BLOCK)
+    if scales and max(data[:scales].cast("B").cast("I")) > _Q8_MAX_SCALE_BITS:
+        raise MalformedFrame("q8 tensor: a block scale is negative, not finite, or too large")
+    if b"\x80" in data[scales:].tobytes():
+        raise MalformedFrame(f"q8 tensor: code {-Q8_CODE_MAX - 1} is not a q8 code")
+
+
 def on_wire(dtype: str, compression: Compression) -> str:
-    """The dtype a tensor of ``dtype`` travels in under ``compression``."""
+    """The wire dtype a tensor of ``dtype`` travels in under ``compression``: floating
+    point ones are narrowed (or quantized, ``q8``), integers never."""
     return compression if compression != "none" and dtype in FLOAT_DTYPES else dtype
 
 
