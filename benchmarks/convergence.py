@@ -1,4 +1,5 @@
-"""Convergence of the demo on the swarm against the same model trained locally.
+"""Convergence of the demo on the swarm against the same model trained locally, and the
+cost in quality of keeping several batches in flight.
 
 What it measures
     Runs ``volunteerd demo`` (a local swarm of ``--nodes`` daemons, experts remote) and
@@ -7,10 +8,18 @@ What it measures
     same number of training samples — and prints both validation curves' end points and
     their ratio (1.0 = distribution costs nothing in quality per sample).
 
+    With ``--in-flight``, instead: the demo's model trained ``--steps`` steps (each one
+    batch of 16 x 64 bytes, one update) with ``training.in_flight`` 1, 4 and 8 (staleness
+    bound as many) and synchronous micro-batching (``in_flight`` 4, ``max_staleness`` 0),
+    each on a fresh local swarm (fresh experts) and, with ``--local``, with local experts
+    too (only the trainer's side is then stale). It prints the final validation loss,
+    its ratio to ``in_flight`` 1, the staleness seen and the gradients dropped.
+
 Run::
 
     .venv/bin/python benchmarks/convergence.py            # 200 steps, 3 nodes
     .venv/bin/python benchmarks/convergence.py --steps 400
+    .venv/bin/python benchmarks/convergence.py --in-flight --local   # ~15 min on 2 cores
 """
 
 from __future__ import annotations
@@ -19,8 +28,15 @@ import argparse
 import io
 import json
 
-from volunteerd.demo import run_demo
+import torch
+
+from volunteerd.demo import LocalSwarm, run_demo, run_training, trainer_config
 from volunteerd.logs import configure_logging
+from volunteerd.moe import SwarmClient
+from volunteerd.train import Experiment, TrainSummary
+
+# (label, in_flight, max_staleness)
+VARIANTS = [("1 in flight", 1, 0), ("4 in flight", 4, 4), ("8 in flight", 8, 8), ("sync 4", 4, 0)]
 
 
 def main() -> int:
@@ -28,9 +44,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-flight", action="store_true", help="compare batches in flight")
+    p.add_argument("--local", action="store_true", help="with --in-flight: local runs too")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     configure_logging("WARNING")
+    if args.in_flight:
+        return in_flight(args)
     runs = {}
     for mode, local in (("swarm", False), ("local", True)):
         log = io.StringIO()
@@ -55,6 +75,59 @@ def main() -> int:
     print(f"curves (step: swarm/local): {curve}")
     if args.json:
         print(json.dumps({k: v.as_dict() for k, v in runs.items()}))
+    return 0
+
+
+def variant(base: Experiment, steps: int, seed: int, in_flight: int, staleness: int) -> Experiment:
+    training = base.training.model_copy(
+        update={"steps": steps, "seed": seed, "in_flight": in_flight, "max_staleness": staleness}
+    )
+    return base.model_copy(update={"training": training})
+
+
+HEADER = (
+    f"{'run':18} {'in flight':>9} {'bound':>5} {'val@end':>8} {'ratio':>6} "
+    f"{'dropped':>7} {'mean st.':>8} {'max st.':>7} {'tokens/s':>9} {'seconds':>7}"
+)
+
+
+def row(name: str, s: TrainSummary, results: dict[str, TrainSummary]) -> str:
+    """A table row; the ratio is to the same mode's run with one batch in flight."""
+    reference = results[f"{name.split()[0]} {VARIANTS[0][0]}"].final_val_loss
+    return (
+        f"{name:18} {s.in_flight:9} {s.max_staleness:5} {s.final_val_loss:8.3f} "
+        f"{s.final_val_loss / reference:6.3f} {s.stale_dropped:7} {s.mean_staleness:8.2f} "
+        f"{s.max_staleness_seen:7} {s.tokens / s.seconds:9,.0f} {s.seconds:7.0f}"
+    )
+
+
+def in_flight(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    base = Experiment()
+    results: dict[str, TrainSummary] = {}
+    modes = ("swarm", "local") if args.local else ("swarm",)
+    for mode in modes:
+        for label, flying, staleness in VARIANTS:
+            experiment = variant(base, args.steps, args.seed, flying, staleness)
+            log = io.StringIO()
+            if mode == "local":
+                summary = run_training(experiment, client=None, steps=args.steps, out=log)
+            else:
+                with (
+                    LocalSwarm.for_experiment(experiment, args.nodes) as swarm,
+                    SwarmClient(
+                        trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1")
+                    ) as client,
+                ):
+                    summary = run_training(experiment, client=client, steps=args.steps, out=log)
+            results[f"{mode} {label}"] = summary
+            print(row(f"{mode} {label}", summary, results), flush=True)
+    print(f"\ndemo model, {args.steps} steps of one batch (16 x 64 bytes) each, seed {args.seed}")
+    print(HEADER)
+    for name, summary in results.items():
+        print(row(name, summary, results))
+    if args.json:
+        print(json.dumps({k: v.as_dict() for k, v in results.items()}))
     return 0
 
 

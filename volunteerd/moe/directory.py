@@ -2,7 +2,10 @@
 
 Lives on the trainer node's trio loop. ``children`` answers from the cache and fetches
 what it lacks in one batched DHT lookup; ``serve`` refreshes, every ``refresh_s``, the
-keys used recently, so a training step seldom waits for the DHT. Peers that failed a
+keys used recently, so a training step seldom waits for the DHT. A step waits only for
+keys it has never seen: a cached answer older than ``3 * refresh_s`` (the refreshes
+failed) is still given while a refresh runs beside the step, and steps in flight at
+once that ask for the same key share one lookup. Peers that failed a
 call are banned for ``ban_s``: their experts are not offered to the beam search from the
 next step on, whatever the DHT still says.
 
@@ -21,6 +24,7 @@ up for the first time waits up to ``verify_wait_s`` for its first answers.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -113,6 +117,7 @@ class ExpertDirectory:
         self._verified: OrderedDict[str, float] = OrderedDict()  # peer -> when
         self._failed: OrderedDict[str, float] = OrderedDict()  # peer -> retry after
         self._pending: set[str] = set()
+        self._fetching: dict[str, trio.Event] = {}  # key -> its lookup under way
         self._inline: list[tuple[PeerAddress, str]] = []  # to verify when not served
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
@@ -127,14 +132,17 @@ class ExpertDirectory:
         now = self._clock()
         wanted = list(dict.fromkeys(prefixes))
         stale_after = 3 * self._refresh_s
-        missing = [
-            p
-            for p in wanted
-            if p not in self._cache or now - self._cache[p].fetched_at > stale_after
+        cold = [p for p in wanted if p not in self._cache]
+        stale = [
+            p for p in wanted if p in self._cache and now - self._cache[p].fetched_at > stale_after
         ]
-        cold = [p for p in missing if p not in self._cache]
-        if missing:
-            await self._fetch(missing)
+        if stale and self._nursery is not None:
+            # Served: the cached answer stands while a refresh runs beside the step (a
+            # DHT lookup over the internet costs round trips the step need not wait).
+            self._nursery.start_soon(self._refresh, stale, None)
+            stale = []
+        if cold or stale:
+            await self._fetch(cold + stale)
         if self._verify is not None:
             self._schedule(wanted)
             if cold:
@@ -279,6 +287,41 @@ class ExpertDirectory:
     # -- lookups ----------------------------------------------------------------------
 
     async def _fetch(self, keys: list[str]) -> None:
+        """Look ``keys`` up, sharing lookups already under way: concurrent steps asking
+        for the same prefix wait for one lookup rather than each making their own.
+        Keys a shared lookup failed to bring are looked up again here."""
+        mine = [k for k in keys if k not in self._fetching]
+        theirs = {self._fetching[k] for k in keys if k in self._fetching}
+        if mine:
+            done = trio.Event()
+            for key in mine:
+                self._fetching[key] = done
+            try:
+                await self._lookup(mine)
+            finally:
+                for key in mine:
+                    del self._fetching[key]
+                done.set()
+        for event in theirs:
+            await event.wait()
+        missed = [k for k in keys if k not in mine and k not in self._cache]
+        if missed:
+            await self._lookup(missed)
+
+    async def _refresh(self, keys: list[str], timeout_s: float | None) -> None:
+        """``_fetch`` in the background: a failure is logged, not raised. The periodic
+        refresh bounds it by ``timeout_s`` to keep its period; a stale key's refresh
+        waits as long as the DHT's own lookup timeout, as a step's lookup would (on a
+        loaded machine a lookup can take longer than a refresh period)."""
+        try:
+            with trio.fail_after(math.inf if timeout_s is None else timeout_s):
+                await self._fetch(keys)
+        except trio.TooSlowError:  # the periodic refresh retries
+            logger.warning("refreshing %d DHT keys timed out", len(keys))
+        except Exception as exc:
+            logger.warning("refreshing %d DHT keys failed: %s", len(keys), exc)
+
+    async def _lookup(self, keys: list[str]) -> None:
         self.lookups += 1
         records = await self._dht.get(keys)
         now = self._clock()
@@ -331,12 +374,7 @@ class ExpertDirectory:
             for key in [k for k in self._cache if k not in recent]:
                 del self._cache[key]
             if recent:
-                try:
-                    with trio.fail_after(max(self._refresh_s, 5.0)):
-                        await self._fetch(recent)
-                except (trio.TooSlowError, Exception) as exc:  # the next round retries
-                    logger.warning("refreshing %d DHT keys failed: %s", len(recent), exc)
-                    continue
+                await self._refresh(recent, max(self._refresh_s, 5.0))
                 if self._verify is not None:
                     self._schedule(recent)
 

@@ -17,9 +17,8 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -35,11 +34,12 @@ from volunteerd.errors import (
     RequestTimeout,
     VolunteerdError,
 )
-from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
+from volunteerd.experts import from_wire, to_wire
 from volunteerd.moe.checks import OutputChecks, Suspicion, Verdict, agree, judge_round
 from volunteerd.moe.client import TrainerClient
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
+from volunteerd.moe.timing import Limits, RoundTrips
 from volunteerd.net import PeerAddress, Verb, short
 from volunteerd.wire import BackwardRequest, Compression, ForwardRequest
 
@@ -308,8 +308,37 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         # typical RMS of the last accepted round, per verb (see checks.judge_round)
         self._scale: dict[Verb, float] = {}
         self._warned_at: dict[str, float] = {}
+        # measured call durations per peer: the rounds' timeouts and grace follow them
+        self.round_trips = RoundTrips()
         # Makes autograd call our backward even when the inputs need no gradient.
         self._dummy = torch.empty(0, requires_grad=True)
+
+    def replica(self) -> RemoteMixtureOfExperts:
+        """The same layer for another thread of the same trainer: its own gate (a copy
+        of this one's weights) and its own ``stats``, the same client, checks,
+        suspicions and round-trip estimates. Several batches in flight each run through
+        a replica, so no two threads share a parameter or a counter."""
+        twin = RemoteMixtureOfExperts(
+            self.in_features,
+            self.grid_size,
+            self.name,
+            self.k_best,
+            self.k_min,
+            self.forward_timeout_s,
+            self.backward_timeout_s,
+            self.grace_after_k_min_s,
+            client=self.client,
+            compression=self.compression,
+            beam_size=self.beam_size,
+            spare=self.spare,
+            checks=self.checks,
+        )
+        twin.load_state_dict(self.state_dict())
+        twin.suspicion = self.suspicion
+        twin.round_trips = self.round_trips
+        twin._scale = self._scale
+        twin._warned_at = self._warned_at
+        return twin
 
     def alive_children(self, prefixes: list[str]) -> dict[str, dict[int, list[Any]]]:
         return dict(self.client.children(prefixes))  # type: ignore[arg-type]
@@ -350,28 +379,37 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
 
     # -- calls (run in the torch thread; the network part runs on the client's loop) ---
 
-    def _wire_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.compression] if self.compression != "none" else torch.float32
-
     def _encode(self, tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[bytes]]:
-        encoded = [to_wire(t.to(self._wire_dtype())) for t in tensors]
+        encoded = [to_wire(t.float(), self.compression) for t in tensors]
         return [m for m, _ in encoded], [b for _, b in encoded]
 
-    def _run_calls(
-        self, verb: Verb, calls: list[Call], n_rows: int, timeout_s: float
-    ) -> list[Outcome]:
-        return self.client.run(
-            partial(
-                call_many,
+    def limits(self, verb: Verb, peer_ids: Iterable[str]) -> Limits:
+        """The timeout and k_min grace of a round calling ``peer_ids`` now: the
+        configured ones, stretched to the measured round trips (moe/timing.py)."""
+        floor = self.forward_timeout_s if verb == Verb.FORWARD else self.backward_timeout_s
+        return self.round_trips.limits(peer_ids, verb.value, floor, self.grace_after_k_min_s)
+
+    def _run_calls(self, verb: Verb, calls: list[Call], n_rows: int) -> list[Outcome]:
+        """``call_many`` on the client's loop under ``limits``; the answers then update
+        the round-trip estimates (on the loop too: one thread touches them)."""
+
+        async def run() -> list[Outcome]:
+            limits = self.limits(verb, (c.peer.peer_id for c in calls))
+            outcomes = await call_many(
                 self.client.rpc,
                 verb,
                 calls,
                 n_rows=n_rows,
                 k_min=self.k_min,
-                timeout_s=timeout_s,
-                grace_s=self.grace_after_k_min_s,
+                timeout_s=limits.timeout_s,
+                grace_s=limits.grace_s,
             )
-        )
+            for call, outcome in zip(calls, outcomes, strict=True):
+                if outcome.ok:
+                    self.round_trips.observe(call.peer.peer_id, verb.value, outcome.seconds)
+            return outcomes
+
+        return self.client.run(run)
 
     def _ban(self, peer_id: str, reason: str, seconds: float | None, usable: set[str]) -> bool:
         """Ban ``peer_id`` unless no other peer in ``usable`` (those the step could use)
@@ -555,7 +593,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         y_third = None
         if judges:
             third = Call(call.uid, random.choice(judges), check.call.header, call.buffers, [])
-            [answer] = self._run_calls(Verb.FORWARD, [third], 1, self.forward_timeout_s)
+            [answer] = self._run_calls(Verb.FORWARD, [third], 1)
             y_third = self._decode(answer)
         if y_third is not None:
             liars = [
@@ -648,9 +686,7 @@ class _RemoteExperts(torch.autograd.Function):
                 group.slots.append(k)
                 group.candidates.append(c)
             calls, checks = layer._plan_forward(groups, route, failed_peers, x_cpu, retain)
-            outcomes = layer._run_calls(
-                Verb.FORWARD, calls + [c.call for c in checks], N, layer.forward_timeout_s
-            )
+            outcomes = layer._run_calls(Verb.FORWARD, calls + [c.call for c in checks], N)
             main = outcomes[: len(calls)]
             ys, dropped = layer._accept(Verb.FORWARD, calls, main, usable)
             unblamed += dropped
@@ -759,9 +795,7 @@ class _RemoteExperts(torch.autograd.Function):
                         uid=item.uid, tensors=metas, compression=layer.compression
                     )
                 calls.append(Call(item.uid, item.peer, header, buffers, item.rows.tolist()))
-            outcomes = layer._run_calls(
-                Verb.BACKWARD, calls, x_cpu.shape[0], layer.backward_timeout_s
-            )
+            outcomes = layer._run_calls(Verb.BACKWARD, calls, x_cpu.shape[0])
             grads_in, _unblamed = layer._accept(
                 Verb.BACKWARD, calls, outcomes, {a.peer.peer_id for a in ctx.answered}
             )

@@ -52,7 +52,7 @@ class ModelConfig(_Model):
     forward_timeout_s: float = Field(5.0, gt=0)
     backward_timeout_s: float = Field(10.0, gt=0)
     grace_after_k_min_s: float = Field(0.5, ge=0)
-    compression: Literal["none", "float16", "bfloat16"] = "none"
+    compression: Literal["none", "float16", "bfloat16", "q8"] = "none"
     spot_check: float = Field(
         0.02,
         ge=0,
@@ -90,6 +90,28 @@ class TrainingConfig(_Model):
     eval_every: int = Field(50, ge=1)
     eval_batches: int = Field(8, ge=1)
     seed: int = 0
+    in_flight: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="batches (or, with max_staleness = 0, micro-batches of one batch) "
+        "computed at once, each waiting for its experts while the others run",
+    )
+    max_staleness: int = Field(
+        8,
+        ge=0,
+        le=1024,
+        description="trainer updates allowed between a batch's forward and the update "
+        "applying its gradient; an older gradient is dropped. 0: each step's batch is cut "
+        "into in_flight micro-batches computed from the same weights, one update when all "
+        "are done (synchronous, as one batch)",
+    )
+
+    @model_validator(mode="after")
+    def _micro_batches(self) -> Self:
+        if self.max_staleness == 0 and self.in_flight > self.batch_size:
+            raise ValueError("with max_staleness = 0, in_flight must not exceed batch_size")
+        return self
 
 
 class SwarmConfig(_Model):

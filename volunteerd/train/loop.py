@@ -8,10 +8,12 @@ curve compares like with like.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from volunteerd.moe import (
 from volunteerd.train.data import Corpus
 from volunteerd.train.experiment import Experiment
 from volunteerd.train.model import MoETransformerLM
-from volunteerd.train.progress import Progress
+from volunteerd.train.progress import Progress, Rate
 
 __all__ = ["TrainSummary", "Trainer", "build_model", "expert_config"]
 
@@ -98,7 +100,7 @@ class TrainSummary:
     skipped_steps: int = 0
     # expert calls resent to another replica of the same expert within the step
     failovers: int = 0
-    # answers dropped by the trainer's output checks, by reason
+    # answers dropped by the output checks, by reason
     rejected: dict[str, int] = field(default_factory=dict)
     # expert calls that got no answer, by error code (busy, timeout, rejected, ...)
     failures: dict[str, int] = field(default_factory=dict)
@@ -109,12 +111,57 @@ class TrainSummary:
     diverging: dict[str, int] = field(default_factory=dict)
     # uid -> [calls answered, calls failed, tokens served]
     experts: dict[str, list[int]] = field(default_factory=dict)
+    # batches computed at once, and the staleness bound (docs/decisions/0012)
+    in_flight: int = 1
+    max_staleness: int = 0
+    # steps whose gradient came back older than max_staleness updates: not applied
+    stale_dropped: int = 0
+    # updates between a step's forward and its update, over the steps applied
+    mean_staleness: float = 0.0
+    max_staleness_seen: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+# a micro-batch's gradient per trained parameter (None: unused) and its loss
+_Gradients = tuple[list[torch.Tensor | None], float]
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step in flight: its micro-batches' gradients (as they come back) and the
+    number of updates made before its forward started."""
+
+    number: int
+    version: int
+    tokens: int
+    weights: list[float]
+    results: list[_Gradients | None]
+    failed: BaseException | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.failed is not None or all(r is not None for r in self.results)
+
+
 class Trainer:
+    """Trains a model, ``training.in_flight`` batches at a time (docs/decisions/0012).
+
+    Each micro-batch runs, in a thread of its own, through a *replica* of the model
+    loaded with the trainer's weights when it started (remote layers' replicas share
+    the swarm client); its gradient comes back to this thread, which alone touches the
+    model's weights and the optimizers. So a batch waiting for its experts holds no
+    other up, no autograd graph sees a weight change under it, and no two threads
+    share a ``.grad``.
+
+    ``max_staleness >= 1``: ``in_flight`` whole batches at once, each its own update,
+    applied as they come back unless more than ``max_staleness`` updates came in
+    between (then it is dropped and counted). ``max_staleness = 0``: one batch at a
+    time, cut into ``in_flight`` micro-batches computed from the same weights and
+    applied together: the update of that whole batch.
+    """
+
     def __init__(
         self,
         experiment: Experiment,
@@ -123,7 +170,8 @@ class Trainer:
         progress: Progress | None = None,
         stop: threading.Event | None = None,
     ) -> None:
-        """``stop``, when set (e.g. on Ctrl-C), ends training after the current step."""
+        """``stop``, when set (e.g. on Ctrl-C), ends training once the steps in flight
+        are done."""
         self.experiment = experiment
         self.stop = stop or threading.Event()
         self.model = model
@@ -149,9 +197,26 @@ class Trainer:
             for _ in range(t.eval_batches)
         ]
         self.mode = "local" if self.expert_optimizer is not None else "swarm"
+        self.in_flight = t.in_flight
+        self.max_staleness = t.max_staleness
+        # what the update applies to, by name; replicas are loaded from these
+        self._trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._replicas = [_replica(model) for _ in range(self.in_flight)]
+        self.version = 0  # updates made
+        self.stale_dropped = 0
+        self._staleness: list[int] = []
+        # during run: replicas not in use, and each micro-batch's (step, index, replica)
+        self._free: list[MoETransformerLM] = []
+        self._futures: dict[Future[_Gradients], tuple[_Step, int, MoETransformerLM]] = {}
 
     def remote_layers(self) -> list[RemoteMixtureOfExperts]:
-        return [b.moe for b in self.model.blocks if isinstance(b.moe, RemoteMixtureOfExperts)]
+        """The model's remote layers and their replicas' (each counts its own calls)."""
+        return [
+            b.moe
+            for model in (self.model, *self._replicas)
+            for b in model.blocks
+            if isinstance(b.moe, RemoteMixtureOfExperts)
+        ]
 
     @torch.no_grad()
     def evaluate(self, attempts: int = 5) -> float:
@@ -169,19 +234,6 @@ class Trainer:
                 time.sleep(2.0)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def step(self) -> float:
-        t, m = self.experiment.training, self.experiment.model
-        x, y = self.corpus.batch("train", t.batch_size, m.seq_len, self.generator)
-        loss = self.model.loss(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.expert_optimizer is not None:
-            self.expert_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        if self.expert_optimizer is not None:
-            self.expert_optimizer.step()
-        return float(loss.detach())
-
     def run(self, steps: int) -> TrainSummary:
         t, m = self.experiment.training, self.experiment.model
         tokens_per_step = t.batch_size * m.seq_len
@@ -189,32 +241,42 @@ class Trainer:
         curve = [(0, initial)]
         self._say(f"step 0: validation loss {initial:.3f}")
         started = time.monotonic()
+        rate = Rate()
         smoothed: float | None = None
-        done = skipped = 0
-        try:
-            for step in range(1, steps + 1):
-                if self.stop.is_set():
-                    break
-                step_started = time.monotonic()
-                done = step
-                try:
-                    loss = self.step()
-                except NoExpertsAvailable as exc:
-                    # A whole layer without answers: skip the batch rather than stop.
-                    skipped += 1
-                    self._say(f"step {step}: skipped ({exc})")
-                    continue
-                smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
+        done = skipped = issued = 0
+        self._free = list(self._replicas)
+        self._futures = {}
+        flying: list[_Step] = []
+        steps_at_once = 1 if self.max_staleness == 0 else self.in_flight
+        with ThreadPoolExecutor(self.in_flight, thread_name_prefix="batch") as pool:
+            try:
+                while True:
+                    while not self.stop.is_set() and issued < steps and len(flying) < steps_at_once:
+                        issued += 1
+                        flying.append(self._start(issued, pool))
+                    if not flying:
+                        break
+                    for step in self._wait(flying):
+                        done += 1
+                        if step.failed is not None:
+                            # A whole layer without answers: skip the batch rather than stop.
+                            skipped += 1
+                            self._say(f"step {step.number}: skipped ({step.failed})")
+                            continue
+                        loss = self._apply(step)
+                        if loss is not None:
+                            rate.add(step.tokens)
+                            smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
+                        if self.progress is not None and smoothed is not None:
+                            self.progress.update(done, self._fields(smoothed, rate.per_s()))
+                        if (done % t.eval_every == 0 or done == steps) and not self.stop.is_set():
+                            val = self.evaluate()
+                            curve.append((done, val))
+                            train = "-" if smoothed is None else f"{smoothed:.3f}"
+                            self._say(f"step {done}: validation loss {val:.3f} (train {train})")
+            finally:
                 if self.progress is not None:
-                    rate = tokens_per_step / max(time.monotonic() - step_started, 1e-9)
-                    self.progress.update(step, self._fields(smoothed, rate))
-                if (step % t.eval_every == 0 or step == steps) and not self.stop.is_set():
-                    val = self.evaluate()
-                    curve.append((step, val))
-                    self._say(f"step {step}: validation loss {val:.3f} (train {smoothed:.3f})")
-        finally:
-            if self.progress is not None:
-                self.progress.close()
+                    self.progress.close()
         seconds = time.monotonic() - started
         interrupted = self.stop.is_set()
         if interrupted:
@@ -222,6 +284,7 @@ class Trainer:
             final = curve[-1][1]
         else:
             final = curve[-1][1] if curve[-1][0] == done and done else self.evaluate()
+        layers = self.remote_layers()
         return TrainSummary(
             mode=self.mode,
             steps=done,
@@ -230,24 +293,86 @@ class Trainer:
             initial_val_loss=initial,
             final_val_loss=final,
             unigram_loss=self.corpus.unigram_loss(),
-            expert_calls=sum(layer.stats.calls for layer in self.remote_layers()),
-            failed_calls=sum(layer.stats.failed for layer in self.remote_layers()),
+            expert_calls=sum(layer.stats.calls for layer in layers),
+            failed_calls=sum(layer.stats.failed for layer in layers),
             val_curve=curve,
             experts=self._by_uid(),
             interrupted=interrupted,
             skipped_steps=skipped,
-            failovers=sum(layer.stats.failovers for layer in self.remote_layers()),
-            rejected=dict(
-                sum((Counter(layer.stats.rejected) for layer in self.remote_layers()), Counter())
-            ),
-            failures=dict(
-                sum((Counter(layer.stats.failures) for layer in self.remote_layers()), Counter())
-            ),
+            failovers=sum(layer.stats.failovers for layer in layers),
+            rejected=dict(sum((Counter(layer.stats.rejected) for layer in layers), Counter())),
+            failures=dict(sum((Counter(layer.stats.failures) for layer in layers), Counter())),
             bans=self._bans(),
-            diverging=dict(
-                sum((Counter(layer.stats.diverging) for layer in self.remote_layers()), Counter())
+            diverging=dict(sum((Counter(layer.stats.diverging) for layer in layers), Counter())),
+            in_flight=self.in_flight,
+            max_staleness=self.max_staleness,
+            stale_dropped=self.stale_dropped,
+            mean_staleness=(
+                sum(self._staleness) / len(self._staleness) if self._staleness else 0.0
             ),
+            max_staleness_seen=max(self._staleness, default=0),
         )
+
+    def _start(self, number: int, pool: ThreadPoolExecutor) -> _Step:
+        """Draw step ``number``'s batch and start its micro-batches (one, or with
+        ``max_staleness = 0`` up to ``in_flight``), each on a free replica loaded with
+        the weights of now."""
+        t, m = self.experiment.training, self.experiment.model
+        x, y = self.corpus.batch("train", t.batch_size, m.seq_len, self.generator)
+        parts = 1 if self.max_staleness else self.in_flight
+        pieces = [
+            (xs, ys)
+            for xs, ys in zip(x.tensor_split(parts), y.tensor_split(parts), strict=True)
+            if len(xs)
+        ]
+        step = _Step(
+            number,
+            self.version,
+            t.batch_size * m.seq_len,
+            [len(xs) / t.batch_size for xs, _ in pieces],
+            [None] * len(pieces),
+        )
+        for index, (xs, ys) in enumerate(pieces):
+            replica = self._free.pop()
+            _load(replica, self._trained)
+            self._futures[pool.submit(_gradients, replica, xs, ys)] = (step, index, replica)
+        return step
+
+    def _wait(self, flying: list[_Step]) -> list[_Step]:
+        """Wait until a micro-batch comes back; returns the steps now complete (every
+        micro-batch back, or one failed and the others back), taken out of ``flying``."""
+        finished, _ = wait(list(self._futures), return_when=FIRST_COMPLETED)
+        for future in finished:
+            step, index, replica = self._futures.pop(future)
+            self._free.append(replica)
+            try:
+                step.results[index] = future.result()
+            except NoExpertsAvailable as exc:
+                step.failed = step.failed or exc
+        running = {id(step) for step, _, _ in self._futures.values()}
+        complete = [s for s in flying if id(s) not in running and s.complete]
+        for step in complete:
+            flying.remove(step)
+        return complete
+
+    def _apply(self, step: _Step) -> float | None:
+        """Apply ``step``'s gradient (the micro-batches' weighted sum) unless it is
+        staler than ``max_staleness`` updates; returns its loss, or None if dropped."""
+        staleness = self.version - step.version
+        if staleness > self.max_staleness:
+            self.stale_dropped += 1
+            return None
+        self._staleness.append(staleness)
+        results = [r for r in step.results if r is not None]
+        for i, p in enumerate(self._trained.values()):
+            grads = [(w, g[i]) for w, (g, _) in zip(step.weights, results, strict=True)]
+            present = [w * g for w, g in grads if g is not None]
+            p.grad = torch.stack(present).sum(dim=0) if present else None
+        self.optimizer.step()
+        if self.expert_optimizer is not None:
+            self.expert_optimizer.step()
+        self.version += 1
+        return sum(w * loss for w, (_, loss) in zip(step.weights, results, strict=True))
 
     def _bans(self) -> dict[str, int]:
         layers = self.remote_layers()
@@ -257,19 +382,23 @@ class Trainer:
         fields = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
         layers = self.remote_layers()
         if layers:
+            m = self.experiment.model
             grid = 1
-            for g in self.experiment.model.grid:
+            for g in m.grid:
                 grid *= g
-            answering = sum(1 for layer in layers for v in layer.stats.by_uid.values() if v[0] > 0)
-            fields["experts"] = f"{answering}/{grid * len(layers)}"
+            answering = sum(1 for v in self._by_uid().values() if v[0] > 0)
+            fields["experts"] = f"{answering}/{grid * m.num_blocks}"
             fields["failed"] = str(sum(layer.stats.failed for layer in layers))
         return fields
 
     def _by_uid(self) -> dict[str, list[int]]:
+        """uid -> [answered, failed, tokens], summed over the replicas' layers."""
         out: dict[str, list[int]] = {}
         for layer in self.remote_layers():
             for uid, counts in layer.stats.by_uid.items():
-                out[uid] = list(counts)
+                total = out.setdefault(uid, [0, 0, 0])
+                for i, n in enumerate(counts):
+                    total[i] += n
         return out
 
     def _say(self, text: str) -> None:
@@ -277,3 +406,34 @@ class Trainer:
             self.progress.message(text)
         else:
             logger.info("%s", text)
+
+
+def _replica(model: MoETransformerLM) -> MoETransformerLM:
+    """A copy of ``model`` for one batch thread: its own trainer-side weights (and local
+    experts), remote layers that share the swarm client (``RemoteMixtureOfExperts.replica``)."""
+    memo: dict[int, Any] = {
+        id(block.moe): block.moe.replica()
+        for block in model.blocks
+        if isinstance(block.moe, RemoteMixtureOfExperts)
+    }
+    replica = copy.deepcopy(model, memo)
+    for p in replica.parameters():
+        p.grad = None
+    return replica
+
+
+@torch.no_grad()
+def _load(replica: MoETransformerLM, weights: dict[str, nn.Parameter]) -> None:
+    for name, p in replica.named_parameters():
+        source = weights.get(name)
+        if source is not None:
+            p.copy_(source)
+
+
+def _gradients(replica: MoETransformerLM, x: torch.Tensor, y: torch.Tensor) -> _Gradients:
+    """The loss of ``x -> y`` through ``replica`` and its gradient for each trained
+    parameter (in ``named_parameters`` order; None where unused). Runs in a batch thread."""
+    loss = replica.loss(x, y)
+    trained = [p for p in replica.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, trained, allow_unused=True)
+    return list(grads), float(loss.detach())

@@ -5,9 +5,36 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "Rate"]
+
+
+class Rate:
+    """Units per second over the last ``window_s`` seconds. With several batches in
+    flight one step's own duration says nothing about throughput (four overlapping
+    steps of 1 s each make 4 steps/s): count what finished in a window instead."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._started = clock()
+        self._events: deque[tuple[float, float]] = deque()  # (when, units)
+
+    def add(self, units: float) -> None:
+        now = self._clock()
+        self._events.append((now, units))
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def per_s(self) -> float:
+        """Units finished in the window (or since the start, if younger) per second."""
+        now = self._clock()
+        since = max(self._started, now - self.window_s)
+        units = sum(u for t, u in self._events if t >= since)
+        return units / max(now - since, 1e-9)
 
 
 class Progress:
