@@ -330,3 +330,27 @@ async def test_honest_experts_that_grow_past_max_abs_are_not_banned() -> None:
                 assert client.directory.banned == {}, client.directory.ban_reasons
 
             await in_thread(run)
+
+
+async def test_a_trainer_whose_own_gradients_are_not_finite_is_told_it_diverged() -> None:
+    """q8 cannot carry NaN: the trainer's own broken gradients are its own divergence,
+    said as such before anything is sent, and no server is blamed."""
+    async with open_world(CONFIG) as world:
+        server = await world.add_server(GRID)
+        async with world.open_trainer() as client:
+            await offered(client, 1)
+
+            def run() -> None:
+                moe = layer(client, compression="q8")
+                x = torch.randn(8, HIDDEN)
+                moe(x).pow(2).mean().backward()  # finite: goes through
+                y = moe(x)
+                before = served(server)
+                grads = torch.ones_like(y)
+                grads[3] = float("nan")
+                with pytest.raises(ModelDiverging, match="not finite"):
+                    y.backward(grads)
+                assert served(server) == before
+                assert client.directory.banned == {}
+
+            await in_thread(run)

@@ -30,6 +30,7 @@ from volunteerd.errors import (
     ModelDiverging,
     NoExpertsAvailable,
     PeerUnreachable,
+    Rejected,
     RemoteError,
     RequestTimeout,
     VolunteerdError,
@@ -380,7 +381,15 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
     # -- calls (run in the torch thread; the network part runs on the client's loop) ---
 
     def _encode(self, tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[bytes]]:
-        encoded = [to_wire(t.float(), self.compression) for t in tensors]
+        try:
+            encoded = [to_wire(t.float(), self.compression) for t in tensors]
+        except Rejected as exc:
+            # q8 cannot carry NaN or infinity; the other encodings would send them to be
+            # refused by every server. Either way the trainer's own model has diverged.
+            raise ModelDiverging(
+                f"{self.name}: the trainer's own activations or gradients are not "
+                f"finite ({exc}); lower the learning rate or restart from a checkpoint"
+            ) from exc
         return [m for m, _ in encoded], [b for _, b in encoded]
 
     def limits(self, verb: Verb, peer_ids: Iterable[str]) -> Limits:
