@@ -41,7 +41,8 @@ async def test_q8_forward_and_backward_through_a_real_daemon_stay_close_to_local
                 torch.manual_seed(0)
                 with SwarmClient(client_config) as client:
                     remote = RemoteMixtureOfExperts(
-                        HIDDEN, (2, 2), "ffn.", k_best=2, k_min=2, grace_after_k_min_s=5.0,
+                        HIDDEN, (2, 2), "ffn.", k_best=2, k_min=2, grace_after_k_min_s=60.0,
+                        forward_timeout_s=60.0, backward_timeout_s=60.0,
                         client=client, compression="q8",
                     )  # fmt: skip
                     local = LocalMixtureOfExperts(HIDDEN, (2, 2), "ffn.", 2, modules)

@@ -53,7 +53,8 @@ async def test_remote_mixture_matches_local_mixture(
                 with SwarmClient(client_config) as client:
                     remote = RemoteMixtureOfExperts(
                         HIDDEN, (4, 4), "ffn.", k_best=k_best, k_min=k_min,
-                        grace_after_k_min_s=5.0, client=client,
+                        grace_after_k_min_s=60.0, forward_timeout_s=60.0,
+                        backward_timeout_s=60.0, client=client,
                     )  # fmt: skip
                     local = LocalMixtureOfExperts(HIDDEN, (4, 4), "ffn.", k_best, modules)
                     local.gate.load_state_dict(remote.gate.state_dict())
