@@ -15,11 +15,15 @@ from libp2p.peer.id import ID
 from volunteerd.errors import RemoteError
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
-from volunteerd.net import PeerAddress, Verb, open_node, reachability
+from volunteerd.net import Node, PeerAddress, Verb, open_node, reachability
 from volunteerd.net.background import BackgroundNode
 from volunteerd.net.dialback import DialBackReply, DialBackRequest
 from volunteerd.net.peers import peer_id_for
+from volunteerd.net.reachability import UpgradeStats
+from volunteerd.net.rpc import Reply, Request
 from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.wire import TensorMeta
+from volunteerd.wire.messages import ForwardRequest, TensorReply
 
 # Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
 pytestmark = pytest.mark.slow
@@ -46,6 +50,10 @@ async def test_loopback_node_is_judged_direct() -> None:
         assert report.direct_addrs == tuple(node.addrs)
         assert report.announce_addrs == tuple(node.addrs)
         assert "nothing to do" in report.advice
+        assert report.observed_ips == ("127.0.0.1",)
+        assert report.upgrades == UpgradeStats(
+            upgraded=0, failed=0, last_upgrade_at=None, last_upgrade_peer=None
+        )
 
 
 async def test_undialable_node_is_not_direct_and_is_told_which_port_to_forward() -> None:
@@ -96,14 +104,14 @@ async def test_dialback_refuses_another_peers_addresses_and_dials_only_the_obser
         reply, _ = await a.rpc.call(
             b.address, Verb.DIALBACK, DialBackRequest(addrs=[f"/ip4/10.9.8.7/tcp/{dead}"])
         )
-        assert reply == DialBackReply(reachable=None, dialled=1)
+        assert reply == DialBackReply(reachable=None, dialled=1, observed="127.0.0.1")
         # Its own address, with or without its own /p2p/ suffix, is dialled.
         reply, _ = await a.rpc.call(
             b.address,
             Verb.DIALBACK,
             DialBackRequest(addrs=[f"{a.addrs[0]}/p2p/{a.peer_id}"]),
         )
-        assert reply == DialBackReply(reachable=a.addrs[0], dialled=1)
+        assert reply == DialBackReply(reachable=a.addrs[0], dialled=1, observed="127.0.0.1")
 
 
 async def test_relay_only_daemon_serves_a_trainer_through_the_relay(tmp_path: Path) -> None:
@@ -152,8 +160,10 @@ async def test_relay_only_daemon_serves_a_trainer_through_the_relay(tmp_path: Pa
                     return client.run(connection_addrs)
 
             addrs = await trio.to_thread.run_sync(train_step)
-            assert addrs
-            assert all("/p2p-circuit" in a for a in addrs)
+            # Through the relay; the daemon may since have dialled the trainer directly
+            # (DCUtR: a relay-only node can still dial out), which leaves the relayed
+            # connection open for a minute.
+            assert any("/p2p-circuit" in a for a in addrs)
             await server.runtime.settled()
             assert server.runtime.backend(UID).updates == 1
 
@@ -167,7 +177,7 @@ async def test_dialback_fails_when_another_peer_answers_at_the_address() -> None
         open_peer(local_config()) as c,
     ):
         reply, _ = await a.rpc.call(b.address, Verb.DIALBACK, DialBackRequest(addrs=c.addrs))
-        assert reply == DialBackReply(reachable=None, dialled=1)
+        assert reply == DialBackReply(reachable=None, dialled=1, observed="127.0.0.1")
 
 
 async def test_relayed_node_reserves_again_after_losing_its_relay_connection(
@@ -191,3 +201,63 @@ async def test_relayed_node_reserves_again_after_losing_its_relay_connection(
                     )
                 # Through the relay the requester's IP is not observed: nothing dialled.
                 assert reply == DialBackReply(reachable=None, dialled=0)
+
+
+async def _echo(request: Request) -> Reply:
+    return Reply(
+        TensorReply(tensors=[t.meta for t in request.tensors]), [t.data for t in request.tensors]
+    )
+
+
+def _conns(node: Node, peer_id: str) -> list[tuple[bool, int]]:
+    """(relayed?, open streams) of each connection of ``node`` to ``peer_id``."""
+    conns = node.host.get_network().connections.get(ID.from_base58(peer_id)) or []
+    return [
+        (any("/p2p-circuit" in str(a) for a in c.get_transport_addresses()), len(c.get_streams()))
+        for c in conns
+    ]
+
+
+async def test_relayed_calls_arrive_whole_and_move_to_the_direct_connection_dcutr_opens() -> None:
+    """A relayed connection is Noise and Yamux inside a stream of the relay's connections,
+    written in pieces that fit one frame of them: several MiB cross intact both ways.
+    The server announces only its circuit address but listens on loopback, so DCUtR
+    (its first step, a plain dial of the known direct address) upgrades the connection;
+    the next call leaves by the direct connection, not by a pooled relayed stream."""
+    async with open_node(Identity.generate(), local_config(), relay=True) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, reachability={"mode": "relay"})
+        async with (
+            open_node(Identity.generate(), config, {Verb.FORWARD: _echo}) as server,
+            open_peer(local_config()) as client,
+        ):
+            assert server.reachability is not None
+            assert client.reachability is not None
+            assert server.reachability.mode == "relayed"
+            relayed = PeerAddress(server.peer_id, tuple(server.addrs))
+            payload = torch.randn(3 * 2**18).numpy().tobytes()  # 3 MiB of float32
+            request = ForwardRequest(
+                uid="ffn.0.0", tensors=[TensorMeta(dtype="float32", shape=(3 * 2**18,))]
+            )
+            with trio.fail_after(60):
+                _, tensors = await client.rpc.call(relayed, Verb.FORWARD, request, [payload])
+            assert bytes(tensors[0].data) == payload
+            assert (True, 1) in _conns(client, server.peer_id)  # its pooled stream
+
+            server_reach, client_reach = server.reachability, client.reachability
+
+            def upgrades() -> int:
+                return (
+                    server_reach.report().upgrades.upgraded
+                    + client_reach.report().upgrades.upgraded
+                )
+
+            # DCUtR looks for relayed connections every 2 s; nothing to signal on.
+            with trio.fail_after(60):
+                while not upgrades():  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            # The client hears of the new connection from the swarm, on its own time:
+            # calls move to it as soon as it has (each still arriving whole).
+            with trio.fail_after(60):
+                while not any(not circuit and n for circuit, n in _conns(client, server.peer_id)):
+                    _, tensors = await client.rpc.call(relayed, Verb.FORWARD, request, [payload])
+                    assert bytes(tensors[0].data) == payload

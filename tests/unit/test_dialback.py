@@ -1,16 +1,24 @@
-"""The pure rules of reachability: which addresses a dial-back may dial, and which
-circuit addresses an expert record may carry."""
+"""The pure rules of reachability: which addresses a dial-back may dial, which
+circuit addresses an expert record may carry, and which addresses a node announces."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 
 import pytest
+from multiaddr import Multiaddr
 from pydantic import ValidationError
 
 from volunteerd.errors import InvalidRecord, Rejected
 from volunteerd.identity import Identity
-from volunteerd.net.dialback import MAX_DIALBACK_ADDRS, DialBackRequest, dialable_addrs
+from volunteerd.net import host
+from volunteerd.net.dialback import (
+    MAX_DIALBACK_ADDRS,
+    DialBackReply,
+    DialBackRequest,
+    dialable_addrs,
+)
 from volunteerd.net.peers import dialable_part, parse_circuit_addr, peer_id_for
 from volunteerd.net.records import EXPERT_RECORDS, sign_record
 
@@ -86,3 +94,33 @@ def test_records_carry_circuit_addresses_but_not_other_p2p_addresses() -> None:
     for bad in [f"{CIRCUIT}/p2p/{peer_id}", f"/ip4/1.2.3.4/tcp/5/p2p/{RELAY}", "p2p-circuit"]:
         with pytest.raises(InvalidRecord):
             EXPERT_RECORDS.decode(record(bad))
+
+
+def test_wildcard_listen_address_is_announced_as_the_interface_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    interfaces = [Multiaddr("/ip4/192.0.2.10/tcp/4001"), Multiaddr("/ip4/198.51.100.3/tcp/4001")]
+    monkeypatch.setattr(host, "get_thin_waist_addresses", lambda addr: interfaces)
+    wildcard, fixed = Multiaddr("/ip4/0.0.0.0/tcp/4001"), Multiaddr("/ip4/203.0.113.9/tcp/7")
+    assert host.dialable_addrs([wildcard, fixed]) == [*interfaces, fixed]
+    # Only a machine with no other interface offers loopback.
+    monkeypatch.setattr(host, "get_thin_waist_addresses", lambda addr: [])
+    assert [str(a) for a in host.dialable_addrs([wildcard])] == ["/ip4/127.0.0.1/tcp/4001"]
+    assert [str(a) for a in host.dialable_addrs([Multiaddr("/ip6/::/tcp/9")])] == ["/ip6/::1/tcp/9"]
+
+
+def test_interface_addresses_leave_out_loopback_and_link_local() -> None:
+    addrs = host.dialable_addrs([Multiaddr("/ip4/0.0.0.0/tcp/4001")])
+    ips = [ipaddress.ip_address(a.value_for_protocol("ip4")) for a in addrs]
+    assert ips
+    assert not any(ip.is_unspecified or ip.is_link_local for ip in ips)
+    # loopback only as the last resort of a machine without another address
+    assert ips == [ipaddress.ip_address("127.0.0.1")] or not any(ip.is_loopback for ip in ips)
+
+
+def test_dialback_reply_says_which_ip_the_request_came_from() -> None:
+    reply = DialBackReply(reachable=None, dialled=1, observed="198.51.100.7")
+    assert DialBackReply.model_validate_json(reply.model_dump_json()) == reply
+    assert DialBackReply().observed is None  # over a relay: nothing observed
+    with pytest.raises(ValidationError):
+        DialBackReply(observed="x" * 65)

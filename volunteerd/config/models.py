@@ -501,6 +501,11 @@ class ReachabilityConfig(_Model):
         description="listen for direct TCP connections; false makes a relay-only node "
         "(requires mode = relay)",
     )
+    hole_punching: bool = Field(
+        True,
+        description="turn connections made through a relay into direct ones where the NATs "
+        "allow it (DCUtR: both sides dial each other at once)",
+    )
 
     @field_validator("relays")
     @classmethod

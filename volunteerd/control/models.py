@@ -97,10 +97,17 @@ class LimitsView(_Reply):
 
 
 class Reachability(_Reply):
-    mode: str  # "direct", "relayed", "unknown" or "local"
+    mode: str  # "direct", "relayed", "unreachable", "unknown" or "local"
     addrs: list[str] = []
     relay: str | None = None
     advice: str = ""
+    # The IPs peers see this node at (behind NAT: the router's public address).
+    observed: list[str] = []
+    # Relayed connections that became direct (hole punching, or a dial from one side).
+    upgraded: int = 0
+    # Hole punches that failed (a symmetric NAT, a firewall): those peers stay relayed.
+    hole_punch_failed: int = 0
+    last_upgrade_at: float | None = None
 
 
 class Rates(_Reply):

@@ -98,6 +98,14 @@ def format_status(status: Status) -> str:
         + (" …" if len(status.experts) > 6 else ""),
         f"peers         {status.connected_peers} connected",
         f"reachability  {reach.mode}" + (f" — {reach.advice}" if reach.advice else ""),
+        *(
+            [
+                f"hole punching {reach.upgraded} relayed connections made direct, "
+                f"{reach.hole_punch_failed} attempts failed"
+            ]
+            if reach.upgraded or reach.hole_punch_failed
+            else []
+        ),
         f"uptime        {format_duration(status.uptime_s)}",
         f"now           {rates.samples_per_s:.1f} samples/s, "
         f"up {format_bytes(rates.upload_bytes_per_s)}/s, "

@@ -3,7 +3,8 @@
 A node asks a peer it is connected to: "dial me back at these addresses". The peer
 opens a *new* TCP connection to each address and runs the Noise handshake, which
 succeeds only if the listener there holds the requesting peer's key. The reply names
-the first address that worked.
+the first address that worked, and the IP the request came from (how a node behind
+NAT learns its public address).
 
 So that the verb cannot turn a node into a port scanner or a dialler of third parties:
 
@@ -53,6 +54,9 @@ class DialBackReply(BaseModel):
     reachable: str | None = None
     # How many addresses were dialled (the others were skipped by the IP rule).
     dialled: int = 0
+    # The IP the request came from, as this peer saw it: behind NAT, the router's
+    # public address (None over a relay circuit).
+    observed: Annotated[str, Field(max_length=64)] | None = None
 
 
 def tcp_endpoint(addr: str) -> tuple[str, int] | None:

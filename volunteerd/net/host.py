@@ -11,6 +11,7 @@ py-libp2p's dialling quirks stay in here).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -21,7 +22,7 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import ConnectionType, IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.auto_connector import AutoConnector
@@ -30,20 +31,30 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2 import protocol as _relay_protocol
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
+from multiaddr.utils import get_thin_waist_addresses
 
 from volunteerd.errors import PeerUnreachable, ResourceUnavailable
 from volunteerd.identity import Identity
 from volunteerd.net import connections
+from volunteerd.net.dialback import tcp_endpoint
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
 from volunteerd.net.transport import StreamHandler
 
-__all__ = ["Libp2pStream", "Libp2pStreamHost", "listen_multiaddr", "open_host", "transport_addrs"]
+__all__ = [
+    "Libp2pStream",
+    "Libp2pStreamHost",
+    "dialable_addrs",
+    "listen_multiaddr",
+    "open_host",
+    "transport_addrs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +72,43 @@ def listen_multiaddr(host: str, port: int) -> str:
 # and scheduling. Frames that fit one Noise message move ~40% more data per CPU second
 # (docs/decisions/0004). Smaller frames are always valid Yamux, so peers are unaffected.
 _yamux.MAX_MESSAGE_SIZE = min(_yamux.MAX_MESSAGE_SIZE, _NOISE_MAX_PLAINTEXT)
+
+# A Yamux data frame's payload, and the most a relayed connection writes at once: such a
+# connection is Noise + Yamux inside a Yamux stream of the connection to the relay, so
+# each of its Noise messages (frame + 18 bytes) must fit one outer frame's payload, or
+# every full inner message crosses each hop as two outer frames, the second tiny.
+_NOISE_OVERHEAD = 2 + 16  # a Noise message's length prefix and its AEAD tag
+_FRAME_PAYLOAD = _yamux.MAX_MESSAGE_SIZE - _yamux.HEADER_SIZE
+_RELAYED_WRITE = _FRAME_PAYLOAD - _yamux.HEADER_SIZE - _NOISE_OVERHEAD
+
+
+async def _credit_when_half_consumed(stream: _yamux.YamuxStream, *, bytes_read: int = 0) -> None:
+    """Yamux receive-window credit, returned once half of the window has been read.
+
+    py-libp2p 0.8.1 sends a WINDOW_UPDATE after every read, however small: a small RPC
+    costs a window update per read on each side, and over a relay each update is itself
+    data on the outer connections (which answer with updates of their own): ~35 TCP
+    writes for one small relayed RPC instead of 4, five times its latency. Credit
+    returned in halves of the window is what go-yamux does; the sender still has at
+    least half a window in hand, so nothing stalls, and the window still grows (the
+    library's auto-tuning runs whenever credit is sent)."""
+    del bytes_read  # what was read is what the window lacks: counted below
+    async with stream.window_lock:
+        buffered = len(stream.conn.stream_buffers.get(stream.stream_id, b""))
+        consumed = stream.target_recv_window - (stream.recv_window + buffered)
+        if consumed < stream._grow_threshold():
+            return
+        credit = stream._grow_to_delta(buffered) + stream._apply_autotune_epoch(buffered)
+    if credit > 0:
+        await stream.send_window_update(credit, skip_lock=True)
+
+
+_yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consumed  # type: ignore[method-assign,assignment]
+
+# A relay copies each circuit's bytes in reads of up to 65535 bytes, each written on in
+# one piece: a full read left as a full Yamux frame and a 28-byte one. Reads of one
+# frame's payload leave as one frame.
+_relay_protocol.MAX_READ_LEN = _FRAME_PAYLOAD
 
 
 class _NoAutoConnect(AutoConnector):
@@ -85,6 +133,7 @@ def build_host(
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         announce_addrs=[multiaddr.Multiaddr(a) for a in announce_addrs] or None,
+        addrs_factory=None if announce_addrs else dialable_addrs,
         # py-libp2p's own pruner starts above high_watermark; idle connections are
         # trimmed by net/connections.py instead, so it never runs.
         connection_config=ConnectionConfig(
@@ -162,21 +211,40 @@ async def open_host(
 
 def transport_addrs(host: IHost) -> list[str]:
     """The host's dialable addresses without the /p2p/ suffix."""
-    out = []
-    for addr in host.get_addrs():
-        text = str(addr)
-        out.append(text.split("/p2p/")[0])
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(str(addr).split("/p2p/")[0] for addr in host.get_addrs()))
+
+
+def dialable_addrs(candidates: Sequence[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+    """What the host advertises (to identify, Kademlia and our records) for its listen
+    addresses: a wildcard one (``0.0.0.0``, ``::``) is no address a peer can dial, but
+    stands for this machine's interface addresses, one entry each, leaving out loopback
+    and link-local ones (another machine to a peer). A machine with no other address
+    offers its loopback address."""
+    out: list[multiaddr.Multiaddr] = []
+    for addr in candidates:
+        endpoint = tcp_endpoint(str(addr))
+        ip = ipaddress.ip_address(endpoint[0]) if endpoint else None
+        if endpoint is None or ip is None or not ip.is_unspecified:
+            out.append(addr)
+            continue
+        loopback = "/ip4/127.0.0.1" if ip.version == 4 else "/ip6/::1"
+        expanded = get_thin_waist_addresses(addr)
+        out.extend(expanded or [multiaddr.Multiaddr(f"{loopback}/tcp/{endpoint[1]}")])
+    return list({str(a): a for a in out}.values())
 
 
 class Libp2pStream:
-    """A py-libp2p stream as a ``transport.Stream``: EOF is ``b""``, not ``StreamEOF``."""
+    """A py-libp2p stream as a ``transport.Stream``: EOF is ``b""``, not ``StreamEOF``.
 
-    __slots__ = ("_stream", "remote_peer_id")
+    On a relayed connection writes go out in pieces that each cross the relay's
+    connections as one Yamux frame (``_RELAYED_WRITE``)."""
+
+    __slots__ = ("_max_write", "_stream", "remote_peer_id")
 
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer_id = str(stream.muxed_conn.peer_id)
+        self._max_write = _RELAYED_WRITE if _is_relayed(stream) else 0
 
     async def read(self, n: int) -> bytes:
         try:
@@ -185,13 +253,25 @@ class Libp2pStream:
             return b""
 
     async def write(self, data: bytes) -> None:
-        await self._stream.write(data)
+        if not self._max_write or len(data) <= self._max_write:
+            await self._stream.write(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), self._max_write):
+            await self._stream.write(bytes(view[start : start + self._max_write]))
 
     async def close(self) -> None:
         await self._stream.close()
 
     async def reset(self) -> None:
         await self._stream.reset()
+
+
+def _is_relayed(stream: INetStream) -> bool:
+    try:
+        return bool(stream.muxed_conn.get_connection_type() == ConnectionType.RELAYED)
+    except Exception:  # a muxer that does not say: treat it as direct
+        return False
 
 
 class Libp2pStreamHost:

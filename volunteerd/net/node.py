@@ -121,7 +121,12 @@ async def open_node(
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)
             nursery.start_soon(throttle.serve)
-            relaying = Relaying(host, hop=relay or config.reachability.act_as_relay)
+            relaying = Relaying(
+                host,
+                hop=relay or config.reachability.act_as_relay,
+                hole_punching=config.reachability.hole_punching,
+                on_direct=rpc.forget,
+            )
             await nursery.start(relaying.serve)
             streams.connect_circuit = relaying.connect
             if bootstrap:

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Literal
 
 import multiaddr
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -63,6 +64,7 @@ __all__ = [
     "Reachability",
     "ReachabilityReport",
     "Relaying",
+    "UpgradeStats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,14 +100,16 @@ class DialBackServer:
 
     async def _on_dialback(self, request: Request) -> Reply:
         body: DialBackRequest = request.header
-        addrs = dialable_addrs(
-            body.addrs, request.peer_id, observed_ips(self._host, request.peer_id)
-        )
+        seen = observed_ips(self._host, request.peer_id)
+        addrs = dialable_addrs(body.addrs, request.peer_id, seen)
+        observed = seen[0] if seen else None
         async with self._limit:
             for addr in addrs:
                 if await self._handshake(request.peer_id, addr):
-                    return Reply(DialBackReply(reachable=addr, dialled=len(addrs)))
-        return Reply(DialBackReply(reachable=None, dialled=len(addrs)))
+                    return Reply(
+                        DialBackReply(reachable=addr, dialled=len(addrs), observed=observed)
+                    )
+        return Reply(DialBackReply(reachable=None, dialled=len(addrs), observed=observed))
 
     async def _handshake(self, peer_id: str, addr: str) -> bool:
         swarm = self._host.get_network()
@@ -150,13 +154,128 @@ def observed_ips(host: IHost, peer_id: str) -> list[str]:
     return ips
 
 
-class Relaying:
-    """Circuit relay v2 for this node: run with ``await nursery.start(relaying.serve)``."""
+@dataclass(frozen=True, slots=True)
+class UpgradeStats:
+    """What DCUtR did with this node's relayed connections."""
 
-    def __init__(self, host: IHost, *, hop: bool) -> None:
+    # Relayed connections that gained a direct one: by hole punching (both sides dial
+    # at once, from their listening ports) or by a plain dial that simply worked (the
+    # other side is reachable, or this one is).
+    upgraded: int
+    # Hole punches that ended without a direct connection (a symmetric NAT, a firewall).
+    failed: int
+    last_upgrade_at: float | None
+    last_upgrade_peer: str | None
+
+
+class _HolePunching(DCUtRProtocol):
+    """py-libp2p's DCUtR (``/libp2p/dcutr``), counting its outcomes.
+
+    Every 2 s it looks for peers connected only through a relay and, for each, first
+    dials the peer's known direct addresses, then exchanges observed addresses over
+    the relayed connection and has both sides dial each other at the same moment,
+    each from its listening port (SO_REUSEPORT). Both sides dial, so a node behind
+    any NAT reaches a public peer directly (its NAT lets it dial out); two peers
+    behind symmetric NATs (a new public port per destination) have no port to aim
+    at and stay relayed (docs/protocol.md has the measured table). A relayed
+    connection that gained a direct one is closed a minute later; new streams
+    prefer the direct one at once."""
+
+    def __init__(self, host: IHost) -> None:
+        super().__init__(host)
+        self.upgraded = 0
+        self.failed = 0
+        self.last_upgrade_at: float | None = None
+        self.last_upgrade_peer: str | None = None
+
+    def statistics(self) -> UpgradeStats:
+        return UpgradeStats(
+            self.upgraded, self.failed, self.last_upgrade_at, self.last_upgrade_peer
+        )
+
+    def _count(self, peer_id: ID, upgraded: bool) -> None:
+        if upgraded:
+            self.upgraded += 1
+            self.last_upgrade_at = time.time()
+            self.last_upgrade_peer = str(peer_id)
+            logger.info("connection to %s upgraded from relayed to direct", short(peer_id))
+        else:
+            self.failed += 1
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        upgraded = bool(await super()._try_unilateral_upgrade(peer_id))
+        if upgraded:
+            self._count(peer_id, True)
+        return upgraded
+
+    async def _perform_hole_punch(
+        self, peer_id: ID, addrs: list[multiaddr.Multiaddr], as_responder: bool = False
+    ) -> bool:
+        upgraded = bool(await super()._perform_hole_punch(peer_id, addrs, as_responder))
+        self._count(peer_id, upgraded)
+        return upgraded
+
+
+class _DirectAfterRelayed(INotifee):
+    """Calls ``on_direct(peer id)`` when a direct connection opens to a peer this node
+    is connected to through a relay (whoever dialled it): the RPC client then stops
+    reusing its idle streams, which run over the relayed connection."""
+
+    def __init__(self, on_direct: Callable[[str], object]) -> None:
+        self._on_direct = on_direct
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        if _is_circuit(conn):
+            return
+        peer = conn.muxed_conn.peer_id
+        others = network.connections.get(peer) or []  # type: ignore[attr-defined]
+        if any(_is_circuit(c) for c in (others if isinstance(others, list) else [others])):
+            self._on_direct(str(peer))
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+
+def _is_circuit(conn: INetConn) -> bool:
+    try:
+        return any(CIRCUIT_SUFFIX in str(a) for a in conn.get_transport_addresses())
+    except Exception:  # a closing connection: not one to judge
+        return False
+
+
+class Relaying:
+    """Circuit relay v2 for this node, and upgrading relayed connections to direct ones
+    (DCUtR): run with ``await nursery.start(relaying.serve)``.
+
+    ``on_direct(peer id)`` is called when a peer reached through a relay gains a direct
+    connection (the node's RPC client forgets its idle streams to that peer)."""
+
+    def __init__(
+        self,
+        host: IHost,
+        *,
+        hop: bool,
+        hole_punching: bool = True,
+        on_direct: Callable[[str], object] | None = None,
+    ) -> None:
         self._host = host
         self.hop = hop
         self._protocol = CircuitV2Protocol(host, limits=RELAY_LIMITS, allow_hop=hop)
+        self._hole_punching = _HolePunching(host) if hole_punching else None
+        if on_direct is not None:
+            host.get_network().register_notifee(_DirectAfterRelayed(on_direct))
         # STOP only: with the CLIENT role py-libp2p reserves a slot before every dial.
         self._transport = CircuitV2Transport(
             host, self._protocol, RelayConfig(roles=RelayRole.STOP, limits=RELAY_LIMITS)
@@ -166,9 +285,26 @@ class Relaying:
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self._protocol), trio.open_nursery() as nursery:
             await self._protocol.event_started.wait()
+            if self._hole_punching is not None:
+                await nursery.start(self._serve_hole_punching)
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
+
+    async def _serve_hole_punching(
+        self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        if self._hole_punching is None:
+            raise RuntimeError("hole punching is off")
+        async with background_trio_service(self._hole_punching):
+            await self._hole_punching.event_started.wait()
+            task_status.started()
+            await trio.sleep_forever()
+
+    def upgrades(self) -> UpgradeStats:
+        if self._hole_punching is None:
+            return UpgradeStats(0, 0, None, None)
+        return self._hole_punching.statistics()
 
     async def reserve(self, relay: PeerAddress) -> int:
         """Reserve a slot on ``relay``; returns the reservation's expiry (unix time).
@@ -230,6 +366,10 @@ class ReachabilityReport:
     advice: str
     checked_at: float | None
     peers_asked: int
+    # The IPs peers saw this node's dial-back requests come from: behind NAT, the
+    # router's public address (the one to forward a port on).
+    observed_ips: tuple[str, ...]
+    upgrades: UpgradeStats
 
 
 class Reachability:
@@ -262,6 +402,7 @@ class Reachability:
         self._reserved_until = 0.0
         self._checked_at: float | None = None
         self._asked = 0
+        self._observed: tuple[str, ...] = ()
         self._watchers: list[Callable[[list[str]], None]] = []
         self._mode_watchers: list[Callable[[Mode], object]] = []
 
@@ -299,6 +440,8 @@ class Reachability:
             advice=self._advice(),
             checked_at=self._checked_at,
             peers_asked=self._asked,
+            observed_ips=self._observed,
+            upgrades=self._relaying.upgrades(),
         )
 
     def _listen_port(self) -> int:
@@ -311,9 +454,11 @@ class Reachability:
 
     def _advice(self) -> str:
         port = self._listen_port() or 38400
+        seen = f" (peers see it at {', '.join(self._observed)})" if self._observed else ""
         forward = (
-            f"forward TCP port {port} on your router to this machine (and allow it through "
-            "the firewall), or set network.announce_addrs to the address peers can reach"
+            f"forward TCP port {port} on your router to this machine{seen} (and allow it "
+            "through the firewall), or set network.announce_addrs to the address peers "
+            "can reach"
         )
         if self._mode == "direct":
             return f"peers reach this node directly at {', '.join(self._direct)}; nothing to do"
@@ -321,11 +466,13 @@ class Reachability:
             if not self._config.listen:
                 return (
                     f"relay-only (reachability.listen = false): peers reach this node through "
-                    f"relay {self._relay}; relayed traffic is several times slower than direct"
+                    f"relay {self._relay} (a longer path than direct), or directly where "
+                    "it can dial them (hole punching)"
                 )
             return (
                 f"peers could not dial this node, so they reach it through relay {self._relay} "
-                f"(several times slower than direct). To be reached directly: {forward}"
+                "(a longer path than direct; hole punching makes some of those connections "
+                f"direct where the NATs allow). To be reached directly by all: {forward}"
             )
         if self._mode == "unreachable":
             return (
@@ -343,6 +490,7 @@ class Reachability:
         addrs = [a for a in transport_addrs(self._host) if tcp_endpoint(a) is not None]
         peers = self._peers_to_ask()
         worked: list[str] = []
+        observed: list[str] = []
         answered = 0
 
         async def ask(peer_id: str) -> None:
@@ -359,6 +507,8 @@ class Reachability:
                 return
             if reply.dialled:  # it tried (0: it saw no IP to dial, e.g. over a relay)
                 answered += 1
+            if reply.observed is not None:
+                observed.append(reply.observed)
             if reply.reachable is not None:
                 worked.append(reply.reachable)
 
@@ -369,6 +519,7 @@ class Reachability:
         self._asked = len(peers)
         self._checked_at = time.time()
         self._direct = tuple(dict.fromkeys(worked))
+        self._observed = tuple(dict.fromkeys(observed))
         if worked:
             await self._set_mode("direct")
         elif answered or (not addrs and peers):

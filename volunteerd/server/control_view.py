@@ -103,6 +103,10 @@ class ControlView:
                 addrs=list(report.announce_addrs),
                 relay=report.relay,
                 advice=report.advice,
+                observed=list(report.observed_ips),
+                upgraded=report.upgrades.upgraded,
+                hole_punch_failed=report.upgrades.failed,
+                last_upgrade_at=report.upgrades.last_upgrade_at,
             )
         rates = self._accountant.rates()
         store = self._accountant.store

@@ -225,6 +225,12 @@ function renderReachability(reach) {
   let detail = "";
   if (reach.mode === "relayed" && reach.relay) detail = `through ${shortId(reach.relay)}`;
   else if (reach.addrs.length) detail = reach.addrs[0] + (reach.addrs.length > 1 ? ` +${reach.addrs.length - 1}` : "");
+  // Relayed connections that hole punching (or a dial from this side) made direct.
+  if (reach.upgraded) {
+    const last = reach.last_upgrade_at ? `, last ${fmtClock(reach.last_upgrade_at)}` : "";
+    detail += ` · ${reach.upgraded} upgraded to direct${last}`;
+  }
+  if (reach.hole_punch_failed) detail += ` · ${reach.hole_punch_failed} hole punch${reach.hole_punch_failed > 1 ? "es" : ""} failed`;
   setText("reach-detail", detail, { title: reach.addrs.join("\n") });
   const advice = $("reach-advice");
   advice.dataset.mode = reach.mode;

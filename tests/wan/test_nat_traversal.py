@@ -1,0 +1,252 @@
+"""Volunteers behind the emulated NATs: found through the DHT, served through the
+bootstrap node's relay, and upgraded to a direct connection where the NATs allow it.
+
+Every process runs on its own emulated host (``volunteerd.testing.wan``): the bootstrap
+node (which relays) on a public host, the daemon behind a NAT, the trainer on a third
+host. The trainer finds the daemon's expert in the DHT under a circuit address, calls
+it, and reports over which connections it reaches the daemon; the daemon's own view
+comes from its control API (what the dashboard's reachability panel shows). And nodes
+that listen on every interface announce the address peers can dial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from volunteerd.demo.local_swarm import child_env
+from volunteerd.testing.wan import LinkSpec, Wan, WanHost, open_wan, wan_available
+
+# Three processes on three emulated hosts, each starting in several seconds on a busy
+# machine, then DCUtR's rounds: minutes, not the default two.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+
+_available = wan_available()
+if not _available:
+    pytest.skip(f"needs the WAN emulator: {_available.reason}", allow_module_level=True)
+
+UID = "ffn.0.0"
+HIDDEN = 16
+_START_S = 90.0
+# A link with some latency, as between homes; no loss, so the test waits on nothing
+# but the protocol.
+_LINK = LinkSpec(delay_ms=5.0, down_mbit=100.0, up_mbit=100.0)
+
+# The trainer: find UID in the DHT, call it once, wait until it has a direct connection
+# to the daemon ("direct") or its own hole punching has an outcome ("punched"), call it
+# again. Prints what it saw as JSON.
+_TRAINER = r"""
+import json, sys
+import trio
+from libp2p.peer.id import ID
+from volunteerd.identity import Identity
+from volunteerd.net import Verb, open_node
+from volunteerd.testing import local_config
+from volunteerd.wire import TensorMeta
+from volunteerd.wire.messages import ForwardRequest
+
+listen_host, bootstrap, uid, hidden, until = sys.argv[1:6]
+
+async def main():
+    config = local_config(
+        bootstrap=[bootstrap],
+        network={"listen_host": listen_host},
+        timeouts={"connect_s": 20, "request_s": 60, "dht_lookup_s": 20},
+    )
+    async with open_node(Identity.generate(), config) as node:
+        with trio.fail_after(60):
+            while not (peers := await node.dht.find_expert(uid)):
+                await trio.sleep(0.5)
+        peer = peers[0]
+        meta = TensorMeta(dtype="float32", shape=(2, int(hidden)))
+        request = ForwardRequest(uid=uid, tensors=[meta])
+
+        async def call():
+            body = bytes(meta.nbytes)
+            reply, tensors = await node.rpc.call(peer, Verb.FORWARD, request, [body])
+            return [list(t.meta.shape) for t in tensors]
+
+        def connections():
+            conns = node.host.get_network().connections.get(ID.from_base58(peer.peer_id)) or []
+            return [str(a) for c in conns for a in c.get_transport_addresses()]
+
+        def settled():
+            if until == "direct":
+                return any("/p2p-circuit" not in a for a in connections())
+            upgrades = node.reachability.report().upgrades
+            return upgrades.upgraded + upgrades.failed > 0
+
+        out = {"announced": list(peer.addrs), "first_reply": await call()}
+        out["first_connections"] = connections()
+        with trio.fail_after(120):
+            while not settled():
+                await trio.sleep(0.2)
+        out["second_reply"] = await call()
+        out["connections"] = connections()
+        conns = node.host.get_network().connections.get(ID.from_base58(peer.peer_id)) or []
+        out["streams_on_direct"] = sum(
+            len(c.get_streams())
+            for c in conns
+            if all("/p2p-circuit" not in str(a) for a in c.get_transport_addresses())
+        )
+        upgrades = node.reachability.report().upgrades
+        out["upgraded"], out["hole_punch_failed"] = upgrades.upgraded, upgrades.failed
+        print(json.dumps(out), flush=True)
+
+trio.run(main)
+"""
+
+_STATUS = r"""
+import json, sys
+from pathlib import Path
+from volunteerd.control.client import ControlClient
+print(ControlClient.for_data_dir(Path(sys.argv[1])).status().reachability.model_dump_json())
+"""
+
+
+@contextmanager
+def _volunteerd(
+    host: WanHost, home: Path, args: list[str], listen_host: str | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """``volunteerd ARGS`` on ``host``; yields the process and its ready file."""
+    home.mkdir(parents=True)
+    ready = home / "ready.json"
+    command = [
+        sys.executable, "-m", "volunteerd", *args,
+        "--listen-host", listen_host or host.address, "--port", "0", "--ready-file", str(ready),
+        "--set", 'logging.level="INFO"', "--set", "control.port=0",
+    ]  # fmt: skip
+    with (home / "log.txt").open("wb") as log:
+        process = host.popen(command, env=child_env(home), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + _START_S
+        while not ready.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                log_text = (home / "log.txt").read_text(errors="replace")[-3000:]
+                pytest.fail(f"volunteerd {args[0]} did not start:\n{log_text}")
+            time.sleep(0.1)
+        yield process, json.loads(ready.read_text())
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _swarm_call(wan: Wan, tmp_path: Path, until: str) -> dict[str, Any]:
+    """Bootstrap on host 0, daemon on host 1, trainer on host 2; the trainer's report
+    and the daemon's reachability, read after the trainer is done."""
+    relay, daemon_host, trainer_host = wan.hosts
+    with _volunteerd(relay, tmp_path / "bootstrap", ["bootstrap"]) as (_, boot):
+        bootstrap = next(a for a in boot["multiaddrs"] if relay.public_address in a)
+        serve = [
+            "serve", "--experts", UID, "--bootstrap", bootstrap,
+            "--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"',
+            "--set", "dht.announce_period_s=3", "--set", "dht.record_ttl_s=30",
+        ]  # fmt: skip
+        with _volunteerd(daemon_host, tmp_path / "daemon", serve):
+            trainer = trainer_host.run(
+                [sys.executable, "-c", _TRAINER, trainer_host.address, bootstrap, UID,
+                 str(HIDDEN), until],
+                env=child_env(tmp_path / "trainer"), capture_output=True, text=True,
+                timeout=240,
+            )  # fmt: skip
+            if trainer.returncode != 0:
+                pytest.fail(f"trainer failed:\n{trainer.stderr[-3000:]}")
+            status = daemon_host.run(
+                [sys.executable, "-c", _STATUS, str(tmp_path / "daemon" / "data")],
+                env=child_env(tmp_path / "daemon"), capture_output=True, text=True,
+                timeout=60, check=True,
+            )  # fmt: skip
+    report: dict[str, Any] = json.loads(trainer.stdout.strip().splitlines()[-1])
+    report["daemon"] = json.loads(status.stdout)
+    return report
+
+
+def test_daemon_behind_symmetric_nat_serves_through_the_relay(tmp_path: Path) -> None:
+    """Both the daemon and the trainer sit behind symmetric NATs: neither can be
+    dialled, and neither NAT keeps a port the other could aim at, so hole punching
+    fails and every call keeps going through the relay."""
+    links = [_LINK, *[dataclasses.replace(_LINK, nat="symmetric")] * 2]
+    with open_wan(links, seed=1) as wan:
+        report = _swarm_call(wan, tmp_path, until="punched")
+    assert report["first_reply"] == [[2, HIDDEN]]
+    assert report["second_reply"] == [[2, HIDDEN]]
+    assert all("/p2p-circuit" in a for a in report["announced"])
+    assert report["connections"]
+    assert all("/p2p-circuit" in a for a in report["connections"])
+    assert report["hole_punch_failed"] >= 1
+    assert report["upgraded"] == 0
+    daemon = report["daemon"]
+    assert daemon["mode"] == "relayed"
+    assert daemon["upgraded"] == 0
+    assert daemon["observed"] == [wan.hosts[1].public_address]
+
+
+def test_daemon_behind_cone_nat_ends_up_on_a_direct_connection(tmp_path: Path) -> None:
+    """The daemon sits behind a cone NAT, the trainer on a public host: the trainer
+    first reaches the daemon through the relay; DCUtR then has the daemon dial out
+    from its listening port, and the calls move to the direct connection."""
+    links = [_LINK, dataclasses.replace(_LINK, nat="cone"), _LINK]
+    with open_wan(links, seed=2) as wan:
+        report = _swarm_call(wan, tmp_path, until="direct")
+    assert report["first_reply"] == [[2, HIDDEN]]
+    assert report["second_reply"] == [[2, HIDDEN]]
+    assert all("/p2p-circuit" in a for a in report["announced"])
+    assert any("/p2p-circuit" not in a for a in report["connections"])
+    assert report["streams_on_direct"] >= 1  # the second call left by the direct one
+    daemon = report["daemon"]
+    assert daemon["mode"] == "relayed"  # still unreachable for anyone it did not meet
+    assert daemon["upgraded"] >= 1
+
+
+def test_daemon_behind_symmetric_nat_reaches_a_public_trainer_directly(tmp_path: Path) -> None:
+    """A symmetric NAT cannot be aimed at, but it lets its host dial out: with the
+    trainer on a public host, DCUtR has the daemon dial the trainer, and the relayed
+    connection gains a direct one all the same."""
+    links = [_LINK, dataclasses.replace(_LINK, nat="symmetric"), _LINK]
+    with open_wan(links, seed=3) as wan:
+        report = _swarm_call(wan, tmp_path, until="direct")
+    assert report["second_reply"] == [[2, HIDDEN]]
+    assert any("/p2p-circuit" not in a for a in report["connections"])
+    assert report["streams_on_direct"] >= 1
+    assert report["daemon"]["mode"] == "relayed"
+
+
+def test_nodes_listening_on_every_interface_announce_their_real_address(tmp_path: Path) -> None:
+    """Bootstrap node and daemon listen on 0.0.0.0 on public hosts: what they advertise
+    (ready file, records, dial-back) is the host's own address, never 0.0.0.0 or
+    loopback, and the daemon is judged directly reachable there."""
+    with open_wan([_LINK, _LINK], seed=4) as wan:
+        boot_host, daemon_host = wan.hosts
+        with _volunteerd(boot_host, tmp_path / "bootstrap", ["bootstrap"], "0.0.0.0") as (_, boot):
+            assert [a.split("/p2p/")[0].rsplit("/tcp/")[0] for a in boot["multiaddrs"]] == [
+                f"/ip4/{boot_host.public_address}"
+            ]
+            serve = [
+                "serve", "--experts", UID, "--bootstrap", boot["multiaddrs"][0],
+                "--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"',
+            ]  # fmt: skip
+            with _volunteerd(daemon_host, tmp_path / "daemon", serve, "0.0.0.0") as (_, ready):
+                status = daemon_host.run(
+                    [sys.executable, "-c", _STATUS, str(tmp_path / "daemon" / "data")],
+                    env=child_env(tmp_path / "daemon"), capture_output=True, text=True,
+                    timeout=60, check=True,
+                )  # fmt: skip
+    reach = json.loads(status.stdout)
+    assert reach["mode"] == "direct"
+    assert reach["observed"] == [daemon_host.public_address]
+    own = f"/ip4/{daemon_host.public_address}/tcp/"
+    assert reach["addrs"]
+    assert all(a.startswith(own) for a in reach["addrs"]), reach["addrs"]
+    assert all(a.startswith(own) for a in ready["multiaddrs"]), ready["multiaddrs"]
