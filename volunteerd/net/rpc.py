@@ -22,6 +22,8 @@ host in a node, an in-memory one in tests. Times are trio's clock throughout.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from volunteerd.errors import (
     WireError,
     wire_code,
 )
-from volunteerd.net.framing import read_exactly, read_frame_rest, read_prefix
+from volunteerd.net.framing import RawFrame, read_exactly, read_frame_rest, read_prefix
 from volunteerd.net.limits import PeerLimiter
 from volunteerd.net.peers import PeerAddress, short
 from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, ProtocolSpec, Verb
@@ -416,28 +418,47 @@ class RpcClient:
     async def _exchange(
         self, spec: ProtocolSpec, stream: Stream, frame: bytes
     ) -> tuple[Any, memoryview]:
+        written = False
+        replying = False  # a reply byte arrived
+        read_error: Exception | None = None
+        raw: RawFrame | None = None
+
+        async def send() -> None:
+            nonlocal written
+            with contextlib.suppress(Exception):  # the reading side says what broke
+                await stream.write(frame)
+                written = True
+
         try:
             with trio.fail_after(self._timeouts.request_s):
-                try:
-                    await stream.write(frame)
-                    prefix = await read_prefix(stream)
-                except Exception as exc:
-                    raise _StaleStream from exc
-                if prefix is None:
-                    raise _StaleStream
-                raw = await read_frame_rest(stream, bytes(prefix), self._limits)
+                # The reply is read while the request is written: a server refusing a
+                # frame before reading it (busy, over a limit) answers at once and stops
+                # reading, so a large request's write may never finish; its refusal is
+                # the answer, not a broken stream.
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(send)
+                    try:
+                        prefix = await read_prefix(stream)
+                        if prefix is not None:
+                            replying = True
+                            raw = await read_frame_rest(stream, bytes(prefix), self._limits)
+                    except Exception as exc:
+                        read_error = exc
+                    if raw is None or not (written or _says_ok(raw.header)):
+                        nursery.cancel_scope.cancel()
         except trio.TooSlowError:
             raise RequestTimeout(
                 f"{spec.verb}: no reply within {self._timeouts.request_s}s"
             ) from None
-        except WireError as exc:
-            raise PeerError(f"{spec.verb}: bad reply: {exc}") from None
-        except (_StaleStream, PeerError):
-            raise
-        except Exception as exc:
+        if raw is None:
+            if isinstance(read_error, WireError):
+                raise PeerError(f"{spec.verb}: bad reply: {read_error}") from None
+            if not replying:
+                # No reply byte: maybe a pooled stream the server had closed.
+                raise _StaleStream from read_error
             # The stream or connection broke in the middle of the reply (a reset, EOF):
             # py-libp2p raises its own exceptions; callers see one kind of failure.
-            raise PeerError(f"{spec.verb}: stream broke: {exc!r}") from None
+            raise PeerError(f"{spec.verb}: stream broke: {read_error!r}") from None
         try:
             reply = self._adapter(spec).validate_json(raw.header)
         except ValidationError as exc:
@@ -445,9 +466,12 @@ class RpcClient:
                 f"{spec.verb}: malformed reply header: {exc.errors()[0]['msg']}"
             ) from None
         if isinstance(reply, ErrorReply):
-            # The stream stays usable after a typed error, unless the framing broke.
-            keep = reply.code not in _CLOSING_CODES
+            # The stream stays usable after a typed error, unless the framing broke or
+            # the refusal came before the whole request was written.
+            keep = written and reply.code not in _CLOSING_CODES
             raise _RemoteErrorKeep(RemoteError(reply.code, reply.message), keep)
+        if not written:
+            raise PeerError(f"{spec.verb}: replied before the request was sent") from None
         return reply, raw.body
 
     def _adapter(self, spec: ProtocolSpec) -> TypeAdapter[Any]:
@@ -511,6 +535,17 @@ class RpcClient:
 _CLOSING_CODES = frozenset(
     {"too_large", "unsupported_version", "malformed", "internal", "rate_limited"}
 )
+
+
+def _says_ok(header: bytes | memoryview) -> bool:
+    """Whether a reply header is a success: one can only follow the whole request, so
+    the write still in progress is let finish (its last bytes may be acknowledged
+    after the reply arrived)."""
+    try:
+        status = json.loads(bytes(header)).get("status")
+    except (ValueError, AttributeError):
+        return False
+    return status == "ok"
 
 
 class _StaleStream(Exception):
