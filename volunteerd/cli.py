@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--local", action="store_true", help="train with local experts instead (the baseline)"
     )
+    demo.add_argument(
+        "--wan",
+        metavar="PROFILE",
+        help="run every process in its own emulated host, linked as PROFILE says (a "
+        "profile's name, e.g. home, or a TOML file; needs root): see docs/wan.md",
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
 
@@ -114,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="peer to join through (repeatable; default: the experiment's swarm.bootstrap_peers)",
     )
     train.add_argument("--steps", type=int, metavar="N", help="override training.steps")
+    train.add_argument(
+        "--listen-host", default="0.0.0.0", metavar="IP", help="address the trainer listens on"
+    )
     train.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
 
     publish = sub.add_parser(
@@ -539,10 +548,13 @@ def _train(args: argparse.Namespace) -> ExitCode:
     if args.command == "demo":
         if args.steps is not None and args.steps < 1:
             raise ConfigError("--steps must be at least 1")
+        if args.local and args.wan:
+            raise ConfigError("--local trains without a network: it cannot go with --wan")
         summary = run_demo(
             steps=args.steps,
             nodes=args.nodes,
             local=args.local,
+            wan=args.wan,
             seed=args.seed,
             summary_json=summary_json,
             stop=stop,
@@ -553,7 +565,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
     if not bootstrap:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
     steps = args.steps or experiment.training.steps
-    with SwarmClient(trainer_config(bootstrap)) as client:
+    with SwarmClient(trainer_config(bootstrap, listen_host=args.listen_host)) as client:
         experiment = resolve_manifest(experiment, client)
         summary = run_training(experiment, client=client, steps=steps, out=sys.stderr, stop=stop)
     print(

@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "moe": {"net", "wire", "experts", "config", "identity"},
     "swarm": {"net", "wire", "experts", "config", "identity", "runtime"},
     "train": {"moe", "experts", "config", "swarm"},
-    "demo": {"train", "moe", "config", "control"},
+    # testing: the WAN emulator that `volunteerd demo --wan` places its processes in
+    "demo": {"train", "moe", "config", "control", "testing"},
     # the control API knows HTTP and its own models; the daemon hands it snapshots
     "control": set(),
     "dashboard": set(),

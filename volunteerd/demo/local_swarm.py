@@ -1,5 +1,9 @@
 """A local swarm on this machine: one bootstrap node and several daemons, each its own
-``volunteerd`` process on 127.0.0.1, hosting the experiment's experts between them.
+``volunteerd`` process, hosting the experiment's experts between them.
+
+Where each process runs is its ``Placement``: by default on 127.0.0.1; ``volunteerd
+demo --wan`` places each in its own host of the WAN emulator (a command prefix that
+enters the host's network namespace, and the host's address to listen on).
 
 ``LocalSwarm`` is a context manager. Leaving it — normally, on an error or on Ctrl-C —
 stops every process it started: SIGTERM first (they withdraw their experts and exit),
@@ -23,13 +27,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from volunteerd.errors import Interrupted, VolunteerdError
 from volunteerd.train.experiment import Experiment
 
-__all__ = ["LocalSwarm", "SwarmNode"]
+__all__ = ["LOOPBACK", "LocalSwarm", "Placement", "SwarmNode", "child_env", "start_child"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one process runs: ``prefix`` goes before its command line (``ip netns exec
+    NS`` runs it inside an emulated host) and it listens on ``listen_host``."""
+
+    prefix: tuple[str, ...] = ()
+    listen_host: str = "127.0.0.1"
+
+
+LOOPBACK = Placement()
 
 
 @dataclass
@@ -43,6 +60,7 @@ class SwarmNode:
     experts: str = ""
     args: tuple[str, ...] = ()
     control_url: str = ""  # its control API and dashboard (daemons only)
+    placement: Placement = LOOPBACK
 
     @property
     def data_dir(self) -> Path:
@@ -64,9 +82,37 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
+def child_env(home: Path) -> dict[str, str]:
+    """The environment of a swarm process whose files all live under ``home``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
+    env.update(
+        VOLUNTEERD_DATA_DIR=str(home / "data"),
+        VOLUNTEERD_CONFIG=str(home / "config.toml"),
+        VOLUNTEERD_CACHE_DIR=str(home / "cache"),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+def start_child(command: list[str], env: dict[str, str], out: Any) -> subprocess.Popen[bytes]:
+    """Start one process of the swarm, its stdout and stderr both to ``out``."""
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        # Ctrl-C reaches the demo, which stops its children itself, in order.
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+
+
 class LocalSwarm:
     """``node_experts[i]`` is the expert pattern daemon ``i`` hosts; every daemon gets
-    ``settings`` (``section.key=value`` overrides) too."""
+    ``settings`` (``section.key=value`` overrides) too. ``placements`` says where the
+    bootstrap node (first) and each daemon (then, in order) run; loopback if not given."""
 
     def __init__(
         self,
@@ -76,8 +122,10 @@ class LocalSwarm:
         workdir: Path | None = None,
         start_timeout_s: float = 120.0,
         stop: threading.Event | None = None,
+        placements: Sequence[Placement] = (),
     ) -> None:
         self.node_experts = node_experts
+        self.placements = list(placements)
         self.stop_requested = stop or threading.Event()
         self.settings = settings
         self.start_timeout_s = start_timeout_s
@@ -119,6 +167,7 @@ class LocalSwarm:
         *,
         replication: int = 1,
         settings: Sequence[str] = (),
+        placements: Sequence[Placement] = (),
     ) -> LocalSwarm:
         """Daemons hosting whole rows of every layer's grid, with the experiment's
         expert width and optimizer. With ``replication`` r > 1 every row of every layer
@@ -155,13 +204,17 @@ class LocalSwarm:
             f"experts.optimizer.lr={opt.lr}",
             "runtime.torch_threads=1",
         ]
-        return cls(patterns, [*defaults, *settings], stop=stop)
+        return cls(patterns, [*defaults, *settings], stop=stop, placements=placements)
+
+    def _placement(self, index: int) -> Placement:
+        """Process ``index``'s placement: 0 is the bootstrap node, i the i-th daemon."""
+        return self.placements[index] if index < len(self.placements) else LOOPBACK
 
     def start(self) -> None:
         if self._workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="volunteerd-demo-")
             self._workdir = Path(self._tmp.name)
-        self.bootstrap = self._spawn("bootstrap", ["bootstrap"])
+        self.bootstrap = self._spawn("bootstrap", ["bootstrap"], self._placement(0))
         self._wait(self.bootstrap)
         defaults = [
             'runtime.device="cpu"',
@@ -173,45 +226,30 @@ class LocalSwarm:
             args = ["serve", "--experts", pattern, "--bootstrap", self.bootstrap_addrs[0]]
             for setting in [*defaults, *self.settings]:
                 args += ["--set", setting]
-            node = self._spawn(f"node{i + 1}", args)
+            node = self._spawn(f"node{i + 1}", args, self._placement(i + 1))
             node.experts = pattern
             self.daemons.append(node)
         for node in self.daemons:
             self._wait(node)
 
-    def _spawn(self, name: str, args: list[str], *, append_log: bool = False) -> SwarmNode:
+    def _spawn(
+        self, name: str, args: list[str], placement: Placement, *, append_log: bool = False
+    ) -> SwarmNode:
         if self._workdir is None:
             raise VolunteerdError("the swarm is not started")
         home = self._workdir / name
         home.mkdir(parents=True, exist_ok=True)
         ready = home / "ready.json"
         log = home / "log.txt"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
-        env.update(
-            VOLUNTEERD_DATA_DIR=str(home / "data"),
-            VOLUNTEERD_CONFIG=str(home / "config.toml"),
-            VOLUNTEERD_CACHE_DIR=str(home / "cache"),
-            PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS="1",
-        )
         command = [
-            sys.executable, "-m", "volunteerd", *args,
-            "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+            *placement.prefix, sys.executable, "-m", "volunteerd", *args,
+            "--listen-host", placement.listen_host, "--port", "0", "--ready-file", str(ready),
             "--set", 'logging.level="WARNING"',
         ]  # fmt: skip
         with log.open("ab" if append_log else "wb") as out:
-            process = subprocess.Popen(
-                command,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                # Ctrl-C reaches the demo, which stops its children itself, in order.
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            )
+            process = start_child(command, child_env(home), out)
         logger.debug("started %s (pid %d)", name, process.pid)
-        return SwarmNode(name, process, ready, log, args=tuple(args))
+        return SwarmNode(name, process, ready, log, args=tuple(args), placement=placement)
 
     def _wait(self, node: SwarmNode) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -265,7 +303,7 @@ class LocalSwarm:
         old.ready_file.unlink(missing_ok=True)
         with old.log_file.open("ab") as log:
             log.write(b"\n--- restarted ---\n")
-        node = self._spawn(old.name, list(old.args), append_log=True)
+        node = self._spawn(old.name, list(old.args), old.placement, append_log=True)
         node.experts = old.experts
         self.daemons[index] = node
         if wait:

@@ -5,7 +5,8 @@ Starts a local swarm (a bootstrap node and ``nodes`` daemons, separate processes
 embedded default experiment — a small character-level transformer whose feed-forward
 layers are mixtures of the swarm's experts — on the source of Python's standard
 library, with a held-out split. ``--local`` trains the same model with the same
-experts as ordinary local modules instead: the non-distributed baseline.
+experts as ordinary local modules instead: the non-distributed baseline. ``--wan
+PROFILE`` runs every process in its own host of the WAN emulator (``demo/wan.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -120,6 +122,7 @@ def run_demo(
     steps: int | None = None,
     nodes: int = 3,
     local: bool = False,
+    wan: str | None = None,
     seed: int = 0,
     summary_json: Path | None = None,
     out: TextIO = sys.stderr,
@@ -128,7 +131,8 @@ def run_demo(
     """Run the demo and return its summary (also written to ``summary_json``).
 
     Setting ``stop`` (the CLI does on Ctrl-C) ends training after the current step; the
-    summary then covers the steps done, and every process started is stopped."""
+    summary then covers the steps done, and every process started is stopped. ``wan``
+    (a profile's name or file) runs the swarm and the trainer over emulated links."""
     base = Experiment()
     experiment = base.model_copy(
         update={
@@ -144,6 +148,8 @@ def run_demo(
         print(f"volunteerd demo --local: {steps} steps, experts as local modules", file=out)
         summary = run_training(experiment, client=None, steps=steps, out=out, stop=stop)
         extra: dict[str, Any] = {"nodes": 0}
+    elif wan is not None:
+        summary, extra = _run_over_wan(experiment, wan, nodes, seed, steps, out, stop)
     else:
         print(f"volunteerd demo: starting a local swarm of {nodes} daemons ...", file=out)
         with LocalSwarm.for_experiment(experiment, nodes, stop=stop) as swarm:
@@ -163,11 +169,11 @@ def run_demo(
     measured = f" at step {summary.val_curve[-1][0]}" if summary.interrupted else ""
     verb = "stopped" if summary.interrupted else "done"
     print(
-        f"\n{verb}: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.0f}s "
-        f"({summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s); validation loss "
-        f"{summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f}{measured} (context-free: "
-        f"{summary.unigram_loss:.3f}); {summary.expert_calls:,} expert calls, "
-        f"{summary.failed_calls} failed",
+        f"\n{verb}: {summary.steps} steps ({summary.skipped_steps} failed), {summary.tokens:,} "
+        f"tokens in {summary.seconds:.0f}s ({summary.tokens / max(summary.seconds, 1e-9):,.0f} "
+        f"tokens/s); validation loss {summary.initial_val_loss:.3f} -> "
+        f"{summary.final_val_loss:.3f}{measured} (context-free: {summary.unigram_loss:.3f}); "
+        f"{summary.expert_calls:,} expert calls, {summary.failed_calls} failed",
         file=out,
     )
     if summary_json is not None:
@@ -176,3 +182,93 @@ def run_demo(
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, summary_json)
     return summary
+
+
+def _run_over_wan(
+    experiment: Experiment,
+    profile: str,
+    nodes: int,
+    seed: int,
+    steps: int,
+    out: TextIO,
+    stop: threading.Event | None,
+) -> tuple[TrainSummary, dict[str, Any]]:
+    """The demo with the bootstrap node, each daemon and the trainer in hosts of their
+    own, linked as ``profile`` says. The summary's extra ``hosts`` records where each
+    process ran: its network namespace (inode) and the addresses it announced."""
+    from volunteerd.demo.wan import dashboard_hint, open_placements, train_in_host
+
+    stop = stop or threading.Event()
+    started = time.monotonic()
+    print(f"volunteerd demo --wan {profile}: {nodes} daemons, each in its own host", file=out)
+    with (
+        open_placements(profile, nodes, seed) as hosts,
+        LocalSwarm.for_experiment(experiment, nodes, stop=stop, placements=hosts.swarm) as swarm,
+    ):
+        print(f"  bootstrap at {hosts.bootstrap.listen_host}: {hosts.links[0]}", file=out)
+        print(f"  trainer   at {hosts.trainer.listen_host}: {hosts.links[1]}", file=out)
+        for node, link in zip(swarm.daemons, hosts.links[2:], strict=False):
+            print(
+                f"  {node.name} {node.peer_id[-8:]} at {node.placement.listen_host}: {link}; "
+                f"hosts {node.experts}",
+                file=out,
+            )
+        dashboard_hint(swarm, hosts, out)
+        print(
+            f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps from "
+            f"{hosts.trainer.listen_host}",
+            file=out,
+        )
+        with tempfile.TemporaryDirectory(prefix="volunteerd-demo-trainer-") as tmp:
+            summary, trainer_netns = train_in_host(
+                experiment,
+                hosts.trainer,
+                swarm.bootstrap_addrs[0],
+                steps=steps,
+                workdir=Path(tmp),
+                out=out,
+                stop=stop,
+            )
+        _expert_table(summary, swarm, out)
+        traffic = hosts.traffic()
+        where = {
+            node.name: {
+                "netns": _netns_of(node.process.pid),
+                "listen_host": node.placement.listen_host,
+                "multiaddrs": list(node.multiaddrs),
+            }
+            for node in [*([swarm.bootstrap] if swarm.bootstrap else []), *swarm.daemons]
+        }
+        where["trainer"] = {
+            "netns": trainer_netns,
+            "listen_host": hosts.trainer.listen_host,
+            "multiaddrs": [],
+        }
+        names = ["bootstrap", "trainer", *(node.name for node in swarm.daemons)]
+        for name, (sent, received) in zip(names, traffic, strict=False):
+            where[name].update(sent_bytes=sent, received_bytes=received)
+        _traffic_table(summary, where, names, out)
+    return summary, {"nodes": nodes, "wan": profile, "hosts": where}
+
+
+def _netns_of(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _traffic_table(
+    summary: TrainSummary, where: dict[str, dict[str, Any]], names: list[str], out: TextIO
+) -> None:
+    """What crossed each emulated link, whole and per token trained (the trainer's
+    evaluations and the DHT's upkeep included)."""
+    tokens = max(summary.tokens, 1)
+    print("\ntraffic on the emulated links (IP bytes, all of the run):", file=out)
+    for name in names:
+        sent, received = where[name]["sent_bytes"], where[name]["received_bytes"]
+        print(
+            f"  {name:>9}: sent {sent / 1e6:8.1f} MB ({sent / tokens:7,.0f} B/token), "
+            f"received {received / 1e6:8.1f} MB ({received / tokens:7,.0f} B/token)",
+            file=out,
+        )
