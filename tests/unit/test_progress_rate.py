@@ -36,3 +36,13 @@ def test_the_window_forgets_what_came_before() -> None:
         clock.now += 1.0
         rate.add(100)  # then slow
     assert rate.per_s() == pytest.approx(100, rel=0.11)
+
+
+def test_steps_slower_than_the_window_read_as_their_own_rate() -> None:
+    """Steps of 12 s with a 10 s window: 1000 tokens per 12 s, not 1000 per window."""
+    clock = Clock()
+    rate = Rate(window_s=10.0, clock=clock)
+    for _ in range(5):
+        clock.now += 12.0
+        rate.add(1000)
+    assert rate.per_s() == pytest.approx(1000 / 12, rel=0.01)

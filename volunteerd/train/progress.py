@@ -15,7 +15,10 @@ __all__ = ["Progress", "Rate"]
 class Rate:
     """Units per second over the last ``window_s`` seconds. With several batches in
     flight one step's own duration says nothing about throughput (four overlapping
-    steps of 1 s each make 4 steps/s): count what finished in a window instead."""
+    steps of 1 s each make 4 steps/s): count what finished in a window instead.
+
+    The window is measured from the last event before it (or the start), so steps
+    slower than the window still read as their own rate, not as one step per window."""
 
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
@@ -26,14 +29,20 @@ class Rate:
     def add(self, units: float) -> None:
         now = self._clock()
         self._events.append((now, units))
-        while self._events and self._events[0][0] < now - self.window_s:
+        # keep one event at or before the window's start: the rate is measured from it
+        while len(self._events) >= 2 and self._events[1][0] <= now - self.window_s:
             self._events.popleft()
 
     def per_s(self) -> float:
-        """Units finished in the window (or since the start, if younger) per second."""
+        """Units finished since the anchor (the last event before the window) per
+        second; without one, those in the window (or since the start, if younger)."""
         now = self._clock()
-        since = max(self._started, now - self.window_s)
-        units = sum(u for t, u in self._events if t >= since)
+        if len(self._events) >= 2 and self._events[0][0] <= now - self.window_s:
+            since = self._events[0][0]
+            units = sum(u for _, u in list(self._events)[1:])
+        else:
+            since = max(self._started, now - self.window_s)
+            units = sum(u for t, u in self._events if t >= since)
         return units / max(now - since, 1e-9)
 
 
