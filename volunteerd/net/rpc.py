@@ -433,8 +433,8 @@ class RpcClient:
             with trio.fail_after(self._timeouts.request_s):
                 # The reply is read while the request is written: a server refusing a
                 # frame before reading it (busy, over a limit) answers at once and stops
-                # reading, so a large request's write may never finish; its refusal is
-                # the answer, not a broken stream.
+                # reading, so a large request's write would wait for window credit that
+                # never comes; its refusal is the answer, not a broken stream.
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(send)
                     try:
@@ -444,8 +444,11 @@ class RpcClient:
                             raw = await read_frame_rest(stream, bytes(prefix), self._limits)
                     except Exception as exc:
                         read_error = exc
-                    if raw is None or not (written or _says_ok(raw.header)):
-                        nursery.cancel_scope.cancel()
+                    if not written and (raw is None or not _says_ok(raw.header)):
+                        # Never cancel the writer: cut inside a frame, it would leave
+                        # half a message on the connection every stream shares. A reset
+                        # ends it between frames (py-libp2p's write checks for one).
+                        await _reset(stream)
         except trio.TooSlowError:
             raise RequestTimeout(
                 f"{spec.verb}: no reply within {self._timeouts.request_s}s"
