@@ -1,40 +1,123 @@
 """Logging set-up, and the one place third-party chatter is tamed.
 
 py-libp2p logs routine events as warnings and errors — a normally closed Kademlia
-stream, a dial to a peer that left, a rejected value dumped in hex — thousands of lines
-in a normal run. volunteerd reports the failures that matter itself, so py-libp2p's
-loggers are silenced unless volunteerd runs at DEBUG, when they are shown in full.
+stream ("Failed to read DHT message from stream", dozens a minute), a dial to a peer
+that left, a rejected value dumped in hex — thousands of lines in a normal run. Its
+import also detaches its loggers from the root, so its records would reach stderr
+through logging's last-resort handler, without time or name, in any program that uses
+volunteerd as a library (a researcher's own training script) and never configures
+logging.
+
+So every third-party logger named in ``_THIRD_PARTY`` is routed through one handler,
+``_Routed``, into the root logger's handlers (volunteerd's, or the program's own):
+
+* shown only while volunteerd logs at DEBUG, apart from CRITICAL records, which are
+  always shown (volunteerd reports the failures that matter itself);
+* an identical message (same logger, level and text) is shown at most ``_BURST`` times
+  a minute; the next one shown after that says how many were left out.
+
+``volunteerd.net`` calls ``tame_third_party()`` as soon as it has imported py-libp2p
+(every entry point and every library use goes through it); ``configure_logging`` calls
+it again with the level it sets. Setting ``LIBP2P_DEBUG`` leaves py-libp2p's own
+logging set-up alone (its handlers, its levels): the way to debug py-libp2p itself.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
+from collections.abc import Callable
 
 __all__ = ["configure_logging", "tame_third_party"]
 
-_THIRD_PARTY = ("libp2p", "multiaddr", "async_service")
+_THIRD_PARTY = ("libp2p", "multiaddr", "async_service", "hypercorn")
+_BURST = 3
+_WINDOW_S = 60.0
+_MAX_KEYS = 512
 
 
-def tame_third_party(debug: bool = False) -> None:
-    """Call after py-libp2p is imported: its import resets its own loggers."""
-    # py-libp2p stops its records at the "libp2p" logger, so they would reach stderr
-    # through logging's last-resort handler without time or name; route them via ours.
-    logging.getLogger("libp2p").propagate = True
-    for name in _THIRD_PARTY:
-        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.CRITICAL)
-    # Some of its modules set their own levels; bring them back under their parents.
-    for name, logger in logging.root.manager.loggerDict.items():
-        if (
-            isinstance(logger, logging.Logger)
-            and name.startswith(_THIRD_PARTY)
-            and name not in _THIRD_PARTY
-        ):
-            logger.setLevel(logging.NOTSET)
+class _Routed(logging.Handler):
+    """Passes third-party records on to the root logger's handlers, as described in
+    the module docstring. Called under the handler's lock (logging.Handler.handle), so
+    its counters need no other."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.clock = clock
+        # (logger, level, text) -> [window start, shown in window, left out in window]
+        self._seen: dict[tuple[str, int, str], list[float]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        debugging = logging.getLogger("volunteerd").isEnabledFor(logging.DEBUG)
+        if record.levelno < logging.CRITICAL and not debugging:
+            return
+        try:
+            text = record.getMessage()
+        except Exception:  # a third party's bad format arguments: not worth a traceback
+            text = str(record.msg)
+        left_out = self._count(record.name, record.levelno, text)
+        if left_out is None:
+            return
+        if left_out:
+            record = logging.makeLogRecord(record.__dict__)
+            record.msg = f"{text} ({left_out} more like this in the last minute not shown)"
+            record.args = None
+        logging.getLogger().handle(record)
+
+    def _count(self, name: str, level: int, text: str) -> int | None:
+        """None: leave this record out; else show it, with how many like it were left
+        out since it was last shown."""
+        now = self.clock()
+        key = (name, level, text)
+        seen = self._seen.get(key)
+        if seen is None or now - seen[0] >= _WINDOW_S:
+            left_out = 0 if seen is None else int(seen[2])
+            if len(self._seen) >= _MAX_KEYS:
+                self._forget(now)
+            self._seen[key] = [now, 1, 0]
+            return left_out
+        if seen[1] < _BURST:
+            seen[1] += 1
+            return 0
+        seen[2] += 1
+        return None
+
+    def _forget(self, now: float) -> None:
+        """Bounded memory: drop the windows that are over, or every one if none is."""
+        stale = [key for key, seen in self._seen.items() if now - seen[0] >= _WINDOW_S]
+        for key in stale or list(self._seen):
+            del self._seen[key]
+
+
+_ROUTED = _Routed()
+
+
+def tame_third_party() -> None:
+    """Route the third-party loggers through ``_Routed`` at the level volunteerd's own
+    logger has now. Idempotent; call it again after py-libp2p is (first) imported, as
+    its import resets its loggers."""
+    debugging = logging.getLogger("volunteerd").isEnabledFor(logging.DEBUG)
+    names = [n for n in _THIRD_PARTY if not (n == "libp2p" and os.environ.get("LIBP2P_DEBUG"))]
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.handlers = [h for h in logger.handlers if h is not _ROUTED]
+        logger.addHandler(_ROUTED)
+        logger.propagate = False  # _ROUTED passes on what is to be shown
+        # Below the level shown, records are not even made (py-libp2p logs a lot).
+        logger.setLevel(logging.DEBUG if debugging else logging.WARNING)
+    # Some of py-libp2p's modules set their own levels (one sets INFO); bring them back
+    # under their parents, so that their debug records show with the rest.
+    children = tuple(f"{name}." for name in names)
+    for name, child in logging.root.manager.loggerDict.items():
+        if isinstance(child, logging.Logger) and name.startswith(children):
+            child.setLevel(logging.NOTSET)
 
 
 def configure_logging(level: str = "INFO") -> None:
-    """Log to stderr with timestamps; ``level`` applies to volunteerd's own loggers."""
+    """Log to stderr with timestamps; ``level`` applies to volunteerd's own loggers,
+    and at DEBUG the third parties' records are shown too (rate-limited)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -45,4 +128,4 @@ def configure_logging(level: str = "INFO") -> None:
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("volunteerd").setLevel(level)
-    tame_third_party(debug=level == "DEBUG")
+    tame_third_party()

@@ -11,12 +11,16 @@ import pytest
 
 from tests.e2e.conftest import run_cli
 from volunteerd.errors import ExitCode
+from volunteerd.swarm.invitation import Invitation, parse_invitation
 
 # Each test starts volunteerd as a process (most, a daemon or a swarm of them).
 pytestmark = pytest.mark.slow
 
 MANIFEST = """\
 name = "e2e-demo"
+description = "An end-to-end test's experiment"
+owner_name = "The e2e suite"
+homepage = "https://example.org/e2e"
 hidden_dim = 16
 uid_prefix = "ffn"
 grid = [2, 2]
@@ -41,6 +45,11 @@ def test_publish_then_a_trusting_daemon_joins_and_a_distrustful_one_exits_3(
     assert published.returncode == ExitCode.OK, published.stderr
     assert f"owner: {owner_id}" in published.stdout
     assert "published experiment 'e2e-demo' (4 experts" in published.stdout
+    assert "Helping: An end-to-end test's experiment by The e2e suite" in published.stdout
+    # The invitation is a line of its own, naming the owner and the peer published through.
+    (line,) = [x for x in published.stdout.splitlines() if x.startswith("volunteerd://join/")]
+    assert parse_invitation(line) == Invitation("e2e-demo", owner_id, (address,))
+    assert "must stay up" in published.stdout
 
     join = ["--set", "experiments.join=e2e-demo", "--set", "experiments.max_experts=2"]
     join += ["--set", 'runtime.device="cpu"', "--bootstrap", address]
@@ -82,3 +91,17 @@ def test_publish_without_a_peer_is_a_config_error(tmp_path: Path) -> None:
     result = run_cli(tmp_path / "owner", "publish", str(manifest))
     assert result.returncode == ExitCode.CONFIG
     assert "--bootstrap" in result.stderr
+
+
+def test_publish_through_a_peer_that_cannot_be_in_an_invitation_stores_nothing(
+    tmp_path: Path,
+) -> None:
+    manifest = tmp_path / "experiment.toml"
+    manifest.write_text(MANIFEST)
+    result = run_cli(
+        tmp_path / "owner", "publish", str(manifest),
+        "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+    )  # fmt: skip
+    assert result.returncode == ExitCode.CONFIG
+    assert "invitation" in result.stderr
+    assert "Ed25519" in result.stderr

@@ -77,10 +77,15 @@ async def test_the_trainer_takes_the_experts_settings_from_a_trusted_manifest() 
         await trio.to_thread.run_sync(run)
 
 
+def test_a_manifest_of_one_grid_named_uid_prefix_makes_a_one_block_model() -> None:
+    # A swarm started by hand with `serve --experts "mix.[0:2].[0:3]"`, published as is.
+    m = apply_manifest(Experiment(), manifest(Identity.generate(), layers=0)).model
+    assert (m.num_blocks, m.layer_names, m.layer_name(0)) == (1, ("mix",), "mix")
+    assert m.expert_pattern(0) == "mix.0.[0:3],mix.1.[0:3]"
+
+
 def test_a_manifest_the_model_cannot_use_is_a_clear_error() -> None:
     owner = Identity.generate()
-    with pytest.raises(ConfigError, match="one grid per block"):
-        apply_manifest(Experiment(), manifest(owner, layers=0))
     with pytest.raises(ConfigError, match="ffn experts"):
         apply_manifest(Experiment(), manifest(owner, expert_type="transformer", num_heads=4))
     with pytest.raises(ConfigError, match="does not fit"):

@@ -4,6 +4,7 @@ the store keeps one per (name, owner); a daemon accepts only trusted owners."""
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,57 @@ def test_manifest_file_is_stamped_by_publishing(tmp_path: Path) -> None:
 def test_grid_too_large_is_refused() -> None:
     with pytest.raises(ValueError, match="at most"):
         manifest(grid=(100, 100))
+
+
+def test_description_homepage_and_owner_name_are_signed_and_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "experiment.toml"
+    path.write_text(
+        'name = "demo"\ndescription = "Next-character prediction on Python\'s stdlib 🐍"\n'
+        'homepage = "https://example.org/demo?x=1"\nowner_name = "Ada\'s lab"\n'
+    )
+    m = load_manifest_file(path, owner=OWNER_ID, now=NOW)
+    assert m.description == "Next-character prediction on Python's stdlib 🐍"
+    assert (m.homepage, m.owner_name) == ("https://example.org/demo?x=1", "Ada's lab")
+    record = sign_manifest(m, OWNER)
+    check(record)
+    assert parse_manifest(record) == m
+
+
+def test_a_manifest_published_before_the_display_fields_still_parses() -> None:
+    old = manifest().model_dump(mode="json")
+    for key in ("description", "homepage", "owner_name"):
+        del old[key]
+    parsed = ExperimentManifest.model_validate(old)
+    assert (parsed.description, parsed.homepage, parsed.owner_name) == ("", "", "")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("description", "x" * 281, "at most 280"),
+        ("description", "line one\nline two", "control or invisible"),
+        ("description", "by Alice\u202eecilA", "control or invisible"),
+        ("description", "zero\u200bwidth", "control or invisible"),
+        ("description", "bell\x07", "control or invisible"),
+        ("owner_name", "x" * 65, "at most 64"),
+        ("owner_name", "Ada\r\nowner: someone else", "control or invisible"),
+        ("owner_name", "para\u2029graph", "control or invisible"),
+        ("homepage", "ftp://example.org", "http:// or https://"),
+        ("homepage", "javascript:alert(1)", "http:// or https://"),
+        ("homepage", "example.org", "http:// or https://"),
+        ("homepage", "https://", "http:// or https://"),
+        ("homepage", "https://ex\u0430mple.org", "printable ASCII"),  # a Cyrillic a
+        ("homepage", "https://example.org/a b", "printable ASCII"),
+        ("homepage", "https://example.org:99999/", "Port out of range"),
+        ("homepage", "https://example.org/" + "a" * 190, "at most 200"),
+    ],
+)
+def test_display_fields_are_bounded_and_free_of_control_characters(
+    tmp_path: Path, field: str, value: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        manifest(**{field: value})
+    path = tmp_path / "experiment.toml"
+    path.write_text(f'name = "demo"\n{field} = {json.dumps(value)}\n')
+    with pytest.raises(ConfigError, match=f"{field}: "):
+        load_manifest_file(path, owner=OWNER_ID)

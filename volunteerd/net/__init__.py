@@ -6,6 +6,7 @@ discovery through signed, expiring records stored on the Kademlia-closest peers.
 
 from __future__ import annotations
 
+from volunteerd.logs import tame_third_party
 from volunteerd.net.announce import Announcer, children_by_key
 from volunteerd.net.dht import ExpertDHT, StoreOutcome
 from volunteerd.net.node import Node, open_node
@@ -21,6 +22,10 @@ from volunteerd.net.records import (
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient, RpcServer
 from volunteerd.net.shard import ShardResult, ShardServer, download_shard, partial_paths
 from volunteerd.net.throttle import Throttle, ThrottleStats, TransferLedger
+
+# Importing py-libp2p (above) detached its loggers; route them through volunteerd's
+# logging now, so that a program using volunteerd as a library is not flooded either.
+tame_third_party()
 
 __all__ = [
     "EXPERT_RECORDS",

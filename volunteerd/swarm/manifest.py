@@ -13,6 +13,9 @@ The TOML file holds the manifest's fields except ``owner``, ``issued_at`` and
 ``expires_at``, which publishing fills in, plus an optional ``lifetime_days``::
 
     name = "stdlib-chars"
+    description = "A character-level model of Python's standard library"
+    homepage = "https://example.org/stdlib-chars"
+    owner_name = "Ada's lab"
     expert_type = "ffn"
     hidden_dim = 128
     uid_prefix = "mlp"
@@ -23,6 +26,10 @@ The TOML file holds the manifest's fields except ``owner``, ``issued_at`` and
     [optimizer]
     name = "adam"
     lr = 0.003
+
+``description``, ``homepage`` and ``owner_name`` are what a volunteer is shown before
+joining and while helping ("Helping: <description> by <owner_name>"); they are
+optional, so manifests published before they existed still parse.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ from __future__ import annotations
 import json
 import time
 import tomllib
+import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Self
+from urllib.parse import urlsplit
 
 import trio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from volunteerd import uids
 from volunteerd.config import ExpertsConfig, OptimizerConfig
@@ -58,12 +67,45 @@ DEFAULT_LIFETIME_DAYS = 7.0
 MAX_EXPERTS = 4096
 _MAX_OWNERS_ASKED = 16
 _MAX_OWNERS_NAMED = 4
+# Control, format (bidi, zero-width), surrogate, line and paragraph separators.
+# Unassigned code points are not refused: daemons on older Pythons would disagree.
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _displayable(value: str) -> str:
+    """Text a volunteer is shown (dashboard, tray, terminal): no control characters,
+    line breaks or invisible formatting (bidi overrides could make "by Alice" read
+    as someone else), which a signed manifest would otherwise carry to every screen."""
+    for char in value:
+        if unicodedata.category(char) in _HIDDEN_CATEGORIES:
+            raise ValueError(f"contains a control or invisible character ({char!a})")
+    return value
+
+
+def _homepage(value: str) -> str:
+    """An http(s) URL of printable ASCII (an internationalised domain in its xn--
+    form): unicode look-alikes of a known site are refused, not shown."""
+    if not value:
+        return value
+    if any(not ("!" <= char <= "~") for char in value):
+        raise ValueError("must be a URL of printable ASCII without spaces")
+    parts = urlsplit(value)  # a ValueError (a bad IPv6 host, or port) is the answer
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    _ = parts.port  # parsed only when asked for
+    return value
+
+
+_DisplayText = AfterValidator(_displayable)
 
 
 class ExperimentManifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: Annotated[str, Field(max_length=280), _DisplayText] = ""
+    homepage: Annotated[str, Field(max_length=200), AfterValidator(_homepage)] = ""
+    owner_name: Annotated[str, Field(max_length=64), _DisplayText] = ""
     expert_type: Literal["ffn", "transformer"] = "ffn"
     hidden_dim: int = Field(1024, ge=8, le=65536)
     num_heads: int = Field(8, ge=1, le=256)

@@ -4,7 +4,8 @@ The owner's key signs; a short-lived node with a throwaway identity (so it never
 collides with a daemon running under the owner's key) joins through the bootstrap
 peers, stores the envelope on the closest peers of ``experiment/<name>`` and leaves.
 Daemons that join the experiment store it again periodically, so it outlives this
-command.
+command. It also makes the experiment's invitation: its name, the owner's peer id and
+the bootstrap peers it was published through, the peers volunteers join through.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from volunteerd.config import Config
 from volunteerd.errors import ConfigError, ResourceUnavailable
 from volunteerd.identity import Identity
 from volunteerd.net import open_node, peer_id_for
+from volunteerd.swarm.invitation import MAX_PEERS, Invitation
 from volunteerd.swarm.manifest import ExperimentManifest, load_manifest_file, sign_manifest
 
-__all__ = ["Published", "publish_manifest"]
+__all__ = ["Published", "make_invitation", "publish_manifest"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,34 @@ logger = logging.getLogger(__name__)
 class Published:
     manifest: ExperimentManifest
     acks: int  # peers (this short-lived node excluded) that stored it
+    invitation: Invitation
+    left_out: tuple[str, ...]  # bootstrap peers that cannot go in an invitation, and why
+
+
+def make_invitation(
+    manifest: ExperimentManifest, peers: list[str]
+) -> tuple[Invitation, tuple[str, ...]]:
+    """The invitation to ``manifest`` through the first 8 of ``peers`` that fit in one
+    (direct multiaddrs ending in an Ed25519 /p2p/ id), and each peer left out with the
+    reason. Raises ConfigError when none fits: volunteers would have no way in."""
+    fitting: list[str] = []
+    left_out: list[str] = []
+    for peer in dict.fromkeys(peers):
+        if len(fitting) == MAX_PEERS:
+            left_out.append(f"{peer}: an invitation names at most {MAX_PEERS} peers")
+            continue
+        try:
+            Invitation(manifest.name, manifest.owner, (peer,))
+        except ConfigError as exc:
+            left_out.append(f"{peer}: {str(exc).removeprefix('not a valid invitation: ')}")
+            continue
+        fitting.append(peer)
+    if not fitting:
+        raise ConfigError(
+            "no bootstrap peer can go in the invitation volunteers join with:\n  "
+            + "\n  ".join(left_out)
+        )
+    return Invitation(manifest.name, manifest.owner, tuple(fitting)), tuple(left_out)
 
 
 async def publish_manifest(config: Config, owner: Identity, path: Path) -> Published:
@@ -37,6 +67,8 @@ async def publish_manifest(config: Config, owner: Identity, path: Path) -> Publi
     if not config.network.bootstrap_peers:
         raise ConfigError("publishing needs a peer to store the manifest: pass --bootstrap")
     manifest = load_manifest_file(path, owner=str(peer_id_for(owner)))
+    # Before storing anything: a manifest nobody can be invited to is a mistake.
+    invitation, left_out = make_invitation(manifest, config.network.bootstrap_peers)
     record = sign_manifest(manifest, owner)
     node_config = config.model_copy(
         update={"network": config.network.model_copy(update={"port": 0})}
@@ -48,4 +80,4 @@ async def publish_manifest(config: Config, owner: Identity, path: Path) -> Publi
     if acks < 1:
         raise ResourceUnavailable(f"no peer stored the manifest of {manifest.name!r}")
     logger.info("stored manifest %r on %d peers", manifest.name, acks)
-    return Published(manifest, acks)
+    return Published(manifest, acks, invitation, left_out)

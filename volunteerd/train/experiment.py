@@ -1,17 +1,21 @@
 """An experiment: the model, its data, how to train it, and the swarm hosting its experts.
 
-Read from TOML by ``volunteerd train --config experiment.toml``; ``volunteerd demo``
-uses ``Experiment()`` — the embedded default — unchanged. Each DMoE layer ``i`` of the
-model uses the expert grid ``<uid_prefix><i>.[0:g0].[0:g1]...`` of ``ffn`` experts of
-width ``model.hidden_dim``; the daemons hosting them must use the same width and the
-optimizer in ``experts``.
+Read from TOML by ``volunteerd train --config trainer.toml`` (examples/trainer.toml;
+the file ``volunteerd publish`` reads is the experiment's manifest, examples/
+experiment.toml); ``volunteerd demo`` uses ``Experiment()`` — the embedded default —
+unchanged. Each DMoE layer ``i`` of the model uses the expert grid
+``<layer name>.[0:g0].[0:g1]...`` of ``ffn`` experts of width ``model.hidden_dim``,
+where the layer names are ``model.layer_names`` when given (``["ffn"]`` reaches a swarm
+started with ``serve --experts "ffn.[0:4].[0:4]"``) and ``<uid_prefix>0``,
+``<uid_prefix>1``, ... otherwise; the daemons hosting them must use the same width and
+the optimizer in ``experts``.
 """
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -46,7 +50,16 @@ class ModelConfig(_Model):
     num_heads: int = Field(4, ge=1, le=64)
     seq_len: int = Field(64, ge=2, le=4096)
     grid: tuple[int, ...] = Field((4, 4), min_length=1, max_length=uids.MAX_DIMS)
-    uid_prefix: str = Field("mlp", description="layer i uses the experts <uid_prefix><i>.*")
+    uid_prefix: str = Field(
+        "mlp", description="block i uses the experts <uid_prefix><i>.* (without layer_names)"
+    )
+    layer_names: tuple[str, ...] = Field(
+        (),
+        max_length=64,
+        description="the expert grid of each block, in order: block i uses the experts "
+        '<layer_names[i]>.*, e.g. ["ffn"] for a swarm started with `volunteerd serve '
+        '--experts "ffn.[0:4].[0:4]"`; num_blocks defaults to their number',
+    )
     k_best: int = Field(2, ge=1, le=64)
     k_min: int = Field(1, ge=1, le=64)
     forward_timeout_s: float = Field(5.0, gt=0)
@@ -63,6 +76,14 @@ class ModelConfig(_Model):
         1e4, gt=0, description="an expert answer with a larger element is dropped"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _blocks_of_layer_names(cls, data: Any) -> Any:
+        # One block per named grid unless num_blocks says otherwise (then it must agree).
+        if isinstance(data, dict) and data.get("layer_names") and "num_blocks" not in data:
+            return {**data, "num_blocks": len(data["layer_names"])}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         if self.hidden_dim % self.num_heads:
@@ -71,9 +92,23 @@ class ModelConfig(_Model):
             raise ValueError("k_min must not exceed k_best")
         if not uids.is_valid_key(f"{self.uid_prefix}0."):
             raise ValueError(f"uid_prefix {self.uid_prefix!r} must be a lowercase name")
+        if self.layer_names:
+            if len(self.layer_names) != self.num_blocks:
+                raise ValueError(
+                    f"layer_names names {len(self.layer_names)} grids for "
+                    f"{self.num_blocks} blocks (num_blocks)"
+                )
+            for name in self.layer_names:
+                if "." in name or not uids.is_valid_key(f"{name}."):
+                    raise ValueError(f"layer name {name!r} must be a lowercase name, like 'ffn'")
+            if len(set(self.layer_names)) != len(self.layer_names):
+                raise ValueError("layer_names names a grid twice: each block needs its own")
         return self
 
     def layer_name(self, block: int) -> str:
+        """The grid of block ``block``: its experts are ``<layer name>.<i>.<j>...``."""
+        if self.layer_names:
+            return self.layer_names[block]
         return f"{self.uid_prefix}{block}"
 
     def expert_pattern(self, block: int, rows: range | None = None) -> str:

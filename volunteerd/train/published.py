@@ -3,10 +3,15 @@
 An experiment file may name a published manifest (``swarm.manifest``) and the owners it
 trusts (``swarm.trusted_owners``). Before training, the trainer looks the manifest up in
 the DHT by (name, owner) for each trusted owner, accepts it only from them (as daemons
-do), and takes from it what must agree with the daemons hosting the experts: the uid
-prefix, the number of layers (one grid per transformer block), the grid, the experts'
-width, their optimizer and the wire compression. Everything else (data, attention,
-training schedule) stays the trainer's own.
+do), and takes from it what must agree with the daemons hosting the experts: the
+layer names (one grid per transformer block; a manifest with ``layers = 0`` has one
+grid, named ``uid_prefix``), the grid, the experts' width, their optimizer and the wire
+compression. Everything else (data, attention, training schedule) stays the trainer's
+own.
+
+``volunteerd train --invitation <invitation>`` takes them from the invitation
+``volunteerd publish`` printed (``apply_invitation``): the manifest's name, its owner to
+trust, and the peers to join through.
 """
 
 from __future__ import annotations
@@ -16,12 +21,33 @@ import time
 
 from volunteerd.errors import ConfigError
 from volunteerd.moe import SwarmClient
+from volunteerd.swarm.invitation import Invitation
 from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
 from volunteerd.train.experiment import Experiment
 
-__all__ = ["apply_manifest", "resolve_manifest"]
+__all__ = ["apply_invitation", "apply_manifest", "resolve_manifest"]
 
 logger = logging.getLogger(__name__)
+
+
+def apply_invitation(experiment: Experiment, invitation: Invitation) -> Experiment:
+    """``experiment`` training with the invitation's manifest, trusting its owner and
+    joining through its peers (before the file's own). Raises ConfigError when the file
+    names another manifest: one of the two is not what the researcher meant."""
+    swarm = experiment.swarm
+    if swarm.manifest and swarm.manifest != invitation.name:
+        raise ConfigError(
+            f"the invitation is to {invitation.name!r} but swarm.manifest names "
+            f"{swarm.manifest!r}: remove one of them"
+        )
+    swarm = swarm.model_copy(
+        update={
+            "manifest": invitation.name,
+            "trusted_owners": list(dict.fromkeys([invitation.owner, *swarm.trusted_owners])),
+            "bootstrap_peers": list(dict.fromkeys([*invitation.peers, *swarm.bootstrap_peers])),
+        }
+    )
+    return experiment.model_copy(update={"swarm": swarm})
 
 
 def apply_manifest(experiment: Experiment, manifest: ExperimentManifest) -> Experiment:
@@ -31,19 +57,17 @@ def apply_manifest(experiment: Experiment, manifest: ExperimentManifest) -> Expe
             f"manifest {manifest.name!r} hosts {manifest.expert_type} experts; the trainer's "
             "model needs ffn experts in its feed-forward layers"
         )
-    if manifest.layers < 1:
-        raise ConfigError(
-            f"manifest {manifest.name!r} has one grid named {manifest.uid_prefix!r}; the "
-            "trainer's model needs one grid per block (publish it with layers >= 1)"
-        )
     model = experiment.model
+    # One block per grid of the manifest: layers = 0 is one grid named uid_prefix.
+    layer_names = manifest.layer_names()
     try:
         model = model.model_validate(
             {
                 **model.model_dump(),
                 "hidden_dim": manifest.hidden_dim,
                 "uid_prefix": manifest.uid_prefix,
-                "num_blocks": manifest.layers,
+                "layer_names": layer_names,
+                "num_blocks": len(layer_names),
                 "grid": manifest.grid,
                 "compression": manifest.compression,
             }

@@ -1,0 +1,126 @@
+"""Third-party chatter (py-libp2p's "Failed to read DHT message from stream", dozens a
+minute) stays off a volunteer's or researcher's terminal unless volunteerd logs at
+DEBUG, in a program that never configures logging too; repeated lines are summarised."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from volunteerd import logs
+
+DHT_LOGGER = "libp2p.kad_dht.kad_dht"
+MESSAGE = "Failed to read DHT message from stream: %s"
+
+
+def run_python(code: str) -> str:
+    """The stderr of ``code`` run in a fresh interpreter (logging is process-wide)."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import logging\n" + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return result.stderr
+
+
+FLOOD = f"""
+    for _ in range(49):
+        logging.getLogger({DHT_LOGGER!r}).warning({MESSAGE!r}, "stream reset")
+    logging.getLogger("libp2p.network.auto_connector").info("an info line")
+"""
+
+
+def test_a_library_user_who_configures_nothing_sees_no_libp2p_warnings() -> None:
+    stderr = run_python("import volunteerd.moe\n" + textwrap.dedent(FLOOD))
+    assert stderr == ""
+
+
+def test_a_libp2p_warning_does_not_reach_stderr_at_the_default_level() -> None:
+    code = """
+        import volunteerd.net
+        from volunteerd.logs import configure_logging
+        configure_logging("INFO")
+        logging.getLogger("volunteerd.test").info("ours")
+    """
+    stderr = run_python(textwrap.dedent(code) + textwrap.dedent(FLOOD))
+    assert "volunteerd.test: ours" in stderr
+    assert "Failed to read DHT message" not in stderr
+    assert "an info line" not in stderr
+
+
+@pytest.mark.parametrize("first", ["import volunteerd.net", "pass"])
+def test_at_debug_it_does_rate_limited_whichever_is_set_up_first(first: str) -> None:
+    # configure_logging before py-libp2p's import (which resets its loggers) or after.
+    code = f"""
+        {first}
+        from volunteerd.logs import configure_logging
+        configure_logging("DEBUG")
+        import volunteerd.net
+    """
+    stderr = run_python(textwrap.dedent(code) + textwrap.dedent(FLOOD))
+    lines = [line for line in stderr.splitlines() if "Failed to read DHT message" in line]
+    assert len(lines) == 3
+    assert f"WARNING {DHT_LOGGER}: Failed to read DHT message from stream: stream reset" in lines[0]
+    assert "an info line" in stderr  # a module that set its own level is shown too
+
+
+class Shown(logging.Handler):
+    """What reaches the root logger's handlers, where volunteerd's (or a program's own)
+    handler is. (pytest attaches its capture to non-propagating loggers too, so its
+    caplog would also see what is left out.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def shown() -> Iterator[Shown]:
+    handler = Shown()
+    logging.getLogger().addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger("volunteerd").setLevel(logging.INFO)
+        logs.tame_third_party()
+
+
+def test_critical_third_party_records_are_always_shown(shown: Shown) -> None:
+    logging.getLogger(DHT_LOGGER).warning(MESSAGE, "quiet")
+    logging.getLogger("multiaddr.codecs").critical("the sky fell")
+    assert shown.messages == ["the sky fell"]
+
+
+def test_identical_lines_beyond_three_a_minute_are_left_out_and_then_counted(
+    shown: Shown, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(logs._ROUTED, "clock", lambda: now[0])
+    monkeypatch.setattr(logs._ROUTED, "_seen", {})
+    logging.getLogger("volunteerd").setLevel(logging.DEBUG)
+    logs.tame_third_party()
+    dht = logging.getLogger(DHT_LOGGER)
+    for _ in range(49):
+        dht.warning(MESSAGE, "stream reset")
+    dht.warning(MESSAGE, "another reason")  # another text: its own count
+    now[0] += 61
+    dht.warning(MESSAGE, "stream reset")
+    reset = "Failed to read DHT message from stream: stream reset"
+    assert shown.messages == [
+        reset,
+        reset,
+        reset,
+        "Failed to read DHT message from stream: another reason",
+        f"{reset} (46 more like this in the last minute not shown)",
+    ]
