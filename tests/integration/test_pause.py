@@ -1,6 +1,7 @@
-"""Pause, resume, snooze and the quota on real daemons over loopback libp2p: a paused
-daemon finishes what it was doing, vanishes from lookups and refuses new work, trainers
-route around it, and it comes back (by hand, at a snooze's end, after a restart)."""
+"""Pause, resume, snooze, the quota and the schedule on real daemons over loopback
+libp2p: a paused daemon finishes what it was doing, vanishes from lookups and refuses
+new work, trainers route around it, and it comes back (by hand, at a snooze's end,
+after a restart, when the schedule allows it again)."""
 
 from __future__ import annotations
 
@@ -221,6 +222,41 @@ async def test_a_used_up_quota_pauses_serving_until_it_is_raised(tmp_path: Path)
         overlay = (tmp_path / "a" / "limits.toml").read_text()
         assert "monthly_quota_gb = 10" in overlay
         assert (tmp_path / "a" / "transfer.json").exists()
+
+
+async def test_the_schedule_withdraws_like_a_pause_and_resume_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    async with (
+        open_peer(local_config()) as boot,
+        open_daemon(server_config(boot), tmp_path / "a") as a,
+    ):
+        me = {a.node.peer_id}
+        scheduler = a.scheduler
+        assert scheduler is not None
+        await eventually(lambda: _equals(servers_of(boot, "ffn.1.0"), me))
+
+        # compute only in an hour that is not now: withdrawn, refusing, with the reason
+        hour = time.localtime().tm_hour
+        window = f"{(hour + 2) % 24:02d}:00-{(hour + 3) % 24:02d}:00"
+        await scheduler.set_rules(compute_hours=[window])
+        state = controls(a).state
+        assert (state.mode, state.serving) == ("scheduled", False)
+        assert state.reason.startswith(f"outside compute hours {window}")
+        await eventually(lambda: _equals(servers_of(boot, "ffn.1.0"), set()))
+        with pytest.raises(RemoteError) as refused:
+            await forward(boot, a, "ffn.1.0")
+        assert refused.value.code == "paused"
+        assert "outside compute hours" in str(refused.value)
+
+        await controls(a).resume()  # the person's resume does not override it
+        assert controls(a).state.mode == "scheduled"
+        assert (tmp_path / "a" / "schedule.toml").exists()
+
+        await scheduler.set_rules(compute_hours=[])  # any time: back by itself
+        assert controls(a).state.mode == "running"
+        await eventually(lambda: _equals(servers_of(boot, "ffn.1.0"), me))
+        assert torch.isfinite(await forward(boot, a, "ffn.1.0")).all()
 
 
 async def _equals(found: Awaitable[set[str]], expected: set[str]) -> bool:

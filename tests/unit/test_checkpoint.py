@@ -351,3 +351,69 @@ async def test_an_undone_step_never_reaches_a_checkpoint(tmp_path: Path) -> None
         assert found is not None
         assert all(torch.equal(found[0].params[k], before.params[k]) for k in before.params)
         run.close()
+
+
+async def test_checkpoints_stay_within_the_disk_budget(tmp_path: Path) -> None:
+    """Over the budget, older checkpoints go first (each expert keeps its newest); a
+    save that cannot fit is skipped with one warning, and saving resumes once the
+    budget is raised. Downloaded shards count too."""
+    from volunteerd.config import RuntimeConfig, WireLimits
+
+    experts = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "adam", "lr": 0.01})
+    uids = ["ffn.0.0", "ffn.0.1"]
+    runtime = ExpertRuntime(
+        uids, experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+    checkpoints, downloads = tmp_path / "checkpoints", tmp_path / "downloads"
+    budget = [0]
+    warnings: list[str] = []
+    saver = Checkpointer(
+        runtime,
+        checkpoints,
+        CheckpointConfig(keep=3),
+        budget_bytes=lambda: budget[0],
+        also_counted=[downloads],
+        on_warning=warnings.append,
+    )
+
+    async def step_all(seed: int) -> int:
+        for uid in uids:
+            await runtime.with_expert(uid, lambda b: train(b, 1, seed=seed))
+        return await saver.save_changed()
+
+    def kept() -> list[int]:
+        return [len(saver.store.files(uid)) for uid in uids]
+
+    def disk() -> int:
+        return sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+
+    for seed in range(3):  # no budget: keep = 3 files each
+        assert await step_all(seed) == 2
+    assert kept() == [3, 3]
+    size = saver.store.files("ffn.0.0")[0].stat().st_size
+
+    budget[0] = 3 * size + size // 2  # room for the newest of each and one more
+    assert await step_all(3) == 2
+    assert disk() <= budget[0]
+    assert sorted(kept()) == [1, 2]
+    newest = {uid: saver.store.files(uid)[0] for uid in uids}
+    assert all(saver.store.load_newest(uid) is not None for uid in uids)
+
+    budget[0] = size + size // 2  # not even the newest of each: nothing is saved
+    assert await step_all(4) == 0
+    assert await step_all(5) == 0
+    assert {uid: saver.store.files(uid)[0] for uid in uids} == newest  # nothing lost
+    assert len(warnings) == 1  # once, not at every round
+    assert "disk budget" in warnings[0]
+    assert saver.statistics().over_budget == 4
+
+    budget[0] = 10 * size  # raised: saving again
+    assert await step_all(6) == 2
+    assert {uid: saver.store.files(uid)[0] for uid in uids} != newest
+
+    # a large download takes the room: the checkpoints wait, the shard is not touched
+    downloads.mkdir()
+    (downloads / "ffn.0.7.ckpt").write_bytes(b"\0" * 9 * size)
+    assert await step_all(7) == 0
+    assert (downloads / "ffn.0.7.ckpt").exists()
+    assert len(warnings) == 2

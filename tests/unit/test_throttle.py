@@ -1,9 +1,10 @@
 """Bandwidth limits and the transfer quota: token buckets under trio's fake clock, the
-stream wrapper's pacing and splitting, and the monthly ledger."""
+stream wrapper's pacing and splitting, and the monthly and daily ledger."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import trio
@@ -161,3 +162,52 @@ def test_quota_is_exhausted_by_up_and_down_together() -> None:
     assert not throttle.quota_exhausted
     throttle.apply(LimitsConfig())  # no quota
     assert not throttle.quota_exhausted
+
+
+def local(year: int, month: int, day: int, hour: int, minute: int) -> float:
+    return time.mktime((year, month, day, hour, minute, 0, 0, 0, -1))
+
+
+def test_ledger_counts_the_day_and_starts_over_at_local_midnight(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.json"
+    now = [local(2026, 3, 10, 23, 58)]
+    ledger = TransferLedger(path, clock=lambda: now[0])
+    ledger.add(up=300, down=200)
+    ledger.save()
+    again = TransferLedger(path, clock=lambda: now[0])  # a restart keeps today's count
+    assert (again.today, again.total) == (500, 500)
+
+    now[0] = local(2026, 3, 11, 0, 1)  # past midnight: a new day, the same month
+    assert (again.today, again.total) == (0, 500)
+    again.add(up=10)
+    assert (again.today, again.total) == (10, 510)
+    again.save()
+    saved = json.loads(path.read_text())
+    assert (saved["day"], saved["day_bytes"]) == ("2026-03-11", 10)
+
+
+def test_a_ledger_written_before_the_daily_count_starts_today_from_zero(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.json"
+    now = local(2026, 3, 10, 12, 0)
+    path.write_text(json.dumps({"month": "2026-03", "bytes_up": 7, "bytes_down": 3}))
+    ledger = TransferLedger(path, clock=lambda: now)
+    assert (ledger.total, ledger.today) == (10, 0)
+
+
+def test_the_daily_quota_is_used_up_until_midnight() -> None:
+    now = [local(2026, 3, 10, 20, 0)]
+    throttle = Throttle(
+        LimitsConfig(daily_quota_gb=1e-6), TransferLedger(None, clock=lambda: now[0])
+    )  # 1000 bytes a day
+    throttle.ledger.add(up=600, down=400)
+    assert throttle.exhausted_quota == "daily"
+    assert throttle.quota_exhausted
+    stats = throttle.statistics()
+    assert (stats.day_bytes, stats.daily_quota_bytes) == (1000, 1000)
+
+    now[0] = local(2026, 3, 11, 0, 0)
+    assert throttle.exhausted_quota is None
+
+    throttle.apply(LimitsConfig(daily_quota_gb=1e-6, monthly_quota_gb=1e-6))
+    throttle.ledger.add(up=1000)  # both used up: the month's is named (it lasts longer)
+    assert throttle.exhausted_quota == "monthly"

@@ -12,10 +12,11 @@ Rates are in Mbit/s (10^6 bits), 0 meaning unlimited, and change at once:
 second's worth (at least 64 KiB), so a measured transfer keeps to the rate within a
 few percent over seconds.
 
-The ``TransferLedger`` counts the bytes of the current calendar month (local time),
-up and down together, in a small JSON file in the data folder (``transfer.json``),
-saved every ``_SAVE_EVERY_S`` and when the node stops. A quota of 0 means none; the
-throttle only reports ``quota_exhausted``: pausing is the volunteer controls' job.
+The ``TransferLedger`` counts the bytes of the current calendar month and of the
+current day (local time), up and down together, in a small JSON file in the data
+folder (``transfer.json``), saved every ``_SAVE_EVERY_S`` and when the node stops.
+There is a monthly and a daily quota, 0 meaning none; the throttle only reports which
+one is used up (``exhausted_quota``): pausing is the volunteer controls' job.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
@@ -111,16 +112,23 @@ def _month(now: float) -> str:
     return time.strftime("%Y-%m", time.localtime(now))
 
 
+def _day(now: float) -> str:
+    return time.strftime("%Y-%m-%d", time.localtime(now))
+
+
 class TransferLedger:
-    """Bytes sent and received in the current calendar month, kept in ``path`` (no
-    file: counted in memory only). A new month starts from zero."""
+    """Bytes sent and received in the current calendar month, and today, kept in
+    ``path`` (no file: counted in memory only). A new month, or day, starts from zero."""
 
     def __init__(self, path: Path | None, clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self._clock = clock
-        self.month = _month(clock())
+        now = clock()
+        self.month = _month(now)
+        self.day = _day(now)
         self.bytes_up = 0
         self.bytes_down = 0
+        self.day_bytes = 0  # up + down today
         self._dirty = False
         if path is not None:
             self._load(path)
@@ -129,25 +137,34 @@ class TransferLedger:
         try:
             data: Any = json.loads(path.read_text())
             month, up, down = data["month"], int(data["bytes_up"]), int(data["bytes_down"])
+            # files written before the daily count have no day: today counts from zero
+            day, day_bytes = data.get("day"), int(data.get("day_bytes", 0))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("%s is unreadable (%s); counting this month from zero", path, exc)
             return
         if month == self.month:
             self.bytes_up, self.bytes_down = max(0, up), max(0, down)
+        if day == self.day:
+            self.day_bytes = max(0, day_bytes)
 
     def _roll(self) -> None:
-        month = _month(self._clock())
+        now = self._clock()
+        month, day = _month(now), _day(now)
         if month != self.month:
             logger.info("a new month (%s): the transfer count starts from zero", month)
             self.month, self.bytes_up, self.bytes_down = month, 0, 0
+            self._dirty = True
+        if day != self.day:
+            self.day, self.day_bytes = day, 0
             self._dirty = True
 
     def add(self, up: int = 0, down: int = 0) -> None:
         self._roll()
         self.bytes_up += up
         self.bytes_down += down
+        self.day_bytes += up + down
         self._dirty = True
 
     @property
@@ -156,11 +173,23 @@ class TransferLedger:
         self._roll()
         return self.bytes_up + self.bytes_down
 
+    @property
+    def today(self) -> int:
+        """Bytes up and down today (since local midnight)."""
+        self._roll()
+        return self.day_bytes
+
     def save(self) -> None:
         """Write the file atomically (temp file, fsync, rename) if anything changed."""
         if self.path is None or not self._dirty:
             return
-        data = {"month": self.month, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        data = {
+            "month": self.month,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "day": self.day,
+            "day_bytes": self.day_bytes,
+        }
         write_atomic(self.path, json.dumps(data) + "\n")
         self._dirty = False
 
@@ -174,7 +203,9 @@ class ThrottleStats:
     month: str
     month_bytes: int  # up + down this month
     quota_bytes: int  # 0 = no quota
-    quota_exhausted: bool
+    quota_exhausted: bool  # the monthly or the daily quota
+    day_bytes: int = 0  # up + down today
+    daily_quota_bytes: int = 0  # 0 = no quota
 
 
 class Throttle:
@@ -189,13 +220,15 @@ class Throttle:
         self.ledger = ledger or TransferLedger(None)
         self.bytes_up = 0
         self.bytes_down = 0
-        self.quota_bytes = 0
+        self.quota_bytes = 0  # a month
+        self.daily_quota_bytes = 0
         self.apply(limits)
 
     def apply(self, limits: LimitsConfig) -> None:
-        """Take the rates and the quota of ``limits``, effective at once."""
+        """Take the rates and the quotas of ``limits``, effective at once."""
         self.set_rates(limits.upload_mbit, limits.download_mbit)
         self.quota_bytes = round(limits.monthly_quota_gb * 1e9)
+        self.daily_quota_bytes = round(limits.daily_quota_gb * 1e9)
 
     def set_rates(self, up_mbit: float, down_mbit: float) -> None:
         """Upload and download limits in Mbit/s (0 = unlimited), effective at once."""
@@ -203,8 +236,17 @@ class Throttle:
         self.down.set_rate(down_mbit * BYTES_PER_MBIT)
 
     @property
+    def exhausted_quota(self) -> Literal["monthly", "daily"] | None:
+        """Which quota is used up (the month's first), or None."""
+        if self.quota_bytes > 0 and self.ledger.total >= self.quota_bytes:
+            return "monthly"
+        if self.daily_quota_bytes > 0 and self.ledger.today >= self.daily_quota_bytes:
+            return "daily"
+        return None
+
+    @property
     def quota_exhausted(self) -> bool:
-        return self.quota_bytes > 0 and self.ledger.total >= self.quota_bytes
+        return self.exhausted_quota is not None
 
     def wrap(self, stream: Stream) -> Stream:
         return ThrottledStream(stream, self)
@@ -229,6 +271,8 @@ class Throttle:
             month_bytes=self.ledger.total,
             quota_bytes=self.quota_bytes,
             quota_exhausted=self.quota_exhausted,
+            day_bytes=self.ledger.today,
+            daily_quota_bytes=self.daily_quota_bytes,
         )
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

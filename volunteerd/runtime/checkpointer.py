@@ -12,6 +12,12 @@ A state with a NaN or an infinity is never written (the store refuses it): the l
 files stay, the refusal is logged and counted, and the same state is not tried again.
 Steps that the runtime undid never reach a checkpoint: a step, its check and its undoing
 run in one turn of the worker, and the copy for a save is taken in another.
+
+The disk budget (``limits.disk_budget_gb``, read at every save) bounds what the
+checkpoints and the downloaded shards in the data folder take together. A save that
+would pass it first deletes older checkpoints (down to each expert's newest, the oldest
+first); one that still would not fit is skipped, with a warning (``on_warning``) and a
+count, and tried again at the next round: the disk never fills up with checkpoints.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -48,14 +55,38 @@ class CheckpointStats:
     failures: int
     last_round_s: float
     refused: int = 0  # states not written because a value was not finite
+    over_budget: int = 0  # saves skipped because they did not fit the disk budget
+    disk_bytes: int = 0  # checkpoints and downloaded shards, at the last save
+
+
+_HEADER_SLACK = 64 << 10  # a new file's header, beyond its tensors' bytes
 
 
 class Checkpointer:
-    """Saves and restores ``runtime``'s experts under ``directory``."""
+    """Saves and restores ``runtime``'s experts under ``directory``.
 
-    def __init__(self, runtime: ExpertRuntime, directory: Path, config: CheckpointConfig) -> None:
+    ``budget_bytes`` gives the disk budget at each save (0: none) for ``directory`` and
+    ``also_counted`` (the downloaded shards) together; ``on_warning`` hears, once per
+    episode, that saves are skipped for want of room."""
+
+    def __init__(
+        self,
+        runtime: ExpertRuntime,
+        directory: Path,
+        config: CheckpointConfig,
+        *,
+        budget_bytes: Callable[[], int] = lambda: 0,
+        also_counted: Sequence[Path] = (),
+        on_warning: Callable[[str], object] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.store = CheckpointStore(directory, keep=config.keep)
+        self.budget_bytes = budget_bytes
+        self._counted = [directory, *also_counted]
+        self.on_warning = on_warning
+        self._over_budget = 0
+        self._short_of_room = False  # warned, until a save fits again
+        self._disk_bytes = 0
         # An expert whose weights a step broke beyond undoing is restored from here.
         runtime.restore_checkpoint = self.restore_into
         self._config = config
@@ -113,7 +144,8 @@ class Checkpointer:
             return
         state, version = await self.runtime.executor.run(partial(_state_and_version, backend))
         try:
-            await trio.to_thread.run_sync(self.store.save, state)
+            if await self._write(state) is None:
+                return
         except CheckpointError as exc:
             self._refuse(backend.uid, version, exc)
             return
@@ -148,7 +180,7 @@ class Checkpointer:
             except UnknownExpert:
                 continue  # removed meanwhile (its last state was saved when it left)
             try:
-                path = await trio.to_thread.run_sync(self.store.save, state)
+                path = await self._write(state)
             except CheckpointError as exc:
                 self._refuse(uid, version, exc)
                 continue
@@ -156,6 +188,8 @@ class Checkpointer:
                 self._failures += 1
                 logger.error("could not save a checkpoint of %s: %s", uid, exc)
                 continue
+            if path is None:
+                continue  # no room: tried again next round
             self._saved[uid] = version
             self.saved_at[uid] = time.time()
             self._saves += 1
@@ -165,6 +199,83 @@ class Checkpointer:
             self._last_round_s = time.perf_counter() - start
             logger.info("saved %d checkpoints in %.2f s", saved, self._last_round_s)
         return saved
+
+    async def _write(self, state: ExpertState) -> Path | None:
+        """Save ``state`` within the disk budget: the new file's path, or None when it
+        does not fit. Raises CheckpointError (a non-finite state) or OSError."""
+        budget = self.budget_bytes()
+        if budget <= 0:
+            return await trio.to_thread.run_sync(self.store.save, state)
+        path = await trio.to_thread.run_sync(self._save_within, state, budget)
+        if path is None:
+            self._over_budget += 1
+            message = (
+                f"checkpoints not saved: the disk budget of {budget / 1e9:g} GB is used up "
+                f"({self._disk_bytes / 1e9:.3g} GB in checkpoints and downloads); raise "
+                "limits.disk_budget_gb to save them again"
+            )
+            if not self._short_of_room:
+                self._short_of_room = True
+                logger.warning("%s", message)
+                if self.on_warning is not None:
+                    self.on_warning(message)
+            else:
+                logger.debug("%s: %s", state.uid, message)
+            return None
+        if self._short_of_room:
+            self._short_of_room = False
+            logger.info("checkpoints fit the disk budget again")
+        return path
+
+    def _save_within(self, state: ExpertState, budget: int) -> Path | None:
+        """(Worker thread.) Save ``state`` within ``budget``, deleting older checkpoints
+        (the oldest first, never an expert's newest) before the save as far as needed,
+        and after it too (this expert's previous file, which is kept until the new one
+        is written). Returns None, deleting nothing, when even that would not fit."""
+        sizes = self._disk_usage()
+        mine = self.store.files(state.uid)
+        # the new file is about as large as the last one (first save: its tensors)
+        size = sizes.get(mine[0], 0) if mine else _HEADER_SLACK + _tensor_bytes(state)
+        spare = self._spare_files()
+        total = sum(sizes.values())
+        self._disk_bytes = total
+        # what stays whatever is deleted: downloads, the other experts' newest, the new file
+        floor = total - sum(sizes.get(p, 0) for p in spare) + size
+        floor -= sizes.get(mine[0], 0) if mine else 0
+        if floor > budget:
+            return None
+        self._delete_spare(spare, sizes, total + size - budget)
+        path = self.store.save(state)
+        sizes = self._disk_usage()
+        self._delete_spare(self._spare_files(), sizes, sum(sizes.values()) - budget)
+        self._disk_bytes = sum(self._disk_usage().values())
+        return path
+
+    def _delete_spare(self, spare: list[Path], sizes: dict[Path, int], excess: int) -> None:
+        """(Worker thread.) Delete ``spare`` files in order until ``excess`` bytes went."""
+        for old in spare:
+            if excess <= 0:
+                return
+            old.unlink(missing_ok=True)
+            excess -= sizes.get(old, 0)
+            logger.info("deleted %s to stay within the disk budget", old)
+
+    def _disk_usage(self) -> dict[Path, int]:
+        """(Worker thread.) The files the budget counts, with their sizes."""
+        return _sizes(path for directory in self._counted for path in _files_under(directory))
+
+    def _spare_files(self) -> list[Path]:
+        """(Worker thread.) Checkpoints that are not their expert's newest, oldest first."""
+        directory = self.store.directory
+        if not directory.is_dir():
+            return []
+        spare: list[tuple[float, Path]] = []
+        for folder in directory.iterdir():
+            if folder.is_dir():
+                for old in self.store.files(folder.name)[1:]:
+                    with contextlib.suppress(OSError):
+                        spare.append((old.stat().st_mtime, old))
+        return [path for _, path in sorted(spare)]
 
     def _wants(self, backend: ExpertBackend) -> bool:
         """Whether ``backend`` changed since it was last saved, or last refused."""
@@ -183,8 +294,28 @@ class Checkpointer:
             failures=self._failures,
             last_round_s=self._last_round_s,
             refused=self._refused_count,
+            over_budget=self._over_budget,
+            disk_bytes=self._disk_bytes,
         )
 
 
 def _state_and_version(backend: ExpertBackend) -> tuple[ExpertState, tuple[int, int]]:
     return backend.state(), (backend.updates, backend.revision)
+
+
+def _tensor_bytes(state: ExpertState) -> int:
+    return sum(t.numel() * t.element_size() for _, t in state.named_tensors())
+
+
+def _files_under(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.rglob("*") if p.is_file()]
+
+
+def _sizes(paths: Iterable[Path]) -> dict[Path, int]:
+    sizes = {}
+    for path in paths:
+        with contextlib.suppress(OSError):  # deleted meanwhile
+            sizes[path] = path.stat().st_size
+    return sizes

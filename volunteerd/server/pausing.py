@@ -1,17 +1,24 @@
 """The volunteer's controls over a running daemon: pause, resume, snooze and limits.
 
 The control API (and through it the tray and the CLI) and SIGHUP call these methods;
-each change posts its ``state`` or ``limits`` event as it is made. Two things decide
+each change posts its ``state`` or ``limits`` event as it is made. Three things decide
 whether the daemon serves experts: the person's choice (running, paused, or snoozed
-until a time) and the monthly transfer quota::
+until a time), the transfer quotas, and the schedule (``volunteerd.schedule``: the
+computer in use, on battery, outside the hours to compute or use the network)::
 
              pause()                       snooze(s)
     running ─────────▶ paused     running ───────────▶ snoozed (paused until now + s)
        ▲                 │           ▲                    │
        └─── resume() ────┘           └── resume(), or the deadline passes
 
-    serving  =  choice is running  and  the quota is not used up ("quota" otherwise,
-                until the month rolls over or the quota is raised)
+    serving  =  choice is running
+           and  no quota is used up ("quota" otherwise, until the month or the day
+                rolls over, or the quota is raised)
+           and  the schedule allows it ("scheduled" otherwise, with the schedule's
+                reason; resuming does not override it: the daemon waits)
+
+The state shown is the first of those that holds it back: the person's pause hides
+the schedule's hold (and the daemon still waits for the schedule once resumed).
 
 Stopping to serve: expert requests (forward, backward, their batches, params, shard)
 are refused at once with ``Paused``, which trainers treat as "choose another expert";
@@ -23,8 +30,9 @@ records announced (done when ``resume`` returns).
 
 The choice is kept in ``state.json`` in the data folder (written atomically), so a
 restarted daemon comes back paused, or snoozed until the same time. Limits changed at
-run time are applied at once and written to ``limits.toml`` next to the config file
-(see ``config.loading``); the quota's byte count lives in ``transfer.json``.
+run time are applied at once and written to ``limits.toml`` (see ``config.loading``);
+the quotas' byte counts live in ``transfer.json``. ``cpu_threads`` is applied on the
+device's worker (torch keeps its thread count per thread).
 """
 
 from __future__ import annotations
@@ -46,12 +54,14 @@ from volunteerd.config import LimitsConfig, limits_overlay_toml
 from volunteerd.control.events import EventSink
 from volunteerd.errors import ConfigError, Paused
 from volunteerd.net import Announcer, Throttle
-from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.residency import release_device, restore_device
+from volunteerd.schedule import ALLOWED, Decision
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
+
+    # Only for types: a daemon that hosts nothing never imports torch.
+    from volunteerd.runtime import ExpertRuntime
 
 __all__ = ["RequestGate", "Volunteer", "VolunteerState"]
 
@@ -59,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 _CHECK_EVERY_S = 1.0  # snooze deadline and quota
 
-Mode = Literal["running", "paused", "snoozed", "quota"]
+Mode = Literal["running", "paused", "snoozed", "quota", "scheduled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +132,7 @@ class Volunteer:
 
     def __init__(
         self,
-        runtime: ExpertRuntime,
+        runtime: ExpertRuntime | None,
         throttle: Throttle,
         limits: LimitsConfig,
         *,
@@ -145,6 +155,11 @@ class Volunteer:
         self._choice = _Choice()
         self._announcer: Announcer | None = None
         self._serving = True  # the runtime starts with its experts on the device
+        self._schedule = ALLOWED
+        self._network_changed = trio.Event()
+        self._started = False  # serve has brought the daemon to the wanted state
+        self._threads = 0  # cpu_threads applied (0: torch's default)
+        self._default_threads: int | None = None  # torch's, before the first change
         self._lock = trio.Lock()
         self._wake = trio.Event()
         self._apply_compute_limits(limits)
@@ -183,6 +198,8 @@ class Volunteer:
         """Bring the daemon to the saved state, then follow the snooze deadline and the
         quota until cancelled."""
         await self._reconcile()
+        await self._apply_threads(self.limits.cpu_threads)
+        self._started = True
         self._posted = self.described
         task_status.started()
         while True:
@@ -212,8 +229,46 @@ class Volunteer:
         await self._choose(_Choice(paused=True, until=self._clock() + seconds))
 
     async def resume(self) -> None:
-        """Serve again (unless the quota is used up); returns once re-announced."""
+        """Serve again (unless a quota is used up or the schedule holds the daemon
+        back: it then waits for them); returns once re-announced."""
         await self._choose(_Choice())
+
+    async def follow_schedule(self, decision: Decision) -> None:
+        """The schedule's hold (``schedule.Scheduler`` calls this at every check):
+        serving stops, draining like a pause, while ``decision`` does not allow it, and
+        starts again once it does (unless paused or over a quota). Before ``serve``
+        starts, only the gate and the announcer follow (``serve`` does the rest)."""
+        if decision == self._schedule:
+            return
+        if decision.network != self._schedule.network:
+            self._network_changed.set()
+            self._network_changed = trio.Event()
+        self._schedule = decision
+        if not self._started:
+            self.gate.closed = not self._wanted()
+            self.gate.reason = self._reason() or self.gate.reason
+            if self._announcer is not None:
+                self._announcer.set_paused(self.gate.closed)
+            return
+        self._wake.set()
+        await self._reconcile()
+        self._post_state()
+
+    @property
+    def schedule(self) -> Decision:
+        """The schedule's last decision."""
+        return self._schedule
+
+    @property
+    def network_allowed(self) -> bool:
+        """Whether bulk transfers (downloading experts, averaging replicas) may run now:
+        false outside the schedule's network hours."""
+        return self._schedule.network
+
+    async def wait_for_network(self) -> None:
+        """Return once bulk transfers may run (at once within the network hours)."""
+        while not self._schedule.network:
+            await self._network_changed.wait()
 
     async def set_limits(
         self,
@@ -240,6 +295,7 @@ class Volunteer:
         try:
             self._throttle.apply(new)
             self._apply_compute_limits(new)
+            await self._apply_threads(new.cpu_threads)
         except Exception as exc:
             # not expected within the validated ranges; but a rate applied before a
             # quota that failed must not stay behind
@@ -283,8 +339,8 @@ class Volunteer:
             return "contributing"
         if state.mode == "paused":
             return "paused by the volunteer"
-        if state.mode == "snoozed":
-            return state.reason  # "snoozed until <time>"
+        if state.mode in ("snoozed", "scheduled"):
+            return state.reason  # "snoozed until <time>", "on battery: waiting for ..."
         return f"paused: {state.reason}"
 
     @property
@@ -295,6 +351,8 @@ class Volunteer:
             mode = "snoozed" if choice.until is not None else "paused"
         elif self._throttle.quota_exhausted:
             mode = "quota"
+        elif not self._schedule.serving:
+            mode = "scheduled"
         else:
             mode = "running"
         return VolunteerState(
@@ -325,14 +383,25 @@ class Volunteer:
             self._events.post(kind, message)
 
     def _wanted(self) -> bool:
-        return not self._choice.paused and not self._throttle.quota_exhausted
+        return (
+            not self._choice.paused
+            and not self._throttle.quota_exhausted
+            and self._schedule.serving
+        )
 
     def _reason(self) -> str:
         if self._choice.paused:
             return self._describe()
-        if self._throttle.quota_exhausted:
+        quota = self._throttle.exhausted_quota
+        if quota == "monthly":
             quota_gb = self._throttle.quota_bytes / 1e9
             return f"the monthly transfer quota of {quota_gb:g} GB is used up"
+        if quota == "daily":
+            quota_gb = self._throttle.daily_quota_bytes / 1e9
+            return f"daily transfer quota used ({quota_gb:g} GB): waiting until midnight"
+        if not self._schedule.serving:
+            decision = self._schedule
+            return f"{decision.reason}: waiting {decision.waiting}"
         return ""
 
     def _describe(self) -> str:
@@ -371,10 +440,16 @@ class Volunteer:
                 self.gate.in_flight,
                 self._grace_s,
             )
-        await release_device(self._runtime)
+        if self._runtime is not None:
+            from volunteerd.runtime.residency import release_device  # imports torch
+
+            await release_device(self._runtime)
 
     async def _start_serving(self) -> None:
-        await restore_device(self._runtime)
+        if self._runtime is not None:
+            from volunteerd.runtime.residency import restore_device  # imports torch
+
+            await restore_device(self._runtime)
         self.gate.closed = False
         if self._announcer is not None:
             self._announcer.set_paused(False)
@@ -382,9 +457,26 @@ class Volunteer:
         logger.info("serving again")
 
     def _apply_compute_limits(self, limits: LimitsConfig) -> None:
+        if self._runtime is None:
+            return
         executor = self._runtime.executor
         executor.duty_cycle = limits.duty_cycle
         executor.max_batch_size = limits.max_batch_size
+
+    async def _apply_threads(self, threads: int) -> None:
+        """torch's CPU threads (0: its default), set on the device's worker: torch
+        keeps the count per thread and takes the latest for threads it meets anew."""
+        if self._runtime is None or threads == self._threads:
+            return
+        import torch  # only a daemon that hosts experts has imported torch
+
+        executor = self._runtime.executor
+        if self._default_threads is None:
+            self._default_threads = await executor.run(torch.get_num_threads)
+        count = threads or self._default_threads
+        await executor.run(lambda: torch.set_num_threads(count))
+        self._threads = threads
+        logger.info("computing with %d CPU threads", count)
 
     def _save_choice(self) -> None:
         if self._state_file is None:

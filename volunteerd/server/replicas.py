@@ -1,8 +1,16 @@
 """The replica averager's view of the swarm (``runtime.averaging.ReplicaAverager``):
 who else hosts an expert, from the DHT's full-uid records, and their parameters over
-this node's RPC client (the connections already open)."""
+this node's RPC client (the connections already open).
+
+Both kinds of bulk transfer, averaging with replicas and downloading an expert's state
+when joining, wait for the schedule's network hours: ``SwarmReplicas`` finds no
+replica outside them (the round averages nothing), ``WindowedDownloader`` waits.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -10,17 +18,31 @@ from volunteerd.net import Node, PeerAddress, Verb
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
-__all__ = ["SwarmReplicas"]
+if TYPE_CHECKING:
+    # Only for types: this module is imported by daemons that host nothing (no torch).
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.experts.checkpoint_file import ExpertState
+
+__all__ = ["SwarmReplicas", "WindowedDownloader"]
 
 
 class SwarmReplicas:
-    def __init__(self, node: Node, lookup_s: float) -> None:
+    """``allowed`` says whether bulk transfers may run now (the schedule's network
+    hours, ``Volunteer.network_allowed``)."""
+
+    def __init__(
+        self, node: Node, lookup_s: float, *, allowed: Callable[[], bool] = lambda: True
+    ) -> None:
         self._node = node
         self._lookup_s = lookup_s
+        self._allowed = allowed
         self._addresses: dict[str, PeerAddress] = {}
 
     async def replicas(self, uid: str) -> list[str]:
-        """The other peers announcing ``uid`` (none if the lookup takes too long)."""
+        """The other peers announcing ``uid`` (none if the lookup takes too long, or
+        outside the network hours)."""
+        if not self._allowed():
+            return []
         with trio.move_on_after(self._lookup_s):
             records = (await self._node.dht.get([uid]))[uid]
             peers = []
@@ -37,3 +59,21 @@ class SwarmReplicas:
             self._addresses[peer_id], Verb.PARAMS, ParamsRequest(uid=uid)
         )
         return reply, tensors
+
+
+class _Downloader(Protocol):
+    async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState: ...
+
+
+class WindowedDownloader:
+    """``downloader`` (``swarm.download.ShardDownloader``), each download started only
+    once ``wait`` returns (``Volunteer.wait_for_network``: within the network hours).
+    Waiting, not failing: a joiner whose downloads all fail seeds fresh weights."""
+
+    def __init__(self, downloader: _Downloader, wait: Callable[[], Awaitable[None]]) -> None:
+        self._downloader = downloader
+        self._wait = wait
+
+    async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState:
+        await self._wait()
+        return await self._downloader.download(peer, backend)
