@@ -5,7 +5,8 @@ Install volunteerd for this user on Windows, or upgrade it in place.
 .DESCRIPTION
 Creates an isolated Python environment in %LOCALAPPDATA%\volunteerd\env, installs
 PyTorch there first (the CUDA build when nvidia-smi finds an NVIDIA GPU, else the CPU
-build), then volunteerd (from a wheel, a checkout or the package index), puts a
+build), then volunteerd (from a wheel, or a checkout: by default the one this script
+is in), puts a
 `volunteerd` command on the user's PATH (%LOCALAPPDATA%\volunteerd\bin\volunteerd.cmd)
 and runs `volunteerd service install`: Task Scheduler tasks that start the daemon and
 the tray at logon, both started now. Nothing needs an administrator.
@@ -17,8 +18,9 @@ environment, and are never touched.
 
 torch (the pinned version, 2.13.0; -Torch overrides): on Windows the package index's
 wheel is the CPU build; with an NVIDIA GPU (nvidia-smi -L lists one) the CUDA build
-comes from PyTorch's CUDA index (download.pytorch.org/whl/cu128). An installed torch of the pinned version is kept on upgrades; -Torch cpu
-or -Torch cuda replaces a build of the other kind; any other value is a pip requirement.
+comes from PyTorch's CUDA index (download.pytorch.org/whl/cu128). An installed torch of
+the pinned version is kept on upgrades; -Torch cpu or -Torch cuda replaces a build of
+the other kind. (PyTorch has no ROCm build for Windows.)
 
 .EXAMPLE
 powershell -ExecutionPolicy Bypass -File installers\install.ps1
@@ -29,9 +31,10 @@ powershell -ExecutionPolicy Bypass -File installers\install.ps1 -Wheel dist\volu
 param(
     # Install this volunteerd wheel.
     [string]$Wheel = "",
-    # Install from this checkout of volunteerd (default: the package index).
+    # Install from this checkout of volunteerd (default: the checkout this script is in).
     [string]$Source = "",
-    # auto (default), cpu, cuda, or a pip requirement such as "torch==2.13.0".
+    # auto (default), cpu or cuda (an NVIDIA GPU).
+    [ValidateSet("auto", "cpu", "cuda")]
     [string]$Torch = "auto",
     # The Python (3.11 or newer) that creates the environment, e.g. "C:\Python312\python.exe";
     # replaces an existing environment. Default: py -3.13, -3.12, -3.11, then python.
@@ -102,7 +105,6 @@ function Get-TorchText([string]$Plan) {
         "keep" { return "keep the installed torch $script:TorchInstalled" }
         "cpu" { return "torch==$TorchVersion, the CPU build, from the package index" }
         "cuda" { return "torch==$TorchVersion, the CUDA build (an NVIDIA GPU was found), from $CudaIndex" }
-        default { return "$Plan (as asked)" }
     }
 }
 
@@ -133,7 +135,6 @@ function Install-Torch([string]$Plan) {
             Invoke-Pip @("install", "--quiet", "--extra-index-url", $CudaIndex, "torch==$TorchVersion")
             return
         }
-        default { Invoke-Pip @("install", "--quiet", $Plan) }
     }
 }
 
@@ -144,10 +145,21 @@ if ($Wheel) {
     if (-not (Test-Path -PathType Leaf $Wheel)) { Fail "no wheel at '$Wheel'" }
     $Wheel = (Resolve-Path $Wheel).Path
 }
-if ($Source) {
-    if (-not (Test-Path -PathType Leaf (Join-Path $Source "pyproject.toml"))) {
-        Fail "'$Source' is not a volunteerd checkout"
+function Test-Checkout([string]$Dir) {
+    $project = Join-Path $Dir "pyproject.toml"
+    return (Test-Path -PathType Leaf $project) -and
+        [bool](Select-String -Path $project -Pattern '^name = "volunteerd"$' -Quiet)
+}
+if (-not $Wheel -and -not $Source) {
+    # volunteerd is not on the package index: the checkout this script came with
+    $here = Split-Path -Parent $PSScriptRoot
+    if (-not ($here -and (Test-Checkout $here))) {
+        Fail "name what to install: -Source DIR (a checkout of volunteerd) or -Wheel FILE"
     }
+    $Source = $here
+}
+if ($Source) {
+    if (-not (Test-Checkout $Source)) { Fail "'$Source' is not a volunteerd checkout" }
     $Source = (Resolve-Path $Source).Path
 }
 
@@ -175,8 +187,7 @@ if ($Torch -eq "auto") {
 }
 
 if ($Wheel) { $SourceText = "volunteerd from $Wheel" }
-elseif ($Source) { $SourceText = "volunteerd from the checkout $Source" }
-else { $SourceText = "volunteerd from the package index" }
+else { $SourceText = "volunteerd from the checkout $Source" }
 $ServiceFlags = @()
 if ($NoStart) { $ServiceFlags += "--no-start" }
 if ($NoTray) { $ServiceFlags += "--no-tray" }
@@ -230,14 +241,10 @@ if ($Source) {
     $Wheel = (Get-ChildItem -Path $buildDir -Filter "volunteerd-*.whl" | Select-Object -First 1).FullName
 }
 Say "installing $SourceText"
-if ($Wheel) {
-    # --upgrade installs what the wheel needs (torch stays: it is in range); the second
-    # step replaces volunteerd even when the wheel has the installed version number.
-    Invoke-Pip @("install", "--quiet", "--upgrade", $Wheel)
-    Invoke-Pip @("install", "--quiet", "--no-deps", "--force-reinstall", $Wheel)
-} else {
-    Invoke-Pip @("install", "--quiet", "--upgrade", "volunteerd")
-}
+# --upgrade installs what the wheel needs (torch stays: it is in range); the second
+# step replaces volunteerd even when the wheel has the installed version number.
+Invoke-Pip @("install", "--quiet", "--upgrade", $Wheel)
+Invoke-Pip @("install", "--quiet", "--no-deps", "--force-reinstall", $Wheel)
 if ($Source) { Remove-Item -Recurse -Force $buildDir }
 $Version = (& $Volunteerd --version)
 

@@ -1,12 +1,13 @@
 #!/bin/sh
 # Install volunteerd for this user on Linux or macOS, or upgrade it in place.
 #
-#   installers/install.sh [--wheel FILE | --source DIR] [--torch auto|cpu|cuda|SPEC]
+#   installers/install.sh [--wheel FILE | --source DIR] [--torch auto|cpu|cuda|rocm]
 #                         [--python PY] [--no-start] [--no-tray] [--dry-run]
 #
 # It creates an isolated Python environment in the user's data folder, installs PyTorch
-# there first (the CPU or the CUDA build, see "torch" below), then volunteerd (from a
-# wheel, a checkout or the package index), links ~/.local/bin/volunteerd to it, and runs
+# there first (the CPU, CUDA or ROCm build, see "torch" below), then volunteerd (from a
+# wheel, or a checkout: by default the one this script is in), links
+# ~/.local/bin/volunteerd to it, and runs
 # `volunteerd service install`: the per-user autostart of the daemon and the tray, both
 # started now. Nothing needs root.
 #
@@ -23,16 +24,23 @@
 #   macOS                          torch==V from the package index (Apple GPUs through MPS)
 #   Linux, `nvidia-smi -L` finds a GPU   torch==V from the package index (PyPI's Linux
 #                                  wheel is the CUDA build, several GB with its libraries)
-#   Linux x86_64 without one       torch==V+cpu, the CPU build (~200 MB): from the
+#   Linux x86_64, `rocminfo` finds an AMD GPU   torch==V+rocmX.Y, the ROCm build, from
+#                                  PyTorch's ROCm index ($ROCM_INDEX)
+#   Linux x86_64 without either    torch==V+cpu, the CPU build (~200 MB): from the
 #                                  configured package indexes if they have it, else from
 #                                  PyTorch's CPU index ($CPU_INDEX)
 #   other Linux machines           torch==V from the package index
-# An installed torch of version V is kept on upgrades; --torch cpu or --torch cuda
-# replaces a build of the other kind; any other --torch value is a pip requirement.
+# An installed torch of version V is kept on upgrades; --torch cpu, cuda or rocm
+# replaces a build of another kind (ROCm: an AMD GPU whose ROCm runtime is not
+# installed yet, or that rocminfo does not list).
 set -eu
 
 TORCH_VERSION=2.13.0
 CPU_INDEX=https://download.pytorch.org/whl/cpu
+# PyTorch's ROCm builds of TORCH_VERSION: move both together (pytorch.org/get-started
+# names the ROCm version of each release).
+ROCM_VERSION=7.2
+ROCM_INDEX=https://download.pytorch.org/whl/rocm$ROCM_VERSION
 
 usage() {
     cat <<EOF
@@ -43,8 +51,8 @@ start at login, start them, and print the dashboard's address.
 
   --wheel FILE     install this volunteerd wheel
   --source DIR     install from this checkout of volunteerd
-                   (default: the latest volunteerd from the package index)
-  --torch WHICH    auto (default), cpu, cuda, or a pip requirement such as 'torch==2.13.0'
+                   (default: the checkout this script is in)
+  --torch WHICH    auto (default), cpu, cuda (NVIDIA, Linux) or rocm (AMD, Linux x86_64)
   --python PY      create the environment with this Python (3.11 or newer); replaces
                    an existing environment (default: python3, python3.13, python3.12
                    or python3.11, the first that is 3.11 or newer)
@@ -61,7 +69,7 @@ die() {
     exit 1
 }
 
-source_kind=index
+source_kind=
 source_path=
 torch_choice=auto
 python=
@@ -87,15 +95,29 @@ while [ $# -gt 0 ]; do
     *) die "unknown option '$1' (see --help)" ;;
     esac
 done
+is_checkout() { [ -f "$1/pyproject.toml" ] && grep -qx 'name = "volunteerd"' "$1/pyproject.toml"; }
+
 case $source_kind in
 wheel)
     [ -f "$source_path" ] || die "no wheel at '$source_path'"
     source_path=$(cd "$(dirname "$source_path")" && pwd)/$(basename "$source_path")
     ;;
 source)
-    [ -f "$source_path/pyproject.toml" ] || die "'$source_path' is not a volunteerd checkout"
+    is_checkout "$source_path" || die "'$source_path' is not a volunteerd checkout"
     source_path=$(cd "$source_path" && pwd) # (pip reads a bare "src" as a package name)
     ;;
+*)
+    # volunteerd is not on the package index: the checkout this script came with
+    here=$(cd "$(dirname -- "$0")/.." 2>/dev/null && pwd) || here=
+    if [ -z "$here" ] || ! is_checkout "$here"; then
+        die "name what to install: --source DIR (a checkout of volunteerd) or --wheel FILE"
+    fi
+    source_kind=source source_path=$here
+    ;;
+esac
+case $torch_choice in
+auto | cpu | cuda | rocm) ;;
+*) die "--torch takes auto, cpu, cuda or rocm, not '$torch_choice'" ;;
 esac
 [ -n "${HOME:-}" ] || die "HOME is not set"
 
@@ -105,6 +127,12 @@ Linux) data_dir=${XDG_DATA_HOME:-$HOME/.local/share}/volunteerd ;;
 Darwin) data_dir=$HOME/Library/Application\ Support/volunteerd ;;
 *) die "this installer is for Linux and macOS (on Windows use install.ps1); found $os" ;;
 esac
+case $os/$torch_choice in
+Darwin/cuda | Darwin/rocm) die "--torch $torch_choice: PyTorch has no such build for macOS (it uses Apple GPUs as it is)" ;;
+esac
+if [ "$torch_choice" = rocm ] && [ "$(uname -m)" != x86_64 ]; then
+    die "--torch rocm: PyTorch's ROCm builds are for x86_64 Linux only"
+fi
 env_dir=$data_dir/env
 bin_dir=$HOME/.local/bin
 link=$bin_dir/volunteerd
@@ -133,12 +161,15 @@ find_python() {
 
 # -- which torch -------------------------------------------------------------------------
 
-# What the rule above picks on this machine: cpu, cuda or default.
+# What the rule above picks on this machine: cpu, cuda, rocm or default.
 detect_torch() {
     if [ "$os" = Darwin ]; then
         echo default
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
         echo cuda
+    elif [ "$(uname -m)" = x86_64 ] && command -v rocminfo >/dev/null 2>&1 &&
+        rocminfo 2>/dev/null | grep -q 'Name: *gfx'; then
+        echo rocm
     elif [ "$(uname -m)" = x86_64 ]; then
         echo cpu
     else
@@ -151,8 +182,8 @@ describe_torch() {
     keep) echo "keep the installed torch $torch_installed" ;;
     cpu) echo "torch==$TORCH_VERSION+cpu, the CPU build (from the configured package index if it has it, else $CPU_INDEX)" ;;
     cuda) echo "torch==$TORCH_VERSION from the package index (on Linux its CUDA build: an NVIDIA GPU was found)" ;;
+    rocm) echo "torch==$TORCH_VERSION+rocm$ROCM_VERSION, the ROCm build for AMD GPUs (from $ROCM_INDEX)" ;;
     default) echo "torch==$TORCH_VERSION from the package index" ;;
-    *) echo "$1 (as asked)" ;;
     esac
 }
 
@@ -173,13 +204,17 @@ install_torch() {
             pip install --quiet --extra-index-url "$CPU_INDEX" "$want"
         fi
         ;;
+    rocm)
+        [ "$torch_installed" = "$TORCH_VERSION+rocm$ROCM_VERSION" ] && return
+        [ -z "$torch_installed" ] || pip uninstall --quiet --yes torch
+        pip install --quiet --extra-index-url "$ROCM_INDEX" "torch==$TORCH_VERSION+rocm$ROCM_VERSION"
+        ;;
     cuda | default)
         [ "$torch_installed" = "$TORCH_VERSION" ] && return
         # A local build (+cpu) satisfies torch==V for pip: remove it to get the index's.
         case $torch_installed in *+*) pip uninstall --quiet --yes torch ;; esac
         pip install --quiet "torch==$TORCH_VERSION"
         ;;
-    *) pip install --quiet "$1" ;;
     esac
 }
 
@@ -209,11 +244,10 @@ auto)
         torch_plan=$(detect_torch)
     fi
     ;;
-*) torch_plan=$torch_choice ;; # cpu, cuda or a requirement
+*) torch_plan=$torch_choice ;; # cpu, cuda or rocm
 esac
 
 case $source_kind in
-index) source_text="volunteerd from the package index" ;;
 wheel) source_text="volunteerd from $source_path" ;;
 source) source_text="volunteerd from the checkout $source_path" ;;
 esac
@@ -279,14 +313,10 @@ if [ "$source_kind" = source ]; then
     source_kind=wheel
 fi
 say "installing $source_text"
-if [ "$source_kind" = wheel ]; then
-    # --upgrade installs what the wheel needs (torch stays: it is in range); the second
-    # step replaces volunteerd even when the wheel has the installed version number.
-    pip install --quiet --upgrade "$source_path"
-    pip install --quiet --no-deps --force-reinstall "$source_path"
-else
-    pip install --quiet --upgrade volunteerd
-fi
+# --upgrade installs what the wheel needs (torch stays: it is in range); the second
+# step replaces volunteerd even when the wheel has the installed version number.
+pip install --quiet --upgrade "$source_path"
+pip install --quiet --no-deps --force-reinstall "$source_path"
 version=$("$env_dir/bin/volunteerd" --version)
 
 mkdir -p "$bin_dir"

@@ -47,8 +47,15 @@ if (Test-Path $Volunteerd) {
 }
 if ($works) {
     Say "stopping volunteerd and removing its autostart: volunteerd service uninstall"
-    & $Volunteerd service uninstall
-    if ($LASTEXITCODE -ne 0) { Fail "'volunteerd service uninstall' failed (see above)" }
+    $said = & $Volunteerd service uninstall  # its stdout; errors still reach the console
+    $stopped = $LASTEXITCODE
+    foreach ($line in $said) {
+        # its line on the data it leaves alone is not the last word: -Purge removes it
+        if (-not ($Purge -and "$line".EndsWith("are not touched by this command"))) {
+            Write-Output "$line"
+        }
+    }
+    if ($stopped -ne 0) { Fail "'volunteerd service uninstall' failed (see above)" }
 } else {
     # No working environment to ask: remove its tasks directly.
     Say "no working volunteerd in $EnvDir; removing its Task Scheduler tasks directly"

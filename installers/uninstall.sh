@@ -66,7 +66,15 @@ if [ -x "$volunteerd" ] && "$volunteerd" --version >/dev/null 2>&1; then
         sed -n -e 's/^data_dir  *//p' -e 's/^config_file  *//p' -e 's/^cache_dir  *//p' |
         grep -vxF -e "$data_dir" -e "$config_dir/config.toml" -e "$cache_dir" || true)
     say "stopping volunteerd and removing its autostart: volunteerd service uninstall"
-    "$volunteerd" service uninstall || die "'volunteerd service uninstall' failed (see above)"
+    stopped=0
+    said=$("$volunteerd" service uninstall 2>&1) || stopped=$?
+    if [ "$purge" = yes ]; then
+        # its line on the data it leaves alone is not the last word: --purge removes it
+        printf '%s\n' "$said" | grep -v 'are not touched by this command$' || true
+    else
+        printf '%s\n' "$said"
+    fi
+    [ "$stopped" = 0 ] || die "'volunteerd service uninstall' failed (see above)"
 else
     # No working environment to ask: remove the autostart files it writes by hand.
     moved=

@@ -1,4 +1,5 @@
-"""Start a volunteerd command detached from this process, as a service manager would.
+"""Start a volunteerd command detached from this process, as a service manager would,
+and run the daemon politely.
 
 The tray (starting the daemon when none answers) and ``volunteerd service install``
 (starting the daemon or the tray where no service manager does) both start programs
@@ -7,17 +8,72 @@ starter does not stop them), output appended to a log file, and the starter's
 environment without its ``VOLUNTEERD_<SECTION>__<KEY>`` settings (the daemon a service
 manager starts does not see a shell's variables either; the file locations are passed
 explicitly). A leaf: the tray may import nothing else of the daemon's.
+
+Polite by default: ``volunteerd serve`` lowers its own CPU and I/O priority first thing
+(``lower_priority``, unless ``runtime.priority = "normal"``), however it was started —
+a service unit, this detached start, a terminal — to what the service files ask of
+their managers (``service/files.py``: ``Nice=10``, best-effort I/O at level 7):
+
+=========  ==============================  ========================================
+platform   CPU                             I/O
+=========  ==============================  ========================================
+Linux      nice 10 (``setpriority``)       best-effort, level 7 (``ioprio_set``;
+                                           else the ``ionice`` tool)
+macOS      nice 10                         the "utility" policy (``setiopolicy_np``)
+Windows    below normal priority class     follows the priority class
+=========  ==============================  ========================================
+
+Linux keeps both per thread, and a thread inherits them from the thread that starts
+it: the daemon lowers them before it starts any.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["config_variables", "start_detached"]
+__all__ = [
+    "IO_CLASS_BEST_EFFORT",
+    "IO_LEVEL",
+    "NICE",
+    "config_variables",
+    "io_priority",
+    "lower_priority",
+    "start_detached",
+]
+
+logger = logging.getLogger(__name__)
+
+NICE = 10  # the service files' Nice=
+IO_CLASS_BEST_EFFORT = 2  # Linux's IOPRIO_CLASS_BE (IOSchedulingClass=best-effort)
+IO_LEVEL = 7  # the lowest level of that class (IOSchedulingPriority=7)
+
+# ioprio_set and ioprio_get by machine (the kernel's syscall tables; the generic table
+# of the newer architectures has them at 30 and 31).
+_IOPRIO_SYSCALLS = {
+    "x86_64": (251, 252),
+    "amd64": (251, 252),
+    "i386": (289, 290),
+    "i686": (289, 290),
+    "aarch64": (30, 31),
+    "arm64": (30, 31),
+    "riscv64": (30, 31),
+    "loongarch64": (30, 31),
+    "armv7l": (314, 315),
+    "armv6l": (314, 315),
+    "ppc64le": (273, 274),
+    "ppc64": (273, 274),
+    "s390x": (282, 283),
+}
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_CLASS_SHIFT = 13
 
 # The prefix of the configuration's environment variables (volunteerd.config.loading
 # reads the same names; tests/unit/test_service_process.py checks that they agree).
@@ -53,3 +109,75 @@ def start_detached(
             env=env,
             **detach,
         )
+
+
+def lower_priority() -> list[str]:
+    """Lower this process's CPU and I/O priority as the module docstring says (never
+    raising one that is lower already). Call it before any thread starts. Returns what
+    was done, for the log; what cannot be done is skipped (logged at debug level)."""
+    done = []
+    if sys.platform == "win32":  # pragma: no cover - Windows
+        below_normal = 0x4000  # BELOW_NORMAL_PRIORITY_CLASS
+        kernel32 = ctypes.windll.kernel32  # type: ignore[attr-defined,unused-ignore]
+        if kernel32.SetPriorityClass(kernel32.GetCurrentProcess(), below_normal):
+            done.append("below normal priority")
+        else:
+            logger.debug("SetPriorityClass failed: %s", ctypes.GetLastError())  # type: ignore[attr-defined,unused-ignore]
+        return done
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) < NICE:
+            os.setpriority(os.PRIO_PROCESS, 0, NICE)
+        done.append(f"nice {os.getpriority(os.PRIO_PROCESS, 0)}")
+    except OSError as exc:
+        logger.debug("cannot lower the CPU priority: %s", exc)
+    if sys.platform == "darwin":  # pragma: no cover - macOS
+        done.extend(_darwin_io_policy())
+    elif sys.platform.startswith("linux"):
+        done.extend(_linux_io_priority())
+    return done
+
+
+def io_priority(pid: int = 0) -> tuple[int, int] | None:
+    """Linux: the I/O scheduling class and level of thread ``pid`` (0: the calling
+    one), e.g. ``(2, 7)``; None where it cannot be read."""
+    numbers = _IOPRIO_SYSCALLS.get(platform.machine().lower())
+    if numbers is None or not sys.platform.startswith("linux"):
+        return None
+    value = _libc().syscall(numbers[1], _IOPRIO_WHO_PROCESS, pid)
+    if value < 0:
+        return None
+    return value >> _IOPRIO_CLASS_SHIFT, value & ((1 << _IOPRIO_CLASS_SHIFT) - 1)
+
+
+def _linux_io_priority() -> list[str]:
+    current = io_priority()
+    # class 3 (idle) is lower still; 0 (none) reads as best-effort at a level from nice
+    if current is not None and (current[0] == 3 or current == (IO_CLASS_BEST_EFFORT, IO_LEVEL)):
+        return []
+    wanted = IO_CLASS_BEST_EFFORT << _IOPRIO_CLASS_SHIFT | IO_LEVEL
+    numbers = _IOPRIO_SYSCALLS.get(platform.machine().lower())
+    if numbers is not None:
+        if _libc().syscall(numbers[0], _IOPRIO_WHO_PROCESS, 0, wanted) == 0:
+            return [f"I/O best-effort {IO_LEVEL}"]
+        logger.debug("ioprio_set failed: %s", os.strerror(ctypes.get_errno()))
+    ionice = shutil.which("ionice")
+    if ionice is None:
+        logger.debug("cannot lower the I/O priority: no ioprio_set here and no ionice tool")
+        return []
+    tool = [ionice, "-c", str(IO_CLASS_BEST_EFFORT), "-n", str(IO_LEVEL), "-p", str(os.getpid())]
+    if subprocess.run(tool, capture_output=True, check=False).returncode != 0:
+        logger.debug("cannot lower the I/O priority: %s failed", " ".join(tool))
+        return []
+    return [f"I/O best-effort {IO_LEVEL} (ionice)"]
+
+
+def _darwin_io_policy() -> list[str]:  # pragma: no cover - macOS
+    iopol_type_disk, iopol_scope_process, iopol_utility = 0, 0, 4
+    if _libc().setiopolicy_np(iopol_type_disk, iopol_scope_process, iopol_utility) == 0:
+        return ["I/O policy utility"]
+    logger.debug("setiopolicy_np failed: %s", os.strerror(ctypes.get_errno()))
+    return []
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

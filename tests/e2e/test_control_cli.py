@@ -33,7 +33,8 @@ def test_control_verbs_drive_a_running_daemon(spawn, tmp_path: Path) -> None:  #
 
     shown = run_cli(home, "status")
     assert shown.returncode == 0, shown.stderr
-    assert "contributing" in shown.stdout
+    # honest: serving, but alone (issue 15), and what to do about it
+    assert "state         no peers\nwhat to do    check the internet connection" in shown.stdout
     assert ready["peer_id"] in shown.stdout
     as_json = json.loads(run_cli(home, "status", "--json").stdout)
     assert as_json["experts"] == ["ffn.0.0", "ffn.1.0"]
@@ -42,6 +43,9 @@ def test_control_verbs_drive_a_running_daemon(spawn, tmp_path: Path) -> None:  #
     assert paused.returncode == 0, paused.stderr
     assert "paused" in paused.stdout
     assert json.loads(run_cli(home, "status", "--json").stdout)["state"] == "paused"
+    shown = run_cli(home, "status").stdout
+    assert "state         paused by you\n" in shown  # not "paused: paused"
+    assert "volunteerd resume" in shown
     snoozed = run_cli(home, "snooze", "30m")
     assert "snoozed until" in snoozed.stdout
     resumed = run_cli(home, "resume")

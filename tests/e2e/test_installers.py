@@ -1,9 +1,10 @@
 """The installers, as a volunteer runs them: ``installers/install.sh`` into a throw-away
 home from this checkout's wheel (files placed, daemon answering, an upgrade that keeps
 the peer id and the statistics, an uninstall that keeps only the data, a purge that
-keeps nothing), the torch rule on machines faked with stand-in ``uname`` and
-``nvidia-smi``, the Debian package built, installed and removed with dpkg, and the
-scripts' static checks (shellcheck; the PowerShell scripts parsed)."""
+keeps nothing), the torch rule on machines faked with stand-in ``uname``,
+``nvidia-smi`` and ``rocminfo``, what it refuses to install, the Debian package built,
+installed and removed with dpkg, and the scripts' static checks (shellcheck; the
+PowerShell scripts parsed)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,11 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def nice_of(pid: int) -> int:
+    """The nice value of ``pid`` (/proc/PID/stat's 19th field)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
 def command_line(pid: int) -> list[str]:
@@ -267,6 +273,8 @@ def test_install_upgrade_and_uninstall_in_a_new_home(wheel: Path, home: Path) ->
         "-m",
         "volunteerd",
     ]
+    # polite by default: started detached here (no user systemd), yet at low priority
+    assert nice_of(pid) == 10
     call_every_expert(first)
     before = settled_totals(client)
     assert before.forward == before.backward == 3 * len(first.experts) > 0
@@ -291,7 +299,8 @@ def test_install_upgrade_and_uninstall_in_a_new_home(wheel: Path, home: Path) ->
     assert pid is not None
 
     # Uninstall: the daemon stops; only the user's data and settings are left.
-    run_script(UNINSTALL, env=env)
+    removed = run_script(UNINSTALL, env=env)
+    assert "are not touched by this command" in removed.stdout
     assert not is_running(pid)
     assert not env_dir.exists()
     assert not link.is_symlink()
@@ -300,9 +309,16 @@ def test_install_upgrade_and_uninstall_in_a_new_home(wheel: Path, home: Path) ->
     assert [p for p in left if not any(p.is_relative_to(k) for k in kept)] == []
     assert (data_dir / "identity.key").exists()
     assert (data_dir / "stats.sqlite3").exists()
+    # no empty folders of the autostart left behind
+    assert not (home / ".config" / "systemd").exists()
+    assert not (home / ".config" / "autostart").exists()
+    assert not (home / ".local" / "share" / "icons").exists()
 
-    # Purge: nothing at all.
-    run_script(UNINSTALL, "--purge", env=env)
+    # Purge: nothing at all, and it does not claim to keep anything.
+    purged = run_script(UNINSTALL, "--purge", env=env)
+    assert "volunteerd and all its data are removed" in purged.stdout
+    assert "kept" not in purged.stdout
+    assert "not touched" not in purged.stdout
     assert files_under(home) == []
 
 
@@ -333,6 +349,10 @@ CUDA_LINE = (
     "was found)"
 )
 INDEX_LINE = f"torch=={TORCH_VERSION} from the package index"
+ROCM_LINE = (
+    f"torch=={TORCH_VERSION}+rocm7.2, the ROCm build for AMD GPUs (from "
+    "https://download.pytorch.org/whl/rocm7.2)"
+)
 
 
 @pytest.mark.parametrize(
@@ -362,9 +382,48 @@ def test_install_follows_xdg_data_home_and_an_explicit_torch(tmp_path: Path) -> 
     tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=True)
     env = user_environment(tmp_path / "home", path_prefix=tools)
     env["XDG_DATA_HOME"] = str(tmp_path / "data")
-    plan = run_script(INSTALL, "--dry-run", "--torch", "torch==2.12.0", env=env).stdout
+    plan = run_script(INSTALL, "--dry-run", "--torch", "cpu", env=env).stdout
     assert f"would create the environment {tmp_path / 'data' / 'volunteerd' / 'env'} " in plan
-    assert "would install torch: torch==2.12.0 (as asked)" in plan
+    assert f"would install torch: {CPU_LINE}\n" in plan
+    # by default, the checkout the script is in (volunteerd is not on the package index)
+    assert f"would install volunteerd from the checkout {ROOT}\n" in plan
+
+
+def test_install_offers_amd_gpus_the_rocm_build(tmp_path: Path) -> None:
+    tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=False)
+    env = user_environment(tmp_path / "home", path_prefix=tools)
+    plan = run_script(INSTALL, "--dry-run", "--torch", "rocm", env=env).stdout
+    assert f"would install torch: {ROCM_LINE}\n" in plan
+    # found by itself when ROCm's rocminfo lists a GPU
+    (tools / "rocminfo").write_text("#!/bin/sh\necho '  Name:                    gfx1100'\n")
+    (tools / "rocminfo").chmod(0o755)
+    plan = run_script(INSTALL, "--dry-run", env=env).stdout
+    assert f"would install torch: {ROCM_LINE}\n" in plan
+
+
+def refused(script: Path, *args: str, env: dict[str, str]) -> str:
+    """Run ``script``, which must fail; its error output."""
+    done = subprocess.run(
+        ["sh", str(script), *args], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode != 0, done.stdout
+    return done.stderr
+
+
+def test_install_refuses_what_it_cannot_install(tmp_path: Path) -> None:
+    tools = fake_machine(tmp_path / "bin", system="Linux", machine="aarch64", gpu=False)
+    env = user_environment(tmp_path / "home", path_prefix=tools)
+    # a package called "rocm" (or anything else) is not a torch build
+    assert "--torch takes auto, cpu, cuda or rocm, not 'banana'" in refused(
+        INSTALL, "--dry-run", "--torch", "banana", env=env
+    )
+    assert "x86_64 Linux only" in refused(INSTALL, "--dry-run", "--torch", "rocm", env=env)
+    # a copy of the script without its checkout has nothing to install by default
+    alone = tmp_path / "alone" / "install.sh"
+    alone.parent.mkdir()
+    shutil.copy(INSTALL, alone)
+    assert "--source DIR" in refused(alone, "--dry-run", env=env)
+    assert not (tmp_path / "home").exists()
 
 
 def test_shell_scripts_pass_shellcheck() -> None:

@@ -33,7 +33,7 @@ def test_sighup_applies_the_limits_file_and_keeps_serving(
 ) -> None:
     server = spawn("server", "serve", "--experts", "ffn.0.0", *SMALL)
     server.wait_ready()
-    limits = tmp_path / "server" / "limits.toml"  # next to VOLUNTEERD_CONFIG
+    limits = tmp_path / "server" / "data" / "limits.toml"  # in VOLUNTEERD_DATA_DIR
     api = ControlClient.for_data_dir(tmp_path / "server" / "data")
     since = api.events(0).next
 

@@ -130,6 +130,10 @@ def test_install_starts_the_daemon_and_uninstall_leaves_the_home_as_it_was(home:
     assert not (home / DATA / "control.json").exists()
     assert not alive(pid)
     assert files_in(home) == before
+    # nor the folders the autostart files were put in (issue 15)
+    assert not (home / UNIT).parent.exists()
+    assert not (home / TRAY).parent.exists()
+    assert "are not touched by this command" in removed.stdout
     gone = service(home, "status")
     assert gone.returncode == 5
     assert "not installed" in gone.stdout

@@ -81,22 +81,27 @@ async def test_batch_cap_splits_batches(autojump_clock: trio.abc.Clock) -> None:
 def test_limits_overlay_takes_the_place_of_the_config_files_limits(tmp_path: Path) -> None:
     config_file = tmp_path / "config.toml"
     config_file.write_text("# my comments\n[limits]\nupload_mbit = 5.0\nduty_cycle = 0.5\n")
-    assert load_config(config_file).limits.upload_mbit == 5.0
-    overlay = tmp_path / "limits.toml"
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    assert load_config(config_file, run_time_dir=data_dir).limits.upload_mbit == 5.0
+    overlay = data_dir / "limits.toml"
     overlay.write_text(limits_overlay_toml(LimitsConfig(upload_mbit=10, max_batch_size=64)))
-    limits = load_config(config_file).limits
+    limits = load_config(config_file, run_time_dir=data_dir).limits
     assert (limits.upload_mbit, limits.max_batch_size, limits.duty_cycle) == (10, 64, 1.0)
     # flags still win
-    assert load_config(config_file, overrides=["limits.upload_mbit=2"]).limits.upload_mbit == 2
+    changed = load_config(config_file, overrides=["limits.upload_mbit=2"], run_time_dir=data_dir)
+    assert changed.limits.upload_mbit == 2
     # the overlay applies with no config file, too
     config_file.unlink()
-    assert load_config(config_file).limits.upload_mbit == 10
+    assert load_config(config_file, run_time_dir=data_dir).limits.upload_mbit == 10
+    # and belongs to its data folder: another daemon's does not read it
+    assert load_config(config_file, run_time_dir=tmp_path / "other").limits.upload_mbit == 0
 
 
 def test_a_bad_limits_overlay_is_named(tmp_path: Path) -> None:
     (tmp_path / "limits.toml").write_text("[network]\nport = 1\n")
     with pytest.raises(ConfigError, match=r"limits\.toml: may hold only a \[limits\] section"):
-        load_config(tmp_path / "config.toml")
+        load_config(tmp_path / "config.toml", run_time_dir=tmp_path)
     (tmp_path / "limits.toml").write_text("[limits]\nduty_cycle = 2\n")
     with pytest.raises(ConfigError, match=r"limits\.duty_cycle = 2.*limits\.toml"):
-        load_config(tmp_path / "config.toml")
+        load_config(tmp_path / "config.toml", run_time_dir=tmp_path)

@@ -230,7 +230,7 @@ def test_a_limits_file_with_infinity_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text("")
     (tmp_path / "limits.toml").write_text("[limits]\nupload_mbit = inf\n")
     with pytest.raises(ConfigError, match=r"limits\.upload_mbit = inf: .*finite") as info:
-        load_config(tmp_path / "config.toml", env={})
+        load_config(tmp_path / "config.toml", env={}, run_time_dir=tmp_path)
     assert str(tmp_path / "limits.toml") in str(info.value)
 
 

@@ -2,14 +2,18 @@
 
 Later sources win. An environment variable ``VOLUNTEERD_<SECTION>__<KEY>`` (double
 underscore between levels) and a flag ``--set section.key=value`` both take a TOML
-value (``8080``, ``"text"``, ``[1, 2]``); a bare word is read as a string.
+value (``8080``, ``"text"``, ``[1, 2]``); a bare word is read as a string. Flags of
+their own (``--port 4001``) come last, as ``Flag``s that name themselves in errors.
 Every error names the key, the value and where the value came from. A file of an
 older format is migrated first, in memory (``migrations``).
 
 Limits changed at run time (pause controls, tray) are kept apart from the person's
-config file, whose comments must survive: in ``limits.toml`` next to it, holding only a
-``[limits]`` section, whose keys take the place of the config file's (environment and
-flags still win). Deleting ``limits.toml`` returns to the config file's limits.
+config file, whose comments must survive: in ``limits.toml`` in the daemon's data
+folder (each daemon its own: two with different ``--data-dir`` may share a config
+file), holding only a ``[limits]`` section, whose keys take the place of the config
+file's (environment and flags still win). Deleting ``limits.toml`` returns to the
+config file's limits. The schedule set at run time is kept the same way, in
+``schedule.toml`` beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +29,34 @@ import tomli_w
 from pydantic import ValidationError
 
 from volunteerd.config.migrations import migrate
-from volunteerd.config.models import Config, LimitsConfig
+from volunteerd.config.models import Config, LimitsConfig, ScheduleConfig
 from volunteerd.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
     "LIMITS_FILE",
+    "SCHEDULE_FILE",
+    "Flag",
     "dump_toml",
     "limits_overlay_toml",
     "load_config",
     "parse_override",
+    "schedule_overlay_toml",
 ]
 
 ENV_PREFIX = "VOLUNTEERD_"
 LIMITS_FILE = "limits.toml"
+SCHEDULE_FILE = "schedule.toml"  # beside limits.toml: the schedule set at run time
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """A command-line flag that sets one key, e.g. ``Flag("network.port", 4001,
+    "--port 4001")``; errors name ``typed``, what the user typed."""
+
+    key: str
+    value: Any
+    typed: str
 
 
 def load_config(
@@ -46,12 +65,16 @@ def load_config(
     required: bool = False,
     env: Mapping[str, str] | None = None,
     overrides: Iterable[str] = (),
+    flags: Iterable[Flag] = (),
+    run_time_dir: Path | None = None,
 ) -> Config:
     """Build the effective configuration.
 
     ``path`` is read if it exists; a missing file means defaults, unless ``required``
-    (the user named the file explicitly). Raises ConfigError naming the key, the value
-    and its source for every problem found.
+    (the user named the file explicitly). ``run_time_dir`` holds the settings changed
+    while running (``limits.toml``, ``schedule.toml``: the data folder); None reads
+    none. Raises ConfigError naming the key, the value and its source for every
+    problem found.
     """
     data: dict[str, Any] = {}
     sources: dict[tuple[str, ...], str] = {}
@@ -67,8 +90,9 @@ def load_config(
         _record_sources(data, (), f"file {path}", sources)
     elif path is not None and required:
         raise ConfigError(f"config file not found: {path}")
-    if path is not None:
-        _apply_limits_overlay(path.parent / LIMITS_FILE, data, sources)
+    if run_time_dir is not None:
+        _apply_overlay(run_time_dir / LIMITS_FILE, "limits", data, sources)
+        _apply_overlay(run_time_dir / SCHEDULE_FILE, "schedule", data, sources)
 
     for name, raw in sorted((os.environ if env is None else env).items()):
         if not name.startswith(ENV_PREFIX) or "__" not in name[len(ENV_PREFIX) :]:
@@ -79,6 +103,9 @@ def load_config(
     for item in overrides:
         keys, value = parse_override(item)
         _set_path(data, keys, value, f"flag --set {item}", sources)
+
+    for flag in flags:
+        _set_path(data, tuple(flag.key.split(".")), flag.value, f"flag {flag.typed}", sources)
 
     try:
         return Config.model_validate(data)
@@ -111,9 +138,23 @@ def limits_overlay_toml(limits: LimitsConfig) -> str:
     return _OVERLAY_HEADER + tomli_w.dumps({"limits": limits.model_dump(mode="json")})
 
 
-def _apply_limits_overlay(
-    path: Path, data: dict[str, Any], sources: dict[tuple[str, ...], str]
+_SCHEDULE_HEADER = """\
+# Written by volunteerd when its schedule is changed while it runs (dashboard, control
+# API, `volunteerd schedule`). These keys take the place of the [schedule] section of
+# the config file. Delete this file to go back to the config file's schedule.
+"""
+
+
+def schedule_overlay_toml(schedule: ScheduleConfig) -> str:
+    """The text of ``schedule.toml`` for ``schedule``."""
+    return _SCHEDULE_HEADER + tomli_w.dumps({"schedule": schedule.model_dump(mode="json")})
+
+
+def _apply_overlay(
+    path: Path, section: str, data: dict[str, Any], sources: dict[tuple[str, ...], str]
 ) -> None:
+    """Put the keys of ``path``'s only section, ``section``, in the place of the config
+    file's (``limits.toml``, ``schedule.toml``)."""
     try:
         with path.open("rb") as f:
             overlay = tomllib.load(f)
@@ -123,11 +164,11 @@ def _apply_limits_overlay(
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    limits = overlay.get("limits")
-    if set(overlay) - {"limits"} or not isinstance(limits, dict):
-        raise ConfigError(f"{path}: may hold only a [limits] section")
-    for key, value in limits.items():
-        _set_path(data, ("limits", key), value, f"file {path}", sources)
+    values = overlay.get(section)
+    if set(overlay) - {section} or not isinstance(values, dict):
+        raise ConfigError(f"{path}: may hold only a [{section}] section")
+    for key, value in values.items():
+        _set_path(data, (section, key), value, f"file {path}", sources)
 
 
 def _parse_value(raw: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Literal
 from xml.sax.saxutils import escape
 
 from volunteerd.config import TimeoutsConfig
+from volunteerd.detached import IO_LEVEL, NICE
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR
 
 __all__ = [
@@ -89,7 +90,9 @@ class Launch:
     finds its per-user defaults itself). ``tray_starts_daemon``: no service manager runs
     the daemon (Linux without a user systemd), so the tray's autostart starts it.
     ``user`` is the Windows account (``DOMAIN\\name``) the tasks run as; ``log_dir``
-    where launchd writes the agents' output (``~/Library/Logs/volunteerd``)."""
+    where launchd writes the agents' output (``~/Library/Logs/volunteerd``).
+    ``low_priority``: the daemon runs at nice 10 and a low I/O priority, what it also
+    does to itself (``runtime.priority``, ``volunteerd.detached``)."""
 
     argv: tuple[str, ...]
     stop_timeout_s: int = DEFAULT_STOP_TIMEOUT_S
@@ -99,6 +102,7 @@ class Launch:
     tray_starts_daemon: bool = False
     user: str = PLACEHOLDER_USER
     log_dir: Path = PLACEHOLDER_LOG_DIR
+    low_priority: bool = True
 
     def environment(self) -> dict[str, str]:
         """The environment variables the daemon and the tray are started with."""
@@ -184,11 +188,21 @@ RestartPreventExitStatus=3
 SuccessExitStatus=130
 KillSignal=SIGTERM
 TimeoutStopSec={launch.stop_timeout_s}
-# Volunteered compute should never slow the desktop down.
-Nice=10
-
+{_systemd_priority(launch)}
 [Install]
 WantedBy=default.target
+"""
+
+
+def _systemd_priority(launch: Launch) -> str:
+    if not launch.low_priority:
+        return '# runtime.priority = "normal": started at the normal priority\n'
+    return f"""\
+# Volunteered compute should never slow the desktop down (the daemon lowers its own
+# priority to the same: runtime.priority).
+Nice={NICE}
+IOSchedulingClass=best-effort
+IOSchedulingPriority={IO_LEVEL}
 """
 
 
@@ -270,7 +284,9 @@ def _launch_agent(launch: Launch, verb: str) -> bytes:
         "ProcessType": "Standard" if daemon else "Interactive",
     }
     if daemon:
-        agent["Nice"] = 10
+        if launch.low_priority:
+            agent["Nice"] = NICE
+            agent["LowPriorityIO"] = True
         agent["ExitTimeOut"] = launch.stop_timeout_s
     else:
         agent["LimitLoadToSessionType"] = "Aqua"  # a logged-in desktop only
@@ -341,7 +357,7 @@ def _task(launch: Launch, verb: str) -> bytes:
     <RunOnlyIfIdle>false</RunOnlyIfIdle>
     <WakeToRun>false</WakeToRun>
     <ExecutionTimeLimit>PT0S</ExecutionTimeLimit>
-    <Priority>7</Priority>
+    <Priority>{7 if launch.low_priority or not daemon else 5}</Priority>
     <RestartOnFailure>
       <Interval>PT1M</Interval>
       <Count>3</Count>

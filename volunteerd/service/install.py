@@ -108,7 +108,9 @@ def install(
         )
     platform = current_platform()
     # What the autostarted daemon will read: the file, not this shell's variables.
-    config = load_config(paths.config_file, required=chosen.config_flag, env={})
+    config = load_config(
+        paths.config_file, required=chosen.config_flag, env={}, run_time_dir=paths.data_dir
+    )
     ignored = config_variables(os.environ)
     if ignored:
         out(
@@ -175,16 +177,37 @@ def uninstall(paths: Paths, chosen: Chosen, *, out: Out = print) -> ExitCode:
     for path in installed.values():
         path.unlink(missing_ok=True)
         out(f"removed   {path}")
+    links = []
     if isinstance(manager, Systemd):
         link = manager.enablement_link(paths)
+        links.append(link)
         if link.is_symlink():  # enabled once, and systemd is gone now
             link.unlink()
             out(f"removed   {link}")
     manager.after_removal()
+    _remove_empty_folders([*installed.values(), *links], manager.shared_folders(), out)
     if not installed:
         out("volunteerd's autostart was not installed")
-    out(f"kept your data in {paths.data_dir} and your settings in {paths.config_file}")
+    out(
+        f"your data in {paths.data_dir} and your settings in {paths.config_file} "
+        "are not touched by this command"
+    )
     return ExitCode.OK if stopped else ExitCode.UNAVAILABLE
+
+
+def _remove_empty_folders(removed: list[Path], shared: tuple[Path, ...], out: Out) -> None:
+    """Remove the folders of the ``removed`` files that are empty now, and their
+    parents that became empty, up to (not including) a ``shared`` folder; folders
+    outside those are left as they are (e.g. ~/Library/LaunchAgents)."""
+    for path in removed:
+        folder = path.parent
+        while any(folder.is_relative_to(s) and folder != s for s in shared):
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
+            out(f"removed   {folder}/ (empty)")
+            folder = folder.parent
 
 
 def status(paths: Paths, chosen: Chosen, *, as_json: bool = False, out: Out = print) -> ExitCode:
@@ -289,6 +312,7 @@ def _launch(
         tray_starts_daemon=platform == "linux" and not manager.usable(),
         user=_windows_account(environ) if platform == "windows" else PLACEHOLDER_USER,
         log_dir=Path.home() / "Library" / "Logs" / "volunteerd",
+        low_priority=config.runtime.priority == "low",
     )
 
 
@@ -422,7 +446,10 @@ def _config_or_defaults(paths: Paths, chosen: Chosen) -> tuple[Config | None, st
     """The configuration the autostarted daemon reads, or None and the problem (status
     and uninstall must work with a broken file)."""
     try:
-        return load_config(paths.config_file, required=chosen.config_flag, env={}), None
+        config = load_config(
+            paths.config_file, required=chosen.config_flag, env={}, run_time_dir=paths.data_dir
+        )
+        return config, None
     except ConfigError as exc:
         return None, str(exc)
 

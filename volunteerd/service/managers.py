@@ -90,6 +90,11 @@ class Manager:
     def after_removal(self) -> None:
         """Let the manager notice the files are gone."""
 
+    def shared_folders(self) -> tuple[Path, ...]:
+        """Folders that hold the installed files' folders and stay when those are
+        removed (emptied by an uninstall, folders below them go too)."""
+        return ()
+
     def describe(self) -> str:
         """One line on what the manager knows of the daemon."""
         return f"{self.name}: usable" if self.usable() else f"{self.name}: not available"
@@ -155,6 +160,9 @@ class Systemd(Manager):
             return "systemd: no user instance here (the tray's autostart entry starts the daemon)"
         enabled = run(["systemctl", "--user", "is-enabled", SYSTEMD_UNIT]).output or "unknown"
         return f"systemd: {SYSTEMD_UNIT} {enabled.splitlines()[-1]}, {self.state()}"
+
+    def shared_folders(self) -> tuple[Path, ...]:
+        return self._xdg("XDG_CONFIG_HOME", ".config"), self._xdg("XDG_DATA_HOME", ".local/share")
 
     def _xdg(self, name: str, default: str) -> Path:
         value = self._environ.get(name, "")

@@ -1,0 +1,76 @@
+"""A real daemon's activity in ``/api/v1/status`` (real libp2p and HTTP on loopback):
+hosting nothing it is not in a project; alone it has no peers; joined it waits for
+work until a trainer calls, then contributes; paused it says so (the rules
+themselves: tests/unit/test_activity.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from volunteerd.control.client import ControlClient
+from volunteerd.control.verbs import format_status
+from volunteerd.experts import to_wire
+from volunteerd.net import Verb
+from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.wire import ForwardRequest
+
+pytestmark = pytest.mark.slow
+
+HIDDEN = 16
+GRID = "ffn.[0:2].[0:1]"
+
+
+async def test_a_daemon_in_no_project_says_so_and_how_to_join(tmp_path: Path) -> None:
+    async with open_daemon(local_config(uids=""), tmp_path / "idle"):
+        client = ControlClient.for_data_dir(tmp_path / "idle")
+        status = await trio.to_thread.run_sync(client.status)
+        assert status.experts == []
+        assert status.activity.state == "not_in_project"
+        assert status.activity.message == "not in a project"
+        shown = format_status(status)
+        assert "state         not in a project\n" in shown
+        assert "volunteerd join <invitation>" in shown
+
+
+async def test_a_daemon_says_what_it_does_as_it_changes(tmp_path: Path) -> None:
+    alone = local_config(uids=GRID, experts={"hidden_dim": HIDDEN})
+    async with open_daemon(alone, tmp_path / "alone"):
+        client = ControlClient.for_data_dir(tmp_path / "alone")
+        status = await trio.to_thread.run_sync(client.status)
+        assert status.activity.state == "no_peers"
+        assert "bootstrap" in status.activity.hint
+
+    async with open_peer(local_config()) as boot:
+        config = local_config(uids=GRID, bootstrap=boot.multiaddrs, experts={"hidden_dim": HIDDEN})
+        async with (
+            open_daemon(config, tmp_path / "a") as daemon,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as trainer,
+        ):
+            client = ControlClient.for_data_dir(tmp_path / "a")
+            status = await trio.to_thread.run_sync(client.status)
+            assert (status.activity.state, status.activity.message) == (
+                "waiting",
+                "waiting for work",
+            )
+
+            meta, data = to_wire(torch.randn(2, HIDDEN))
+            await trainer.rpc.call(
+                daemon.node.address,
+                Verb.FORWARD,
+                ForwardRequest(uid="ffn.0.0", tensors=[meta]),
+                [data],
+            )
+            status = await trio.to_thread.run_sync(client.status)
+            assert status.activity.state == "contributing"
+
+            status = await trio.to_thread.run_sync(client.pause)
+            assert status.activity.state == "paused"
+            assert status.activity.message == "paused by you"
+            shown = format_status(status)
+            assert "state         paused by you\n" in shown
+            assert "paused: paused" not in shown
+            assert "volunteerd resume" in shown

@@ -1,0 +1,137 @@
+"""The daemon's activity, decided from its signals: every state, and which rule wins."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from volunteerd.server.activity import WAITING_AFTER_S, Signals, decide_activity
+
+NOW = 1_800_000_000.0
+
+
+@dataclass(frozen=True)
+class Project:
+    name: str
+    state: str
+    error: str | None = None
+
+
+def signals(**changes: object) -> Signals:
+    """A daemon contributing: experts hosted, peers connected, reachable, called lately."""
+    contributing = Signals(
+        experts=4,
+        projects=(Project("tinylm", "joined"),),
+        mode="running",
+        serving=True,
+        reason="",
+        snoozed_until=None,
+        connected_peers=3,
+        reachability="direct",
+        port=38400,
+        last_answered_at=NOW - 5,
+        now=NOW,
+    )
+    return dataclasses.replace(contributing, **changes)  # type: ignore[arg-type]
+
+
+def test_serving_called_and_reachable_is_contributing() -> None:
+    activity = decide_activity(signals())
+    assert (activity.state, activity.message, activity.hint) == ("contributing", "contributing", "")
+
+
+def test_hosting_nothing_without_a_project_says_how_to_join() -> None:
+    activity = decide_activity(signals(experts=0, projects=(), connected_peers=0))
+    assert activity.state == "not_in_project"
+    assert activity.message == "not in a project"
+    assert "volunteerd join <invitation>" in activity.hint
+    assert "Join a project" in activity.hint
+
+
+def test_experts_named_by_hand_without_a_project_are_not_idle() -> None:
+    # the README's hand-made swarm: experts.uids set, no project recorded
+    assert decide_activity(signals(projects=())).state == "contributing"
+
+
+def test_a_recorded_project_without_experts_yet_is_joining() -> None:
+    activity = decide_activity(
+        signals(experts=0, projects=(Project("tinylm", "joining"), Project("big", "failed")))
+    )
+    assert activity.state == "joining"
+    assert activity.message == "joining tinylm"
+
+
+def test_a_failed_join_says_why_and_how_to_forget_it() -> None:
+    activity = decide_activity(
+        signals(experts=0, projects=(Project("tinylm", "failed", "no peer answered"),))
+    )
+    assert activity.state == "joining"
+    assert activity.message == "could not join tinylm: no peer answered"
+    assert "volunteerd leave tinylm" in activity.hint
+
+
+def test_paused_by_hand_says_who_and_how_to_resume() -> None:
+    activity = decide_activity(signals(mode="paused", serving=False, reason="paused"))
+    assert activity.state == "paused"
+    assert activity.message == "paused by you"
+    assert "volunteerd resume" in activity.hint
+
+
+def test_snoozed_says_until_when() -> None:
+    until = NOW + 3600
+    activity = decide_activity(signals(mode="snoozed", serving=False, snoozed_until=until))
+    assert activity.state == "paused"
+    assert activity.message == "snoozed until " + time.strftime("%H:%M", time.localtime(until))
+
+
+def test_a_used_up_quota_names_it() -> None:
+    reason = "the monthly transfer quota of 5 GB is used up"
+    activity = decide_activity(signals(mode="quota", serving=False, reason=reason))
+    assert activity.state == "paused"
+    assert activity.message == f"paused: {reason}"
+    assert "--quota" in activity.hint
+
+
+def test_the_schedule_pauses_with_its_reason() -> None:
+    activity = decide_activity(
+        signals(mode="scheduled", serving=False, reason="the computer is in use")
+    )
+    assert activity.state == "paused"
+    assert activity.message == "paused: the computer is in use"
+    assert "schedule" in activity.hint
+
+
+def test_pausing_wins_over_missing_peers() -> None:
+    assert decide_activity(signals(mode="paused", connected_peers=0)).state == "paused"
+
+
+def test_no_connected_peer_is_no_peers() -> None:
+    activity = decide_activity(signals(connected_peers=0, reachability="unknown"))
+    assert activity.state == "no_peers"
+    assert "internet connection" in activity.hint
+    assert "bootstrap_peers" in activity.hint
+
+
+def test_undialable_without_relay_is_unreachable_and_names_the_port() -> None:
+    activity = decide_activity(signals(reachability="unreachable"))
+    assert activity.state == "unreachable"
+    assert "forward TCP port 38400" in activity.hint
+    assert 'reachability.mode = "relay"' in activity.hint
+
+
+def test_relayed_is_reachable() -> None:
+    assert decide_activity(signals(reachability="relayed")).state == "contributing"
+
+
+def test_no_call_answered_lately_is_waiting_for_work() -> None:
+    for last in (None, NOW - WAITING_AFTER_S - 1):
+        activity = decide_activity(signals(last_answered_at=last))
+        assert activity.state == "waiting"
+        assert activity.message == "waiting for work"
+        assert "4 experts and 3 peers" in activity.hint
+
+
+def test_a_resume_under_way_is_not_contributing_yet() -> None:
+    activity = decide_activity(signals(serving=False))
+    assert (activity.state, activity.message) == ("waiting", "resuming")

@@ -1,0 +1,154 @@
+"""What the daemon is doing for the volunteer, said honestly: one state, one line to
+show, and what to do about it (``Status.activity``; the CLI's ``status``, the
+dashboard's header and the tray's tooltip show it).
+
+``decide_activity`` is pure: ``ControlView`` reads the signals off the services and
+passes them in. The first rule that holds decides::
+
+    not_in_project  no expert hosted and no project recorded
+    joining         no expert hosted yet, a project recorded (its experts on the way,
+                    or the join failed: the message says why)
+    paused          not serving by choice or rule: paused, snoozed, a quota, the schedule
+    no_peers        no peer connected
+    unreachable     peers cannot dial this node and no relay carries its connections
+    waiting         serving, but no expert call answered in the last ``WAITING_AFTER_S``
+    contributing    otherwise
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from volunteerd.control.models import Activity, ActivityState
+
+__all__ = ["WAITING_AFTER_S", "ProjectSignal", "Signals", "decide_activity"]
+
+# A trainer calls every expert it routes to many times a minute; two quiet minutes mean
+# no training runs that uses this node (or none reaches it).
+WAITING_AFTER_S = 120.0
+
+_JOIN_HINT = "join one with `volunteerd join <invitation>` or the dashboard's Join a project"
+
+
+class ProjectSignal(Protocol):
+    """What the decision reads of a recorded project (``control.models.ProjectView``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> str: ...  # "joining", "joined" or "failed"
+    @property
+    def error(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """The daemon at one moment, as far as its activity depends on it."""
+
+    experts: int  # hosted now
+    projects: Sequence[ProjectSignal]  # recorded in projects.toml
+    mode: str  # the volunteer's: running, paused, snoozed, quota, scheduled...
+    serving: bool  # requests accepted now (a pause or resume may be under way)
+    reason: str  # why not serving, for people ("" while running)
+    snoozed_until: float | None  # time.time() of a snooze's end
+    connected_peers: int
+    reachability: str  # direct, relayed, unreachable, unknown or local
+    port: int | None  # the TCP port peers would dial, when known
+    last_answered_at: float | None  # time.time() of the last expert call answered
+    now: float
+
+
+def decide_activity(s: Signals) -> Activity:
+    """The first rule of the module docstring's table that holds."""
+    if s.experts == 0:
+        if not s.projects:
+            return _activity("not_in_project", "not in a project", _JOIN_HINT)
+        return _joining(s.projects)
+    if s.mode != "running":
+        return _paused(s)
+    if s.connected_peers == 0:
+        return _activity(
+            "no_peers",
+            "no peers",
+            "check the internet connection; if it works, the peers to join through may "
+            "be down (the project's invitation, or network.bootstrap_peers)",
+        )
+    if s.reachability == "unreachable":
+        port = f"TCP port {s.port}" if s.port else "the TCP port it listens on (network.port)"
+        return _activity(
+            "unreachable",
+            "unreachable: peers cannot connect to this computer",
+            f"forward {port} on your router to this computer, or let a relay carry "
+            'its connections: reachability.mode = "relay"',
+        )
+    if not s.serving:
+        return _activity("waiting", "resuming", "the experts are being put back to work")
+    if s.last_answered_at is None or s.now - s.last_answered_at > WAITING_AFTER_S:
+        return _activity(
+            "waiting",
+            "waiting for work",
+            f"ready with {_experts(s.experts)} and {s.connected_peers} peers; no trainer "
+            f"has called them in the last {WAITING_AFTER_S / 60:g} minutes",
+        )
+    return _activity("contributing", "contributing")
+
+
+def _joining(projects: Sequence[ProjectSignal]) -> Activity:
+    on_the_way = [p.name for p in projects if p.state != "failed"]
+    if on_the_way:
+        return _activity(
+            "joining",
+            f"joining {', '.join(on_the_way)}",
+            "finding its peers and downloading the experts to host; it contributes "
+            "once they are ready",
+        )
+    failed = projects[0]
+    why = f": {failed.error}" if failed.error else ""
+    return _activity(
+        "joining",
+        f"could not join {failed.name}{why}",
+        "check the internet connection; it tries again by itself. "
+        f"`volunteerd leave {failed.name}` forgets the project",
+    )
+
+
+def _paused(s: Signals) -> Activity:
+    if s.mode == "paused":
+        return _activity(
+            "paused",
+            "paused by you",
+            "resume with `volunteerd resume`, the dashboard or the tray",
+        )
+    if s.mode == "snoozed" and s.snoozed_until is not None:
+        until = time.strftime("%H:%M", time.localtime(s.snoozed_until))
+        return _activity(
+            "paused",
+            f"snoozed until {until}",
+            "it resumes by itself then; `volunteerd resume` resumes now",
+        )
+    if s.mode == "quota":
+        return _activity(
+            "paused",
+            f"paused: {s.reason or 'the transfer quota is used up'}",
+            "it resumes when the quota renews; raise it with `volunteerd limit --quota GB` "
+            "or in the dashboard's limits",
+        )
+    if s.mode == "scheduled":
+        return _activity(
+            "paused",
+            f"paused: {s.reason or 'outside the hours set to compute'}",
+            "it resumes by itself; change when it computes in the dashboard's schedule "
+            "(the [schedule] settings)",
+        )
+    return _activity("paused", f"paused: {s.reason or s.mode}", "")
+
+
+def _experts(n: int) -> str:
+    return f"{n} expert" + ("s" if n != 1 else "")
+
+
+def _activity(state: ActivityState, message: str, hint: str = "") -> Activity:
+    return Activity(state=state, message=message, hint=hint)
