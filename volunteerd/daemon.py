@@ -1,47 +1,61 @@
 """The composition root: builds every service from the config and runs them in order;
 no request passes through here (the serving side is ``server``).
 
-Start: identity, device, expert runtime (newest good checkpoints), pause controls,
-contribution counting and the request pipeline, libp2p node, announcer, checkpointer,
-averager, joiner, events, control API. Stop, gently and in reverse: withdraw from the
-DHT, stop taking requests, finish queued ones (``shutdown_grace_s``), save, close.
+What runs depends on what there is to host: the projects joined (``projects.toml``,
+``swarm.projects``), the config's ``experiments.join``, or ``experts.uids``.
+
+* Nothing (a fresh install): identity, pause controls, contribution counting, the
+  libp2p node (a DHT peer like any other) and the control API; nothing that imports
+  torch, so the daemon stays small and says it is not in a project.
+* Something: the same plus ``hosting`` (torch: the runtime with the newest good
+  checkpoints, the expert verbs in the request pipeline, announcer, checkpointer,
+  averager, one joiner per project). While in a project, ``experts.uids`` is ignored.
+
+Stop, gently and in reverse: withdraw from the DHT, stop taking requests, finish queued
+ones (``shutdown_grace_s``), save, close.
+
+Joining or leaving a project (``ControlView``) records it in ``projects.toml`` and asks
+for a restart: ``serve`` stops as for a stop and returns with ``restart_requested``
+set; ``volunteerd serve`` then executes itself again, same pid, into the new projects.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-import torch
 import trio
 
 from volunteerd import __version__
 from volunteerd.config import Config
 from volunteerd.control.events import EventLog
-from volunteerd.control.server import serve_control
+from volunteerd.control.server import bind_control, serve_control
 from volunteerd.identity import Identity, load_or_create_identity
-from volunteerd.net import Announcer, Node, ShardServer, open_node
+from volunteerd.net import Node, open_node
 from volunteerd.net.throttle import Throttle, TransferLedger
 from volunteerd.paths import DataDirLock, Paths
-from volunteerd.runtime import ExpertRuntime, choose_device
-from volunteerd.runtime.averaging import ReplicaAverager
-from volunteerd.runtime.checkpointer import Checkpointer
+from volunteerd.schedule import Scheduler
 from volunteerd.server.contribution import Accountant, opened_stats
 from volunteerd.server.control_view import ControlView
 from volunteerd.server.events import open_events
 from volunteerd.server.pausing import Volunteer
-from volunteerd.server.pipeline import expert_handlers, shard_snapshot
-from volunteerd.server.replicas import SwarmReplicas
-from volunteerd.swarm.download import ShardDownloader
-from volunteerd.swarm.joiner import Joiner, capacity_for
+from volunteerd.swarm.projects import Project, load_projects
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["Daemon", "Running", "bootstrap_only"]
+    # Only for types: the hosting side (and torch) is imported when there is work.
+    from volunteerd.hosting import Hosting
+    from volunteerd.net import Announcer
+    from volunteerd.runtime import ExpertRuntime
+    from volunteerd.swarm.joiner import Joiner
+
+__all__ = ["Daemon", "Running", "bootstrap_only", "running_projects"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,55 +65,122 @@ class Running:
     """What a started daemon exposes to its owner (the CLI, tests)."""
 
     node: Node
-    runtime: ExpertRuntime
-    announcer: Announcer
-    checkpointer: Checkpointer
-    averager: ReplicaAverager
-    joiner: Joiner | None = None  # when joined to an experiment (experiments.join)
-    volunteer: Volunteer | None = None  # pause, resume, snooze, limits (Daemon sets it)
+    volunteer: Volunteer  # pause, resume, snooze, limits
+    hosting: Hosting | None  # None: hosting nothing (no project, no experts.uids)
+    projects: list[Project]
+    scheduler: Scheduler | None = None  # when to compute (Daemon sets it)
     controls: ControlView | None = None  # what the control API sees (Daemon sets it)
     control_url: str | None = None  # http://127.0.0.1:PORT while the control API serves
 
-    def experiment(self) -> str | None:
-        """The name of the experiment joined (None: none, or its manifest not found)."""
-        manifest = self.joiner.manifest if self.joiner is not None else None
-        return manifest.name if manifest is not None else None
+    def _hosting(self) -> Hosting:
+        if self.hosting is None:
+            raise RuntimeError("this daemon hosts nothing (no project, no experts.uids)")
+        return self.hosting
+
+    @property
+    def runtime(self) -> ExpertRuntime:
+        """The experts' runtime. Raises RuntimeError when hosting nothing."""
+        return self._hosting().runtime
+
+    @property
+    def announcer(self) -> Announcer:
+        """Raises RuntimeError when hosting nothing."""
+        announcer = self._hosting().announcer
+        if announcer is None:  # pragma: no cover - set before the daemon reports started
+            raise RuntimeError("the announcer has not started")
+        return announcer
+
+    @property
+    def joiners(self) -> list[Joiner]:
+        """One per project, in the order of ``projects`` (none when hosting nothing)."""
+        return self.hosting.joiners if self.hosting is not None else []
+
+
+def running_projects(config: Config, paths: Paths) -> list[Project]:
+    """The projects a daemon started now runs: the config's ``experiments.join`` first,
+    then those in ``projects.toml`` (one of the config's name is left out: the config
+    decides). Raises ConfigError for an unreadable or invalid projects file."""
+    projects = load_projects(paths.projects_file)
+    configured = Project.from_experiments(config.experiments)
+    if configured is None:
+        return projects
+    if any(p.name == configured.name for p in projects):
+        logger.warning(
+            "project %r is both in %s and the config's experiments.join; the config's is used",
+            configured.name,
+            paths.projects_file,
+        )
+    return [configured, *(p for p in projects if p.name != configured.name)]
+
+
+def _node_config(config: Config, projects: list[Project]) -> Config:
+    """``config`` with the projects' peers as bootstrap peers too, and their owners'
+    manifests trusted (stored first by this node)."""
+    peers = [*config.network.bootstrap_peers, *(a for p in projects for a in p.peers)]
+    owners = [*config.experiments.trusted_owners, *(p.owner for p in projects if p.owner)]
+    return config.model_copy(
+        update={
+            "network": config.network.model_copy(
+                update={"bootstrap_peers": list(dict.fromkeys(peers))}
+            ),
+            "experiments": config.experiments.model_copy(
+                update={"trusted_owners": list(dict.fromkeys(owners))}
+            ),
+        }
+    )
 
 
 class Daemon:
     """``volunteerd serve``. Start with ``await nursery.start(daemon.serve)``; stop with
     ``request_stop()`` (graceful) or by cancelling (the same, without waiting for a
-    second signal)."""
+    second signal). After ``serve`` returns, ``restart_requested`` says whether it
+    stopped to be started again (the projects changed)."""
 
     def __init__(self, config: Config, paths: Paths, identity: Identity | None = None) -> None:
         self.config = config
         self.paths = paths
         self._identity = identity
         self._stop = trio.Event()
+        self.restart_requested = False
+        self._control_socket: socket.socket | None = None  # bound while serving
 
     def request_stop(self) -> None:
         self._stop.set()
 
+    def request_restart(self) -> None:
+        """Stop gracefully, to be started again (with the projects file as it is then)."""
+        self.restart_requested = True
+        self._stop.set()
+
     async def serve(self, *, task_status: TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
-        with DataDirLock(self.paths.lock_file):
+        self._stop = trio.Event()
+        self.restart_requested = False
+        with DataDirLock(self.paths.lock_file), self._bound_control() as self._control_socket:
             await self._serve(task_status)
+
+    def _bound_control(self) -> AbstractContextManager[socket.socket | None]:
+        """The control API's socket, bound before anything joins a swarm (a port another
+        program holds ends the start here; None: the API is disabled)."""
+        if not self.config.control.enabled:
+            return nullcontext()
+        return bind_control(self.config.control.port)
 
     async def _serve(self, task_status: TaskStatus[Running]) -> None:
         config, paths = self.config, self.paths
+        projects = running_projects(config, paths)
         identity = self._identity or load_or_create_identity(paths.identity_file)
-        device = choose_device(config.runtime.device)
-        if config.runtime.torch_threads:
-            torch.set_num_threads(config.runtime.torch_threads)
-        # Joining an experiment: the joiner chooses the experts once the node is up.
-        joining = bool(config.experiments.join)
-        uids = [] if joining else config.experts.uid_list()
-        runtime = ExpertRuntime(
-            uids, config.experts, config.runtime, config.wire, device, guard=config.guard
-        )
-        checkpointer = Checkpointer(runtime, paths.checkpoints_dir, config.checkpoints)
-        if config.checkpoints.enabled:
-            await checkpointer.restore()
+        uids = [] if projects else config.experts.uid_list()
+        if projects and config.experts.uids:
+            logger.info("in a project: experts.uids (%s) is not hosted", config.experts.uids)
+        hosting: Hosting | None = None
+        if projects or uids:
+            from volunteerd.hosting import prepare_hosting  # imports torch
+
+            hosting = await prepare_hosting(config, paths, uids)
+        runtime = hosting.runtime if hosting is not None else None
         events = EventLog()
+        if hosting is not None:
+            hosting.checkpointer.on_warning = lambda message: events.post("error", message)
         throttle = Throttle(config.limits, TransferLedger(paths.transfer_file))
         volunteer = Volunteer(
             runtime,
@@ -111,6 +192,13 @@ class Daemon:
             events=events,
         )
         volunteer.restore()  # a daemon paused before its restart starts paused
+        scheduler = Scheduler(
+            config.schedule,
+            volunteer,
+            on_gpu=hosting is not None and hosting.device.type != "cpu",
+            schedule_file=paths.schedule_file,
+            events=events,
+        )
         async with opened_stats(paths.stats_file, config.stats.keep_hourly_days) as store:
             accountant = Accountant(
                 store,
@@ -120,115 +208,79 @@ class Daemon:
                 serving=lambda: volunteer.state.serving,
                 events=events,
             )
-            shards = ShardServer(shard_snapshot(runtime))
-            handlers = expert_handlers(
-                runtime, gate=volunteer.gate, accountant=accountant, shards=shards
+            handlers = hosting.handlers(volunteer.gate, accountant) if hosting else None
+            computing: AbstractAsyncContextManager[None] = (
+                hosting.computing() if hosting is not None else nullcontext()
             )
             async with (
-                open_node(identity, config, handlers, throttle) as node,
-                trio.open_nursery() as compute,
+                open_node(identity, _node_config(config, projects), handlers, throttle) as node,
+                computing,
+                trio.open_nursery() as serving,
             ):
-                await compute.start(runtime.serve)
-                try:
-                    async with trio.open_nursery() as serving:
-                        await serving.start(accountant.serve)
-                        await serving.start(shards.serve)
-                        running = await self._start_services(
-                            serving, node, runtime, checkpointer, volunteer, device, joining
+                await serving.start(accountant.serve)
+                await serving.start(scheduler.serve)  # decides before the volunteer serves
+                if hosting is not None:
+                    await hosting.start(serving, node, volunteer, projects)
+                else:
+                    await serving.start(volunteer.serve)
+                running = Running(node, volunteer, hosting, projects, scheduler)
+                self._log_started(running)
+                open_events(events, node, runtime, volunteer.described)
+                running.controls = ControlView(
+                    node=node,
+                    runtime=runtime,
+                    volunteer=volunteer,
+                    checkpointer=hosting.checkpointer
+                    if hosting is not None and config.checkpoints.enabled
+                    else None,
+                    accountant=accountant,
+                    projects=projects,
+                    joiners=running.joiners,
+                    projects_file=paths.projects_file,
+                    request_stop=self.request_stop,
+                    request_restart=self.request_restart,
+                    events=events,
+                    scheduler=scheduler,
+                )
+                await serving.start(running.controls.serve)
+                if self._control_socket is not None:
+                    running.control_url = await serving.start(
+                        partial(
+                            serve_control,
+                            running.controls,
+                            sock=self._control_socket,
+                            token_file=paths.token_file,
+                            control_file=paths.control_file,
                         )
-                        open_events(events, node, runtime, volunteer.described)
-                        running.controls = ControlView(
-                            node=node,
-                            runtime=runtime,
-                            volunteer=volunteer,
-                            checkpointer=checkpointer if config.checkpoints.enabled else None,
-                            accountant=accountant,
-                            experiment=running.experiment,
-                            request_stop=self.request_stop,
-                            events=events,
-                        )
-                        await serving.start(running.controls.serve)
-                        if config.control.enabled:
-                            running.control_url = await serving.start(
-                                partial(
-                                    serve_control,
-                                    running.controls,
-                                    port=config.control.port,
-                                    token_file=paths.token_file,
-                                    control_file=paths.control_file,
-                                )
-                            )
-                        task_status.started(running)
-                        await self._stop.wait()
-                        serving.cancel_scope.cancel()  # withdraws the announcements
-                finally:
-                    runtime.close()
-                    with (
-                        trio.CancelScope(shield=True),
-                        trio.move_on_after(config.timeouts.shutdown_grace_s),
-                    ):
-                        await runtime.drained()
-                    if config.checkpoints.enabled:
-                        # The final save: after the queued work, before the node closes.
-                        with trio.CancelScope(shield=True):
-                            await checkpointer.save_changed()
-                    compute.cancel_scope.cancel()
-        logger.info("stopped")
+                    )
+                task_status.started(running)
+                await self._stop.wait()
+                serving.cancel_scope.cancel()  # withdraws the announcements
+        logger.info("stopped" + " to restart" * self.restart_requested)
 
-    async def _start_services(
-        self,
-        serving: trio.Nursery,
-        node: Node,
-        runtime: ExpertRuntime,
-        checkpointer: Checkpointer,
-        volunteer: Volunteer,
-        device: torch.device,
-        joining: bool,
-    ) -> Running:
-        """Start the announcer, the volunteer's controls, the checkpointer, the averager
-        and the joiner (as configured) in ``serving``."""
-        config = self.config
-        averager = ReplicaAverager(
-            runtime, SwarmReplicas(node, config.timeouts.dht_lookup_s), config.replicas
-        )
-        announcer = Announcer(
-            node.dht, node.identity, node.peer_id, node.addrs, config.dht, config.timeouts
-        )
-        announcer.set_uids(runtime.uids)
-        if node.reachability is not None:  # moved to or from a relay: re-announce
-            node.reachability.watch_addrs(announcer.set_addrs)
-        volunteer.attach(announcer)
-        await serving.start(announcer.serve)
-        await serving.start(volunteer.serve)
-        if config.checkpoints.enabled:
-            await serving.start(checkpointer.serve)
-        if config.replicas.enabled:
-            await serving.start(averager.serve)
-        joiner = None
-        if joining:
-            joiner = Joiner(
-                node,
-                runtime,
-                announcer,
-                checkpointer if config.checkpoints.enabled else None,
-                ShardDownloader.for_node(node.rpc, self.paths.downloads_dir, config.timeouts),
-                config.experiments,
-                capacity_for(config, device),
+    def _log_started(self, running: Running) -> None:
+        node, hosting = running.node, running.hosting
+        if hosting is None:
+            logger.info(
+                "volunteerd %s as %s hosts nothing: not in a project (join one with "
+                "`volunteerd join INVITATION`)",
+                __version__,
+                node.peer_id,
             )
-            await serving.start(joiner.serve)
-        manifest = joiner.manifest if joiner is not None else None
-        kind = manifest.expert_type if manifest is not None else config.experts.type
-        logger.info(
-            "volunteerd %s serving %d %s experts on %s as %s",
-            __version__,
-            len(runtime.uids),
-            kind,
-            device,
-            node.peer_id,
-        )
+        else:
+            manifests = [j.manifest for j in hosting.joiners if j.manifest is not None]
+            kind = manifests[0].expert_type if manifests else self.config.experts.type
+            logger.info(
+                "volunteerd %s serving %d %s experts on %s as %s%s",
+                __version__,
+                len(hosting.runtime.uids),
+                kind,
+                hosting.device,
+                node.peer_id,
+                "".join(f"; joining {p.name!r}" for p in running.projects if not p.from_config),
+            )
         for addr in node.multiaddrs:
             logger.info("reachable at %s", addr)
-        return Running(node, runtime, announcer, checkpointer, averager, joiner, volunteer)
 
 
 async def bootstrap_only(

@@ -67,8 +67,8 @@ def joining_config(bootstrap: list[str], trusted: list[str], **experiments: Any)
 
 
 def hosted(running: Running) -> set[str]:
-    assert running.joiner is not None
-    return set(running.joiner.hosted)
+    (joiner,) = running.joiners  # experiments.join: one project
+    return set(joiner.hosted)
 
 
 def payload_sha256(backend: ExpertBackend) -> str:
@@ -155,14 +155,13 @@ async def test_three_joiners_cover_the_grid_and_a_latecomer_downloads_from_repli
                     await trio.sleep(config.dht.announce_period_s / 2)
 
             async with open_daemon(config, tmp_path / "late") as late:
-                assert late.joiner is not None
                 taken = hosted(late)
                 print(f"latecomer took {sorted(taken)}; replicas before {dict(counts)}")
                 assert len(taken) == CAPACITY
                 assert all(counts[uid] == min(counts.values()) for uid in taken)
                 owners = {uid: d for d in daemons for uid in hosted(d)}
                 for uid in taken:
-                    source = late.joiner.sources[uid]
+                    source = late.joiners[0].sources[uid]
                     assert source.startswith("replica "), (uid, source)
                     peer = source.removeprefix("replica ")
                     replica = next(d for d in daemons if d.node.peer_id == peer)
@@ -223,15 +222,13 @@ async def test_restarted_daemon_resumes_its_experts_from_its_checkpoints(tmp_pat
         config = joining_config(boot.multiaddrs, [manifest.owner], max_experts=3)
         async with open_daemon(config, tmp_path / "d", identity=me) as first:
             before = hosted(first)
-            assert first.joiner is not None
-            assert set(first.joiner.sources.values()) == {"seed"}
+            assert set(first.joiners[0].sources.values()) == {"seed"}
             for uid in before:
                 await first.runtime.with_expert(uid, train_once)
             hashes = {uid: await first.runtime.with_expert(uid, payload_sha256) for uid in before}
         # Stopped: the final save wrote every trained expert.
         async with open_daemon(config, tmp_path / "d", identity=me) as again:
-            assert again.joiner is not None
             assert hosted(again) == before
-            assert set(again.joiner.sources.values()) == {"checkpoint"}
+            assert set(again.joiners[0].sources.values()) == {"checkpoint"}
             for uid in before:
                 assert await again.runtime.with_expert(uid, payload_sha256) == hashes[uid]

@@ -32,12 +32,14 @@ from volunteerd.config import StatsConfig
 from volunteerd.control.events import EventSink
 from volunteerd.errors import VolunteerdError, wire_code
 from volunteerd.net import Throttle, short
-from volunteerd.runtime import ExpertRuntime
 from volunteerd.stats import StatsStore
 from volunteerd.wire import TensorReply, WireTensor
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
+
+    # Only for types: a daemon that hosts nothing never imports torch.
+    from volunteerd.runtime import ExpertRuntime
 
 __all__ = ["Accountant", "PeerCounts", "RateSample", "Result", "open_stats", "opened_stats"]
 
@@ -74,7 +76,7 @@ class Accountant:
     def __init__(
         self,
         store: StatsStore,
-        runtime: ExpertRuntime,
+        runtime: ExpertRuntime | None,  # None: hosting nothing (no compute time to count)
         throttle: Throttle,
         config: StatsConfig,
         *,
@@ -90,6 +92,7 @@ class Accountant:
         self._serving = serving
         self.peers: dict[str, PeerCounts] = {}
         self.samples = 0  # since the daemon started
+        self.last_answered_at: float | None = None  # time.time() of the last call answered
         self.requests = 0
         self.refusals: dict[str, int] = {}  # reason -> count, since the daemon started
         self._compute_seen: dict[str, float] = {}
@@ -136,6 +139,7 @@ class Accountant:
         )
         self.samples += samples
         self.requests += 1
+        self.last_answered_at = time.time()
         self._peer(peer_id).requests += 1
 
     def refused(self, uid: str, peer_id: str, exc: BaseException) -> None:
@@ -173,6 +177,8 @@ class Accountant:
             self._count_compute()
 
     def _count_compute(self) -> None:
+        if self._runtime is None:
+            return
         for stats in self._runtime.statistics():
             seen = self._compute_seen.get(stats.uid, 0.0)
             if stats.compute_s > seen:

@@ -1,7 +1,12 @@
 """Joining an experiment: find its trusted manifest, choose experts, fetch their state,
 host them, and revisit the choice as volunteers come and go.
 
-``Joiner.serve`` (started by the daemon when ``experiments.join`` is set):
+The daemon runs one Joiner per project (``swarm.projects``), all hosting in one
+runtime: each considers, hosts and drops only its own experiment's experts, within its
+share of the room (``capacity``); an experiment whose uids clash with another's
+hosted here is refused (ConfigError). ``Joiner.serve`` (the config's
+``experiments.join``: a failure ends the daemon) or ``keep_joining`` (a joined
+project: a failure is shown in ``state`` and ``error`` and tried again):
 
 1. look the manifest up under ``experiment/<name>`` until ``join_timeout_s``; accept
    only one signed by an owner in ``experiments.trusted_owners`` (``UntrustedManifest``
@@ -22,18 +27,18 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import trio
 
 from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
-from volunteerd.errors import ResourceUnavailable, UnknownExpert, VolunteerdError
+from volunteerd.errors import ConfigError, ResourceUnavailable, UnknownExpert, VolunteerdError
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import ExpertState
-from volunteerd.net import Announcer, Node, PeerAddress
+from volunteerd.net import Node, PeerAddress
 from volunteerd.net.records import ManifestRecord
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointer import Checkpointer
@@ -45,13 +50,15 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["Joiner", "ReplicaDownloader", "capacity_for"]
+__all__ = ["JoinState", "Joiner", "ReplicaDownloader", "capacity_for"]
 
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
 # lookups that must all find no replica before an expert starts from the seed
 _SEED_LOOKUPS = 3
+
+JoinState = Literal["joining", "joined", "failed"]
 
 
 def capacity_for(config: Config, device: torch.device) -> Callable[[ExpertsConfig], int]:
@@ -83,24 +90,29 @@ class ReplicaDownloader(Protocol):
 
 
 class Joiner:
-    """Hosts a share of experiment ``config.join``'s experts in ``runtime``."""
+    """Hosts a share of experiment ``config.join``'s experts in ``runtime``.
+
+    ``announce`` is called whenever ``hosted`` changed (the daemon then announces what
+    every joiner hosts); ``taken`` says which uids others host in the same runtime."""
 
     def __init__(
         self,
         node: Node,
         runtime: ExpertRuntime,
-        announcer: Announcer,
+        announce: Callable[[], None],
         checkpointer: Checkpointer | None,
         downloader: ReplicaDownloader,
         config: ExperimentsConfig,
         capacity: Callable[[ExpertsConfig], int],
         *,
+        taken: Callable[[], Collection[str]] = frozenset,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
     ) -> None:
         self._node = node
         self._runtime = runtime
-        self._announcer = announcer
+        self._announce = announce
+        self._taken = taken
         self._checkpointer = checkpointer
         self._downloader = downloader
         self._config = config
@@ -115,27 +127,55 @@ class Joiner:
         self.rounds = 0
         self._seen_before: dict[str, set[str]] = {}
         self.moves = 0
+        self.state: JoinState = "joining"
+        self.error: str | None = None  # why the last attempt failed (state "failed")
+
+    @property
+    def name(self) -> str:
+        return self._config.join
+
+    async def keep_joining(self, retry_s: float) -> None:
+        """``serve``, tried again ``retry_s`` after each failure until cancelled; a
+        failure is logged and kept in ``state`` and ``error`` meanwhile."""
+        while True:
+            try:
+                await self.serve()
+            except Exception as exc:  # shown in state and error; the next attempt may work
+                logger.warning(
+                    "could not join experiment %r (trying again in %.0f s): %s",
+                    self.name,
+                    retry_s,
+                    exc,
+                )
+            await trio.sleep(retry_s)
 
     async def serve(
         self, *, task_status: TaskStatus[ExperimentManifest] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Join, host the first choice of experts, report the manifest, then keep the
         manifest stored and the choice fresh until cancelled. The hosted experts stay
-        in the runtime when this returns (the daemon stops them)."""
-        manifest = await self.find_manifest()
-        self.manifest = manifest
-        experts = manifest.experts_config()
-        self.capacity = self._capacity_of(experts)
-        logger.info(
-            "joined experiment %r of %s: %d experts, replication %d; room for %d here",
-            manifest.name,
-            manifest.owner,
-            len(manifest.uids()),
-            manifest.replication,
-            self.capacity,
-        )
-        await self.republish()
-        await self.rebalance()
+        in the runtime when this returns (the daemon stops them). Raises
+        UntrustedManifest, ResourceUnavailable (not found), or ConfigError (its uids
+        clash with experts hosted here for another experiment); ``state`` is "failed"
+        then, with the reason in ``error``."""
+        self.state, self.error = "joining", None
+        try:
+            manifest = await self._joined_manifest()
+            self.capacity = self._capacity_of(manifest.experts_config())
+            logger.info(
+                "joined experiment %r of %s: %d experts, replication %d; room for %d here",
+                manifest.name,
+                manifest.owner,
+                len(manifest.uids()),
+                manifest.replication,
+                self.capacity,
+            )
+            await self.republish()
+            await self.rebalance()
+        except Exception as exc:
+            self.state, self.error = "failed", str(exc) or repr(exc)
+            raise
+        self.state = "joined"
         task_status.started(manifest)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._republish_loop)
@@ -145,6 +185,20 @@ class Joiner:
                     await self.rebalance()
                 except Exception as exc:  # a bad round must not end the daemon
                     logger.warning("re-balancing failed: %r", exc)
+
+    async def _joined_manifest(self) -> ExperimentManifest:
+        """``find_manifest``, refused if its experts clash with ones hosted here."""
+        self.manifest = None
+        manifest = await self.find_manifest()
+        clash = sorted(set(manifest.uids()) & set(self._taken()))
+        if clash:
+            raise ConfigError(
+                f"experiment {manifest.name!r} names experts that this daemon hosts for "
+                f"another experiment ({', '.join(clash[:3])}{', ...' * (len(clash) > 3)}); "
+                "leave one of them"
+            )
+        self.manifest = manifest
+        return manifest
 
     async def find_manifest(self) -> ExperimentManifest:
         """The trusted manifest of ``config.join``, looked up until ``join_timeout_s``.
@@ -263,7 +317,7 @@ class Joiner:
             self.hosted.pop(uid, None)
             self.sources.pop(uid, None)
         # Withdraw first: trainers stop routing to them while their queues drain.
-        self._announcer.set_uids(self.hosted)
+        self._announce()
         for uid in uids:
             try:
                 backend = await self._runtime.remove_expert(uid)
@@ -282,7 +336,7 @@ class Joiner:
             self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
             await self._runtime.add_expert(backend)
             self.hosted[uid] = self._clock()
-        self._announcer.set_uids(self.hosted)
+        self._announce()
 
     async def _initial_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
         """Load ``backend``'s starting state; returns where it came from."""

@@ -1,0 +1,233 @@
+"""A daemon and its projects (``projects.toml``): hosting nothing without one; one joiner
+per project, each hosting only its own experiment's experts within its share of the
+room; a project that cannot be joined shown as failed while the others serve; and
+joining or leaving through the control API restarting the daemon into the new set."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from volunteerd.config import Config
+from volunteerd.control.models import ProjectJoin
+from volunteerd.daemon import Daemon, Running
+from volunteerd.errors import ConfigError
+from volunteerd.identity import Identity
+from volunteerd.net import Node
+from volunteerd.net.peers import peer_id_for
+from volunteerd.paths import Paths
+from volunteerd.swarm.invitation import Invitation
+from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
+from volunteerd.swarm.projects import Project, join_project, load_projects
+from volunteerd.testing import local_config, open_peer
+
+# Real libp2p nodes on loopback, in wall-clock time, and daemons hosting torch experts.
+pytestmark = pytest.mark.slow
+
+
+def daemon_config(bootstrap: list[str] | None = None, **experiments: Any) -> Config:
+    """No experts.uids and (unless given) no bootstrap peers: what to host and whom to
+    join through come from the projects."""
+    return local_config(
+        bootstrap=bootstrap or [],
+        uids="",
+        experiments={
+            "max_experts": 4,
+            "rebalance_every_s": 2.0,
+            "min_stay_s": 0.0,
+            "join_timeout_s": 10.0,
+            **experiments,
+        },
+        replicas={"enabled": False},
+        dht={"record_ttl_s": 10.0},
+    )
+
+
+async def publish(boot: Node, owner: Identity, name: str, prefix: str) -> ExperimentManifest:
+    now = time.time()
+    manifest = ExperimentManifest(
+        name=name,
+        description=f"the {name} experiment",
+        owner_name="a test lab",
+        hidden_dim=16,
+        uid_prefix=prefix,
+        grid=(2, 4),
+        replication=1,
+        owner=str(peer_id_for(owner)),
+        issued_at=now,
+        expires_at=now + 3600,
+    )
+    assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+    return manifest
+
+
+def invitation(boot: Node, owner: Identity, name: str) -> Invitation:
+    return Invitation(name, str(peer_id_for(owner)), (boot.multiaddrs[0],))
+
+
+def record(data_dir: Path, *projects: tuple[Invitation, float]) -> None:
+    for invited, share in projects:
+        join_project(
+            data_dir / "projects.toml", Project.invited(invited, share=share, joined_at=1.0)
+        )
+
+
+@asynccontextmanager
+async def serving(
+    config: Config, data_dir: Path, identity: Identity
+) -> AsyncIterator[tuple[Daemon, Running, trio.Event]]:
+    """A daemon, its ``Running``, and an event set once ``serve`` returned (a restart
+    asked for, or stopped)."""
+    paths = Paths(config_file=data_dir / "config.toml", data_dir=data_dir, cache_dir=data_dir)
+    daemon = Daemon(config, paths, identity=identity)
+    returned = trio.Event()
+
+    async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await daemon.serve(task_status=task_status)
+        finally:
+            returned.set()
+
+    async with trio.open_nursery() as nursery:
+        running: Running = await nursery.start(serve)
+        try:
+            yield daemon, running, returned
+        finally:
+            daemon.request_stop()
+
+
+async def until(check: Callable[[], bool], within_s: float = 60) -> None:
+    with trio.fail_after(within_s):
+        while not check():  # noqa: ASYNC110 - polling the daemon's state
+            await trio.sleep(0.1)
+
+
+async def test_two_projects_share_the_room_and_each_hosts_only_its_own(tmp_path: Path) -> None:
+    owner = Identity.generate()
+    async with open_peer(local_config()) as boot:
+        small = await publish(boot, owner, "small", "aa")
+        big = await publish(boot, owner, "big", "bb")
+        record(tmp_path, (invitation(boot, owner, "small"), 1.0))
+        record(tmp_path, (invitation(boot, owner, "big"), 3.0))
+        async with serving(daemon_config(), tmp_path, Identity.generate()) as (_, running, _):
+            assert running.hosting is not None
+            await until(lambda: all(j.state == "joined" for j in running.joiners))
+            by_name = {j.name: j for j in running.joiners}
+            # max_experts 4, shares 1 : 3
+            assert set(by_name["small"].hosted) <= set(small.uids())
+            assert set(by_name["big"].hosted) <= set(big.uids())
+            assert (len(by_name["small"].hosted), len(by_name["big"].hosted)) == (1, 3)
+            assert set(running.runtime.uids) == {*by_name["small"].hosted, *by_name["big"].hosted}
+
+            assert running.controls is not None
+            status = running.controls.status()
+            views = {p.name: p for p in status.projects}
+            assert views["big"].state == "joined"
+            assert views["big"].experts == 3
+            assert views["big"].share == 3.0
+            assert views["big"].description == "the big experiment"
+            assert views["big"].owner_name == "a test lab"
+            assert views["small"].owner == str(peer_id_for(owner))
+
+            # Every joiner's experts are announced (by the one announcer).
+            hosted = sorted(running.runtime.uids)
+            with trio.fail_after(30):
+                while True:
+                    found = await boot.dht.get(hosted)
+                    me = running.node.peer_id
+                    if all(any(r.peer_id == me for r in found[uid]) for uid in hosted):
+                        break
+                    await trio.sleep(0.5)
+
+            # A re-balancing round of one project leaves the other's experts alone.
+            await by_name["small"].rebalance()
+            assert set(by_name["big"].hosted) <= set(running.runtime.uids)
+
+
+async def test_a_project_that_cannot_be_joined_fails_alone(tmp_path: Path) -> None:
+    owner = Identity.generate()
+    async with open_peer(local_config()) as boot:
+        await publish(boot, owner, "first", "aa")
+        await publish(boot, owner, "twin", "aa")  # the same expert uids as "first"
+        record(
+            tmp_path,
+            (invitation(boot, owner, "first"), 1.0),
+            (invitation(boot, owner, "twin"), 1.0),
+            (invitation(boot, owner, "ghost"), 1.0),  # never published
+        )
+        config = daemon_config(join_timeout_s=2.0)
+        async with serving(config, tmp_path, Identity.generate()) as (_, running, _):
+            by_name = {j.name: j for j in running.joiners}
+            await until(lambda: by_name["ghost"].state == "failed")
+            assert "not found" in (by_name["ghost"].error or "")
+            # whichever of the two found its manifest second refuses to host the clash
+            await until(
+                lambda: {by_name["first"].state, by_name["twin"].state} == {"joined", "failed"}
+            )
+            failed = next(j for j in running.joiners if j.state == "failed" and j.name != "ghost")
+            assert "another experiment" in (failed.error or "")
+            assert failed.hosted == {}
+            assert running.controls is not None
+            views = {p.name: p for p in running.controls.status().projects}
+            assert views["ghost"].state == "failed"
+            assert views["ghost"].error is not None
+
+
+async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path: Path) -> None:
+    owner, me = Identity.generate(), Identity.generate()
+    async with open_peer(local_config()) as boot:
+        manifest = await publish(boot, owner, "tiny", "aa")
+        invited = invitation(boot, owner, "tiny").url()
+        config = daemon_config()
+
+        # No project, no experts.uids: nothing hosted (no runtime at all).
+        async with serving(config, tmp_path, me) as (daemon, running, returned):
+            assert running.hosting is None
+            assert running.controls is not None
+            status = running.controls.status()
+            assert (status.projects, status.experts, status.device) == ([], [], "none")
+            with pytest.raises(ConfigError, match="not a valid invitation"):
+                await running.controls.join_project(ProjectJoin(invitation="volunteerd://x"))
+            joined = await running.controls.join_project(ProjectJoin(invitation=invited))
+            assert joined.restarting
+            assert joined.project.state == "joining"
+            with trio.fail_after(30):
+                await returned.wait()
+            assert daemon.restart_requested
+        assert [p.name for p in load_projects(tmp_path / "projects.toml")] == ["tiny"]
+
+        # Started again: in the project.
+        async with serving(config, tmp_path, me) as (daemon, running, returned):
+            assert running.hosting is not None
+            (joiner,) = running.joiners
+            await until(lambda: joiner.state == "joined")
+            assert joiner.hosted
+            assert set(joiner.hosted) <= set(manifest.uids())
+            assert running.controls is not None
+            again = await running.controls.join_project(ProjectJoin(invitation=invited))
+            assert not again.restarting  # joined already, as asked: nothing to restart for
+            assert again.project.state == "joined"
+            assert await running.controls.leave_project("elsewhere") is None
+            left = await running.controls.leave_project("tiny")
+            assert left is not None
+            assert left.restarting
+            with trio.fail_after(30):
+                await returned.wait()
+            assert daemon.restart_requested
+        assert load_projects(tmp_path / "projects.toml") == []
+
+        # The config's own project cannot be left through the API.
+        configured = daemon_config(boot.multiaddrs, join="tiny", trusted_owners=[manifest.owner])
+        async with serving(configured, tmp_path, me) as (daemon, running, returned):
+            assert running.controls is not None
+            (view,) = running.controls.status().projects
+            assert view.state == "joined"
+            with pytest.raises(ConfigError, match="config file"):
+                await running.controls.leave_project("tiny")
+            assert not daemon.restart_requested

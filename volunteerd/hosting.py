@@ -1,0 +1,176 @@
+"""What a daemon that hosts experts adds to one that hosts nothing: the expert runtime
+on its device, the request pipeline's expert verbs, checkpoints, the announcer, the
+replica averager, and one joiner per project.
+
+Only ``daemon`` imports this module, and only when there is something to host (a
+project joined, ``experiments.join``, or ``experts.uids``): it is where torch comes
+in, so a daemon in no project stays small (docs/architecture.md, Lifetimes).
+
+Projects share the runtime and the announcer: each joiner hosts its own experiment's
+experts within its share of the room (``swarm.projects.share_of``), and what is
+announced is every joiner's experts together. The config's project
+(``experiments.join``) is joined before the daemon reports itself started, and a
+failure ends it (exit 3 or 5, as before); a project from ``projects.toml`` is joined
+in the background, and a failure is shown in its state and tried again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from volunteerd.config import Config, ExpertsConfig
+from volunteerd.net import Announcer, Handler, Node, ShardServer, Verb
+from volunteerd.paths import Paths
+from volunteerd.runtime import ExpertRuntime, choose_device
+from volunteerd.runtime.averaging import ReplicaAverager
+from volunteerd.runtime.checkpointer import Checkpointer
+from volunteerd.server.contribution import Accountant
+from volunteerd.server.pausing import RequestGate, Volunteer
+from volunteerd.server.pipeline import expert_handlers, shard_snapshot
+from volunteerd.server.replicas import SwarmReplicas, WindowedDownloader
+from volunteerd.swarm.download import ShardDownloader
+from volunteerd.swarm.joiner import Joiner, capacity_for
+from volunteerd.swarm.projects import Project, share_of
+
+__all__ = ["Hosting", "prepare_hosting"]
+
+logger = logging.getLogger(__name__)
+
+# A project that could not be joined (not found, peers down) is tried again after this.
+REJOIN_AFTER_S = 60.0
+
+
+@dataclass(slots=True)
+class Hosting:
+    """The hosting side of a running daemon (``prepare_hosting``, then ``computing``
+    around the serving, then ``start``)."""
+
+    config: Config
+    paths: Paths
+    runtime: ExpertRuntime
+    checkpointer: Checkpointer
+    device: torch.device
+    shards: ShardServer
+    announcer: Announcer | None = None  # set by start
+    averager: ReplicaAverager | None = None  # set by start
+    joiners: list[Joiner] = field(default_factory=list)  # one per project, in order
+
+    def handlers(self, gate: RequestGate, accountant: Accountant) -> dict[Verb, Handler]:
+        """The expert verbs through the request pipeline (pause gate, accounting)."""
+        return expert_handlers(self.runtime, gate=gate, accountant=accountant, shards=self.shards)
+
+    @asynccontextmanager
+    async def computing(self) -> AsyncIterator[None]:
+        """The runtime's batchers while the block runs; on the way out, stop taking
+        requests, finish the queued ones (``shutdown_grace_s``) and save the experts
+        whose weights changed (inside the node, so a replica can still be asked)."""
+        config = self.config
+        async with trio.open_nursery() as compute:
+            await compute.start(self.runtime.serve)
+            try:
+                yield
+            finally:
+                self.runtime.close()
+                with (
+                    trio.CancelScope(shield=True),
+                    trio.move_on_after(config.timeouts.shutdown_grace_s),
+                ):
+                    await self.runtime.drained()
+                if config.checkpoints.enabled:
+                    with trio.CancelScope(shield=True):
+                        await self.checkpointer.save_changed()
+                compute.cancel_scope.cancel()
+
+    async def start(
+        self,
+        serving: trio.Nursery,
+        node: Node,
+        volunteer: Volunteer,
+        projects: Sequence[Project],
+    ) -> None:
+        """Start the announcer, the shard server, the checkpointer and the averager (as
+        configured) and a joiner for each of ``projects`` in ``serving``; returns once
+        the config's project (if any) hosts its first experts."""
+        config = self.config
+        # Bulk transfers (averaging, downloads) only within the schedule's network hours.
+        replicas = SwarmReplicas(
+            node, config.timeouts.dht_lookup_s, allowed=lambda: volunteer.network_allowed
+        )
+        self.averager = ReplicaAverager(self.runtime, replicas, config.replicas)
+        self.checkpointer.budget_bytes = lambda: round(volunteer.limits.disk_budget_gb * 1e9)
+        announcer = Announcer(
+            node.dht, node.identity, node.peer_id, node.addrs, config.dht, config.timeouts
+        )
+        self.announcer = announcer
+        announcer.set_uids(self.runtime.uids)  # experts.uids (none while in a project)
+        if node.reachability is not None:  # moved to or from a relay: re-announce
+            node.reachability.watch_addrs(announcer.set_addrs)
+        volunteer.attach(announcer)
+        await serving.start(announcer.serve)
+        await serving.start(self.shards.serve)
+        await serving.start(volunteer.serve)
+        if config.checkpoints.enabled:
+            await serving.start(self.checkpointer.serve)
+        if config.replicas.enabled:
+            await serving.start(self.averager.serve)
+
+        def announce() -> None:
+            announcer.set_uids(set().union(*(j.hosted for j in self.joiners)))
+
+        room = capacity_for(config, self.device)
+        downloader = WindowedDownloader(
+            ShardDownloader.for_node(node.rpc, self.paths.downloads_dir, config.timeouts),
+            volunteer.wait_for_network,
+        )
+        for index, project in enumerate(projects):
+
+            def capacity(experts: ExpertsConfig, project: Project = project) -> int:
+                return share_of(room(experts), project, projects)
+
+            def taken(index: int = index) -> set[str]:
+                """The experts the other projects' experiments name."""
+                others = (j.manifest for i, j in enumerate(self.joiners) if i != index)
+                return set().union(*(m.uids() for m in others if m is not None))
+
+            self.joiners.append(
+                Joiner(
+                    node,
+                    self.runtime,
+                    announce,
+                    self.checkpointer if config.checkpoints.enabled else None,
+                    downloader,
+                    project.experiments(config.experiments),
+                    capacity,
+                    taken=taken,
+                )
+            )
+        for project, joiner in zip(projects, self.joiners, strict=True):
+            if project.from_config:
+                await serving.start(joiner.serve)
+            else:
+                serving.start_soon(joiner.keep_joining, REJOIN_AFTER_S)
+
+
+async def prepare_hosting(config: Config, paths: Paths, uids: Sequence[str]) -> Hosting:
+    """The runtime on its device with ``uids`` (more come from the joiners), restored
+    from the newest good checkpoints."""
+    device = choose_device(config.runtime.device)
+    if config.runtime.torch_threads:
+        torch.set_num_threads(config.runtime.torch_threads)
+    runtime = ExpertRuntime(
+        list(uids), config.experts, config.runtime, config.wire, device, guard=config.guard
+    )
+    checkpointer = Checkpointer(
+        runtime, paths.checkpoints_dir, config.checkpoints, also_counted=[paths.downloads_dir]
+    )
+    if config.checkpoints.enabled:
+        await checkpointer.restore()
+    return Hosting(
+        config, paths, runtime, checkpointer, device, ShardServer(shard_snapshot(runtime))
+    )
