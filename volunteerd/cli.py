@@ -23,7 +23,8 @@ from typing import Any
 import trio
 
 from volunteerd import __version__
-from volunteerd.config import Config, dump_toml, load_config
+from volunteerd.config import Config, Flag, dump_toml, load_config
+from volunteerd.detached import lower_priority
 from volunteerd.errors import ConfigError, ExitCode, UsageError, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
 from volunteerd.paths import Paths
@@ -119,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MULTIADDR",
         help="peer to join through (repeatable; default: the experiment's swarm.bootstrap_peers)",
     )
+    train.add_argument(
+        "--invitation",
+        metavar="URL",
+        help="the invitation `volunteerd publish` printed: train with its experiment, "
+        "trusting its owner, joining through its peers",
+    )
     train.add_argument("--steps", type=int, metavar="N", help="override training.steps")
     train.add_argument(
         "--listen-host", default="0.0.0.0", metavar="IP", help="address the trainer listens on"
@@ -165,12 +172,47 @@ def build_parser() -> argparse.ArgumentParser:
     snooze = sub.add_parser("snooze", help="pause for a while (default 1h), then resume")
     _common(snooze)
     snooze.add_argument("duration", nargs="?", default="1h", help="e.g. 30m, 2h, 1h30m")
-    limit = sub.add_parser("limit", help="show or change the bandwidth limits (0 = none)")
+    limit = sub.add_parser(
+        "limit", help="show or change the limits: bandwidth, quotas, disk, threads (0 = none)"
+    )
     _common(limit)
     # read as text: checked (finite, in range) by _limit_changes before the daemon is asked
     limit.add_argument("--up", metavar="MBIT", help="upload limit in Mbit/s (0 = none)")
     limit.add_argument("--down", metavar="MBIT", help="download limit in Mbit/s (0 = none)")
     limit.add_argument("--quota", metavar="GB", help="monthly transfer quota (0 = none)")
+    limit.add_argument("--daily-gb", metavar="GB", help="daily transfer quota (0 = none)")
+    limit.add_argument(
+        "--disk-gb", metavar="GB", help="disk for checkpoints and downloads (0 = none)"
+    )
+    limit.add_argument(
+        "--threads", metavar="N", help="CPU threads to compute with (0 = torch's default)"
+    )
+    schedule = sub.add_parser(
+        "schedule", help="show or change when to compute (idle, battery, hours)"
+    )
+    _common(schedule)
+    schedule.add_argument(
+        "--run", choices=["always", "when_idle"], help="always, or only while nobody uses it"
+    )
+    schedule.add_argument(
+        "--idle-minutes", metavar="MIN", help="minutes without input before it counts as idle"
+    )
+    schedule.add_argument(
+        "--on-battery", choices=["yes", "no"], help="compute on battery (no: pause)"
+    )
+    schedule.add_argument(
+        "--compute-hours",
+        metavar="HH:MM-HH:MM[,...]",
+        help='windows to compute in, e.g. 22:00-07:00 ("any": any time)',
+    )
+    schedule.add_argument(
+        "--network-hours",
+        metavar="HH:MM-HH:MM[,...]",
+        help='windows to use the network in ("any": any time)',
+    )
+    schedule.add_argument(
+        "--gpu", choices=["always", "when_idle"], help="with experts on a GPU: when to compute"
+    )
     dashboard = sub.add_parser("dashboard", help="open the dashboard in the browser")
     _common(dashboard)
     dashboard.add_argument(
@@ -186,8 +228,35 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("appindicator", "gtk", "xorg", "darwin", "win32"),
         help="pystray backend (default: the best one available)",
     )
+    _projects_parsers(sub)
     _service_parser(sub)
     return parser
+
+
+def _projects_parsers(sub: Any) -> None:
+    join = sub.add_parser(
+        "join", help="join a project: host a share of its experiment (the daemon restarts)"
+    )
+    _common(join)
+    join.add_argument(
+        "invitation", metavar="INVITATION", help="volunteerd://join/... from the project's owner"
+    )
+    # read as text: checked (finite, in range) before anything is recorded
+    join.add_argument(
+        "--share",
+        default="1",
+        metavar="X",
+        help="its share of this computer's room for experts, against other projects' (default 1)",
+    )
+    join.add_argument("--yes", "-y", action="store_true", help="join without asking")
+    leave = sub.add_parser("leave", help="leave a project (the daemon restarts without it)")
+    _common(leave)
+    leave.add_argument(
+        "name", metavar="NAME", help="the project's name (see `volunteerd projects`)"
+    )
+    projects = sub.add_parser("projects", help="the projects joined, and how each is doing")
+    _common(projects)
+    projects.add_argument("--json", action="store_true", help="print the API's JSON")
 
 
 def _service_parser(sub: Any) -> None:
@@ -236,7 +305,17 @@ def _service(args: argparse.Namespace) -> ExitCode:
     return service.status(paths, chosen, as_json=args.json)
 
 
-_CONTROL_VERBS = {"status", "pause", "resume", "snooze", "limit", "dashboard", "tray"}
+_CONTROL_VERBS = {
+    "status",
+    "pause",
+    "resume",
+    "snooze",
+    "limit",
+    "schedule",
+    "dashboard",
+    "tray",
+}
+_PROJECT_VERBS = {"join", "leave", "projects"}
 
 
 def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
@@ -251,6 +330,12 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
 
     # a bad value is a usage error whether a daemon runs or not, and never reaches it
     changes = _limit_changes(args) if args.command == "limit" else {}
+    rules = _schedule_changes(args) if args.command == "schedule" else {}
+    if args.command == "snooze":
+        try:
+            seconds = commands.parse_duration(args.duration)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     client = ControlClient.for_data_dir(paths.data_dir)
     if args.command == "status":
         status = client.status()
@@ -260,14 +345,13 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
     elif args.command == "resume":
         print(commands.describe_change(client.resume()))
     elif args.command == "snooze":
-        try:
-            seconds = commands.parse_duration(args.duration)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
         print(commands.describe_change(client.snooze(seconds)))
     elif args.command == "limit":
         limits = client.set_limits(**changes) if changes else client.limits()
         print(commands.format_limits(limits))
+    elif args.command == "schedule":
+        schedule = client.set_schedule(**rules) if rules else client.schedule()
+        print(commands.format_schedule(schedule, client.status().schedule))
     elif args.command == "dashboard":
         url = client.dashboard_url
         if args.print:
@@ -278,6 +362,136 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             if not webbrowser.open(url):
                 print(f"open this address in a browser: {url}")
     return ExitCode.OK
+
+
+def _projects(args: argparse.Namespace) -> ExitCode:
+    """``join``, ``leave`` and ``projects``: through the running daemon's control API
+    (it records the change in ``projects.toml`` and restarts into it), else in the file
+    itself, under the data folder's lock (the daemon reads it when it starts)."""
+    from volunteerd.control import verbs as commands
+    from volunteerd.control.client import ControlClient
+    from volunteerd.control.models import ProjectView
+    from volunteerd.errors import ControlError, DaemonNotRunning
+    from volunteerd.swarm.invitation import parse_invitation
+    from volunteerd.swarm.projects import Project, join_project, leave_project
+
+    config, paths = _load(args)
+    configured = Project.from_experiments(config.experiments)
+    if args.command == "projects":
+        try:
+            status = ControlClient.for_data_dir(paths.data_dir).status()
+        except DaemonNotRunning:
+            from volunteerd.daemon import running_projects
+
+            views = [
+                ProjectView(name=p.name, owner=p.owner, share=p.share, state="joining")
+                for p in running_projects(config, paths)
+            ]
+            if args.json:
+                print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
+            else:
+                print(commands.format_projects(views, running=False))
+            return ExitCode.OK
+        if args.json:
+            print(json.dumps([p.model_dump(mode="json") for p in status.projects], indent=2))
+        else:
+            print(commands.format_projects(status.projects, running=True))
+        return ExitCode.OK
+    if args.command == "leave":
+        name = args.name
+        if configured is not None and configured.name == name:
+            raise ConfigError(
+                f"project {name!r} comes from the config file (experiments.join in "
+                f"{paths.config_file}): remove it there, then restart volunteerd"
+            )
+        try:
+            left = ControlClient.for_data_dir(paths.data_dir).leave_project(name)
+        except DaemonNotRunning:
+            if not _offline(paths, lambda: leave_project(paths.projects_file, name)):
+                raise UsageError(
+                    f"not in a project named {name!r} (see `volunteerd projects`)"
+                ) from None
+            print(f"left {name!r}")
+            return ExitCode.OK
+        except ControlError as exc:
+            if exc.status == 404:
+                raise UsageError(f"{exc} (see `volunteerd projects`)") from None
+            raise
+        print(f"left {name!r}" + ": volunteerd restarts without it" * left.restarting)
+        return ExitCode.OK
+    share = _share(args.share)
+    invitation = parse_invitation(args.invitation)  # ConfigError saying what is wrong
+    if configured is not None and configured.name == invitation.name:
+        raise ConfigError(
+            f"project {invitation.name!r} is joined through the config file "
+            f"(experiments.join in {paths.config_file}) already"
+        )
+    print(commands.describe_invitation(invitation.name, invitation.owner, invitation.peers, share))
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError("not asking for a confirmation without a terminal: add --yes")
+        if input("Join? [y/N] ").strip().lower() not in {"y", "yes"}:
+            print("not joined")
+            return ExitCode.OK
+    try:
+        joined = ControlClient.for_data_dir(paths.data_dir).join_project(
+            invitation.url(), share=share
+        )
+    except DaemonNotRunning:
+        project = Project.invited(invitation, share=share, joined_at=time.time())
+        changed = _offline(paths, lambda: join_project(paths.projects_file, project))
+        print(
+            f"joined {invitation.name!r}" + " (already recorded)" * (not changed) + ": "
+            "volunteerd is not running; it joins when started (`volunteerd serve`)"
+        )
+        return ExitCode.OK
+    except ControlError as exc:
+        if exc.status == 400:  # the daemon judged the invitation (or its file) wrong
+            raise ConfigError(str(exc)) from None
+        raise
+    print(commands.describe_joined(joined))
+    return ExitCode.OK
+
+
+def _share(raw: str) -> float:
+    """``--share``'s value; UsageError unless a finite number in (0, 100]."""
+    from volunteerd.swarm.projects import check_share
+
+    try:
+        share = float(raw)
+        check_share(share)
+    except (ValueError, ConfigError) as exc:
+        raise UsageError(f"--share {raw}: {exc}") from None
+    return share
+
+
+def _offline(paths: Paths, change: Callable[[], Any]) -> Any:
+    """``change()`` to the projects file while no daemon runs, holding the data
+    folder's lock so that none starts meanwhile."""
+    from volunteerd.errors import ResourceUnavailable
+    from volunteerd.paths import DataDirLock
+
+    try:
+        with DataDirLock(paths.lock_file):  # the only ResourceUnavailable here
+            return change()
+    except ResourceUnavailable:
+        raise ResourceUnavailable(
+            f"a volunteerd uses {paths.data_dir} but its control API does not answer (still "
+            "starting, or control.enabled = false): try again in a moment, or stop it first"
+        ) from None
+
+
+def _exec_again() -> None:
+    """Replace this process with ``volunteerd serve`` as it was started (same pid, so a
+    service manager or the tray keeps following it), once the daemon stopped to
+    restart (it joined or left a project). Everything the old daemon held is closed by
+    then: the data folder's lock, its sockets, the control port (and descriptors are
+    not inherited by an exec: Python opens them close-on-exec)."""
+    logger.info("restarting: %s", " ".join(sys.orig_argv))
+    logging.shutdown()  # flush the log handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def _limit_changes(args: argparse.Namespace) -> dict[str, float]:
@@ -293,6 +507,9 @@ def _limit_changes(args: argparse.Namespace) -> dict[str, float]:
         ("--up", "upload_mbit", args.up),
         ("--down", "download_mbit", args.down),
         ("--quota", "monthly_quota_gb", args.quota),
+        ("--daily-gb", "daily_quota_gb", args.daily_gb),
+        ("--disk-gb", "disk_budget_gb", args.disk_gb),
+        ("--threads", "cpu_threads", args.threads),
     ):
         if raw is None:
             continue
@@ -304,16 +521,51 @@ def _limit_changes(args: argparse.Namespace) -> dict[str, float]:
     return changes
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    out = list(args.overrides)
+def _schedule_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The rules ``volunteerd schedule`` was asked to change, checked as the control API
+    checks them. Raises UsageError naming the flag, the value and the rule."""
+    from pydantic import ValidationError
+
+    from volunteerd.control.models import ScheduleChange
+
+    def windows(raw: str) -> list[str]:
+        return [] if raw.strip() == "any" else [w.strip() for w in raw.split(",") if w.strip()]
+
+    changes: dict[str, Any] = {}
+    for flag, field, raw, value in (
+        ("--run", "run", args.run, args.run),
+        ("--idle-minutes", "idle_minutes", args.idle_minutes, args.idle_minutes),
+        ("--on-battery", "on_battery", args.on_battery, args.on_battery == "yes"),
+        ("--compute-hours", "compute_hours", args.compute_hours, None),
+        ("--network-hours", "network_hours", args.network_hours, None),
+        ("--gpu", "gpu", args.gpu, args.gpu),
+    ):
+        if raw is None:
+            continue
+        if field.endswith("_hours"):
+            value = windows(raw)
+        try:
+            checked = ScheduleChange.model_validate({field: value})
+        except ValidationError as exc:
+            raise UsageError(f"{flag} {raw}: {field}: {exc.errors()[0]['msg']}") from None
+        changes[field] = getattr(checked, field)
+    return changes
+
+
+def _flags(args: argparse.Namespace) -> list[Flag]:
+    """The flags that set one key each, named as typed (errors blame them, not --set)."""
+    out = []
     if getattr(args, "listen_host", None):
-        out.append(f'network.listen_host="{args.listen_host}"')
+        out.append(
+            Flag("network.listen_host", args.listen_host, f"--listen-host {args.listen_host}")
+        )
     if getattr(args, "port", None) is not None:
-        out.append(f"network.port={args.port}")
+        out.append(Flag("network.port", args.port, f"--port {args.port}"))
     if getattr(args, "bootstrap", None):
-        out.append("network.bootstrap_peers=" + json.dumps(args.bootstrap))
+        typed = " ".join(f"--bootstrap {peer}" for peer in args.bootstrap)
+        out.append(Flag("network.bootstrap_peers", list(args.bootstrap), typed))
     if getattr(args, "experts", None):
-        out.append("experts.uids=" + json.dumps(args.experts))
+        out.append(Flag("experts.uids", args.experts, f"--experts {args.experts}"))
     return out
 
 
@@ -322,7 +574,11 @@ def _load(args: argparse.Namespace) -> tuple[Config, Paths]:
     # A file named on the command line must exist; the default location (or one from
     # VOLUNTEERD_CONFIG) may be absent, which means defaults.
     config = load_config(
-        paths.config_file, required=args.config is not None, overrides=_overrides(args)
+        paths.config_file,
+        required=args.config is not None,
+        overrides=args.overrides,
+        flags=_flags(args),
+        run_time_dir=paths.data_dir,
     )
     return config, paths
 
@@ -367,7 +623,14 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         return _service(args)
     if args.command in _CONTROL_VERBS:
         return _control(args, _paths(args))
+    if args.command in _PROJECT_VERBS:
+        return _projects(args)
+    # limits.toml moved to the data folder: a daemon takes an old one along before loading
+    notes = _adopt_old_limits(_paths(args)) if args.command == "serve" else []
     config, paths = _load(args)
+    if args.command == "serve" and config.runtime.priority == "low":
+        # first thing, before any thread (Linux keeps priorities per thread) or import
+        notes.append("running at low priority: " + (", ".join(lower_priority()) or "unchanged"))
     if args.command == "config":
         if args.config_command == "default":
             from volunteerd.config.schema import commented_default_toml
@@ -393,6 +656,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     from volunteerd.daemon import Daemon, bootstrap_only
 
     configure_logging(config.logging.level)
+    for note in notes:
+        logger.info("%s", note)
     if args.command == "publish":
         return _publish(args, config, paths)
     if args.command == "serve":
@@ -401,7 +666,10 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         async def start_serve(nursery: trio.Nursery) -> Any:
             return await nursery.start(_serve_reloading_limits, daemon, args)
 
-        return trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
+        code = trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
+        if daemon.restart_requested and code == ExitCode.OK:
+            _exec_again()
+        return code
     if args.command == "bootstrap":
 
         async def start_boot(nursery: trio.Nursery) -> Any:
@@ -411,13 +679,25 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
 
 
+def _adopt_old_limits(paths: Paths) -> list[str]:
+    """Move ``limits.toml`` from the config folder into the data folder (once); what
+    happened, for the log once it is set up."""
+    try:
+        moved = paths.adopt_old_limits_file()
+    except OSError as exc:
+        return [f"{paths.old_limits_file} not moved to {paths.limits_file} ({exc}): not read"]
+    if not moved:
+        return []
+    return [f"moved {paths.old_limits_file} to {paths.limits_file}: limits are per data folder"]
+
+
 async def _serve_reloading_limits(
     daemon: Any, args: argparse.Namespace, *, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
     """``daemon.serve``; meanwhile SIGHUP reloads the configuration (file, limits.toml,
-    environment, flags) and applies its ``[limits]`` at once (a ``limits`` event). Other
-    sections need a restart. A bad configuration is logged (an ``error`` event) and the
-    current limits stay."""
+    schedule.toml, environment, flags) and applies its ``[limits]`` and ``[schedule]``
+    at once (``limits`` and ``schedule`` events). Other sections need a restart. A bad
+    configuration is logged (an ``error`` event) and the current limits stay."""
     if not hasattr(signal, "SIGHUP"):  # pragma: no cover - Windows
         await daemon.serve(task_status=task_status)
         return
@@ -431,8 +711,10 @@ async def _serve_reloading_limits(
             running = await nursery.start(serve)
             task_status.started(running)
             async for _ in hangups:
-                logger.info("SIGHUP: reloading the limits")
+                logger.info("SIGHUP: reloading the limits and the schedule")
                 await running.volunteer.reload_limits(lambda: _load(args)[0].limits)
+                if running.scheduler is not None:
+                    await running.scheduler.reload(lambda: _load(args)[0].schedule)
 
 
 def _publish(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode:
@@ -452,10 +734,23 @@ def _publish(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCode
         f"replication {manifest.replication}) on {published.acks} peers"
     )
     print(f"owner: {manifest.owner}")
-    print("daemons join it with:")
+    by = f" by {manifest.owner_name}" if manifest.owner_name else ""
+    print(f"volunteers see: Helping: {manifest.description or manifest.name}{by}")
+    # The invitation alone on its line, so it can be copied whole (or grepped).
+    print("invitation (share it; volunteers run `volunteerd join <invitation>`):")
+    print(published.invitation.url())
+    peers = published.invitation.peers
     print(
-        f"  volunteerd serve --set experiments.join={manifest.name} "
-        f"--set 'experiments.trusted_owners=[\"{manifest.owner}\"]'"
+        f"volunteers join through {'this peer' if len(peers) == 1 else 'these peers'}, "
+        f"which must stay up and reachable for anyone to join:"
+    )
+    for peer in peers:
+        print(f"  {peer}")
+    for reason in published.left_out:
+        print(f"  (left out of the invitation: {reason})")
+    print(
+        f"a daemon can also serve it directly: volunteerd serve --set experiments.join="
+        f"{manifest.name} --set 'experiments.trusted_owners=[\"{manifest.owner}\"]'"
     )
     return ExitCode.OK
 
@@ -561,6 +856,11 @@ def _train(args: argparse.Namespace) -> ExitCode:
         )
         return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
     experiment = load_experiment(Path(args.config))
+    if args.invitation:
+        from volunteerd.swarm.invitation import parse_invitation
+        from volunteerd.train.published import apply_invitation
+
+        experiment = apply_invitation(experiment, parse_invitation(args.invitation))
     bootstrap = args.bootstrap or experiment.swarm.bootstrap_peers
     if not bootstrap:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")

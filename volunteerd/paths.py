@@ -8,13 +8,15 @@ environment variable, then the platform's per-user directory (XDG on Linux,
 name                   default                         override
 =====================  ==============================  ======================
 ``config_file``        <user config dir>/config.toml   ``--config``, ``VOLUNTEERD_CONFIG``
-``limits_file``        <config dir>/limits.toml        (limits set at run time)
+``limits_file``        <data dir>/limits.toml          (limits set at run time)
+``schedule_file``      <data dir>/schedule.toml        (the schedule set at run time)
 ``data_dir``           <user data dir>                 ``--data-dir``, ``VOLUNTEERD_DATA_DIR``
 ``identity_file``      <data dir>/identity.key
 ``lock_file``          <data dir>/volunteerd.lock      (held while a node runs)
 ``checkpoints_dir``    <data dir>/checkpoints
 ``downloads_dir``      <data dir>/downloads            (expert state from replicas)
 ``state_file``         <data dir>/state.json           (paused or snoozed, kept on restart)
+``projects_file``      <data dir>/projects.toml        (projects joined: `volunteerd join`)
 ``transfer_file``      <data dir>/transfer.json        (bytes this month, for the quota)
 ``stats_file``         <data dir>/stats.sqlite3        (contribution accounting)
 ``token_file``         <data dir>/api-token            (the control API's token, 0600)
@@ -65,11 +67,41 @@ class Paths:
 
     @property
     def limits_file(self) -> Path:
+        # the data folder's, not the config folder's: two daemons may share a config file
+        return self.data_dir / "limits.toml"
+
+    @property
+    def old_limits_file(self) -> Path:
+        """Where ``limits_file`` lived before it moved to the data folder."""
         return self.config_file.parent / "limits.toml"
+
+    def adopt_old_limits_file(self) -> bool:
+        """Move ``old_limits_file`` into the data folder, once: when it exists and the
+        data folder has none. The first daemon to start after the move takes it (the
+        one whose limits it most likely holds: the installed one starts first). Returns
+        whether it moved. Raises OSError."""
+        old, new = self.old_limits_file, self.limits_file
+        if old == new or not old.exists() or new.exists():
+            return False
+        new.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(old, new)  # atomic: of two daemons starting at once, one takes it
+        except FileNotFoundError:
+            return False
+        return True
+
+    @property
+    def schedule_file(self) -> Path:
+        # beside limits.toml, wherever that lives: config.loading reads both from there
+        return self.limits_file.with_name("schedule.toml")
 
     @property
     def state_file(self) -> Path:
         return self.data_dir / "state.json"
+
+    @property
+    def projects_file(self) -> Path:
+        return self.data_dir / "projects.toml"
 
     @property
     def transfer_file(self) -> Path:
@@ -142,7 +174,9 @@ class Paths:
             "checkpoints_dir": str(self.checkpoints_dir),
             "downloads_dir": str(self.downloads_dir),
             "limits_file": str(self.limits_file),
+            "schedule_file": str(self.schedule_file),
             "state_file": str(self.state_file),
+            "projects_file": str(self.projects_file),
             "transfer_file": str(self.transfer_file),
             "stats_file": str(self.stats_file),
             "token_file": str(self.token_file),

@@ -44,7 +44,10 @@ def test_sighup_applies_the_limits_file_and_keeps_serving(
     # posted as the limits are applied, in the same turn as the log line above
     got = api.events(since)
     assert [(e.kind, e.message) for e in got.events] == [
-        ("limits", "limits changed: upload_mbit = 3, duty_cycle = 0.5 (reloaded)")
+        (
+            "limits",
+            "upload limit set to 3 Mbit/s, duty cycle set to 50 % (reloaded from the config file)",
+        )
     ]
 
     limits.write_text("[limits]\nduty_cycle = 7\n")  # invalid: logged, nothing changes

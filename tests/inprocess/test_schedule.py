@@ -309,7 +309,7 @@ async def test_changed_rules_apply_at_once_and_are_kept(tmp_path: Path) -> None:
         assert not s.volunteer.state.serving
         assert "idle for 2 min" in s.volunteer.state.reason
         messages = [e.message for e in s.events.after(0) if e.kind == "schedule"]
-        assert messages == ["schedule changed: run = when_idle, idle_minutes = 2"]
+        assert messages == ["compute only when the computer is idle, idle time set to 2 min"]
 
         (tmp_path / "config.toml").write_text("")
         reloaded = load_config(tmp_path / "config.toml", run_time_dir=tmp_path)
@@ -320,7 +320,9 @@ async def test_changed_rules_apply_at_once_and_are_kept(tmp_path: Path) -> None:
         assert s.volunteer.state.serving
         assert "idle_minutes = 2" in schedule_file.read_text()
         messages = [e.message for e in s.events.after(0) if e.kind == "schedule"]
-        assert messages[-1] == "schedule changed: run = always, idle_minutes = 3 (reloaded)"
+        assert messages[-1] == (
+            "compute always, idle time set to 3 min (reloaded from the config file)"
+        )
 
         def broken() -> ScheduleConfig:
             raise ConfigError("schedule.idle_minutes = 0: must be greater than 0")

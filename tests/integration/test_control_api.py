@@ -124,10 +124,29 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
         assert stats.today.forward == 1
         assert stats.week.forward == 1
 
+        # The live charts' recent past: sampled from the start, a point every few seconds.
+        history = await call(client.history)
+        assert history.window_s == 600
+        assert history.samples, "the first sample is taken as the daemon starts"
+        assert history.samples[0].t >= status.started_at
+        assert [s.t for s in history.samples] == sorted(s.t for s in history.samples)
+
         limits = await call(client.set_limits, upload_mbit=12.5)
         assert limits.upload_mbit == 12.5
         assert (await call(client.limits)).upload_mbit == 12.5
         assert daemon.node.throttle.statistics().upload_mbit == 12.5
+        limits = await call(client.set_limits, daily_quota_gb=50, disk_budget_gb=20, cpu_threads=1)
+        assert (limits.daily_quota_gb, limits.disk_budget_gb, limits.cpu_threads) == (50, 20, 1)
+
+        # The schedule: its rules, a change applied at once, and what it allows now.
+        schedule = await call(client.schedule)
+        assert (schedule.run, schedule.compute_hours) == ("always", [])
+        changed = await call(client.set_schedule, compute_hours=["22:00-07:00"], on_battery=True)
+        assert changed.compute_hours == ["22:00-07:00"]
+        assert (await call(client.schedule)).on_battery
+        assert (tmp_path / "a" / "schedule.toml").exists()
+        await call(client.set_schedule, compute_hours=[])
+        assert (await call(client.status)).schedule.computing
 
         paused = await call(client.pause)
         assert paused.state == "paused"
@@ -142,7 +161,7 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
         events = await call(client.events, 0)
         kinds = [e.message for e in events.events]
         assert any("paused" in m for m in kinds), kinds
-        assert any("limits changed: upload_mbit = 12.5" in m for m in kinds), kinds
+        assert any("upload limit set to 12.5 Mbit/s" in m for m in kinds), kinds
         assert events.next == events.events[-1].id
 
         metrics = await call(client.metrics)
@@ -158,10 +177,26 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
         assert "volunteerd_inflight_request_bytes 0" in metrics
         assert "volunteerd_guard_banned_peers 0" in metrics
 
+        # Projects (joined and left for real in test_projects.py): an invitation that
+        # is none is refused saying why, a dry run records nothing, and leaving a
+        # project this daemon is not in is a 404.
+        with pytest.raises(ControlError) as refused:
+            await call(client.join_project, "volunteerd://join/x?owner=nobody")
+        assert refused.value.status == 400
+        assert "not a valid invitation" in str(refused.value)
+        invitation = f"volunteerd://join/x?owner={trainer.peer_id}&peer={boot.multiaddrs[0]}"
+        checked = await call(client.join_project, invitation, dry_run=True)
+        assert (checked.project.name, checked.project.owner) == ("x", trainer.peer_id)
+        assert not checked.restarting
+        assert not (tmp_path / "a" / "projects.toml").exists()
+        with pytest.raises(ControlError) as missing:
+            await call(client.leave_project, "x")
+        assert missing.value.status == 404
+
         # Every route of the table was exercised above or is exercised here.
         assert {path.rsplit("/", 1)[-1] for _, path, _, _ in ROUTES} == {
-            "health", "status", "experts", "peers", "stats", "limits", "pause", "resume",
-            "snooze", "events", "shutdown", "metrics",
+            "health", "status", "experts", "peers", "stats", "history", "limits", "schedule",
+            "pause", "resume", "snooze", "events", "shutdown", "metrics", "projects", "{name}",
         }  # fmt: skip
         await call(client.shutdown)  # the daemon stops by itself
         with trio.fail_after(15):
@@ -421,6 +456,12 @@ BAD_BODIES: list[tuple[str, bytes, int, str]] = [
     ("/limits", b'{"upload_mbit": -1}', 422, "upload_mbit"),
     ("/limits", b'{"duty_cycle": NaN}', 422, "duty_cycle"),
     ("/limits", b'{"max_batch_size": 1e999}', 422, "max_batch_size"),
+    ("/limits", b'{"daily_quota_gb": Infinity}', 422, "daily_quota_gb"),
+    ("/limits", b'{"cpu_threads": -1}', 422, "cpu_threads"),
+    ("/limits", b'{"disk_budget_gb": NaN}', 422, "disk_budget_gb"),
+    ("/schedule", b'{"compute_hours": ["7:00-8:00"]}', 422, "compute_hours.0"),
+    ("/schedule", b'{"idle_minutes": NaN}', 422, "idle_minutes"),
+    ("/schedule", b'{"run": "sometimes"}', 422, "run"),
     ("/snooze", b'{"seconds": Infinity}', 422, "seconds"),
     ("/snooze", b'{"seconds": NaN}', 422, "seconds"),
     ("/limits", b"[" * 30_000 + b"]" * 30_000, 422, "body"),
@@ -449,7 +490,8 @@ async def test_bad_values_change_nothing_and_the_api_stays_up(tmp_path: Path) ->
             return code, strict_json(data)
 
         def settings(limits: dict[str, Any]) -> dict[str, Any]:
-            return {k: v for k, v in limits.items() if k != "month_bytes"}  # DHT traffic
+            # DHT traffic
+            return {k: v for k, v in limits.items() if k not in ("month_bytes", "day_bytes")}
 
         code, before = await call(ask, "GET", "/api/v1/limits")
         assert code == 200
@@ -472,7 +514,7 @@ async def test_bad_values_change_nothing_and_the_api_stays_up(tmp_path: Path) ->
 
         for path, body, expected, field in BAD_BODIES:
             what = f"{path} {body[:60]!r}"
-            method = "PATCH" if path == "/limits" else "POST"
+            method = "PATCH" if path in ("/limits", "/schedule") else "POST"
             code, error = await call(ask, method, "/api/v1" + path, body)
             assert code == expected, (what, code, error)
             assert error["field"] == field, (what, error)

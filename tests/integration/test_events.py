@@ -108,13 +108,13 @@ async def test_limits_changed_through_the_api_or_reloaded_post_limits(tmp_path: 
         await events.new()
         client = ControlClient.for_data_dir(tmp_path)
         await trio.to_thread.run_sync(lambda: client.set_limits(upload_mbit=12.5))
-        assert await events.new_of("limits") == ["limits changed: upload_mbit = 12.5"]
+        assert await events.new_of("limits") == ["upload limit set to 12.5 Mbit/s"]
 
         # what SIGHUP does (the signal itself: tests/e2e/test_limits_reload.py)
         volunteer = volunteer_of(daemon)
         await volunteer.reload_limits(lambda: LimitsConfig(upload_mbit=3, duty_cycle=0.5))
         assert await events.new_of("limits") == [
-            "limits changed: upload_mbit = 3, duty_cycle = 0.5 (reloaded)"
+            "upload limit set to 3 Mbit/s, duty cycle set to 50 % (reloaded from the config file)"
         ]
         await volunteer.reload_limits(lambda: LimitsConfig(upload_mbit=3, duty_cycle=0.5))
         assert await events.new_of("limits") == ["limits reloaded: unchanged"]

@@ -20,7 +20,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "identity": set(),
     "wire": set(),
-    "net": {"wire", "identity", "config"},
+    # logs: to tame py-libp2p's loggers as soon as it is imported
+    "net": {"wire", "identity", "config", "logs"},
     "experts": {"wire", "config"},
     "runtime": {"wire", "config", "experts"},
     "moe": {"net", "wire", "experts", "config", "identity"},
@@ -35,10 +36,26 @@ ALLOWED: dict[str, set[str]] = {
     # autostart files and service managers; finds the daemon through control.client
     "service": {"control", "config", "paths"},
     # the serving side: request pipeline, pause gate, contribution counting, what the
-    # control API reads
-    "server": {"config", "control", "experts", "net", "runtime", "stats", "wire"},
+    # control API reads (with the projects joined: swarm)
+    "server": {
+        "config",
+        "control",
+        "experts",
+        "net",
+        "runtime",
+        "schedule",
+        "stats",
+        "swarm",
+        "wire",
+    },
+    # what a daemon with something to host adds (torch); only the daemon imports it
+    "hosting": {"config", "net", "paths", "runtime", "server", "swarm"},
+    # when to compute: idle, power, hours; holds the daemon back through a protocol
+    "schedule": {"config", "control"},
     "daemon": {
         "control",
+        "hosting",
+        "schedule",
         "server",
         "stats",
         "config",
@@ -60,6 +77,7 @@ ALLOWED: dict[str, set[str]] = {
         "net",
         "paths",
         "runtime",
+        "schedule",
         "server",
         "swarm",
         "wire",
@@ -99,6 +117,7 @@ TORCH_FREE = {
     "dashboard",
     "tray",
     "service",
+    "schedule",
 }
 ONLY_NET_MAY_IMPORT = {"libp2p", "multiaddr"}
 

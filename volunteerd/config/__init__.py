@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from volunteerd.config.loading import (
     LIMITS_FILE,
+    SCHEDULE_FILE,
+    Flag,
     dump_toml,
     limits_overlay_toml,
     load_config,
     parse_override,
+    schedule_overlay_toml,
 )
 from volunteerd.config.models import (
     CONFIG_VERSION,
@@ -27,6 +30,7 @@ from volunteerd.config.models import (
     ReachabilityConfig,
     ReplicasConfig,
     RuntimeConfig,
+    ScheduleConfig,
     StatsConfig,
     TimeoutsConfig,
     WireLimits,
@@ -35,12 +39,14 @@ from volunteerd.config.models import (
 __all__ = [
     "CONFIG_VERSION",
     "LIMITS_FILE",
+    "SCHEDULE_FILE",
     "CheckpointConfig",
     "Config",
     "ControlConfig",
     "DHTConfig",
     "ExperimentsConfig",
     "ExpertsConfig",
+    "Flag",
     "GuardConfig",
     "HardwareConfig",
     "LimitsConfig",
@@ -51,6 +57,7 @@ __all__ = [
     "ReachabilityConfig",
     "ReplicasConfig",
     "RuntimeConfig",
+    "ScheduleConfig",
     "StatsConfig",
     "TimeoutsConfig",
     "WireLimits",
@@ -58,4 +65,5 @@ __all__ = [
     "limits_overlay_toml",
     "load_config",
     "parse_override",
+    "schedule_overlay_toml",
 ]

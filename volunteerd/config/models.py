@@ -9,6 +9,7 @@ the repository; ``config/schema.json`` is generated from these models.
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -32,6 +33,7 @@ __all__ = [
     "ReachabilityConfig",
     "ReplicasConfig",
     "RuntimeConfig",
+    "ScheduleConfig",
     "TimeoutsConfig",
     "WireLimits",
 ]
@@ -46,6 +48,11 @@ class _Model(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
     )
+
+
+# A peer to dial: protocol/value pairs (/ip4/1.2.3.4/tcp/38400, /dns/host/tcp/1...),
+# ending in /p2p/ and its peer id (base58: 12D3KooW... or Qm...).
+_PEER_MULTIADDR = r"(/[a-z0-9-]+/[^/\s]+)+/p2p/[1-9A-HJ-NP-Za-km-z]{40,60}"
 
 
 class NetworkConfig(_Model):
@@ -81,12 +88,25 @@ class NetworkConfig(_Model):
             raise ValueError(f"not an IP address: {value!r}") from None
         return value
 
-    @field_validator("bootstrap_peers", "announce_addrs")
+    @field_validator("announce_addrs")
     @classmethod
     def _multiaddrs(cls, values: list[str]) -> list[str]:
         for value in values:
             if not value.startswith("/"):
                 raise ValueError(f"not a multiaddr: {value!r} (expected /ip4/.../tcp/...)")
+        return values
+
+    @field_validator("bootstrap_peers")
+    @classmethod
+    def _peer_multiaddrs(cls, values: list[str]) -> list[str]:
+        # Checked here, before anything starts: a peer without its id is only refused
+        # by libp2p after the node is up (and its identity created).
+        for value in values:
+            if not re.fullmatch(_PEER_MULTIADDR, value):
+                raise ValueError(
+                    f"not a peer's multiaddr: {value!r} (expected "
+                    "/ip4/<address>/tcp/<port>/p2p/<peer id>, as the peer prints it)"
+                )
         return values
 
 
@@ -189,7 +209,9 @@ class ExpertsConfig(_Model):
     """Which experts this daemon hosts, and their architecture."""
 
     uids: str = Field(
-        "ffn.[0:4].[0:4]", description="experts to host: a grid pattern, comma-separated"
+        "",
+        description='experts to host, a grid pattern, comma-separated (e.g. "ffn.[0:4].[0:4]"); '
+        '"" = none: host the experiments of the projects joined (`volunteerd join`)',
     )
     type: Literal["ffn", "transformer"] = Field(
         "ffn", description='built-in architecture: "ffn" or "transformer"'
@@ -325,6 +347,11 @@ class RuntimeConfig(_Model):
         64, ge=1, le=100_000, description="requests waiting per expert; beyond it: busy"
     )
     torch_threads: int = Field(0, ge=0, le=1024, description="0 = torch's default")
+    priority: Literal["low", "normal"] = Field(
+        "low",
+        description='"low": the daemon runs at nice 10 and a low I/O priority, so that the '
+        'computer stays responsive (the service files say the same); "normal": as started',
+    )
     retain_activations_mb: int = Field(
         1024,
         ge=0,
@@ -432,7 +459,8 @@ class ExperimentsConfig(_Model):
         "",
         max_length=64,
         pattern=r"^([a-z0-9][a-z0-9_.-]{0,63})?$",
-        description='name of the experiment to join ("" = host experts.uids instead)',
+        description="name of an experiment to join besides the projects joined with "
+        '`volunteerd join` ("" = none)',
     )
     trusted_owners: list[str] = Field(
         default_factory=list,
@@ -531,10 +559,10 @@ MAX_QUOTA_GB: Final = 1_000_000.0  # 1 PB a month
 
 
 class LimitsConfig(_Model):
-    """What this machine gives: bandwidth, a monthly transfer quota and compute.
+    """What this machine gives: bandwidth, transfer quotas, disk and compute.
 
-    Limits changed at run time are written to ``limits.toml`` next to the config file,
-    whose values then take the place of this section's (environment and flags still win).
+    Limits changed at run time are written to ``limits.toml`` in the data folder, whose
+    values then take the place of this section's (environment and flags still win).
     """
 
     upload_mbit: float = Field(
@@ -566,6 +594,76 @@ class LimitsConfig(_Model):
     max_batch_size: int = Field(
         0, ge=0, le=1 << 20, description="samples joined into one batch at most (0 = no cap)"
     )
+    daily_quota_gb: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_QUOTA_GB,
+        description="GB (10^9 bytes) sent and received per day (local time); when used up, "
+        "serving pauses until midnight (0 = no quota; at most 1,000,000)",
+    )
+    disk_budget_gb: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_QUOTA_GB,
+        description="GB the checkpoints and downloaded shards in the data folder may take; "
+        "fewer old checkpoints are kept, and a save that does not fit is skipped (0 = none)",
+    )
+    cpu_threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="CPU threads torch computes with, changeable while running "
+        "(0 = torch's default)",
+    )
+
+
+# "HH:MM-HH:MM", a window of local time that may wrap midnight ("22:00-07:00")
+_WINDOW = r"^([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]$"
+
+
+class ScheduleConfig(_Model):
+    """When this machine computes for the swarm: always, or only while nobody uses it,
+    not on battery, within hours of the day. Outside them serving pauses gracefully."""
+
+    run: Literal["always", "when_idle"] = Field(
+        "always",
+        description='"always", or "when_idle": only after nobody used keyboard or mouse '
+        "for idle_minutes",
+    )
+    idle_minutes: float = Field(
+        3.0, gt=0, le=1440, description="minutes without input before the computer is idle"
+    )
+    on_battery: bool = Field(
+        False, description="compute while the computer runs on battery (false = pause)"
+    )
+    compute_hours: list[str] = Field(
+        default_factory=list,
+        description='windows of local time to compute in, "HH:MM-HH:MM", may wrap '
+        'midnight (["22:00-07:00"]); empty = any time',
+    )
+    network_hours: list[str] = Field(
+        default_factory=list,
+        description="windows of local time to use the network in (serving, downloading "
+        "experts, averaging replicas); empty = any time",
+    )
+    gpu: Literal["always", "when_idle"] = Field(
+        "always",
+        description='with the experts on a GPU: "always", or "when_idle" (only while '
+        "nobody uses the computer)",
+    )
+
+    @field_validator("compute_hours", "network_hours")
+    @classmethod
+    def _windows(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not re.match(_WINDOW, value):
+                raise ValueError(f'not a time window: {value!r} (expected "HH:MM-HH:MM")')
+            start, end = value.split("-")
+            if start == end:
+                raise ValueError(
+                    f"an empty time window: {value!r} (leave the list empty for any time)"
+                )
+        return values
 
 
 class ControlConfig(_Model):
@@ -592,7 +690,9 @@ class LoggingConfig(_Model):
     """Log output (to stderr)."""
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="DEBUG, INFO, WARNING or ERROR"
+        "INFO",
+        description="DEBUG, INFO, WARNING or ERROR; DEBUG also shows py-libp2p's own logs "
+        "(an identical line at most 3 times a minute)",
     )
 
 
@@ -612,6 +712,7 @@ class Config(_Model):
     peer_limits: PeerLimitsConfig = Field(default_factory=PeerLimitsConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     reachability: ReachabilityConfig = Field(default_factory=ReachabilityConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     stats: StatsConfig = Field(default_factory=StatsConfig)

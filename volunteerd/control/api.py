@@ -10,6 +10,7 @@ daemon. Errors are JSON, ``{"error": "...", "field": "..."}``:
 * 422 a body or query that does not validate, with the first bad field named: not
   JSON, nested deeper than ``MAX_BODY_DEPTH``, an unknown field, a number that is not
   finite or out of its range,
+* 400 an invitation that is not one (``POST /projects``; the message says why),
 * 409 a change the daemon refused (e.g. limits it cannot apply).
 
 Bodies are validated completely before anything changes, and replies are always
@@ -42,14 +43,20 @@ from volunteerd.control.models import (
     Events,
     ExpertView,
     Health,
+    History,
     LimitsChange,
     LimitsView,
     PeerView,
+    ProjectJoin,
+    ProjectJoined,
+    ProjectLeft,
+    ScheduleChange,
+    ScheduleView,
     SnoozeBody,
     Stats,
     Status,
 )
-from volunteerd.errors import VolunteerdError
+from volunteerd.errors import ConfigError, VolunteerdError
 
 __all__ = ["MAX_BODY_BYTES", "MAX_BODY_DEPTH", "ROUTES", "STATIC_DIR", "Controls", "build_app"]
 
@@ -75,13 +82,18 @@ class Controls(Protocol):
     def experts(self) -> list[ExpertView]: ...
     def peers(self) -> list[PeerView]: ...
     async def stats(self, since: float) -> Stats: ...
+    def history(self) -> History: ...
     def limits(self) -> LimitsView: ...
     async def set_limits(self, change: LimitsChange) -> LimitsView: ...
+    def schedule(self) -> ScheduleView: ...
+    async def set_schedule(self, change: ScheduleChange) -> ScheduleView: ...
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
     async def snooze(self, seconds: float) -> None: ...
     def metrics(self) -> str: ...
     def shutdown(self) -> None: ...
+    async def join_project(self, body: ProjectJoin) -> ProjectJoined: ...
+    async def leave_project(self, name: str) -> ProjectLeft | None: ...
 
 
 class _Refused(Exception):
@@ -241,6 +253,10 @@ async def stats(request: Request, controls: Controls) -> Response:
     return _json(await controls.stats(since))
 
 
+async def history(request: Request, controls: Controls) -> Response:
+    return _json(controls.history())
+
+
 async def get_limits(request: Request, controls: Controls) -> Response:
     return _json(controls.limits())
 
@@ -248,6 +264,15 @@ async def get_limits(request: Request, controls: Controls) -> Response:
 async def set_limits(request: Request, controls: Controls) -> Response:
     change = await _body(request, LimitsChange)
     return _json(await controls.set_limits(change))
+
+
+async def get_schedule(request: Request, controls: Controls) -> Response:
+    return _json(controls.schedule())
+
+
+async def set_schedule(request: Request, controls: Controls) -> Response:
+    change = await _body(request, ScheduleChange)
+    return _json(await controls.set_schedule(change))
 
 
 async def pause(request: Request, controls: Controls) -> Response:
@@ -281,6 +306,23 @@ async def shutdown(request: Request, controls: Controls) -> Response:
     return _JSONReply({"stopping": True}, status_code=202)
 
 
+async def join_project(request: Request, controls: Controls) -> Response:
+    body = await _body(request, ProjectJoin)
+    try:
+        return _json(await controls.join_project(body))
+    except ConfigError as exc:  # what is wrong with the invitation (or the projects file)
+        raise _Refused(400, str(exc), "invitation") from None
+
+
+async def leave_project(request: Request, controls: Controls) -> Response:
+    await _body(request, _Empty)
+    name = request.path_params["name"]
+    left = await controls.leave_project(name)
+    if left is None:
+        raise _Refused(404, f"not in a project named {name!r}")
+    return _json(left)
+
+
 async def metrics(request: Request, controls: Controls) -> Response:
     return PlainTextResponse(controls.metrics(), media_type="text/plain; version=0.0.4")
 
@@ -296,13 +338,18 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("GET", f"{API_PREFIX}/experts", experts, True),
     ("GET", f"{API_PREFIX}/peers", peers, True),
     ("GET", f"{API_PREFIX}/stats", stats, True),
+    ("GET", f"{API_PREFIX}/history", history, True),
     ("GET", f"{API_PREFIX}/limits", get_limits, True),
     ("PATCH", f"{API_PREFIX}/limits", set_limits, True),
+    ("GET", f"{API_PREFIX}/schedule", get_schedule, True),
+    ("PATCH", f"{API_PREFIX}/schedule", set_schedule, True),
     ("POST", f"{API_PREFIX}/pause", pause, True),
     ("POST", f"{API_PREFIX}/resume", resume, True),
     ("POST", f"{API_PREFIX}/snooze", snooze, True),
     ("GET", f"{API_PREFIX}/events", events, True),
     ("POST", f"{API_PREFIX}/shutdown", shutdown, True),
+    ("POST", f"{API_PREFIX}/projects", join_project, True),
+    ("DELETE", f"{API_PREFIX}/projects/{{name}}", leave_project, True),
     ("GET", "/metrics", metrics, True),
 ]
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,8 +26,12 @@ from volunteerd.control.models import (
     Events,
     ExpertView,
     Health,
+    History,
     LimitsView,
     PeerView,
+    ProjectJoined,
+    ProjectLeft,
+    ScheduleView,
     Stats,
     Status,
 )
@@ -106,12 +110,24 @@ class ControlClient:
         query = {} if since is None else {"since": since}
         return self._get("/stats", Stats, query)
 
+    def history(self) -> History:
+        """The last minutes of the dashboard's live charts (rates every few seconds)."""
+        return self._get("/history", History)
+
     def limits(self) -> LimitsView:
         return self._get("/limits", LimitsView)
 
     def set_limits(self, **changes: float | int) -> LimitsView:
         """Change some limits (e.g. ``upload_mbit=10``); the others stay as they are."""
         return LimitsView.model_validate(self._call("PATCH", "/limits", body=changes))
+
+    def schedule(self) -> ScheduleView:
+        return self._get("/schedule", ScheduleView)
+
+    def set_schedule(self, **changes: Any) -> ScheduleView:
+        """Change some of the schedule's rules (e.g. ``run="when_idle"``,
+        ``compute_hours=["22:00-07:00"]``); the others stay as they are."""
+        return ScheduleView.model_validate(self._call("PATCH", "/schedule", body=changes))
 
     def pause(self) -> Status:
         return Status.model_validate(self._call("POST", "/pause", body={}))
@@ -129,6 +145,21 @@ class ControlClient:
     def shutdown(self) -> None:
         """Ask the daemon to stop (gracefully); returns at once."""
         self._call("POST", "/shutdown", body={})
+
+    def join_project(
+        self, invitation: str, *, share: float = 1.0, dry_run: bool = False
+    ) -> ProjectJoined:
+        """Join the project ``invitation`` names: the daemon records it and restarts
+        into it (``restarting``). ``dry_run``: only check the invitation. A bad one is
+        a ControlError with status 400 saying what is wrong."""
+        body = {"invitation": invitation, "share": share, "dry_run": dry_run}
+        return ProjectJoined.model_validate(self._call("POST", "/projects", body=body))
+
+    def leave_project(self, name: str) -> ProjectLeft:
+        """Leave project ``name``; the daemon restarts without it. Not in such a
+        project: a ControlError with status 404."""
+        path = "/projects/" + quote(name, safe="")
+        return ProjectLeft.model_validate(self._call("DELETE", path, body={}))
 
     def metrics(self) -> str:
         body = self._request("GET", "/metrics")

@@ -8,22 +8,33 @@ Times are Unix seconds (UTC); rates are per second over the last few seconds.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "API_PREFIX",
+    "Activity",
+    "ActivityState",
     "Event",
     "EventKind",
     "Events",
     "ExpertView",
     "Health",
+    "History",
+    "HistorySample",
     "LimitsChange",
     "LimitsView",
     "PeerView",
+    "ProjectJoin",
+    "ProjectJoined",
+    "ProjectLeft",
+    "ProjectView",
     "Rates",
     "Reachability",
+    "ScheduleChange",
+    "ScheduleStatus",
+    "ScheduleView",
     "SnoozeBody",
     "Stats",
     "StatsBucket",
@@ -33,7 +44,7 @@ __all__ = [
 
 API_PREFIX = "/api/v1"
 
-Mode = Literal["running", "paused", "snoozed", "quota"]
+Mode = Literal["running", "paused", "snoozed", "quota", "scheduled"]
 
 
 class _Reply(BaseModel):
@@ -53,11 +64,24 @@ class SnoozeBody(_Body):
     seconds: float = Field(gt=0, le=7 * 86400, description="pause for this long (at most a week)")
 
 
+# ``swarm.projects.MAX_SHARE`` (this package imports no swarm; a unit test keeps them equal)
+MAX_PROJECT_SHARE = 100.0
+
+
+class ProjectJoin(_Body):
+    invitation: str = Field(max_length=8192, description="volunteerd://join/<name>?owner=...")
+    share: float = Field(
+        1.0, gt=0, le=MAX_PROJECT_SHARE, description="of the room for experts, against others"
+    )
+    dry_run: bool = Field(False, description="only check the invitation: nothing is recorded")
+
+
 # The ranges of ``config.LimitsConfig`` (this package imports no config; a unit test
 # keeps them equal), so that a change that validates here can also be applied.
 MAX_RATE_MBIT = 100_000.0  # 100 Gbit/s
 MAX_QUOTA_GB = 1_000_000.0  # 1 PB a month
 MAX_BATCH_SIZE = 1 << 20
+MAX_CPU_THREADS = 1024
 
 
 class LimitsChange(_Body):
@@ -74,8 +98,35 @@ class LimitsChange(_Body):
     )
     duty_cycle: float | None = Field(None, gt=0, le=1)
     max_batch_size: int | None = Field(None, ge=0, le=MAX_BATCH_SIZE)
+    daily_quota_gb: float | None = Field(
+        None, ge=0, le=MAX_QUOTA_GB, description="GB per day, 0 = none"
+    )
+    disk_budget_gb: float | None = Field(
+        None, ge=0, le=MAX_QUOTA_GB, description="GB for checkpoints and downloads, 0 = none"
+    )
+    cpu_threads: int | None = Field(None, ge=0, le=MAX_CPU_THREADS, description="0 = default")
 
     def changes(self) -> dict[str, float | int]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+# "HH:MM-HH:MM" as ``config.ScheduleConfig`` checks it (a unit test keeps them equal)
+TIME_WINDOW = r"^([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]$"
+MAX_IDLE_MINUTES = 1440.0
+_Window = Annotated[str, Field(pattern=TIME_WINDOW)]
+
+
+class ScheduleChange(_Body):
+    """Only the schedule's rules to change; the others keep their values."""
+
+    run: Literal["always", "when_idle"] | None = None
+    idle_minutes: float | None = Field(None, gt=0, le=MAX_IDLE_MINUTES)
+    on_battery: bool | None = None
+    compute_hours: list[_Window] | None = Field(None, max_length=48)
+    network_hours: list[_Window] | None = Field(None, max_length=48)
+    gpu: Literal["always", "when_idle"] | None = None
+
+    def changes(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
@@ -93,7 +144,33 @@ class LimitsView(_Reply):
     monthly_quota_gb: float
     duty_cycle: float
     max_batch_size: int
+    daily_quota_gb: float = 0.0
+    disk_budget_gb: float = 0.0
+    cpu_threads: int = 0
     month_bytes: int = 0  # sent + received this calendar month (for the quota)
+    day_bytes: int = 0  # sent + received today, local time (for the daily quota)
+
+
+class ScheduleView(_Reply):
+    """The schedule's rules (as ``[schedule]`` in the config names them)."""
+
+    run: str  # "always" or "when_idle"
+    idle_minutes: float
+    on_battery: bool
+    compute_hours: list[str]
+    network_hours: list[str]
+    gpu: str  # "always" or "when_idle"
+    idle_source: str = "none"  # how idle time is read here: x11, logind, macos, windows
+
+
+class ScheduleStatus(_Reply):
+    """What the schedule allows now, and what it saw."""
+
+    computing: bool = True
+    network: bool = True
+    reason: str | None = None  # what holds the daemon back ("computer in use", ...)
+    idle_s: float | None = None  # since the last input (None: unknown here)
+    on_battery: bool | None = None  # None: unknown
 
 
 class Reachability(_Reply):
@@ -117,6 +194,18 @@ class Rates(_Reply):
     download_bytes_per_s: float = 0.0
 
 
+class HistorySample(Rates):
+    t: float  # when the daemon took it
+
+
+class History(_Reply):
+    """The live charts' recent past, so that a page loaded now starts with it."""
+
+    every_s: float  # between samples
+    window_s: float  # how far back the samples reach
+    samples: list[HistorySample]  # oldest first
+
+
 class Totals(_Reply):
     forward: int = 0
     backward: int = 0
@@ -133,6 +222,43 @@ class Totals(_Reply):
         return self.forward + self.backward
 
 
+# What the daemon is doing for the volunteer, in one word (``Status.activity``).
+ActivityState = Literal[
+    "not_in_project", "joining", "contributing", "waiting", "no_peers", "unreachable", "paused"
+]
+
+
+class Activity(_Reply):
+    """The one line to show a person (``message``) and what they can do about it
+    (``hint``, "" when nothing)."""
+
+    state: str  # an ActivityState (a plain str here: older clients read newer states)
+    message: str
+    hint: str = ""
+
+
+class ProjectView(_Reply):
+    name: str  # the experiment
+    owner: str  # the peer id whose signed manifest is trusted
+    owner_name: str = ""  # the owner's display name, once the manifest is found
+    description: str = ""
+    homepage: str = ""
+    share: float
+    state: Literal["joining", "joined", "failed"]
+    experts: int = 0  # hosted for it now
+    error: str | None = None  # why joining failed (it is tried again)
+
+
+class ProjectJoined(_Reply):
+    project: ProjectView
+    restarting: bool  # the daemon restarts to join (false: a dry run, or already joined)
+
+
+class ProjectLeft(_Reply):
+    left: str
+    restarting: bool
+
+
 class Status(_Reply):
     version: str
     peer_id: str
@@ -141,6 +267,7 @@ class Status(_Reply):
     reason: str  # why it is not serving ("" while serving)
     snoozed_until: float | None = None
     experiment: str | None = None
+    projects: list[ProjectView] = []  # joined (and the config's experiments.join)
     device: str
     experts: list[str]
     reachability: Reachability
@@ -150,6 +277,8 @@ class Status(_Reply):
     connected_peers: int
     rates: Rates
     today: Totals  # since local midnight, including the last few unflushed seconds
+    schedule: ScheduleStatus = ScheduleStatus()
+    activity: Activity  # what it does for the volunteer, honestly (server/activity.py)
 
 
 class ExpertView(_Reply):
@@ -192,7 +321,16 @@ class Stats(_Reply):
 
 # What an event is about; the dashboard colours and refreshes by it.
 EventKind = Literal[
-    "started", "state", "limits", "experts", "reachability", "peers", "bans", "error"
+    "started",
+    "state",
+    "limits",
+    "schedule",
+    "projects",
+    "experts",
+    "reachability",
+    "peers",
+    "bans",
+    "error",
 ]
 
 

@@ -1,8 +1,16 @@
 """Serving the control API inside the daemon's trio nursery (hypercorn's trio worker),
-on 127.0.0.1 only, and telling local clients where it is (``control.json``)."""
+on 127.0.0.1 only, and telling local clients where it is (``control.json``).
+
+The daemon binds the port first thing (``bind_control``), before it joins a swarm: a
+port another program holds ends it before anyone saw it. A port another volunteerd
+holds (a second daemon on this machine, with its own ``--data-dir``) is no error: this
+one takes a free port instead, and its ``control.json`` names it, which is how every
+client finds it.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -17,41 +25,83 @@ from hypercorn.trio import serve
 from volunteerd.atomic import write_atomic
 from volunteerd.control.api import Controls, build_app
 from volunteerd.control.auth import load_or_create_token
+from volunteerd.control.models import API_PREFIX
 from volunteerd.errors import ResourceUnavailable
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-__all__ = ["serve_control"]
+__all__ = ["bind_control", "serve_control"]
 
 logger = logging.getLogger(__name__)
 
+_PROBE_TIMEOUT_S = 2.0
 
-async def serve_control(
-    controls: Controls,
-    *,
-    port: int,
-    token_file: Path,
-    control_file: Path,
-    task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve until cancelled; ``started`` with the URL (``http://127.0.0.1:PORT``), after
-    ``control_file`` names it. Raises ResourceUnavailable if the port is taken."""
-    token = load_or_create_token(token_file)
-    app = build_app(controls, token=token)
-    # Bound here, not by hypercorn: a taken port becomes a clear error, and the port
-    # (for the Host check) is known before the first request.
+
+def bind_control(port: int) -> socket.socket:
+    """A socket bound to 127.0.0.1:``port`` (0: any free port), to pass to
+    ``serve_control``. When another volunteerd's control API holds ``port``, any free
+    port instead (logged). Raises ResourceUnavailable if another program holds it."""
+    try:
+        return _bind(port)
+    except OSError as exc:
+        if port == 0 or not _volunteerd_answers(port):
+            raise ResourceUnavailable(
+                f"the control API cannot listen on 127.0.0.1:{port} ({exc.strerror}); "
+                "set control.port to a free port, or 0 for any"
+            ) from None
+    sock = _bind(0)
+    logger.info(
+        "another volunteerd's control API uses port %d; this one's takes port %d "
+        "(control.json in its data folder names it; set control.port to choose one)",
+        port,
+        sock.getsockname()[1],
+    )
+    return sock
+
+
+def _bind(port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         if os.name == "posix":
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
-    except OSError as exc:
+    except OSError:
         sock.close()
-        raise ResourceUnavailable(
-            f"the control API cannot listen on 127.0.0.1:{port} ({exc.strerror}); "
-            "set control.port to a free port, or 0 for any"
-        ) from None
+        raise
+    return sock
+
+
+def _volunteerd_answers(port: int) -> bool:
+    """Whether a volunteerd control API answers on 127.0.0.1:``port`` (its health
+    route needs no token)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=_PROBE_TIMEOUT_S)
+    try:
+        connection.request("GET", f"{API_PREFIX}/health")
+        reply = connection.getresponse()
+        body = json.loads(reply.read(4096))
+        return reply.status == 200 and isinstance(body, dict) and "version" in body
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+async def serve_control(
+    controls: Controls,
+    *,
+    sock: socket.socket,
+    token_file: Path,
+    control_file: Path,
+    task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve on ``sock`` (from ``bind_control``; closed when done) until cancelled;
+    ``started`` with the URL (``http://127.0.0.1:PORT``), after ``control_file`` names
+    it."""
+    token = load_or_create_token(token_file)
+    app = build_app(controls, token=token)
+    # Bound by us, not by hypercorn: a taken port is a clear error before the daemon
+    # joins, and the port (for the Host check) is known before the first request.
     bound = sock.getsockname()[1]
     url = f"http://127.0.0.1:{bound}"
     app.set_port(bound)

@@ -1,18 +1,31 @@
 """The CLI's control verbs (``status``, ``pause``, ``resume``, ``snooze``, ``limit``,
-``dashboard``): calls through the typed client, and what they print for people."""
+``dashboard``, ``join``, ``leave``, ``projects``): calls through the typed client, and
+what they print for people."""
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 
-from volunteerd.control.models import LimitsView, Status
+from volunteerd.control.models import (
+    LimitsView,
+    ProjectJoined,
+    ProjectView,
+    ScheduleStatus,
+    ScheduleView,
+    Status,
+)
 
 __all__ = [
     "describe_change",
+    "describe_invitation",
+    "describe_joined",
     "format_bytes",
     "format_duration",
     "format_limits",
+    "format_projects",
+    "format_schedule",
     "format_status",
     "parse_duration",
 ]
@@ -61,40 +74,65 @@ def _mbit(value: float) -> str:
     return "unlimited" if value == 0 else f"{value:g} Mbit/s"
 
 
+def _quota(gb: float, used: int) -> str:
+    return "none" if gb == 0 else f"{gb:g} GB ({format_bytes(used)} used)"
+
+
 def format_limits(limits: LimitsView) -> str:
-    quota = (
-        "none"
-        if limits.monthly_quota_gb == 0
-        else f"{limits.monthly_quota_gb:g} GB ({format_bytes(limits.month_bytes)} used)"
-    )
     return "\n".join(
         [
             f"upload        {_mbit(limits.upload_mbit)}",
             f"download      {_mbit(limits.download_mbit)}",
-            f"monthly quota {quota}",
+            f"monthly quota {_quota(limits.monthly_quota_gb, limits.month_bytes)}",
+            f"daily quota   {_quota(limits.daily_quota_gb, limits.day_bytes)}",
+            f"disk budget   {f'{limits.disk_budget_gb:g} GB' if limits.disk_budget_gb else 'none'}",
+            f"CPU threads   {limits.cpu_threads or 'default'}",
             f"duty cycle    {limits.duty_cycle:g}",
             f"batch cap     {limits.max_batch_size or 'none'}",
         ]
     )
 
 
+def format_schedule(schedule: ScheduleView, now: ScheduleStatus | None = None) -> str:
+    """What ``volunteerd schedule`` prints: the rules, then what they mean now."""
+    run = (
+        f"when idle for {schedule.idle_minutes:g} min" if schedule.run == "when_idle" else "always"
+    )
+    gpu = (
+        f"when idle for {schedule.idle_minutes:g} min" if schedule.gpu == "when_idle" else "always"
+    )
+    lines = [
+        f"run           {run}",
+        f"on battery    {'yes' if schedule.on_battery else 'no (pauses)'}",
+        f"compute hours {', '.join(schedule.compute_hours) or 'any time'}",
+        f"network hours {', '.join(schedule.network_hours) or 'any time'}",
+        f"GPU           {gpu}",
+    ]
+    if now is not None:
+        state = "computing" if now.computing and now.network else f"waiting: {now.reason}"
+        idle = "unknown" if now.idle_s is None else format_duration(now.idle_s)
+        battery = {None: "unknown", True: "yes", False: "no"}[now.on_battery]
+        lines += [
+            f"now           {state}",
+            f"idle for      {idle} (read with {schedule.idle_source})",
+            f"on battery    {battery}",
+        ]
+    return "\n".join(lines)
+
+
 def format_status(status: Status) -> str:
-    if status.state == "running":
-        state = "contributing" if status.serving else "resuming"
-    elif status.state == "snoozed" and status.snoozed_until is not None:
-        until = time.strftime("%H:%M", time.localtime(status.snoozed_until))
-        state = f"snoozed until {until}"
-    else:
-        state = f"{status.state}: {status.reason}" if status.reason else status.state
+    activity = status.activity
     today = status.today
     rates = status.rates
     reach = status.reachability
     lines = [
-        f"state         {state}",
+        f"state         {activity.message}",
+        *([f"what to do    {activity.hint}"] if activity.hint else []),
         f"peer id       {status.peer_id}",
-        f"experiment    {status.experiment or '(local experts)'}",
+        f"projects      {_projects_line(status)}",
         f"device        {status.device}",
-        f"experts       {len(status.experts)}: {', '.join(status.experts[:6])}"
+        f"experts       {len(status.experts)}"
+        + (f": {', '.join(status.experts[:6])}" if status.experts else "")
         + (" …" if len(status.experts) > 6 else ""),
         f"peers         {status.connected_peers} connected",
         f"reachability  {reach.mode}" + (f" — {reach.advice}" if reach.advice else ""),
@@ -128,4 +166,68 @@ def describe_change(status: Status) -> str:
         return f"volunteerd is snoozed until {until}"
     if status.state == "paused":
         return "volunteerd is paused (until `volunteerd resume`)"
+    if status.state == "scheduled":
+        return f"volunteerd is not computing now: {status.reason}"
     return f"volunteerd is paused: {status.reason}"  # the quota
+
+
+def _projects_line(status: Status) -> str:
+    if status.projects:
+        return ", ".join(f"{p.name} ({_project_state(p)})" for p in status.projects)
+    if status.experts:
+        return "none (hosting experts.uids)"
+    return "none"
+
+
+def _project_state(project: ProjectView) -> str:
+    if project.state == "joined":
+        return f"{project.experts} expert" + "s" * (project.experts != 1)
+    if project.state == "failed":
+        return "could not join, trying again"
+    return "joining"
+
+
+def describe_invitation(name: str, owner: str, peers: Sequence[str], share: float) -> str:
+    """What ``volunteerd join`` asks a person to confirm."""
+    return "\n".join(
+        [
+            f"Join the project {name!r}?",
+            f"  owner        {owner}",
+            "               (only an experiment signed with this key is accepted)",
+            *(f"  {'through' if i == 0 else '':12} {peer}" for i, peer in enumerate(peers)),
+            f"  share        {share:g} (of this computer's room for experts, against "
+            "other projects')",
+            "This computer will download some of its experts and compute with them for "
+            "whoever trains the experiment.",
+        ]
+    )
+
+
+def describe_joined(joined: ProjectJoined) -> str:
+    """One line after ``volunteerd join`` (the daemon running)."""
+    name = joined.project.name
+    if joined.restarting:
+        return (
+            f"joined {name!r}: volunteerd restarts to host its experts "
+            "(`volunteerd status` shows how it goes)"
+        )
+    return f"already in {name!r}: nothing changed"
+
+
+def format_projects(projects: Sequence[ProjectView], *, running: bool) -> str:
+    """The table of ``volunteerd projects`` (``running``: states from the daemon)."""
+    if not projects:
+        return "not in a project: join one with `volunteerd join <invitation>`"
+    lines = []
+    for p in projects:
+        state = _project_state(p) if running else "volunteerd is not running"
+        by = f" by {p.owner_name}" if p.owner_name else ""
+        lines.append(f"{p.name}  share {p.share:g}  {state}")
+        if p.description:
+            lines.append(f"  {p.description}{by}")
+        lines.append(f"  owner {p.owner or '(experiments.trusted_owners)'}")
+        if p.homepage:
+            lines.append(f"  {p.homepage}")
+        if p.error:
+            lines.append(f"  last error: {p.error}")
+    return "\n".join(lines)

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from volunteerd.atomic import write_atomic
 from volunteerd.config import ScheduleConfig, schedule_overlay_toml
+from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.errors import ConfigError
 from volunteerd.schedule.idle import IdleSource, choose_idle_source
@@ -191,10 +192,10 @@ class Scheduler:
             except OSError as exc:
                 logger.warning("cannot save the schedule to %s: %s", self._schedule_file, exc)
         before, after = old.model_dump(), new.model_dump()
-        changed = ", ".join(f"{k} = {_show(v)}" for k, v in after.items() if before[k] != v)
+        changed = changes_in_words(before, after)
         if changed:
             logger.info("schedule now %s", after)
-            self._post(f"schedule changed: {changed}{' (reloaded)' * reloaded}")
+            self._post(f"{changed}{' (reloaded from the config file)' * reloaded}")
         await self.check()
         return new
 
@@ -210,13 +211,3 @@ class Scheduler:
     def _post(self, message: str) -> None:
         if self._events is not None:
             self._events.post("schedule", message)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ", ".join(value) + "]" if value else "any time"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)

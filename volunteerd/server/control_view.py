@@ -1,17 +1,28 @@
 """What the control API sees of a running daemon: snapshots built from its services,
-and the changes it may ask for (pause, resume, snooze, limits, stop).
+and the changes it may ask for (pause, resume, snooze, limits, stop, joining and
+leaving projects).
+
+A daemon may host nothing (no project: ``runtime`` is None); then it shows no experts
+and device "none". Joining or leaving a project records it in ``projects.toml``
+(``swarm.projects``) and, when that changes what the daemon runs, restarts it (a
+moment after the reply left: ``Daemon.request_restart``).
 
 ``ControlView`` implements ``control.api.Controls``. The events it serves are posted
 by the services themselves (``server.events``); its ``serve`` task looks up every
-``_REPLICAS_EVERY_S`` how many other peers announce each hosted expert.
+``_REPLICAS_EVERY_S`` how many other peers announce each hosted expert, and keeps the
+rates of the last ``HISTORY_WINDOW_S`` (every ``HISTORY_EVERY_S``) for the dashboard's
+live charts, so that a page opened now shows the last minutes at once.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -20,31 +31,51 @@ from volunteerd import __version__
 from volunteerd.control.events import EventLog
 from volunteerd.control.models import (
     ExpertView,
+    History,
+    HistorySample,
     LimitsChange,
     LimitsView,
     PeerView,
+    ProjectJoin,
+    ProjectJoined,
+    ProjectLeft,
+    ProjectView,
     Rates,
     Reachability,
+    ScheduleChange,
+    ScheduleStatus,
+    ScheduleView,
     Stats,
     StatsBucket,
     Status,
     Totals,
 )
+from volunteerd.errors import ConfigError, ResourceUnavailable
 from volunteerd.net import Node
-from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.checkpointer import Checkpointer
+from volunteerd.schedule import Scheduler
+from volunteerd.server.activity import Signals, decide_activity
 from volunteerd.server.contribution import Accountant
 from volunteerd.server.pausing import Volunteer
 from volunteerd.stats import Totals as StoreTotals
+from volunteerd.swarm.invitation import parse_invitation
+from volunteerd.swarm.projects import Project, join_project, leave_project
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-__all__ = ["ControlView"]
+    # Only for types: a daemon that hosts nothing never imports torch.
+    from volunteerd.runtime import ExpertRuntime
+    from volunteerd.runtime.checkpointer import Checkpointer
+    from volunteerd.swarm.joiner import Joiner
+
+__all__ = ["HISTORY_EVERY_S", "HISTORY_WINDOW_S", "ControlView"]
 
 logger = logging.getLogger(__name__)
 
 _REPLICAS_EVERY_S = 30.0
+# The dashboard's live charts: ten minutes, a point as often as the page polls /status.
+HISTORY_WINDOW_S = 600.0
+HISTORY_EVERY_S = 2.0
 _DAY_S = 86400.0
 _STOP_AFTER_S = 0.2  # lets the reply to a shutdown request leave first
 
@@ -52,6 +83,14 @@ _STOP_AFTER_S = 0.2  # lets the reply to a shutdown request leave first
 def _local_midnight(now: float) -> float:
     t = time.localtime(now)
     return time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
+
+
+def _tcp_port(addrs: list[str]) -> int | None:
+    """The TCP port of the first address that has one (``/ip4/.../tcp/PORT/...``)."""
+    for addr in addrs:
+        if found := re.search(r"/tcp/(\d+)", addr):
+            return int(found.group(1))
+    return None
 
 
 def _totals(t: StoreTotals) -> Totals:
@@ -68,24 +107,33 @@ class ControlView:
         self,
         *,
         node: Node,
-        runtime: ExpertRuntime,
+        runtime: ExpertRuntime | None,
         volunteer: Volunteer,
         checkpointer: Checkpointer | None,
         accountant: Accountant,
-        experiment: Callable[[], str | None],
+        projects: Sequence[Project],
+        joiners: Sequence[Joiner],
+        projects_file: Path,
         request_stop: Callable[[], None],
+        request_restart: Callable[[], None],
         events: EventLog,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self._node = node
         self._runtime = runtime
         self._volunteer = volunteer
         self._checkpointer = checkpointer
         self._accountant = accountant
-        self._experiment = experiment
+        self._projects = list(projects)  # what this daemon runs (file + config)
+        self._joiners = list(joiners)
+        self._projects_file = projects_file
         self._request_stop = request_stop
+        self._request_restart = request_restart
         self.events = events
+        self._scheduler = scheduler
         self.started_at = time.time()
         self._replicas: dict[str, int] = {}
+        self._history: deque[HistorySample] = deque(maxlen=int(HISTORY_WINDOW_S / HISTORY_EVERY_S))
         self._nursery: trio.Nursery | None = None
 
     # -- snapshots -------------------------------------------------------------------
@@ -110,16 +158,18 @@ class ControlView:
             )
         rates = self._accountant.rates()
         store = self._accountant.store
-        return Status(
+        # a dict first: the activity is decided from the rest of the status
+        fields: dict[str, Any] = dict(
             version=__version__,
             peer_id=self._node.peer_id,
             state=state.mode,
             serving=state.serving,
             reason=state.reason,
             snoozed_until=state.until,
-            experiment=self._experiment(),
-            device=str(self._runtime.device),
-            experts=self._runtime.uids,
+            experiment=next((j.manifest.name for j in self._joiners if j.manifest), None),
+            projects=self.projects(),
+            device=str(self._runtime.device) if self._runtime is not None else "none",
+            experts=self._runtime.uids if self._runtime is not None else [],
             reachability=reachability,
             limits=self.limits(),
             started_at=self.started_at,
@@ -132,13 +182,28 @@ class ControlView:
                 download_bytes_per_s=rates.download_bytes_per_s,
             ),
             today=_totals(store.current(_local_midnight(now))),
+            schedule=self._schedule_status(),
         )
+        signals = Signals(
+            experts=len(fields["experts"]),
+            projects=fields["projects"],
+            mode=state.mode,
+            serving=state.serving,
+            reason=state.reason,
+            snoozed_until=state.until,
+            connected_peers=fields["connected_peers"],
+            reachability=reachability.mode,
+            port=_tcp_port(reachability.addrs or self._node.multiaddrs),
+            last_answered_at=self._accountant.last_answered_at,
+            now=now,
+        )
+        return Status(**fields, activity=decide_activity(signals))
 
     def experts(self) -> list[ExpertView]:
         now = time.time()
         saved_at = self._checkpointer.saved_at if self._checkpointer is not None else {}
         views = []
-        for stats in self._runtime.statistics():
+        for stats in self._runtime.statistics() if self._runtime is not None else []:
             saved = saved_at.get(stats.uid)
             views.append(
                 ExpertView(
@@ -191,10 +256,43 @@ class ControlView:
 
         return await trio.to_thread.run_sync(read)
 
+    def history(self) -> History:
+        return History(
+            every_s=HISTORY_EVERY_S, window_s=HISTORY_WINDOW_S, samples=list(self._history)
+        )
+
+    def _schedule_status(self) -> ScheduleStatus:
+        if self._scheduler is None:
+            return ScheduleStatus()
+        scheduled = self._scheduler.state()
+        seen = scheduled.observation
+        return ScheduleStatus(
+            computing=scheduled.decision.compute,
+            network=scheduled.decision.network,
+            reason=scheduled.decision.reason,
+            idle_s=seen.idle_s if seen is not None else None,
+            on_battery=seen.on_battery if seen is not None else None,
+        )
+
+    def schedule(self) -> ScheduleView:
+        if self._scheduler is None:
+            raise ResourceUnavailable("this daemon runs no schedule")
+        scheduled = self._scheduler.state()
+        return ScheduleView(**scheduled.rules.model_dump(), idle_source=scheduled.idle_source)
+
+    async def set_schedule(self, change: ScheduleChange) -> ScheduleView:
+        if self._scheduler is None:
+            raise ResourceUnavailable("this daemon runs no schedule")
+        if changes := change.changes():
+            # validated whole by the scheduler before anything is applied
+            await self._scheduler.set_rules(**changes)
+        return self.schedule()
+
     def limits(self) -> LimitsView:
         limits = self._volunteer.limits
+        throttle = self._node.throttle.statistics()
         return LimitsView(
-            **limits.model_dump(), month_bytes=self._node.throttle.statistics().month_bytes
+            **limits.model_dump(), month_bytes=throttle.month_bytes, day_bytes=throttle.day_bytes
         )
 
     def metrics(self) -> str:
@@ -288,12 +386,13 @@ class ControlView:
             "declared bytes of requests being read or answered now, all peers",
             [("", float(self._node.server.inflight_bytes))],
         )
-        retained = self._runtime.retained_statistics()
+        runtime = self._runtime
+        retained = runtime.retained_statistics().nbytes if runtime is not None else 0
         metric(
             "retained_bytes",
             "gauge",
             "memory of forward passes kept for their backward (and reserved for ones running)",
-            [("", float(retained.nbytes))],
+            [("", float(retained))],
         )
         dht = self._node.dht.statistics()
         stores = (("records", dht.records), ("manifests", dht.manifests))
@@ -327,7 +426,7 @@ class ControlView:
             ],
         )
         guarded: dict[str, int] = {}
-        for (_, reason), count in self._runtime.guard.counts.items():
+        for (_, reason), count in runtime.guard.counts.items() if runtime is not None else ():
             guarded[reason] = guarded.get(reason, 0) + count
         metric(
             "guard_total",
@@ -339,7 +438,7 @@ class ControlView:
             "guard_banned_peers",
             "gauge",
             "trainers this daemon refuses now",
-            [("", float(len(self._runtime.guard.banned())))],
+            [("", float(len(runtime.guard.banned()) if runtime is not None else 0))],
         )
         metric(
             "limit_mbit",
@@ -379,29 +478,98 @@ class ControlView:
     def shutdown(self) -> None:
         """Stop the daemon gracefully, a moment after the reply to this request left."""
         self.events.post("state", "stopping (asked through the control API)")
+        self._after_reply(self._request_stop)
+
+    def _after_reply(self, stop: Callable[[], None]) -> None:
         if self._nursery is None:
-            self._request_stop()
+            stop()
             return
 
         async def stop_soon() -> None:
             await trio.sleep(_STOP_AFTER_S)
-            self._request_stop()
+            stop()
 
         self._nursery.start_soon(stop_soon)
+
+    # -- projects --------------------------------------------------------------------
+
+    def projects(self) -> list[ProjectView]:
+        joiners = {j.name: j for j in self._joiners}
+        return [_project_view(p, joiners.get(p.name)) for p in self._projects]
+
+    async def join_project(self, body: ProjectJoin) -> ProjectJoined:
+        """Record the project ``body.invitation`` names (in place of one of the same
+        name) and restart into it, unless a dry run or already running it as recorded.
+        Raises ConfigError: a bad invitation (what is wrong), the config's project's
+        name, a bad projects file or too many projects."""
+        project = Project.invited(
+            parse_invitation(body.invitation), share=body.share, joined_at=time.time()
+        )
+        if any(p.from_config and p.name == project.name for p in self._projects):
+            raise ConfigError(
+                f"project {project.name!r} is joined through the config file "
+                "(experiments.join) already"
+            )
+        # joined already as asked: record it again (in case the file was edited since),
+        # but nothing to restart for
+        running = next((p for p in self._projects if p.same_entry(project)), None)
+        if not body.dry_run:
+            await trio.to_thread.run_sync(join_project, self._projects_file, project)
+        if body.dry_run or running is not None:
+            joiners = {j.name: j for j in self._joiners}
+            view = _project_view(running or project, joiners.get(project.name) if running else None)
+            return ProjectJoined(project=view, restarting=False)
+        logger.info("joined project %r of %s; restarting to host it", project.name, project.owner)
+        self.events.post("projects", f"joined project {project.name}: restarting to host it")
+        self._after_reply(self._request_restart)
+        return ProjectJoined(project=_project_view(project, None), restarting=True)
+
+    async def leave_project(self, name: str) -> ProjectLeft | None:
+        """Forget project ``name`` and restart without it; None when there is no such
+        project. Raises ConfigError for the config's project (edit the file)."""
+        if any(p.from_config and p.name == name for p in self._projects):
+            raise ConfigError(
+                f"project {name!r} comes from the config file (experiments.join): "
+                "remove it there, then restart volunteerd"
+            )
+        removed = await trio.to_thread.run_sync(leave_project, self._projects_file, name)
+        running = any(p.name == name for p in self._projects)
+        if not removed and not running:
+            return None
+        if running:
+            logger.info("left project %r; restarting without it", name)
+            self.events.post("projects", f"left project {name}: restarting without it")
+            self._after_reply(self._request_restart)
+        return ProjectLeft(left=name, restarting=running)
 
     # -- replicas --------------------------------------------------------------------
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Count the replicas of the hosted experts until cancelled (and run the
-        delayed stop of ``shutdown``)."""
+        """Count the replicas of the hosted experts and sample the rates until
+        cancelled (and run the delayed stop of ``shutdown``)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
+            nursery.start_soon(self._sample_history)
             await self._count_replicas()
+
+    async def _sample_history(self) -> None:
+        while True:
+            rates = self._accountant.rates()
+            self._history.append(
+                HistorySample(
+                    t=time.time(),
+                    samples_per_s=rates.samples_per_s,
+                    requests_per_s=rates.requests_per_s,
+                    upload_bytes_per_s=rates.upload_bytes_per_s,
+                    download_bytes_per_s=rates.download_bytes_per_s,
+                )
+            )
+            await trio.sleep(HISTORY_EVERY_S)
 
     async def _count_replicas(self) -> None:
         while True:
-            uids = self._runtime.uids
+            uids = self._runtime.uids if self._runtime is not None else []
             if uids:
                 try:
                     found = await self._node.dht.get(uids)
@@ -414,3 +582,20 @@ class ControlView:
                         for uid, records in found.items()
                     }
             await trio.sleep(_REPLICAS_EVERY_S)
+
+
+def _project_view(project: Project, joiner: Joiner | None) -> ProjectView:
+    """``project`` as the API shows it: its manifest's words once found, and the state
+    of its joiner (none yet: joining)."""
+    manifest = joiner.manifest if joiner is not None else None
+    return ProjectView(
+        name=project.name,
+        owner=manifest.owner if manifest is not None else project.owner,
+        owner_name=manifest.owner_name if manifest is not None else "",
+        description=manifest.description if manifest is not None else "",
+        homepage=manifest.homepage if manifest is not None else "",
+        share=project.share,
+        state=joiner.state if joiner is not None else "joining",
+        experts=len(joiner.hosted) if joiner is not None else 0,
+        error=joiner.error if joiner is not None else None,
+    )

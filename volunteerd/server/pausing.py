@@ -51,6 +51,7 @@ from pydantic import ValidationError
 
 from volunteerd.atomic import write_atomic
 from volunteerd.config import LimitsConfig, limits_overlay_toml
+from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.errors import ConfigError, Paused
 from volunteerd.net import Announcer, Throttle
@@ -310,10 +311,10 @@ class Volunteer:
             except OSError as exc:
                 logger.warning("cannot save the limits to %s: %s", self._limits_file, exc)
         logger.info("limits now %s", new.model_dump())
-        changed = {k: v for k, v in new.model_dump().items() if old.model_dump()[k] != v}
-        described = ", ".join(f"{k} = {v:g}" for k, v in changed.items())
-        if changed:
-            self._post("limits", f"limits changed: {described}{' (reloaded)' * reloaded}")
+        described = changes_in_words(old.model_dump(), new.model_dump())
+        if described:
+            reload_note = " (reloaded from the config file)" * reloaded
+            self._post("limits", f"{described}{reload_note}")
         elif reloaded:
             self._post("limits", "limits reloaded: unchanged")
         self._wake.set()  # a changed quota may pause or resume serving
