@@ -1,13 +1,14 @@
 """Regenerate the tray's pictures in docs/images/.
 
-* ``tray-icons.png``: the four icons of ``volunteerd.tray.icons`` side by side, at 64
+* ``tray-icons.png``: the five icons of ``volunteerd.tray.icons`` side by side, at 64
   and at 16 pixels, with their state names. Pillow only.
 * ``tray-menu.png``: the real tray menu as GTK draws it (pystray's GTK backend, the
   one desktops without AppIndicator get), with the Bandwidth submenu open, docked in
   a real XEmbed system tray (trayer) on a private Xvfb display. The menu is
-  ``volunteerd.tray.menu`` for a made-up status (contributing, 1,234 samples today,
-  upload limited to 5 Mbit/s); nothing talks to a daemon. The script right-clicks
-  the icon and walks into the submenu with the keyboard (xdotool), as a person would.
+  ``volunteerd.tray.menu`` for a made-up status (helping a project, 1,234 samples
+  today, upload limited to 5 Mbit/s, computing always); nothing talks to a daemon.
+  The script right-clicks the icon and walks into the submenu with the keyboard
+  (xdotool), as a person would.
 
 Needs Xvfb, trayer, xdotool, dbus-daemon and PyGObject with GTK 3; on Debian or Ubuntu::
 
@@ -58,6 +59,19 @@ EXAMPLE = menu.Seen(
         {
             "version": "0.1.0",
             "peer_id": "12D3KooWExample",
+            "activity": {"state": "contributing", "message": "contributing"},
+            "projects": [
+                {
+                    "name": "stdlib-chars",
+                    "owner": "12D3KooWOwnerExample",
+                    "owner_name": "Ada's lab",
+                    "description": "a model of Python's standard library",
+                    "homepage": "https://example.org/stdlib-chars",
+                    "share": 1.0,
+                    "state": "joined",
+                    "experts": 2,
+                }
+            ],
             "state": "running",
             "serving": True,
             "reason": "",
@@ -78,6 +92,7 @@ EXAMPLE = menu.Seen(
             "today": {"samples": 1234},
         }
     ),
+    schedule_run="always",
 )
 
 
@@ -186,8 +201,9 @@ def shoot_menu(display: str, path: Path) -> None:
             x, y, panel = wait_for("the icon docked in the tray", lambda: docked_icon(display))
             xdotool(display, "mousemove", str(x), str(y), "click", "3")
             wait_for("the menu", lambda: len(popups(display)) == 1 or None)
-            # Pause, Snooze for 1 hour, Bandwidth; into the submenu (Unlimited); 5 Mbit/s
-            xdotool(display, "key", "--delay", "150", "Down", "Down", "Down", "Right")
+            # Pause, Snooze, Compute only when idle, Bandwidth; into it (Unlimited); 5 Mbit/s
+            keys = ["Down"] * 4 + ["Right"]
+            xdotool(display, "key", "--delay", "150", *keys)
             wait_for("the submenu", lambda: len(popups(display)) == 2 or None)
             xdotool(display, "key", "--delay", "150", "Down", "Down")
             xdotool(display, "mousemove", "1000", "760")  # no hover highlight

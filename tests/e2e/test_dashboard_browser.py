@@ -1,6 +1,8 @@
 """The dashboard in a real browser (Debian's headless Chromium) against a real daemon: it
-shows what the daemon does as it happens, its buttons and form change the daemon, and it
-says so when it has no key or the daemon is gone."""
+shows what the daemon does as it happens, its buttons and form change the daemon, it
+joins a published project and rides through the daemon's restart, its charts start
+with the daemon's last minutes, it fits a 420 px wide screen, and it says so when it
+has no key or the daemon is gone."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.e2e.conftest import Proc
+from tests.e2e.conftest import Proc, run_cli
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import ControlError, ExitCode
 from volunteerd.identity import Identity
@@ -39,6 +41,21 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 HIDDEN = 32
 SMALL = ["--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"']
 WAIT_S = 20
+JOIN_WAIT_S = 120  # a restart, finding the manifest, fetching the experts, on a busy machine
+NARROW = 420
+LOCAL = ["--set", 'network.listen_host="127.0.0.1"']
+MANIFEST = """\
+name = "page-demo"
+description = "A tiny model joined from the dashboard"
+owner_name = "The browser test"
+homepage = "https://example.org/page-demo"
+hidden_dim = 16
+uid_prefix = "ffn"
+grid = [2, 2]
+replication = 1
+seed = 3
+lifetime_days = 1
+"""
 
 
 @pytest.fixture
@@ -76,6 +93,14 @@ def text(driver: WebDriver, element_id: str) -> str:
     return driver.find_element(By.ID, element_id).text
 
 
+def activity(driver: WebDriver) -> str | None:
+    return driver.find_element(By.ID, "state").get_attribute("data-activity")
+
+
+def click(driver: WebDriver, element_id: str) -> None:
+    driver.find_element(By.ID, element_id).click()
+
+
 def type_into(driver: WebDriver, element_id: str, typed: str) -> None:
     """Replace an input's value as a person would (focused throughout, so the page's live
     updates leave it alone)."""
@@ -85,11 +110,33 @@ def type_into(driver: WebDriver, element_id: str, typed: str) -> None:
     field.send_keys(typed)
 
 
-def save_screenshot(driver: WebDriver, tmp_path: Path, name: str) -> None:
+def set_width(driver: WebDriver, width: int) -> None:
+    """Lay the page out ``width`` CSS pixels wide (a phone's, or the window's again)."""
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+    )
+
+
+def fits(driver: WebDriver) -> bool:
+    """Nothing sticks out sideways: the page does not scroll horizontally."""
+    return bool(driver.execute_script("return document.documentElement.scrollWidth <= innerWidth"))
+
+
+def save_screenshot(driver: WebDriver, tmp_path: Path, name: str, *, width: int = 0) -> None:
+    """The window, or with ``width`` the whole page laid out that wide."""
     folder = Path(os.environ.get("VOLUNTEERD_ARTIFACTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
+    if width:
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
     driver.save_screenshot(str(path))
+    if width:
+        set_width(driver, width)
     print(f"dashboard screenshot: {path}")
 
 
@@ -195,7 +242,26 @@ def test_dashboard_follows_the_daemon_live_and_its_controls_change_it(
     assert client.limits().upload_mbit == 5
     wait.until(lambda d: "limit 5 Mbit/s" in text(d, "limit-upload-note"))
 
+    # Events say what changed in words, not the settings' keys.
+    limits_events = '#events li[data-kind="limits"] .message'
+    wait.until(
+        lambda d: (
+            "upload limit set to 5 Mbit/s"
+            in [e.text for e in d.find_elements(By.CSS_SELECTOR, limits_events)]
+        )
+    )
+
     save_screenshot(browser, tmp_path, "dashboard.png")
+
+    # On a phone: the totals (real numbers now), tables and charts fit 420 px; the wide
+    # tables scroll inside their cards, never the page.
+    set_width(browser, NARROW)
+    wait.until(lambda d: d.execute_script("return innerWidth") == NARROW)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-samples path.series"))
+    assert fits(browser), browser.execute_script(
+        "return [document.documentElement.scrollWidth, innerWidth]"
+    )
+    save_screenshot(browser, tmp_path, "dashboard-420.png", width=NARROW)
     # The refused save is logged by the browser as a failed request; nothing else may be.
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert [e for e in errors if e["source"] != "network"] == [], errors
@@ -247,3 +313,169 @@ def test_dashboard_asks_for_the_key_and_rides_out_a_daemon_restart(
         return bool(times) and min(times) > started - 1  # (the page's times are in ms)
 
     wait.until(only_new_events)  # the old daemon's events made way for the new one's
+
+
+def test_charts_start_with_the_daemons_last_minutes(
+    spawn: Callable[..., Proc], browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    """A page opened now draws the last minutes the daemon sampled, not "Collecting…"."""
+    daemon = spawn("idle", "serve", "--set", "control.port=0")  # hosts nothing: no torch
+    daemon.wait_ready()
+    client = ControlClient.for_data_dir(tmp_path / "idle" / "data")
+    deadline = time.monotonic() + 120
+    while len(client.history().samples) < 10:  # ~20 s of samples, however busy the CPU
+        assert time.monotonic() < deadline, client.history()
+        time.sleep(1)
+    sampled = client.history().samples
+    opened_at = time.time()
+
+    browser.get(client.dashboard_url)
+    points = "#chart-samples"
+    waiting(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, f"{points} path.series"))
+    chart = browser.find_element(By.CSS_SELECTOR, points)
+    # Drawn from the daemon's samples: points from before the page existed, as many.
+    assert float(chart.get_attribute("data-first-t") or "inf") < opened_at
+    assert int(chart.get_attribute("data-points") or 0) >= len(sampled)
+    assert float(chart.get_attribute("data-first-t") or 0) == sampled[0].t
+    assert browser.find_elements(By.CSS_SELECTOR, "#chart-bandwidth path.series")
+
+
+def test_schedule_and_the_new_limits_round_trip_through_the_form(
+    spawn: Callable[..., Proc], browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    daemon = spawn("idle", "serve", "--set", "control.port=0")
+    daemon.wait_ready()
+    client = ControlClient.for_data_dir(tmp_path / "idle" / "data")
+    wait = waiting(browser)
+    browser.get(client.dashboard_url)
+    wait.until(lambda d: d.find_element(By.ID, "schedule").is_displayed())
+    wait.until(lambda d: d.find_element(By.ID, "idle-minutes").get_attribute("value") != "")
+
+    Select(browser.find_element(By.ID, "schedule-run")).select_by_value("when_idle")
+    type_into(browser, "idle-minutes", "5")
+    type_into(browser, "compute-hours", "22:00-07:00, 12:00-13:30")
+    Select(browser.find_element(By.ID, "schedule-gpu")).select_by_value("when_idle")
+    type_into(browser, "daily-quota-gb", "2")
+    type_into(browser, "cpu-threads", "1")
+    click(browser, "save-limits")
+    wait.until(lambda d: text(d, "limits-status") == "Saved.")
+    schedule = client.schedule()
+    assert schedule.run == "when_idle"
+    assert schedule.idle_minutes == 5
+    assert schedule.compute_hours == ["22:00-07:00", "12:00-13:30"]
+    assert schedule.network_hours == []
+    assert schedule.gpu == "when_idle"
+    assert not schedule.on_battery
+    limits = client.limits()
+    assert (limits.daily_quota_gb, limits.cpu_threads) == (2, 1)
+
+    # A bad window is refused next to its field, and nothing of it is applied.
+    type_into(browser, "network-hours", "25:00-26:00")
+    click(browser, "save-limits")
+    wait.until(lambda d: text(d, "network-hours-error"))
+    assert client.schedule().network_hours == []
+
+    # A new page shows what the daemon keeps.
+    browser.get("about:blank")
+    browser.get(client.dashboard_url)
+    wait.until(lambda d: d.find_element(By.ID, "compute-hours").get_attribute("value"))
+    field = browser.find_element(By.ID, "compute-hours")
+    assert field.get_attribute("value") == "22:00-07:00, 12:00-13:30"
+    run = Select(browser.find_element(By.ID, "schedule-run")).first_selected_option
+    assert run.get_attribute("value") == "when_idle"
+    schedule_events = '#events li[data-kind="schedule"] .message'
+    wait.until(
+        lambda d: any(
+            "only when the computer is idle" in e.text
+            for e in d.find_elements(By.CSS_SELECTOR, schedule_events)
+        )
+    )
+
+
+def test_joining_a_published_project_from_the_page_rides_through_the_restart(
+    spawn: Callable[..., Proc], browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    boot = spawn("boot", "bootstrap")
+    address = boot.wait_ready()["multiaddrs"][0]
+    owner_id = run_cli(tmp_path / "owner", "id").stdout.strip()
+    manifest = tmp_path / "experiment.toml"
+    manifest.write_text(MANIFEST)
+    published = run_cli(
+        tmp_path / "owner", "publish", str(manifest), "--bootstrap", address, *LOCAL
+    )
+    assert published.returncode == ExitCode.OK, published.stderr
+    (invitation,) = [x for x in published.stdout.splitlines() if x.startswith("volunteerd://")]
+
+    port = free_port()  # fixed: the restarted daemon answers where the page asks
+    volunteer = spawn(
+        "volunteer", "serve", "--set", f"control.port={port}",
+        "--set", 'runtime.device="cpu"', "--set", "experiments.max_experts=2",
+    )  # fmt: skip
+    volunteer.wait_ready()
+    client = ControlClient.for_data_dir(tmp_path / "volunteer" / "data")
+    first_started = client.status().started_at
+    wait = waiting(browser)
+    browser.get(client.dashboard_url + "&join")  # as the tray's "Join a project…" opens it
+    wait.until(lambda d: activity(d) == "not_in_project")
+    assert "join" in text(browser, "activity-hint")
+    wait.until(lambda d: d.switch_to.active_element.get_attribute("id") == "invitation")
+
+    # Not an invitation: refused next to the field, and the daemon records nothing.
+    type_into(browser, "invitation", "volunteerd://join/page-demo?owner=nobody")
+    click(browser, "check-invitation")
+    wait.until(lambda d: text(d, "invitation-error"))
+    assert not browser.find_element(By.ID, "join-preview").is_displayed()
+
+    # The real one: first whose project it is, with nothing recorded yet.
+    type_into(browser, "invitation", invitation)
+    click(browser, "check-invitation")
+    wait.until(lambda d: d.find_element(By.ID, "join-preview").is_displayed())
+    assert text(browser, "preview-name") == "page-demo"
+    owner = browser.find_element(By.ID, "preview-owner")
+    assert owner.get_attribute("title") == owner_id
+    assert owner.text == f"{owner_id[:8]}…{owner_id[-6:]}"
+    assert address in text(browser, "preview-peers")
+    assert client.status().projects == []
+    set_width(browser, NARROW)  # a long peer address must not widen the page
+    wait.until(lambda d: d.execute_script("return innerWidth") == NARROW)
+    assert fits(browser)
+    save_screenshot(browser, tmp_path, "dashboard-join-420.png", width=NARROW)
+    set_width(browser, 1280)
+
+    # Confirmed: the daemon records it and restarts (same process, execv); the page says
+    # so, waits for the new daemon and then shows whose project this machine helps.
+    click(browser, "confirm-join")
+    joined = '#projects li[data-name="page-demo"]'
+    waiting_long = WebDriverWait(
+        browser, JOIN_WAIT_S, ignored_exceptions=[StaleElementReferenceException]
+    )
+    waiting_long.until(lambda d: text(d, "join-status") == "Now helping page-demo.")
+    assert client.status().started_at != first_started
+    assert volunteer.process.poll() is None, "restarted in place"
+    waiting_long.until(
+        lambda d: d.find_element(By.CSS_SELECTOR, joined).get_attribute("data-state") == "joined"
+    )
+    item = browser.find_element(By.CSS_SELECTOR, joined)
+    title = item.find_element(By.CSS_SELECTOR, ".project-title").text
+    assert title == "Helping: A tiny model joined from the dashboard by The browser test"
+    home = item.find_element(By.CSS_SELECTOR, "a.project-home")
+    assert home.get_attribute("href") == "https://example.org/page-demo"
+    assert "noopener" in (home.get_attribute("rel") or "")
+    waiting_long.until(lambda d: client.status().experts)
+    assert not browser.find_element(By.ID, "banner").is_displayed()
+    set_width(browser, NARROW)
+    wait.until(lambda d: d.execute_script("return innerWidth") == NARROW)
+    assert fits(browser)
+    save_screenshot(browser, tmp_path, "dashboard-project-420.png", width=NARROW)
+    set_width(browser, 1280)
+
+    # Leave: asked once more, then the daemon restarts into hosting nothing.
+    item.find_element(By.CSS_SELECTOR, ".leave").click()
+    browser.find_element(By.CSS_SELECTOR, '[data-testid="confirm-leave"]').click()
+    waiting_long.until(lambda d: text(d, "join-status") == "Left page-demo.")
+    waiting_long.until(lambda d: activity(d) == "not_in_project")
+    assert client.status().projects == []
+    assert not browser.find_elements(By.CSS_SELECTOR, joined)
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    # the refused invitation and the restarts show as failed requests; nothing else may
+    assert [e for e in errors if e["source"] != "network"] == [], errors

@@ -1,6 +1,8 @@
 """The real tray, on a real X server (Xvfb) with a real XEmbed system tray (trayer),
-against real daemons: the icon appears in the tray, the menu drives the daemon, and the
-icon follows the daemon through pause, limits, a stop and a restart.
+against real daemons: the icon appears in the tray and says honestly what the daemon
+does (not in a project, no peers), the menu drives the daemon (pause, limits, the
+schedule, the dashboard's join field), and the icon follows the daemon through pause,
+limits, a stop and a restart.
 
 pystray's plain X backend (the one that needs no GTK) shows no menus, so the menu is
 driven through pystray's own MenuItem objects: calling one is what a click does.
@@ -48,6 +50,14 @@ device = "cpu"
 [experts]
 uids = "ffn.0.0"
 hidden_dim = 32
+"""
+# A fresh install's: no experts, no project (the daemon hosts nothing, imports no torch).
+FRESH_CONFIG = """\
+[network]
+listen_host = "127.0.0.1"
+port = 0
+[control]
+port = 0
 """
 
 pytestmark = [
@@ -210,7 +220,7 @@ def test_tray_starts_the_daemon_and_its_icon_appears_in_the_tray(
 ) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    (home / "config.toml").write_text(CONFIG)
+    (home / "config.toml").write_text(FRESH_CONFIG)
     env = {**cli_env(home), "DISPLAY": desktop.display, "PYSTRAY_BACKEND": "xorg"}
     log = home / "tray.log"
     with log.open("w") as output:
@@ -228,8 +238,10 @@ def test_tray_starts_the_daemon_and_its_icon_appears_in_the_tray(
             60,
         )
         daemon_pid = client.endpoint.pid
-        title = desktop.wait_docked("Contributing")
-        shot = desktop.screenshot("tray-contributing.png")
+        # A fresh daemon contributes to nothing, and the icon says so (and what to do).
+        title = desktop.wait_docked("Not in a project")
+        assert "volunteerd join" in title
+        shot = desktop.screenshot("tray-not-in-a-project.png")
         print(f"screenshot: {shot}; icon title: {title!r}")
 
         client.pause()  # from elsewhere (the dashboard, the CLI): the icon follows
@@ -276,9 +288,10 @@ def test_menu_drives_the_daemon_and_the_icon_follows_it(
     runner = threading.Thread(target=lambda: exit_codes.append(app.run()), daemon=True)
     runner.start()
     try:
-        wait_for("contributing", lambda: app.view.state == "contributing")
-        desktop.wait_docked("Contributing")
-        assert app.icon.icon.tobytes() == icon_image("contributing").tobytes()
+        # Alone, it serves nobody: "No peers", with the waiting icon, not "Contributing".
+        wait_for("no peers", lambda: app.view.state == "waiting")
+        assert desktop.wait_docked("No peers").startswith("volunteerd - No peers - ")
+        assert app.icon.icon.tobytes() == icon_image("waiting").tobytes()
 
         click(app, "Pause")
         wait_for("the daemon paused", lambda: client.status().state == "paused")
@@ -290,7 +303,7 @@ def test_menu_drives_the_daemon_and_the_icon_follows_it(
 
         click(app, "Resume")
         wait_for("the daemon runs", lambda: client.status().state == "running")
-        wait_for("the tray shows contributing", lambda: app.view.state == "contributing")
+        wait_for("the tray shows it running", lambda: app.view.state == "waiting")
 
         click(app, "Bandwidth", "Upload", "5 Mbit/s")
         wait_for("upload limited", lambda: client.limits().upload_mbit == 5)
@@ -305,8 +318,17 @@ def test_menu_drives_the_daemon_and_the_icon_follows_it(
         click(app, "Resume")
         wait_for("the daemon runs", lambda: client.status().state == "running")
 
+        click(app, "Compute only when idle")
+        wait_for("idle only", lambda: client.schedule().run == "when_idle")
+        wait_for("the item is checked", lambda: _item(app, "Compute only when idle").checked)
+        click(app, "Compute only when idle")
+        wait_for("always", lambda: client.schedule().run == "always")
+        wait_for("unchecked", lambda: not _item(app, "Compute only when idle").checked)
+
         app.icon()  # a click on the icon: the default item, Open dashboard
         wait_for("the dashboard opened", lambda: opened == [client.dashboard_url])
+        click(app, "Join a project…")
+        wait_for("the join field opened", lambda: opened[1:] == [client.dashboard_url + "&join"])
 
         assert daemon.stop() == 130
         wait_for("the tray shows disconnected", lambda: app.view.state == "disconnected", 15)
@@ -316,7 +338,7 @@ def test_menu_drives_the_daemon_and_the_icon_follows_it(
 
         again = spawn("node", "serve", "--experts", "ffn.0.0", *SMALL, "--set", "control.port=0")
         again.wait_ready()
-        wait_for("the tray recovers", lambda: app.view.state == "contributing", 15)
+        wait_for("the tray recovers", lambda: app.view.state == "waiting", 15)
         assert _checked(app, "Upload") == "5 Mbit/s", "the limits survived the restart"
 
         click(app, "Quit and stop volunteerd")
@@ -358,7 +380,7 @@ def test_service_install_shows_the_tray_at_once_and_uninstall_closes_it(
         installed = service("install")
         assert installed.returncode == 0, installed.stdout + installed.stderr
         assert "started the tray icon" in installed.stdout
-        desktop.wait_docked("Contributing")
+        desktop.wait_docked("No peers")
         again = service("install")
         assert "the tray icon is showing already" in again.stdout, again.stdout
         removed = service("uninstall")
@@ -397,6 +419,10 @@ def _stop_daemon(home: Path, pid: int | None) -> None:
 
 def _items(app: TrayApp) -> list[Any]:
     return list(app.icon.menu)
+
+
+def _item(app: TrayApp, text: str) -> Any:
+    return next(i for i in _items(app) if i.text == text)
 
 
 def _texts(app: TrayApp) -> set[str]:

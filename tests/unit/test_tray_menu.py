@@ -6,6 +6,7 @@ import itertools
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,9 +29,15 @@ def status(
     upload_mbit: float = 0.0,
     download_mbit: float = 0.0,
     snoozed_until: float | None = None,
+    activity: str = "contributing",
+    message: str = "contributing",
+    hint: str = "",
+    projects: list[dict[str, Any]] | None = None,
 ) -> Status:
     return Status.model_validate(
         {
+            "activity": {"state": activity, "message": message, "hint": hint},
+            "projects": projects or [],
             "version": "0.1.0",
             "peer_id": "12D3KooWtest",
             "state": state,
@@ -56,8 +63,13 @@ def status(
     )
 
 
-def connected(**kwargs: Any) -> Seen:
-    return Seen("connected", status=status(**kwargs))
+def connected(*, schedule_run: str | None = None, **kwargs: Any) -> Seen:
+    return Seen("connected", status=status(**kwargs), schedule_run=schedule_run)
+
+
+def project(name: str = "tiny-lm", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "owner": "12D3KooWAbCdEfGhIjKlMnOpQrStUv", "share": 1.0,
+            "state": "joined", "experts": 2, **fields}  # fmt: skip
 
 
 def enabled_actions(seen: Seen) -> set[str]:
@@ -140,6 +152,41 @@ def test_not_connected_lines_and_states() -> None:
     assert refused.status_line.endswith("…")
 
 
+def test_contributing_to_a_project_says_whose_it_is() -> None:
+    tiny = project(description="a tiny language model", owner_name="Ana")
+    shown = view(connected(samples=12, projects=[tiny]))
+    assert shown.status_line == "Helping: a tiny language model by Ana · 12 samples today"
+    assert shown.title == "volunteerd — " + shown.status_line
+    assert shown.state == "contributing"
+    # a manifest without a description or owner name: the project's name and the key
+    bare = view(connected(projects=[project(), project("other")])).status_line
+    assert bare == "Helping: tiny-lm by 12D3KooW…QrStUv and 1 more · 0 samples today"
+    configured = view(connected(projects=[project(owner="")])).status_line  # experiments.join
+    assert configured == "Helping: tiny-lm · 0 samples today"
+    joining = view(connected(projects=[project(state="joining")])).status_line
+    assert joining == "Contributing · 0 samples today", "only joined projects are helped"
+
+
+def test_running_for_nobody_says_so_with_what_to_do_and_the_waiting_icon() -> None:
+    hint = "join one with `volunteerd join <invitation>` or the dashboard's Join a project"
+    idle = view(connected(activity="not_in_project", message="not in a project", hint=hint))
+    assert idle.state == "waiting"
+    assert idle.status_line == "Not in a project"
+    assert idle.title == f"volunteerd — Not in a project — {hint}"
+    assert idle.items[1] == Item(menu._shorten(hint), enabled=False)
+    for activity in ("joining", "waiting", "no_peers", "unreachable"):
+        shown = view(connected(activity=activity, message=activity.replace("_", " ")))
+        assert shown.state == "waiting"
+        assert shown.status_line == activity.replace("_", " ").capitalize()
+    # paused by the volunteer: the paused icon, whatever the activity says
+    paused = view(connected(state="paused", activity="paused", message="paused"))
+    assert paused.state == "paused"
+    outside = "paused: outside the hours set to compute"
+    scheduled = view(connected(state="scheduled", activity="paused", message=outside))
+    assert scheduled.state == "paused"
+    assert scheduled.status_line == "Paused: outside the hours set to compute"
+
+
 def test_a_failed_action_shows_as_a_second_line() -> None:
     items = view(Seen("connected", status=status(), notice="Could not pause: refused")).items
     assert items[1] == Item("Could not pause: refused", enabled=False)
@@ -155,6 +202,7 @@ def test_running_offers_pause_snooze_bandwidth_dashboard_and_both_quits() -> Non
         "upload",
         "download",
         "dashboard",
+        "join",
         "quit",
         "quit_and_stop",
     }
@@ -203,6 +251,23 @@ def test_menu_has_no_leading_trailing_or_double_separators() -> None:
         assert not items[0].separator
         assert not items[-1].separator
         assert not any(a.separator and b.separator for a, b in itertools.pairwise(items))
+
+
+def test_compute_only_when_idle_is_checked_from_the_schedule_and_flips_it() -> None:
+    always = find(view(connected(schedule_run="always")).items, "Compute only when idle")
+    assert (always.checked, always.action) == (False, Action("idle_only", 1.0))
+    idle = find(view(connected(schedule_run="when_idle")).items, "Compute only when idle")
+    assert (idle.checked, idle.action) == (True, Action("idle_only", 0.0))
+    with pytest.raises(KeyError):  # a daemon without a schedule: no item to lie with
+        find(view(connected()).items, "Compute only when idle")
+    client = FakeClient()
+    menu.perform(client, always.action)  # type: ignore[arg-type]
+    menu.perform(client, idle.action)  # type: ignore[arg-type]
+    assert client.calls == [
+        ("set_schedule", {"run": "when_idle"}),
+        ("set_schedule", {"run": "always"}),
+    ]
+    assert menu.describe(Action("idle_only", 1.0)) == "compute only when idle"
 
 
 # -- bandwidth presets -------------------------------------------------------------------------
@@ -261,6 +326,12 @@ class FakeClient:
         self.calls.append(("set_limits", changes))
         return status().limits
 
+    def set_schedule(self, **changes: Any) -> Any:
+        self.calls.append(("set_schedule", changes))
+
+    def schedule(self) -> Any:
+        return SimpleNamespace(run="always")
+
     def shutdown(self) -> None:
         self.calls.append(("shutdown", None))
 
@@ -290,7 +361,7 @@ def test_each_daemon_action_makes_its_client_call() -> None:
 
 
 def test_the_trays_own_actions_are_no_daemon_calls() -> None:
-    for name in ("dashboard", "start", "quit"):
+    for name in ("dashboard", "join", "start", "quit"):
         with pytest.raises(ValueError, match="not a call to the daemon"):
             menu.perform(FakeClient(), Action(name))  # type: ignore[arg-type]
     assert menu.describe(Action("upload", 5.0)) == "set the upload limit to 5 mbit/s"
@@ -327,6 +398,9 @@ def test_icons_differ_in_shape_at_16px_and_in_colour() -> None:
     assert min(g - r, g - b) > 50, "green"
     r, g, b, _ = icon_image("error").getpixel((32, 56))  # type: ignore[misc]
     assert min(r - g, r - b) > 100, "red"
+    r, g, b, _ = icon_image("waiting").getpixel((32, 10))  # type: ignore[misc]
+    assert r > g > b, "amber"
+    assert r - b > 100, "amber"
 
 
 # -- the app, without a display ----------------------------------------------------------------
@@ -413,6 +487,18 @@ def test_app_maps_the_model_to_pystray_items_and_clicks_only_queue(
     absent(None)  # a click on the icon: the default item, "Start volunteerd"
     assert app._jobs.get_nowait() == Action("start")
     assert app._jobs.empty()
+
+
+def test_join_a_project_opens_the_dashboard_at_its_join_field(tmp_path: Path) -> None:
+    opened: list[str] = []
+    app = TrayApp(paths_in(tmp_path), start_daemon=False, open_url=opened.append)
+
+    class Client(FakeClient):
+        dashboard_url = "http://127.0.0.1:38480/#token=abc"
+
+    app._client = Client  # type: ignore[method-assign,assignment]
+    app._do(Action("join"))
+    assert opened == ["http://127.0.0.1:38480/#token=abc&join"]
 
 
 def test_app_turns_a_refused_action_into_a_notice(tmp_path: Path) -> None:

@@ -5,9 +5,10 @@ Three threads, so the UI never waits for the daemon:
 
 * pystray's loop (the main thread: macOS needs it) shows the icon and the menu; a click
   only queues the item's action;
-* the poll thread asks for ``/status`` every ``poll_s`` (sooner right after an
-  action), backs off up to ``max_backoff_s`` while nothing answers, and re-renders the
-  icon, tooltip and menu from ``menu.view`` when what it sees changes;
+* the poll thread asks for ``/status`` (and ``/schedule``, for "Compute only when
+  idle") every ``poll_s`` (sooner right after an action), backs off up to
+  ``max_backoff_s`` while nothing answers, and re-renders the icon, tooltip and menu
+  from ``menu.view`` when what it sees changes;
 * the worker thread runs the queued actions one at a time (client calls, opening the
   dashboard, starting the daemon, quitting).
 
@@ -230,7 +231,11 @@ class TrayApp:
             return Seen("error", error=str(exc), notice=notice)
         with self._lock:
             self._child_answered = True  # from now on, "gone away" rather than "failed"
-        return Seen("connected", status=status, notice=notice)
+        try:
+            run: str | None = client.schedule().run
+        except ControlError:  # an older daemon (404), or gone since: no check item
+            run = None
+        return Seen("connected", status=status, notice=notice, schedule_run=run)
 
     def _not_answering(self, notice: str) -> Seen:
         with self._lock:
@@ -292,6 +297,9 @@ class TrayApp:
             self.stop()
         elif action.name == "dashboard":
             self.open_url(self._client().dashboard_url)
+        elif action.name == "join":
+            # the page reads "join" in the fragment (beside the token) and opens its field
+            self.open_url(self._client().dashboard_url + "&join")
         elif action.name == "start":
             self._start_if_absent()
         elif action.name == "quit_and_stop":

@@ -3,6 +3,8 @@
 Each state differs in colour *and* shape, so it reads at 16 px and without colour:
 
 * contributing — a green disc with a white "play" triangle,
+* waiting      — an amber disc with three white dots (running, contributing nothing:
+  not in a project, no peers, unreachable, waiting for work),
 * paused       — a grey disc with two white bars,
 * error        — a red triangle with a white "!",
 * disconnected — a hollow grey ring crossed by a slash.
@@ -21,6 +23,7 @@ __all__ = ["COLOURS", "icon_image"]
 
 COLOURS: dict[IconState, tuple[int, int, int]] = {
     "contributing": (46, 158, 68),
+    "waiting": (214, 137, 16),
     "paused": (128, 128, 128),
     "error": (211, 47, 47),
     "disconnected": (158, 158, 158),
@@ -43,6 +46,10 @@ def icon_image(state: IconState, size: int = 64) -> Image.Image:
     if state == "contributing":
         draw.ellipse(box(2, 2, 62, 62), fill=colour)
         draw.polygon([(24 * u, 16 * u), (24 * u, 48 * u), (49 * u, 32 * u)], fill=_WHITE)
+    elif state == "waiting":
+        draw.ellipse(box(2, 2, 62, 62), fill=colour)
+        for x in (18, 32, 46):
+            draw.ellipse(box(x - 5, 27, x + 5, 37), fill=_WHITE)
     elif state == "paused":
         draw.ellipse(box(2, 2, 62, 62), fill=colour)
         draw.rounded_rectangle(box(20, 17, 28, 47), radius=2 * u, fill=_WHITE)

@@ -6,10 +6,11 @@ unit tests read it directly, and ``scripts/screenshot_tray.py`` draws it.
 
 The menu, connected and contributing::
 
-    Contributing · 1,234 samples today      (a label)
+    Helping: Tiny LM by Ana · 1,234 samples today    (a label)
     ─────────
     Pause                                   (Resume while paused or snoozed)
     Snooze for 1 hour
+    ☐ Compute only when idle                (the schedule's run = "when_idle")
     Bandwidth ▸   Upload                    (a label)
                   ◉ Unlimited  ○ 1 Mbit/s  ○ 5 Mbit/s  ○ 10 Mbit/s  ○ 50 Mbit/s
                   ─────────
@@ -17,9 +18,15 @@ The menu, connected and contributing::
                   ◉ Unlimited  ○ 5 Mbit/s  ○ 10 Mbit/s  ○ 50 Mbit/s  ○ 100 Mbit/s
     ─────────
     Open dashboard                          (the default: a click on the icon)
+    Join a project…                         (the dashboard's join field)
     ─────────
     Quit
     Quit and stop volunteerd
+
+The first line is what the daemon does for whom (``Status.activity``): "Helping:
+<description> by <owner>" while it contributes to a project, else the activity's
+message ("Not in a project", "No peers"), with its hint as a second line and in the
+tooltip. The icon shows "waiting" whenever the daemon runs but contributes nothing.
 
 Bandwidth: the presets set one direction each and are radio-checked from the daemon's
 limits (``Status.limits``). Upload is what a home link has least of, so its presets
@@ -37,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from volunteerd.control.models import LimitsView, Status
 
@@ -57,14 +64,15 @@ __all__ = [
     "View",
     "describe",
     "find",
+    "helping",
     "icon_state",
     "perform",
     "status_line",
     "view",
 ]
 
-IconState = Literal["contributing", "paused", "error", "disconnected"]
-ICON_STATES: tuple[IconState, ...] = ("contributing", "paused", "error", "disconnected")
+IconState = Literal["contributing", "waiting", "paused", "error", "disconnected"]
+ICON_STATES: tuple[IconState, ...] = ("contributing", "waiting", "paused", "error", "disconnected")
 
 # connected: the daemon answered the last poll (``Seen.status`` is its reply)
 # starting:  nothing answers yet; the tray started a daemon and waits for it
@@ -80,6 +88,8 @@ ActionName = Literal[
     "upload",  # value: Mbit/s, 0 = unlimited
     "download",  # value: Mbit/s, 0 = unlimited
     "dashboard",
+    "join",  # the dashboard, at its join field
+    "idle_only",  # value: 1 = compute only when idle, 0 = always
     "start",
     "quit",
     "quit_and_stop",
@@ -100,6 +110,7 @@ class Seen:
     status: Status | None = None  # the daemon's last reply, only while connected
     error: str = ""  # why the link is "failed" or "error"
     notice: str = ""  # the last action that failed, shown for a while
+    schedule_run: str | None = None  # the schedule's ``run`` (None: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +147,31 @@ class View:
 # -- what the tray shows ----------------------------------------------------------------
 
 
+# Activity states that are no contribution although the daemon runs.
+_WAITING = ("not_in_project", "joining", "waiting", "no_peers", "unreachable")
+
+
 def icon_state(seen: Seen) -> IconState:
     if seen.link == "connected" and seen.status is not None:
-        return "contributing" if seen.status.state == "running" else "paused"
+        if seen.status.state != "running":
+            return "paused"
+        return "waiting" if seen.status.activity.state in _WAITING else "contributing"
     if seen.link in ("failed", "error"):
         return "error"
     return "disconnected"
+
+
+def helping(status: Status) -> str:
+    """ "Helping: <description> by <owner>" for the projects contributed to ("" if none)."""
+    joined = [p for p in status.projects if p.state == "joined"]
+    if not joined:
+        return ""
+    first = joined[0]
+    # no owner: a project of the config's experiments.join, trusted by its settings
+    owner = first.owner_name or (_short_id(first.owner) if first.owner else "")
+    by = f" by {owner}" if owner else ""
+    more = f" and {len(joined) - 1} more" if len(joined) > 1 else ""
+    return f"Helping: {first.description or first.name}{by}{more}"
 
 
 def status_line(seen: Seen, *, now: float | None = None) -> str:
@@ -149,12 +179,17 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
     status = seen.status
     if seen.link == "connected" and status is not None:
         if status.state == "running":
+            if status.activity.state in _WAITING:
+                return _sentence(status.activity.message)
             if not status.serving:
                 return "Starting to contribute…"
             samples = status.today.samples
-            return f"Contributing · {samples:,} sample{'' if samples == 1 else 's'} today"
+            what = helping(status) or "Contributing"
+            return f"{what} · {samples:,} sample{'' if samples == 1 else 's'} today"
         if status.state == "paused":
             return "Paused"
+        if status.state == "scheduled":  # "paused: outside the hours set to compute"
+            return _sentence(status.activity.message)
         if status.state == "snoozed":
             if status.snoozed_until is None:
                 return "Snoozed"
@@ -171,18 +206,29 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
 def view(seen: Seen, *, now: float | None = None) -> View:
     """The icon state, tooltip and menu for ``seen``; ``now`` (Unix seconds) for tests."""
     line = status_line(seen, now=now)
+    hint = _hint(seen)
     return View(
         state=icon_state(seen),
-        title=f"volunteerd — {line}",
+        title=f"volunteerd — {line}" + (f" — {hint}" if hint else ""),
         status_line=line,
-        items=_items(seen, line),
+        items=_items(seen, line, hint),
     )
 
 
-def _items(seen: Seen, line: str) -> tuple[Item, ...]:
+def _hint(seen: Seen) -> str:
+    """What to do about a daemon that runs but contributes nothing ("" otherwise)."""
+    status = seen.status
+    if seen.link != "connected" or status is None or status.state != "running":
+        return ""
+    return status.activity.hint if status.activity.state in _WAITING else ""
+
+
+def _items(seen: Seen, line: str, hint: str) -> tuple[Item, ...]:
     status = seen.status if seen.link == "connected" else None
     up = status is not None
     items = [Item(line, enabled=False)]
+    if hint:
+        items.append(Item(_shorten(hint), enabled=False))
     if seen.notice:
         items.append(Item(_shorten(seen.notice), enabled=False))
     items.append(SEPARATOR)
@@ -191,12 +237,22 @@ def _items(seen: Seen, line: str) -> tuple[Item, ...]:
     else:
         items.append(Item("Pause", Action("pause"), enabled=up))
     items.append(Item("Snooze for 1 hour", Action("snooze", SNOOZE_S), enabled=up))
+    if up and seen.schedule_run is not None:
+        idle_only = seen.schedule_run == "when_idle"
+        items.append(
+            Item(
+                "Compute only when idle",
+                Action("idle_only", 0.0 if idle_only else 1.0),
+                checked=idle_only,
+            )
+        )
     items.append(
         Item("Bandwidth", enabled=up, submenu=_bandwidth(status.limits if status else None))
     )
     items.append(SEPARATOR)
     can_start = seen.link in ("absent", "failed")
     items.append(Item("Open dashboard", Action("dashboard"), enabled=up, default=up))
+    items.append(Item("Join a project…", Action("join"), enabled=up))
     if can_start:
         items.append(Item("Start volunteerd", Action("start"), default=True))
     items.append(SEPARATOR)
@@ -255,6 +311,14 @@ def _clock(until: float, now: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", then)
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _short_id(peer_id: str) -> str:
+    return f"{peer_id[:8]}…{peer_id[-6:]}" if len(peer_id) > 16 else peer_id
+
+
 def _shorten(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 1] + "…"
@@ -283,6 +347,7 @@ class Controller(Protocol):
     def resume(self) -> Status: ...
     def snooze(self, seconds: float) -> Status: ...
     def set_limits(self, **changes: float | int) -> LimitsView: ...
+    def set_schedule(self, **changes: Any) -> Any: ...
     def shutdown(self) -> None: ...
 
 
@@ -300,6 +365,8 @@ def perform(client: Controller, action: Action) -> None:
             client.set_limits(upload_mbit=action.value or 0.0)
         case "download":
             client.set_limits(download_mbit=action.value or 0.0)
+        case "idle_only":
+            client.set_schedule(run="when_idle" if action.value else "always")
         case "quit_and_stop":
             client.shutdown()
         case _:
@@ -315,6 +382,10 @@ def describe(action: Action) -> str:
             return "snooze"
         case "dashboard":
             return "open the dashboard"
+        case "join":
+            return "open the dashboard to join a project"
+        case "idle_only":
+            return "compute only when idle" if action.value else "compute always"
         case "start":
             return "start volunteerd"
         case "quit_and_stop":

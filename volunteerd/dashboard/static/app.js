@@ -1,13 +1,16 @@
 // The volunteerd dashboard: a client of the local control API, like the tray and the CLI.
 // It polls /status every two seconds (the live numbers and charts), the experts and peers
-// every five, /stats every ten, and follows /events with a long poll. It holds nothing
-// the daemon does not say; a reload starts it afresh. No libraries, no build step.
+// every five, /stats every ten, and follows /events with a long poll. The live charts
+// start from /history, the daemon's last ten minutes. It holds nothing the daemon does
+// not say; a reload starts it afresh. No libraries, no build step.
 
 import { ApiError, Unreachable, connect, forgetToken, takeToken } from "./api.js";
 import { barChart, lineChart, placeholder, timeTicks } from "./charts.js";
 import {
-  fmtAgo, fmtBytes, fmtClock, fmtCount, fmtDuration, fmtFull, fmtRate, fmtSpan, sameDay, shortId,
+  fmtAgo, fmtBytes, fmtClock, fmtCount, fmtDuration, fmtFull, fmtRate, fmtSpan,
+  sameDay, shortId,
 } from "./format.js";
+import { focusJoin, renderProjects, setupProjects } from "./projects.js";
 
 const STATUS_EVERY_MS = 2000;
 const DETAILS_EVERY_MS = 5000;
@@ -17,7 +20,11 @@ const KEEP_EVENTS = 100;
 const LIVE_WINDOW_S = 600;
 const LIVE_GAP_S = 7; // points further apart than this are not joined by a line
 const SNOOZE_S = 3600;
-const LIMIT_FIELDS = ["upload_mbit", "download_mbit", "monthly_quota_gb", "duty_cycle"];
+const RESTART_SLOW_S = 30; // a restart taking longer than this gets a word of advice
+// The limits the form edits; a daemon that has no such limit hides its field.
+const LIMIT_FIELDS = ["upload_mbit", "download_mbit", "monthly_quota_gb", "daily_quota_gb",
+  "duty_cycle", "cpu_threads", "disk_budget_gb"];
+const SCHEDULE_FIELDS = ["run", "idle_minutes", "on_battery", "compute_hours", "network_hours", "gpu"];
 const TOTAL_FIELDS = ["forward", "backward", "samples", "compute_s", "bytes_in", "bytes_out",
   "running_s", "paused_s"];
 
@@ -50,15 +57,22 @@ const connection = {
   lost() {
     if (this.state === "down" || halted) return;
     this.state = "down";
+    $("main").classList.add("stale");
+    renderButtons();
+    if (restarting) {
+      showRestarting();
+      return;
+    }
     setText("banner", "Daemon not reachable — volunteerd may have stopped or restarted. "
       + "This page reconnects by itself when it answers again.");
+    $("banner").dataset.kind = "down";
     $("banner").hidden = false;
-    $("main").classList.add("stale");
     const pill = $("state");
     pill.dataset.state = "offline";
+    delete pill.dataset.activity;
     setText(pill, "not reachable");
     setText("state-detail", "");
-    renderButtons();
+    $("activity").hidden = true;
     document.title = "volunteerd — not reachable";
   },
   refused() {
@@ -66,6 +80,42 @@ const connection = {
       + "daemon, or this daemon's data folder has changed.");
   },
 };
+
+// -- restarts the page asked for (joining or leaving a project) ----------------------------
+
+let restarting = null; // {why, done, before: the old started_at, since: ms}
+
+/** The daemon is about to restart (``why``: "to join x"); ``done`` is said once the new
+ * one answers. Until then the page says it is restarting rather than gone. */
+function expectRestart(why, done) {
+  restarting = { why, done, before: startedAt, since: Date.now() };
+  showRestarting();
+  pollStatus();
+}
+
+function showRestarting() {
+  const waited = (Date.now() - restarting.since) / 1000;
+  const slow = waited > RESTART_SLOW_S
+    ? " It is taking a while: if this page does not come back, open it again with "
+      + "`volunteerd dashboard` (the daemon may listen on another port now)."
+    : "";
+  setText("banner", `volunteerd is restarting ${restarting.why}…${slow}`);
+  $("banner").dataset.kind = "restarting";
+  $("banner").hidden = false;
+  const pill = $("state");
+  pill.dataset.state = "restarting";
+  delete pill.dataset.activity;
+  setText(pill, `restarting ${restarting.why}…`);
+  setText("state-detail", "");
+  document.title = "volunteerd — restarting";
+}
+
+function restartDone() {
+  setText("join-status", restarting.done);
+  restarting = null;
+  $("banner").hidden = true;
+  $("main").classList.remove("stale");
+}
 
 function lockOut(reason) {
   halted = true;
@@ -116,7 +166,16 @@ function every(ms, fn) {
 
 // -- state and the buttons -----------------------------------------------------------------
 
-const STATE_WORDS = { running: "running", paused: "paused", snoozed: "snoozed", quota: "quota reached" };
+const STATE_WORDS = {
+  running: "running", paused: "paused", snoozed: "snoozed", quota: "quota reached",
+  scheduled: "paused by the schedule",
+};
+// What the daemon does (``Status.activity``), in a word for the pill; "paused" says the
+// state's own word (snoozed, quota reached, ...).
+const ACTIVITY_WORDS = {
+  not_in_project: "not in a project", joining: "joining", contributing: "contributing",
+  waiting: "waiting for work", no_peers: "no peers", unreachable: "unreachable",
+};
 
 let lastStatus = null;
 let lastStats = null;
@@ -133,9 +192,11 @@ function stateDetail(s) {
   }
   if (s.state === "running" && !s.serving) parts.push("starting…");
   if (s.state !== "running" && s.serving) parts.push("stopping…");
-  // A snooze's reason is its end, said above; "paused" next to the word paused says nothing.
-  if (s.reason && !snoozed && s.reason !== s.state) parts.push(s.reason);
-  if (s.state === "running" && s.serving && !s.reason) {
+  // A snooze's reason is its end, said above; "paused" next to the word paused says
+  // nothing; the activity's message says the reason already.
+  if (s.reason && !snoozed && s.reason !== s.state && !s.activity) parts.push(s.reason);
+  const idle = s.activity && s.activity.state !== "contributing"; // its message says why
+  if (s.state === "running" && s.serving && !s.reason && !idle) {
     parts.push(`serving ${s.experts.length} expert${s.experts.length === 1 ? "" : "s"}`);
   }
   return parts.join(" · ");
@@ -177,12 +238,23 @@ function renderStatus(s) {
   startedAt = s.started_at;
   lastStatus = s;
 
-  const pill = $("state");
-  pill.dataset.state = s.state;
-  setText(pill, STATE_WORDS[s.state] ?? s.state);
-  setText("state-detail", stateDetail(s));
+  if (restarting && s.started_at !== restarting.before) restartDone();
+  if (restarting) {
+    showRestarting(); // the old daemon, still answering before it restarts
+  } else {
+    const pill = $("state");
+    pill.dataset.state = s.state;
+    const word = ACTIVITY_WORDS[s.activity?.state] ?? STATE_WORDS[s.state] ?? s.state;
+    if (s.activity) pill.dataset.activity = s.activity.state;
+    else delete pill.dataset.activity;
+    setText(pill, word);
+    setText("state-detail", stateDetail(s));
+    document.title = `volunteerd — ${word}`;
+  }
   renderButtons();
-  document.title = `volunteerd — ${STATE_WORDS[s.state] ?? s.state}`;
+  renderActivity(s.activity);
+  renderProjects(s.projects);
+  renderScheduleNow(s.schedule);
   setText("version", `v${s.version}`);
 
   setText("peer-id", shortId(s.peer_id), { title: s.peer_id, value: s.peer_id });
@@ -206,6 +278,18 @@ function renderStatus(s) {
   showLimits(s.limits);
   pushLive(r);
   setText("updated", `Updated ${fmtClock(Date.now() / 1000, { seconds: true })}`);
+}
+
+/** The honest line: what the daemon does for whom, and what to do about it. */
+function renderActivity(activity) {
+  const box = $("activity");
+  box.hidden = !activity || restarting != null;
+  if (!activity) return;
+  box.dataset.state = activity.state;
+  // the pill says it already when the message is one word ("no peers")
+  const said = activity.message.toLowerCase() === $("state").textContent.toLowerCase();
+  setText("activity-message", said ? "" : activity.message);
+  setText("activity-hint", activity.hint);
 }
 
 function setBytesRate(id, bytesPerS) {
@@ -298,32 +382,90 @@ function renderQuota(limits) {
     ? `${used} of ${limits.monthly_quota_gb} GB used this month `
       + `(${Math.min(100, (100 * limits.month_bytes) / (limits.monthly_quota_gb * 1e9)).toFixed(0)} %)`
     : `${used} sent and received this month`;
-  setText("quota-use", text);
+  const today = limits.daily_quota_gb > 0 && limits.day_bytes != null
+    ? `; ${fmtBytes(limits.day_bytes)} of ${limits.daily_quota_gb} GB today` : "";
+  setText("quota-use", text + today);
 }
 
-// -- the limits form -------------------------------------------------------------------------
+// -- the limits and schedule form --------------------------------------------------------------
+//
+// One form, one Save: the limits go to PATCH /limits, the schedule to PATCH /schedule,
+// each with only what changed. Fields the daemon does not have (an older one) are hidden.
 
 const form = $("limits-form");
 let limitsEdited = false; // the person is editing: live updates leave the inputs alone
 let limitsShown = null; // the values the inputs were filled with
+let scheduleShown = null; // the schedule the inputs were filled with (null: none known)
 
 function input(field) {
   return form.elements.namedItem(field);
 }
 
+function editing(force) {
+  const el = document.activeElement;
+  const typing = ["INPUT", "SELECT"].includes(el?.tagName) && form.contains(el);
+  return !force && (limitsEdited || typing);
+}
+
 function showLimits(limits, { force = false } = {}) {
-  const typing = document.activeElement?.tagName === "INPUT" && form.contains(document.activeElement);
-  if (!force && (limitsEdited || typing)) return;
+  if (editing(force)) return;
   for (const field of LIMIT_FIELDS) {
     const el = input(field);
+    el.closest(".field").hidden = limits[field] === undefined;
+    if (limits[field] === undefined) continue;
     if (el.value === "" || Number(el.value) !== limits[field]) el.value = String(limits[field]);
   }
   limitsShown = { ...limits };
   limitsEdited = false;
 }
 
-function fieldError(field, message) {
+/** "22:00-07:00, 12:00-13:30" and back; empty means any time. */
+function hoursText(windows) {
+  return windows.join(", ");
+}
+
+function hoursList(text) {
+  return text.split(/[,;\s]+/).filter(Boolean);
+}
+
+function scheduleValue(field) {
   const el = input(field);
+  if (el.type === "checkbox") return el.checked;
+  if (field.endsWith("_hours")) return hoursList(el.value);
+  return el.value;
+}
+
+function showSchedule(schedule, { force = false } = {}) {
+  $("schedule").hidden = schedule == null;
+  if (schedule == null || editing(force)) return;
+  for (const field of SCHEDULE_FIELDS) {
+    const el = input(field);
+    const value = schedule[field];
+    if (el.type === "checkbox") el.checked = Boolean(value);
+    else if (field.endsWith("_hours")) el.value = hoursText(value ?? []);
+    else el.value = String(value);
+  }
+  input("idle_minutes").disabled = schedule.run !== "when_idle" && schedule.gpu !== "when_idle";
+  scheduleShown = { ...schedule };
+  limitsEdited = false;
+}
+
+/** Where the schedule stands now (``Status.schedule``). */
+function renderScheduleNow(now) {
+  if (!now) {
+    setText("schedule-now", "");
+    return;
+  }
+  const parts = [now.computing ? "Computing now" : "Not computing now"];
+  if (!now.network) parts.push("no network now");
+  if (now.reason) parts.push(now.reason);
+  if (now.idle_s != null) parts.push(`idle for ${fmtDuration(now.idle_s)}`);
+  if (now.on_battery) parts.push("on battery");
+  setText("schedule-now", parts.join(" · "));
+}
+
+function fieldError(field, message) {
+  const el = input(field.split(".")[0]); // "compute_hours.1": the list's field
   if (!el) return false;
   el.setAttribute("aria-invalid", message ? "true" : "false");
   setText(`${el.id}-error`, message);
@@ -341,17 +483,22 @@ form.addEventListener("input", (e) => {
   limitsStatus("");
 });
 
-form.addEventListener("submit", async (e) => {
-  e.preventDefault();
-  for (const field of LIMIT_FIELDS) fieldError(field, "");
-  limitsStatus("");
+// The idle time matters only while something waits for idleness.
+form.addEventListener("change", () => {
+  input("idle_minutes").disabled = input("run").value !== "when_idle"
+    && input("gpu").value !== "when_idle";
+});
+
+/** The limits that differ from those shown, or null after marking a bad field. */
+function limitsChange() {
   const change = {};
   for (const field of LIMIT_FIELDS) {
     const el = input(field);
+    if (el.closest(".field").hidden) continue;
     if (el.validity.badInput) {
       fieldError(field, "not a number");
       el.focus();
-      return;
+      return null;
     }
     if (el.value.trim() === "") continue;
     const value = Number(el.value);
@@ -359,11 +506,54 @@ form.addEventListener("submit", async (e) => {
       // JSON.stringify would send 1e999 as null, which the daemon reads as "no change"
       fieldError(field, "must be a finite number");
       el.focus();
-      return;
+      return null;
     }
     if (value !== limitsShown?.[field]) change[field] = value;
   }
-  if (Object.keys(change).length === 0) {
+  return change;
+}
+
+function scheduleChange() {
+  const change = {};
+  if (scheduleShown == null) return change;
+  for (const field of SCHEDULE_FIELDS) {
+    let value = scheduleValue(field);
+    if (field === "idle_minutes") {
+      if (value.trim() === "" || input(field).validity.badInput) {
+        fieldError(field, "not a number");
+        input(field).focus();
+        return null;
+      }
+      value = Number(value);
+    }
+    if (JSON.stringify(value) !== JSON.stringify(scheduleShown[field])) change[field] = value;
+  }
+  return change;
+}
+
+async function patch(path, change) {
+  try {
+    return await api("PATCH", path, change);
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 422 && err.field && fieldError(err.field, err.message)) {
+      input(err.field.split(".")[0]).focus();
+    } else if (err instanceof ApiError && err.status !== 401) {
+      limitsStatus(err.message, true);
+    } else if (err instanceof Unreachable) {
+      limitsStatus("The daemon did not answer; nothing was saved.", true);
+    }
+    return null;
+  }
+}
+
+form.addEventListener("submit", async (e) => {
+  e.preventDefault();
+  for (const field of [...LIMIT_FIELDS, ...SCHEDULE_FIELDS]) fieldError(field, "");
+  limitsStatus("");
+  const limits = limitsChange();
+  const schedule = limits && scheduleChange();
+  if (limits == null || schedule == null) return;
+  if (Object.keys(limits).length + Object.keys(schedule).length === 0) {
     limitsStatus("Nothing changed.");
     limitsEdited = false;
     return;
@@ -371,21 +561,40 @@ form.addEventListener("submit", async (e) => {
   const save = $("save-limits");
   save.disabled = true;
   try {
-    const limits = await api("PATCH", "/limits", change);
-    showLimits(limits, { force: true });
-    renderQuota(limits);
+    if (Object.keys(limits).length) {
+      const saved = await patch("/limits", limits);
+      if (!saved) return;
+      limitsShown = { ...saved };
+      renderQuota(saved);
+    }
+    if (Object.keys(schedule).length) {
+      const saved = await patch("/schedule", schedule);
+      if (!saved) {
+        if (Object.keys(limits).length) {
+          limitsStatus(`The limits were saved, the schedule was not: ${$("limits-status").textContent
+            || "see the field marked"}`, true);
+        }
+        return;
+      }
+      scheduleShown = { ...saved };
+      showSchedule(saved, { force: true });
+    }
+    showLimits(limitsShown, { force: true });
     limitsStatus("Saved.");
     pollStatus();
-  } catch (err) {
-    if (err instanceof ApiError && err.status === 422 && err.field && fieldError(err.field, err.message)) {
-      input(err.field).focus();
-    } else if (err instanceof ApiError && err.status !== 401) {
-      limitsStatus(err.message, true);
-    } else if (err instanceof Unreachable) {
-      limitsStatus("The daemon did not answer; nothing was saved.", true);
-    }
   } finally {
     save.disabled = false;
+  }
+});
+
+const pollSchedule = every(60000, async () => {
+  if (connection.state === "down") return;
+  try {
+    showSchedule(await api("GET", "/schedule"));
+  } catch (err) {
+    // an older daemon (404), or one that runs no schedule (409)
+    if (err instanceof ApiError && [404, 405, 409].includes(err.status)) showSchedule(null);
+    else throw err;
   }
 });
 
@@ -508,8 +717,9 @@ async function followEvents() {
       renderEvents(got.events);
       eventsSince = got.next;
       const kinds = new Set(got.events.map((ev) => ev.kind));
-      if (["state", "limits", "reachability", "started"].some((k) => kinds.has(k))) pollStatus();
-      if (kinds.has("experts")) pollDetails();
+      if (["state", "limits", "schedule", "reachability", "started"].some((k) => kinds.has(k))) pollStatus();
+      if (["limits", "schedule", "started"].some((k) => kinds.has(k))) pollSchedule();
+      if (["experts", "projects"].some((k) => kinds.has(k))) pollDetails();
     } catch (err) {
       if (eventsReset.signal.aborted) continue;
       await sleep(2000);
@@ -526,6 +736,7 @@ function daemonRestarted() {
   live.push(null); // a gap in the live charts
   pollDetails();
   pollStats();
+  pollSchedule();
 }
 
 function sleep(ms) {
@@ -534,14 +745,40 @@ function sleep(ms) {
 
 // -- charts -----------------------------------------------------------------------------------
 
-const live = []; // {t, samples, up, down} from each /status, or null where the daemon restarted
+// {t, samples, up, down} from /history and then each /status; null where the daemon restarted
+const live = [];
+
+function livePoint(t, rates) {
+  return { t, samples: rates.samples_per_s, up: rates.upload_bytes_per_s, down: rates.download_bytes_per_s };
+}
 
 function pushLive(rates) {
   const now = Date.now() / 1000;
-  live.push({ t: now, samples: rates.samples_per_s, up: rates.upload_bytes_per_s, down: rates.download_bytes_per_s });
+  live.push(livePoint(now, rates));
   while (live.length && (live[0] === null || live[0].t < now - LIVE_WINDOW_S)) live.shift();
   drawLive();
 }
+
+/** The daemon's own samples of the last minutes in place of what this page has of that
+ * time (nothing, on a fresh load; a gap, after the daemon was out of reach). */
+const loadHistory = async () => {
+  if (connection.state === "down") return;
+  let got;
+  try {
+    got = await api("GET", "/history");
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 404) return; // an older daemon
+    throw err;
+  }
+  const samples = got.samples.map((s) => livePoint(s.t, s));
+  if (samples.length === 0) return;
+  const first = samples[0].t;
+  const last = samples.at(-1).t;
+  const before = live.filter((p) => p === null || p.t < first);
+  const after = live.filter((p) => p !== null && p.t > last);
+  live.splice(0, live.length, ...before, ...samples, ...after);
+  drawLive();
+};
 
 function minutesAgoTicks(t1) {
   return (width) => {
@@ -555,7 +792,10 @@ function minutesAgoTicks(t1) {
 }
 
 function drawLiveChart(el, { series, floor, format, label }) {
-  if (live.filter(Boolean).length < 2 || el.clientWidth === 0) {
+  const points = live.filter(Boolean);
+  el.dataset.points = String(points.length);
+  el.dataset.firstT = String(points[0]?.t ?? "");
+  if (points.length < 2 || el.clientWidth === 0) {
     placeholder(el, "Collecting…");
     return;
   }
@@ -642,6 +882,8 @@ function refreshAll() {
   pollStatus();
   pollDetails();
   pollStats();
+  pollSchedule();
+  loadHistory().catch(() => {}); // the status poll says when the daemon is away
 }
 
 function start() {
@@ -651,6 +893,13 @@ function start() {
     return;
   }
   api = connect(token, connection);
+  setupProjects(api, expectRestart);
+  // "#join" (the tray's "Join a project…"), or "#join=<invitation>": the join field
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  if (fragment.has("join")) {
+    focusJoin(fragment.get("join"));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
   $("pause").addEventListener("click", () => act("/pause", {}));
   $("resume").addEventListener("click", () => act("/resume", {}));
   $("snooze").addEventListener("click", () => act("/snooze", { seconds: SNOOZE_S }));
