@@ -1,12 +1,14 @@
 """Daemon footprint: memory and idle CPU of one ``volunteerd serve`` process.
 
 What it measures
-    Starts ``volunteerd serve`` as its own process on 127.0.0.1 hosting ``--experts``
-    ``ffn`` experts of hidden size ``--hidden`` (default 8 experts of 512), waits until it
-    announces them, and reads from /proc: resident memory (RSS), proportional memory (PSS,
-    shared libraries split fairly), threads, and the CPU it uses while idle over
-    ``--idle-s`` seconds. Then a client sends one forward and one backward to every expert
-    (so each expert's Adam state exists, as on a working server) and memory is read again.
+    First a fresh install's daemon: ``volunteerd serve`` with no project and no experts
+    (it hosts nothing and loads no torch), idle. Then ``volunteerd serve`` as its own
+    process on 127.0.0.1 hosting ``--experts`` ``ffn`` experts of hidden size
+    ``--hidden`` (default 8 experts of 512) once they are announced. Each is read from
+    /proc: resident memory (RSS), proportional memory (PSS, shared libraries split
+    fairly), threads, and the CPU it uses while idle over ``--idle-s`` seconds. Then a
+    client sends one forward and one backward to every expert (so each expert's Adam
+    state exists, as on a working server) and memory is read again.
     hivemind's figure on this machine for 8 experts of 512: ~1.5 GB PSS in 24 processes.
 
 Run::
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from daemon_proc import cpu_seconds, daemon_process
+from daemon_proc import cpu_seconds, daemon_process, volunteerd_process
 
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
@@ -54,6 +56,13 @@ def main() -> int:
     p.add_argument("--idle-s", type=float, default=10.0)
     args = p.parse_args()
 
+    with volunteerd_process("serve") as fresh:
+        time.sleep(2)  # let start-up work settle
+        nothing = read_memory(fresh.process.pid)
+        cpu0, t0 = cpu_seconds(fresh.process.pid), time.monotonic()
+        time.sleep(args.idle_s)
+        nothing_cpu = (cpu_seconds(fresh.process.pid) - cpu0) / (time.monotonic() - t0)
+
     with daemon_process(args.experts, args.hidden) as daemon:
         pid, info = daemon.process.pid, daemon.info
         time.sleep(2)  # let start-up work settle
@@ -73,6 +82,10 @@ def main() -> int:
         startup_s = daemon.startup_s
 
     params_mb = args.experts * (8 * args.hidden**2 + 5 * args.hidden) * 4 / 2**20
+    print("\nvolunteerd serve, fresh install: no project, no experts (no torch loaded)")
+    print(f"{'state':32} {'RSS MB':>8} {'PSS MB':>8} {'threads':>8}")
+    print(f"{'idle':32} {nothing['rss_mb']:8.0f} {nothing['pss_mb']:8.0f} {nothing['threads']:8d}")
+    print(f"idle CPU: {nothing_cpu:.1%} of one core")
     print(
         f"\nvolunteerd serve: {args.experts} ffn experts, hidden {args.hidden} "
         f"({params_mb:.0f} MB of weights, x3 with Adam state), one process"

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from volunteerd.hosting import Hosting
     from volunteerd.net import Announcer
     from volunteerd.runtime import ExpertRuntime
+    from volunteerd.runtime.averaging import ReplicaAverager
     from volunteerd.swarm.joiner import Joiner
 
 __all__ = ["Daemon", "Running", "bootstrap_only", "running_projects"]
@@ -89,6 +90,14 @@ class Running:
         if announcer is None:  # pragma: no cover - set before the daemon reports started
             raise RuntimeError("the announcer has not started")
         return announcer
+
+    @property
+    def averager(self) -> ReplicaAverager:
+        """The replica averager. Raises RuntimeError when hosting nothing."""
+        averager = self._hosting().averager
+        if averager is None:  # pragma: no cover - set before the daemon reports started
+            raise RuntimeError("the averager has not started")
+        return averager
 
     @property
     def joiners(self) -> list[Joiner]:

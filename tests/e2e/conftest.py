@@ -61,6 +61,18 @@ def run_cli(home: Path, *args: str, timeout_s: float = 60) -> subprocess.Complet
     )
 
 
+def publish(home: Path, manifest: Path, bootstrap: str) -> str:
+    """``volunteerd publish MANIFEST`` as ``home``'s owner, through ``bootstrap`` (on
+    127.0.0.1): the invitation line it prints."""
+    published = run_cli(
+        home, "publish", str(manifest), "--bootstrap", bootstrap,
+        "--set", 'network.listen_host="127.0.0.1"',
+    )  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    (line,) = [x for x in published.stdout.splitlines() if x.startswith("volunteerd://join/")]
+    return line
+
+
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     procs: list[Proc] = []

@@ -26,7 +26,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.e2e.conftest import Proc, run_cli
+from tests.e2e.conftest import Proc, publish, run_cli
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import ControlError, ExitCode
 from volunteerd.identity import Identity
@@ -400,11 +400,7 @@ def test_joining_a_published_project_from_the_page_rides_through_the_restart(
     owner_id = run_cli(tmp_path / "owner", "id").stdout.strip()
     manifest = tmp_path / "experiment.toml"
     manifest.write_text(MANIFEST)
-    published = run_cli(
-        tmp_path / "owner", "publish", str(manifest), "--bootstrap", address, *LOCAL
-    )
-    assert published.returncode == ExitCode.OK, published.stderr
-    (invitation,) = [x for x in published.stdout.splitlines() if x.startswith("volunteerd://")]
+    invitation = publish(tmp_path / "owner", manifest, address)
 
     port = free_port()  # fixed: the restarted daemon answers where the page asks
     volunteer = spawn(

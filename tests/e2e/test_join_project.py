@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import pytest
 
-from tests.e2e.conftest import cli_env, run_cli
+from tests.e2e.conftest import cli_env, publish
 from volunteerd.control.client import ControlClient
 from volunteerd.control.models import Status
 from volunteerd.errors import ExitCode, VolunteerdError
@@ -160,12 +160,7 @@ def test_a_fresh_daemon_joins_a_published_project_serves_it_and_leaves(
     boot = spawn("boot", "bootstrap").wait_ready()["multiaddrs"][0]
     owner_home = tmp_path / "owner"
     (tmp_path / "experiment.toml").write_text(MANIFEST)
-    published = run_cli(
-        owner_home, "publish", str(tmp_path / "experiment.toml"), "--bootstrap", boot,
-        "--set", 'network.listen_host="127.0.0.1"',
-    )  # fmt: skip
-    assert published.returncode == ExitCode.OK, published.stderr
-    (line,) = [x for x in published.stdout.splitlines() if x.startswith("volunteerd://join/")]
+    line = publish(owner_home, tmp_path / "experiment.toml", boot)
     invitation = parse_invitation(line)
     assert invitation.name == NAME
 

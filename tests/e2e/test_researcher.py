@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import cli_env, run_cli
+from tests.e2e.conftest import cli_env, publish
 from volunteerd.errors import ExitCode
 from volunteerd.swarm.invitation import parse_invitation
 
@@ -80,12 +80,7 @@ def test_the_examples_publish_train_and_run_a_model_of_ones_own(spawn, tmp_path:
     serve(spawn, boot, "ffn.[0:4].[0:4]", 128)
 
     owner_home = tmp_path / "owner"
-    published = run_cli(
-        owner_home, "publish", str(EXAMPLES / "experiment.toml"), "--bootstrap", boot,
-        "--set", 'network.listen_host="127.0.0.1"',
-    )  # fmt: skip
-    assert published.returncode == ExitCode.OK, published.stderr
-    (line,) = [x for x in published.stdout.splitlines() if x.startswith("volunteerd://join/")]
+    line = publish(owner_home, EXAMPLES / "experiment.toml", boot)
     invitation = parse_invitation(line)
     assert invitation.name == "stdlib-chars"
 

@@ -27,13 +27,13 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.e2e.conftest import Proc, cli_env
+from tests.xvfb import XVFB, x_server
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import ControlError
 from volunteerd.paths import Paths
 from volunteerd.tray.app import TrayApp
 from volunteerd.tray.icons import icon_image
 
-XVFB = shutil.which("Xvfb")
 TRAYER = shutil.which("trayer")
 # a 24 px high panel at the top left, as wide as its icons
 TRAYER_ARGS = ["--edge", "top", "--align", "left", "--widthtype", "request", "--height", "24"]
@@ -167,39 +167,23 @@ def desktop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Desktop]:
     assert XVFB is not None
     assert TRAYER is not None
     logs = tmp_path_factory.mktemp("desktop")
-    read_fd, write_fd = os.pipe()
-    # -displayfd: Xvfb picks a free display number and writes it when it is ready
-    with (logs / "xvfb.log").open("w") as output:  # the child has its own copy
-        xvfb = subprocess.Popen(
-            [XVFB, "-displayfd", str(write_fd), "-screen", "0", "1024x768x24", "-nolisten", "tcp"],
-            pass_fds=(write_fd,),
-            stdout=subprocess.DEVNULL,
-            stderr=output,
-        )
-    os.close(write_fd)
-    procs = [xvfb]
-    try:
-        with os.fdopen(read_fd) as f:
-            number = f.readline().strip()
-        assert number, f"Xvfb did not start:\n{(logs / 'xvfb.log').read_text()}"
-        desktop = Desktop(f":{number}", logs)
+    with x_server(logs, "1024x768x24") as (display, _):
+        desktop = Desktop(display, logs)
         env = {**os.environ, "DISPLAY": desktop.display}
         with (logs / "trayer.log").open("w") as output:
-            procs.append(
-                subprocess.Popen(
-                    [TRAYER, *TRAYER_ARGS], env=env, stdout=subprocess.DEVNULL, stderr=output
-                )
+            trayer = subprocess.Popen(
+                [TRAYER, *TRAYER_ARGS], env=env, stdout=subprocess.DEVNULL, stderr=output
             )
-        wait_for("a system tray owns _NET_SYSTEM_TRAY_S0", lambda: _tray_owner(desktop), 15)
-        yield desktop
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
+        try:
+            wait_for("a system tray owns _NET_SYSTEM_TRAY_S0", lambda: _tray_owner(desktop), 15)
+            yield desktop
+        finally:
+            trayer.terminate()
             try:
-                proc.wait(5)
+                trayer.wait(5)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+                trayer.kill()
+                trayer.wait(5)
 
 
 def _tray_owner(desktop: Desktop) -> bool:

@@ -7,12 +7,11 @@ schedule's hold combine."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 import trio
 
+from tests.xvfb import XVFB, x_server
 from volunteerd.config import Config, LimitsConfig, ScheduleConfig, load_config
 from volunteerd.control.events import EventLog
 from volunteerd.errors import ConfigError, RemoteError
@@ -372,35 +372,7 @@ async def test_a_volunteer_without_experts_follows_the_schedule_too() -> None:
         nursery.cancel_scope.cancel()
 
 
-XVFB, XDOTOOL = shutil.which("Xvfb"), shutil.which("xdotool")
-
-
-@contextlib.contextmanager
-def x_server(logs: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A fresh Xvfb; yields its DISPLAY and its process."""
-    assert XVFB is not None
-    read_fd, write_fd = os.pipe()
-    # -displayfd: Xvfb picks a free display number and writes it when it is ready
-    with (logs / "xvfb.log").open("w") as output:
-        xvfb = subprocess.Popen(
-            [XVFB, "-displayfd", str(write_fd), "-screen", "0", "640x480x24", "-nolisten", "tcp"],
-            pass_fds=(write_fd,),
-            stdout=subprocess.DEVNULL,
-            stderr=output,
-        )
-    os.close(write_fd)
-    try:
-        with os.fdopen(read_fd) as f:
-            number = f.readline().strip()
-        assert number, f"Xvfb did not start:\n{(logs / 'xvfb.log').read_text()}"
-        yield f":{number}", xvfb
-    finally:
-        xvfb.terminate()
-        try:
-            xvfb.wait(10)
-        except subprocess.TimeoutExpired:
-            xvfb.kill()
-            xvfb.wait(10)
+XDOTOOL = shutil.which("xdotool")
 
 
 @pytest.mark.slow
