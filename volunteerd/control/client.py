@@ -32,6 +32,7 @@ from volunteerd.control.models import (
     ProjectJoined,
     ProjectLeft,
     ScheduleView,
+    Staleness,
     Stats,
     Status,
 )
@@ -99,6 +100,11 @@ class ControlClient:
 
     def status(self) -> Status:
         return self._get("/status", Status)
+
+    def staleness(self) -> Staleness:
+        """How stale the gradients this daemon's experts applied were (``status``'s
+        ``staleness``); ``Staleness.combined`` adds up several daemons'."""
+        return self.status().staleness
 
     def experts(self) -> list[ExpertView]:
         return [ExpertView.model_validate(e) for e in self._call("GET", "/experts")]

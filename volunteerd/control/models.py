@@ -36,6 +36,7 @@ __all__ = [
     "ScheduleStatus",
     "ScheduleView",
     "SnoozeBody",
+    "Staleness",
     "Stats",
     "StatsBucket",
     "Status",
@@ -237,6 +238,37 @@ class Activity(_Reply):
     hint: str = ""
 
 
+class Staleness(_Reply):
+    """How stale the gradients the experts applied were, over the experts hosted now:
+    for each backward through a kept forward, the optimizer updates its expert took
+    between the forward and the backward (other trainers' backwards, and the same
+    trainer's other batches in flight). Stateless backwards are counted apart."""
+
+    backwards: int = 0  # backwards through kept forwards measured
+    mean: float | None = None  # None: none yet
+    max: int = 0
+    # "0", "1", "2-3", "4-7", "8+" -> backwards
+    histogram: dict[str, int] = {}
+    stateless: int = 0  # stateless backwards (their staleness is unknown)
+
+    @classmethod
+    def combined(cls, views: list[Staleness]) -> Staleness:
+        """Several daemons' staleness as one (e.g. the whole swarm's)."""
+        backwards = sum(v.backwards for v in views)
+        total = sum(v.mean * v.backwards for v in views if v.mean is not None)
+        histogram: dict[str, int] = {}
+        for v in views:
+            for bucket, count in v.histogram.items():
+                histogram[bucket] = histogram.get(bucket, 0) + count
+        return cls(
+            backwards=backwards,
+            mean=total / backwards if backwards else None,
+            max=max((v.max for v in views), default=0),
+            histogram=histogram,
+            stateless=sum(v.stateless for v in views),
+        )
+
+
 class ProjectView(_Reply):
     name: str  # the experiment
     owner: str  # the peer id whose signed manifest is trusted
@@ -279,6 +311,7 @@ class Status(_Reply):
     today: Totals  # since local midnight, including the last few unflushed seconds
     schedule: ScheduleStatus = ScheduleStatus()
     activity: Activity  # what it does for the volunteer, honestly (server/activity.py)
+    staleness: Staleness = Staleness()  # since the daemon started, experts hosted now
 
 
 class ExpertView(_Reply):
@@ -292,6 +325,9 @@ class ExpertView(_Reply):
     waiting: int  # requests queued now
     replicas: int | None  # other peers announcing this uid (None: not looked up yet)
     checkpoint_age_s: float | None  # None: never saved
+    # updates between a kept forward and its backward, since start (None: none yet)
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
 
 
 class PeerView(_Reply):

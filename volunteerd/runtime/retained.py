@@ -8,6 +8,13 @@ inputs again. Entries are dropped after ``retain_s``, when the byte budget needs
 without being kept. A handle that is gone, belongs to another expert or was
 issued to another peer is simply unknown, and the trainer falls back to the stateless
 backward (sending the inputs).
+
+Each entry also remembers the expert's update count when its forward ran: the backward
+that takes it is applied ``updates now - updates then`` optimizer steps later (the
+gradient's *staleness* at the expert: the other trainers' and the other batches'
+backwards in between). ``StalenessMeter`` counts them per expert: a few integer ops per
+backward. A stateless backward recomputes the forward on the current weights; which
+weights the trainer's forward saw is unknown there, so those are counted apart.
 """
 
 from __future__ import annotations
@@ -20,7 +27,17 @@ from dataclasses import dataclass
 
 from volunteerd.experts import Retained
 
-__all__ = ["RetainedStats", "RetainedStore"]
+__all__ = [
+    "STALENESS_BUCKETS",
+    "Kept",
+    "RetainedStats",
+    "RetainedStore",
+    "StalenessMeter",
+    "StalenessStats",
+]
+
+# The histogram's buckets of staleness (updates between a forward and its backward).
+STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8+")
 
 
 @dataclass(slots=True)
@@ -29,6 +46,16 @@ class _Entry:
     peer_id: str
     retained: Retained
     expires_at: float
+    version: int  # the expert's ``updates`` when the forward ran
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """What ``RetainedStore.take`` hands back: the kept forward, and the expert's
+    ``updates`` when it ran."""
+
+    retained: Retained
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +113,17 @@ class RetainedStore:
         self._nbytes -= reserved
 
     def put(
-        self, uid: str, peer_id: str, retained: Retained, reserved: int = 0, samples: int = 0
+        self,
+        uid: str,
+        peer_id: str,
+        retained: Retained,
+        reserved: int = 0,
+        samples: int = 0,
+        version: int = 0,
     ) -> str | None:
         """Keep ``retained`` in place of the ``reserved`` bytes; returns its handle, or
-        None if it cannot fit."""
+        None if it cannot fit. ``version``: the expert's ``updates`` when the forward
+        ran (``take`` returns it)."""
         self._nbytes -= reserved
         if samples:
             per_row = -(-retained.nbytes // samples)
@@ -106,11 +140,12 @@ class RetainedStore:
             self._refused += 1
             return None
         handle = secrets.token_hex(16)
-        self._entries[handle] = _Entry(uid, peer_id, retained, self._clock() + self._ttl_s)
+        expires_at = self._clock() + self._ttl_s
+        self._entries[handle] = _Entry(uid, peer_id, retained, expires_at, version)
         self._charge(retained, +1)
         return handle
 
-    def take(self, handle: str, uid: str, peer_id: str) -> Retained | None:
+    def take(self, handle: str, uid: str, peer_id: str) -> Kept | None:
         """The entry for ``handle`` if it is alive and was issued to this peer for this
         expert (and then removed); otherwise None, and the entry stays for its owner."""
         self.expire()
@@ -120,7 +155,7 @@ class RetainedStore:
             return None
         self._drop(handle)
         self._hits += 1
-        return entry.retained
+        return Kept(entry.retained, entry.version)
 
     def clear(self) -> None:
         for handle in list(self._entries):
@@ -167,3 +202,67 @@ class RetainedStore:
                 return
             self._drop(handle)
             self._evicted += 1
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessStats:
+    """Staleness at one expert (or summed over several): over the backwards through
+    kept forwards, how many optimizer updates the expert took between the forward and
+    the backward. ``histogram`` counts them by ``STALENESS_BUCKETS``; ``stateless``
+    counts the stateless backwards (staleness unknown, not in the others)."""
+
+    count: int = 0
+    total: int = 0  # sum of the staleness of the ``count`` backwards
+    max: int = 0
+    histogram: tuple[int, ...] = (0,) * len(STALENESS_BUCKETS)
+    stateless: int = 0
+
+    @property
+    def mean(self) -> float | None:
+        """None before the first backward through a kept forward."""
+        return self.total / self.count if self.count else None
+
+    @property
+    def by_bucket(self) -> dict[str, int]:
+        """The histogram keyed by ``STALENESS_BUCKETS`` ("0", "1", "2-3", "4-7", "8+")."""
+        return dict(zip(STALENESS_BUCKETS, self.histogram, strict=True))
+
+    def __add__(self, other: StalenessStats) -> StalenessStats:
+        return StalenessStats(
+            self.count + other.count,
+            self.total + other.total,
+            max(self.max, other.max),
+            tuple(a + b for a, b in zip(self.histogram, other.histogram, strict=True)),
+            self.stateless + other.stateless,
+        )
+
+
+class StalenessMeter:
+    """Counts one expert's staleness. ``record`` runs on the device's worker as each
+    backward runs; ``statistics`` may read from another thread (a snapshot that may be
+    one backward behind)."""
+
+    __slots__ = ("_count", "_histogram", "_max", "_stateless", "_total")
+
+    def __init__(self) -> None:
+        self._count = self._total = self._max = self._stateless = 0
+        self._histogram = [0] * len(STALENESS_BUCKETS)
+
+    def record(self, staleness: int) -> None:
+        """One backward through a kept forward, ``staleness`` updates after it (a
+        negative one, after a restore from an older checkpoint, counts as 0)."""
+        staleness = max(0, staleness)
+        self._count += 1
+        self._total += staleness
+        if staleness > self._max:
+            self._max = staleness
+        # 0 -> 0, 1 -> 1, 2..3 -> 2, 4..7 -> 3, 8+ -> 4
+        self._histogram[min(staleness.bit_length(), len(STALENESS_BUCKETS) - 1)] += 1
+
+    def record_stateless(self, backwards: int = 1) -> None:
+        self._stateless += backwards
+
+    def statistics(self) -> StalenessStats:
+        return StalenessStats(
+            self._count, self._total, self._max, tuple(self._histogram), self._stateless
+        )

@@ -16,6 +16,12 @@ breaks the weights is refused or undone and the guard blames and bans its sender
 non-finite all the same (which the bounds rule out: the check of the check) cannot be
 undone: the expert refuses requests (``Busy``) until it is restored from its newest
 checkpoint, or to its seeded weights when it has none.
+
+Per expert the runtime counts the staleness of its gradients (``ExpertStats.staleness``):
+for each backward through a kept forward, the optimizer updates the expert took between
+that forward and the backward (other trainers' backwards, and this trainer's other
+batches in flight), read on the worker as each runs. Stateless backwards are counted
+apart (their forward's weights are unknown here). See decision 0012.
 """
 
 from __future__ import annotations
@@ -45,7 +51,12 @@ from volunteerd.experts.stepcheck import StepCheck, StepOutcome
 from volunteerd.runtime.batching import BatchQueue, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
 from volunteerd.runtime.guard import RequestGuard, Sender
-from volunteerd.runtime.retained import RetainedStats, RetainedStore
+from volunteerd.runtime.retained import (
+    RetainedStats,
+    RetainedStore,
+    StalenessMeter,
+    StalenessStats,
+)
 from volunteerd.wire import (
     Compression,
     ExpertInfo,
@@ -76,6 +87,7 @@ class ExpertStats:
     updates: int
     compute_s: float  # worker time of its batches and optimizer steps
     last_used: float | None  # time.time() of its last request
+    staleness: StalenessStats  # updates between a kept forward and its backward
 
 
 def _cat(columns: list[Tensors]) -> Tensors:
@@ -105,6 +117,7 @@ class _Hosted:
         # Set on the worker when a step left the weights non-finite and could not be
         # undone: no batch of this expert runs until it is restored.
         self.broken = False
+        self.staleness = StalenessMeter()  # recorded on the worker
         n_in = len(backend.info.inputs)
 
         def forward(items: list[Tensors]) -> list[Tensors]:
@@ -118,18 +131,28 @@ class _Hosted:
                 self.senders.extend(sender for _, sender in items)
                 joined = _cat([tensors for tensors, _ in items])
                 grads = backend.backward(joined[:n_in], joined[n_in:])
+                self.staleness.record_stateless(len(items))
                 return _split(grads, [t[0].shape[0] for t, _ in items])
 
-        def forward_retained(items: list[Tensors]) -> list[tuple[Tensors, Retained]]:
+        def forward_retained(items: list[Tensors]) -> list[tuple[Tensors, Retained, int]]:
             self.refuse_if_broken()
             with self.timed():
-                return [backend.forward_retained(item) for item in items]
+                # read here, on the worker: no step can run between it and the forward
+                version = backend.updates
+                return [(*backend.forward_retained(item), version) for item in items]
 
-        def backward_retained(items: list[tuple[Retained, Tensors, Sender]]) -> list[Tensors]:
+        def backward_retained(
+            items: list[tuple[Retained, Tensors, Sender, int]],
+        ) -> list[Tensors]:
             self.refuse_if_broken()
             with self.timed():
-                self.senders.extend(sender for _, _, sender in items)
-                return backend.backward_retained([(kept, grads) for kept, grads, _ in items])
+                self.senders.extend(item[2] for item in items)
+                grads = backend.backward_retained([(kept, g) for kept, g, _, _ in items])
+                # the next step (updates + 1) applies them: staleness = updates since
+                # each forward
+                for _, _, _, version in items:
+                    self.staleness.record(backend.updates - version)
+                return grads
 
         uid = backend.uid
         self.forward = BatchQueue(f"{uid}/forward", forward, executor, config)
@@ -358,11 +381,13 @@ class ExpertRuntime:
             reserved = self.retained.reserve(uid, samples, input_bytes)
         if reserved is not None:
             try:
-                outputs, kept = await hosted.forward_retained.submit(inputs, samples=samples)
+                outputs, kept, version = await hosted.forward_retained.submit(
+                    inputs, samples=samples
+                )
             except BaseException:
                 self.retained.release(reserved)
                 raise
-            handle = self.retained.put(uid, peer_id, kept, reserved, samples)
+            handle = self.retained.put(uid, peer_id, kept, reserved, samples, version)
             return _reply(outputs, compression, handle)
         outputs = await hosted.forward.submit(inputs, samples=samples, shape_key=shape)
         return _reply(outputs, compression)
@@ -392,13 +417,13 @@ class ExpertRuntime:
             kept = self.retained.take(handle, uid, peer_id)
             if kept is None:
                 raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
-            if tuple(kept.output.shape) != metas[0].shape:
+            if tuple(kept.retained.output.shape) != metas[0].shape:
                 raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
             grads, loudest = self.guard.filter_gradients(
                 uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs])
             )
             result = await hosted.backward_retained.submit(
-                (kept, grads, Sender(peer_id, loudest)), samples=samples
+                (kept.retained, grads, Sender(peer_id, loudest), kept.version), samples=samples
             )
             self._step_soon(hosted)
             return _reply(result, compression)
@@ -505,9 +530,14 @@ class ExpertRuntime:
                 h.backend.updates,
                 h.compute_s,
                 h.last_used,
+                h.staleness.statistics(),
             )
             for uid, h in self._experts.items()
         ]
+
+    def staleness_statistics(self) -> StalenessStats:
+        """Staleness summed over the experts hosted now."""
+        return sum((h.staleness.statistics() for h in self._experts.values()), StalenessStats())
 
     def retained_statistics(self) -> RetainedStats:
         return self.retained.statistics()

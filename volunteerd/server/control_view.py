@@ -45,6 +45,7 @@ from volunteerd.control.models import (
     ScheduleChange,
     ScheduleStatus,
     ScheduleView,
+    Staleness,
     Stats,
     StatsBucket,
     Status,
@@ -183,6 +184,7 @@ class ControlView:
             ),
             today=_totals(store.current(_local_midnight(now))),
             schedule=self._schedule_status(),
+            staleness=self._staleness(),
         )
         signals = Signals(
             experts=len(fields["experts"]),
@@ -217,9 +219,23 @@ class ControlView:
                     waiting=stats.forward.waiting + stats.backward.waiting,
                     replicas=self._replicas.get(stats.uid),
                     checkpoint_age_s=None if saved is None else max(0.0, now - saved),
+                    staleness_mean=stats.staleness.mean,
+                    staleness_max=stats.staleness.max if stats.staleness.count else None,
                 )
             )
         return views
+
+    def _staleness(self) -> Staleness:
+        if self._runtime is None:
+            return Staleness()
+        s = self._runtime.staleness_statistics()
+        return Staleness(
+            backwards=s.count,
+            mean=s.mean,
+            max=s.max,
+            histogram=s.by_bucket,
+            stateless=s.stateless,
+        )
 
     def peers(self) -> list[PeerView]:
         refused: dict[str, int] = {}
