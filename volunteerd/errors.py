@@ -26,7 +26,8 @@
     │   ├── PeerUnreachable    could not open a stream to the peer
     │   ├── RequestTimeout     the peer did not answer in time
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
-    │   └── ShardError         a shard download failed (bad bytes, or the peer kept failing)
+    │   ├── ShardError         a shard download failed (bad bytes, or the peer kept failing)
+    │   └── TrainerStateError  another trainer's state is not usable (too large, not a trainer's)
     ├── NoExpertsAvailable     no expert of a layer is alive or answers (a trainer skips the step)
     ├── ModelDiverging         the output checks refused every answer, blaming no peer
     ├── ShuttingDown           the service is stopping                -> "shutting_down"
@@ -72,6 +73,7 @@ __all__ = [
     "ShardError",
     "ShuttingDown",
     "SnapshotExpired",
+    "TrainerStateError",
     "UnknownExpert",
     "UnsupportedVersion",
     "UntrustedManifest",
@@ -258,6 +260,11 @@ class ShardError(PeerError):
     def __init__(self, message: str, *, resumable: bool) -> None:
         super().__init__(message)
         self.resumable = resumable
+
+
+class TrainerStateError(PeerError):
+    """Another trainer's published state or info cannot be used: larger than allowed,
+    not a trainer's checkpoint, or an answer for another experiment."""
 
 
 # Codes a peer may send us; anything else is reported as "internal".

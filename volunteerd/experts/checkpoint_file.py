@@ -50,6 +50,7 @@ __all__ = [
     "CheckpointHeader",
     "CheckpointStore",
     "ExpertState",
+    "decode_checkpoint",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -202,36 +203,41 @@ def write_checkpoint(path: Path, state: ExpertState) -> None:
 def read_checkpoint(path: Path) -> ExpertState:
     """Read and verify one checkpoint file. Raises CheckpointError saying what is wrong
     (truncated, checksum mismatch, unknown format); OSError when it cannot be read."""
-    data = path.read_bytes()
+    return decode_checkpoint(path.read_bytes(), path.name)
+
+
+def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> ExpertState:
+    """Verify and decode a checkpoint's bytes (``encode_checkpoint``'s, joined); raises
+    CheckpointError as ``read_checkpoint`` does, naming ``name``."""
     if len(data) < _PREFIX.size:
-        raise CheckpointError(f"{path.name}: truncated ({len(data)} bytes)")
+        raise CheckpointError(f"{name}: truncated ({len(data)} bytes)")
     magic, header_len, header_sha = _PREFIX.unpack_from(data)
     if magic != MAGIC:
-        raise CheckpointError(f"{path.name}: not a volunteerd checkpoint (bad magic)")
+        raise CheckpointError(f"{name}: not a volunteerd checkpoint (bad magic)")
     if header_len > _MAX_HEADER_BYTES:
-        raise CheckpointError(f"{path.name}: header of {header_len} bytes is too large")
+        raise CheckpointError(f"{name}: header of {header_len} bytes is too large")
     start = _PREFIX.size
     raw = data[start : start + header_len]
     if len(raw) != header_len:
-        raise CheckpointError(f"{path.name}: truncated header")
+        raise CheckpointError(f"{name}: truncated header")
     if hashlib.sha256(raw).digest() != header_sha:
-        raise CheckpointError(f"{path.name}: header checksum mismatch")
+        raise CheckpointError(f"{name}: header checksum mismatch")
     try:
         header = CheckpointHeader.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise CheckpointError(f"{path.name}: bad header: {where}: {first['msg']}") from None
+        raise CheckpointError(f"{name}: bad header: {where}: {first['msg']}") from None
     payload = memoryview(data)[start + header_len :]
     if payload.nbytes != header.payload_bytes:
         raise CheckpointError(
-            f"{path.name}: payload is {payload.nbytes} bytes, header says {header.payload_bytes}"
+            f"{name}: payload is {payload.nbytes} bytes, header says {header.payload_bytes}"
         )
     if sum(e.nbytes for e in header.tensors) != header.payload_bytes:
-        raise CheckpointError(f"{path.name}: tensor sizes do not add up to the payload")
+        raise CheckpointError(f"{name}: tensor sizes do not add up to the payload")
     if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
-        raise CheckpointError(f"{path.name}: payload checksum mismatch")
-    return _state_from(header, payload, path.name)
+        raise CheckpointError(f"{name}: payload checksum mismatch")
+    return _state_from(header, payload, name)
 
 
 def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> ExpertState:

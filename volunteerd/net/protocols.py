@@ -32,6 +32,8 @@ from volunteerd.wire import (
     ShardReply,
     ShardRequest,
     TensorReply,
+    TrainerInfo,
+    TrainerInfoRequest,
 )
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
@@ -51,6 +53,7 @@ class Verb(StrEnum):
     MANIFEST_STORE = "manifest-store"
     MANIFEST_FIND = "manifest-find"
     SHARD = "shard"
+    TRAINER_INFO = "trainer-info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,5 +128,14 @@ PROTOCOLS: dict[Verb, ProtocolSpec] = {
         # The reply's body is raw bytes (a chunk of a checkpoint), not tensors:
         # read it with RpcClient.call_raw.
         ProtocolSpec(Verb.SHARD, "/volunteerd/shard/1", ShardRequest, ShardReply, False, True),
+        # Served by trainers to the experiment's other trainers (swarm/trainers.py).
+        ProtocolSpec(
+            Verb.TRAINER_INFO,
+            "/volunteerd/trainer-info/1",
+            TrainerInfoRequest,
+            TrainerInfo,
+            False,
+            True,
+        ),
     )
 }

@@ -144,6 +144,7 @@ class RpcServer:
         self._inflight_bytes = 0
         self._inflight_budget = limits.max_inflight_mib << 20
         self._charged: dict[int, int] = {}  # by id(stream): one request at a time each
+        self._installed = False
 
     def open_streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
@@ -151,15 +152,34 @@ class RpcServer:
 
     def install(self) -> None:
         """Register one stream handler per verb with the host."""
+        self._installed = True
         for verb in self._handlers:
-            spec = PROTOCOLS[verb]
+            self._install(verb)
 
-            async def on_stream(stream: Stream, spec: ProtocolSpec = spec) -> None:
-                if self._throttle is not None:
-                    stream = self._throttle.wrap(stream)
-                await self._serve_stream(spec, stream)
+    def add(self, handlers: Mapping[Verb, Handler]) -> None:
+        """Serve more verbs (a trainer's, on a node already running); registered with
+        the host at once if ``install`` was called. Raises ValueError for a verb that is
+        served already (one handler per verb, never replaced)."""
+        taken = sorted(verb for verb in handlers if verb in self._handlers)
+        if taken:
+            raise ValueError(f"verbs served already: {', '.join(taken)}")
+        for verb, handler in handlers.items():
+            self._handlers[verb] = handler
+            self._body_caps[verb] = (
+                self._limits.max_body_bytes if verb in REQUESTS_WITH_TENSORS else 0
+            )
+            if self._installed:
+                self._install(verb)
 
-            self._host.set_stream_handler(spec.protocol_id, on_stream)
+    def _install(self, verb: Verb) -> None:
+        spec = PROTOCOLS[verb]
+
+        async def on_stream(stream: Stream) -> None:
+            if self._throttle is not None:
+                stream = self._throttle.wrap(stream)
+            await self._serve_stream(spec, stream)
+
+        self._host.set_stream_handler(spec.protocol_id, on_stream)
 
     async def _serve_stream(self, spec: ProtocolSpec, stream: Stream) -> None:
         peer_id = stream.remote_peer_id

@@ -18,6 +18,9 @@ Client: ``download_shard`` writes the chunks to ``<dest>.partial`` with a sideca
 a dropped connection, a cancellation or a process restart, resumes from the bytes on
 disk. The whole file's SHA-256 is checked at the end before it is renamed to ``dest``.
 
+``fetch_shard`` downloads a (small) snapshot into memory instead, with the same checks
+and no partial file: trainers fetch each other's parameters this way every round.
+
 Every byte travels over the RPC client's streams, so the node's per-stream bandwidth
 limits apply; chunks of 1 MiB keep throttling smooth.
 """
@@ -32,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import trio
 from libp2p.exceptions import BaseLibp2pError
@@ -59,6 +62,7 @@ __all__ = [
     "ShardStats",
     "Snapshot",
     "download_shard",
+    "fetch_shard",
     "partial_paths",
 ]
 
@@ -368,7 +372,8 @@ async def download_shard(
                 uid=uid,
                 sha256=partial.sha256,
                 offset=partial.offset,
-                length=min(chunk_bytes, partial.remaining(chunk_bytes)),
+                # Before the size is known, never ask for more than max_bytes.
+                length=min(chunk_bytes, partial.remaining(max_bytes)),
             )
             try:
                 reply, body = await rpc.call_raw(peer, Verb.SHARD, request)
@@ -401,6 +406,113 @@ async def download_shard(
         partial.close()
 
 
+async def fetch_shard(
+    rpc: RpcClient,
+    peer: PeerAddress,
+    uid: str,
+    *,
+    max_bytes: int,
+    chunk_bytes: int = 1 << 20,
+    retries: int = 2,
+    backoff_s: float = 0.25,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> bytearray:
+    """Download the snapshot ``uid`` from ``peer`` into memory and return its bytes.
+
+    Like ``download_shard`` without a file: every chunk comes from one snapshot (the
+    ``sha256`` of the first reply), a snapshot over ``max_bytes`` is refused from the
+    first reply's ``total`` (that first chunk is at most ``max_bytes`` too), before more
+    is asked for or a buffer is allocated, and the whole SHA-256 is checked at the end.
+    A dropped stream, a timeout or a ``busy``/``rate_limited`` answer is retried
+    ``retries`` times in a row; an ``expired`` snapshot starts the download again.
+    ``on_chunk(received, total)`` is called after each chunk. Bound the whole call with
+    ``trio.fail_after``.
+
+    Raises RemoteError (e.g. ``unknown_expert``), PeerError when the peer cannot be
+    reached, and ShardError when it keeps failing, when its replies contradict each
+    other, when the snapshot is larger than ``max_bytes`` or its bytes do not match
+    their SHA-256.
+    """
+    if chunk_bytes < 1:
+        raise ValueError("chunk_bytes must be positive")
+    chunk_bytes = min(chunk_bytes, MAX_SHARD_CHUNK)
+    where = f"shard {uid} from {short(peer.peer_id)}"
+    progress = _InMemory(uid)
+    failures = restarts = 0
+    while progress.total is None or progress.offset < progress.total:
+        request = ShardRequest(
+            uid=uid,
+            sha256=progress.sha256,
+            offset=progress.offset,
+            # Before the size is known, never ask for more than max_bytes.
+            length=min(chunk_bytes, progress.remaining(max_bytes)),
+        )
+        try:
+            reply, body = await rpc.call_raw(peer, Verb.SHARD, request)
+        except RemoteError as exc:
+            if exc.code == "expired" and progress.sha256 is not None:
+                logger.info("%s: snapshot expired on the peer; starting again", where)
+                progress = _InMemory(uid)
+                restarts = _restart(restarts, where)
+                continue
+            if exc.code not in _RETRY_CODES:
+                raise
+            failures = await _backoff(failures, retries, backoff_s, where, exc)
+            continue
+        except (PeerError, BaseLibp2pError) as exc:  # a dropped stream or connection
+            failures = await _backoff(failures, retries, backoff_s, where, exc)
+            continue
+        if progress.sha256 is None and reply.total > max_bytes:
+            too_large = f"{where}: {reply.total} bytes, more than {max_bytes}"
+            raise ShardError(too_large, resumable=False)
+        _check_reply(reply, body, request, progress, where)
+        if progress.sha256 is None:
+            progress.start(reply.sha256, reply.total)
+        progress.write(body)
+        failures = 0
+        if on_chunk is not None:
+            on_chunk(progress.offset, reply.total)
+    data = progress.finish()
+    if await trio.to_thread.run_sync(_sha256_hex, data) != progress.sha256:
+        raise ShardError(f"{where}: the bytes received do not match their sha256", resumable=False)
+    return data
+
+
+class _Progress(Protocol):
+    """What ``_check_reply`` needs to know of a download in progress."""
+
+    sha256: str | None
+    total: int | None
+    expected: str | None
+
+
+class _InMemory:
+    """``fetch_shard``'s download so far: one buffer of the snapshot's size."""
+
+    def __init__(self, uid: str) -> None:
+        self.uid = uid
+        self.expected: str | None = None
+        self.sha256: str | None = None
+        self.total: int | None = None
+        self.offset = 0
+        self._buffer = bytearray()
+
+    def remaining(self, default: int) -> int:
+        return default if self.total is None else self.total - self.offset
+
+    def start(self, sha256: str, total: int) -> None:
+        self.sha256, self.total = sha256, total
+        self._buffer = bytearray(total)
+
+    def write(self, data: memoryview) -> None:
+        self._buffer[self.offset : self.offset + data.nbytes] = data
+        self.offset += data.nbytes
+
+    def finish(self) -> bytearray:
+        data, self._buffer = self._buffer, bytearray()
+        return data
+
+
 def _restart(restarts: int, where: str) -> int:
     if restarts >= _MAX_RESTARTS:
         raise ShardError(f"{where}: started again {restarts} times; giving up", resumable=False)
@@ -420,7 +532,7 @@ async def _backoff(
 
 
 def _check_reply(
-    reply: ShardReply, body: memoryview, request: ShardRequest, partial: _Partial, where: str
+    reply: ShardReply, body: memoryview, request: ShardRequest, partial: _Progress, where: str
 ) -> None:
     """Refuse a reply that does not continue the download it answers."""
     problem = None

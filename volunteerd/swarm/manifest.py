@@ -30,6 +30,11 @@ The TOML file holds the manifest's fields except ``owner``, ``issued_at`` and
 ``description``, ``homepage`` and ``owner_name`` are what a volunteer is shown before
 joining and while helping ("Helping: <description> by <owner_name>"); they are
 optional, so manifests published before they existed still parse.
+
+``rendezvous`` (optional, a valid uid such as ``"stdlib_trainers.0"``) is the DHT key
+under which the experiment's trainers find each other (``swarm/trainers.py``); empty,
+they use one derived from the name (``rendezvous_key(name)``). An empty one is left out
+of the signed body, so daemons that predate the field still accept the manifest.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class ExperimentManifest(BaseModel):
     compression: Compression = "none"
     replication: int = Field(2, ge=1, le=64)
     seed: int = Field(0, ge=0, lt=2**63)
+    rendezvous: str = Field("", max_length=uids.MAX_UID_LENGTH)
     owner: str = Field("", max_length=128)
     issued_at: float = 0.0
     expires_at: float = 0.0
@@ -133,6 +139,8 @@ class ExperimentManifest(BaseModel):
         first = self.layer_names()[-1]
         if not uids.is_valid_uid(first + "".join(f".{g - 1}" for g in self.grid)):
             raise ValueError(f"uid_prefix {self.uid_prefix!r} does not make valid expert uids")
+        if self.rendezvous and not uids.is_valid_uid(self.rendezvous):
+            raise ValueError(f"rendezvous {self.rendezvous!r} is not a valid uid (e.g. 'x.0')")
         if self.expert_type == "transformer" and self.hidden_dim % self.num_heads:
             raise ValueError("hidden_dim must be a multiple of num_heads")
         return self
@@ -200,7 +208,12 @@ def load_manifest_file(path: Path, *, owner: str, now: float | None = None) -> E
 
 
 def _canonical(manifest: ExperimentManifest) -> str:
-    return json.dumps(manifest.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    # Optional fields added later are left out when unset: older readers refuse keys
+    # they do not know.
+    body = manifest.model_dump(
+        mode="json", exclude=set() if manifest.rendezvous else {"rendezvous"}
+    )
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
 def sign_manifest(manifest: ExperimentManifest, identity: Identity) -> ManifestRecord:

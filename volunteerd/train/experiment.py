@@ -23,7 +23,15 @@ from volunteerd import uids
 from volunteerd.config import OptimizerConfig
 from volunteerd.errors import ConfigError
 
-__all__ = ["DataConfig", "Experiment", "ModelConfig", "TrainingConfig", "load_experiment"]
+__all__ = [
+    "AveragingConfig",
+    "DataConfig",
+    "Experiment",
+    "ModelConfig",
+    "SwarmConfig",
+    "TrainingConfig",
+    "load_experiment",
+]
 
 
 class _Model(BaseModel):
@@ -141,6 +149,15 @@ class TrainingConfig(_Model):
         "into in_flight micro-batches computed from the same weights, one update when all "
         "are done (synchronous, as one batch)",
     )
+    data_shard: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description="which stream of training batches this trainer draws (with seed); "
+        "unset: 0 without a swarm, and derived from the trainer's peer id on one, so "
+        "several trainers of an experiment learn from different batches. Validation "
+        "batches are the same for every shard",
+    )
 
     @model_validator(mode="after")
     def _micro_batches(self) -> Self:
@@ -159,10 +176,62 @@ class SwarmConfig(_Model):
     trusted_owners: list[str] = Field(
         default_factory=list, description="peer ids whose manifests are accepted"
     )
+    rendezvous: str = Field(
+        "",
+        description="the DHT key under which this experiment's trainers find each other "
+        "(default: derived from the name)",
+    )
+
+    @model_validator(mode="after")
+    def _rendezvous_key(self) -> Self:
+        if self.rendezvous and not uids.is_valid_uid(self.rendezvous):
+            raise ValueError(
+                f"rendezvous {self.rendezvous!r} must be a valid expert uid, like 'mytrainers.0'"
+            )
+        return self
+
+
+class AveragingConfig(_Model):
+    """Decentralized averaging of the trainer-side weights with the experiment's other
+    trainers (docs/training.md): small random groups, centered clipping."""
+
+    enabled: bool = Field(True, description="average with the experiment's other trainers")
+    every_s: float = Field(
+        20.0, gt=0, le=86_400, description="seconds between rounds (jittered +-20 %)"
+    )
+    group_size: int = Field(
+        3, ge=2, le=64, description="this trainer and up to group_size - 1 others per round"
+    )
+    clip_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=10,
+        description="centered clipping bound: another trainer moves a tensor by at most "
+        "clip_ratio * |own| / n",
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="a peer that has not answered by then is left out of the round"
+    )
+    join_from_peers: bool = Field(
+        True, description="a late trainer starts from a peer's state, not from the seed"
+    )
+    max_state_mb: float = Field(
+        1024, gt=0, description="refuse larger snapshots (parameters, or state to join from)"
+    )
+
+    @property
+    def max_state_bytes(self) -> int:
+        return int(self.max_state_mb * (1 << 20))
 
 
 class Experiment(_Model):
-    name: str = "stdlib-chars"
+    name: str = Field(
+        "stdlib-chars",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="the experiment's name: its trainers find each other by it",
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -171,6 +240,7 @@ class Experiment(_Model):
         description="the optimizer the daemons use for this experiment's experts",
     )
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig)
 
 
 def load_experiment(path: Path) -> Experiment:

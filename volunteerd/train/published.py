@@ -74,7 +74,10 @@ def apply_manifest(experiment: Experiment, manifest: ExperimentManifest) -> Expe
         )
     except ValueError as exc:
         raise ConfigError(f"manifest {manifest.name!r} does not fit the model: {exc}") from None
-    return experiment.model_copy(update={"model": model, "experts": manifest.optimizer})
+    update: dict[str, object] = {"model": model, "experts": manifest.optimizer}
+    if manifest.rendezvous:  # where the experiment's trainers find each other
+        update["swarm"] = experiment.swarm.model_copy(update={"rendezvous": manifest.rendezvous})
+    return experiment.model_copy(update=update)
 
 
 def resolve_manifest(

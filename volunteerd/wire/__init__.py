@@ -23,6 +23,8 @@ from volunteerd.wire.messages import (
     ShardReply,
     ShardRequest,
     TensorReply,
+    TrainerInfo,
+    TrainerInfoRequest,
     Uid,
 )
 from volunteerd.wire.tensors import (
@@ -69,6 +71,8 @@ __all__ = [
     "TensorMeta",
     "TensorReply",
     "TensorSchema",
+    "TrainerInfo",
+    "TrainerInfoRequest",
     "Uid",
     "WireDType",
     "WireTensor",

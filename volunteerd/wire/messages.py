@@ -30,6 +30,8 @@ __all__ = [
     "ShardReply",
     "ShardRequest",
     "TensorReply",
+    "TrainerInfo",
+    "TrainerInfoRequest",
     "Uid",
 ]
 
@@ -198,3 +200,30 @@ class ShardReply(_Wire):
         if self.offset + self.length > self.total:
             raise ValueError(f"{self.length} bytes at {self.offset} of {self.total}")
         return self
+
+
+# An experiment's name as trainers say it: printable, bounded (names of published
+# manifests follow records.NAME_PATTERN; a local experiment's name may be any text).
+ExperimentName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Count = Annotated[int, Field(ge=0, le=1 << 62)]
+
+
+class TrainerInfoRequest(_Wire):
+    """Ask a trainer how far it is; ``experiment`` is the asker's: a trainer of
+    another experiment answers ``unknown_expert``, not its info."""
+
+    experiment: ExperimentName
+
+
+class TrainerInfo(_Wire):
+    """What a trainer says about itself to the experiment's other trainers: ``version``
+    is the updates it applied, ``tokens`` the tokens it trained on, ``rounds`` the
+    averaging rounds it completed, ``data_shard`` the shard of the data it draws from."""
+
+    status: Literal["ok"] = "ok"
+    experiment: ExperimentName
+    version: Count
+    tokens: Count
+    tokens_per_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    rounds: Count
+    data_shard: Count
