@@ -9,6 +9,8 @@ clipping* around its own weights, tensor by tensor::
     new = own + 1/n * sum_i clip(w_i - own, tau)      n = replicas averaged, self included
     clip(v, tau) = v * min(1, tau / |v|)              tau = clip_ratio * max(|own|, 0.01*sqrt numel)
 
+(``experts.clipping.centered_clip``: the one implementation, which trainers use too.)
+
 Replicas that trained on similar data are within tau of each other and are averaged
 exactly; a replica that is far away (broken, or malicious: weights x1e3, noise) pulls
 each tensor by at most tau/n per round. The whole move is at most tau*(n-1)/n. The new
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +35,7 @@ import trio
 from volunteerd.config import ReplicasConfig
 from volunteerd.errors import VolunteerdError
 from volunteerd.experts import ExpertBackend, from_wire
+from volunteerd.experts.clipping import Params, centered_clip
 from volunteerd.runtime.service import ExpertRuntime
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply
@@ -45,11 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["AveragingStats", "ReplicaAverager", "ReplicaSource", "centered_clip"]
 
 logger = logging.getLogger(__name__)
-
-Params = dict[str, torch.Tensor]
-# tau is never below this fraction of sqrt(numel): a tensor of zeros (a fresh bias)
-# can still move.
-_MIN_RMS = 0.01
 
 
 class ReplicaSource(Protocol):
@@ -82,33 +79,6 @@ class _Counters:
     rejected_by_peer: dict[str, int] = field(default_factory=dict)
     clipped_by_peer: dict[str, int] = field(default_factory=dict)
     last_shift: dict[str, float] = field(default_factory=dict)
-
-
-def _tau(own: torch.Tensor, clip_ratio: float) -> float:
-    return clip_ratio * max(float(own.norm()), _MIN_RMS * math.sqrt(own.numel()))
-
-
-def centered_clip(
-    own: Params, others: Sequence[Params], clip_ratio: float
-) -> tuple[Params, list[int]]:
-    """One step of centered clipping around ``own``; returns the new weights and, per
-    replica in ``others``, how many of its tensors were clipped. ``others`` must have
-    ``own``'s names and shapes (on any device)."""
-    n = len(others) + 1
-    clipped = [0] * len(others)
-    out: Params = {}
-    for name, x in own.items():
-        tau = _tau(x, clip_ratio)
-        total = torch.zeros_like(x)
-        for i, replica in enumerate(others):
-            delta = replica[name].to(x.device, x.dtype) - x
-            norm = float(delta.norm())
-            if norm > tau:
-                delta.mul_(tau / norm)
-                clipped[i] += 1
-            total += delta
-        out[name] = x + total / n
-    return out, clipped
 
 
 class ReplicaAverager:

@@ -9,12 +9,14 @@ curve compares like with like.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from volunteerd.moe import (
     SwarmClient,
     grid_uids,
 )
+from volunteerd.train.averaging import TrainerAverager, data_shard_of
 from volunteerd.train.data import Corpus
 from volunteerd.train.experiment import Experiment
 from volunteerd.train.model import MoETransformerLM
@@ -119,6 +122,31 @@ class TrainSummary:
     # updates between a step's forward and its update, over the steps applied
     mean_staleness: float = 0.0
     max_staleness_seen: int = 0
+    # several trainers of one experiment (docs/training.md): the most seen active at
+    # once (itself included), averaging rounds completed with >= 1 peer, peers summed
+    # over them, the last round (seconds after the start of training) and its peers
+    trainers: int = 1
+    averaging_rounds: int = 0
+    averaged_with: int = 0
+    last_round_s: float | None = None
+    last_round_peers: list[str] = field(default_factory=list)
+    # peers left out of a round (or of joining), by reason; tensors clipped
+    averaging_rejected: dict[str, int] = field(default_factory=dict)
+    averaging_clipped: int = 0
+    averaging_bytes_sent: int = 0
+    averaging_bytes_received: int = 0
+    averaging_bytes_per_step: float = 0.0
+    # this trainer's tokens/s plus the other trainers' last reported rates
+    swarm_tokens_per_s: float = 0.0
+    # "seed", or the peer whose state this trainer downloaded, and its update count
+    started_from: str = "seed"
+    started_from_version: int = 0
+    data_shard: int = 0
+    peer_id: str = ""
+    # this process's CPU time (all threads)
+    cpu_seconds: float = 0.0
+    # [seconds after the start of training, [peer ids]] of each round, the last 100
+    rounds_log: list[tuple[float, list[str]]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,10 +197,20 @@ class Trainer:
         corpus: Corpus,
         progress: Progress | None = None,
         stop: threading.Event | None = None,
+        *,
+        averager: TrainerAverager | None = None,
+        peer_id: str = "",
+        state_dir: Path | None = None,
     ) -> None:
         """``stop``, when set (e.g. on Ctrl-C), ends training once the steps in flight
-        are done."""
+        are done. ``averager`` averages the trainer-side weights with the experiment's
+        other trainers (and starts from one's state, downloaded to ``state_dir``, a
+        temporary folder when None); ``peer_id``: this trainer's on the swarm (default:
+        the averager's), from which its data shard is derived."""
         self.experiment = experiment
+        self.averager = averager
+        self.peer_id = peer_id or (averager.peer_id if averager is not None else "")
+        self._state_dir = state_dir
         self.stop = stop or threading.Event()
         self.model = model
         self.corpus = corpus
@@ -189,18 +227,33 @@ class Trainer:
         self.expert_optimizer = (
             make_optimizer(local_experts, experiment.experts) if local_experts else None
         )
-        self.generator = torch.Generator().manual_seed(t.seed)
+        self.mode = "local" if self.expert_optimizer is not None else "swarm"
+        # Trainers of one experiment draw different batches (each its own shard);
+        # shard 0 draws what a lone trainer always drew.
+        if t.data_shard is not None:
+            self.data_shard = t.data_shard
+        elif self.mode == "swarm" and self.peer_id:
+            self.data_shard = data_shard_of(self.peer_id)
+        else:
+            self.data_shard = 0
+        if averager is not None:
+            averager.data_shard = self.data_shard
+        self.generator = torch.Generator().manual_seed(_batch_seed(t.seed, self.data_shard))
         val_generator = torch.Generator().manual_seed(t.seed + 1)
         m = experiment.model
         self.val_batches = [
             corpus.batch("val", t.batch_size, m.seq_len, val_generator)
             for _ in range(t.eval_batches)
         ]
-        self.mode = "local" if self.expert_optimizer is not None else "swarm"
         self.in_flight = t.in_flight
         self.max_staleness = t.max_staleness
         # what the update applies to, by name; replicas are loaded from these
         self._trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        # what is averaged with other trainers: the trainer-side parameters, in the
+        # optimizer's order (the same tensors as in _trained)
+        own = {id(p) for p in model.trainer_parameters()}
+        self._own = {n: p for n, p in model.named_parameters() if id(p) in own}
+        self.tokens_trained = 0  # tokens of the updates applied
         self._replicas = [_replica(model) for _ in range(self.in_flight)]
         self.version = 0  # updates made
         self.stale_dropped = 0
@@ -237,6 +290,14 @@ class Trainer:
     def run(self, steps: int) -> TrainSummary:
         t, m = self.experiment.training, self.experiment.model
         tokens_per_step = t.batch_size * m.seq_len
+        averager = self.averager
+        if averager is not None:
+            # before the first validation: a late joiner's starts at its peers' level
+            peer, version = averager.join(self._own, self.optimizer, self._state_dir)
+            if peer != "seed":
+                self.version = version
+                self._say(f"started from {peer}'s state (update {version})")
+            averager.publish(self._own, self.optimizer, self.version, 0, 0.0, force=True)
         initial = self.evaluate()
         curve = [(0, initial)]
         self._say(f"step 0: validation loss {initial:.3f}")
@@ -267,6 +328,18 @@ class Trainer:
                         if loss is not None:
                             rate.add(step.tokens)
                             smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
+                            self.tokens_trained += step.tokens
+                            if averager is not None:
+                                # between two updates, on this thread: steps started
+                                # later load the averaged weights
+                                averager.apply_pending(self._own)
+                                averager.publish(
+                                    self._own,
+                                    self.optimizer,
+                                    self.version,
+                                    self.tokens_trained,
+                                    rate.per_s(),
+                                )
                         if self.progress is not None and smoothed is not None:
                             self.progress.update(done, self._fields(smoothed, rate.per_s()))
                         if (done % t.eval_every == 0 or done == steps) and not self.stop.is_set():
@@ -285,7 +358,7 @@ class Trainer:
         else:
             final = curve[-1][1] if curve[-1][0] == done and done else self.evaluate()
         layers = self.remote_layers()
-        return TrainSummary(
+        summary = TrainSummary(
             mode=self.mode,
             steps=done,
             tokens=done * tokens_per_step,
@@ -311,7 +384,14 @@ class Trainer:
                 sum(self._staleness) / len(self._staleness) if self._staleness else 0.0
             ),
             max_staleness_seen=max(self._staleness, default=0),
+            swarm_tokens_per_s=done * tokens_per_step / max(seconds, 1e-9),
+            data_shard=self.data_shard,
+            peer_id=self.peer_id,
         )
+        if averager is not None:
+            _add_averaging(summary, averager, started)
+        summary.cpu_seconds = time.process_time()
+        return summary
 
     def _start(self, number: int, pool: ThreadPoolExecutor) -> _Step:
         """Draw step ``number``'s batch and start its micro-batches (one, or with
@@ -389,6 +469,16 @@ class Trainer:
             answering = sum(1 for v in self._by_uid().values() if v[0] > 0)
             fields["experts"] = f"{answering}/{grid * m.num_blocks}"
             fields["failed"] = str(sum(layer.stats.failed for layer in layers))
+        if self.averager is not None:
+            s = self.averager.statistics()
+            fields["trainers"] = str(s.trainers_now)
+            if s.last_round_at is None:
+                fields["avg"] = "no round yet" if s.trainers_now > 1 else "no other trainer"
+            else:
+                ago = time.monotonic() - s.last_round_at
+                n = len(s.last_round_peers)
+                fields["avg"] = f"{ago:.0f}s ago, {n} peer{'s' if n != 1 else ''}"
+            fields["swarm tok/s"] = f"{s.swarm_tokens_per_s:,.0f}"
         return fields
 
     def _by_uid(self) -> dict[str, list[int]]:
@@ -406,6 +496,34 @@ class Trainer:
             self.progress.message(text)
         else:
             logger.info("%s", text)
+
+
+def _add_averaging(summary: TrainSummary, averager: TrainerAverager, started: float) -> None:
+    """The averager's statistics in ``summary`` (times after ``started``)."""
+    s = averager.statistics()
+    summary.trainers = s.trainers
+    summary.averaging_rounds = s.rounds
+    summary.averaged_with = s.averaged_with
+    summary.last_round_s = None if s.last_round_at is None else s.last_round_at - started
+    summary.last_round_peers = list(s.last_round_peers)
+    summary.averaging_rejected = dict(s.rejected)
+    summary.averaging_clipped = s.clipped
+    summary.averaging_bytes_sent = s.bytes_sent
+    summary.averaging_bytes_received = s.bytes_received
+    summary.averaging_bytes_per_step = (s.bytes_sent + s.bytes_received) / max(summary.steps, 1)
+    # this trainer's average rate over the run, the others' as they last reported it
+    summary.swarm_tokens_per_s += s.peers_tokens_per_s
+    summary.started_from = s.started_from
+    summary.started_from_version = s.started_from_version
+    summary.rounds_log = [(when - started, list(peers)) for when, peers in s.rounds_log]
+
+
+def _batch_seed(seed: int, shard: int) -> int:
+    """The training batches' seed of ``shard``: ``seed`` itself for shard 0."""
+    if shard == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{shard}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def _replica(model: MoETransformerLM) -> MoETransformerLM:

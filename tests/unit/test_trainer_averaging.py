@@ -1,0 +1,632 @@
+"""Averaging the trainer-side weights among an experiment's trainers (train/averaging.py).
+
+The network is faked (``FakeNetwork``: in-memory peers whose answers the test sets:
+honest, failing, hanging until cancelled, hostile); the averaging, the checks, the
+join and the trainer's use of them are the real ones. Rounds run under trio's
+autojumping mock clock, so a peer that hangs costs no real time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import tomli_w
+import torch
+import trio
+from torch import nn
+
+from volunteerd.errors import ConfigError, PeerUnreachable
+from volunteerd.experts.checkpoint_file import ExpertState
+from volunteerd.experts.clipping import clip_bound
+from volunteerd.swarm.trainers import TrainerNetStats, TrainerPeer
+from volunteerd.train import (
+    AveragingConfig,
+    Experiment,
+    Trainer,
+    build_model,
+    load_corpus,
+    load_experiment,
+)
+from volunteerd.train.averaging import TrainerAverager, data_shard_of
+from volunteerd.wire import TrainerInfo
+
+EXPERIMENT = "unit-test"
+CLIP = 0.5
+
+
+class FakePeer:
+    """Another trainer as the fake network answers for it: ``kind`` is "ok", "raise"
+    or "hang"; ``params``/``state`` what it serves."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        params: dict[str, torch.Tensor] | None = None,
+        *,
+        kind: str = "ok",
+        version: int = 1,
+        tokens_per_s: float = 100.0,
+        state: ExpertState | None = None,
+    ) -> None:
+        self.peer = TrainerPeer(peer_id, ())
+        self.params = params or {}
+        self.kind = kind
+        self.version = version
+        self.tokens_per_s = tokens_per_s
+        self.state = state
+        self.fetched = 0
+
+    async def _behave(self) -> None:
+        if self.kind == "raise":
+            raise PeerUnreachable(f"{self.peer.peer_id} is gone")
+        if self.kind == "hang":
+            await trio.sleep_forever()
+
+
+class FakeNetwork:
+    """TrainerNetwork in memory."""
+
+    def __init__(self, *peers: FakePeer) -> None:
+        self.by_id = {p.peer.peer_id: p for p in peers}
+        self.published: list[tuple[ExpertState, TrainerInfo]] = []
+
+    def publish(self, state: ExpertState, info: TrainerInfo) -> None:
+        self.published.append((state, info))
+
+    async def peers(self) -> list[TrainerPeer]:
+        return [p.peer for p in self.by_id.values()]
+
+    async def info(self, peer: TrainerPeer, timeout_s: float) -> TrainerInfo:
+        fake = self.by_id[peer.peer_id]
+        await fake._behave()
+        return TrainerInfo(
+            experiment=EXPERIMENT,
+            version=fake.version,
+            tokens=0,
+            tokens_per_s=fake.tokens_per_s,
+            rounds=0,
+            data_shard=1,
+        )
+
+    async def fetch_params(
+        self, peer: TrainerPeer, timeout_s: float, max_bytes: int
+    ) -> ExpertState:
+        fake = self.by_id[peer.peer_id]
+        fake.fetched += 1
+        await fake._behave()
+        return _state("trainer.0", fake.params, fake.version)
+
+    async def download_state(
+        self, peer: TrainerPeer, dest: Path, timeout_s: float, max_bytes: int
+    ) -> ExpertState:
+        fake = self.by_id[peer.peer_id]
+        await fake._behave()
+        assert fake.state is not None
+        return fake.state
+
+    def statistics(self) -> TrainerNetStats:
+        return TrainerNetStats(bytes_sent=10, bytes_received=20, snapshots_served=0, infos_served=0)
+
+
+def _state(uid: str, params: dict[str, torch.Tensor], version: int) -> ExpertState:
+    return ExpertState(
+        uid=uid,
+        expert_type="trainer",
+        hidden_dim=4,
+        optimizer="adam",
+        updates=version,
+        params={k: v.clone() for k, v in params.items()},
+    )
+
+
+def _own() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "embed.weight": torch.randn(16, 8, generator=g),
+        "head.weight": torch.randn(8, 8, generator=g),
+        "head.bias": torch.zeros(8),
+    }
+
+
+def _near(own: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """Weights close to ``own`` (well within the clipping bound)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in own.items()}
+
+
+def _averager(
+    network: FakeNetwork,
+    group_size: int = 3,
+    run: object = None,
+    **config: object,
+) -> TrainerAverager:
+    return TrainerAverager(
+        network,
+        AveragingConfig(group_size=group_size, clip_ratio=CLIP, timeout_s=5.0, **config),  # type: ignore[arg-type]
+        EXPERIMENT,
+        run=run or trio.from_thread.run,
+        peer_id="self",
+        rng=random.Random(0),
+    )
+
+
+def _published(averager: TrainerAverager, params: dict[str, torch.Tensor]) -> None:
+    optimizer = torch.optim.Adam([nn.Parameter(p) for p in params.values()])
+    assert averager.publish(params, optimizer, version=3, tokens=10, tokens_per_s=50.0)
+
+
+async def test_hostile_peer_moves_each_tensor_by_at_most_tau_over_n(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    honest = _near(own, 1e-3, seed=2)
+    hostile = {k: v * 1000 + 1000 for k, v in own.items()}
+    network = FakeNetwork(FakePeer("honest", honest), FakePeer("hostile", hostile))
+    averager = _averager(network, group_size=3)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+
+    assert set(await averager.run_round()) == {"honest", "hostile"}
+    assert averager.apply_pending(weights)
+
+    n = 3
+    for name, x in own.items():
+        # the honest peer's pull is taken whole; the hostile one adds at most tau/n
+        without_hostile = x + (honest[name] - x) / n
+        tau = clip_bound(x, CLIP)
+        assert float((weights[name] - without_hostile).norm()) <= tau / n * (1 + 1e-5), name
+        assert float((weights[name] - x).norm()) <= 2 * tau / n * (1 + 1e-5), name
+    stats = averager.statistics()
+    assert stats.clipped == len(own)  # every tensor of the hostile peer's, none of the other's
+    assert stats.rounds == 1
+    assert stats.averaged_with == 2
+
+
+async def test_hostile_peer_alone_is_bounded_round_after_round(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    hostile = {k: v * 1000 for k, v in own.items()}
+    averager = _averager(FakeNetwork(FakePeer("hostile", hostile)), group_size=2)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    for _ in range(3):
+        before = {k: v.clone() for k, v in weights.items()}
+        await averager.run_round()
+        assert averager.apply_pending(weights)
+        for name, x in before.items():
+            assert float((weights[name] - x).norm()) <= clip_bound(x, CLIP) / 2 * (1 + 1e-5)
+
+
+async def test_honest_peers_are_averaged_exactly(autojump_clock: trio.abc.Clock) -> None:
+    own = _own()
+    a, b = _near(own, 1e-3, seed=3), _near(own, 1e-3, seed=4)
+    averager = _averager(FakeNetwork(FakePeer("a", a), FakePeer("b", b)))
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    await averager.run_round()
+    assert averager.apply_pending(weights)
+    for name, x in own.items():
+        torch.testing.assert_close(weights[name], (x + a[name] + b[name]) / 3)
+    stats = averager.statistics()
+    assert stats.clipped == 0
+    assert stats.rejected == {}
+    assert stats.trainers == 3
+    assert stats.peers_tokens_per_s == 200.0
+    assert stats.swarm_tokens_per_s == 250.0
+    assert set(stats.last_round_peers) == {"a", "b"}
+    assert not averager.apply_pending(weights)  # one round, applied once
+
+
+async def test_a_hanging_peer_is_left_out_after_timeout_and_the_round_completes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    good = _near(own, 1e-3, seed=5)
+    network = FakeNetwork(FakePeer("good", good), FakePeer("hangs", kind="hang"))
+    averager = _averager(network, group_size=3)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    started = trio.current_time()
+    assert await averager.run_round() == ("good",)
+    # the round ended when the timeout did (mock time), not before, not much later
+    assert 5.0 <= trio.current_time() - started < 6.0
+    assert averager.apply_pending(weights)
+    for name, x in own.items():
+        torch.testing.assert_close(weights[name], (x + good[name]) / 2)
+    stats = averager.statistics()
+    assert stats.rejected == {"timeout": 1}
+    assert stats.trainers_now == 2  # the hanging one answered nothing
+    assert stats.last_round_peers == ("good",)
+
+
+async def test_a_failing_peer_is_counted_and_a_round_without_peers_changes_nothing(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    averager = _averager(FakeNetwork(FakePeer("gone", kind="raise")), group_size=2)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    assert await averager.run_round() == ()
+    assert not averager.apply_pending(weights)
+    for name, x in own.items():
+        assert torch.equal(weights[name], x)
+    stats = averager.statistics()
+    assert stats.rejected == {"unreachable": 1}
+    assert stats.rounds == 0
+    assert stats.trainers == 1
+
+
+@pytest.mark.parametrize(
+    ("mangle", "reason"),
+    [
+        (lambda p: {**p, "head.weight": torch.zeros(8, 9)}, "shape"),
+        (lambda p: {k: v for k, v in p.items() if k != "head.bias"}, "names"),
+        (lambda p: {**p, "extra": torch.zeros(2)}, "names"),
+        (lambda p: {**p, "head.bias": torch.full((8,), math.nan)}, "non_finite"),
+        (lambda p: {**p, "head.bias": torch.full((8,), math.inf)}, "non_finite"),
+        (lambda p: {**p, "head.bias": torch.zeros(8, dtype=torch.float64)}, "dtype"),
+    ],
+)
+async def test_parameters_that_do_not_fit_are_refused_and_counted(
+    autojump_clock: trio.abc.Clock, mangle: object, reason: str
+) -> None:
+    own = _own()
+    bad = mangle(_near(own, 1e-3, seed=6))  # type: ignore[operator]
+    averager = _averager(FakeNetwork(FakePeer("bad", bad)), group_size=2)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    assert await averager.run_round() == ()
+    assert not averager.apply_pending(weights)
+    assert all(torch.equal(weights[k], own[k]) for k in own)
+    assert averager.statistics().rejected == {reason: 1}
+
+
+async def test_no_round_before_anything_is_published(autojump_clock: trio.abc.Clock) -> None:
+    peer = FakePeer("a", _own())
+    averager = _averager(FakeNetwork(peer))
+    assert await averager.run_round() == ()
+    assert peer.fetched == 0
+
+
+async def test_serve_runs_rounds_every_every_s(autojump_clock: trio.abc.Clock) -> None:
+    own = _own()
+    peer = FakePeer("a", _near(own, 1e-3, seed=7))
+    averager = _averager(FakeNetwork(peer), every_s=10.0)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+
+    async def train(seconds_per_step: float) -> None:
+        while True:
+            await trio.sleep(seconds_per_step)
+            averager.apply_pending(weights)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(train, 1.0)
+        await nursery.start(averager.serve)
+        await trio.sleep(100.0)
+        nursery.cancel_scope.cancel()
+    # (checking a reply runs in a thread, during which the mock clock may jump on)
+    assert 3 <= peer.fetched <= 100 / 8 + 1
+    assert averager.statistics().rounds >= peer.fetched - 1
+
+
+async def test_no_fetch_while_a_round_waits_for_a_slow_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    peer = FakePeer("a", _near(own, 1e-3, seed=8))
+    averager = _averager(FakeNetwork(peer), every_s=10.0)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    assert await averager.run_round() == ("a",)
+    assert await averager.run_round() == ()  # the first round is not applied yet
+    assert peer.fetched == 1
+    assert averager.apply_pending(weights)
+    assert await averager.run_round() == ("a",)
+    assert peer.fetched == 2
+
+
+def test_publish_copies_to_cpu_and_is_throttled() -> None:
+    network = FakeNetwork()
+    now = [0.0]
+    averager = TrainerAverager(
+        network,
+        AveragingConfig(),
+        EXPERIMENT,
+        run=trio.from_thread.run,
+        data_shard=7,
+        clock=lambda: now[0],
+    )
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([weight])
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    assert averager.publish({"w": weight}, optimizer, 1, 64, 10.0)
+    assert not averager.publish({"w": weight}, optimizer, 2, 128, 10.0)  # within 2 s
+    now[0] = 5.0
+    with torch.no_grad():
+        weight.add_(1)
+    assert averager.publish({"w": weight}, optimizer, 2, 128, 10.0)
+    state, info = network.published[-1]
+    assert (state.uid, state.expert_type, state.updates) == ("trainer.1", "trainer", 2)
+    assert torch.equal(state.params["w"], weight.detach())
+    assert state.params["w"].data_ptr() != weight.data_ptr()
+    assert set(state.optimizer_state[0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert (info.version, info.tokens, info.data_shard) == (2, 128, 7)
+    assert info.experiment == EXPERIMENT
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10)
+
+    def loss(self, seed: int) -> torch.Tensor:
+        x = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(seed))
+        return nn.functional.cross_entropy(self.head(self.embed(x)), x)
+
+
+def _trained_tiny(steps: int) -> tuple[_Tiny, torch.optim.Adam]:
+    torch.manual_seed(3)
+    model = _Tiny()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(steps):
+        optimizer.zero_grad()
+        model.loss(i).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _published_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, version: int
+) -> ExpertState:
+    network = FakeNetwork()
+    averager = _averager(network)
+    averager.publish(dict(model.named_parameters()), optimizer, version, 0, 0.0)
+    return network.published[-1][0]
+
+
+async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    peer_model, peer_optimizer = _trained_tiny(5)
+    state = _published_state(peer_model, peer_optimizer, version=5)
+    network = FakeNetwork(
+        FakePeer("old", kind="ok", version=1, state=_published_state(*_trained_tiny(1), 1)),
+        FakePeer("best", kind="ok", version=5, state=state),
+        FakePeer("gone", kind="raise", version=9),
+    )
+    torch.manual_seed(99)
+    joiner = _Tiny()
+    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
+    averager = _averager(network)
+
+    result = await trio.to_thread.run_sync(
+        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
+    )
+    assert result == ("best", 5)
+    for (name, p), q in zip(joiner.named_parameters(), peer_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for index, values in peer_optimizer.state_dict()["state"].items():
+        for key, t in values.items():
+            assert torch.equal(optimizer.state_dict()["state"][index][key], t), (index, key)
+    # the next step is the peer's next step, exactly
+    for model, opt in ((joiner, optimizer), (peer_model, peer_optimizer)):
+        opt.zero_grad()
+        model.loss(100).backward()
+        opt.step()
+    for p, q in zip(joiner.parameters(), peer_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    stats = averager.statistics()
+    assert (stats.started_from, stats.started_from_version) == ("best", 5)
+
+
+async def test_join_refuses_a_state_that_does_not_fit_and_starts_from_the_seed(
+    tmp_path: Path,
+) -> None:
+    # another model's state: its head has another shape
+    state = _published_state(*_trained_tiny(1), version=4)
+    state.params = {**state.params, "head.weight": torch.zeros(11, 6)}
+    broken_optimizer, broken_opt = _trained_tiny(2)
+    broken = _published_state(broken_optimizer, broken_opt, version=2)
+    broken.optimizer_state[0]["exp_avg"] = torch.zeros(3, 3)
+    network = FakeNetwork(
+        FakePeer("mismatched", version=4, state=state),
+        FakePeer("broken", version=2, state=broken),
+    )
+    torch.manual_seed(5)
+    joiner = _Tiny()
+    before = {k: v.detach().clone() for k, v in joiner.named_parameters()}
+    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
+    averager = _averager(network)
+    result = await trio.to_thread.run_sync(
+        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
+    )
+    assert result == ("seed", 0)
+    for name, p in joiner.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert optimizer.state_dict()["state"] == {}
+    rejected = averager.statistics().rejected
+    assert rejected.get("join_shape", 0) >= 1
+    assert rejected.get("join_optimizer_state", 0) >= 1
+    assert averager.statistics().started_from == "seed"
+
+
+async def test_join_without_peers_or_trained_peers_starts_from_the_seed(tmp_path: Path) -> None:
+    joiner = _Tiny()
+    optimizer = torch.optim.Adam(joiner.parameters())
+    for network in (FakeNetwork(), FakeNetwork(FakePeer("fresh", version=0))):
+        averager = _averager(network)
+        result = await trio.to_thread.run_sync(
+            averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
+        )
+        assert result == ("seed", 0)
+
+
+def test_data_shards_differ_between_trainers() -> None:
+    assert data_shard_of("12D3KooWA") != data_shard_of("12D3KooWB")
+    assert 0 <= data_shard_of("x") < 2**31
+
+
+# --- the trainer with an averager ----------------------------------------------------
+
+
+def _experiment(tmp_path: Path, **averaging: object) -> Experiment:
+    for i in range(4):
+        (tmp_path / f"text{i}.txt").write_text(f"def f(x):\n    return x + {i}\n" * 500)
+    return Experiment.model_validate(
+        {
+            "name": EXPERIMENT,
+            "data": {"source": str(tmp_path), "max_bytes": 60_000, "val_every": 2},
+            "model": {
+                "hidden_dim": 8,
+                "num_blocks": 1,
+                "num_heads": 2,
+                "seq_len": 8,
+                "grid": (2,),
+                "k_best": 1,
+            },
+            "training": {"batch_size": 4, "eval_batches": 2, "eval_every": 10**6},
+            "averaging": {"every_s": 1.0, "timeout_s": 5.0, **averaging},
+        }
+    )
+
+
+async def test_trainer_joins_averages_publishes_and_reports(tmp_path: Path) -> None:
+    """A trainer (local experts) with a fake network: it starts from a peer's state (its
+    first validation loss is the peer's), applies rounds between updates, publishes
+    after them and fills the summary's averaging fields."""
+    exp = _experiment(tmp_path)
+    corpus = load_corpus(exp.data)
+    torch.manual_seed(0)
+    peer_model = build_model(exp, None)
+    peer = Trainer(exp, peer_model, corpus)
+    peer.run(20)
+    peer_loss = peer.evaluate()
+    peer_state = _published_state_of(peer)
+
+    network = FakeNetwork(FakePeer("peer", version=20, state=peer_state))
+    torch.manual_seed(0)
+    model = build_model(exp, None)
+    # the local experts are not trainer-side: give the joiner the peer's, so that its
+    # validation loss depends on the trainer-side weights alone
+    for block, peer_block in zip(model.blocks, peer_model.blocks, strict=True):
+        block.moe.experts.load_state_dict(peer_block.moe.experts.state_dict())
+    averager = _averager(network)
+    stop = threading.Event()
+    trainer = Trainer(exp, model, corpus, stop=stop, averager=averager, peer_id="self")
+    assert trainer.data_shard == 0  # local mode: shard 0 unless configured
+
+    async def rounds() -> None:
+        # the peer serves trainer.0: its parameters as they are
+        network.by_id["peer"].params = dict(peer_state.params)
+        while averager.statistics().rounds < 2:
+            await averager.run_round()
+            await trio.sleep(0.05)
+        stop.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rounds)
+        try:
+            summary = await trio.to_thread.run_sync(trainer.run, 10**6)
+        finally:
+            nursery.cancel_scope.cancel()
+    assert summary.started_from == "peer"
+    assert summary.started_from_version == 20
+    assert summary.initial_val_loss == pytest.approx(peer_loss, abs=1e-4)
+    assert summary.averaging_rounds >= 2
+    assert summary.last_round_peers == ["peer"]
+    assert summary.last_round_s is not None
+    assert summary.last_round_s >= 0
+    assert len(summary.rounds_log) == summary.averaging_rounds
+    assert summary.trainers == 2
+    assert summary.averaging_bytes_sent == 10
+    assert summary.averaging_bytes_per_step == pytest.approx(30 / summary.steps)
+    assert summary.cpu_seconds > 0
+    assert summary.peer_id == "self"
+    # what it published last: its own trained state, counted from the peer's version
+    state, info = network.published[-1]
+    assert info.version >= 20
+    assert state.updates == info.version
+    assert set(state.params) == set(peer_state.params)
+
+
+def _published_state_of(trainer: Trainer) -> ExpertState:
+    network = FakeNetwork()
+    averager = _averager(network)
+    averager.publish(trainer._own, trainer.optimizer, trainer.version, 0, 0.0)
+    return network.published[-1][0]
+
+
+def test_lone_trainer_summary_defaults(tmp_path: Path) -> None:
+    exp = _experiment(tmp_path)
+    corpus = load_corpus(exp.data)
+    summary = Trainer(exp, build_model(exp, None), corpus).run(2)
+    data = summary.as_dict()
+    assert data["trainers"] == 1
+    assert data["averaging_rounds"] == 0
+    assert data["started_from"] == "seed"
+    assert data["last_round_s"] is None
+    assert data["data_shard"] == 0
+    assert data["swarm_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("section", "fields", "message"),
+    [
+        ("averaging", {"group_size": 1}, "group_size"),
+        ("averaging", {"every_s": 0}, "every_s"),
+        ("averaging", {"clip_ratio": -1}, "clip_ratio"),
+        ("averaging", {"unknown": 1}, "unknown key"),
+        ("swarm", {"rendezvous": "Not A Uid"}, "rendezvous"),
+        ("training", {"data_shard": -1}, "data_shard"),
+    ],
+)
+def test_bad_averaging_settings_are_refused_saying_which(
+    tmp_path: Path, section: str, fields: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "experiment.toml"
+    path.write_text(tomli_w.dumps({section: fields}))
+    with pytest.raises(ConfigError, match=message):
+        load_experiment(path)
+
+
+def test_averaging_settings_are_read() -> None:
+    exp = Experiment.model_validate(
+        {
+            "averaging": {"every_s": 5, "group_size": 4, "join_from_peers": False},
+            "swarm": {"rendezvous": "mytrainers.0"},
+            "training": {"data_shard": 3},
+        }
+    )
+    assert exp.averaging.every_s == 5.0
+    assert exp.averaging.group_size == 4
+    assert not exp.averaging.join_from_peers
+    assert exp.averaging.max_state_bytes == 1024 << 20
+    assert exp.swarm.rendezvous == "mytrainers.0"
+    assert exp.training.data_shard == 3
+
+
+def test_each_shard_draws_its_own_batches_and_validation_is_shared(tmp_path: Path) -> None:
+    exp = _experiment(tmp_path)
+    corpus = load_corpus(exp.data)
+
+    def trainer(shard: int | None) -> Trainer:
+        shards = exp.model_copy(
+            update={"training": exp.training.model_copy(update={"data_shard": shard})}
+        )
+        return Trainer(shards, build_model(shards, None), corpus)
+
+    lone, zero, other = trainer(None), trainer(0), trainer(5)
+    assert (lone.data_shard, zero.data_shard, other.data_shard) == (0, 0, 5)
+    batch = [t.corpus.batch("train", 4, 8, t.generator)[0] for t in (lone, zero, other)]
+    assert torch.equal(batch[0], batch[1])  # shard 0: what a lone trainer always drew
+    assert not torch.equal(batch[0], batch[2])
+    for x, y in zip(lone.val_batches, other.val_batches, strict=True):
+        assert torch.equal(x[0], y[0])

@@ -1,0 +1,625 @@
+"""Decentralized averaging of the trainer-side weights among an experiment's trainers.
+
+Several ``volunteerd train`` processes of one experiment train the same model, each on
+its own shard of the data; the experts take everyone's gradients, but the trainer-side
+weights (embeddings, attention, gates, head) live in each trainer. ``TrainerAverager``
+pulls them together with no coordinator (docs/decisions/0014):
+
+* every ``averaging.every_s`` (jittered ±20 %) it picks up to ``group_size - 1`` of the
+  other trainers at random (found under the experiment's rendezvous key), downloads the
+  parameters they *published* (a CPU snapshot at most a few seconds old), checks them
+  (names, shapes, dtype, finite) and combines them with its own by centered clipping
+  (``experts.clipping``): weights within tau are averaged exactly, a trainer far off
+  (a bug, or a lie) moves each tensor by at most tau/n per round;
+* a peer that fails or does not answer within ``timeout_s`` is left out and counted:
+  the round completes with the rest, or with nobody (then nothing changes);
+* Adam's moments stay local; a trainer joining late downloads a peer's whole state
+  (parameters, Adam state, update count) instead of starting from the seed (``join``).
+
+Threads: rounds run on the network's trio loop (``serve``); the training loop's thread
+calls ``publish``, ``apply_pending`` and ``join``. Fetched weights cross over through a
+locked slot and are written by the training thread between two updates, so no
+optimizer step ever sees its weights change under it. The network is behind
+``TrainerNetwork`` (``swarm.trainers.TrainerSwarm``; a fake in the unit tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import random
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import trio
+
+from volunteerd.errors import (
+    PeerUnreachable,
+    RemoteError,
+    RequestTimeout,
+    ShardError,
+    TrainerStateError,
+    VolunteerdError,
+)
+from volunteerd.experts.checkpoint_file import ExpertState
+from volunteerd.experts.clipping import Params, centered_clip
+from volunteerd.moe import SwarmClient
+from volunteerd.swarm.trainers import (
+    TRAINER_STATE_UID,
+    TrainerInfo,
+    TrainerNetStats,
+    TrainerPeer,
+    TrainerSwarm,
+    rendezvous_key,
+)
+from volunteerd.train.experiment import AveragingConfig, Experiment
+
+if TYPE_CHECKING:
+    # trio's TaskStatus as libp2p's trio-typing stubs spell it
+    from trio_typing import TaskStatus
+
+__all__ = [
+    "AveragingStatistics",
+    "Run",
+    "TrainerAverager",
+    "TrainerNetwork",
+    "data_shard_of",
+    "start_averaging",
+]
+
+logger = logging.getLogger(__name__)
+
+# ``await fn(*args)`` on the network's loop, called from the training thread
+# (``TrainerClient.run``; ``trio.from_thread.run`` in tests)
+Run = Callable[..., Any]
+
+# peers asked for their info each round (trainers count, swarm throughput)
+INFO_PEERS = 16
+# a late joiner tries this many downloads (a peer may be tried again: downloads resume)
+JOIN_ATTEMPTS = 3
+# a whole state (weights and Adam's moments) takes longer than a round's weights
+JOIN_TIMEOUT_FACTOR = 4
+# publish a fresh snapshot at most this often (or 10x as long as a copy takes)
+PUBLISH_EVERY_S = 2.0
+# rounds kept in the summary's log
+ROUNDS_LOGGED = 100
+_ADAM_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+
+
+class TrainerNetwork(Protocol):
+    """What the averager needs of the network (``swarm.trainers.TrainerSwarm``)."""
+
+    def publish(self, state: ExpertState, info: TrainerInfo) -> None:
+        """Serve ``state`` (CPU copies) and ``info`` to other trainers from now on.
+        Thread-safe: called from the training thread."""
+        ...
+
+    async def peers(self) -> list[TrainerPeer]:
+        """The experiment's other active trainers (not this one)."""
+        ...
+
+    async def info(self, peer: TrainerPeer, timeout_s: float) -> TrainerInfo:
+        """``peer``'s info; raises VolunteerdError."""
+        ...
+
+    async def fetch_params(
+        self, peer: TrainerPeer, timeout_s: float, max_bytes: int
+    ) -> ExpertState:
+        """``peer``'s published parameters (no optimizer state); raises VolunteerdError."""
+        ...
+
+    async def download_state(
+        self, peer: TrainerPeer, dest: Path, timeout_s: float, max_bytes: int
+    ) -> ExpertState:
+        """``peer``'s whole published state, downloaded (resumably) to ``dest``; raises
+        VolunteerdError."""
+        ...
+
+    def statistics(self) -> TrainerNetStats: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingStatistics:
+    """What the averager did; times are the averager's clock (``time.monotonic``)."""
+
+    trainers: int  # most trainers of the experiment seen active at once, self included
+    trainers_now: int  # active at the last round, self included
+    rounds: int  # rounds completed with at least one peer
+    averaged_with: int  # peers summed over those rounds
+    last_round_at: float | None
+    last_round_peers: tuple[str, ...]
+    rounds_log: tuple[tuple[float, tuple[str, ...]], ...]  # (when, peers), the last 100
+    rejected: dict[str, int]  # peers left out of a round (or a join), by reason
+    clipped: int  # tensors clipped, over all rounds
+    last_shift: float  # |new - own| / |own| over all tensors, last round
+    bytes_sent: int
+    bytes_received: int
+    swarm_tokens_per_s: float  # this trainer's rate + the others' last reported
+    peers_tokens_per_s: float  # the others' last reported rates
+    started_from: str  # "seed", or the peer id whose state it started from
+    started_from_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A round's replies, waiting for the training thread."""
+
+    peers: tuple[str, ...]
+    params: list[Params]
+
+
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def data_shard_of(peer_id: str) -> int:
+    """A trainer's default data shard: a number derived from its peer id, so trainers
+    started with the same experiment file draw different batches."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") >> 1
+
+
+class TrainerAverager:
+    """Averages the trainer-side weights with the experiment's other trainers.
+
+    ``run`` takes the training thread onto the network's loop (``TrainerClient.run``);
+    ``clock`` is only read on the training thread (and in ``statistics``)."""
+
+    def __init__(
+        self,
+        network: TrainerNetwork,
+        config: AveragingConfig,
+        experiment_name: str,
+        *,
+        run: Run,
+        peer_id: str = "",
+        data_shard: int = 0,
+        hidden_dim: int = 1,
+        rendezvous: str = "",
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.network = network
+        self.rendezvous = rendezvous  # the DHT key the trainers meet under (for display)
+        self.config = config
+        self.experiment_name = experiment_name
+        self.peer_id = peer_id
+        self.data_shard = data_shard
+        self._run = run
+        self._hidden_dim = max(1, hidden_dim)
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: _Pending | None = None
+        # names, shapes and dtypes of the trainer's parameters (set by the first publish)
+        self._layout: Layout | None = None
+        self._published_at = -math.inf
+        self._publish_every_s = PUBLISH_EVERY_S
+        self._tokens_per_s = 0.0
+        # peer id -> its last reported tokens/s (peers active at the last round)
+        self._peer_rates: dict[str, float] = {}
+        self._trainers = 1
+        self._trainers_now = 1
+        self._rounds = 0
+        self._averaged_with = 0
+        self._rounds_log: deque[tuple[float, tuple[str, ...]]] = deque(maxlen=ROUNDS_LOGGED)
+        self._rejected: Counter[str] = Counter()
+        self._clipped = 0
+        self._last_shift = 0.0
+        self.started_from = "seed"
+        self.started_from_version = 0
+
+    # --- the network's loop ---------------------------------------------------------
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run a round every ``every_s`` (jittered ±20 %) until cancelled."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.config.every_s * self._rng.uniform(0.8, 1.2))
+            try:
+                await self.run_round()
+            except VolunteerdError as exc:
+                logger.info("averaging round failed: %s", exc)
+            except Exception as exc:
+                # py-libp2p raises its own errors for peers that come and go under a
+                # lookup: never a reason to stop averaging.
+                logger.warning("averaging round failed: %r", exc)
+
+    async def run_round(self) -> tuple[str, ...]:
+        """One round: fetch up to ``group_size - 1`` random peers' parameters (each
+        bounded by ``timeout_s``), check them and leave them for ``apply_pending``;
+        ask up to 16 peers for their info meanwhile. Returns the peers whose parameters
+        are waiting (empty when none answered fit, or nothing is published yet).
+
+        Skipped while the last round's parameters wait for the training thread (a step
+        slower than ``every_s``): fetching again would only replace them."""
+        layout = self._layout
+        if layout is None or self._pending is not None:
+            return ()
+        peers = await self._peers()
+        group = self._rng.sample(peers, min(len(peers), self.config.group_size - 1))
+        rest = [p for p in peers if p not in group]
+        asked = group + self._rng.sample(rest, min(len(rest), max(0, INFO_PEERS - len(group))))
+        replies: dict[str, Params] = {}
+        answered: set[str] = set()
+        rates: dict[str, float] = {}
+
+        async def fetch(peer: TrainerPeer) -> None:
+            params = await self._fetch(peer, layout)
+            if params is not None:
+                replies[peer.peer_id] = params
+                answered.add(peer.peer_id)
+
+        async def ask(peer: TrainerPeer) -> None:
+            info = await self._info(peer)
+            if info is not None:
+                rates[peer.peer_id] = info.tokens_per_s
+                answered.add(peer.peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for peer in group:
+                nursery.start_soon(fetch, peer)
+            for peer in asked:
+                nursery.start_soon(ask, peer)
+        # the active: those that answered, and those not asked this round
+        not_asked = len(peers) - len(asked)
+        with self._lock:
+            self._trainers_now = 1 + len(answered) + not_asked
+            self._trainers = max(self._trainers, self._trainers_now)
+            self._peer_rates = rates
+            if replies:
+                chosen = tuple(p.peer_id for p in group if p.peer_id in replies)
+                # a round not applied yet (training paused between steps) is replaced
+                self._pending = _Pending(chosen, [replies[p] for p in chosen])
+        return tuple(p.peer_id for p in group if p.peer_id in replies)
+
+    async def _peers(self) -> list[TrainerPeer]:
+        """The other trainers now (none when the lookup takes over ``timeout_s``)."""
+        with trio.move_on_after(self.config.timeout_s):
+            return [p for p in await self.network.peers() if p.peer_id != self.peer_id]
+        logger.info("looking up the other trainers took over %g s", self.config.timeout_s)
+        return []
+
+    async def _fetch(self, peer: TrainerPeer, layout: Layout) -> Params | None:
+        """``peer``'s parameters if they fit ``layout``; else None (counted)."""
+        timeout_s = self.config.timeout_s
+        state: ExpertState | None = None
+        with trio.move_on_after(timeout_s):
+            try:
+                state = await self.network.fetch_params(
+                    peer, timeout_s, self.config.max_state_bytes
+                )
+            except VolunteerdError as exc:
+                self._reject(peer.peer_id, _reason(exc), str(exc))
+                return None
+            except Exception as exc:
+                self._reject(peer.peer_id, "unreachable", repr(exc))
+                return None
+        if state is None:
+            self._reject(peer.peer_id, "timeout", f"no answer in {timeout_s:g} s")
+            return None
+        checked = await trio.to_thread.run_sync(_check_params, state, layout)
+        if isinstance(checked, str):
+            self._reject(peer.peer_id, checked, "parameters refused")
+            return None
+        return checked
+
+    async def _info(self, peer: TrainerPeer) -> TrainerInfo | None:
+        timeout_s = self.config.timeout_s
+        with trio.move_on_after(timeout_s):
+            try:
+                info = await self.network.info(peer, timeout_s)
+            except Exception as exc:
+                logger.debug("trainer %s: no info: %r", peer.peer_id[-8:], exc)
+                return None
+            return info if info.experiment == self.experiment_name else None
+        return None
+
+    def _reject(self, peer_id: str, reason: str, detail: str) -> None:
+        with self._lock:
+            self._rejected[reason] += 1
+        logger.info("trainer %s left out (%s): %s", peer_id[-8:], reason, detail[:200])
+
+    # --- the training thread --------------------------------------------------------
+
+    def publish(
+        self,
+        named_params: Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        version: int,
+        tokens: int,
+        tokens_per_s: float,
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Offer the trainer's state to the others: CPU copies of ``named_params`` (the
+        trainer-side parameters, in the optimizer's order) and of ``optimizer``'s state.
+        Copies at most every ~2 s (longer if copying is slow) unless ``force``; returns
+        whether it published."""
+        now = self._clock()
+        self._tokens_per_s = tokens_per_s if math.isfinite(tokens_per_s) else 0.0
+        if not force and now - self._published_at < self._publish_every_s:
+            return False
+        started = time.perf_counter()
+        with torch.no_grad():
+            params = {n: p.detach().to("cpu", copy=True) for n, p in named_params.items()}
+        optimizer_state = {
+            int(index): {
+                key: (t.detach().to("cpu", copy=True) if torch.is_tensor(t) else torch.tensor(t))
+                for key, t in values.items()
+            }
+            for index, values in optimizer.state_dict()["state"].items()
+        }
+        self._layout = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
+        state = ExpertState(
+            uid=TRAINER_STATE_UID,
+            expert_type="trainer",
+            hidden_dim=self._hidden_dim,
+            optimizer="adam",
+            updates=version,
+            params=params,
+            optimizer_state=optimizer_state,
+        )
+        info = TrainerInfo(
+            experiment=self.experiment_name,
+            version=version,
+            tokens=tokens,
+            tokens_per_s=self._tokens_per_s,
+            rounds=self._rounds,
+            data_shard=self.data_shard,
+        )
+        self.network.publish(state, info)
+        self._published_at = now
+        self._publish_every_s = max(PUBLISH_EVERY_S, 10 * (time.perf_counter() - started))
+        return True
+
+    def apply_pending(self, named_params: Mapping[str, torch.Tensor]) -> bool:
+        """If a round's parameters are waiting, combine them with ``named_params`` by
+        centered clipping and write the result into them in place; returns whether a
+        round was applied. Call between two optimizer steps, on the training thread."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        with torch.no_grad():
+            own = {name: p.detach() for name, p in named_params.items()}
+            if any(set(params) != set(own) for params in pending.params):
+                logger.warning("averaging round dropped: the trainer's parameters changed")
+                return False
+            new, clipped = centered_clip(own, pending.params, self.config.clip_ratio)
+            moved = math.sqrt(sum(float((new[k] - own[k]).norm()) ** 2 for k in own))
+            size = math.sqrt(sum(float(own[k].norm()) ** 2 for k in own))
+            for name, p in named_params.items():
+                p.copy_(new[name])
+        now = self._clock()
+        with self._lock:
+            self._rounds += 1
+            self._averaged_with += len(pending.peers)
+            self._clipped += sum(clipped)
+            self._last_shift = moved / max(size, 1e-12)
+            self._rounds_log.append((now, pending.peers))
+        logger.info(
+            "averaged with %d trainers (%s); %d tensors clipped, moved %.2e of the norm",
+            len(pending.peers),
+            ", ".join(p[-8:] for p in pending.peers),
+            sum(clipped),
+            self._last_shift,
+        )
+        return True
+
+    def join(
+        self,
+        named_params: Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        dest_dir: Path | None = None,
+    ) -> tuple[str, int]:
+        """Start from another trainer's state instead of the seed: the state of the
+        peer with the most updates (by its info) is downloaded to ``dest_dir`` (a
+        temporary folder when None; downloads resume), each attempt within 4 x
+        ``timeout_s``, checked against ``named_params`` and ``optimizer`` and loaded
+        into them. Tries up to 3 downloads; returns
+        ``(peer id, its update count)``, or ``("seed", 0)`` when no peer has trained
+        yet or none could give a usable state (then nothing is changed)."""
+        if not self.config.join_from_peers:
+            return "seed", 0
+        with contextlib.ExitStack() as stack:
+            if dest_dir is None:
+                dest_dir = Path(
+                    stack.enter_context(tempfile.TemporaryDirectory(prefix="volunteerd-join-"))
+                )
+            dest_dir.mkdir(parents=True, exist_ok=True)
+            for peer, version in self._join_candidates():
+                dest = dest_dir / f"{_safe(peer.peer_id)}.trainer-state"
+                try:
+                    state = self._run(
+                        self.network.download_state,
+                        peer,
+                        dest,
+                        JOIN_TIMEOUT_FACTOR * self.config.timeout_s,
+                        self.config.max_state_bytes,
+                    )
+                except VolunteerdError as exc:
+                    self._reject(peer.peer_id, f"join_{_reason(exc)}", str(exc))
+                    continue
+                except Exception as exc:
+                    self._reject(peer.peer_id, "join_unreachable", repr(exc))
+                    continue
+                problem = _load_state(state, named_params, optimizer)
+                if problem is not None:
+                    self._reject(peer.peer_id, f"join_{problem}", "state refused")
+                    continue
+                with contextlib.suppress(OSError):
+                    dest.unlink()
+                self.started_from = peer.peer_id
+                self.started_from_version = state.updates
+                logger.info(
+                    "started from trainer %s's state (update %d, it said %d)",
+                    peer.peer_id[-8:],
+                    state.updates,
+                    version,
+                )
+                return peer.peer_id, state.updates
+        return "seed", 0
+
+    def _join_candidates(self) -> Iterator[tuple[TrainerPeer, int]]:
+        """Peers to download from, most updates first, cycled up to 3 attempts."""
+        peers: list[TrainerPeer] = self._run(self._peers)
+        if not peers:
+            return
+        asked = self._rng.sample(peers, min(len(peers), INFO_PEERS))
+
+        async def infos() -> list[TrainerInfo | None]:
+            out: list[TrainerInfo | None] = [None] * len(asked)
+
+            async def one(i: int) -> None:
+                out[i] = await self._info(asked[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(asked)):
+                    nursery.start_soon(one, i)
+            return out
+
+        answers: list[TrainerInfo | None] = self._run(infos)
+        ranked = sorted(
+            (
+                (info.version, peer)
+                for peer, info in zip(asked, answers, strict=True)
+                if info is not None and info.version > 0
+            ),
+            key=lambda pair: -pair[0],
+        )
+        if not ranked:
+            return
+        for attempt in range(JOIN_ATTEMPTS):
+            version, peer = ranked[attempt % len(ranked)]
+            yield peer, version
+
+    # --- the researcher's view ------------------------------------------------------
+
+    def statistics(self) -> AveragingStatistics:
+        net = self.network.statistics()
+        with self._lock:
+            last = self._rounds_log[-1] if self._rounds_log else None
+            return AveragingStatistics(
+                trainers=self._trainers,
+                trainers_now=self._trainers_now,
+                rounds=self._rounds,
+                averaged_with=self._averaged_with,
+                last_round_at=last[0] if last else None,
+                last_round_peers=last[1] if last else (),
+                rounds_log=tuple(self._rounds_log),
+                rejected=dict(self._rejected),
+                clipped=self._clipped,
+                last_shift=self._last_shift,
+                bytes_sent=net.bytes_sent,
+                bytes_received=net.bytes_received,
+                swarm_tokens_per_s=self._tokens_per_s + sum(self._peer_rates.values()),
+                peers_tokens_per_s=sum(self._peer_rates.values()),
+                started_from=self.started_from,
+                started_from_version=self.started_from_version,
+            )
+
+
+def start_averaging(client: SwarmClient, experiment: Experiment) -> TrainerAverager:
+    """Average with ``experiment``'s other trainers on ``client``'s node: serve this
+    trainer's state under the experiment's rendezvous key (``swarm.rendezvous``, or one
+    derived from its name) and run rounds, both until the client closes. Hand the
+    returned averager to ``Trainer``."""
+    node = client.node.node
+    key = experiment.swarm.rendezvous or rendezvous_key(experiment.name)
+    swarm = TrainerSwarm(node, experiment.name, key)
+    averager = TrainerAverager(
+        swarm,
+        experiment.averaging,
+        experiment.name,
+        run=client.run,
+        peer_id=node.peer_id,
+        hidden_dim=experiment.model.hidden_dim,
+        rendezvous=key,
+    )
+    client.node.start_service(swarm.serve)
+    client.node.start_service(averager.serve)
+    return averager
+
+
+def _reason(exc: VolunteerdError) -> str:
+    if isinstance(exc, RequestTimeout):
+        return "timeout"
+    if isinstance(exc, PeerUnreachable):
+        return "unreachable"
+    if isinstance(exc, TrainerStateError):
+        return "not_usable"
+    if isinstance(exc, ShardError):
+        return "bad_bytes"
+    if isinstance(exc, RemoteError):
+        return "refused"
+    return "failed"
+
+
+def _safe(peer_id: str) -> str:
+    return "".join(c for c in peer_id if c.isalnum())[-32:] or "peer"
+
+
+def _check_params(state: ExpertState, layout: Layout) -> Params | str:
+    """``state``'s parameters if they have ``layout``'s names, shapes and dtypes and
+    are finite; else why not: "not_trainer", "names", "shape", "dtype", "non_finite"."""
+    if state.expert_type != "trainer":
+        return "not_trainer"
+    if set(state.params) != set(layout):
+        return "names"
+    for name, (shape, dtype) in layout.items():
+        tensor = state.params[name]
+        if tuple(tensor.shape) != shape:
+            return "shape"
+        if tensor.dtype != dtype:
+            return "dtype"
+        if not bool(torch.isfinite(tensor).all()):
+            return "non_finite"
+    return dict(state.params)
+
+
+def _load_state(
+    state: ExpertState, named_params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> str | None:
+    """Load a downloaded state (parameters and Adam state) into ``named_params`` and
+    ``optimizer`` after checking it all; returns why it was refused, or None."""
+    layout = {n: (tuple(p.shape), p.dtype) for n, p in named_params.items()}
+    checked = _check_params(state, layout)
+    if isinstance(checked, str):
+        return checked
+    shapes = [tuple(p.shape) for p in named_params.values()]
+    for index, values in state.optimizer_state.items():
+        if not 0 <= index < len(shapes) or set(values) != _ADAM_KEYS:
+            return "optimizer_state"
+        step = values["step"]
+        if step.numel() != 1 or not bool(torch.isfinite(step).all()) or float(step) < 0:
+            return "optimizer_state"
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = values[key]
+            if tuple(moment.shape) != shapes[index] or not moment.is_floating_point():
+                return "optimizer_state"
+            if not bool(torch.isfinite(moment).all()):
+                return "non_finite"
+    current = optimizer.state_dict()
+    if sum(len(g["params"]) for g in current["param_groups"]) != len(shapes):
+        return "optimizer_state"
+    with torch.no_grad():
+        for name, p in named_params.items():
+            p.copy_(checked[name])
+    optimizer.load_state_dict(
+        {
+            "state": {
+                index: {key: t.clone() for key, t in values.items()}
+                for index, values in state.optimizer_state.items()
+            },
+            "param_groups": current["param_groups"],
+        }
+    )
+    return None
