@@ -427,6 +427,62 @@ async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
     assert (stats.started_from, stats.started_from_version) == ("best", 5)
 
 
+async def test_join_refuses_a_liars_state_that_no_other_trainer_vouches_for(
+    tmp_path: Path,
+) -> None:
+    # A liar claims the most updates to be chosen, then serves weights x1000; two
+    # honest trainers (close to each other) serve theirs. Whoever witnesses the liar's
+    # state disagrees with it; an honest state is vouched for by the other honest one.
+    honest_model, honest_optimizer = _trained_tiny(5)
+    honest = _published_state(honest_model, honest_optimizer, version=5)
+    other_model, other_optimizer = _trained_tiny(6)
+    other = _published_state(other_model, other_optimizer, version=6)
+    lie = _published_state(*_trained_tiny(5), version=500)
+    lie.params = {k: 1000 * v for k, v in lie.params.items()}
+    network = FakeNetwork(
+        FakePeer("liar", lie.params, version=500, state=lie),
+        FakePeer("honest", honest.params, version=5, state=honest),
+        FakePeer("other", other.params, version=6, state=other),
+    )
+    joiner = _Tiny()
+    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
+    averager = _averager(network)
+    peer_id, version = await trio.to_thread.run_sync(
+        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
+    )
+    assert peer_id in {"honest", "other"}
+    assert averager.statistics().rejected.get("join_disagrees") == 1
+    served = honest if peer_id == "honest" else other
+    assert version == served.updates
+    for name, p in joiner.named_parameters():
+        assert torch.equal(p, served.params[name]), name
+
+
+def test_a_lone_liar_and_a_lone_honest_trainer_cannot_be_told_apart_so_the_seed_is_kept(
+    tmp_path: Path,
+) -> None:
+    honest = _published_state(*_trained_tiny(5), version=5)
+    lie = _published_state(*_trained_tiny(5), version=500)
+    lie.params = {k: 1000 * v for k, v in lie.params.items()}
+    network = FakeNetwork(
+        FakePeer("liar", lie.params, version=500, state=lie),
+        FakePeer("honest", honest.params, version=5, state=honest),
+    )
+    joiner = _Tiny()
+    before = {k: v.detach().clone() for k, v in joiner.named_parameters()}
+    averager = _averager(network)
+    result = trio.run(
+        trio.to_thread.run_sync,
+        averager.join,
+        dict(joiner.named_parameters()),
+        torch.optim.Adam(joiner.parameters()),
+        tmp_path,
+    )
+    assert result == ("seed", 0)
+    for name, p in joiner.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
 async def test_join_refuses_a_state_that_does_not_fit_and_starts_from_the_seed(
     tmp_path: Path,
 ) -> None:

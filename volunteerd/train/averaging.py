@@ -51,7 +51,7 @@ from volunteerd.errors import (
     VolunteerdError,
 )
 from volunteerd.experts.checkpoint_file import ExpertState
-from volunteerd.experts.clipping import Params, centered_clip
+from volunteerd.experts.clipping import Params, centered_clip, clip_bound
 from volunteerd.moe import SwarmClient
 from volunteerd.swarm.trainers import (
     TRAINER_STATE_UID,
@@ -90,6 +90,8 @@ JOIN_ATTEMPTS = 3
 JOIN_TIMEOUT_FACTOR = 4
 # publish a fresh snapshot at most this often (or 10x as long as a copy takes)
 PUBLISH_EVERY_S = 2.0
+# a late joiner refuses a state farther than this many clipping bounds from a witness's
+JOIN_AGREEMENT = 4.0
 # rounds kept in the summary's log
 ROUNDS_LOGGED = 100
 _ADAM_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
@@ -435,7 +437,8 @@ class TrainerAverager:
                     stack.enter_context(tempfile.TemporaryDirectory(prefix="volunteerd-join-"))
                 )
             dest_dir.mkdir(parents=True, exist_ok=True)
-            for peer, version in self._join_candidates():
+            candidates = list(self._join_candidates())
+            for peer, version in candidates:
                 dest = dest_dir / f"{_safe(peer.peer_id)}.trainer-state"
                 try:
                     state = self._run(
@@ -451,7 +454,8 @@ class TrainerAverager:
                 except Exception as exc:
                     self._reject(peer.peer_id, "join_unreachable", repr(exc))
                     continue
-                problem = _load_state(state, named_params, optimizer)
+                problem = self._witnessed(state, peer, candidates, named_params)
+                problem = problem or _load_state(state, named_params, optimizer)
                 if problem is not None:
                     self._reject(peer.peer_id, f"join_{problem}", "state refused")
                     continue
@@ -467,6 +471,61 @@ class TrainerAverager:
                 )
                 return peer.peer_id, state.updates
         return "seed", 0
+
+    def _witnessed(
+        self,
+        state: ExpertState,
+        source: TrainerPeer,
+        candidates: list[tuple[TrainerPeer, int]],
+        named_params: Mapping[str, torch.Tensor],
+    ) -> str | None:
+        """A downloaded state is taken only if another trainer's parameters agree with
+        it: every tensor within ``JOIN_AGREEMENT`` clipping bounds of that witness's.
+        Up to two other candidates are asked; one agreeing is enough, and with none to
+        ask (or none answering) the state is taken as it is. So a peer that lies about
+        its progress to be chosen and then serves far-off weights (x1e3, noise) is
+        refused ("disagrees") while an honest trainer is vouched for by any honest
+        other; honest trainers that average are well within the bound."""
+        others = {p.peer_id: p for p, _ in candidates if p.peer_id != source.peer_id}
+        witnesses = self._rng.sample(list(others.values()), min(2, len(others)))
+        if not witnesses:
+            return None
+        layout = {n: (tuple(p.shape), p.dtype) for n, p in named_params.items()}
+
+        async def fetch_all() -> list[Params | None]:
+            out: list[Params | None] = [None] * len(witnesses)
+
+            async def one(i: int) -> None:
+                out[i] = await self._fetch(witnesses[i], layout)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(witnesses)):
+                    nursery.start_soon(one, i)
+            return out
+
+        answers: list[Params | None] = self._run(fetch_all)
+        heard = [theirs for theirs in answers if theirs is not None]
+        if not heard or any(self._agrees(state.params, theirs) for theirs in heard):
+            return None
+        logger.info(
+            "trainer %s's state disagrees with %d other trainers' weights",
+            source.peer_id[-8:],
+            len(heard),
+        )
+        return "disagrees"
+
+    def _agrees(self, params: Mapping[str, torch.Tensor], theirs: Params) -> bool:
+        ratio = JOIN_AGREEMENT * self.config.clip_ratio
+        for name, tensor in theirs.items():
+            mine = params.get(name)
+            if mine is None or mine.shape != tensor.shape:
+                return True  # not a question of distance: _load_state says what is wrong
+            # measured against the smaller of the two: a liar's x1000 weights must not
+            # widen the bound that judges an honest state
+            bound = min(clip_bound(mine.float(), ratio), clip_bound(tensor.float(), ratio))
+            if float((mine.float() - tensor.float()).norm()) > bound:
+                return False
+        return True
 
     def _join_candidates(self) -> Iterator[tuple[TrainerPeer, int]]:
         """Peers to download from, most updates first, cycled up to 3 attempts."""
