@@ -616,7 +616,12 @@ def _reason(exc: VolunteerdError) -> str:
     if isinstance(exc, TrainerStateError):
         return "not_usable"
     if isinstance(exc, ShardError):
-        return "bad_bytes"
+        # a download that kept failing names what failed it (a peer gone, a timeout);
+        # only one that got bytes and found them wrong is "bad_bytes"
+        cause = exc.__cause__
+        if isinstance(cause, VolunteerdError):
+            return _reason(cause)
+        return "unreachable" if cause is not None else "bad_bytes"
     if isinstance(exc, RemoteError):
         return "refused"
     return "failed"
