@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import trio
-from torch import nn
 
+from tests.unit.test_trainer_averaging import Tiny
 from volunteerd.experts.clipping import clip_bound
 from volunteerd.moe import SwarmClient
 from volunteerd.testing import local_config, open_peer
@@ -22,17 +22,6 @@ from volunteerd.train import Experiment, TrainerAverager, start_averaging
 pytestmark = pytest.mark.slow
 
 DEADLINE_S = 90  # generous: the tests run beside CPU-heavy processes
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(10, 6)
-        self.head = nn.Linear(6, 10)
-
-    def loss(self, seed: int) -> torch.Tensor:
-        x = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(seed))
-        return nn.functional.cross_entropy(self.head(self.embed(x)), x)
 
 
 def trained(steps: int, start: Tiny | None = None) -> tuple[Tiny, torch.optim.Adam]:

@@ -373,7 +373,9 @@ def test_publish_copies_to_cpu_and_is_throttled() -> None:
     assert info.experiment == EXPERIMENT
 
 
-class _Tiny(nn.Module):
+class Tiny(nn.Module):
+    """A model small enough to train in a test (also used by the integration test)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(10, 6)
@@ -384,9 +386,9 @@ class _Tiny(nn.Module):
         return nn.functional.cross_entropy(self.head(self.embed(x)), x)
 
 
-def _trained_tiny(steps: int) -> tuple[_Tiny, torch.optim.Adam]:
+def _trained_tiny(steps: int) -> tuple[Tiny, torch.optim.Adam]:
     torch.manual_seed(3)
-    model = _Tiny()
+    model = Tiny()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for i in range(steps):
         optimizer.zero_grad()
@@ -415,7 +417,7 @@ async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
         FakePeer("gone", kind="raise", version=9),
     )
     torch.manual_seed(99)
-    joiner = _Tiny()
+    joiner = Tiny()
     optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
     averager = _averager(network)
 
@@ -456,7 +458,7 @@ async def test_join_refuses_a_liars_state_that_no_other_trainer_vouches_for(
         FakePeer("honest", honest.params, version=5, state=honest),
         FakePeer("other", other.params, version=6, state=other),
     )
-    joiner = _Tiny()
+    joiner = Tiny()
     optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
     averager = _averager(network)
     peer_id, version = await trio.to_thread.run_sync(
@@ -480,7 +482,7 @@ def test_a_lone_liar_and_a_lone_honest_trainer_cannot_be_told_apart_so_the_seed_
         FakePeer("liar", lie.params, version=500, state=lie),
         FakePeer("honest", honest.params, version=5, state=honest),
     )
-    joiner = _Tiny()
+    joiner = Tiny()
     before = {k: v.detach().clone() for k, v in joiner.named_parameters()}
     averager = _averager(network)
     result = trio.run(
@@ -509,7 +511,7 @@ async def test_join_refuses_a_state_that_does_not_fit_and_starts_from_the_seed(
         FakePeer("broken", version=2, state=broken),
     )
     torch.manual_seed(5)
-    joiner = _Tiny()
+    joiner = Tiny()
     before = {k: v.detach().clone() for k, v in joiner.named_parameters()}
     optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
     averager = _averager(network)
@@ -527,7 +529,7 @@ async def test_join_refuses_a_state_that_does_not_fit_and_starts_from_the_seed(
 
 
 async def test_join_without_peers_or_trained_peers_starts_from_the_seed(tmp_path: Path) -> None:
-    joiner = _Tiny()
+    joiner = Tiny()
     optimizer = torch.optim.Adam(joiner.parameters())
     for network in (FakeNetwork(), FakeNetwork(FakePeer("fresh", version=0))):
         averager = _averager(network)
