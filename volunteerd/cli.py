@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         "profile's name, e.g. home, or a TOML file; needs root): see docs/wan.md",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--trainers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="trainers of the same model at once, averaging their weights (default 1)",
+    )
     demo.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
 
     train = sub.add_parser("train", help="train an experiment's model on a swarm")
@@ -851,6 +858,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
             local=args.local,
             wan=args.wan,
             seed=args.seed,
+            trainers=args.trainers,
             summary_json=summary_json,
             stop=stop,
         )

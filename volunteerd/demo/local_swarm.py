@@ -9,6 +9,10 @@ enters the host's network namespace, and the host's address to listen on).
 stops every process it started: SIGTERM first (they withdraw their experts and exit),
 SIGKILL for any still running after a few seconds. On Linux the children are also told
 to die with their parent, should the parent itself be killed.
+
+``start_trainer`` runs one more trainer of an experiment as a ``volunteerd train``
+process (``volunteerd demo --trainers N``, the trainers benchmark and tests): its output
+goes to a log file, its summary to a JSON file when it ends.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,10 +34,24 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import tomli_w
+
 from volunteerd.errors import Interrupted, VolunteerdError
 from volunteerd.train.experiment import Experiment
 
-__all__ = ["LOOPBACK", "LocalSwarm", "Placement", "SwarmNode", "child_env", "start_child"]
+__all__ = [
+    "LOOPBACK",
+    "LocalSwarm",
+    "Placement",
+    "SwarmNode",
+    "TrainerProcess",
+    "child_env",
+    "start_child",
+    "start_trainer",
+    "stop_trainers",
+    "wait_trainers",
+    "write_experiment",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -309,3 +328,108 @@ class LocalSwarm:
         if wait:
             self._wait(node)
         return node
+
+
+def write_experiment(experiment: Experiment, path: Path) -> Path:
+    """``experiment`` as the TOML file ``volunteerd train --config`` reads (keys left
+    unset, None, are left out: TOML has no null)."""
+    path.write_text(tomli_w.dumps(experiment.model_dump(mode="json", exclude_none=True)))
+    return path
+
+
+_STEP_LINE = re.compile(rb"step +(\d+)/\d+ ")
+
+
+@dataclass
+class TrainerProcess:
+    """One ``volunteerd train`` process. ``started_at`` is when it was started
+    (``time.time()``); its summary is in ``summary_file`` once it has ended (not if it
+    was killed)."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_file: Path
+    summary_file: Path
+    started_at: float
+
+    def summary(self) -> dict[str, Any]:
+        """Its summary JSON; raises VolunteerdError (with the log's end) if it has none."""
+        try:
+            return dict(json.loads(self.summary_file.read_text()))
+        except (OSError, ValueError):
+            tail = self.log_file.read_text(errors="replace")[-3000:]
+            raise VolunteerdError(
+                f"{self.name} exited with {self.process.returncode} and no summary:\n{tail}"
+            ) from None
+
+    def steps_done(self) -> int:
+        """The last step its progress bar reported (0 before the first)."""
+        try:
+            found = _STEP_LINE.findall(self.log_file.read_bytes())
+        except OSError:
+            return 0
+        return int(found[-1]) if found else 0
+
+
+def start_trainer(
+    name: str,
+    config: Path,
+    bootstrap: str,
+    *,
+    steps: int,
+    workdir: Path,
+    placement: Placement = LOOPBACK,
+) -> TrainerProcess:
+    """Start ``volunteerd train --config config`` joining through ``bootstrap``, its files
+    under ``workdir/name``. It is told to die with this process, and ignores Ctrl-C
+    meant for this one (``stop_trainers`` stops it)."""
+    home = workdir / name
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "log.txt"
+    summary = home / "summary.json"
+    summary.unlink(missing_ok=True)
+    command = [
+        *placement.prefix, sys.executable, "-m", "volunteerd", "train",
+        "--config", str(config), "--bootstrap", bootstrap, "--steps", str(steps),
+        "--listen-host", placement.listen_host, "--summary-json", str(summary),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = start_child(command, child_env(home), out)
+    return TrainerProcess(name, process, log, summary, time.time())
+
+
+def wait_trainers(
+    trainers: Sequence[TrainerProcess],
+    stop: threading.Event | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """Wait until every trainer has ended. Once ``stop`` is set each still running is
+    sent SIGINT (it stops after its current step and still writes its summary).
+    Raises VolunteerdError after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    interrupted = False
+    while any(t.process.poll() is None for t in trainers):
+        if stop is not None and stop.is_set() and not interrupted:
+            interrupted = True
+            for t in trainers:
+                if t.process.poll() is None:
+                    t.process.send_signal(signal.SIGINT)
+        if deadline is not None and time.monotonic() > deadline:
+            raise VolunteerdError(f"the trainers did not end in {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+def stop_trainers(trainers: Sequence[TrainerProcess], grace_s: float = 30.0) -> None:
+    """Stop every trainer still running: SIGINT (it stops after the current step),
+    SIGKILL after ``grace_s``."""
+    running = [t for t in trainers if t.process.poll() is None]
+    for t in running:
+        t.process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for t in running:
+        try:
+            t.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0fs; killing it", t.name, grace_s)
+            t.process.kill()
+            t.process.wait(10)

@@ -25,8 +25,16 @@ import torch
 
 from volunteerd.config import Config
 from volunteerd.control.client import ControlClient
-from volunteerd.demo.local_swarm import LocalSwarm, SwarmNode
-from volunteerd.errors import ControlError
+from volunteerd.demo.local_swarm import (
+    LocalSwarm,
+    SwarmNode,
+    TrainerProcess,
+    start_trainer,
+    stop_trainers,
+    wait_trainers,
+    write_experiment,
+)
+from volunteerd.errors import ConfigError, ControlError, VolunteerdError
 from volunteerd.moe import SwarmClient
 from volunteerd.train import (
     Experiment,
@@ -35,6 +43,7 @@ from volunteerd.train import (
     TrainSummary,
     build_model,
     load_corpus,
+    start_averaging,
 )
 from volunteerd.uids import expand_pattern
 
@@ -79,7 +88,23 @@ def run_training(
         f"{sum(p.numel() for p in model.trainer_parameters()) / 1e6:.2f}M trainer parameters",
         file=out,
     )
-    trainer = Trainer(experiment, model, corpus, Progress(steps, stream=out), stop=stop)
+    averager = None
+    if client is not None and experiment.averaging.enabled:
+        averager = start_averaging(client, experiment)
+        print(
+            f"averaging with the experiment's other trainers every "
+            f"{experiment.averaging.every_s:g} s (rendezvous {averager.rendezvous})",
+            file=out,
+        )
+    trainer = Trainer(
+        experiment,
+        model,
+        corpus,
+        Progress(steps, stream=out),
+        stop=stop,
+        averager=averager,
+        peer_id=client.node.node.peer_id if client is not None else "",
+    )
     return trainer.run(steps)
 
 
@@ -124,6 +149,7 @@ def run_demo(
     local: bool = False,
     wan: str | None = None,
     seed: int = 0,
+    trainers: int = 1,
     summary_json: Path | None = None,
     out: TextIO = sys.stderr,
     stop: threading.Event | None = None,
@@ -132,7 +158,14 @@ def run_demo(
 
     Setting ``stop`` (the CLI does on Ctrl-C) ends training after the current step; the
     summary then covers the steps done, and every process started is stopped. ``wan``
-    (a profile's name or file) runs the swarm and the trainer over emulated links."""
+    (a profile's name or file) runs the swarm and the trainer over emulated links.
+    ``trainers`` > 1 trains with that many trainers of the same experiment at once: this
+    process's and ``trainers - 1`` ``volunteerd train`` processes, averaging their
+    weights; the summary JSON lists the others' summaries under ``other_trainers``."""
+    if trainers < 1:
+        raise ConfigError("--trainers must be at least 1")
+    if trainers > 1 and local:
+        raise ConfigError("--local trains without a network: it cannot go with --trainers")
     base = Experiment()
     experiment = base.model_copy(
         update={
@@ -149,7 +182,7 @@ def run_demo(
         summary = run_training(experiment, client=None, steps=steps, out=out, stop=stop)
         extra: dict[str, Any] = {"nodes": 0}
     elif wan is not None:
-        summary, extra = _run_over_wan(experiment, wan, nodes, seed, steps, out, stop)
+        summary, extra = _run_over_wan(experiment, wan, nodes, seed, steps, out, stop, trainers)
     else:
         print(f"volunteerd demo: starting a local swarm of {nodes} daemons ...", file=out)
         with LocalSwarm.for_experiment(experiment, nodes, stop=stop) as swarm:
@@ -157,15 +190,32 @@ def run_demo(
                 print(f"  {node.name} {node.peer_id[-8:]} hosts {node.experts}", file=out)
             _dashboard_hint(swarm.daemons[0], out)
             print(
-                f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps",
+                f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps"
+                + (f" with {trainers} trainers" if trainers > 1 else ""),
                 file=out,
             )
-            with SwarmClient(
-                trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1")
-            ) as client:
-                summary = run_training(experiment, client=client, steps=steps, out=out, stop=stop)
+            with tempfile.TemporaryDirectory(prefix="volunteerd-demo-trainers-") as workdir:
+                others = _start_other_trainers(
+                    experiment, swarm.bootstrap_addrs[0], trainers - 1, steps, Path(workdir), out
+                )
+                try:
+                    began = time.monotonic()
+                    with SwarmClient(
+                        trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1")
+                    ) as client:
+                        summary = run_training(
+                            experiment, client=client, steps=steps, out=out, stop=stop
+                        )
+                    wait_trainers(others, stop)
+                    wall_s = time.monotonic() - began
+                    other_summaries = [_summary_or_none(t) for t in others]
+                finally:
+                    stop_trainers(others)
             _expert_table(summary, swarm, out)
             extra = {"nodes": nodes}
+            if trainers > 1:
+                _trainers_table(summary, other_summaries, wall_s, out)
+                extra.update(trainers=trainers, other_trainers=other_summaries)
     measured = f" at step {summary.val_curve[-1][0]}" if summary.interrupted else ""
     verb = "stopped" if summary.interrupted else "done"
     print(
@@ -184,6 +234,73 @@ def run_demo(
     return summary
 
 
+def _start_other_trainers(
+    experiment: Experiment, bootstrap: str, count: int, steps: int, workdir: Path, out: TextIO
+) -> list[TrainerProcess]:
+    """``count`` more trainers of ``experiment``, as ``volunteerd train`` processes on
+    127.0.0.1; each one's output goes to its log under ``workdir``."""
+    if count < 1:
+        return []
+    config = write_experiment(experiment, workdir / "experiment.toml")
+    started = []
+    try:
+        for i in range(count):
+            trainer = start_trainer(
+                f"trainer{i + 2}", config, bootstrap, steps=steps, workdir=workdir
+            )
+            started.append(trainer)
+            print(f"  trainer{i + 2}: volunteerd train (pid {trainer.process.pid})", file=out)
+    except BaseException:
+        stop_trainers(started)
+        raise
+    print(
+        f"  trainer1 trains in this process; the others write to {workdir}/trainer*/log.txt",
+        file=out,
+    )
+    return started
+
+
+def _summary_or_none(trainer: TrainerProcess) -> dict[str, Any] | None:
+    try:
+        return trainer.summary()
+    except VolunteerdError as exc:
+        logger.warning("%s", exc)
+        return None
+
+
+def _trainers_table(
+    summary: TrainSummary,
+    others: list[dict[str, Any] | None],
+    wall_s: float,
+    out: TextIO,
+) -> None:
+    """One line per trainer (steps, tokens, final validation loss, averaging rounds and
+    where it started from) and the tokens/s of all of them together."""
+    print("\ntrainers:", file=out)
+    rows: list[dict[str, Any] | None] = [summary.as_dict(), *others]
+    total = 0
+    for i, row in enumerate(rows):
+        name = f"trainer{i + 1}"
+        if row is None:
+            print(f"  {name}: ended without a summary (see its log)", file=out)
+            continue
+        total += int(row["tokens"])
+        peer = str(row.get("peer_id", ""))[-8:]
+        started_from = str(row.get("started_from", "seed"))
+        started_from = started_from if started_from == "seed" else f"peer {started_from[-8:]}"
+        print(
+            f"  {name}{f' ({peer})' if peer else ''}: {row['steps']} steps, "
+            f"{row['tokens']:,} tokens, validation loss {row['final_val_loss']:.3f}, "
+            f"{row.get('averaging_rounds', 0)} averaging rounds, started from {started_from}",
+            file=out,
+        )
+    print(
+        f"  all trainers together: {total:,} tokens in {wall_s:.0f}s "
+        f"({total / max(wall_s, 1e-9):,.0f} tokens/s)",
+        file=out,
+    )
+
+
 def _run_over_wan(
     experiment: Experiment,
     profile: str,
@@ -192,8 +309,9 @@ def _run_over_wan(
     steps: int,
     out: TextIO,
     stop: threading.Event | None,
+    trainers: int = 1,
 ) -> tuple[TrainSummary, dict[str, Any]]:
-    """The demo with the bootstrap node, each daemon and the trainer in hosts of their
+    """The demo with the bootstrap node, each daemon and each trainer in hosts of their
     own, linked as ``profile`` says. The summary's extra ``hosts`` records where each
     process ran: its network namespace (inode) and the addresses it announced."""
     from volunteerd.demo.wan import dashboard_hint, open_placements, train_in_host
@@ -202,7 +320,7 @@ def _run_over_wan(
     started = time.monotonic()
     print(f"volunteerd demo --wan {profile}: {nodes} daemons, each in its own host", file=out)
     with (
-        open_placements(profile, nodes, seed) as hosts,
+        open_placements(profile, nodes, seed, trainers) as hosts,
         LocalSwarm.for_experiment(experiment, nodes, stop=stop, placements=hosts.swarm) as swarm,
     ):
         print(f"  bootstrap at {hosts.bootstrap.listen_host}: {hosts.links[0]}", file=out)
@@ -213,23 +331,52 @@ def _run_over_wan(
                 f"hosts {node.experts}",
                 file=out,
             )
+        for i, (placement, link) in enumerate(
+            zip(hosts.more_trainers, hosts.links[2 + nodes :], strict=False)
+        ):
+            print(f"  trainer{i + 2} at {placement.listen_host}: {link}", file=out)
         dashboard_hint(swarm, hosts, out)
         print(
             f"swarm ready in {time.monotonic() - started:.1f}s; training {steps} steps from "
-            f"{hosts.trainer.listen_host}",
+            f"{hosts.trainer.listen_host}"
+            + (f" and {trainers - 1} more trainers" if trainers > 1 else ""),
             file=out,
         )
         with tempfile.TemporaryDirectory(prefix="volunteerd-demo-trainer-") as tmp:
-            summary, trainer_netns = train_in_host(
-                experiment,
-                hosts.trainer,
-                swarm.bootstrap_addrs[0],
-                steps=steps,
-                workdir=Path(tmp),
-                out=out,
-                stop=stop,
-            )
+            config = write_experiment(experiment, Path(tmp) / "experiment.toml")
+            others: list[TrainerProcess] = []
+            try:
+                for i, placement in enumerate(hosts.more_trainers):
+                    others.append(
+                        start_trainer(
+                            f"trainer{i + 2}",
+                            config,
+                            swarm.bootstrap_addrs[0],
+                            steps=steps,
+                            workdir=Path(tmp),
+                            placement=placement,
+                        )
+                    )
+                if others:
+                    print(f"  trainer2...: their output goes to {tmp}/trainer*/log.txt", file=out)
+                began = time.monotonic()
+                summary, trainer_netns = train_in_host(
+                    experiment,
+                    hosts.trainer,
+                    swarm.bootstrap_addrs[0],
+                    steps=steps,
+                    workdir=Path(tmp),
+                    out=out,
+                    stop=stop,
+                )
+                wait_trainers(others, stop)
+                wall_s = time.monotonic() - began
+                other_summaries = [_summary_or_none(t) for t in others]
+            finally:
+                stop_trainers(others)
         _expert_table(summary, swarm, out)
+        if trainers > 1:
+            _trainers_table(summary, other_summaries, wall_s, out)
         traffic = hosts.traffic()
         where = {
             node.name: {
@@ -244,11 +391,25 @@ def _run_over_wan(
             "listen_host": hosts.trainer.listen_host,
             "multiaddrs": [],
         }
-        names = ["bootstrap", "trainer", *(node.name for node in swarm.daemons)]
+        for i, placement in enumerate(hosts.more_trainers):
+            where[f"trainer{i + 2}"] = {
+                "netns": 0,
+                "listen_host": placement.listen_host,
+                "multiaddrs": [],
+            }
+        names = [
+            "bootstrap",
+            "trainer",
+            *(node.name for node in swarm.daemons),
+            *(f"trainer{i + 2}" for i in range(len(hosts.more_trainers))),
+        ]
         for name, (sent, received) in zip(names, traffic, strict=False):
             where[name].update(sent_bytes=sent, received_bytes=received)
         _traffic_table(summary, where, names, out)
-    return summary, {"nodes": nodes, "wan": profile, "hosts": where}
+    extra: dict[str, Any] = {"nodes": nodes, "wan": profile, "hosts": where}
+    if trainers > 1:
+        extra.update(trainers=trainers, other_trainers=other_summaries)
+    return summary, extra
 
 
 def _netns_of(pid: int) -> int:

@@ -21,9 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-import tomli_w
-
-from volunteerd.demo.local_swarm import LocalSwarm, Placement, child_env, start_child
+from volunteerd.demo.local_swarm import (
+    LocalSwarm,
+    Placement,
+    child_env,
+    start_child,
+    write_experiment,
+)
 from volunteerd.errors import ConfigError, ExitCode, VolunteerdError
 from volunteerd.train import Experiment, TrainSummary
 
@@ -32,7 +36,8 @@ __all__ = ["WanPlacements", "open_placements", "train_in_host"]
 
 class WanPlacements:
     """The emulated network's hosts as placements: ``bootstrap``, ``trainer`` and one per
-    daemon, each with its namespace's name (for the commands the demo prints)."""
+    daemon, each with its namespace's name (for the commands the demo prints), then
+    ``more_trainers``: one per further trainer (``demo --trainers N``)."""
 
     def __init__(self, wan: Any, daemons: int) -> None:
         hosts = list(wan.hosts)
@@ -47,6 +52,7 @@ class WanPlacements:
         placements = [Placement(tuple(h.argv([])), str(h.address)) for h in hosts]
         self.bootstrap, self.trainer = placements[0], placements[1]
         self.daemons = placements[2 : 2 + daemons]
+        self.more_trainers = placements[2 + daemons :]
 
     @property
     def swarm(self) -> list[Placement]:
@@ -55,14 +61,17 @@ class WanPlacements:
 
     def traffic(self) -> list[tuple[int, int]]:
         """Bytes each host sent and received so far (IP packets, headers included), in
-        host order: bootstrap, trainer, daemons."""
+        host order: bootstrap, trainer, daemons, further trainers."""
         return [(h.sent_bytes, h.received_bytes) for h in self.wan.stats()]
 
 
 @contextmanager
-def open_placements(profile: str, daemons: int, seed: int = 0) -> Iterator[WanPlacements]:
-    """An emulated network of ``daemons + 2`` hosts on ``profile`` (a profile's name or a
-    TOML file): host 0 for the bootstrap node, host 1 for the trainer, then the daemons.
+def open_placements(
+    profile: str, daemons: int, seed: int = 0, trainers: int = 1
+) -> Iterator[WanPlacements]:
+    """An emulated network of ``daemons + 1 + trainers`` hosts on ``profile`` (a
+    profile's name or a TOML file): host 0 for the bootstrap node, host 1 for the
+    trainer, then the daemons, then one host per further trainer.
     Every namespace and device is gone when the block is left, however it is left.
 
     Raises ConfigError (a message, not a traceback) without root or without what the
@@ -75,7 +84,7 @@ def open_placements(profile: str, daemons: int, seed: int = 0) -> Iterator[WanPl
         links = Profile.load(profile)
     except ProfileError as exc:
         raise ConfigError(f"--wan: {exc}") from None
-    with open_wan(links, hosts=daemons + 2, seed=seed) as wan:
+    with open_wan(links, hosts=daemons + 1 + max(trainers, 1), seed=seed) as wan:
         yield WanPlacements(wan, daemons)
 
 
@@ -110,7 +119,7 @@ def train_in_host(
     home = workdir / "trainer"
     home.mkdir(parents=True, exist_ok=True)
     config = home / "experiment.toml"
-    config.write_text(tomli_w.dumps(experiment.model_dump(mode="json")))
+    write_experiment(experiment, config)
     summary_path = home / "summary.json"
     command = [
         *placement.prefix, sys.executable, "-m", "volunteerd", "train",

@@ -141,6 +141,8 @@ class TrainSummary:
     # "seed", or the peer whose state this trainer downloaded, and its update count
     started_from: str = "seed"
     started_from_version: int = 0
+    # seconds spent looking for a peer's state, downloading and checking it (0 alone)
+    join_s: float = 0.0
     data_shard: int = 0
     peer_id: str = ""
     # this process's CPU time (all threads)
@@ -291,9 +293,12 @@ class Trainer:
         t, m = self.experiment.training, self.experiment.model
         tokens_per_step = t.batch_size * m.seq_len
         averager = self.averager
+        join_s = 0.0
         if averager is not None:
             # before the first validation: a late joiner's starts at its peers' level
+            joining = time.monotonic()
             peer, version = averager.join(self._own, self.optimizer, self._state_dir)
+            join_s = time.monotonic() - joining
             if peer != "seed":
                 self.version = version
                 self._say(f"started from {peer}'s state (update {version})")
@@ -390,6 +395,7 @@ class Trainer:
         )
         if averager is not None:
             _add_averaging(summary, averager, started)
+            summary.join_s = join_s
         summary.cpu_seconds = time.process_time()
         return summary
 
