@@ -24,6 +24,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.e2e.conftest import Proc, publish, run_cli
@@ -95,6 +96,16 @@ def text(driver: WebDriver, element_id: str) -> str:
 
 def activity(driver: WebDriver) -> str | None:
     return driver.find_element(By.ID, "state").get_attribute("data-activity")
+
+
+def part_of(driver: WebDriver, item: str, part: str) -> WebElement:
+    """The element ``part`` (a CSS selector) inside the list item ``item``, found anew."""
+    return driver.find_element(By.CSS_SELECTOR, f"{item} {part}")
+
+
+def clicked(element: WebElement) -> bool:
+    element.click()
+    return True
 
 
 def click(driver: WebDriver, element_id: str) -> None:
@@ -451,13 +462,21 @@ def test_joining_a_published_project_from_the_page_rides_through_the_restart(
     waiting_long.until(
         lambda d: d.find_element(By.CSS_SELECTOR, joined).get_attribute("data-state") == "joined"
     )
-    item = browser.find_element(By.CSS_SELECTOR, joined)
-    title = item.find_element(By.CSS_SELECTOR, ".project-title").text
-    assert title == "Helping: A tiny model joined from the dashboard by The browser test"
-    home = item.find_element(By.CSS_SELECTOR, "a.project-home")
-    assert home.get_attribute("href") == "https://example.org/page-demo"
-    assert "noopener" in (home.get_attribute("rel") or "")
     waiting_long.until(lambda d: client.status().experts)
+    # The list is drawn again whenever a project's figures change (its experts arrive),
+    # so each look at the item finds it afresh (waiting_long ignores stale elements).
+    helping = "Helping: A tiny model joined from the dashboard by The browser test"
+    waiting_long.until(lambda d: part_of(d, joined, ".project-title").text == helping)
+    waiting_long.until(
+        lambda d: (
+            part_of(d, joined, "a.project-home").get_attribute("href")
+            == "https://example.org/page-demo"
+        )
+    )
+    home_rel = waiting_long.until(
+        lambda d: part_of(d, joined, "a.project-home").get_attribute("rel") or "-"
+    )
+    assert "noopener" in home_rel
     assert not browser.find_element(By.ID, "banner").is_displayed()
     set_width(browser, NARROW)
     wait.until(lambda d: d.execute_script("return innerWidth") == NARROW)
@@ -466,8 +485,10 @@ def test_joining_a_published_project_from_the_page_rides_through_the_restart(
     set_width(browser, 1280)
 
     # Leave: asked once more, then the daemon restarts into hosting nothing.
-    item.find_element(By.CSS_SELECTOR, ".leave").click()
-    browser.find_element(By.CSS_SELECTOR, '[data-testid="confirm-leave"]').click()
+    waiting_long.until(lambda d: clicked(part_of(d, joined, ".leave")))
+    waiting_long.until(
+        lambda d: clicked(d.find_element(By.CSS_SELECTOR, '[data-testid="confirm-leave"]'))
+    )
     waiting_long.until(lambda d: text(d, "join-status") == "Left page-demo.")
     waiting_long.until(lambda d: activity(d) == "not_in_project")
     assert client.status().projects == []
