@@ -21,7 +21,9 @@ class Proc:
     ready_file: Path
     log: Path
 
-    def wait_ready(self, timeout_s: float = 60) -> dict:  # type: ignore[type-arg]
+    def wait_ready(self, timeout_s: float = 180) -> dict:  # type: ignore[type-arg]
+        # generous: on 2 loaded cores, four processes importing torch at once took 41 s
+        # before one of them even listened (CI)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.ready_file.exists():

@@ -20,6 +20,7 @@ SMALL = ["--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"
 FAST_DHT = ["--set", "dht.announce_period_s=1", "--set", "dht.record_ttl_s=3"]
 
 
+@pytest.mark.timeout(400)  # four processes start at once: slow on a loaded machine
 def test_training_survives_a_killed_daemon(spawn) -> None:  # type: ignore[no-untyped-def]
     boot = spawn("boot", "bootstrap").wait_ready()
     servers = [
