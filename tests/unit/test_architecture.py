@@ -98,6 +98,9 @@ ALLOWED: dict[str, set[str]] = {
         "runtime",
         "swarm",
     },
+    # the swarm simulated with the production decision code (benchmarks/scale.py);
+    # testing: memory links for calibrating a request's cost
+    "sim": {"moe", "swarm", "train", "experts", "net", "config", "wire", "runtime", "testing"},
     "__init__": set(),
     "__main__": {"cli"},
 }

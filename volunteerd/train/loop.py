@@ -29,16 +29,16 @@ from volunteerd.moe import (
     LocalMixtureOfExperts,
     OutputChecks,
     RemoteMixtureOfExperts,
-    SwarmClient,
     grid_uids,
 )
+from volunteerd.moe.client import TrainerClient
 from volunteerd.train.averaging import TrainerAverager, data_shard_of
 from volunteerd.train.data import Corpus
 from volunteerd.train.experiment import Experiment
 from volunteerd.train.model import MoETransformerLM
 from volunteerd.train.progress import Progress, Rate
 
-__all__ = ["TrainSummary", "Trainer", "build_model", "expert_config"]
+__all__ = ["TrainSummary", "Trainer", "build_model", "expert_config", "too_stale"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def expert_config(experiment: Experiment) -> ExpertsConfig:
     )
 
 
-def build_model(experiment: Experiment, client: SwarmClient | None) -> MoETransformerLM:
+def build_model(experiment: Experiment, client: TrainerClient | None) -> MoETransformerLM:
     """The experiment's model: remote mixtures through ``client``, or local ones if None.
 
     Local experts start from exactly the weights a daemon would create for them."""
@@ -445,7 +445,7 @@ class Trainer:
         """Apply ``step``'s gradient (the micro-batches' weighted sum) unless it is
         staler than ``max_staleness`` updates; returns its loss, or None if dropped."""
         staleness = self.version - step.version
-        if staleness > self.max_staleness:
+        if too_stale(self.version, step.version, self.max_staleness):
             self.stale_dropped += 1
             return None
         self._staleness.append(staleness)
@@ -522,6 +522,12 @@ def _add_averaging(summary: TrainSummary, averager: TrainerAverager, started: fl
     summary.started_from = s.started_from
     summary.started_from_version = s.started_from_version
     summary.rounds_log = [(when - started, list(peers)) for when, peers in s.rounds_log]
+
+
+def too_stale(version: int, started_at: int, max_staleness: int) -> bool:
+    """Whether a gradient computed from update ``started_at`` may no longer be applied
+    at update ``version`` (docs/decisions/0012): more than ``max_staleness`` came between."""
+    return version - started_at > max_staleness
 
 
 def _batch_seed(seed: int, shard: int) -> int:

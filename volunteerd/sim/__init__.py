@@ -1,0 +1,1 @@
+"""The swarm at scale, simulated with the production decision code (docs/scale.md)."""
