@@ -52,7 +52,7 @@ def in_world(test: Callable[[World], Any], **kwargs: Any) -> None:
         world = World(EXPERIMENT, CALIBRATION, **settings)
         async with trio.open_nursery() as nursery:
             await nursery.start(world.serve)
-            await trio.sleep(2.0)  # everyone joined
+            await trio.sleep(settings["churn"].warmup_s + 5.0)  # everyone joined and serves
             await test(world)
             nursery.cancel_scope.cancel()
 
@@ -94,7 +94,8 @@ def test_volunteers_fill_the_least_replicated_experts() -> None:
         # 8 volunteers x 2 experts over 8 experts (2 layers of 2x2): 2 replicas each
         assert served == [2] * 8
 
-    in_world(check, volunteers=8)
+    # joins spread over 60 s: each volunteer sees the ones before it in the DHT
+    in_world(check, volunteers=8, churn=Churn(warmup_s=60.0))
 
 
 def test_the_choice_is_the_production_assignment(monkeypatch: pytest.MonkeyPatch) -> None:

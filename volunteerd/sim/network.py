@@ -9,8 +9,9 @@ way's latency after both are done. Nothing is lost in transit: a host that is go
 not answer (sim.world).
 
 Compute (``Cpu``): a host's device runs one call at a time, in order of arrival (a
-daemon's executor: one worker per device); ``slots`` > 1 models several cores shared by
-every host of one machine (the validation run: 8 daemons and a trainer on 2 cores).
+daemon's executor: one worker per device). Where hosts share one machine (the validation
+run: 8 daemons and a trainer on 2 cores), each host is one worker (a Python process
+does one thing at a time) that also needs one of the machine's cores.
 """
 
 from __future__ import annotations
@@ -44,17 +45,30 @@ class Traffic:
 
 
 class Cpu:
-    """``slots`` workers taking calls in order of arrival."""
+    """``slots`` workers taking calls in order of arrival. With a ``machine``, each
+    call also needs one of the machine's cores: a process (one worker) among others
+    on one computer."""
 
-    def __init__(self, slots: int = 1) -> None:
+    def __init__(self, slots: int = 1, machine: Cpu | None = None) -> None:
         self._free = [0.0] * max(1, slots)
+        self._machine = machine
         self.busy_s = 0.0
+
+    def _earliest(self) -> int:
+        return min(range(len(self._free)), key=self._free.__getitem__)
 
     def reserve(self, seconds: float) -> float:
         """Book ``seconds`` of work arriving now; returns when it will be done."""
         now = trio.current_time()
-        i = min(range(len(self._free)), key=self._free.__getitem__)
-        end = max(now, self._free[i]) + seconds
+        i = self._earliest()
+        start = max(now, self._free[i])
+        machine = self._machine
+        if machine is not None:
+            j = machine._earliest()
+            start = max(start, machine._free[j])
+            machine._free[j] = start + seconds
+            machine.busy_s += seconds
+        end = start + seconds
         self._free[i] = end
         self.busy_s += seconds
         return end

@@ -52,6 +52,7 @@ class Scenario:
     target_loss: float | None = None
     seed: int = 0
     placement: tuple[tuple[str, ...], ...] | None = None  # fixed uids per volunteer
+    background_cpu: float = 0.0  # share of a core each daemon spends on upkeep
 
 
 @dataclass
@@ -77,7 +78,9 @@ class SwarmReport:
     refused_records: int
     moves: int
     downloads: int
-    extra: dict[str, Any] = field(default_factory=dict)
+    requests: int = 0  # the trainer's requests to volunteers
+    served_s: float = 0.0  # device seconds they cost the volunteers
+    trainer_busy_s: float = 0.0  # device seconds the trainer's own device worked
 
     @property
     def up_mbps(self) -> float:
@@ -122,6 +125,7 @@ def simulate(
             shared_cores=scenario.shared_cores,
             seed=scenario.seed,
             placement=scenario.placement,
+            background_cpu=scenario.background_cpu,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(world.serve)
@@ -216,6 +220,9 @@ def report(world: World, run: TrainRun, trainer: SimTrainer) -> SwarmReport:
         refused_records=world.refused_records,
         moves=world.moves,
         downloads=world.downloads,
+        requests=world.requests,
+        served_s=world.served_s,
+        trainer_busy_s=world.trainer_host.cpu.busy_s,
     )
 
 

@@ -231,10 +231,16 @@ class World:
         seed: int = 0,
         config: Config | None = None,
         placement: Sequence[Sequence[str]] | None = None,
+        background_cpu: float = 0.0,
     ) -> None:
         """``placement``: the uids each volunteer hosts, fixed (daemons started with
         ``experts.uids``, as the demo's local swarm); None: they choose, as daemons
-        that joined an experiment do."""
+        that joined an experiment do. ``background_cpu``: the share of a core each
+        volunteer's daemon spends on its own upkeep (DHT, connections, statistics),
+        booked on its device every second: it matters where hosts share cores."""
+        self.background_cpu = background_cpu
+        self.requests = 0  # requests the trainer sent to volunteers
+        self.served_s = 0.0  # device seconds they cost
         self.experiment = experiment
         self.calibration = calibration
         self.config = config or Config()
@@ -251,13 +257,13 @@ class World:
         sampled = [LAN] * count if links == "lan" else home_links(count, seed)
         self.typical_link = LAN if links == "lan" else home_links(1, seed + 1)[0]
         trainer_link = LAN if links == "lan" else TRAINER_LINK
-        self.trainer_host = Host("trainer", trainer_link, shared or Cpu(1))
+        self.trainer_host = Host("trainer", trainer_link, Cpu(1, shared))
         self.placement = [list(p) for p in placement] if placement is not None else None
         self.volunteers = [
             Volunteer(
                 i,
                 f"sim{i:06d}",
-                Host(f"sim{i:06d}", sampled[i + 1], shared or Cpu(1)),
+                Host(f"sim{i:06d}", sampled[i + 1], Cpu(1, shared)),
                 capacity,
             )
             for i in range(volunteers)
@@ -321,6 +327,9 @@ class World:
                 # down when the trainer comes: its first presence starts later
                 start += self.rng.expovariate(1 / churn.down_mean_s)
             self._at(self.started_at + start, "join", v)
+        if self.background_cpu > 0:
+            for v in self.volunteers:
+                self._at(self.started_at + 1.0, "upkeep", v)
         task_status.started()
         while True:
             if not self._events:
@@ -352,10 +361,16 @@ class World:
             self._rebalance(v)
             self._at(now + self._jitter(self.config.experiments.rebalance_every_s), "rebalance", v)
         elif kind == "serve":
-            # a download finished: the experts it brought are answered from now on
+            # a download finished: the experts it brought are answered (and announced,
+            # as the joiner does) from now on
             v.serving = set(v.hosted)
+            self._announce(v, v.serving)
         elif kind == "announce":
-            self._announce(v, v.hosted)
+            self._announce(v, v.serving)
+        elif kind == "upkeep":
+            if v.online:
+                v.host.cpu.reserve(self.background_cpu)
+            self._at(now + 1.0, "upkeep", v)
 
     def _jitter(self, seconds: float) -> float:
         return seconds * self.rng.uniform(0.8, 1.2)
@@ -392,7 +407,7 @@ class World:
         )
         v.hosted = {uid: now for uid in choice.add}
         self._download(v, [u for u in choice.add if u not in v.checkpoints])
-        self._announce(v, v.hosted)
+        self._announce(v, v.serving)
 
     def _download(self, v: Volunteer, uids: Iterable[str]) -> None:
         """Fetch the state of ``uids`` from a replica the DHT lists (or start from the
@@ -400,6 +415,7 @@ class World:
         now = trio.current_time()
         done = now
         nbytes = self.expert_state_bytes()
+        uids = list(uids)
         for uid in uids:
             sources = [self.by_peer[p] for p in self.seen().get(uid, []) if p in self.by_peer]
             sources = [s for s in sources if s.online and s is not v]
@@ -410,7 +426,7 @@ class World:
             self.downloads += 1
         v.checkpoints.update(v.hosted)
         if done > now:
-            v.serving = {u for u in v.serving if u in v.hosted}
+            v.serving = {u for u in v.hosted if u not in uids}
             self._at(done, "serve", v)
         else:
             v.serving = set(v.hosted)
@@ -464,12 +480,12 @@ class World:
         v.epoch += 1
         v.online_s += now - v.last_up
         v.kept.clear()
-        v.serving = set()
+        announced, v.serving = v.serving, set()
         if crashed:
             # its records lapse record_ttl_s after its last refresh
             last = self._next_refresh(v) - self.config.dht.announce_period_s
             ttl = self.config.dht.record_ttl_s
-            for record in self._records(v, v.hosted, active=True):
+            for record in self._records(v, announced, active=True):
                 lapsing = record.model_copy(
                     update={"issued_at": last + 1e-6, "expires_at": last + ttl}
                 )
@@ -507,7 +523,7 @@ class World:
                 self.dht.store.put(record)
         v.serving -= set(choice.drop)
         self._download(v, [u for u in choice.add if u not in v.checkpoints])
-        self._announce(v, v.hosted)
+        self._announce(v, v.serving)
 
     # -- serving --------------------------------------------------------------------------
 
@@ -644,7 +660,10 @@ class SimRpc:
         await world.network.send(self.host, v.host, size, "serve")
         if v.epoch != epoch:
             await trio.sleep_forever()
-        await v.host.cpu.run(world.compute_s(verb, header))
+        seconds = world.compute_s(verb, header)
+        world.requests += 1
+        world.served_s += seconds
+        await v.host.cpu.run(seconds)
         if v.epoch != epoch:
             await trio.sleep_forever()
         try:
