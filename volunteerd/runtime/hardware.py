@@ -38,6 +38,7 @@ __all__ = [
     "Hardware",
     "Speed",
     "capacity",
+    "cpu_model",
     "detect",
     "expert_footprint",
     "measure_speed",
@@ -94,7 +95,7 @@ def detect() -> Hardware:
                 )
             )
     return Hardware(
-        cpu_model=_cpu_model(),
+        cpu_model=cpu_model(),
         cpu_cores=cores,
         usable_cores=usable,
         memory_bytes=total,
@@ -104,7 +105,7 @@ def detect() -> Hardware:
     )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -194,7 +195,7 @@ def _speed_key(device: torch.device, experts: ExpertsConfig) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "cpu":
-        name = f"{_cpu_model()} x{torch.get_num_threads()}"
+        name = f"{cpu_model()} x{torch.get_num_threads()}"
     else:
         name = device.type
     return (

@@ -58,6 +58,7 @@ from volunteerd.moe import LocalMixtureOfExperts
 from volunteerd.net import PeerAddress, RpcClient, RpcServer, Verb
 from volunteerd.net.rpc import Handler, Reply, Request
 from volunteerd.runtime.guard import RequestGuard
+from volunteerd.runtime.hardware import cpu_model
 from volunteerd.testing.memnet import MemoryNetwork
 from volunteerd.train import Experiment, build_model, expert_config
 from volunteerd.wire import (
@@ -206,7 +207,7 @@ def measure(
         server_request_s=server_s,
         client_request_s=client_s,
         cores=_cores(),
-        machine=f"{_cpu_model()}; torch {torch.__version__}; python {platform.python_version()}",
+        machine=f"{cpu_model()}; torch {torch.__version__}; python {platform.python_version()}",
         inference_s=inference,
         optimizer_step_s=opt_step,
         trainer_forward_s=forward_only_s,
@@ -473,13 +474,3 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -50,6 +50,7 @@ class Scenario:
     steps: int = 300
     eval_every: int = 25
     target_loss: float | None = None
+    target_window: int = 1  # evaluations averaged when comparing with target_loss
     seed: int = 0
     placement: tuple[tuple[str, ...], ...] | None = None  # fixed uids per volunteer
     background_cpu: float = 0.0  # share of a core each daemon spends on upkeep
@@ -133,7 +134,10 @@ def simulate(
             torch.manual_seed(experiment.training.seed)
             trainer = SimTrainer(world, clock, experiment, corpus)
             run = await trainer.run(
-                scenario.steps, eval_every=scenario.eval_every, target_loss=scenario.target_loss
+                scenario.steps,
+                eval_every=scenario.eval_every,
+                target_loss=scenario.target_loss,
+                target_window=scenario.target_window,
             )
             holder["report"] = report(world, run, trainer)
             holder["run"] = run

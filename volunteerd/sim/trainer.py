@@ -103,12 +103,20 @@ class TrainRun:
     def step_s_median(self) -> float:
         return statistics.median(self.step_s) if self.step_s else float("nan")
 
-    def reached(self, target: float) -> tuple[int, float] | None:
-        """(steps, seconds) at the first evaluation at or below ``target``."""
-        for step, seconds, loss in self.curve:
-            if loss <= target:
+    def reached(self, target: float, window: int = 1) -> tuple[int, float] | None:
+        """(steps, seconds) at the first evaluation where the mean of the last
+        ``window`` evaluations is at or below ``target`` (a window smooths the noise of
+        one evaluation)."""
+        for i, (step, seconds, _) in enumerate(self.curve):
+            last = [loss for _, _, loss in self.curve[max(0, i - window + 1) : i + 1]]
+            if len(last) == window and sum(last) / window <= target:
                 return step, seconds
         return None
+
+    def smoothed_final(self, window: int) -> float:
+        """The mean of the last ``window`` evaluations."""
+        last = [loss for _, _, loss in self.curve[-window:]]
+        return sum(last) / len(last)
 
 
 class SimTrainer:
@@ -164,7 +172,12 @@ class SimTrainer:
         return sum(losses) / len(losses)
 
     async def run(
-        self, steps: int, *, eval_every: int, target_loss: float | None = None
+        self,
+        steps: int,
+        *,
+        eval_every: int,
+        target_loss: float | None = None,
+        target_window: int = 1,
     ) -> TrainRun:
         """Train ``steps`` steps (fewer once ``target_loss`` is reached at an evaluation)."""
         t, m = self.experiment.training, self.experiment.model
@@ -206,7 +219,7 @@ class SimTrainer:
                     if out.steps % eval_every == 0 or out.steps == steps:
                         loss = self.evaluate()
                         out.curve.append((out.steps, trio.current_time() - started, loss))
-                        if target_loss is not None and loss <= target_loss:
+                        if target_loss is not None and out.reached(target_loss, target_window):
                             done.set()
 
             async with trio.open_nursery() as workers:

@@ -394,20 +394,24 @@ class World:
             v.serving = set(v.hosted)
             self._announce(v, v.hosted)
             return
-        choice = assignment.choose_experts(
-            self.uids,
-            self.seen(),
-            {},
-            capacity=v.capacity,
-            peer_id=v.peer_id,
-            replication=self.config.dht.replication,
-            now=now,
-            min_stay_s=self.config.experiments.min_stay_s,
-            prefer=v.checkpoints,
-        )
+        choice = self._choose(v, {})
         v.hosted = {uid: now for uid in choice.add}
         self._download(v, [u for u in choice.add if u not in v.checkpoints])
         self._announce(v, v.serving)
+
+    def _choose(self, v: Volunteer, hosted: dict[str, float]) -> assignment.Choice:
+        """What a daemon of ``v``'s capacity decides, from what the DHT lists now."""
+        return assignment.choose_experts(
+            self.uids,
+            self.seen(),
+            hosted,
+            capacity=v.capacity,
+            peer_id=v.peer_id,
+            replication=self.config.dht.replication,
+            now=trio.current_time(),
+            min_stay_s=self.config.experiments.min_stay_s,
+            prefer=v.checkpoints,
+        )
 
     def _download(self, v: Volunteer, uids: Iterable[str]) -> None:
         """Fetch the state of ``uids`` from a replica the DHT lists (or start from the
@@ -500,17 +504,7 @@ class World:
         if not v.online or self.placement is not None:
             return
         now = trio.current_time()
-        choice = assignment.choose_experts(
-            self.uids,
-            self.seen(),
-            v.hosted,
-            capacity=v.capacity,
-            peer_id=v.peer_id,
-            replication=self.config.dht.replication,
-            now=now,
-            min_stay_s=self.config.experiments.min_stay_s,
-            prefer=v.checkpoints,
-        )
+        choice = self._choose(v, v.hosted)
         if not choice.changed:
             return
         self.moves += len(choice.add)
