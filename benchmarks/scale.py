@@ -126,6 +126,7 @@ def row_of(result: SimResult, central: TrainRun, target: float) -> dict[str, Any
         "skipped": run.skipped,
         "bans": dict(run.bans),
         "rejected": dict(run.rejected),
+        "wrong": sc.churn.wrong,
         "uids_served": swarm.uids_served,
         "refused_records": swarm.refused_records,
         "final_loss": run.final_loss,
@@ -440,6 +441,9 @@ def main() -> None:
     parser.add_argument("--failing", default="0,0.1,0.3", help="shares failing intermittently")
     parser.add_argument("--capacity", type=int, default=2, help="experts per volunteer")
     parser.add_argument(
+        "--wrong", type=float, default=0.0, help="share of volunteers answering wrongly (x1000)"
+    )
+    parser.add_argument(
         "--target-step", type=int, default=100, help="target: centralized loss here"
     )
     parser.add_argument("--max-steps", type=int, default=200, help="a run stops here at the latest")
@@ -496,7 +500,7 @@ def main() -> None:
                 corpus,
                 Scenario(
                     volunteers=size,
-                    churn=Churn(failing=failing),
+                    churn=Churn(failing=failing, wrong=args.wrong),
                     capacity=args.capacity,
                     steps=args.max_steps,
                     eval_every=args.eval_every,

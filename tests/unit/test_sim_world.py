@@ -68,7 +68,8 @@ def test_crashed_volunteers_records_lapse_a_ttl_after_their_last_refresh() -> No
         await trio.sleep(period * 2.5 - trio.current_time() + v.announced_at)
         last_refresh = v.announced_at + 2 * period
         world.crash(v)
-        assert not v.online and not v.serving
+        assert not v.online
+        assert not v.serving
         await trio.sleep_until(last_refresh + ttl - 0.01)
         assert v.peer_id in world.dht.listed(uid)  # still listed: it may be back
         await trio.sleep_until(last_refresh + ttl + 0.01)
@@ -156,7 +157,8 @@ def test_training_goes_on_while_volunteers_fail(corpus: Corpus) -> None:
         corpus, volunteers=8, steps=12, churn=Churn(failing=0.4, down_mean_s=3.0, warmup_s=2.0)
     )
     run = result.run
-    assert run.steps + run.skipped == 12 and run.steps >= 6
+    assert run.steps + run.skipped == 12
+    assert run.steps >= 6
     assert run.forward_failed + sum(run.bans.values()) > 0  # failures happened, were met
     assert math.isfinite(run.final_loss)
     assert run.final_loss < run.curve[0][2]
@@ -166,4 +168,5 @@ def test_wrong_answers_are_caught_by_the_checks(corpus: Corpus) -> None:
     result = small(corpus, volunteers=8, steps=8, churn=Churn(wrong=0.25, warmup_s=2.0))
     run = result.run
     assert sum(run.rejected.values()) > 0
-    assert math.isfinite(run.final_loss) and run.final_loss < run.curve[0][2]
+    assert math.isfinite(run.final_loss)
+    assert run.final_loss < run.curve[0][2]
