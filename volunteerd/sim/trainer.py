@@ -163,7 +163,8 @@ class SimTrainer:
         local.load_state_dict(self.model.state_dict(), strict=False)
         for block in local.blocks:
             moe = block.moe
-            assert isinstance(moe, LocalMixtureOfExperts)
+            if not isinstance(moe, LocalMixtureOfExperts):
+                raise TypeError(f"the evaluation model has a {type(moe).__name__} layer")
             for uid in moe.all_uids():
                 backend = self.world.backends.get(uid)
                 if backend is not None:
