@@ -45,17 +45,16 @@ ATTACKS = {"nan": _nan, "noise": _noise}
 
 
 def corrupt_forward(backend: ExpertBackend, attack: Callable[[Outputs], Outputs]) -> None:
-    plain, kept = backend.forward, backend.forward_retained
+    plain, kept = backend.forward, backend.forward_retained_many
 
     def forward(inputs: Any) -> Outputs:
         return attack(plain(inputs))
 
-    def forward_retained(inputs: Any) -> Any:
-        out, retained = kept(inputs)
-        return attack(out), retained
+    def forward_retained_many(items: Any) -> Any:
+        return [(attack(out), retained) for out, retained in kept(items)]
 
     backend.forward = forward  # type: ignore[method-assign]
-    backend.forward_retained = forward_retained  # type: ignore[method-assign]
+    backend.forward_retained_many = forward_retained_many  # type: ignore[method-assign]
 
 
 def wait_for_replicas(client: SwarmClient, replicas: int, timeout_s: float = 30.0) -> None:

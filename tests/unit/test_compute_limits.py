@@ -13,7 +13,7 @@ import trio
 
 from volunteerd.config import LimitsConfig, RuntimeConfig, limits_overlay_toml, load_config
 from volunteerd.errors import ConfigError
-from volunteerd.runtime import BatchQueue, DeviceExecutor
+from volunteerd.runtime import DeviceBatcher, DeviceExecutor
 
 JOB_S = 0.02
 
@@ -60,7 +60,8 @@ async def test_batch_cap_splits_batches(autojump_clock: trio.abc.Clock) -> None:
         return items
 
     config = RuntimeConfig(max_batch_size=100, max_batch_wait_s=0.05)
-    queue: BatchQueue[torch.Tensor, torch.Tensor] = BatchQueue("e", compute, executor, config)
+    device = DeviceBatcher(executor, config)
+    queue = device.lane("e", compute)
 
     async def round_of(n: int) -> None:
         async with trio.open_nursery() as clients:
@@ -68,14 +69,14 @@ async def test_batch_cap_splits_batches(autojump_clock: trio.abc.Clock) -> None:
                 clients.start_soon(lambda: queue.submit(torch.zeros(4, 2), samples=4))
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(queue.serve)
+        await nursery.start(device.serve)
         await round_of(6)
         assert batches == [24]
         executor.max_batch_size = 8  # the volunteer's cap, applied to the next batch
         batches.clear()
         await round_of(6)
         assert batches == [8, 8, 8]
-        queue.close()
+        device.close()
 
 
 def test_limits_overlay_takes_the_place_of_the_config_files_limits(tmp_path: Path) -> None:

@@ -93,19 +93,43 @@ class WeightsSnapshot:
 
 
 @dataclass(eq=False, slots=True)
+class KeptGraph:
+    """The graph of several requests' forwards merged into one batch: their inputs
+    joined (``leaves``), the joined ``output`` with its graph, and each request's rows
+    (``sizes``, in order). While every request still waits for its backward the graph
+    can take them all in one backward; once one has gone alone (or was dropped), the
+    graph is released and the rest are recomputed from their inputs on the same
+    weights."""
+
+    leaves: list[torch.Tensor]
+    output: torch.Tensor | None
+    sizes: list[int]
+
+    def release(self) -> None:
+        self.output = None
+
+
+@dataclass(eq=False, slots=True)
 class Retained:
-    """A forward pass kept for its backward: inputs (as graph leaves), output, weights."""
+    """A forward pass kept for its backward: inputs, output, weights. Alone, ``leaves``
+    and ``output`` are the graph's own; as a piece of a merged forward (``graph``, its
+    rows the ``index``-th of ``graph.sizes``) they are detached views of its rows."""
 
     leaves: list[torch.Tensor]
     output: torch.Tensor
     weights: WeightsSnapshot
-    nbytes: int  # activations saved for backward, weights not included
+    nbytes: int  # activations saved for backward (its share), weights not included
     consumed: bool = False
+    graph: KeptGraph | None = None
+    index: int = 0
 
     def __del__(self) -> None:
-        # Dropped unused (expired, evicted): its generation no longer needs protecting.
+        # Dropped unused (expired, evicted): its generation no longer needs protecting,
+        # and its merged graph can no longer take all its requests at once.
         if not self.consumed:
             self.weights.pending -= 1
+            if self.graph is not None:
+                self.graph.release()
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,10 +169,13 @@ class ExpertBackend:
         self.revision = 0
         self.optimizer_name = config.optimizer.name
         self._snapshot: WeightsSnapshot | None = None
+        # Backwards of merged kept forwards: through their graph together, or recomputed
+        self.kept_together = 0
+        self.kept_recomputed = 0
         self._step_memo = StepMemo()  # valid while (updates, revision) says so
 
     def _leaves(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [x.to(self.device, torch.float32).detach().requires_grad_() for x in inputs]
+        return [x.detach().to(self.device, torch.float32).requires_grad_() for x in inputs]
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
@@ -170,6 +197,15 @@ class ExpertBackend:
         self, inputs: Sequence[torch.Tensor]
     ) -> tuple[list[torch.Tensor], Retained]:
         """Forward with autograd on, on this generation's weights; keep the graph."""
+        [kept] = self.forward_retained_many([inputs])
+        return kept
+
+    def forward_retained_many(
+        self, items: Sequence[Sequence[torch.Tensor]]
+    ) -> list[tuple[list[torch.Tensor], Retained]]:
+        """Forwards of several requests with autograd on, merged into one batch on this
+        generation's weights; one kept graph for all (``KeptGraph``), a ``Retained``
+        piece for each request."""
         weights = self._weights()
         weight_ptrs = {p.untyped_storage().data_ptr() for p in weights.params.values()}
         # Every storage the kept graph holds, each once (a tensor saved by two nodes
@@ -182,51 +218,109 @@ class ExpertBackend:
                 held[storage.data_ptr()] = storage.nbytes()
             return t
 
-        leaves = self._leaves(inputs)
+        sizes = [int(item[0].shape[0]) for item in items]
+        joined = [x[0] if len(items) == 1 else torch.cat(x) for x in zip(*items, strict=True)]
+        leaves = self._leaves(joined)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = functional_call(self.module, weights.params, tuple(leaves))
         for kept in (out, *leaves):
             held[kept.untyped_storage().data_ptr()] = kept.untyped_storage().nbytes()
-        weights.pending += 1
+        weights.pending += len(items)
         saved = sum(held.values())
-        return [out.detach().to(self.wire_dtype)], Retained(leaves, out, weights, saved)
+        wire = out.detach().to(self.wire_dtype)
+        if len(items) == 1:
+            return [([wire], Retained(leaves, out, weights, saved))]
+        graph = KeptGraph(leaves, out, sizes)
+        total = sum(sizes)
+        out_rows = wire.split(sizes)
+        detached = out.detach().split(sizes)
+        rows = [leaf.detach().split(sizes) for leaf in leaves]
+        return [
+            (
+                [out_rows[i]],
+                Retained(
+                    [r[i] for r in rows],
+                    detached[i],
+                    weights,
+                    -(-saved * size // total),
+                    graph=graph,
+                    index=i,
+                ),
+            )
+            for i, size in enumerate(sizes)
+        ]
 
     def backward_retained(
         self, items: Sequence[tuple[Retained, Sequence[torch.Tensor]]]
     ) -> list[list[torch.Tensor]]:
         """Back-propagate each retained forward; parameter gradients accumulate until
-        ``step``."""
-        results = []
-        grads = self._grad_buffers()
-        for retained, grad_outputs in items:
-            aliases = retained.weights.params
-            # Autograd adds into an existing .grad in place: let it add straight into the
-            # live parameters' gradient buffers.
-            for name, alias in aliases.items():
-                alias.grad = grads[name]
-            try:
-                with torch.enable_grad():
-                    torch.autograd.backward(
-                        [retained.output], [self._wide(g) for g in grad_outputs]
-                    )
-            finally:
-                for alias in aliases.values():
-                    alias.grad = None
-            if not retained.consumed:
-                retained.consumed = True
-                retained.weights.pending -= 1
-            results.append(self._input_grads(retained.leaves))
+        ``step``. The pieces of a merged forward that all come in one call go back
+        through their graph together; others are recomputed from their inputs on the
+        weights their forward saw."""
+        results: list[list[torch.Tensor]] = [[] for _ in items]
+        graphs: dict[int, tuple[KeptGraph, list[int]]] = {}
+        for i, (retained, grad_outputs) in enumerate(items):
+            if retained.graph is None:
+                self._backprop(retained.weights, [retained.output], grad_outputs)
+                results[i] = self._input_grads(retained.leaves)
+                self._consume(retained)
+            else:
+                graphs.setdefault(id(retained.graph), (retained.graph, []))[1].append(i)
+        for graph, indices in graphs.values():
+            pieces = {items[i][0].index: i for i in indices}
+            whole = graph.output is not None and sorted(pieces) == list(range(len(graph.sizes)))
+            if whole:
+                self.kept_together += len(indices)
+                assert graph.output is not None
+                order = [pieces[k] for k in range(len(graph.sizes))]
+                joined = [
+                    torch.cat([self._wide(items[i][1][n]) for i in order])
+                    for n in range(len(items[order[0]][1]))
+                ]
+                self._backprop(items[order[0]][0].weights, [graph.output], joined)
+                split = [self._input_grads([leaf])[0].split(graph.sizes) for leaf in graph.leaves]
+                for k, i in enumerate(order):
+                    results[i] = [s[k] for s in split]
+            graph.release()  # taken whole, or the others must be recomputed anyway
+            for i in indices:
+                retained, grad_outputs = items[i]
+                if not whole:
+                    self.kept_recomputed += 1
+                    leaves = self._leaves(retained.leaves)
+                    with torch.enable_grad():
+                        out = functional_call(self.module, retained.weights.params, tuple(leaves))
+                    self._backprop(retained.weights, [out], grad_outputs)
+                    results[i] = self._input_grads(leaves)
+                self._consume(retained)
         return results
 
-    def _grad_buffers(self) -> dict[str, torch.Tensor]:
-        """Each parameter's gradient buffer, created once and reused (allocating
-        weight-sized buffers anew for every request cost more than the compute)."""
-        out = {}
-        for name, p in self.module.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out[name] = p.grad
-        return out
+    def _backprop(
+        self,
+        weights: WeightsSnapshot,
+        outputs: Sequence[torch.Tensor],
+        grad_outputs: Sequence[torch.Tensor],
+    ) -> None:
+        """Back-propagate ``outputs`` (a graph on ``weights``' aliases) and add the
+        parameter gradients to the live parameters' (None between steps: the first
+        backward after a step hands its gradients over without a copy)."""
+        live = dict(self.module.named_parameters())
+        aliases = weights.params
+        for name, alias in aliases.items():
+            alias.grad = live[name].grad
+        try:
+            with torch.enable_grad():
+                torch.autograd.backward(list(outputs), [self._wide(g) for g in grad_outputs])
+            for name, alias in aliases.items():
+                live[name].grad = alias.grad
+        finally:
+            for alias in aliases.values():
+                alias.grad = None
+
+    @staticmethod
+    def _consume(retained: Retained) -> None:
+        if not retained.consumed:
+            retained.consumed = True
+            retained.weights.pending -= 1
 
     def _weights(self) -> WeightsSnapshot:
         if self._snapshot is None:
@@ -249,14 +343,7 @@ class ExpertBackend:
         ``check``, a step that breaks the weights is refused or undone (the gradients
         are dropped and ``updates`` stays as it was); ``audit`` asks it for the full
         check."""
-        snapshot = self._snapshot
-        if snapshot is not None and snapshot.pending > 0:
-            # Kept forwards still need these values: the live weights move to fresh
-            # storage and the old storage stays theirs (copy on write).
-            with torch.no_grad():
-                for p in self.module.parameters():
-                    p.data = p.data.clone()
-        self._snapshot = None  # the next kept forward starts a new generation
+        self.begin_step()
         if check is None:
             self.optimizer.step()
             outcome = StepOutcome(None, math.nan, "unchecked")
@@ -268,10 +355,28 @@ class ExpertBackend:
                 version=(self.updates, self.revision),
                 audit=audit,
             )
-        self.optimizer.zero_grad(set_to_none=False)
+        self.end_step(outcome)
+        return outcome
+
+    def begin_step(self) -> None:
+        """Before the optimizer writes the weights: kept forwards that still need the
+        current values keep them (the live weights move to fresh storage: copy on
+        write), and the next kept forward starts a new generation."""
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.pending > 0:
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    p.data = p.data.clone()
+        self._snapshot = None
+
+    def end_step(self, outcome: StepOutcome) -> None:
+        """After the optimizer ran (or was refused): the gradients are cleared and a
+        step that was kept is counted."""
+        # None, not zeros: the next backward writes its gradients into fresh buffers
+        # instead of adding to zeroed ones (one pass over the weights fewer per step).
+        self.optimizer.zero_grad(set_to_none=True)
         if outcome.undone is None:
             self.updates += 1
-        return outcome
 
     # State for checkpoints and replicas. Like the compute calls, these run on the
     # device's worker thread inside the executor's turn: no step runs meanwhile.

@@ -123,19 +123,22 @@ class StepCheck:
         ``memo`` and ``version`` (the expert's (updates, revision) now) let the cheap
         path reuse what the last step measured; ``audit`` asks for the full check."""
         memo = memo if memo is not None else StepMemo()
-        self.checked += 1
-        memo.since_audit += 1
-        due = audit or (self.full_every > 0 and memo.since_audit >= self.full_every)
+        due = self._count(memo, audit)
         outcome = None if due else self._predicted(params, optimizer, memo, version)
         if outcome is None:
-            self.full += 1
-            memo.since_audit = 0
-            outcome = self._full(params, optimizer)
-            if outcome.undone is None:
-                self._remember(params, optimizer, memo, (version[0] + 1, version[1]))
-        if outcome.undone is not None:
-            self.undone += 1
-        return outcome
+            outcome = self._checked_fully(params, optimizer, memo, version)
+        return self._tally(outcome)
+
+    # The pieces of ``step``. ``experts.multistep.step_many`` runs them for many experts
+    # at once: it counts each step, takes the norms of all cheap-path experts in one
+    # pass, vouches for each, steps the vouched ones together, takes their weights'
+    # norms in one pass, and gives the rest the full check one by one.
+
+    def _count(self, memo: StepMemo, audit: bool) -> bool:
+        """Count a step; True when it is due for the full check."""
+        self.checked += 1
+        memo.since_audit += 1
+        return audit or (self.full_every > 0 and memo.since_audit >= self.full_every)
 
     def _predicted(
         self,
@@ -149,16 +152,35 @@ class StepCheck:
         kind = _kind(optimizer)
         if kind is None:
             return None
-        grads = [p.grad for p in params if p.grad is not None]
-        if memo.version != version or not math.isfinite(memo.weights_sq + memo.momentum_sq):
-            self._measure(params, optimizer, memo)
+        norms = _sums_sq(_before(params, optimizer, memo, version))
+        verdict = self._vouch(kind, params, optimizer, memo, version, norms)
+        if not isinstance(verdict, _Vouched):
+            return verdict
+        with torch.no_grad():
+            optimizer.step()
+            (weights_sq,) = _sums_sq([params])
+        return self._after_predicted(params, memo, version, verdict, weights_sq)
+
+    def _vouch(
+        self,
+        kind: _Kind,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        memo: StepMemo,
+        version: tuple[int, int],
+        norms: Sequence[float],
+    ) -> StepOutcome | _Vouched | None:
+        """The cheap path's verdict before the step, from the squared norms of what
+        ``_before`` named: the step refused, vouched for, or None (it needs the full
+        check). Brings ``memo`` up to date when the norms include the weights'."""
+        g_sq = norms[0]
+        if len(norms) > 1:
+            memo.weights_sq, memo.momentum_sq = norms[1], norms[2]
             memo.version = version
             if not math.isfinite(memo.weights_sq + memo.momentum_sq):
                 return None  # the full check will say what is wrong
-        with torch.no_grad():
-            # float32 norms: a square overflows to inf for huge but finite gradients;
-            # only a NaN proves a non-finite one.
-            g_sq = _sum_sq(grads).item() if grads else 0.0
+        # float32 norms: a square overflows to inf for huge but finite gradients; only
+        # a NaN proves a non-finite one.
         if math.isnan(g_sq):
             return StepOutcome("non_finite_gradients", math.nan, "refused")
         if math.isinf(g_sq):
@@ -172,32 +194,59 @@ class StepCheck:
             return StepOutcome("too_large_step", lower / w, "refused")
         if upper > self.max_ratio * w:
             return None
-        with torch.no_grad():
-            optimizer.step()
+        return _Vouched(upper, w, momentum)
+
+    def _after_predicted(
+        self,
+        params: Sequence[torch.Tensor],
+        memo: StepMemo,
+        version: tuple[int, int],
+        vouched: _Vouched,
+        weights_sq: float,
+    ) -> StepOutcome:
+        """The outcome of a vouched step that was applied, given the weights' ‖w‖²
+        after it: for the next prediction, and to see they are finite (a NaN or inf
+        anywhere shows in it). The buffers' bound needs no pass over them."""
         self.predicted += 1
-        # The weights' norm: for the next prediction, and to see they are finite (a
-        # NaN or inf anywhere shows in it). The buffers' bound needs no pass over them.
-        with torch.no_grad():
-            memo.weights_sq = _sum_sq(params).item()
-        memo.momentum_sq = momentum * momentum
+        memo.weights_sq = weights_sq
+        memo.momentum_sq = vouched.momentum * vouched.momentum
         memo.version = (version[0] + 1, version[1])
         broken = None
         if not math.isfinite(memo.weights_sq) and not all(
             bool(torch.isfinite(p).all()) for p in params
         ):
             broken = "non_finite_weights"  # (else finite weights whose squares overflow)
-        return StepOutcome(None, upper / w, "predicted", broken)
+        return StepOutcome(None, vouched.upper / vouched.w, "predicted", broken)
+
+    def _checked_fully(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        memo: StepMemo,
+        version: tuple[int, int],
+    ) -> StepOutcome:
+        """The step with the full check; ``memo`` measured anew when it is kept."""
+        self.full += 1
+        memo.since_audit = 0
+        outcome = self._full(params, optimizer)
+        if outcome.undone is None:
+            self._remember(params, optimizer, memo, (version[0] + 1, version[1]))
+        return outcome
+
+    def _tally(self, outcome: StepOutcome) -> StepOutcome:
+        if outcome.undone is not None:
+            self.undone += 1
+        return outcome
 
     def _measure(
         self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, memo: StepMemo
     ) -> None:
         """‖w‖² and ‖momentum‖² into ``memo`` (one pass over each; a NaN or inf in
         either shows as a non-finite sum)."""
-        buffers = _momentum_buffers(params, optimizer)
         with torch.no_grad():
-            w_sq = _sum_sq(params)
-            m_sq = _sum_sq(buffers) if buffers else torch.zeros_like(w_sq)
-            memo.weights_sq, memo.momentum_sq = torch.stack([w_sq, m_sq]).tolist()
+            memo.weights_sq, memo.momentum_sq = _sums_sq(
+                [params, _momentum_buffers(params, optimizer)]
+            )
 
     def _remember(
         self,
@@ -280,6 +329,30 @@ class StepCheck:
 _Kind = Literal["sgd", "adam"]
 
 
+@dataclass(frozen=True, slots=True)
+class _Vouched:
+    """A step the cheap path's bounds vouch for: apply it, then ``_after_predicted``."""
+
+    upper: float  # upper bound of ‖Δw‖
+    w: float  # ‖w‖ before the step
+    momentum: float  # upper bound of the momentum buffers' norm after the step
+
+
+def _before(
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    memo: StepMemo,
+    version: tuple[int, int],
+) -> list[list[torch.Tensor]]:
+    """What the cheap path measures before a step: the gradients, and the weights and
+    the momentum buffers too when ``memo`` is not valid for ``version`` (the weights
+    were written another way since, or the last measure was not finite)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if memo.version == version and math.isfinite(memo.weights_sq + memo.momentum_sq):
+        return [grads]
+    return [grads, list(params), _momentum_buffers(params, optimizer)]
+
+
 def _kind(optimizer: torch.optim.Optimizer) -> _Kind | None:
     """The optimizers whose step the cheap path can bound (one parameter group)."""
     if len(optimizer.param_groups) != 1:
@@ -343,10 +416,20 @@ def _momentum_buffers(
     return out
 
 
-def _sum_sq(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Σ‖t‖² over ``tensors`` in one foreach pass, a float32 scalar on their device
-    (NaN if a value is NaN, inf if one is infinite or the sum overflows)."""
-    return torch.stack(torch._foreach_norm(list(tensors))).square().sum()
+def _sums_sq(segments: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+    """Σ‖t‖² of each segment of tensors (0 for an empty one), from one foreach pass over
+    all of them and one transfer: float32 sums (NaN if a value is NaN, inf if one is
+    infinite or the sum overflows). The tensors share one device."""
+    flat = [t for segment in segments for t in segment]
+    if not flat:
+        return [0.0] * len(segments)
+    with torch.no_grad():
+        squares = torch.stack(torch._foreach_norm(flat)).square()
+        sums, start = [], 0
+        for segment in segments:
+            sums.append(squares[start : start + len(segment)].sum())
+            start += len(segment)
+        return torch.stack(sums).tolist()
 
 
 def _distance(

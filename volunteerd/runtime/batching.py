@@ -1,12 +1,33 @@
-"""Per-expert request queues and the batcher that turns waiting requests into batches.
+"""Lanes of requests and the device's batcher, which runs many experts' batches per
+hand-off to the worker thread.
 
-Each queue is bounded: when it is full a request is refused at once with ``Busy``
-instead of waiting without end. The batcher takes the first waiting request, then
-keeps collecting for at most ``max_batch_wait_s`` or until ``max_batch_size`` samples
-(or the executor's lower cap, a volunteer's limit) are in, taking only requests with
-the same ``shape_key`` (others wait, in order, for a later batch), runs the batch's
-compute function on the device executor, and hands each request its own result. With
-``merge=False`` every request is its own batch.
+A **lane** holds one expert's requests of one kind (forward, backward, ...). It is
+bounded: when ``queue_size`` requests are already waiting in it, a new one is refused
+at once with ``Busy`` instead of waiting without end.
+
+The **batcher** (one per device) takes the waiting requests of *every* lane into one
+**job**: it waits at most ``max_batch_wait_s`` after the oldest waiting request for
+more to come (less when the oldest one's batch is already full; not at all while that
+lane's waiting has not paid, below), groups the requests
+by lane and ``shape_key`` into batches of at most ``max_batch_size`` samples (or the
+executor's lower cap, a volunteer's limit; requests that do not fit wait, in order,
+for the next job), and runs the whole job in one call on the device executor's worker
+thread: first the work due before any batch (the runtime's optimizer steps, see
+``before_job``), then each batch's compute function, each handing every request its
+own result. A batch whose compute fails fails only its own requests.
+
+Requests that arrive while a job runs have waited already: the next job takes them
+at once. Under load, concurrent requests for the same expert (several trainers, or
+one trainer's several batches in flight) therefore merge into larger batches, and a
+server answering a message that names eight experts pays one thread hand-off, not
+eight. With ``merge=False`` every request of a lane is its own batch (still in the
+same job as the others).
+
+Waiting pays only where requests for the same expert come close together. A lane
+whose last wait brought no second request stops waiting (one trainer calling an
+expert once per pass gains nothing from it and would lose ``max_batch_wait_s`` per
+pass) until one of its batches holds several requests again, which happens by itself
+under load: requests that arrive while a job runs merge without any wait.
 """
 
 from __future__ import annotations
@@ -15,7 +36,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import trio
 
@@ -27,19 +48,26 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["BatchQueue", "QueueStats"]
+__all__ = ["BeforeJob", "DeviceBatcher", "Lane", "QueueStats"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+X = TypeVar("X")
+
+# What ``DeviceBatcher.before_job`` hands the batcher: work to run on the worker thread
+# before the job's batches, and what to do with its result back on the trio thread.
+BeforeJob = tuple[Callable[[], Any], Callable[[Any], None]]
 
 
 @dataclass(slots=True)
 class _Task(Generic[T, R]):
+    lane: Lane[T, R]
     item: T
     samples: int
     shape_key: Hashable
+    arrived: float
     done: trio.Event = field(default_factory=trio.Event)
     result: R | None = None
     error: BaseException | None = None
@@ -58,28 +86,29 @@ class QueueStats:
         return self.samples / self.batches if self.batches else 0.0
 
 
-class BatchQueue(Generic[T, R]):
-    """Requests for one expert and one kind of work. Start ``serve`` in a nursery, then
-    ``submit``. ``compute`` maps a batch of items to their results, in order; it runs on
-    the device's worker thread."""
+class Lane(Generic[T, R]):
+    """One expert's requests of one kind. ``compute`` maps a batch of items to their
+    results, in order; it runs on the device's worker thread."""
 
     def __init__(
         self,
+        batcher: DeviceBatcher,
         name: str,
         compute: Callable[[list[T]], list[R]],
-        executor: DeviceExecutor,
-        config: RuntimeConfig,
         *,
         merge: bool = True,
     ) -> None:
         self.name = name
-        self._compute = compute
-        self._executor = executor
-        self._config = config
-        self._merge = merge
-        self._send, self._recv = trio.open_memory_channel[_Task[T, R]](config.queue_size)
-        self._carry: deque[_Task[T, R]] = deque()
+        self.compute = compute
+        self.merge = merge
+        self._batcher = batcher
         self._closed = False
+        self._waiting = 0  # submitted, not yet taken into a job
+        self._unfinished = 0  # submitted, not yet answered
+        self._finished = trio.Event()
+        # Whether waiting for more requests is worth it: set when a batch of this lane
+        # held several requests, cleared when a wait brought none.
+        self.wait_pays = True
         self._requests = 0
         self._samples = 0
         self._batches = 0
@@ -88,28 +117,31 @@ class BatchQueue(Generic[T, R]):
     async def submit(self, item: T, *, samples: int, shape_key: Hashable = None) -> R:
         """Queue one request and wait for its result.
 
-        Raises Busy at once when the queue is full, ShuttingDown after ``close``, and
-        whatever the compute function raised for the batch.
-        """
-        if self._closed:
+        Raises Busy at once when the lane is full, ShuttingDown after ``close``, and
+        whatever the compute function raised for the batch."""
+        if self._closed or self._batcher.closing:
             raise ShuttingDown(f"{self.name} is stopping")
-        task: _Task[T, R] = _Task(item, samples, shape_key)
-        try:
-            self._send.send_nowait(task)
-        except trio.WouldBlock:
+        if self._waiting >= self._batcher.config.queue_size:
             self._refused += 1
-            raise Busy(f"{self.name}: {self._config.queue_size} requests already waiting") from None
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ShuttingDown(f"{self.name} is stopping") from None
+            raise Busy(f"{self.name}: {self._batcher.config.queue_size} requests already waiting")
+        task: _Task[T, R] = _Task(self, item, samples, shape_key, trio.current_time())
+        self._waiting += 1
+        self._unfinished += 1
+        self._batcher._put(task)
         await task.done.wait()
         if task.error is not None:
             raise task.error
         return task.result  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Refuse new requests; ``serve`` finishes what is queued and returns."""
+        """Refuse new requests; the queued ones are still answered (``finished``)."""
         self._closed = True
-        self._send.close()
+        if self._unfinished == 0:
+            self._finished.set()
+
+    async def finished(self) -> None:
+        """Wait until the lane is closed and every request it took is answered."""
+        await self._finished.wait()
 
     def statistics(self) -> QueueStats:
         return QueueStats(
@@ -117,87 +149,210 @@ class BatchQueue(Generic[T, R]):
             samples=self._samples,
             batches=self._batches,
             refused_busy=self._refused,
-            waiting=self._recv.statistics().current_buffer_used + len(self._carry),
+            waiting=self._waiting,
         )
+
+    def _answered(self, tasks: list[_Task[T, R]], ran: bool) -> None:
+        if ran:
+            self._requests += len(tasks)
+            self._samples += sum(t.samples for t in tasks)
+            self._batches += 1
+        self._unfinished -= len(tasks)
+        for task in tasks:
+            task.done.set()
+        if self._closed and self._unfinished == 0:
+            self._finished.set()
+
+
+@dataclass(slots=True)
+class _Batch:
+    lane: Lane[Any, Any]
+    tasks: list[_Task[Any, Any]]
+    results: list[Any] | None = None
+    error: BaseException | None = None
+
+
+class DeviceBatcher:
+    """The lanes of one device and the loop that runs them. Make lanes with ``lane``,
+    start ``serve`` in a nursery, then submit to the lanes."""
+
+    def __init__(self, executor: DeviceExecutor, config: RuntimeConfig) -> None:
+        self.executor = executor
+        self.config = config
+        # Called on the trio thread as each job is formed: work that must run on the
+        # worker before the job's batches (and after those of the previous job), or
+        # None. The runtime's optimizer steps come this way.
+        self.before_job: Callable[[], BeforeJob | None] | None = None
+        self.closing = False
+        self._queue: deque[_Task[Any, Any]] = deque()
+        self._wakeup = trio.Event()
+        self._jobs = 0
+
+    def lane(
+        self, name: str, compute: Callable[[list[T]], list[R]], *, merge: bool = True
+    ) -> Lane[T, R]:
+        return Lane(self, name, compute, merge=merge)
+
+    def wake(self) -> None:
+        """Form a job now even if no request waits (``before_job`` has work)."""
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """Refuse new requests; ``serve`` answers what is queued and returns."""
+        self.closing = True
+        self._wakeup.set()
+
+    @property
+    def jobs(self) -> int:
+        """Jobs run so far (each one hand-off to the worker)."""
+        return self._jobs
+
+    def _put(self, task: _Task[Any, Any]) -> None:
+        self._queue.append(task)
+        self._wakeup.set()
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
             while True:
-                batch = await self._next_batch()
-                if not batch:
-                    return
-                await self._run(batch)
+                if not self._queue:
+                    before = self.before_job() if self.before_job is not None else None
+                    if before is not None:
+                        await self._run([], before)
+                        continue
+                    if self.closing:
+                        return
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+                    continue
+                waited = self._queue[0].lane if await self._wait_for_more() else None
+                batches = self._take()
+                for batch in batches:
+                    if len(batch.tasks) > 1:
+                        batch.lane.wait_pays = True
+                    elif batch.lane is waited:
+                        batch.lane.wait_pays = False
+                before = self.before_job() if self.before_job is not None else None
+                await self._run(batches, before)
         finally:
-            for task in [*self._carry, *_drain(self._recv)]:
-                task.error = ShuttingDown(f"{self.name} stopped")
-                task.done.set()
+            stopped = ShuttingDown("the device's batcher stopped")
+            while self._queue:
+                task = self._queue.popleft()
+                task.lane._waiting -= 1
+                task.error = stopped
+                task.lane._answered([task], ran=False)
 
-    def _fits(self, batch: list[_Task[T, R]], samples: int, task: _Task[T, R]) -> bool:
-        return (
-            self._merge
-            and task.shape_key == batch[0].shape_key
-            and samples + task.samples <= self._executor.batch_limit(self._config.max_batch_size)
-        )
+    def _limit(self) -> int:
+        return self.executor.batch_limit(self.config.max_batch_size)
 
-    async def _next_batch(self) -> list[_Task[T, R]]:
-        if self._carry:
-            first = self._carry.popleft()
-        else:
-            try:
-                first = await self._recv.receive()
-            except trio.EndOfChannel:
-                return []
-        batch = [first]
-        samples = first.samples
-        if not self._merge:
-            return batch
-        # Requests of another shape wait for a later batch, in their order.
-        for _ in range(len(self._carry)):
-            task = self._carry.popleft()
-            if self._fits(batch, samples, task):
-                batch.append(task)
-                samples += task.samples
-            else:
-                self._carry.append(task)
-        with trio.move_on_after(self._config.max_batch_wait_s):
-            while samples < self._executor.batch_limit(self._config.max_batch_size):
+    async def _wait_for_more(self) -> bool:
+        """Until ``max_batch_wait_s`` after the oldest waiting request, or until its
+        batch is full; not at all when waiting does not pay for its lane. True when
+        it waited."""
+        first = self._queue[0]
+        if not (first.lane.merge and first.lane.wait_pays):
+            return False
+        deadline = first.arrived + self.config.max_batch_wait_s
+        waited = False
+        while trio.current_time() < deadline and not self.closing:
+            samples = sum(
+                t.samples
+                for t in self._queue
+                if t.lane is first.lane and t.shape_key == first.shape_key
+            )
+            if samples >= self._limit():
+                break
+            waited = True
+            self._wakeup = trio.Event()
+            with trio.move_on_at(deadline):
+                await self._wakeup.wait()
+        return waited
+
+    def _take(self) -> list[_Batch]:
+        """The waiting requests as batches, in order of their first request; those
+        that do not fit their batch's budget stay queued, in order."""
+        limit = self._limit()
+        batches: list[_Batch] = []
+        open_batches: dict[tuple[int, Hashable], tuple[_Batch, int]] = {}
+        full: set[tuple[int, Hashable]] = set()
+        left: deque[_Task[Any, Any]] = deque()
+        for task in self._queue:
+            lane = task.lane
+            key = (id(lane), task.shape_key)
+            if not lane.merge:
+                batches.append(_Batch(lane, [task]))
+                continue
+            if key in full:
+                left.append(task)
+                continue
+            entry = open_batches.get(key)
+            if entry is None:
+                batch = _Batch(lane, [task])
+                batches.append(batch)
+                open_batches[key] = (batch, task.samples)
+                continue
+            batch, samples = entry
+            if samples + task.samples > limit:
+                full.add(key)  # later requests of this batch wait, in order
+                left.append(task)
+                continue
+            batch.tasks.append(task)
+            open_batches[key] = (batch, samples + task.samples)
+        self._queue = left
+        for batch in batches:
+            batch.lane._waiting -= len(batch.tasks)
+        return batches
+
+    async def _run(self, batches: list[_Batch], before: BeforeJob | None) -> None:
+        def job() -> Any:
+            # The work before the batches must not raise (the runtime's steps report
+            # their failures in their result); if it does, the batches still run.
+            ahead = None
+            if before is not None:
                 try:
-                    task = await self._recv.receive()
-                except trio.EndOfChannel:
-                    break
-                if self._fits(batch, samples, task):
-                    batch.append(task)
-                    samples += task.samples
-                else:
-                    self._carry.append(task)
-                    if task.shape_key == first.shape_key:
-                        break  # the batch is full
-        return batch
+                    ahead = before[0]()
+                except Exception as exc:
+                    logger.exception("the work before a job failed")
+                    ahead = exc
+            for batch in batches:
+                try:
+                    batch.results = batch.lane.compute([t.item for t in batch.tasks])
+                except Exception as exc:  # one batch's failure is its requests' only
+                    logger.exception(
+                        "%s: batch of %d samples failed",
+                        batch.lane.name,
+                        sum(t.samples for t in batch.tasks),
+                    )
+                    batch.error = exc
+            return ahead
 
-    async def _run(self, batch: list[_Task[T, R]]) -> None:
-        items = [t.item for t in batch]
-        samples = sum(t.samples for t in batch)
         try:
-            results = await self._executor.run(lambda: self._compute(items))
-        except Exception as exc:
-            logger.exception("%s: batch of %d samples failed", self.name, samples)
-            for task in batch:
-                task.error = exc
-                task.done.set()
-            return
-        self._requests += len(batch)
-        self._samples += samples
-        self._batches += 1
-        for task, result in zip(batch, results, strict=True):
-            task.result = result
-            task.done.set()
+            ahead = await self.executor.run(job)
+        except BaseException as exc:
+            # The job itself failed (the work before the batches, or cancellation):
+            # its requests get the error, nothing else is lost.
+            for batch in batches:
+                if batch.results is None and batch.error is None:
+                    batch.error = exc if isinstance(exc, Exception) else ShuttingDown("stopped")
+            self._answer(batches)
+            raise
+        self._jobs += 1
+        self._answer(batches)
+        if before is not None:
+            before[1](ahead)
 
-
-def _drain(recv: trio.MemoryReceiveChannel[_Task[T, R]]) -> list[_Task[T, R]]:
-    out = []
-    while True:
-        try:
-            out.append(recv.receive_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            return out
+    @staticmethod
+    def _answer(batches: list[_Batch]) -> None:
+        for batch in batches:
+            if batch.results is not None and len(batch.results) != len(batch.tasks):
+                batch.error = RuntimeError(
+                    f"{batch.lane.name}: {len(batch.results)} results for {len(batch.tasks)}"
+                )
+            if batch.error is None and batch.results is not None:
+                for task, result in zip(batch.tasks, batch.results, strict=True):
+                    task.result = result
+                batch.lane._answered(batch.tasks, ran=True)
+            else:
+                for task in batch.tasks:
+                    task.error = batch.error
+                batch.lane._answered(batch.tasks, ran=False)

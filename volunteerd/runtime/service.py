@@ -5,9 +5,13 @@ on the expert's bounded queue (full: ``Busy`` at once), batched with others, com
 on the device worker, and answered with wire tensors. This module speaks wire types
 only; the daemon binds it to the network.
 
-Per expert there are four queues: merged forwards, forwards kept for their backward
-(one graph each), stateless backwards (merged), and backwards through kept forwards
-(several per optimizer step). See ``experts.backend`` for the two kinds of backward.
+Per expert there are four lanes (``runtime.batching``): forwards, forwards kept for
+their backward, stateless backwards, and backwards through kept forwards; concurrent
+requests of a lane merge into one batch (kept forwards into one graph, see
+``experts.backend`` for the two kinds of backward). One batcher per device runs the
+waiting batches of every expert in one hand-off to the worker thread, preceded by the
+optimizer steps that the previous job's backwards made due: one pass over all those
+experts (``experts.multistep``), after their replies went out.
 
 Every request passes the ``RequestGuard`` (a banned peer is refused at once; values are
 bounded) and every optimizer step is checked (``experts.stepcheck.StepCheck``): one that
@@ -47,10 +51,12 @@ from volunteerd.errors import (
     UnknownExpert,
 )
 from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
+from volunteerd.experts.multistep import step_many
 from volunteerd.experts.stepcheck import StepCheck, StepOutcome
-from volunteerd.runtime.batching import BatchQueue, QueueStats
+from volunteerd.runtime.batching import BeforeJob, DeviceBatcher, Lane, QueueStats
 from volunteerd.runtime.executor import DeviceExecutor
 from volunteerd.runtime.guard import RequestGuard, Sender
+from volunteerd.runtime.memory import reuse_freed_memory
 from volunteerd.runtime.retained import (
     RetainedStats,
     RetainedStore,
@@ -104,9 +110,7 @@ def _split(outputs: Tensors, sizes: list[int]) -> list[Tensors]:
 class _Hosted:
     """One expert's backend and queues."""
 
-    def __init__(
-        self, backend: ExpertBackend, executor: DeviceExecutor, config: RuntimeConfig
-    ) -> None:
+    def __init__(self, backend: ExpertBackend, batcher: DeviceBatcher) -> None:
         self.backend = backend
         self.step_pending = False
         self.compute_s = 0.0  # added on the worker thread, read on the trio thread
@@ -139,7 +143,7 @@ class _Hosted:
             with self.timed():
                 # read here, on the worker: no step can run between it and the forward
                 version = backend.updates
-                return [(*backend.forward_retained(item), version) for item in items]
+                return [(*kept, version) for kept in backend.forward_retained_many(items)]
 
         def backward_retained(
             items: list[tuple[Retained, Tensors, Sender, int]],
@@ -155,16 +159,10 @@ class _Hosted:
                 return grads
 
         uid = backend.uid
-        self.forward = BatchQueue(f"{uid}/forward", forward, executor, config)
-        self.backward = BatchQueue(f"{uid}/backward", backward, executor, config)
-        self.forward_retained = BatchQueue(
-            f"{uid}/forward-retained", forward_retained, executor, config, merge=False
-        )
-        self.backward_retained = BatchQueue(
-            f"{uid}/backward-retained", backward_retained, executor, config
-        )
-
-        self.stopped = trio.Event()
+        self.forward = batcher.lane(f"{uid}/forward", forward)
+        self.backward = batcher.lane(f"{uid}/backward", backward)
+        self.forward_retained = batcher.lane(f"{uid}/forward-retained", forward_retained)
+        self.backward_retained = batcher.lane(f"{uid}/backward-retained", backward_retained)
 
     @contextmanager
     def timed(self) -> Iterator[None]:
@@ -179,40 +177,14 @@ class _Hosted:
         if self.broken:
             raise Busy(f"{self.backend.uid} is being restored from its checkpoint")
 
-    def step(
-        self, check: StepCheck | None, audit: bool = False
-    ) -> tuple[StepOutcome, list[Sender]]:
-        """One optimizer step (refused or undone if ``check`` finds it breaks the
-        weights; ``audit`` asks for its full check), and whose gradients it applied."""
-        senders, self.senders = self.senders, []
-        with self.timed():
-            outcome = self.backend.step(check, audit=audit)
-        if outcome.broken is not None:
-            self.broken = True
-        return outcome, senders
-
     @property
-    def queues(self) -> tuple[BatchQueue, ...]:  # type: ignore[type-arg]
+    def queues(self) -> tuple[Lane, ...]:  # type: ignore[type-arg]
         return (self.forward, self.backward, self.forward_retained, self.backward_retained)
 
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Start the queues in ``nursery``; ``stopped`` is set when all have returned."""
-        running = len(self.queues)
-
-        async def run(
-            queue: BatchQueue,  # type: ignore[type-arg]
-            task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-        ) -> None:
-            nonlocal running
-            try:
-                await queue.serve(task_status=task_status)
-            finally:
-                running -= 1
-                if not running:
-                    self.stopped.set()
-
+    async def stopped(self) -> None:
+        """Wait until every lane is closed and its requests answered."""
         for queue in self.queues:
-            await nursery.start(run, queue)
+            await queue.finished()
 
 
 class ExpertRuntime:
@@ -228,7 +200,10 @@ class ExpertRuntime:
         guard: GuardConfig | None = None,
     ) -> None:
         self.device = device
+        reuse_freed_memory()  # gradients come and go every step: keep their pages
         self.executor = DeviceExecutor(device)
+        self.batcher = DeviceBatcher(self.executor, runtime)
+        self.batcher.before_job = self._due_steps
         guard = guard or GuardConfig()
         self.guard = RequestGuard(guard)
         # One shadow for every expert: steps run one at a time on the device's worker.
@@ -249,15 +224,16 @@ class ExpertRuntime:
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
         self._runtime_config = runtime
         self._experts = {
-            uid: _Hosted(
-                ExpertBackend(uid, experts, device, self._max_samples), self.executor, runtime
-            )
+            uid: _Hosted(ExpertBackend(uid, experts, device, self._max_samples), self.batcher)
             for uid in uids
         }
         self._finished = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._close_requested = trio.Event()
+        # Experts whose gradients wait for their optimizer step, in order: the next job
+        # the batcher forms steps them all first.
+        self._due: list[_Hosted] = []
         self._steps_in_flight = 0
         self._no_steps = trio.Event()
         self._no_steps.set()
@@ -280,15 +256,14 @@ class ExpertRuntime:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                for hosted in self._experts.values():
-                    await hosted.start(nursery)
+                await nursery.start(self.batcher.serve)
                 logger.info("serving %d experts on %s", len(self._experts), self.device)
                 expiry = trio.CancelScope()
                 nursery.start_soon(self._expire_retained, expiry)
                 task_status.started()
                 # Experts may be added later (add_expert): stay until closed.
                 await self._close_requested.wait()
-                expiry.cancel()  # the batchers still finish what is queued
+                expiry.cancel()  # the batcher still finishes what is queued
         finally:
             self._nursery = None
             self.retained.clear()
@@ -309,6 +284,7 @@ class ExpertRuntime:
         for hosted in self._experts.values():
             for queue in hosted.queues:
                 queue.close()
+        self.batcher.close()
 
     def make_backend(self, uid: str, experts: ExpertsConfig) -> ExpertBackend:
         """A backend for ``uid`` with seeded initial weights, on this runtime's device.
@@ -323,8 +299,7 @@ class ExpertRuntime:
             raise ShuttingDown("the expert runtime is not running")
         if backend.uid in self._experts:
             raise ValueError(f"{backend.uid} is hosted already")
-        hosted = _Hosted(backend, self.executor, self._runtime_config)
-        await hosted.start(self._nursery)
+        hosted = _Hosted(backend, self.batcher)
         self._experts[backend.uid] = hosted
         if self.on_experts_changed is not None:
             self.on_experts_changed([backend.uid], [])
@@ -340,7 +315,7 @@ class ExpertRuntime:
             self.on_experts_changed([], [uid])
         for queue in hosted.queues:
             queue.close()
-        await hosted.stopped.wait()
+        await hosted.stopped()
         await self.settled()  # the optimizer step queued behind its last backward
         return hosted.backend
 
@@ -443,39 +418,78 @@ class ExpertRuntime:
         return _reply(grads, compression)
 
     def _step_soon(self, hosted: _Hosted) -> None:
-        """Queue the expert's optimizer step behind the backward just computed (the
-        reply goes out first). Backwards that finish before the step runs share it."""
+        """Make the expert's optimizer step due behind the backward just computed (the
+        reply goes out first): the batcher's next job runs it before its batches.
+        Backwards that finish before that job is formed share the step."""
         if hosted.step_pending or self._nursery is None:
             return
         hosted.step_pending = True
+        self._due.append(hosted)
         self._steps_in_flight += 1
         if self._steps_in_flight == 1:
             self._no_steps = trio.Event()
+        self.batcher.wake()
 
-        async def step() -> None:
+    def _due_steps(self) -> BeforeJob | None:
+        """The optimizer steps due now, for the job being formed (the batcher asks on
+        the trio thread): every expert that received gradients since its last step,
+        stepped in one pass on the worker, with their outcomes handled afterwards."""
+        if not self._due:
+            return None
+        due, self._due = self._due, []
+        # Until the guard knows what an expert's gradients look like, every step gets
+        # the full check (a few steps after a start); after that the cheap prediction,
+        # whoever sent the gradients: the bounds do not depend on trust, and a check per
+        # new identity would let fresh identities buy full checks for the price of a
+        # request.
+        audits = [not self.guard.warmed_up(h.backend.uid) for h in due]
+        for hosted in due:
+            hosted.step_pending = False  # from here on, new gradients wait for the next step
+        check = self.step_check
+
+        def run() -> list[tuple[StepOutcome, list[Sender]] | BaseException]:
+            senders = []
+            for hosted in due:
+                senders.append(hosted.senders)
+                hosted.senders = []
+            start = time.perf_counter()
             try:
-                # Until the guard knows what this expert's gradients look like, every
-                # step gets the full check (a few steps after a start); after that the
-                # cheap prediction, whoever sent the gradients: the bounds do not depend
-                # on trust, and a check per new identity would let fresh identities buy
-                # full checks for the price of a request.
-                audit = not self.guard.warmed_up(hosted.backend.uid)
-                async with self.executor.turn():
-                    # From here on, new gradients wait for the next step.
-                    hosted.step_pending = False
-                    outcome, senders = await self.executor.run_now(
-                        partial(hosted.step, self.step_check, audit)
-                    )
+                outcomes = step_many([h.backend for h in due], check, audits)
+            except Exception as exc:  # a bug, not an attack: reported, the runtime goes on
+                logger.exception("optimizer steps of %d experts failed", len(due))
+                return [exc] * len(due)
+            finally:
+                share = (time.perf_counter() - start) / len(due)
+                for hosted in due:
+                    hosted.compute_s += share
+            for hosted, outcome in zip(due, outcomes, strict=True):
                 if outcome.broken is not None:
-                    await self._restore(hosted, outcome.broken)
+                    hosted.broken = True
+            return list(zip(outcomes, senders, strict=True))
+
+        def after(results: list[tuple[StepOutcome, list[Sender]] | BaseException]) -> None:
+            self._steps_in_flight -= len(due)
+            for hosted, result in zip(due, results, strict=True):
+                if isinstance(result, BaseException):
+                    continue
+                outcome, senders = result
+                if outcome.broken is not None and self._nursery is not None:
+                    self._steps_in_flight += 1  # settled() waits for the restore too
+                    self._nursery.start_soon(self._restore_then_settle, hosted, outcome.broken)
                 elif outcome.undone is not None:
                     self.guard.step_undone(hosted.backend.uid, outcome.undone, senders)
-            finally:
-                self._steps_in_flight -= 1
-                if self._steps_in_flight == 0:
-                    self._no_steps.set()
+            if self._steps_in_flight == 0:
+                self._no_steps.set()
 
-        self._nursery.start_soon(step)
+        return run, after
+
+    async def _restore_then_settle(self, hosted: _Hosted, reason: str) -> None:
+        try:
+            await self._restore(hosted, reason)
+        finally:
+            self._steps_in_flight -= 1
+            if self._steps_in_flight == 0:
+                self._no_steps.set()
 
     async def _restore(self, hosted: _Hosted, reason: str) -> None:
         """Give a broken expert good weights again: its newest checkpoint, else its
