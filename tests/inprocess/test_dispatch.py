@@ -19,6 +19,7 @@ from volunteerd.net import Reply, Request, RpcClient, RpcServer, Verb
 from volunteerd.testing.inprocess import WorldLookup
 from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork
 from volunteerd.wire import BatchReply, ForwardRequest, TensorMeta, TensorReply
+from volunteerd.wire.messages import MAX_BATCH_ITEMS
 
 CONFIG = Config()
 ROW = TensorMeta(dtype="float32", shape=(1, 1))
@@ -178,17 +179,20 @@ async def test_a_refusal_is_its_typed_error_at_once(autojump_clock: trio.abc.Clo
     assert not outcome.late
 
 
-async def test_experts_of_one_server_travel_four_to_a_request(
+async def test_experts_of_one_server_travel_in_one_message(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with stubs([0.1]) as (_network, _trainer, rpc, hosts):
-        host, stub = hosts[0]
-        calls = [call(host, f"ffn.{i}", [i]) for i in range(6)]
+    async with stubs([0.1, 0.1]) as (_network, _trainer, rpc, hosts):
+        (a, stub_a), (b, stub_b) = hosts
+        calls = [call(a, f"ffn.{i}", [i]) for i in range(6)]
+        calls += [call(b, f"ffn.{i}", [6 + i]) for i in range(MAX_BATCH_ITEMS + 1)]
         outcomes = await call_many(
-            rpc, Verb.FORWARD, calls, n_rows=6, k_min=1, timeout_s=30.0, grace_s=0.5
+            rpc, Verb.FORWARD, calls, n_rows=len(calls), k_min=1, timeout_s=30.0, grace_s=0.5
         )
     assert all(o.ok for o in outcomes)
-    assert stub.requests == {Verb.FORWARD_BATCH: 2}  # 4 + 2
+    assert stub_a.requests == {Verb.FORWARD_BATCH: 1}
+    # past the largest batch a message may carry, one more (a single call)
+    assert stub_b.requests == {Verb.FORWARD_BATCH: 1, Verb.FORWARD: 1}
 
 
 async def test_a_banned_peer_is_offered_again_after_ban_s(autojump_clock: trio.abc.Clock) -> None:

@@ -1,8 +1,9 @@
 """Sending the chosen experts their work, concurrently, with Learning@home's k_min rule.
 
 Each ``Call`` is one expert's share of the batch (the rows routed to it). Calls for
-experts of the same server travel together in batched requests of up to four (fewer
-messages than one per expert); the server answers each item on its own.
+experts of the same server travel together: one message per server (up to
+``MAX_BATCH_ITEMS`` experts), answered with one; the server answers each item on its
+own (one expert's failure is its own) and runs them all in one job on its device.
 
 The round is over when every row has answers from at least ``k_min`` of the experts it
 was sent to (or from all of them, if fewer were chosen) and a further ``grace_s`` has
@@ -27,13 +28,14 @@ from volunteerd.wire import (
     ForwardBatchRequest,
     WireTensor,
 )
+from volunteerd.wire.messages import MAX_BATCH_ITEMS
 
 __all__ = ["Call", "Outcome", "call_many"]
 
-# Experts per request: batching saves per-message work, but a server answers a batch
-# only when every item is done, so smaller batches let its network and compute overlap.
-# 4 measured best on the 3-daemon step benchmark (CPU per step -15% against 1).
-_MAX_PER_REQUEST = 4
+# Experts per request: one message per server. (With one worker job per expert, 4 had
+# measured best: a server answered a batch only when every item was done; now the
+# items of a message run in one job and one message is cheapest.)
+_MAX_PER_REQUEST = MAX_BATCH_ITEMS
 _BATCHED = {Verb.FORWARD: Verb.FORWARD_BATCH, Verb.BACKWARD: Verb.BACKWARD_BATCH}
 _BATCH_MODEL: dict[Verb, type[BaseModel]] = {
     Verb.FORWARD: ForwardBatchRequest,

@@ -79,8 +79,8 @@ Transport = Literal["memory", "libp2p"]
 
 # row counts the expert calls are timed at (the demo sends ~128 rows to an expert)
 _ROWS = (16, 32, 64, 128, 256, 512)
-# expert calls per request: the trainer batches up to this many per server
-# (moe.dispatch._MAX_PER_REQUEST)
+# expert calls per request the calibration times: a few experts per server per step
+# (the trainer sends one message per server, moe.dispatch)
 _PER_REQUEST = 4
 
 
