@@ -2,7 +2,9 @@
 
 hivemind starts helper processes (p2pd, DHT processes, task pools) that outlive a
 benchmark killed in the middle; these helpers make the driver a subreaper, turn SIGTERM
-into an exception so ``finally`` blocks run, and kill whatever is left below it.
+into an exception so ``finally`` blocks run, and kill whatever is left below it. They
+also find the unix socket files those processes bound in /tmp, which hivemind leaves
+behind (see ``hivemind_socket_paths``), and read a process's CPU time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 PR_SET_CHILD_SUBREAPER = 36
+SOCKET_PREFIX = "/tmp/hivemind-"  # hivemind.p2p.P2P._UNIX_SOCKET_PREFIX without "/unix"
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +153,70 @@ def become_subreaper() -> None:
             logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
     except (OSError, AttributeError) as exc:
         logger.warning("cannot become a child subreaper: %s", exc)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of ``pid`` (all its threads) so far; None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------
+# unix socket files
+
+
+def hivemind_socket_paths(pids: list[int]) -> set[str]:
+    """hivemind's unix socket files (p2pd control, p2p client) bound by any of ``pids``.
+
+    Every ``hivemind.P2P`` binds ``/tmp/hivemind-p2pclient-<random>.sock`` (and one that
+    starts a p2pd, ``/tmp/hivemind-p2pd-<random>.sock``); only ``P2P.shutdown()`` (or the
+    object's ``__del__``) removes them. A server's connection handlers each hold a replica
+    (``DHT.replicate_p2p``) that hivemind never shuts down, and their processes end with
+    ``os._exit``, so each handler leaves its client socket behind (8 per expert by default).
+    Read while the processes are alive: /proc/<pid>/fd names socket inodes, /proc/net/unix
+    maps them to paths, so only this run's files are ever named.
+    """
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    return {path for inode, path in _bound_hivemind_sockets() if inode in inodes}
+
+
+def _bound_hivemind_sockets() -> list[tuple[str, str]]:
+    """(inode, path) of every bound hivemind unix socket, from /proc/net/unix."""
+    found: list[tuple[str, str]] = []
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return found
+    for line in lines:
+        # Num RefCount Protocol Flags Type St Inode Path
+        fields = line.split()
+        if len(fields) >= 8 and fields[7].startswith(SOCKET_PREFIX):
+            found.append((fields[6], fields[7]))
+    return found
+
+
+def remove_stale_sockets(paths: set[str]) -> int:
+    """Delete those of ``paths`` that no live process has bound any more; how many."""
+    in_use = {path for _, path in _bound_hivemind_sockets()}
+    removed = 0
+    for path in sorted(paths - in_use):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+            removed += 1
+    if removed:
+        logger.info("removed %d hivemind socket file(s) this run left in /tmp", removed)
+    return removed

@@ -6,19 +6,25 @@ What it measures
     with hidden size ``--hidden`` and an Adam optimizer, using hivemind's default batching
     settings (``Server.create`` defaults: max_batch_size 4096, 8 connection handlers per
     expert). ``--clients`` client processes each hold ``RemoteExpert`` handles to every
-    expert and run ``--batches-per-client`` training steps: pick the next expert (round
-    robin), forward a random ``--batch`` x ``--hidden`` float32 batch that requires grad,
-    then ``out.sum().backward()``. That is one forward RPC and one backward RPC (which
-    also applies the expert's optimizer step on the server) per step, through hivemind's
-    normal client path (p2pd + libp2p streams).
+    expert and run training steps: pick the next expert (round robin), forward a random
+    ``--batch`` x ``--hidden`` float32 batch that requires grad, then
+    ``out.sum().backward()``. That is one forward RPC and one backward RPC (which also
+    applies the expert's optimizer step on the server) per step, through hivemind's normal
+    client path (p2pd + libp2p streams).
 
-    The clock starts when every client has connected, fetched expert info and done its
-    untimed warm-up steps, and is released by a shared event; it stops when the last client
-    reports that it finished. The result is printed as ONE JSON line on stdout::
+    Once every client has connected, fetched expert info and done its untimed warm-up
+    steps, a shared event opens a window of ``--seconds``. Every client keeps stepping
+    until it has finished a step after the window closed, so all of them are busy for the
+    whole window; samples/s counts the steps done inside it (the one under way at the end
+    by the share of it done). Over the same window the server's CPU time is read from
+    /proc: this process (the server's threads and its runtime) and every process below it
+    that is not a client or a client's p2pd (connection handlers, the DHT process, the
+    server's p2pd), divided by the samples trained in the window. The result is printed
+    as ONE JSON line on stdout::
 
         {"system": "hivemind", "version": ..., "hidden": H, "batch": B, "experts": E,
-         "clients": C, "batches_per_client": N, "samples": C*N*B, "seconds": s,
-         "samples_per_s": x}
+         "clients": C, "seconds": s, "steps": n, "samples": n*B, "samples_per_s": x,
+         "server_cpu_s": c, "server_cpu_us_per_sample": u}
 
     Logs go to stderr. The exit status is non-zero if any client failed.
 
@@ -28,13 +34,16 @@ Network
 
 Cleanup
     The script makes itself a child subreaper, so p2p daemons orphaned by a dead client are
-    re-parented to it; on exit (normal, error, Ctrl-C or SIGTERM) it shuts the server down and
-    then terminates every process still descended from it.
+    re-parented to it; on exit (normal, error, Ctrl-C or SIGTERM) it shuts the server down
+    and then terminates every process still descended from it. Last it deletes the unix
+    socket files its own processes bound in /tmp and left there: hivemind never shuts down
+    a connection handler's p2p replica, so each handler (16 with 2 experts) would leave a
+    ``/tmp/hivemind-p2pclient-*.sock`` behind (``hivemind_procs.hivemind_socket_paths``).
 
 How to run (with hivemind's own virtual environment, see benchmarks/setup_hivemind.sh)::
 
     .hivemind-venv/bin/python benchmarks/hivemind_throughput.py \\
-        --hidden 1024 --batch 512 --experts 2 --clients 2
+        --hidden 1024 --batch 512 --experts 2 --clients 2 --seconds 10
 
 This script deliberately imports nothing from volunteerd.
 """
@@ -47,6 +56,7 @@ import functools
 import json
 import logging
 import multiprocessing as mp
+import os
 import queue
 import sys
 import threading
@@ -65,8 +75,12 @@ from hivemind.p2p import P2P, PeerID
 from hivemind_procs import (
     Interrupted,
     become_subreaper,
+    cpu_seconds,
+    descendants,
+    hivemind_socket_paths,
     install_sigterm_handler,
     kill_descendants,
+    remove_stale_sockets,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,7 +99,7 @@ class ClientConfig:
     expert_uids: list[str]
     hidden: int
     batch: int
-    batches: int
+    seconds: float
     warmup: int
     timeout: float
     log_level: str
@@ -122,10 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", type=_positive_int, default=2, help="experts on the server")
     parser.add_argument("--clients", type=_positive_int, default=2, help="client processes")
     parser.add_argument(
-        "--batches-per-client", type=_positive_int, default=10, help="timed steps per client"
+        "--seconds", type=_positive_float, default=10.0, help="length of the timing window"
     )
     parser.add_argument(
-        "--warmup-batches", type=_non_negative_int, default=1, help="untimed steps per client"
+        "--warmup-batches", type=_non_negative_int, default=3, help="untimed steps per client"
     )
     parser.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
     parser.add_argument(
@@ -155,6 +169,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def steps_in_window(finished: list[float], start: float, end: float) -> float:
+    """Steps one client did between ``start`` and ``end``, counting the step under way at
+    ``end`` by the share of it done by then. ``finished`` (when each step finished) must
+    reach past ``end``. Counting whole steps only would undercount by half a step per
+    client on average (the clients start together, in phase)."""
+    done = sum(t <= end for t in finished)
+    since = finished[done - 1] if done else start
+    return done + (end - since) / (finished[done] - since)
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         stream=sys.stderr,
@@ -175,8 +199,10 @@ def _client_step(expert: RemoteExpert, inputs: torch.Tensor) -> None:
         raise RuntimeError(f"expert {expert.uid} returned no input gradient")
 
 
-def _client_main(cfg: ClientConfig, messages: Any, go: Any) -> None:
-    """Entry point of one client process: connect, warm up, wait for ``go``, run, report."""
+def _client_main(cfg: ClientConfig, messages: Any, go: Any, window_start: Any) -> None:
+    """Entry point of one client process: connect, warm up, wait for ``go``, step until a
+    step finishes after the window (``window_start.value`` + ``cfg.seconds``), report
+    when each step finished."""
     _setup_logging(cfg.log_level)
     install_sigterm_handler()
     torch.set_num_threads(1)
@@ -205,11 +231,13 @@ def _client_main(cfg: ClientConfig, messages: Any, go: Any) -> None:
         messages.put(("ready", cfg.index, None))
         if not go.wait(cfg.timeout):
             raise TimeoutError(f"no start signal within {cfg.timeout} s")
-        started = time.perf_counter()
-        for _ in range(cfg.batches):
+        window_end = window_start.value + cfg.seconds
+        finished: list[float] = []
+        while not finished or finished[-1] <= window_end:
             _client_step(experts[step % len(experts)], inputs)
             step += 1
-        messages.put(("done", cfg.index, time.perf_counter() - started))
+            finished.append(time.perf_counter())  # CLOCK_MONOTONIC: one clock for all
+        messages.put(("done", cfg.index, finished))
     except BaseException:
         exit_code = 1
         messages.put(("error", cfg.index, traceback.format_exc()[-MAX_ERROR_CHARS:]))
@@ -271,9 +299,23 @@ def _shutdown_server(server: Server, timeout: float = 20.0) -> None:
         logger.warning("hivemind server did not shut down within %.0f s", timeout)
 
 
+def _server_pids(clients: list[Any]) -> list[int]:
+    """This process and every process below it that is not a client or below one."""
+    client_side = set()
+    for proc in clients:
+        client_side.update([proc.pid, *descendants(proc.pid)])
+    me = os.getpid()
+    return [me, *(pid for pid in descendants(me) if pid not in client_side)]
+
+
+def _cpu_of(pids: list[int]) -> dict[int, float]:
+    return {pid: cpu for pid in pids if (cpu := cpu_seconds(pid)) is not None}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     server: Server | None = None
     clients: list[Any] = []
+    sockets: set[str] = set()
     began = time.perf_counter()
     try:
         expert_uids = [f"expert.{i}" for i in range(args.experts)]
@@ -309,6 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx = mp.get_context("spawn")
         messages = ctx.Queue()
         go = ctx.Event()
+        window_start = ctx.Value("d", 0.0)
         for index in range(args.clients):
             cfg = ClientConfig(
                 index=index,
@@ -317,14 +360,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 expert_uids=expert_uids,
                 hidden=args.hidden,
                 batch=args.batch,
-                batches=args.batches_per_client,
+                seconds=args.seconds,
                 warmup=args.warmup_batches,
                 timeout=args.timeout,
                 log_level=args.log_level,
             )
             proc = ctx.Process(
                 target=_client_main,
-                args=(cfg, messages, go),
+                args=(cfg, messages, go, window_start),
                 name=f"hivemind-client-{index}",
                 daemon=True,
             )
@@ -333,12 +376,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         _collect(messages, clients, "ready", args.timeout)
         logger.info("all %d clients ready after %.1f s", args.clients, time.perf_counter() - began)
-        started = time.perf_counter()
+        sockets |= hivemind_socket_paths([os.getpid(), *descendants(os.getpid())])
+        server_pids = _server_pids(clients)
+        cpu_before = _cpu_of(server_pids)
+        start = time.perf_counter()
+        window_start.value = start
         go.set()
+        time.sleep(max(0.0, start + args.seconds - time.perf_counter()))
+        cpu_after = _cpu_of(server_pids)
+        server_cpu_s = sum(cpu_after[p] - cpu_before[p] for p in cpu_after if p in cpu_before)
         per_client = _collect(messages, clients, "done", args.timeout)
-        seconds = time.perf_counter() - started
-        for index, elapsed in sorted(per_client.items()):
-            logger.info("client %d: %.3f s", index, elapsed)
+        per_client_steps = {
+            index: steps_in_window(finished, start, start + args.seconds)
+            for index, finished in per_client.items()
+        }
+        steps = sum(per_client_steps.values())
+        for index, done in sorted(per_client_steps.items()):
+            logger.info("client %d: %.1f steps in the window", index, done)
 
         for proc in clients:
             proc.join(30)
@@ -346,6 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if failed:
             raise ClientFailed(f"clients {failed} exited non-zero")
     finally:
+        sockets |= hivemind_socket_paths([os.getpid(), *descendants(os.getpid())])
         for proc in clients:
             if proc.is_alive():
                 proc.terminate()
@@ -364,9 +419,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 logger.warning("hivemind connection handlers already exited (pid: code): %s", dead)
             _shutdown_server(server)
         kill_descendants()
+        remove_stale_sockets(sockets)
         logger.info("total wall time %.1f s", time.perf_counter() - began)
 
-    samples = args.clients * args.batches_per_client * args.batch
+    samples = round(steps * args.batch)
     return {
         "system": "hivemind",
         "version": hivemind.__version__,
@@ -374,10 +430,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "experts": args.experts,
         "clients": args.clients,
-        "batches_per_client": args.batches_per_client,
+        "seconds": args.seconds,
+        "steps": round(steps, 2),
         "samples": samples,
-        "seconds": round(seconds, 4),
-        "samples_per_s": round(samples / seconds, 2),
+        "samples_per_s": round(samples / args.seconds, 2),
+        "server_cpu_s": round(server_cpu_s, 3),
+        "server_cpu_us_per_sample": round(server_cpu_s / samples * 1e6, 1) if samples else None,
     }
 
 

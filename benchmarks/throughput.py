@@ -1,14 +1,23 @@
-"""Expert server throughput: volunteerd vs the local compute bound (and hivemind).
+"""Expert server throughput: volunteerd vs a plain local training step (and hivemind).
 
 What it measures
     One volunteerd daemon (in this process: real libp2p host, Kademlia, runtime) hosts
     ``--experts`` ``ffn`` experts of hidden size ``--hidden`` with Adam. ``--clients``
-    client processes find the experts through the DHT and each run
-    ``--batches-per-client`` training steps through ``RemoteExpert``: forward a random
-    ``--batch`` x ``--hidden`` float32 batch, then ``out.sum().backward()`` — one forward
-    and one backward request per step, round robin over the experts, over real libp2p
-    (TCP + Noise + Yamux) on 127.0.0.1. The clock runs from the moment every client has
-    warmed up until the last one finishes.
+    client processes find the experts through the DHT and run training steps through
+    ``RemoteExpert``: forward a random ``--batch`` x ``--hidden`` batch, then
+    ``out.sum().backward()`` — one forward and one backward request per step, round robin
+    over the experts, over real libp2p (TCP + Noise + Yamux) on 127.0.0.1.
+
+    After ``--warmup`` untimed steps each, the clients are released together into a
+    window of ``--seconds``; every client keeps stepping until it has finished a step
+    after the window closed, so all of them are busy for the whole window, and samples/s
+    counts the steps done inside it (the one under way at the end by the share of it
+    done). Over the same window the daemon reports:
+
+    * the mean server batch: samples per batch its runtime ran (forwards and backwards);
+    * its CPU per served sample: the CPU time of this process (every thread: the event
+      loop, the device worker, torch's threads — the clients are other processes)
+      divided by the samples served, a forward and its backward counting as one.
 
     By default the trainer asks the server to keep each forward's graph, so the
     backward sends only the output gradients and the server does not recompute the
@@ -16,19 +25,40 @@ What it measures
     Learning@home's stateless backward, which resends the inputs and runs the forward
     twice, as hivemind does.
 
-    The compute bound is a plain local training step on the same cores with no network:
-    forward, backward and Adam step for the same batches. ``stateless work`` is what a
-    stateless server computes per step (a forward, then forward + backward + step).
+The bounds
+    After each networked run, in this process, with no network, each for
+    ``--local-seconds``, round robin over ``--experts`` freshly built experts:
+
+    * the plain local training step — forward, backward (input and weight gradients)
+      and the optimizer step the server runs (``make_optimizer``: fused Adam), gradients
+      then set to None — at ``--batch`` and, when the server merged requests into
+      larger batches, again at that run's mean server batch (rounded): the bound for
+      what the server actually ran;
+    * stateless work: what a stateless server computes per step — a forward, then
+      forward + backward + the same Adam step — at ``--batch``.
+
+    Every "vs" column is the median over the repeats of (run / the bound measured right
+    after it).
 
     With ``--hivemind-python`` (or HIVEMIND_PYTHON) it also runs
-    ``benchmarks/hivemind_throughput.py`` with that interpreter on the same workload, in
-    the same run, and reports the ratio. See benchmarks/setup_hivemind.sh.
+    ``benchmarks/hivemind_throughput.py`` with that interpreter on the same workload and
+    window, in the same run, alternating with ours, and reports the ratio and how many of
+    its runs crashed. See benchmarks/setup_hivemind.sh.
+
+Why 10 s windows
+    Until issue 18 each client ran 10 steps and the clock ran until the last one
+    finished: at hidden 512 a 1.1 s window, whose tail (some clients done, the server
+    less loaded) and start weigh (the hidden-512 ratio to hivemind read 2.14x there and
+    1.90x in longer windows). 10 s holds ~25 steps per client at the defaults and ~90 at
+    hidden 512 / 4 experts on this machine; ``--seconds`` sets it.
 
 Run::
 
     .venv/bin/python benchmarks/throughput.py                       # defaults below
-    .venv/bin/python benchmarks/throughput.py --hivemind-python .hivemind-venv/bin/python
-    .venv/bin/python benchmarks/throughput.py --hidden 512 --experts 4 --compression float16
+    .venv/bin/python benchmarks/throughput.py --hivemind-python .hivemind-venv/bin/python \\
+        --repeat 3
+    .venv/bin/python benchmarks/throughput.py --hidden 512 --experts 4
+    .venv/bin/python benchmarks/throughput.py --hidden 512 --batch 64 --clients 4
 
 Prints one table (and ``--json`` a JSON line) to stdout; logs go to stderr.
 """
@@ -40,44 +70,50 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import trio
 
-from volunteerd.experts import ExpertBackend
+from volunteerd.experts import build_module, make_optimizer
 from volunteerd.identity import Identity
 from volunteerd.logs import configure_logging
 from volunteerd.testing import local_config, open_daemon
 
 logger = logging.getLogger("benchmarks.throughput")
 HERE = Path(__file__).resolve().parent
+HIVEMIND_TIMEOUT_S = 900
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--batch", type=int, default=512, help="samples per client request")
     p.add_argument("--experts", type=int, default=2)
     p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--batches-per-client", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per client")
+    p.add_argument("--seconds", type=float, default=10.0, help="timing window of each run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per client first")
+    p.add_argument(
+        "--local-seconds", type=float, default=3.0, help="timing window of each local bound"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=2048)
     p.add_argument("--max-batch-wait-s", type=float, default=0.005)
     p.add_argument("--stateless", action="store_true", help="recompute forwards in backward")
     p.add_argument("--hivemind-python", default=os.environ.get("HIVEMIND_PYTHON"))
-    p.add_argument("--skip-local", action="store_true", help="skip the compute bound")
+    p.add_argument("--skip-local", action="store_true", help="skip the local bounds")
     p.add_argument(
         "--repeat",
         type=int,
         default=1,
-        help="alternate the networked runs this many times and report medians "
+        help="alternate the runs this many times and report medians "
         "(this machine's speed varies by ±15%% between runs)",
     )
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -109,8 +145,11 @@ def client_main(
     bootstrap: list[str],
     ready: Any,
     go: Any,
+    window_start: Any,
     results: Any,
 ) -> None:
+    """Warm up, wait for ``go``, then step until a step finishes after the window
+    (``window_start.value`` + ``args.seconds``); report when each step finished."""
     from volunteerd.moe import RemoteExpert
     from volunteerd.net.background import BackgroundNode
 
@@ -137,64 +176,97 @@ def client_main(
             step(i)
         ready.put(index)
         go.wait()
-        cpu = time.process_time()
-        start = time.perf_counter()
-        for i in range(args.batches_per_client):
+        window_end = window_start.value + args.seconds
+        finished: list[float] = []
+        i = 0
+        while not finished or finished[-1] <= window_end:
             step(i)
-        results.put((index, start, time.perf_counter(), time.process_time() - cpu))
+            i += 1
+            finished.append(time.perf_counter())  # CLOCK_MONOTONIC: one clock for all
+        results.put((index, finished))
 
 
 def run_volunteerd(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    window_start = ctx.Value("d", 0.0)
     out: dict[str, Any] = {}
 
     async def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             async with open_daemon(server_config(args), Path(tmp)) as server:
+                client_args = [server.node.multiaddrs, ready, go, window_start, results]
                 procs = [
-                    ctx.Process(
-                        target=client_main,
-                        args=(i, args, server.node.multiaddrs, ready, go, results),
-                        daemon=True,
-                    )
+                    ctx.Process(target=client_main, args=(i, args, *client_args), daemon=True)
                     for i in range(args.clients)
                 ]
                 for proc in procs:
                     proc.start()
                 try:
                     await trio.to_thread.run_sync(_wait_ready, ready, procs, args.clients)
-                    before = _queue_totals(server)
+                    before = _served(server)
                     cpu = time.process_time()
+                    start = time.perf_counter()
+                    window_start.value = start
                     go.set()
-                    spans = await trio.to_thread.run_sync(_collect, results, procs, args.clients)
-                    after = _queue_totals(server)
-                    out["server_cpu_s"] = time.process_time() - cpu
+                    await trio.sleep(args.seconds)
+                    after = _served(server)
+                    cpu_s = time.process_time() - cpu
+                    server_window_s = time.perf_counter() - start
+                    finished = await trio.to_thread.run_sync(_collect, results, procs, args.clients)
                 finally:
                     for proc in procs:
                         proc.join(timeout=30)
                         if proc.is_alive():
                             proc.kill()
-                start = min(s[1] for s in spans)
-                end = max(s[2] for s in spans)
-                out["clients_cpu_s"] = sum(s[3] for s in spans)
-                samples = args.clients * args.batches_per_client * args.batch
-                out["samples_per_s"] = samples / (end - start)
-                out["seconds"] = end - start
-                batches = after["batches"] - before["batches"]
-                out["mean_server_batch"] = (after["samples"] - before["samples"]) / max(batches, 1)
-                out["busy_s"] = after["busy_s"] - before["busy_s"]
+        steps = sum(steps_in_window(times, start, start + args.seconds) for times in finished)
+        delta = {key: after[key] - before[key] for key in after}
+        served = (delta["forward_samples"] + delta["backward_samples"]) / 2
+        out.update(
+            samples_per_s=steps * args.batch / args.seconds,
+            steps=steps,
+            mean_server_batch=_ratio(
+                delta["forward_samples"] + delta["backward_samples"],
+                delta["forward_batches"] + delta["backward_batches"],
+            ),
+            mean_forward_batch=_ratio(delta["forward_samples"], delta["forward_batches"]),
+            mean_backward_batch=_ratio(delta["backward_samples"], delta["backward_batches"]),
+            samples_served=served,
+            optimizer_steps=delta["updates"],
+            server_cpu_s=cpu_s,
+            server_cpu_cores=cpu_s / server_window_s,
+            server_cpu_us_per_sample=cpu_s / served * 1e6 if served else None,
+            worker_busy_s=delta["compute_s"],
+        )
 
     trio.run(main)
     return out
 
 
-def _queue_totals(server: Any) -> dict[str, float]:
+def steps_in_window(finished: list[float], start: float, end: float) -> float:
+    """Steps one client did between ``start`` and ``end``, counting the step under way at
+    ``end`` by the share of it done by then. ``finished`` (when each step finished) must
+    reach past ``end``. Counting whole steps only would undercount by half a step per
+    client on average (the clients start together, in phase)."""
+    done = sum(t <= end for t in finished)
+    since = finished[done - 1] if done else start
+    return done + (end - since) / (finished[done] - since)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def _served(server: Any) -> dict[str, float]:
+    """The runtime's counters summed over the experts."""
     stats = server.runtime.statistics()
     return {
-        "batches": sum(s.forward.batches + s.backward.batches for s in stats),
-        "samples": sum(s.forward.samples + s.backward.samples for s in stats),
-        "busy_s": server.runtime.executor.statistics().busy_s,
+        "forward_samples": sum(s.forward.samples for s in stats),
+        "forward_batches": sum(s.forward.batches for s in stats),
+        "backward_samples": sum(s.backward.samples for s in stats),
+        "backward_batches": sum(s.backward.batches for s in stats),
+        "updates": sum(s.updates for s in stats),
+        "compute_s": sum(s.compute_s for s in stats),
     }
 
 
@@ -209,67 +281,79 @@ def _wait_ready(ready: Any, procs: list[Any], n: int) -> None:
                     raise SystemExit("a client failed before starting") from None
 
 
-def _collect(results: Any, procs: list[Any], n: int) -> list[tuple[int, float, float, float]]:
-    spans = []
-    while len(spans) < n:
+def _collect(results: Any, procs: list[Any], n: int) -> list[list[float]]:
+    finished: list[list[float]] = []
+    while len(finished) < n:
         try:
-            spans.append(results.get(timeout=1))
+            finished.append(results.get(timeout=1)[1])
         except Exception:
             if any(p.exitcode not in (None, 0) for p in procs):
                 raise SystemExit("a client failed during the run") from None
-    return spans
+    return finished
 
 
-# -- the compute bound -------------------------------------------------------------------
+# -- the local bounds --------------------------------------------------------------------
 
 
-def run_local(args: argparse.Namespace) -> dict[str, float]:
-    """The server's torch work for the same steps, with no network, in this process."""
-    config = server_config(args)
-    backends = [
-        ExpertBackend(f"ffn.0.{e}", config.experts, torch.device("cpu"), args.max_batch_size)
-        for e in range(args.experts)
-    ]
-    dtype = getattr(torch, args.dtype)
-    x = torch.randn(args.batch, args.hidden, dtype=dtype)
-    ones = torch.ones(args.batch, args.hidden, dtype=dtype)
-    steps = args.clients * args.batches_per_client
+def local_bound(args: argparse.Namespace, batch: int, *, stateless: bool = False) -> float:
+    """Samples/s of the server's training work for ``batch`` samples at a time, with no
+    network: a forward, backward and optimizer step (after an inference forward of its
+    own if ``stateless``), built as the server builds its experts (float32 weights,
+    ``make_optimizer``), round robin over ``args.experts`` experts."""
+    config = server_config(args).experts
+    modules = [build_module(config, f"ffn.0.{e}") for e in range(args.experts)]
+    optimizers = [make_optimizer(list(m.parameters()), config.optimizer) for m in modules]
+    x = torch.randn(batch, args.hidden)
+    grad = torch.ones(batch, args.hidden)  # d out.sum() / d out, as the clients send
 
-    def stateless_work(i: int) -> None:
-        b = backends[i % len(backends)]
-        b.forward([x])
-        b.backward([x], [ones])
+    def step(i: int) -> None:
+        module, optimizer = modules[i % len(modules)], optimizers[i % len(modules)]
+        if stateless:
+            with torch.inference_mode():
+                module(x)
+        module(x.detach().requires_grad_()).backward(grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-    def plain_step(i: int) -> None:
-        b = backends[i % len(backends)]
-        inputs = x.float().requires_grad_()
-        b.module(inputs).sum().backward()
-        b.optimizer.step()
-        b.optimizer.zero_grad(set_to_none=True)
+    for i in range(2 * len(modules)):  # optimizer state, allocator
+        step(i)
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < args.local_seconds:
+        step(steps)
+        steps += 1
+    return steps * batch / (time.perf_counter() - start)
 
-    out = {}
-    for name, fn in (("plain_step", plain_step), ("stateless_work", stateless_work)):
-        for i in range(2):
-            fn(i)
-        start = time.perf_counter()
-        for i in range(steps):
-            fn(i)
-        out[name] = steps * args.batch / (time.perf_counter() - start)
-    return out
+
+def run_local(args: argparse.Namespace, server_batch: float) -> dict[str, Any]:
+    bounds: dict[str, Any] = {"plain_step": local_bound(args, args.batch)}
+    merged = round(server_batch)
+    if merged > 0 and merged != args.batch:
+        bounds["server_batch"] = merged
+        bounds["plain_step_at_server_batch"] = local_bound(args, merged)
+    bounds["stateless_work"] = local_bound(args, args.batch, stateless=True)
+    return bounds
+
+
+# -- hivemind ----------------------------------------------------------------------------
 
 
 def run_hivemind(args: argparse.Namespace) -> dict[str, Any] | None:
-    if not args.hivemind_python:
-        return None
+    """hivemind's result, or None if its run crashed."""
     cmd = [
         args.hivemind_python, str(HERE / "hivemind_throughput.py"),
         "--hidden", str(args.hidden), "--batch", str(args.batch),
         "--experts", str(args.experts), "--clients", str(args.clients),
-        "--batches-per-client", str(args.batches_per_client),
-        "--warmup-batches", str(args.warmup), "--log-level", "WARNING",
+        "--seconds", str(args.seconds), "--warmup-batches", str(args.warmup),
+        "--log-level", "WARNING",
     ]  # fmt: skip
     logger.info("running hivemind: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=HIVEMIND_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        logger.error("hivemind run did not finish in %d s", HIVEMIND_TIMEOUT_S)
+        return None
     if proc.returncode != 0:
         logger.error("hivemind run failed (%d):\n%s", proc.returncode, proc.stderr[-3000:])
         return None
@@ -277,9 +361,23 @@ def run_hivemind(args: argparse.Namespace) -> dict[str, Any] | None:
     return result
 
 
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    ordered = sorted(runs, key=lambda r: float(r["samples_per_s"]))
-    return ordered[len(ordered) // 2]
+# -- report ------------------------------------------------------------------------------
+
+Round = tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _vs(pairs: Sequence[tuple[dict[str, Any] | None, dict[str, Any] | None]], bound: str) -> str:
+    """Median over the repeats of a run's samples/s over the ``bound`` measured after it."""
+    ratios = [
+        run["samples_per_s"] / local[bound]
+        for run, local in pairs
+        if run and local and bound in local
+    ]
+    return f"{_median(ratios):.0%}" if ratios else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,58 +386,112 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("volunteerd").setLevel(logging.WARNING)
     logger.setLevel(logging.INFO)
     logger.info(
-        "workload: ffn hidden %d, batch %d, %d experts, %d clients x %d steps, %s, %d cores",
-        args.hidden, args.batch, args.experts, args.clients, args.batches_per_client,
-        args.dtype, os.cpu_count() or 0,
+        "workload: ffn hidden %d, batch %d, %d experts, %d clients, %g s windows, %s, "
+        "%d cores",
+        args.hidden, args.batch, args.experts, args.clients, args.seconds, args.dtype,
+        os.cpu_count() or 0,
     )  # fmt: skip
-    runs: list[dict[str, Any]] = []
-    hive_runs: list[dict[str, Any]] = []
-    hive_failures = 0
+    rounds: list[Round] = []  # per repeat: ours, hivemind's (None: crashed), the bounds
     for i in range(args.repeat):
-        runs.append(run_volunteerd(args))
-        logger.info("run %d: volunteerd %.0f samples/s", i + 1, runs[-1]["samples_per_s"])
-        hive_run = run_hivemind(args)
-        hive_failures += bool(args.hivemind_python) and hive_run is None
-        if hive_run:
-            hive_runs.append(hive_run)
-            logger.info("run %d: hivemind %.0f samples/s", i + 1, hive_run["samples_per_s"])
-    ours = _median_run(runs)
-    hive = _median_run(hive_runs) if hive_runs else None
-    local = None if args.skip_local else run_local(args)
+        ours = run_volunteerd(args)
+        logger.info(
+            "run %d: volunteerd %.0f samples/s, mean server batch %.0f",
+            i + 1, ours["samples_per_s"], ours["mean_server_batch"],
+        )  # fmt: skip
+        hive = run_hivemind(args) if args.hivemind_python else None
+        if hive:
+            logger.info("run %d: hivemind %.0f samples/s", i + 1, hive["samples_per_s"])
+        local = None if args.skip_local else run_local(args, ours["mean_server_batch"])
+        rounds.append((ours, hive, local))
+    print_report(args, rounds)
+    if args.json:
+        keys = ("volunteerd", "hivemind", "local")
+        runs = {key: [r[i] for r in rounds] for i, key in enumerate(keys)}
+        print(json.dumps({**runs, "args": vars(args)}))
+    return 0
+
+
+def print_report(args: argparse.Namespace, rounds: list[Round]) -> None:
+    ours_runs = [r[0] for r in rounds]
+    hive_runs = [r[1] for r in rounds if r[1] is not None]
+    bounds = [r[2] for r in rounds if r[2] is not None]
+    ours_pairs = [(r[0], r[2]) for r in rounds]
+    hive_pairs = [(r[1], r[2]) for r in rounds]
+    merged = sorted({b["server_batch"] for b in bounds if "server_batch" in b})
+
+    def cpu(runs: list[dict[str, Any]]) -> str:
+        values = [r["server_cpu_us_per_sample"] for r in runs if r.get("server_cpu_us_per_sample")]
+        return f"{_median(values):.0f} µs" if values else "-"
 
     name = "volunteerd (stateless backward)" if args.stateless else "volunteerd"
-    rows = [(name, ours["samples_per_s"], f"{ours['mean_server_batch']:.0f}")]
-    if hive:
-        rows.append(("hivemind 1.1.12", hive["samples_per_s"], "-"))
-    if local:
-        rows.append(("compute bound: local fwd+bwd+step", local["plain_step"], "-"))
-        rows.append(("local stateless work (fwd, fwd+bwd+step)", local["stateless_work"], "-"))
-    print(
-        f"\nffn h={args.hidden} batch={args.batch} experts={args.experts} "
-        f"clients={args.clients} steps/client={args.batches_per_client} dtype={args.dtype}"
-    )
-    print(f"{'system':42} {'samples/s':>10} {'mean server batch':>18} {'vs bound':>9}")
-    bound = local["plain_step"] if local else None
-    for label, rate, batch in rows:
-        ratio = f"{rate / bound:.0%}" if bound else "-"
-        print(f"{label:42} {rate:10.0f} {batch:>18} {ratio:>9}")
-    if args.repeat > 1:
-        print(
-            f"medians of {args.repeat} alternating runs; volunteerd runs: "
-            + ", ".join(f"{r['samples_per_s']:.0f}" for r in runs)
-            + (
-                "; hivemind runs: " + ", ".join(f"{r['samples_per_s']:.0f}" for r in hive_runs)
-                if hive_runs
-                else ""
+    # label, samples/s, server batch, server CPU per sample, vs step@batch, vs step@merged
+    rows = [
+        (
+            name,
+            _median([r["samples_per_s"] for r in ours_runs]),
+            f"{_median([r['mean_server_batch'] for r in ours_runs]):.0f}",
+            cpu(ours_runs),
+            _vs(ours_pairs, "plain_step"),
+            _vs(ours_pairs, "plain_step_at_server_batch"),
+        )
+    ]
+    if hive_runs:
+        rate = _median([r["samples_per_s"] for r in hive_runs])
+        rows.append(
+            ("hivemind 1.1.12", rate, "-", cpu(hive_runs), _vs(hive_pairs, "plain_step"), "-")
+        )
+    if bounds:
+        plain = _median([b["plain_step"] for b in bounds])
+        rows.append(
+            (f"plain local step (fwd+bwd+Adam), batch {args.batch}", plain, str(args.batch),
+             "-", "100%", "-")
+        )  # fmt: skip
+        if merged:
+            sizes = ", ".join(map(str, merged))
+            rate = _median([b["plain_step_at_server_batch"] for b in bounds if "server_batch" in b])
+            rows.append(
+                (f"plain local step, batch {sizes} (server batch)", rate, sizes, "-", "-", "100%")
             )
-        )
-    if hive:
-        print(f"volunteerd / hivemind: {ours['samples_per_s'] / hive['samples_per_s']:.2f}x")
-    if args.json:
+        stateless = _median([b["stateless_work"] for b in bounds])
+        rows.append(
+            (f"local stateless work (fwd; fwd+bwd+Adam), batch {args.batch}", stateless,
+             str(args.batch), "-", "-", "-")
+        )  # fmt: skip
+
+    print(
+        f"\nffn hidden {args.hidden}, batch {args.batch} per request, {args.experts} experts, "
+        f"{args.clients} clients, {args.dtype}, {os.cpu_count()} cores; {args.seconds:g} s "
+        f"windows (local bounds {args.local_seconds:g} s)"
+        + (f"; medians of {args.repeat} alternating runs" if args.repeat > 1 else "")
+    )
+    header = f"{'system':54} {'samples/s':>10} {'server batch':>13} {'CPU/sample':>11}"
+    header += f" {'vs step@' + str(args.batch):>12}"
+    if merged:
+        header += f" {'vs step@server batch':>21}"
+    print(header)
+    for label, rate, batch, cpu_text, vs_batch, vs_merged in rows:
+        line = f"{label:54} {rate:10.0f} {batch:>13} {cpu_text:>11} {vs_batch:>12}"
+        print(line + (f" {vs_merged:>21}" if merged else ""))
+    print(
+        "server batch: samples per batch the daemon ran; CPU/sample: the server's CPU time "
+        "per sample served (forward + backward)"
+    )
+    if bounds:
         print(
-            json.dumps({"volunteerd": ours, "local": local, "hivemind": hive, "args": vars(args)})
+            f"vs local stateless work: volunteerd {_vs(ours_pairs, 'stateless_work')}"
+            + (f", hivemind {_vs(hive_pairs, 'stateless_work')}" if hive_runs else "")
         )
-    return 0
+    if args.repeat > 1:
+        runs = "volunteerd runs: " + ", ".join(f"{r['samples_per_s']:.0f}" for r in ours_runs)
+        if hive_runs:
+            runs += "; hivemind runs: " + ", ".join(f"{r['samples_per_s']:.0f}" for r in hive_runs)
+        print(runs)
+    if args.hivemind_python:
+        print(f"hivemind runs crashed: {len(rounds) - len(hive_runs)} of {len(rounds)}")
+    if hive_runs:
+        ours_rate = _median([r["samples_per_s"] for r in ours_runs])
+        hive_rate = _median([r["samples_per_s"] for r in hive_runs])
+        print(f"volunteerd / hivemind: {ours_rate / hive_rate:.2f}x")
 
 
 if __name__ == "__main__":
