@@ -24,10 +24,12 @@ eight. With ``merge=False`` every request of a lane is its own batch (still in t
 same job as the others).
 
 Waiting pays only where requests for the same expert come close together. A lane
-whose last wait brought no second request stops waiting (one trainer calling an
-expert once per pass gains nothing from it and would lose ``max_batch_wait_s`` per
-pass) until one of its batches holds several requests again, which happens by itself
-under load: requests that arrive while a job runs merge without any wait.
+whose last ``FRUITLESS_WAITS`` waits each brought no second request stops waiting (one
+trainer calling an expert once per pass gains nothing from it and would lose
+``max_batch_wait_s`` per pass) until one of its batches holds several requests again,
+which happens by itself under load: requests that arrive while a job runs merge
+without any wait. (One fruitless wait is not enough: two clients of an expert that
+meet in every other wait would otherwise stop meeting at all.)
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["BeforeJob", "DeviceBatcher", "Lane", "QueueStats"]
+__all__ = ["FRUITLESS_WAITS", "BeforeJob", "DeviceBatcher", "Lane", "QueueStats"]
 
 logger = logging.getLogger(__name__)
+
+# Waits in a row that brought a lane no second request before it stops waiting.
+FRUITLESS_WAITS = 8
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -106,9 +111,8 @@ class Lane(Generic[T, R]):
         self._waiting = 0  # submitted, not yet taken into a job
         self._unfinished = 0  # submitted, not yet answered
         self._finished = trio.Event()
-        # Whether waiting for more requests is worth it: set when a batch of this lane
-        # held several requests, cleared when a wait brought none.
-        self.wait_pays = True
+        # Waits in a row that brought no second request (reset by any batch of several).
+        self.fruitless_waits = 0
         self._requests = 0
         self._samples = 0
         self._batches = 0
@@ -229,9 +233,9 @@ class DeviceBatcher:
                 batches = self._take()
                 for batch in batches:
                     if len(batch.tasks) > 1:
-                        batch.lane.wait_pays = True
+                        batch.lane.fruitless_waits = 0
                     elif batch.lane is waited:
-                        batch.lane.wait_pays = False
+                        batch.lane.fruitless_waits += 1
                 before = self.before_job() if self.before_job is not None else None
                 await self._run(batches, before)
         finally:
@@ -250,7 +254,7 @@ class DeviceBatcher:
         batch is full; not at all when waiting does not pay for its lane. True when
         it waited."""
         first = self._queue[0]
-        if not (first.lane.merge and first.lane.wait_pays):
+        if not first.lane.merge or first.lane.fruitless_waits >= FRUITLESS_WAITS:
             return False
         deadline = first.arrived + self.config.max_batch_wait_s
         waited = False
