@@ -82,7 +82,6 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
-from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -93,15 +92,16 @@ from hivemind_procs import (
     Interrupted,
     become_subreaper,
     descendants,
+    hivemind_socket_paths,
     install_sigterm_handler,
     kill_descendants,
+    remove_stale_sockets,
 )
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
 MAX_ERROR_CHARS = 4000
-SOCKET_PREFIX = "/tmp/hivemind-"  # hivemind.p2p.P2P._UNIX_SOCKET_PREFIX without "/unix"
 GRID = (4, 4)
 UID_PREFIX = "ffn."
 K_BEST = 4
@@ -288,53 +288,6 @@ def _setup_logging(level: str) -> None:
     )
     # hivemind installs its own stderr handler on the "hivemind" logger.
     logging.getLogger("hivemind").setLevel(level)
-
-
-def _unix_socket_paths(pids: list[int]) -> set[str]:
-    """hivemind's unix socket files (p2pd control, p2p client) bound by any of ``pids``.
-
-    hivemind leaves them behind in /tmp when a process dies without ``P2P.shutdown()``: each
-    connection handler's p2p replica, and the p2pd of a killed server.
-    """
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-    return {path for inode, path in _bound_unix_sockets() if inode in inodes}
-
-
-def _bound_unix_sockets() -> list[tuple[str, str]]:
-    """(inode, path) of every bound hivemind unix socket, from /proc/net/unix."""
-    found: list[tuple[str, str]] = []
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return found
-    for line in lines:
-        # Num RefCount Protocol Flags Type St Inode Path
-        fields = line.split()
-        if len(fields) >= 8 and fields[7].startswith(SOCKET_PREFIX):
-            found.append((fields[6], fields[7]))
-    return found
-
-
-def _remove_stale_sockets(paths: set[str]) -> None:
-    """Delete those of ``paths`` that no live process has bound any more."""
-    in_use = {path for _, path in _bound_unix_sockets()}
-    removed = 0
-    for path in sorted(paths - in_use):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-            removed += 1
-    if removed:
-        logger.info("removed %d stale hivemind socket file(s) from /tmp", removed)
 
 
 def _sigkill_tree(root: int) -> list[int]:
@@ -558,7 +511,7 @@ def _kill_phase(
 ) -> dict[str, Any]:
     killed = set(victim.expert_uids)
     logger.info("SIGKILL server %d (pid %d) and its process tree", victim.index, victim.pid)
-    sockets = _unix_socket_paths([victim.pid, *descendants(victim.pid)])
+    sockets = hivemind_socket_paths([victim.pid, *descendants(victim.pid)])
     killed_at = time.perf_counter()
     victims = _sigkill_tree(victim.pid)
     logger.info("killed %d process(es): %s", len(victims), victims)
@@ -745,13 +698,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result.update(_kill_phase(args, moe, recorder, servers[-1], stale_sockets))
         return result
     finally:
-        stale_sockets.update(_unix_socket_paths([os.getpid(), *descendants(os.getpid())]))
+        stale_sockets.update(hivemind_socket_paths([os.getpid(), *descendants(os.getpid())]))
         _stop_servers(servers)
         _close_trainer_p2p(trainer_dht)
         _shutdown_dht(trainer_dht)
         _shutdown_dht(bootstrap)
         kill_descendants()
-        _remove_stale_sockets(stale_sockets)
+        remove_stale_sockets(stale_sockets)
         logger.info("total wall time %.1f s", time.perf_counter() - began)
 
 
