@@ -268,16 +268,16 @@ class ExpertBackend:
                 graphs.setdefault(id(retained.graph), (retained.graph, []))[1].append(i)
         for graph, indices in graphs.values():
             pieces = {items[i][0].index: i for i in indices}
-            whole = graph.output is not None and sorted(pieces) == list(range(len(graph.sizes)))
-            if whole:
+            output = graph.output  # None once released
+            whole = output is not None and sorted(pieces) == list(range(len(graph.sizes)))
+            if whole and output is not None:
                 self.kept_together += len(indices)
-                assert graph.output is not None
                 order = [pieces[k] for k in range(len(graph.sizes))]
                 joined = [
                     torch.cat([self._wide(items[i][1][n]) for i in order])
                     for n in range(len(items[order[0]][1]))
                 ]
-                self._backprop(items[order[0]][0].weights, [graph.output], joined)
+                self._backprop(items[order[0]][0].weights, [output], joined)
                 split = [self._input_grads([leaf])[0].split(graph.sizes) for leaf in graph.leaves]
                 for k, i in enumerate(order):
                     results[i] = [s[k] for s in split]
