@@ -4,7 +4,8 @@ hivemind starts helper processes (p2pd, DHT processes, task pools) that outlive 
 benchmark killed in the middle; these helpers make the driver a subreaper, turn SIGTERM
 into an exception so ``finally`` blocks run, and kill whatever is left below it. They
 also find the unix socket files those processes bound in /tmp, which hivemind leaves
-behind (see ``hivemind_socket_paths``), and read a process's CPU time.
+behind (see ``hivemind_socket_paths``), and read a process's CPU time. Both throughput
+drivers (ours and hivemind's) count their timing windows with ``steps_in_window``.
 """
 
 from __future__ import annotations
@@ -220,3 +221,13 @@ def remove_stale_sockets(paths: set[str]) -> int:
     if removed:
         logger.info("removed %d hivemind socket file(s) this run left in /tmp", removed)
     return removed
+
+
+def steps_in_window(finished: list[float], start: float, end: float) -> float:
+    """Steps one client did between ``start`` and ``end``, counting the step under way at
+    ``end`` by the share of it done by then. ``finished`` (when each step finished) must
+    reach past ``end``. Counting whole steps only would undercount by half a step per
+    client on average (the clients start together, in phase)."""
+    done = sum(t <= end for t in finished)
+    since = finished[done - 1] if done else start
+    return done + (end - since) / (finished[done] - since)

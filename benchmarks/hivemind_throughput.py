@@ -81,6 +81,7 @@ from hivemind_procs import (
     install_sigterm_handler,
     kill_descendants,
     remove_stale_sockets,
+    steps_in_window,
 )
 
 logger = logging.getLogger(__name__)
@@ -167,16 +168,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="log level for this script and for hivemind (stderr)",
     )
     return parser.parse_args(argv)
-
-
-def steps_in_window(finished: list[float], start: float, end: float) -> float:
-    """Steps one client did between ``start`` and ``end``, counting the step under way at
-    ``end`` by the share of it done by then. ``finished`` (when each step finished) must
-    reach past ``end``. Counting whole steps only would undercount by half a step per
-    client on average (the clients start together, in phase)."""
-    done = sum(t <= end for t in finished)
-    since = finished[done - 1] if done else start
-    return done + (end - since) / (finished[done] - since)
 
 
 def _setup_logging(level: str) -> None:

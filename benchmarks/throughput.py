@@ -81,6 +81,7 @@ from typing import Any
 
 import torch
 import trio
+from hivemind_procs import steps_in_window  # the benchmarks folder: no hivemind import
 
 from volunteerd.experts import build_module, make_optimizer
 from volunteerd.identity import Identity
@@ -241,16 +242,6 @@ def run_volunteerd(args: argparse.Namespace) -> dict[str, Any]:
 
     trio.run(main)
     return out
-
-
-def steps_in_window(finished: list[float], start: float, end: float) -> float:
-    """Steps one client did between ``start`` and ``end``, counting the step under way at
-    ``end`` by the share of it done by then. ``finished`` (when each step finished) must
-    reach past ``end``. Counting whole steps only would undercount by half a step per
-    client on average (the clients start together, in phase)."""
-    done = sum(t <= end for t in finished)
-    since = finished[done - 1] if done else start
-    return done + (end - since) / (finished[done] - since)
 
 
 def _ratio(a: float, b: float) -> float:
