@@ -72,9 +72,8 @@ def main() -> int:
         idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
 
         peer = parse_peer_multiaddr(info["multiaddrs"][0])
-        # The client dials the daemon by its address and joins no swarm: a node that
-        # starts with a peer asks it to dial back, and that dial (TCP and Noise, then
-        # closed) made py-libp2p log "fail to upgrade mux" here on every run.
+        # The client dials the daemon by its address and joins no swarm (it needs none:
+        # joining would only add a dial-back probe to what is measured).
         config = local_config()
         with BackgroundNode(Identity.generate(), config) as node:
             for e in range(args.experts):

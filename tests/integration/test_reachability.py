@@ -4,13 +4,16 @@ it is directly reachable, and a node nobody can dial serves through a circuit re
 from __future__ import annotations
 
 import copy
+import logging
 import socket
 from pathlib import Path
 
 import pytest
 import torch
 import trio
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
 from volunteerd.errors import RemoteError
 from volunteerd.identity import Identity
@@ -112,6 +115,71 @@ async def test_dialback_refuses_another_peers_addresses_and_dials_only_the_obser
             DialBackRequest(addrs=[f"{a.addrs[0]}/p2p/{a.peer_id}"]),
         )
         assert reply == DialBackReply(reachable=a.addrs[0], dialled=1, observed="127.0.0.1")
+
+
+class _ConnectionsOf(INotifee):
+    """Counts a network's connections to and from one peer as they open and close."""
+
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id = peer_id
+        self.opened = 0
+        self.closed = 0
+        self.changed = trio.Event()
+
+    def _count(self, conn: INetConn, attr: str) -> None:
+        if str(conn.muxed_conn.peer_id) == self.peer_id:
+            setattr(self, attr, getattr(self, attr) + 1)
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self._count(conn, "opened")
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._count(conn, "closed")
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+
+async def test_dialback_probe_is_a_whole_connection_closed_cleanly() -> None:
+    """The peer dialling back finishes the upgrade (Noise and the muxer) before it
+    hangs up: the requester sees a connection open and close, and py-libp2p logs no
+    failed upgrade there (a probe closed right after Noise logged an ERROR on every
+    probe)."""
+    errors: list[logging.LogRecord] = []
+    catch = logging.Handler(logging.ERROR)
+    catch.emit = errors.append  # type: ignore[method-assign]
+    libp2p_logger = logging.getLogger("libp2p")
+    libp2p_logger.addHandler(catch)
+    try:
+        async with open_peer(local_config()) as a, open_peer(local_config()) as b:
+            nowhere = DialBackRequest(addrs=[f"/ip4/127.0.0.1/tcp/{closed_port()}"])
+            await a.rpc.call(b.address, Verb.DIALBACK, nowhere)  # connected now
+            probes = _ConnectionsOf(b.peer_id)
+            a.host.get_network().register_notifee(probes)
+            reply, _ = await a.rpc.call(b.address, Verb.DIALBACK, DialBackRequest(addrs=a.addrs))
+            assert reply.reachable == a.addrs[0]
+            with trio.fail_after(10):
+                while probes.closed < 1:
+                    await probes.changed.wait()
+            assert probes.opened == 1
+            # The connection the request came over is still there.
+            reply, _ = await a.rpc.call(b.address, Verb.DIALBACK, nowhere)
+            assert reply.observed == "127.0.0.1"
+    finally:
+        libp2p_logger.removeHandler(catch)
+    # (A dial to the closed port is logged as an error by py-libp2p's TCP transport.)
+    assert [r.getMessage() for r in errors if "upgrade" in r.getMessage()] == []
 
 
 async def test_relay_only_daemon_serves_a_trainer_through_the_relay(tmp_path: Path) -> None:

@@ -117,23 +117,35 @@ class DialBackServer:
         transport = swarm.transport_manager.transport_for_dialing(maddr)  # type: ignore[attr-defined]
         if transport is None:
             return False
-        raw = None
+        raw = muxed = None
         try:
             with trio.fail_after(_DIAL_S):
                 raw = await transport.dial(maddr)
                 # Noise proves the listener holds the requester's key.
-                await swarm.upgrader.upgrade_security(raw, True, ID.from_base58(peer_id))  # type: ignore[attr-defined]
-            return True
+                expected = ID.from_base58(peer_id)
+                secured = await swarm.upgrader.upgrade_security(raw, True, expected)  # type: ignore[attr-defined]
+            reachable = True
         except (trio.TooSlowError, Exception) as exc:
             logger.debug("dial-back to %s at %s failed: %r", short(peer_id), addr, exc)
-            return False
-        finally:
-            if raw is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    try:
-                        await raw.close()
-                    except Exception:
-                        pass
+            reachable = False
+        if reachable:
+            # The verdict is in. Agreeing on a muxer as well lets the listener finish
+            # the connection it accepted: a probe closed right after Noise reads to
+            # py-libp2p there as a failed upgrade, logged as an ERROR on every probe.
+            try:
+                with trio.move_on_after(_DIAL_S):
+                    muxed = await swarm.upgrader.upgrade_connection(secured, expected)  # type: ignore[attr-defined]
+            except Exception as exc:
+                logger.debug("dial-back to %s: no muxer agreed: %r", short(peer_id), exc)
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            try:
+                if muxed is not None:
+                    await muxed.close()
+                elif raw is not None:
+                    await raw.close()
+            except Exception:
+                pass
+        return reachable
 
 
 def observed_ips(host: IHost, peer_id: str) -> list[str]:
