@@ -5,6 +5,7 @@ averaging keeps their trainer-side weights together where, trained apart, they d
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -113,12 +114,18 @@ async def train_pair(corpus: Corpus, folder: Path, board: Board | None) -> tuple
         torch.manual_seed(0)  # the same starting weights
         averager = None
         if board is not None:
+            # A clock that moves 10 s per reading: each trainer publishes its state at
+            # every step (every ~2 s of its real clock, which under load might be once
+            # in the whole run), so what is averaged does not depend on the machine's
+            # speed. Rounds still come every ``every_s`` of real time.
+            ticks = itertools.count(0, 10)
             averager = TrainerAverager(
                 BoardNetwork(board, name),
                 exp.averaging,
                 exp.name,
                 run=trio.from_thread.run,
                 peer_id=name,
+                clock=lambda ticks=ticks: float(next(ticks)),
             )
         trainers.append(Trainer(exp, build_model(exp, None), corpus, averager=averager))
     async with trio.open_nursery() as nursery:
