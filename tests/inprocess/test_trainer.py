@@ -19,10 +19,10 @@ from torch import nn
 
 from volunteerd.errors import Busy, ModelDiverging, NoExpertsAvailable
 from volunteerd.moe import LocalMixtureOfExperts, OutputChecks, RemoteMixtureOfExperts
-from volunteerd.moe.checks import NON_FINITE, OUT_OF_RANGE
+from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE
 from volunteerd.moe.client import TrainerClient
 from volunteerd.testing import local_config
-from volunteerd.testing.faulty import Fault, nan, noise, scaled_by
+from volunteerd.testing.faulty import Fault, nan, noise, one_row_short, scaled_by, wider
 from volunteerd.testing.inprocess import InProcessServer, open_world
 
 HIDDEN = 16
@@ -229,6 +229,10 @@ LIES: dict[str, tuple[Fault, str]] = {
     "scaled": (Fault(outputs=scaled_by(1e6)), OUT_OF_RANGE),
     "noise": (Fault(outputs=noise(seed=1)), "disagreed"),
     "huge_gradients": (Fault(gradients=scaled_by(1e6)), OUT_OF_RANGE),
+    "short_outputs": (Fault(outputs=one_row_short), BAD_SHAPE),
+    "wider_outputs": (Fault(outputs=wider), BAD_SHAPE),
+    "short_gradients": (Fault(gradients=one_row_short), BAD_SHAPE),
+    "wider_gradients": (Fault(gradients=wider), BAD_SHAPE),
 }
 
 

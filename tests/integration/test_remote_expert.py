@@ -11,11 +11,16 @@ import pytest
 import torch
 import trio
 
+from volunteerd.errors import BadShape
 from volunteerd.experts import make_optimizer
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
+from volunteerd.net import open_node
 from volunteerd.net.background import BackgroundNode
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.server.pipeline import expert_handlers
 from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.testing.faulty import Fault, Faults, one_row_short, wider
 
 # Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
 pytestmark = pytest.mark.slow
@@ -107,3 +112,38 @@ async def test_no_grad_forward_keeps_nothing_on_the_server(tmp_path: Path) -> No
         await trio.to_thread.run_sync(infer)
         assert server.runtime.retained_statistics().entries == 0
         assert server.runtime.backend(UID).updates == 0
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault(outputs=one_row_short),
+        Fault(outputs=wider),
+        Fault(gradients=one_row_short),
+        Fault(gradients=wider),
+    ],
+    ids=["short_outputs", "wider_outputs", "short_gradients", "wider_gradients"],
+)
+async def test_an_answer_of_the_wrong_shape_is_a_clear_error(fault: Fault) -> None:
+    """A server whose answers do not fit what was sent (a real expert runtime behind
+    real libp2p, its answers reshaped on the way out) gets a BadShape naming it, not a
+    tensor of the wrong size in the caller's graph."""
+    config = local_config(uids=UID, experts={"hidden_dim": 32})
+    runtime = ExpertRuntime(
+        [UID], config.experts, config.runtime, config.wire, torch.device("cpu"), guard=config.guard
+    )
+    handlers = Faults(fault).wrap(expert_handlers(runtime))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.serve)
+        async with open_node(Identity.generate(), config, handlers) as server:
+
+            def call() -> None:
+                with BackgroundNode(Identity.generate(), local_config()) as node:
+                    expert = RemoteExpert(UID, server.address, node)
+                    x = torch.randn(8, 32, requires_grad=True)
+                    with pytest.raises(BadShape, match=f"{UID} at .* answered a"):
+                        expert(x).sum().backward()
+                    assert x.grad is None
+
+            await trio.to_thread.run_sync(call)
+        nursery.cancel_scope.cancel()

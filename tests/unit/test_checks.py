@@ -13,7 +13,7 @@ import torch
 from volunteerd.errors import RequestTimeout
 from volunteerd.experts import to_wire
 from volunteerd.moe import RemoteMixtureOfExperts
-from volunteerd.moe.checks import NON_FINITE, OUT_OF_RANGE, OutputChecks, judge_round
+from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE, OutputChecks, judge_round
 from volunteerd.moe.dispatch import Call, Outcome
 from volunteerd.net import PeerAddress, Verb
 from volunteerd.wire import WireTensor
@@ -185,7 +185,8 @@ def _layer() -> tuple[RemoteMixtureOfExperts, _Client]:
 def _round(tensors: list[torch.Tensor], peers: str) -> tuple[list[Call], list[Outcome]]:
     calls, outcomes = [], []
     for i, (t, peer) in enumerate(zip(tensors, peers, strict=True)):
-        calls.append(Call(f"ffn.{i}", PeerAddress(peer, ()), None, [], [0]))
+        rows = list(range(t.shape[0]))  # the rows sent: one per row answered
+        calls.append(Call(f"ffn.{i}", PeerAddress(peer, ()), None, [], rows))
         meta, data = to_wire(t)
         wire = WireTensor(meta.dtype, tuple(meta.shape), memoryview(bytearray(data)))
         outcomes.append(Outcome(reply=object(), tensors=[wire]))
@@ -227,3 +228,23 @@ def test_the_layer_never_bans_its_last_peer() -> None:
     assert list(client.directory.banned) == ["a"]
     assert layer.stats.bans_held_back == 1
     assert layer.stats.rejected == {NON_FINITE: 1}
+
+
+def test_the_layer_bans_a_peer_whose_answer_does_not_fit_the_rows_sent() -> None:
+    # "b" answers 3 rows for the 4 it was sent, "c" rows of width 9 instead of 8: each is
+    # dropped and banned before the value checks see it, alone as in company.
+    layer, client = _layer()
+    good = answers(1.0, 3)
+    calls, outcomes = _round([good[0], good[1][:3], torch.cat([good[2], good[2][:, :1]], 1)], "abc")
+    calls[1] = Call(calls[1].uid, calls[1].peer, None, [], [0, 1, 2, 3])
+    ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+    assert [y is None for y in ys] == [False, True, True]
+    assert unblamed == 0
+    assert sorted(client.directory.banned) == ["b", "c"]
+    assert layer.stats.rejected == {BAD_SHAPE: 2}
+    alone, alone_client = _layer()
+    calls, outcomes = _round([good[0][:3]], "d")
+    calls[0] = Call(calls[0].uid, calls[0].peer, None, [], [0, 1, 2, 3])
+    ys, _ = alone._accept(Verb.BACKWARD, calls, outcomes, {"d", "e"})
+    assert ys == [None]
+    assert list(alone_client.directory.banned) == ["d"]

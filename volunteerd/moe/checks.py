@@ -58,6 +58,7 @@ __all__ = [
 
 NON_FINITE = "non_finite"
 OUT_OF_RANGE = "out_of_range"
+BAD_SHAPE = "bad_shape"
 
 # Below this an RMS counts as zero (all-zero answers must not make every other one loud).
 _TINY = 1e-12

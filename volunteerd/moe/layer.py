@@ -36,7 +36,14 @@ from volunteerd.errors import (
     VolunteerdError,
 )
 from volunteerd.experts import from_wire, to_wire
-from volunteerd.moe.checks import OutputChecks, Suspicion, Verdict, agree, judge_round
+from volunteerd.moe.checks import (
+    BAD_SHAPE,
+    OutputChecks,
+    Suspicion,
+    Verdict,
+    agree,
+    judge_round,
+)
 from volunteerd.moe.client import TrainerClient
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
@@ -477,6 +484,13 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         how many answers the checks dropped without blaming their peer. Failures are
         noted, convicted peers banned, a diverging model reported."""
         tensors = [self._decode(o) for o in outcomes]
+        # An answer of another shape than the rows sent is no honest mistake: it is
+        # refused and its peer banned before it can reach (or break) the step.
+        malformed = [
+            t is not None and tuple(t.shape) != self._answer_shape(call)
+            for t, call in zip(tensors, calls, strict=True)
+        ]
+        tensors = [None if bad else t for t, bad in zip(tensors, malformed, strict=True)]
         verdict = judge_round(
             tensors,
             self.checks,
@@ -491,7 +505,10 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         unblamed = 0
         for i, (call, outcome) in enumerate(zip(calls, outcomes, strict=True)):
             reason = verdict.reasons[i]
-            if tensors[i] is None:
+            if malformed[i]:
+                self.stats.rejected[BAD_SHAPE] += 1
+                self._misbehaved(call.peer, call.uid, BAD_SHAPE, usable)
+            elif tensors[i] is None:
                 self._note_failure(call, outcome, usable)
             elif reason is not None:
                 self.stats.rejected[reason] += 1
@@ -501,6 +518,11 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                     unblamed += 1
                 tensors[i] = None
         return tensors, unblamed
+
+    def _answer_shape(self, call: Call) -> tuple[int, ...]:
+        """What a forward or backward answer to ``call`` must be: a row of
+        ``in_features`` for each row sent (the experts map [B, H] to [B, H])."""
+        return (len(call.rows), self.in_features)
 
     def _report_diverging(
         self, verb: Verb, verdict: Verdict, calls: Sequence[Call], answered: list[int]
@@ -681,8 +703,8 @@ class _RemoteExperts(torch.autograd.Function):
         assignment = {  # (row, slot) -> candidate index
             (n, k): k for n, k in route.valid_NK[:, :K].nonzero().tolist()
         }
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
         answered: list[_Answered] = []
+        answers: list[torch.Tensor] = []  # each answered call's output, [its rows, H]
         usable = _usable(route)
         unblamed = 0  # answers the checks dropped without blaming a peer
         for round_ in range(2):
@@ -718,27 +740,16 @@ class _RemoteExperts(torch.autograd.Function):
                             next_assignment[(n, k)] = c
                     continue
                 layer.stats.forward_ok += 1
-                y = y.to(x_NH.dtype)
-                for i, (n, k) in enumerate(zip(group.rows, group.slots, strict=True)):
-                    outputs[(n, k)] = y[i]
-                    answered_NK[n, k] = True
+                rows, slots = torch.tensor(group.rows), torch.tensor(group.slots)
+                answered_NK[rows, slots] = True
                 handle = getattr(outcome.reply, "handle", None)
-                answered.append(
-                    _Answered(
-                        call.uid, call.peer, torch.tensor(group.rows), torch.tensor(group.slots),
-                        handle,
-                    )
-                )  # fmt: skip
+                answered.append(_Answered(call.uid, call.peer, rows, slots, handle))
+                answers.append(y)
             # Backtrack: tokens no expert answered (and no replica will) try their next
             # best candidates.
             covered = {n for n, _ in next_assignment}
-            silent = [
-                n
-                for n in range(N)
-                if n not in covered
-                and not bool(answered_NK[n].any())
-                and bool(route.valid_NK[n, :K].any())
-            ]
+            waiting = (~answered_NK.any(dim=1) & route.valid_NK[:, :K].any(dim=1)).tolist()
+            silent = [n for n in range(N) if waiting[n] and n not in covered]
             for n in silent:
                 for k in range(K):
                     while next_candidate[n] < candidates:
@@ -767,10 +778,9 @@ class _RemoteExperts(torch.autograd.Function):
                 f"none of the experts chosen under {layer.name}. answered "
                 f"({layer.stats.forward_failed} failed calls so far)"
             )
-        H_out = next(iter(outputs.values())).shape[-1]
-        out_NKH = torch.zeros(N, K, H_out, dtype=x_NH.dtype)
-        for (n, k), y in outputs.items():
-            out_NKH[n, k] = y
+        out_NKH = torch.zeros(N, K, answers[0].shape[-1], dtype=x_NH.dtype)
+        for item, y in zip(answered, answers, strict=True):
+            out_NKH[item.rows, item.slots] = y.to(x_NH.dtype)
         ctx.layer = layer
         ctx.answered = answered
         ctx.x_cpu = x_cpu

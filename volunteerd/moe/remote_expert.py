@@ -93,6 +93,29 @@ class RemoteExpert(nn.Module):
         return f"uid={self.uid!r}, peer={self.peer.peer_id[-8:]}"
 
 
+def _check_answer(
+    expert: RemoteExpert,
+    verb: Verb,
+    answer: Sequence[torch.Tensor],
+    expected: Sequence[tuple[int | None, ...]],
+) -> None:
+    """Raise BadShape unless ``answer`` has the ``expected`` shapes (None: any size)."""
+    shapes = [tuple(t.shape) for t in answer]
+
+    def fits(got: tuple[int, ...], want: tuple[int | None, ...]) -> bool:
+        return len(got) == len(want) and all(
+            w is None or g == w for g, w in zip(got, want, strict=True)
+        )
+
+    if len(shapes) != len(expected) or not all(
+        fits(got, want) for got, want in zip(shapes, expected, strict=True)
+    ):
+        raise BadShape(
+            f"{expert.uid} at {expert.peer.peer_id[-8:]} answered a {verb.value} with "
+            f"shapes {shapes} where {list(expected)} fit what was sent"
+        )
+
+
 def to_meta(tensor: torch.Tensor) -> TensorMeta:
     name = next((k for k, v in TORCH_DTYPES.items() if v == tensor.dtype), None)
     if name is None:
@@ -115,6 +138,10 @@ class _RemoteCall(torch.autograd.Function):
         ctx.devices = [x.device for x in inputs]
         ctx.save_for_backward(*inputs)
         outputs, ctx.handle = expert.call(Verb.FORWARD, inputs, retain=retain)
+        samples = inputs[0].shape[0]
+        _check_answer(
+            expert, Verb.FORWARD, outputs, [(samples, *s.shape[1:]) for s in expert.info.outputs]
+        )
         device = inputs[0].device
         result = [o.to(device, out_dtype) for o in outputs]
         return result[0] if len(result) == 1 else tuple(result)
@@ -137,6 +164,7 @@ class _RemoteCall(torch.autograd.Function):
                     raise
         if grad_inputs is None:
             grad_inputs, _ = expert.call(Verb.BACKWARD, [*inputs, *grads])
+        _check_answer(expert, Verb.BACKWARD, grad_inputs, [tuple(x.shape) for x in inputs])
         return (
             None,
             None,

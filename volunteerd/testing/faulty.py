@@ -28,18 +28,45 @@ from volunteerd.errors import VolunteerdError
 from volunteerd.experts import from_wire, to_wire
 from volunteerd.net.protocols import Verb
 from volunteerd.net.rpc import Handler, Reply, Request
-from volunteerd.wire import FLOAT_DTYPES, BatchReply, TensorReply, WireTensor, split_body
+from volunteerd.wire import (
+    FLOAT_DTYPES,
+    BatchReply,
+    TensorMeta,
+    TensorReply,
+    WireTensor,
+    split_body,
+)
 
-__all__ = ["HONEST", "Fault", "Faults", "TensorFault", "nan", "noise", "scaled_by"]
+__all__ = [
+    "HONEST",
+    "Fault",
+    "Faults",
+    "TensorFault",
+    "nan",
+    "noise",
+    "one_row_short",
+    "scaled_by",
+    "wider",
+]
 
 TensorFault = Callable[[torch.Tensor], torch.Tensor]
-"""Turns an honest floating-point tensor (as float32) into the answer sent; must keep
-its shape."""
+"""Turns an honest floating-point tensor (as float32) into the answer sent; the header
+describes what it returns (another shape makes a malformed answer)."""
 
 
 def nan(tensor: torch.Tensor) -> torch.Tensor:
     """Every value NaN."""
     return torch.full_like(tensor, float("nan"))
+
+
+def one_row_short(tensor: torch.Tensor) -> torch.Tensor:
+    """The honest answer without its last row (an answer for fewer samples than sent)."""
+    return tensor[:-1]
+
+
+def wider(tensor: torch.Tensor) -> torch.Tensor:
+    """The honest answer with its last column repeated once (another hidden size)."""
+    return torch.cat([tensor, tensor[..., -1:]], dim=-1)
 
 
 def scaled_by(factor: float) -> TensorFault:
@@ -133,21 +160,36 @@ def _corrupt(reply: Reply, attack: TensorFault, affected: list[bool]) -> Reply:
     header = reply.header
     body = memoryview(b"".join(bytes(buffer) for buffer in reply.buffers))
     if isinstance(header, TensorReply):
-        return Reply(header, [_apply(attack, t) for t in split_body(header.tensors, body)])
+        metas, buffers = _apply_all(attack, split_body(header.tensors, body))
+        return Reply(header.model_copy(update={"tensors": metas}), buffers)
     if not isinstance(header, BatchReply):
         return reply
     tensors = iter(split_body(header.tensors, body))
-    buffers: list[bytes] = []
+    items: list[Any] = []
+    buffers = []
     for item, hit in zip(header.items, affected, strict=True):
         if isinstance(item, TensorReply):
-            for tensor in [next(tensors) for _ in item.tensors]:
-                buffers.append(_apply(attack, tensor) if hit else bytes(tensor.data))
-    return replace(reply, buffers=buffers)
+            wire = [next(tensors) for _ in item.tensors]
+            if hit:
+                metas, datas = _apply_all(attack, wire)
+                item = item.model_copy(update={"tensors": metas})
+            else:
+                datas = [bytes(tensor.data) for tensor in wire]
+            buffers.extend(datas)
+        items.append(item)
+    return replace(reply, header=header.model_copy(update={"items": items}), buffers=buffers)
 
 
-def _apply(attack: TensorFault, tensor: WireTensor) -> bytes:
-    if tensor.dtype not in FLOAT_DTYPES:
-        return bytes(tensor.data)
-    honest = from_wire(tensor)
-    _, data = to_wire(attack(honest.float()).to(honest.dtype))
-    return data
+def _apply_all(
+    attack: TensorFault, tensors: list[WireTensor]
+) -> tuple[list[TensorMeta], list[bytes]]:
+    metas, datas = [], []
+    for tensor in tensors:
+        if tensor.dtype in FLOAT_DTYPES:
+            honest = from_wire(tensor)
+            meta, data = to_wire(attack(honest.float()).to(honest.dtype))
+        else:
+            meta, data = tensor.meta, bytes(tensor.data)
+        metas.append(meta)
+        datas.append(data)
+    return metas, datas
