@@ -10,6 +10,7 @@ depends on how fast the machine is: slow experts are minutes slow, not milliseco
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Callable
 
 import pytest
@@ -263,6 +264,33 @@ async def test_a_lying_expert_is_caught_banned_and_not_called_again(lie: str) ->
                 steps(moe, 3)
                 assert moe.stats.calls > calls
                 assert liar.faults.faulty_replies == before, "banned: not called again"
+
+            await in_thread(run)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_colluding_replicas_of_the_wrong_shape_cannot_replace_an_honest_answer(
+    seed: int,
+) -> None:
+    """Two replicas answer rows of another width, alike, against two honest ones, and
+    every forward is spot-checked: a wrong-shaped checker or judge is banned for its
+    shape; it never outvotes the honest answer into the step (which broke it)."""
+    async with open_world(CONFIG) as world:
+        honest = [await world.add_server(GRID) for _ in range(2)]
+        for _ in range(2):
+            liar = await world.add_server(GRID)
+            liar.faults.fault = Fault(outputs=wider)
+        async with world.open_trainer() as client:
+            await offered(client, 4)
+
+            def run() -> None:
+                random.seed(seed)
+                torch.manual_seed(seed)
+                moe = layer(client, checks=OutputChecks(spot_check=1.0))
+                steps(moe, 6)
+                assert moe.stats.rejected[BAD_SHAPE] >= 1, moe.stats
+                assert not any(s.peer_id in client.directory.banned for s in honest)
+                assert client.directory.ban_reasons[BAD_SHAPE] == 2
 
             await in_thread(run)
 

@@ -524,6 +524,18 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         ``in_features`` for each row sent (the experts map [B, H] to [B, H])."""
         return (len(call.rows), self.in_features)
 
+    def _fits(
+        self, y: torch.Tensor | None, call: Call, peer: PeerAddress, route: Route
+    ) -> torch.Tensor | None:
+        """A spot check's answer if it has the shape ``call``'s answer must have; else
+        None, and ``peer`` is banned for it (a checker or judge of the wrong shape
+        would otherwise outvote the main answer with a tensor the step cannot use)."""
+        if y is None or tuple(y.shape) == self._answer_shape(call):
+            return y
+        self.stats.rejected[BAD_SHAPE] += 1
+        self._misbehaved(peer, call.uid, BAD_SHAPE, _usable(route))
+        return None
+
     def _report_diverging(
         self, verb: Verb, verdict: Verdict, calls: Sequence[Call], answered: list[int]
     ) -> None:
@@ -609,6 +621,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         checker's (its backward is then stateless)."""
         call = calls[check.index]
         y_main, y_check = ys[check.index], self._decode(outcome)
+        y_check = self._fits(y_check, call, check.call.peer, route)
         if y_main is None or y_check is None:
             return
         self.stats.spot_checks += 1
@@ -625,7 +638,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         if judges:
             third = Call(call.uid, random.choice(judges), check.call.header, call.buffers, [])
             [answer] = self._run_calls(Verb.FORWARD, [third], 1)
-            y_third = self._decode(answer)
+            y_third = self._fits(self._decode(answer), call, third.peer, route)
         if y_third is not None:
             liars = [
                 peer
