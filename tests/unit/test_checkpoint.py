@@ -235,6 +235,61 @@ def test_load_refuses_a_misfit_without_changing_anything() -> None:
     assert b.revision == 0
 
 
+def _adam_entry(entry: dict[str, torch.Tensor], lie: str) -> dict[str, torch.Tensor]:
+    if lie == "step_not_one_number":
+        return {**entry, "step": torch.tensor([3.0, 3.0])}
+    if lie == "step_negative":
+        return {**entry, "step": torch.tensor(-1.0)}
+    if lie == "step_an_integer":
+        return {**entry, "step": torch.tensor(3)}
+    if lie == "buffer_missing":
+        return {k: v for k, v in entry.items() if k != "exp_avg"}
+    if lie == "buffer_unknown":
+        return {**entry, "junk": torch.zeros_like(entry["exp_avg"])}
+    if lie == "buffer_integer":
+        return {**entry, "exp_avg": entry["exp_avg"].to(torch.int32)}
+    assert lie == "squares_negative"
+    return {**entry, "exp_avg_sq": -entry["exp_avg_sq"] - 1}
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        "step_not_one_number",
+        "step_negative",
+        "step_an_integer",
+        "buffer_missing",
+        "buffer_unknown",
+        "buffer_integer",
+        "squares_negative",
+    ],
+)
+def test_an_optimizer_state_the_next_step_would_choke_on_is_refused(lie: str) -> None:
+    """A replica's state comes from a stranger: an Adam state whose next step would
+    raise (and so fail every expert stepped in the same pass) or turn the weights
+    non-finite is refused whole, and the expert keeps stepping."""
+    source, b = backend(), backend()
+    train(source, 2, seed=1)
+    state = source.state()
+    state.optimizer_state = {i: _adam_entry(e, lie) for i, e in state.optimizer_state.items()}
+    before = b.state()
+    with pytest.raises(CheckpointError, match="optimizer"):
+        b.load_state(state)
+    assert_same_state_values(before.params, b.state().params)
+    train(b, 1, seed=2)
+    assert b.updates == 1
+
+
+def test_an_sgd_state_without_momentum_buffers_is_fine() -> None:
+    source, b = backend("sgd"), backend("sgd")
+    train(source, 2, seed=1)
+    state = source.state()
+    state.optimizer_state = {i: {} for i in state.optimizer_state}
+    b.load_state(state)
+    train(b, 1, seed=2)
+    assert all(torch.isfinite(p).all() for p in b.module.parameters())
+
+
 def assert_same_state_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -51,6 +51,22 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    whole: frozenset[str]  # what the optimizer keeps per parameter once it stepped
+    partial: bool  # whether a subset is fine (missing buffers start afresh)
+
+
+# Per parameter: Adam needs all three or nothing (it creates them together); SGD's
+# momentum buffer may be missing (no momentum, or not created yet).
+_OPTIMIZER_KEYS = {
+    "adam": _Keys(frozenset({"step", "exp_avg", "exp_avg_sq"}), partial=False),
+    "sgd": _Keys(frozenset({"momentum_buffer"}), partial=True),
+}
+# A running mean of squares: a negative one makes Adam's step the square root of one.
+_NOT_NEGATIVE = frozenset({"exp_avg_sq"})
+
+
 def make_optimizer(
     params: Sequence[nn.Parameter], config: OptimizerConfig
 ) -> torch.optim.Optimizer:
@@ -421,14 +437,36 @@ class ExpertBackend:
         if state.optimizer != self.optimizer_name:
             return  # the weights are still good; the optimizer state is dropped
         params = list(self.module.parameters())
+        keys = _OPTIMIZER_KEYS.get(self.optimizer_name)
         for index, entry in state.optimizer_state.items():
             if not 0 <= index < len(params):
                 raise CheckpointError(f"optimizer state for parameter {index} of {len(params)}")
+            # A replica's state comes from a stranger: what the optimizer would choke on
+            # at its next step (a missing buffer, a step count that is not one number)
+            # would stop every expert stepped in the same pass, so it is refused here.
+            if (
+                keys is not None
+                and entry
+                and not (set(entry) == keys.whole or (keys.partial and set(entry) <= keys.whole))
+            ):
+                raise CheckpointError(
+                    f"optimizer state of parameter {index}: {sorted(entry)}, "
+                    f"where {self.optimizer_name} keeps {sorted(keys.whole)}"
+                )
             for key, value in entry.items():
-                if key != "step" and value.shape != params[index].shape:
-                    raise CheckpointError(f"optimizer {key} of parameter {index}: wrong shape")
+                if not value.is_floating_point():
+                    raise CheckpointError(f"optimizer {key} of parameter {index}: {value.dtype}")
                 if not torch.isfinite(value).all():
                     raise CheckpointError(f"optimizer {key} of parameter {index}: not finite")
+                if key == "step":
+                    if value.shape != () or float(value) < 0:
+                        raise CheckpointError(
+                            f"optimizer step of parameter {index}: not one count ≥ 0"
+                        )
+                elif value.shape != params[index].shape:
+                    raise CheckpointError(f"optimizer {key} of parameter {index}: wrong shape")
+                if key in _NOT_NEGATIVE and bool((value < 0).any()):
+                    raise CheckpointError(f"optimizer {key} of parameter {index}: negative")
 
     def _check_params(self, params: dict[str, torch.Tensor]) -> None:
         own = dict(self.module.named_parameters())
