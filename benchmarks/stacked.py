@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from arguments import int_list
 from torch import nn
 from torch.func import functional_call, vmap
 
@@ -39,21 +40,11 @@ from volunteerd.experts.layers import FeedForwardExpert
 from volunteerd.runtime.memory import reuse_freed_memory
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of integers: {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"positive integers only: {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=_ints, default=[2, 4], help="comma-separated list")
-    p.add_argument("--batch", type=_ints, default=[16, 64, 128], help="samples per expert")
+    p.add_argument("--experts", type=int_list, default=[2, 4], help="comma-separated list")
+    p.add_argument("--batch", type=int_list, default=[16, 64, 128], help="samples per expert")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seconds", type=float, default=1.0, help="timing per method and turn")
     p.add_argument("--turns", type=int, default=3, help="turns of the three methods")

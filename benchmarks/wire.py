@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
+from arguments import int_list
+from hivemind_procs import cpu_seconds  # the benchmarks folder: no hivemind import
 
 from volunteerd.config import Config
 from volunteerd.identity import Identity
@@ -35,6 +37,13 @@ from volunteerd.wire import TensorMeta
 from volunteerd.wire.messages import ForwardRequest, TensorReply
 
 _READY_S = 60.0
+
+
+def _cpu_s(pid: int) -> float:
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise SystemExit(f"the server process {pid} is gone")
+    return seconds
 
 
 def _config() -> Config:
@@ -80,7 +89,7 @@ async def _client(ready: Path, sizes_kib: list[int], seconds: float, server_pid:
             header, body = ForwardRequest(uid="ffn.0.0", tensors=[_meta(nbytes)]), bytes(nbytes)
             for _ in range(3):  # connect, warm up
                 await node.rpc.call(peer, Verb.FORWARD, header, [body])
-            server_cpu, cpu, start = _cpu(server_pid), time.process_time(), time.perf_counter()
+            server_cpu, cpu, start = _cpu_s(server_pid), time.process_time(), time.perf_counter()
             calls = 0
             while time.perf_counter() - start < seconds:
                 await node.rpc.call(peer, Verb.FORWARD, header, [body])
@@ -93,31 +102,15 @@ async def _client(ready: Path, sizes_kib: list[int], seconds: float, server_pid:
                     "calls_per_s": calls / wall,
                     "mib_per_s": mib / wall,
                     "client_ms_per_mib": (time.process_time() - cpu) * 1000 / mib,
-                    "server_ms_per_mib": (_cpu(server_pid) - server_cpu) * 1000 / mib,
+                    "server_ms_per_mib": (_cpu_s(server_pid) - server_cpu) * 1000 / mib,
                 }
             )
     print(json.dumps(rows))
 
 
-def _cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of integers: {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"positive integers only: {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes-kib", type=_ints, default=[16, 128, 512, 2048])
+    p.add_argument("--sizes-kib", type=int_list, default=[16, 128, 512, 2048])
     p.add_argument("--seconds", type=float, default=5.0, help="timing window per size")
     p.add_argument("--role", choices=["server", "client"], help=argparse.SUPPRESS)
     p.add_argument("--ready", type=Path, help=argparse.SUPPRESS)
