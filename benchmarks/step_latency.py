@@ -4,7 +4,8 @@ What it measures
     ``--servers`` daemons (separate processes, 127.0.0.1) host a ``--grid`` of ``ffn``
     experts of hidden size ``--hidden``: whole rows each, dealt out in turn (4x4 over 3
     daemons: rows 0 and 3, 1, 2; 8x8: rows 0, 3, 6 — 1, 4, 7 — 2, 5, so 24, 24 and 16
-    experts). A trainer in this process (its node on 127.0.0.1) runs
+    experts), or with ``--placement even`` single experts dealt out in turn (4x4: 6, 5
+    and 5). A trainer in this process (its node on 127.0.0.1) runs
     ``RemoteMixtureOfExperts(hidden, grid, "ffn.", k_best=k, k_min=1)`` steps: forward a
     fresh random ``--batch`` x hidden batch, then backward of ``--loss``; each step is
     timed (the batch is drawn before the clock starts). Per configuration it reports the
@@ -80,8 +81,12 @@ def parse_grid(text: str) -> tuple[int, int]:
     return grid
 
 
-def grid_patterns(grid: tuple[int, int], servers: int) -> list[str]:
-    """Each daemon's experts: whole rows, dealt out in turn."""
+def grid_patterns(grid: tuple[int, int], servers: int, placement: str = "rows") -> list[str]:
+    """Each daemon's experts: whole rows, dealt out in turn ("rows"), or single experts
+    dealt out in turn, row by row ("even": 4x4 over 3 daemons is 6, 5 and 5)."""
+    if placement == "even":
+        uids = [f"ffn.{r}.{c}" for r in range(grid[0]) for c in range(grid[1])]
+        return [",".join(uids[i::servers]) for i in range(servers)]
     rows = [list(range(grid[0]))[i::servers] for i in range(servers)]
     return [",".join(f"ffn.{r}.[0:{grid[1]}]" for r in node_rows) for node_rows in rows]
 
@@ -94,7 +99,7 @@ def run_grid(
     settings = [f"experts.hidden_dim={args.hidden}", "runtime.torch_threads=1"]
     results = []
     with (
-        LocalSwarm(grid_patterns(grid, args.servers), settings) as swarm,
+        LocalSwarm(grid_patterns(grid, args.servers, args.placement), settings) as swarm,
         SwarmClient(
             trainer_config(swarm.bootstrap_addrs, listen_host="127.0.0.1"), ban_s=600
         ) as client,
@@ -212,6 +217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--servers", type=int, default=3)
+    p.add_argument(
+        "--placement",
+        choices=["rows", "even"],
+        default="rows",
+        help="rows: whole rows per daemon, dealt in turn (hivemind's script does the same); "
+        "even: single experts dealt in turn",
+    )
     p.add_argument("--k", default="4", help="k_best, or a list: 1,2,4,8")
     p.add_argument("--grid", default="4x4", help="ROWSxCOLUMNS, or a list: 4x4,8x8")
     p.add_argument(
@@ -295,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     hive = run_hivemind(args) if args.hivemind_python else None
     print(
         f"\nDMoE step (forward + backward of {args.loss} loss): ffn hidden {args.hidden}, "
-        f"batch {args.batch}, {args.servers} daemons, {args.steps} steps each, "
+        f"batch {args.batch}, {args.servers} daemons ({args.placement}), {args.steps} steps each, "
         f"{os.cpu_count()} cores"
     )
     print(
