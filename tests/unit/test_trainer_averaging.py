@@ -8,6 +8,7 @@ autojumping mock clock, so a peer that hangs costs no real time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import threading
@@ -143,6 +144,7 @@ def _averager(
     network: FakeNetwork,
     group_size: int = 3,
     run: object = None,
+    rng: random.Random | None = None,
     **config: object,
 ) -> TrainerAverager:
     return TrainerAverager(
@@ -153,7 +155,7 @@ def _averager(
         EXPERIMENT,
         run=run or trio.from_thread.run,
         peer_id="self",
-        rng=random.Random(0),
+        rng=rng or random.Random(0),
     )
 
 
@@ -262,6 +264,88 @@ async def test_a_failing_peer_is_counted_and_a_round_without_peers_changes_nothi
     assert stats.rejected == {"unreachable": 1}
     assert stats.rounds == 0
     assert stats.trainers == 1
+
+
+async def test_a_gone_peers_place_goes_to_another(patient_clock: trio.abc.Clock) -> None:
+    # One place in the group, one peer gone (a trainer killed: its DHT record outlives
+    # it) and two alive: whichever is tried first, the round averages with a live one.
+    own = _own()
+    replaced = 0
+    for seed in range(8):
+        gone = FakePeer("gone", kind="raise")
+        network = FakeNetwork(gone, FakePeer("a", _near(own, 1e-3, 9)), FakePeer("b", own))
+        averager = _averager(network, group_size=2, rng=random.Random(seed))
+        _published(averager, {k: v.clone() for k, v in own.items()})
+        assert await averager.run_round() in {("a",), ("b",)}
+        replaced += gone.fetched
+    assert replaced > 0  # some seeds tried the gone one first
+
+
+async def test_a_peer_left_out_is_tried_last_for_rounds_doubling_while_it_fails(
+    patient_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    gone = FakePeer("gone", kind="raise")
+    peers = [FakePeer(name, _near(own, 1e-3, seed)) for seed, name in enumerate("abc")]
+    averager = _averager(FakeNetwork(gone, *peers), group_size=2)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    tried_in: list[int] = []
+    for round_no in range(60):
+        before = gone.fetched
+        assert len(await averager.run_round()) == 1  # a live peer every round
+        assert averager.apply_pending(weights)
+        if gone.fetched > before:
+            tried_in.append(round_no)
+    # after its k-th failure it waits min(2^(k-1), 16) rounds behind the others
+    gaps = [later - earlier for earlier, later in itertools.pairwise(tried_in)]
+    assert len(tried_in) >= 3
+    assert all(gap > min(2**k, 16) for k, gap in enumerate(gaps)), tried_in
+    # back, it is averaged with again, and no longer kept last
+    gone.kind, gone.params = "ok", _near(own, 1e-3, 7)
+    back = 0
+    for _ in range(40):
+        back += await averager.run_round() == ("gone",)
+        assert averager.apply_pending(weights)
+    assert back >= 5  # 1 in 4 expected
+
+
+async def test_a_hanging_peer_keeps_its_place_to_the_end_then_is_tried_last(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    hangs = FakePeer("hangs", kind="hang")
+    network = FakeNetwork(hangs, FakePeer("a", _near(own, 1e-3, 10)))
+    for seed in range(6):
+        averager = _averager(network, group_size=2, rng=random.Random(seed))
+        _published(averager, {k: v.clone() for k, v in own.items()})
+        before = hangs.fetched
+        started = trio.current_time()
+        first = await averager.run_round()
+        if hangs.fetched > before:
+            # its place is not given again with less than half the round left
+            assert first == ()
+            assert trio.current_time() - started >= 5.0
+            assert averager.statistics().rejected == {"timeout": 1}
+            assert await averager.run_round() == ("a",)  # at the back of the line now
+        else:
+            assert first == ("a",)
+
+
+async def test_a_flood_of_dead_trainers_costs_a_round_a_few_tries_per_place(
+    patient_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    dead = [FakePeer(f"dead{i}", kind="raise") for i in range(50)]
+    honest = FakePeer("honest", _near(own, 1e-3, 11))
+    averager = _averager(FakeNetwork(*dead, honest), group_size=3)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    for _ in range(10):
+        before = sum(p.fetched for p in (*dead, honest))
+        await averager.run_round()
+        averager.apply_pending(weights)
+        assert sum(p.fetched for p in (*dead, honest)) - before <= 3 * 2
 
 
 @pytest.mark.parametrize(

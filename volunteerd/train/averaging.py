@@ -12,7 +12,13 @@ pulls them together with no coordinator (docs/decisions/0014):
   (``experts.clipping``): weights within tau are averaged exactly, a trainer far off
   (a bug, or a lie) moves each tensor by at most tau/n per round;
 * a peer that fails or does not answer within ``timeout_s`` is left out and counted:
-  the round completes with the rest, or with nobody (then nothing changes);
+  its place in the group goes to another peer while the round's ``timeout_s`` lasts
+  (up to ``TRIES_PER_PLACE`` peers a place), and the round completes with those that
+  answered, or with nobody (then nothing changes). A peer left out is tried after all
+  the others for the next 1, 2, 4 … ``AVOID_ROUNDS_MAX`` rounds (doubling while it keeps
+  failing): a trainer that died stays in the DHT until its record expires, and one not
+  yet ready, lying, or of another model would otherwise keep taking places from the
+  live ones;
 * Adam's moments stay local; a trainer joining late downloads a peer's whole state
   (parameters, Adam state, update count) instead of starting from the seed (``join``).
 
@@ -94,6 +100,10 @@ PUBLISH_EVERY_S = 2.0
 JOIN_AGREEMENT = 4.0
 # rounds kept in the summary's log
 ROUNDS_LOGGED = 100
+# a round gives a place whose peer failed to another, up to this many peers per place
+TRIES_PER_PLACE = 3
+# a peer left out is tried last for 1, 2, 4 ... rounds, at most this many
+AVOID_ROUNDS_MAX = 16
 _ADAM_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 
@@ -213,6 +223,9 @@ class TrainerAverager:
         self._averaged_with = 0
         self._rounds_log: deque[tuple[float, tuple[str, ...]]] = deque(maxlen=ROUNDS_LOGGED)
         self._rejected: Counter[str] = Counter()
+        # peer id -> (the round until which it is tried last, its failures in a row)
+        self._avoid: dict[str, tuple[int, int]] = {}
+        self._round_no = 0
         self._clipped = 0
         self._last_shift = 0.0
         self.started_from = "seed"
@@ -235,29 +248,46 @@ class TrainerAverager:
                 logger.warning("averaging round failed: %r", exc)
 
     async def run_round(self) -> tuple[str, ...]:
-        """One round: fetch up to ``group_size - 1`` random peers' parameters (each
-        bounded by ``timeout_s``), check them and leave them for ``apply_pending``;
-        ask up to 16 peers for their info meanwhile. Returns the peers whose parameters
-        are waiting (empty when none answered fit, or nothing is published yet).
+        """One round: fetch the parameters of up to ``group_size - 1`` peers, picked at
+        random among those not left out lately, check them and leave them for
+        ``apply_pending``; ask up to 16 peers for their info meanwhile. A place whose
+        peer fails (or does not fit) goes to the next peer in line; fetching ends after
+        ``timeout_s`` in all. Returns the peers whose parameters are waiting (empty when
+        none answered fit, or nothing is published yet).
 
         Skipped while the last round's parameters wait for the training thread (a step
         slower than ``every_s``): fetching again would only replace them."""
         layout = self._layout
         if layout is None or self._pending is not None:
             return ()
+        self._round_no += 1
         peers = await self._peers()
-        group = self._rng.sample(peers, min(len(peers), self.config.group_size - 1))
-        rest = [p for p in peers if p not in group]
-        asked = group + self._rng.sample(rest, min(len(rest), max(0, INFO_PEERS - len(group))))
+        line = self._in_line(peers)
+        places = min(len(line), self.config.group_size - 1)
+        rest = line[places:]
+        asked = line[:places] + self._rng.sample(rest, min(len(rest), max(0, INFO_PEERS - places)))
+        waiting = deque(line)
+        tries = TRIES_PER_PLACE * places
+        tried: list[TrainerPeer] = []
         replies: dict[str, Params] = {}
         answered: set[str] = set()
         rates: dict[str, float] = {}
+        timeout_s = self.config.timeout_s
+        deadline = trio.current_time() + timeout_s
 
-        async def fetch(peer: TrainerPeer) -> None:
-            params = await self._fetch(peer, layout)
-            if params is not None:
-                replies[peer.peer_id] = params
-                answered.add(peer.peer_id)
+        async def place() -> None:
+            nonlocal tries
+            # a place is given again only while half the round's time is left: a peer
+            # cut short by the end of the round would be counted as too slow
+            while waiting and tries > 0 and deadline - trio.current_time() >= timeout_s / 2:
+                peer = waiting.popleft()
+                tries -= 1
+                tried.append(peer)
+                params = await self._fetch(peer, layout, deadline - trio.current_time())
+                if params is not None:
+                    replies[peer.peer_id] = params
+                    answered.add(peer.peer_id)
+                    return
 
         async def ask(peer: TrainerPeer) -> None:
             info = await self._info(peer)
@@ -266,21 +296,38 @@ class TrainerAverager:
                 answered.add(peer.peer_id)
 
         async with trio.open_nursery() as nursery:
-            for peer in group:
-                nursery.start_soon(fetch, peer)
+            for _ in range(places):
+                nursery.start_soon(place)
             for peer in asked:
                 nursery.start_soon(ask, peer)
         # the active: those that answered, and those not asked this round
-        not_asked = len(peers) - len(asked)
+        not_asked = len(peers) - len({p.peer_id for p in (*asked, *tried)})
+        chosen = tuple(p.peer_id for p in tried if p.peer_id in replies)
         with self._lock:
             self._trainers_now = 1 + len(answered) + not_asked
             self._trainers = max(self._trainers, self._trainers_now)
             self._peer_rates = rates
             if replies:
-                chosen = tuple(p.peer_id for p in group if p.peer_id in replies)
                 # a round not applied yet (training paused between steps) is replaced
                 self._pending = _Pending(chosen, [replies[p] for p in chosen])
-        return tuple(p.peer_id for p in group if p.peer_id in replies)
+        return chosen
+
+    def _in_line(self, peers: list[TrainerPeer]) -> list[TrainerPeer]:
+        """``peers`` in the order a round tries them: those not left out lately in
+        random order, then those that were, in random order. Forgets the failures of
+        peers no longer listed."""
+        listed = {p.peer_id for p in peers}
+        with self._lock:
+            if listed:  # a lookup that found nobody (or timed out) forgets nothing
+                self._avoid = {k: v for k, v in self._avoid.items() if k in listed}
+            avoid = dict(self._avoid)
+        fresh: list[TrainerPeer] = []
+        avoided: list[TrainerPeer] = []
+        for p in peers:
+            (fresh if avoid.get(p.peer_id, (0, 0))[0] < self._round_no else avoided).append(p)
+        self._rng.shuffle(fresh)
+        self._rng.shuffle(avoided)
+        return fresh + avoided
 
     async def _peers(self) -> list[TrainerPeer]:
         """The other trainers now (none when the lookup takes over ``timeout_s``)."""
@@ -289,9 +336,13 @@ class TrainerAverager:
         logger.info("looking up the other trainers took over %g s", self.config.timeout_s)
         return []
 
-    async def _fetch(self, peer: TrainerPeer, layout: Layout) -> Params | None:
-        """``peer``'s parameters if they fit ``layout``; else None (counted)."""
-        timeout_s = self.config.timeout_s
+    async def _fetch(
+        self, peer: TrainerPeer, layout: Layout, timeout_s: float | None = None
+    ) -> Params | None:
+        """``peer``'s parameters if they fit ``layout``, fetched within ``timeout_s``
+        (the config's when None); else None (counted, and the peer tried last for a
+        few rounds)."""
+        timeout_s = self.config.timeout_s if timeout_s is None else max(0.0, timeout_s)
         state: ExpertState | None = None
         with trio.move_on_after(timeout_s):
             try:
@@ -311,6 +362,8 @@ class TrainerAverager:
         if isinstance(checked, str):
             self._reject(peer.peer_id, checked, "parameters refused")
             return None
+        with self._lock:
+            self._avoid.pop(peer.peer_id, None)
         return checked
 
     async def _info(self, peer: TrainerPeer) -> TrainerInfo | None:
@@ -327,6 +380,9 @@ class TrainerAverager:
     def _reject(self, peer_id: str, reason: str, detail: str) -> None:
         with self._lock:
             self._rejected[reason] += 1
+            failures = self._avoid.get(peer_id, (0, 0))[1] + 1
+            rounds = min(AVOID_ROUNDS_MAX, 2 ** min(failures - 1, 16))
+            self._avoid[peer_id] = (self._round_no + rounds, failures)
         logger.info("trainer %s left out (%s): %s", peer_id[-8:], reason, detail[:200])
 
     # --- the training thread --------------------------------------------------------

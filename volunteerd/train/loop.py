@@ -149,6 +149,8 @@ class TrainSummary:
     cpu_seconds: float = 0.0
     # [seconds after the start of training, [peer ids]] of each round, the last 100
     rounds_log: list[tuple[float, list[str]]] = field(default_factory=list)
+    # when training started (after joining and the first evaluation), Unix time
+    started_at: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -307,6 +309,7 @@ class Trainer:
         curve = [(0, initial)]
         self._say(f"step 0: validation loss {initial:.3f}")
         started = time.monotonic()
+        started_at = time.time()
         rate = Rate()
         smoothed: float | None = None
         done = skipped = issued = 0
@@ -392,6 +395,7 @@ class Trainer:
             swarm_tokens_per_s=done * tokens_per_step / max(seconds, 1e-9),
             data_shard=self.data_shard,
             peer_id=self.peer_id,
+            started_at=started_at,
         )
         if averager is not None:
             _add_averaging(summary, averager, started)
