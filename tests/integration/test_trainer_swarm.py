@@ -89,6 +89,7 @@ class Trainer:
     node: Node
     swarm: TrainerSwarm
     scope: trio.CancelScope  # cancel to stop the node (and its swarm) at once
+    stop: trio.CancelScope  # cancel to stop the swarm (it withdraws its record), then the node
 
     @property
     def peer(self) -> TrainerPeer:
@@ -100,7 +101,8 @@ async def open_trainer(
     boot: Node, experiment: str = EXPERIMENT, key: str = KEY
 ) -> AsyncIterator[Trainer]:
     """A trainer's node with its TrainerSwarm serving, in a scope the test may cancel
-    to make the trainer vanish."""
+    to make the trainer vanish; leaving stops the swarm first, as a trainer process
+    does, so that its goodbye goes out while the node can still send it."""
     config = trainer_config(boot)
     holder: list[Trainer] = []
 
@@ -110,9 +112,8 @@ async def open_trainer(
                 swarm = TrainerSwarm(node, experiment, key, config)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(swarm.serve)
-                    holder.append(Trainer(node, swarm, scope))
+                    holder.append(Trainer(node, swarm, scope, nursery.cancel_scope))
                     task_status.started()
-                    await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery:
         await nursery.start(run)
@@ -120,7 +121,7 @@ async def open_trainer(
         try:
             yield trainer
         finally:
-            trainer.scope.cancel()
+            trainer.stop.cancel()
 
 
 @asynccontextmanager
@@ -136,7 +137,7 @@ async def trainers(n: int, *others: str) -> AsyncIterator[tuple[Node, list[Train
             yield boot, out
         finally:
             for trainer in out:  # all stop at once, not one grace period after another
-                trainer.scope.cancel()
+                trainer.stop.cancel()
 
 
 async def wait_for_peers(trainer: Trainer, expected: set[str]) -> set[str]:

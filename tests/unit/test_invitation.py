@@ -22,8 +22,10 @@ from volunteerd.swarm.invitation import (
 from volunteerd.swarm.manifest import ExperimentManifest
 from volunteerd.swarm.publish import make_invitation
 
-OWNER = str(peer_id_for(Identity.generate()))
-BOOT = str(peer_id_for(Identity.generate()))
+# Fixed keys: the ids below name parametrized tests, which must be the same in every
+# process that collects them (pytest-xdist's workers compare their lists).
+OWNER = str(peer_id_for(Identity(bytes([1]) * 32)))
+BOOT = str(peer_id_for(Identity(bytes([2]) * 32)))
 PEER = f"/ip4/203.0.113.7/tcp/38400/p2p/{BOOT}"
 PEER2 = f"/dns4/boot.example.org/tcp/38400/p2p/{BOOT}"
 INVITATION = Invitation(name="stdlib-chars", owner=OWNER, peers=(PEER, PEER2))
