@@ -4,6 +4,7 @@ import faulthandler
 import logging
 import traceback
 from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 from _pytest.faulthandler import fault_handler_stderr_fd_key
@@ -55,3 +56,29 @@ def pytest_runtest_makereport(
             )
             report.sections.append(("innermost exceptions", text))
     return report
+
+
+_SERIAL_TIERS = ("e2e", "wan")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``scripts/test`` runs two workers): the end-to-end tests run
+    one after another on one worker, and so do the WAN tests, since each of them starts
+    many processes or namespaces and was written for a machine it shares with one other
+    busy process, not with a second such test; every other test (unit, in-process and
+    integration tests, which mostly wait on timers and sockets) goes to whichever worker
+    is free. The largest groups are handed out first, so the two tiers start at once on
+    different workers. Only for ``--dist load`` (what ``-n`` means by itself)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/", 2)
+            if len(parts) == 3 and parts[0] == "tests" and parts[1] in _SERIAL_TIERS:
+                return f"tests/{parts[1]}"
+            return nodeid
+
+    return TierScheduling(config, log)
