@@ -127,3 +127,22 @@ async def test_a_batch_item_that_fails_gets_its_own_error_and_the_rest_are_serve
         assert refused.code == "unknown_expert"
         assert world.counts.requests == 1
         assert world.counts.refusals == {"unknown_expert": 1}
+
+
+async def test_uptime_counts_to_the_moment_accounting_stops(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    # Uptime is added once a second; a daemon that stops between two ticks (or runs
+    # less than one) must still count the time since the last one.
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7)
+    try:
+        counts = Accountant(
+            store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(counts.serve)
+            await trio.sleep(2.5)
+            nursery.cancel_scope.cancel()
+        assert store.current().running_s == pytest.approx(2.5)
+    finally:
+        store.close()

@@ -174,6 +174,9 @@ class Accountant:
                     last_roll_up = now
                     await trio.to_thread.run_sync(self._roll_up)
         finally:
+            # the time since the last tick counts too (a run shorter than a tick, or the
+            # last second of a longer one)
+            self.store.tick(trio.current_time() - last, paused=not self._serving())
             self._count_compute()
 
     def _count_compute(self) -> None:
