@@ -127,3 +127,19 @@ async def test_records_are_stored_on_the_replication_closest_peers(tmp_path: Pat
             assert outcome.min_acks == replication
             holders = [n for n in (boot, p1, p2, p3, server.node) if n.dht.records.get("ffn.0.0")]
             assert len(holders) == replication
+
+
+async def test_joining_peers_enter_the_bootstrap_peers_routing_table_and_find_each_other() -> None:
+    # A node asks its bootstrap peer for its neighbourhood as soon as it is connected,
+    # which is usually before the bootstrap peer's identify has learnt its addresses:
+    # it must still be added (once identify ends), or later joiners never hear of it.
+    async with open_peer(local_config()) as boot:
+        cfg = local_config(bootstrap=boot.multiaddrs)
+        async with open_peer(cfg), open_peer(cfg):
+            with trio.fail_after(10):
+                while boot.dht.routing_table_size() < 2:  # noqa: ASYNC110 - polling
+                    await trio.sleep(0.05)
+            async with open_peer(cfg) as third:  # learns of both through boot
+                with trio.fail_after(10):
+                    while third.dht.routing_table_size() < 3:  # noqa: ASYNC110 - polling
+                        await trio.sleep(0.05)

@@ -49,7 +49,7 @@ from volunteerd.net.records import (
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.net.store import SignedRecordStore, Source, StoreStatistics, ip_prefix
 
-__all__ = ["DHTStatistics", "ExpertDHT", "StoreOutcome"]
+__all__ = ["DHTStatistics", "ExpertDHT", "StoreOutcome", "admit_after_identify"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ _FIND_REPLY_BYTES = 48 * 1024
 _CLOSEST_CACHE_S = 30.0
 # Other peers' routing tables keep a dead peer for long; do not ask it again meanwhile.
 _DEAD_PEER_S = 60.0
+# Peers whose Kademlia requests came before identify told us their addresses, waiting
+# to join the routing table when it does (oldest forgotten first beyond this many).
+_AWAITING_IDENTIFY = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,54 @@ _EXPERT_VERBS = _Verbs(EXPERT_RECORDS, Verb.DHT_STORE, Verb.DHT_FIND, FindReques
 _MANIFEST_VERBS = _Verbs(
     MANIFESTS, Verb.MANIFEST_STORE, Verb.MANIFEST_FIND, ManifestFindRequest, 4, 1
 )
+
+
+def admit_after_identify(host: IHost, kad: KadDHT) -> None:
+    """Let a peer whose first Kademlia request came before identify finished join the
+    routing table once identify has run.
+
+    KadDHT adds whoever sends it a request to its routing table, but only if the
+    peerstore already holds that peer's addresses, which identify (run in the
+    background on each new connection) puts there. A node that joins dials its
+    bootstrap peer and asks it for its own neighbourhood at once; when that request
+    wins the race the bootstrap peer skips it for good, and it never hands that node
+    to anyone who joins later. Such peers are noted here and added when identify on
+    their connection completes (the request itself is answered at once, as before)."""
+    add_peer = kad.add_peer
+    identify = getattr(host, "_identify_peer", None)
+    if identify is None:  # another host than py-libp2p's BasicHost: nothing to wrap
+        return
+    peerstore = host.get_peerstore()
+    waiting: dict[ID, None] = {}
+
+    def has_addrs(peer_id: ID) -> bool:
+        try:
+            return bool(peerstore.addrs(peer_id))
+        except PeerStoreError:
+            return False
+
+    async def add_or_wait(peer_id: ID, *, skip_server_mode_check: bool = False) -> bool:
+        added = await add_peer(peer_id, skip_server_mode_check=skip_server_mode_check)
+        # Only requesters come with the check skipped: they speak Kademlia.
+        if not added and skip_server_mode_check and not has_addrs(peer_id):
+            waiting[peer_id] = None
+            while len(waiting) > _AWAITING_IDENTIFY:
+                del waiting[next(iter(waiting))]
+        return added
+
+    async def identify_then_add(peer_id: ID, *, reason: str) -> None:
+        await identify(peer_id, reason=reason)
+        if peer_id in waiting and has_addrs(peer_id):
+            del waiting[peer_id]
+            # identify runs as a trio system task, where an exception would end the
+            # whole event loop: a failure here costs this peer its place, no more
+            try:
+                await add_peer(peer_id, skip_server_mode_check=True)
+            except Exception:
+                logger.debug("could not add %s to the routing table", short(peer_id), exc_info=True)
+
+    kad.add_peer = add_or_wait  # type: ignore[method-assign]
+    host._identify_peer = identify_then_add  # type: ignore[attr-defined]
 
 
 def fit_reply(
@@ -167,6 +218,7 @@ class ExpertDHT:
         self._holders: dict[str, set[ID]] = {}
         # Peers serve at most 12 concurrent Kademlia streams and reset the rest.
         self._lookups = trio.CapacityLimiter(4)
+        admit_after_identify(host, kad)
 
     def _store_of(self, kind: RecordKind[R]) -> SignedRecordStore[R]:
         store: SignedRecordStore[Any] = self.records if kind is EXPERT_RECORDS else self.manifests

@@ -11,10 +11,12 @@ py-libp2p's dialling quirks stay in here).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,6 +27,7 @@ from libp2p import new_host
 from libp2p.abc import ConnectionType, IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network import swarm as _swarm_module
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.stream.exceptions import StreamEOF
@@ -109,6 +112,16 @@ _yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consume
 # one piece: a full read left as a full Yamux frame and a 28-byte one. Reads of one
 # frame's payload leave as one frame.
 _relay_protocol.MAX_READ_LEN = _FRAME_PAYLOAD
+
+
+# py-libp2p dials a peer's addresses "happy eyeballs" style: after starting each dial it
+# waits 250 ms (or until that dial fails) before the next, and it waits after the last
+# one too, success or not, so every new connection took at least 250 ms (7 ms on
+# loopback without it): each first contact of a lookup, a join, a trainer's dispatch.
+# It picks one address per transport class and this host has one class (TCP), so there
+# is no second dial to give a head start to; where a peer's addresses do fall in two
+# classes, both are dialled at once instead of 250 ms apart.
+_swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
 
 
 class _NoAutoConnect(AutoConnector):
@@ -197,6 +210,7 @@ async def open_host(
         check_port_free(str(ip), int(address.value_for_protocol("tcp")))
         listen.append(address)
     host = build_host(identity, announce_addrs, max_connections)
+    made = _track_connections(host)
     async with host.run(listen):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
         try:
@@ -204,9 +218,29 @@ async def open_host(
         finally:
             # py-libp2p's own shutdown path closes sockets while already cancelled, so
             # they leak and peers keep dialling a listener nobody serves. Close them
-            # first, shielded and bounded.
+            # first, shielded and bounded; then every connection the swarm has let go
+            # of without closing (one trimmed as a duplicate, whose close was left to
+            # a background task that shutting down cancels).
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
                 await host.get_network().close()
+                for muxed in list(made):
+                    if not muxed.is_closed:
+                        with contextlib.suppress(Exception):
+                            await muxed.close()
+
+
+def _track_connections(host: IHost) -> weakref.WeakSet[Any]:
+    """Every muxed connection ``host``'s swarm takes in, while it lives."""
+    swarm = host.get_network()
+    made: weakref.WeakSet[Any] = weakref.WeakSet()
+    add_conn = swarm.add_conn  # type: ignore[attr-defined]
+
+    async def tracked(muxed_conn: Any, *args: Any, **kwargs: Any) -> Any:
+        made.add(muxed_conn)
+        return await add_conn(muxed_conn, *args, **kwargs)
+
+    swarm.add_conn = tracked  # type: ignore[attr-defined]
+    return made
 
 
 def transport_addrs(host: IHost) -> list[str]:
