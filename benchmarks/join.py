@@ -5,7 +5,8 @@ What it measures
     127.0.0.1 over real libp2p. Then, ``--joins`` times each, a new node joins through
     the bootstrap node (``open_peer``: connecting to it, the Kademlia lookup of its own
     neighbourhood, which dials the peers closest to it, and the reachability check),
-    and connects to one more node it has never met.
+    and connects to one more node it has never met; then it leaves (closes every
+    connection it holds: to the bootstrap node, the peers its lookup met, the stranger).
 
     Each round is run twice, alternating: with volunteerd's dialling (py-libp2p's wait
     after starting each dial removed, see ``volunteerd/net/host.py``) and with
@@ -34,38 +35,44 @@ VOLUNTEERD_DELAY = swarm._HAPPY_EYEBALLS_DELAY  # what volunteerd.net.host set o
 LIBP2P_DELAY = 0.25
 
 
-async def one_round(boot_addrs: list[str], stranger) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+async def one_round(boot_addrs: list[str], stranger) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     async with open_peer(local_config(bootstrap=boot_addrs)) as node:
         joined = time.perf_counter() - start
         start = time.perf_counter()
         await node.streams.connect(stranger.address)
         connected = time.perf_counter() - start
-    return joined, connected
+        start = time.perf_counter()
+    left = time.perf_counter() - start
+    return joined, connected, left
 
 
 async def main(args: argparse.Namespace) -> None:
     configure_logging("WARNING")
-    results: dict[float, tuple[list[float], list[float]]] = {
-        VOLUNTEERD_DELAY: ([], []),
-        LIBP2P_DELAY: ([], []),
+    results: dict[float, tuple[list[float], list[float], list[float]]] = {
+        VOLUNTEERD_DELAY: ([], [], []),
+        LIBP2P_DELAY: ([], [], []),
     }
     async with open_peer(local_config()) as boot, AsyncExitStack() as stack:
         for _ in range(args.peers):
             await stack.enter_async_context(open_peer(local_config(bootstrap=boot.multiaddrs)))
         for _ in range(args.joins):
-            for delay, (joins, connects) in results.items():
+            for delay, (joins, connects, leaves) in results.items():
                 swarm._HAPPY_EYEBALLS_DELAY = delay
                 # a node no one has met yet, outside the swarm
                 async with open_peer(local_config()) as stranger:
-                    joined, connected = await one_round(boot.multiaddrs, stranger)
+                    joined, connected, left = await one_round(boot.multiaddrs, stranger)
                 joins.append(joined)
                 connects.append(connected)
+                leaves.append(left)
     swarm._HAPPY_EYEBALLS_DELAY = VOLUNTEERD_DELAY
 
     print(f"\na node joins a swarm of {args.peers} nodes + 1 bootstrap node ({args.joins} times)")
-    print(f"{'dialling':38} {'join p50 ms':>12} {'join max ms':>12} {'connect p50 ms':>15}")
-    for delay, (joins, connects) in results.items():
+    print(
+        f"{'dialling':38} {'join p50 ms':>12} {'join max ms':>12} {'connect p50 ms':>15} "
+        f"{'leave p50 ms':>13}"
+    )
+    for delay, (joins, connects, leaves) in results.items():
         name = (
             "volunteerd (no wait after a dial)"
             if delay == VOLUNTEERD_DELAY
@@ -73,7 +80,7 @@ async def main(args: argparse.Namespace) -> None:
         )
         print(
             f"{name:38} {statistics.median(joins) * 1e3:12.0f} {max(joins) * 1e3:12.0f} "
-            f"{statistics.median(connects) * 1e3:15.1f}"
+            f"{statistics.median(connects) * 1e3:15.1f} {statistics.median(leaves) * 1e3:13.0f}"
         )
 
 

@@ -8,14 +8,18 @@ connections on loopback; they assert outcomes, not timings.
 from __future__ import annotations
 
 import time
+from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
 from volunteerd.config import Config
 from volunteerd.errors import PeerUnreachable
+from volunteerd.identity import Identity
 from volunteerd.net import Node, Verb
 from volunteerd.net.connections import slots_in_use
+from volunteerd.net.host import Libp2pStreamHost, open_host
 from volunteerd.net.records import FindRequest
 from volunteerd.testing import local_config, open_peer
 from volunteerd.testing.clients import open_bare_client
@@ -109,3 +113,33 @@ async def test_idle_connections_give_their_slots_to_newcomers() -> None:
         assert node.connections.statistics().trimmed == closed
         await call_once(config, node)
         held.set()
+
+
+async def test_a_node_with_many_peers_closes_every_connection_when_it_stops() -> None:
+    """A stopping node closes each connection within its shutdown's time limit: its
+    peers see it leave at once instead of holding a connection nobody serves.
+
+    py-libp2p closes a swarm's connections one after another, each over 0.2 s (two
+    pauses); at 24 peers that passed the 3 s limit on shutdown with a third of them
+    still open."""
+    peers = 24
+    async with AsyncExitStack() as stack:
+        hosts = [
+            await stack.enter_async_context(open_host(Identity.generate(), None))
+            for _ in range(peers)
+        ]
+        async with open_peer(local_config()) as node:
+            for host in hosts:
+                await Libp2pStreamHost(host).connect(node.address)
+            leaving = ID.from_base58(node.peer_id)
+            with trio.fail_after(30):
+                while len(node.host.get_network().get_connections()) < peers:  # noqa: ASYNC110 - polling libp2p
+                    await trio.sleep(0.05)
+
+        def still_connected() -> int:
+            return sum(bool(h.get_network().connections.get(leaving)) for h in hosts)
+
+        with trio.move_on_after(10):
+            while still_connected():  # noqa: ASYNC110 - polling libp2p
+                await trio.sleep(0.05)
+        assert still_connected() == 0

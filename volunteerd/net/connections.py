@@ -150,11 +150,18 @@ class IdleTrimmer:
         self._idle_since = seen
         used, total = slots_in_use(self._swarm)  # type: ignore[arg-type]
         excess = used - total // 2
-        closed = 0
-        for _, conn in sorted(idle, key=lambda item: item[0])[: max(0, excess)]:
+        chosen = [conn for _, conn in sorted(idle, key=lambda item: item[0])[: max(0, excess)]]
+
+        async def close(conn: Any) -> None:
             with contextlib.suppress(Exception):
                 await conn.close()
-            closed += 1
+
+        # All at once: py-libp2p pauses 0.1 s in each close, so hundreds of idle
+        # strangers closed in turn would keep newcomers waiting for a slot for minutes.
+        async with trio.open_nursery() as nursery:
+            for conn in chosen:
+                nursery.start_soon(close, conn)
+        closed = len(chosen)
         if closed:
             self.trimmed += closed
             logger.info(

@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -107,6 +107,44 @@ async def _credit_when_half_consumed(stream: _yamux.YamuxStream, *, bytes_read: 
 
 
 _yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consumed  # type: ignore[method-assign,assignment]
+
+
+# py-libp2p 0.8.1's Yamux.close ends with a 0.1 s sleep, after the socket is closed and
+# its on_close callback has run: nothing is left to wait for. Every close paid it (a
+# dial-back probe's reply waited for it; so did each connection closed at shutdown,
+# one after another). The callback is the close's last step before that sleep, so a
+# hook around it ends the close there. Its multistream selector builds the library's
+# class itself (not the one given in muxer_opt), hence a patch rather than a subclass.
+# tests/unit/test_yamux_close.py checks the library's close still ends as assumed.
+_library_yamux_close = Yamux.close
+
+
+async def _close_without_nap(self: Yamux, error_code: int = _yamux.GO_AWAY_NORMAL) -> None:
+    closing: dict[Any, trio.CancelScope] | None = getattr(self, "_volunteerd_closing", None)
+    if closing is None:
+        closing = self._volunteerd_closing = {}  # type: ignore[attr-defined]
+        callback = self.on_close
+
+        async def then_stop() -> None:
+            try:
+                if callback is not None:
+                    await callback()
+            finally:
+                scope = closing.get(trio.lowlevel.current_task())
+                if scope is not None:
+                    scope.cancel()  # only the trailing sleep is left
+
+        self.on_close = then_stop
+    task = trio.lowlevel.current_task()
+    with trio.CancelScope() as scope:
+        closing[task] = scope
+        try:
+            await _library_yamux_close(self, error_code)
+        finally:
+            closing.pop(task, None)
+
+
+Yamux.close = _close_without_nap  # type: ignore[method-assign]
 
 # A relay copies each circuit's bytes in reads of up to 65535 bytes, each written on in
 # one piece: a full read left as a full Yamux frame and a 28-byte one. Reads of one
@@ -220,13 +258,27 @@ async def open_host(
             # they leak and peers keep dialling a listener nobody serves. Close them
             # first, shielded and bounded; then every connection the swarm has let go
             # of without closing (one trimmed as a duplicate, whose close was left to
-            # a background task that shutting down cancels).
+            # a background task that shutting down cancels). The swarm closes its
+            # connections one after another, each ≥ 0.1 s (a pause for stream
+            # handlers): a node with a few dozen peers would reach the time limit with
+            # most of them still open, so they are closed all at once first.
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
-                await host.get_network().close()
-                for muxed in list(made):
-                    if not muxed.is_closed:
-                        with contextlib.suppress(Exception):
-                            await muxed.close()
+                swarm = host.get_network()
+                await _close_all(c for conns in swarm.connections.values() for c in conns)
+                await swarm.close()
+                await _close_all(m for m in made if not m.is_closed)
+
+
+async def _close_all(closeables: Iterable[Any]) -> None:
+    """Close every one of ``closeables`` (connections) at once; failures are ignored."""
+
+    async def close(closeable: Any) -> None:
+        with contextlib.suppress(Exception):
+            await closeable.close()
+
+    async with trio.open_nursery() as nursery:
+        for closeable in list(closeables):
+            nursery.start_soon(close, closeable)
 
 
 def _track_connections(host: IHost) -> weakref.WeakSet[Any]:
