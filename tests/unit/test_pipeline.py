@@ -34,10 +34,17 @@ PEER = "12D3KooWTrainer"
 
 
 class World:
-    def __init__(self, handlers: dict[Verb, Handler], gate: RequestGate, counts: Accountant):
+    def __init__(
+        self,
+        handlers: dict[Verb, Handler],
+        gate: RequestGate,
+        counts: Accountant,
+        runtime: ExpertRuntime,
+    ):
         self.handlers = handlers
         self.gate = gate
         self.counts = counts
+        self.runtime = runtime
 
     async def call(self, verb: Verb, header: object, tensors: list[WireTensor]) -> object:
         return await self.handlers[verb](Request(PEER, header, tensors))
@@ -64,7 +71,8 @@ async def pipeline(tmp_path: Path) -> AsyncIterator[World]:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            yield World(expert_handlers(runtime, gate=gate, accountant=counts), gate, counts)
+            handlers = expert_handlers(runtime, gate=gate, accountant=counts)
+            yield World(handlers, gate, counts, runtime)
             runtime.close()
     finally:
         store.close()
@@ -127,6 +135,28 @@ async def test_a_batch_item_that_fails_gets_its_own_error_and_the_rest_are_serve
         assert refused.code == "unknown_expert"
         assert world.counts.requests == 1
         assert world.counts.refusals == {"unknown_expert": 1}
+
+
+async def test_a_batch_item_that_meets_a_bug_fails_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected error in one item's expert (a bug, not the peer's doing) is that
+    item's ``internal`` reply; the message's other items are still answered."""
+    async with pipeline(tmp_path) as world:
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("a bug in this expert")
+
+        world.runtime._hosted("ffn.0.1").backend.forward = broken  # type: ignore[method-assign]
+        x = tensor(2)
+        items = [ForwardRequest(uid=uid, tensors=[x.meta]) for uid in ("ffn.0.0", "ffn.0.1")]
+        reply = await world.call(Verb.FORWARD_BATCH, ForwardBatchRequest(items=items), [x, x])
+        answered, failed = reply.header.items  # type: ignore[attr-defined]
+        assert not isinstance(answered, ErrorReply)
+        assert answered.tensors[0].shape == (2, HIDDEN)
+        assert isinstance(failed, ErrorReply)
+        assert failed.code == "internal"
+        assert "a bug in this expert" in caplog.text
 
 
 async def test_uptime_counts_to_the_moment_accounting_stops(

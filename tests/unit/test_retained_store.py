@@ -145,3 +145,34 @@ async def test_kept_forwards_give_memory_back_when_they_expire_without_requests(
                 await trio.sleep(0.05)
         assert rt.retained.statistics().nbytes == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_kept_forwards_of_different_sequence_lengths_are_batched_apart() -> None:
+    """Two trainers' kept forwards of one transformer expert, at sequence lengths 8 and
+    9, queued together: each batch holds one length (inputs of different lengths
+    cannot be concatenated; merged, every request of the batch failed)."""
+    config = RuntimeConfig.model_validate(
+        {"device": "cpu", "max_batch_wait_s": 0.01, "retain_activations_mb": 64}
+    )
+    experts = ExpertsConfig(type="transformer", hidden_dim=HIDDEN, num_heads=4)
+    rt = ExpertRuntime(["tf.0.0"], experts, config, WireLimits(), torch.device("cpu"))
+
+    def tokens(rows: int, length: int) -> list[WireTensor]:
+        meta, data = to_wire(torch.randn(rows, length, HIDDEN))
+        return [WireTensor(meta.dtype, meta.shape, memoryview(bytearray(data)))]
+
+    shapes: list[tuple[int, ...]] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.serve)
+
+        async def kept_forward(peer: str, rows: int, length: int) -> None:
+            reply, _ = await rt.forward("tf.0.0", tokens(rows, length), retain=True, peer_id=peer)
+            assert reply.handle is not None
+            shapes.append(reply.tensors[0].shape)
+
+        async with trio.open_nursery() as calls:
+            for _ in range(6):
+                calls.start_soon(kept_forward, "trainerA", 2, 8)
+                calls.start_soon(kept_forward, "trainerB", 1, 9)
+        nursery.cancel_scope.cancel()
+    assert sorted(shapes) == [(1, 9, HIDDEN)] * 6 + [(2, 8, HIDDEN)] * 6

@@ -357,7 +357,7 @@ class ExpertRuntime:
         if reserved is not None:
             try:
                 outputs, kept, version = await hosted.forward_retained.submit(
-                    inputs, samples=samples
+                    inputs, samples=samples, shape_key=shape
                 )
             except BaseException:
                 self.retained.release(reserved)

@@ -25,6 +25,7 @@ pass the gate only (they are transfers, counted by the throttle).
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any, Literal
 
@@ -33,7 +34,7 @@ import trio
 from volunteerd.errors import Paused, VolunteerdError, wire_code
 from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.experts.checkpoint_file import encode_checkpoint
-from volunteerd.net import Handler, Reply, Request, ShardServer, Verb
+from volunteerd.net import Handler, Reply, Request, ShardServer, Verb, short
 from volunteerd.net.shard import Snapshot
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.server.contribution import Accountant, Result
@@ -42,6 +43,8 @@ from volunteerd.wire import BatchReply, ErrorReply, TensorReply, WireTensor
 from volunteerd.wire.messages import ParamsReply
 
 __all__ = ["GATED_VERBS", "expert_handlers", "shard_snapshot"]
+
+logger = logging.getLogger(__name__)
 
 # The verbs that cost the volunteer compute or bandwidth: refused while paused.
 GATED_VERBS = frozenset(
@@ -136,6 +139,9 @@ class _Pipeline:
                 results[i] = await self.call(kind, item, tensors, request.peer_id)
             except VolunteerdError as exc:
                 results[i] = (ErrorReply(code=wire_code(exc), message=str(exc)[:1000]), [])
+            except Exception:  # a bug, not the peer's error: this item's, not the batch's
+                logger.exception("%s of %s failed for %s", kind, item.uid, short(request.peer_id))
+                results[i] = (ErrorReply(code="internal"), [])
 
         offset = 0
         async with trio.open_nursery() as nursery:
