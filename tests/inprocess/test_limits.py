@@ -117,6 +117,46 @@ async def test_slow_senders_are_dropped_and_streams_capped_while_a_good_client_i
         await forward(setup.good, setup)
 
 
+async def test_a_peer_that_does_not_take_its_reply_gives_back_the_budget(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A peer that stops reading once its request is in (here: a cable pulled out; in
+    the wild, a reader that grants Yamux a few bytes of window now and then) holds its
+    reply, and its request's and reply's bytes in flight, for at most frame_read_s per
+    64 KiB piece: then the stream is reset and other peers get the room."""
+    sections = {"wire": {"max_inflight_mib": 1}, "timeouts": {"frame_read_s": 1.0}}
+    async with serving(**sections) as setup:  # type: ignore[arg-type]
+        address = setup.server_host.address
+        header, data = forward_frame(rows=6144)  # 768 KiB, and as much again for the reply
+        stream = await setup.attacker_host.open_stream(address, FORWARD)
+        await stream.write(encode_frame(header, [data]))
+        network = setup.server_host.network
+        network.partition([setup.attacker_host], [setup.server_host])
+        with trio.fail_after(0.5):
+            while setup.server.inflight_bytes < len(data):  # noqa: ASYNC110 - polling
+                await trio.sleep(0.01)
+        await trio.sleep(0.1)  # answered: the reply's bytes count too while it waits
+        assert setup.server.inflight_bytes > 2 * len(data)
+        with pytest.raises(RemoteError) as busy:
+            await forward(setup.good, setup, rows=4096)  # 512 KiB: over the budget now
+        assert busy.value.code == "busy"
+        stalled_at = trio.current_time()
+        refusals: list[str] = []
+        with trio.fail_after(5):
+            while True:
+                try:
+                    await forward(setup.good, setup, rows=4096)
+                    break
+                except RemoteError as exc:
+                    refusals.append(exc.code)
+                    await trio.sleep(0.1)
+        assert set(refusals) <= {"busy"}
+        assert trio.current_time() - stalled_at == pytest.approx(1.0, abs=0.2)
+        assert setup.server.stats.errors["slow_reader"] == 1
+        assert setup.server.inflight_bytes == 0
+        network.heal()
+
+
 RATE, BURST = 8, 8
 
 

@@ -384,8 +384,9 @@ class WireLimits(_Model):
         1024,
         ge=1,
         le=1 << 20,
-        description="declared bytes of requests being read or answered at once, all peers "
-        "together (over it: busy); one request always fits an idle server",
+        description="declared bytes of requests being read or answered at once, with their "
+        "replies until written, all peers together (over it: busy); one request always fits "
+        "an idle server",
     )
 
 

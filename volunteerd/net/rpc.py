@@ -67,6 +67,16 @@ __all__ = ["Handler", "Reply", "Request", "RpcClient", "RpcServer", "RpcStats"]
 
 logger = logging.getLogger(__name__)
 
+# A reply goes out in pieces of this size, each of which the peer must take within
+# frame_read_s (~2 KiB/s at the defaults, below any working home link shared by a
+# trainer's concurrent calls). Without it a peer that never reads, or grants Yamux a few
+# bytes of window now and then, held its reply and its in-flight budget for good.
+_REPLY_PIECE = 64 * 1024
+
+
+class _SlowReader(Exception):
+    """The peer did not take a piece of its reply within frame_read_s."""
+
 
 @dataclass(slots=True)
 class Request:
@@ -212,6 +222,12 @@ class RpcServer:
                 "%s from %s: frame too slow, dropping the stream", spec.verb, short(peer_id)
             )
             await _reset(stream)
+        except _SlowReader:
+            self.stats.count_error("slow_reader")
+            logger.info(
+                "%s from %s: reply not taken, dropping the stream", spec.verb, short(peer_id)
+            )
+            await _reset(stream)
         except Exception as exc:  # the stream failed under us: nothing to answer
             logger.debug("%s stream from %s ended: %r", spec.verb, short(peer_id), exc)
         finally:
@@ -285,8 +301,21 @@ class RpcServer:
             return False
         data = encode_frame(reply.header, reply.buffers)
         self.stats.bytes_out += len(data)
-        await stream.write(data)
+        # The reply's bytes count as in flight until written: replies far larger than
+        # their requests (params, shard) must not pile up outside the budget.
+        self._charge(stream, len(data))
+        await self._write(stream, data)
         return True
+
+    async def _write(self, stream: Stream, data: bytes) -> None:
+        """Write ``data``, each piece of it within frame_read_s; raises _SlowReader."""
+        view = memoryview(data)
+        for start in range(0, len(view), _REPLY_PIECE):
+            piece = data if len(view) <= _REPLY_PIECE else bytes(view[start : start + _REPLY_PIECE])
+            with trio.move_on_after(self._timeouts.frame_read_s) as waited:
+                await stream.write(piece)
+            if waited.cancelled_caught:
+                raise _SlowReader
 
     def _reserve(self, stream: Stream, declared: int) -> bool:
         """Charge a frame to the in-flight budget shared by all peers until its reply is
@@ -298,13 +327,20 @@ class RpcServer:
         self._charged[id(stream)] = declared
         return True
 
+    def _charge(self, stream: Stream, nbytes: int) -> None:
+        """Add ``nbytes`` to what the stream's request holds of the budget (over it, if
+        need be: the reply exists already; later requests wait for room)."""
+        self._inflight_bytes += nbytes
+        self._charged[id(stream)] = self._charged.get(id(stream), 0) + nbytes
+
     def _release(self, stream: Stream) -> None:
         """The stream's request is answered (or abandoned): its bytes leave the budget."""
         self._inflight_bytes -= self._charged.pop(id(stream), 0)
 
     @property
     def inflight_bytes(self) -> int:
-        """Declared bytes of the requests being read or answered now."""
+        """Declared bytes of the requests being read or answered now, and of their
+        replies being written."""
         return self._inflight_bytes
 
     async def _refuse_limited(
@@ -327,7 +363,7 @@ class RpcServer:
         message = str(exc) if isinstance(exc, VolunteerdError) else "internal error"
         if isinstance(exc, WireError):
             logger.info("refused %s from %s: %s", spec.verb, short(peer_id), exc)
-        await stream.write(encode_frame(ErrorReply(code=code, message=message[:1000])))
+        await self._write(stream, encode_frame(ErrorReply(code=code, message=message[:1000])))
 
 
 _LIMIT_NAMES = {
