@@ -68,6 +68,81 @@ def test_guard_refuses_absurd_gradients_and_in_reject_mode_any_outlier() -> None
     assert strict.threshold("ffn.1") is None
 
 
+HONEST = [f"12D3KooWhonest{i}" for i in range(4)]
+ATTACKER = "12D3KooWattacker"
+
+
+def honest_traffic(guard: RequestGuard, requests: int = 8) -> None:
+    """Four trainers' ordinary gradients (row norms ~0.4)."""
+    for _ in range(requests):
+        for peer in HONEST:
+            guard.filter_gradients("ffn.0", peer, [torch.randn(8, 16) * 0.1])
+
+
+def cancelling_rows(rows: int, norms: torch.Tensor) -> torch.Tensor:
+    """Rows of the given norms in pairs (g, -g): their updates cancel, so the step
+    moves nothing and nobody is blamed, while the guard sees each row's norm."""
+    g = torch.nn.functional.normalize(torch.randn(rows // 2, 16), dim=1) * norms[: rows // 2, None]
+    return torch.cat([g, -g])
+
+
+def test_no_peer_can_lower_the_threshold_until_honest_gradients_are_refused() -> None:
+    torch.manual_seed(1)
+    guard = RequestGuard(GuardConfig())
+    honest_traffic(guard)
+    before = guard.threshold("ffn.0")
+    assert before is not None
+    for _ in range(20):  # 5,120 rows of norm 1e-6; one request of 256 used to be enough
+        whisper = cancelling_rows(256, torch.full((256,), 1e-6))
+        guard.filter_gradients("ffn.0", ATTACKER, [whisper])
+    after = guard.threshold("ffn.0")
+    assert after is not None
+    assert after > before / 2
+    for peer in HONEST:  # honest rows are still accepted as they are
+        grads = torch.randn(8, 16) * 0.1
+        out, _ = guard.filter_gradients("ffn.0", peer, [grads])
+        torch.testing.assert_close(out[0], grads)
+
+
+def test_no_peer_can_raise_the_threshold_with_loud_rows_that_cancel() -> None:
+    torch.manual_seed(2)
+    guard = RequestGuard(GuardConfig())
+    honest_traffic(guard)
+    before = guard.threshold("ffn.0")
+    assert before is not None
+    for _ in range(20):  # each request up to ~3.5 times the threshold, as it climbs
+        threshold = guard.threshold("ffn.0")
+        assert threshold is not None
+        loud = cancelling_rows(256, torch.linspace(threshold / 256, threshold, 256).flip(0))
+        guard.filter_gradients("ffn.0", ATTACKER, [loud])
+    after = guard.threshold("ffn.0")
+    assert after is not None
+    assert after < 2 * before
+    with pytest.raises(Rejected, match="far above"):  # still refused, as before the attack
+        guard.filter_gradients("ffn.0", ATTACKER, [torch.randn(4, 16) * 1e3])
+
+
+def test_a_skewed_history_is_forgotten_once_the_attack_stops() -> None:
+    now = [0.0]
+    torch.manual_seed(3)
+    guard = RequestGuard(GuardConfig(), clock=lambda: now[0])
+    honest_traffic(guard)
+    for i in range(8):  # eight identities, each with its full share of the window
+        for _ in range(4):
+            whisper = cancelling_rows(256, torch.full((256,), 1e-6))
+            guard.filter_gradients("ffn.0", f"{ATTACKER}{i}", [whisper])
+    threshold = guard.threshold("ffn.0")
+    assert threshold is not None
+    assert threshold < 1e-3  # owned: honest rows would be refused now
+    now[0] = 601.0  # ten minutes without requests: all of it forgotten
+    assert guard.threshold("ffn.0") is None
+    assert not guard.warmed_up("ffn.0")
+    honest_traffic(guard)
+    recovered = guard.threshold("ffn.0")
+    assert recovered is not None
+    assert recovered > 0.1
+
+
 @pytest.mark.parametrize(
     ("attack", "reason"),
     [

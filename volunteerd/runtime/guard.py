@@ -10,7 +10,14 @@ the queue, and hears about every optimizer step that had to be undone:
   overflow above 1.8e19, so one finite 3e38 (or a row of 1e20) used to make a layer
   norm's variance infinite and every weight NaN;
 * each expert remembers the norms of the last ``window`` gradient rows it accepted
-  (one row per sample). Once ``warmup`` rows are known, a row whose norm is above both
+  (one row per sample), so that no one peer can steer them: a request adds at most
+  ``window / 32`` of its rows (evenly spread over its sorted norms, its largest
+  included), a peer holds at most ``window / 8`` (or ``warmup``) of them, its oldest
+  making way, and every norm is forgotten after ``_HISTORY_S``. One request of 256
+  rows used to replace the whole window: rows of ±g (whose updates cancel, so nothing
+  moved and nobody was banned) lowered the threshold until every honest backward was
+  refused, for good, or raised it step by step. Once ``warmup`` rows are known, a row
+  whose norm is above both
   ``median + max_deviations * 1.4826 * MAD`` and the 99th percentile of those norms
   is an outlier: it is scaled down to that
   threshold ("clip", the default) or the request is refused ("reject"). A request whose
@@ -60,6 +67,59 @@ _MAD_TO_SIGMA = 1.4826
 # Bans remembered at most (each costs the attacker a request whose step was undone);
 # beyond it the oldest are forgotten first.
 _MAX_BANNED = 10_000
+# A gradient norm is forgotten after this long: statistics that an attack skewed
+# recover once it stops, and an expert idle for long warms up again.
+_HISTORY_S = 600.0
+
+
+class _History:
+    """One expert's recent gradient row norms, each with its time and its peer, with a
+    bounded share per request and per peer."""
+
+    def __init__(self, window: int, warmup: int) -> None:
+        self.window = window
+        self.per_request = max(1, window // 32)
+        self.per_peer = max(window // 8, warmup, self.per_request)
+        self._entries: deque[tuple[float, str, float]] = deque()
+        self._by_peer: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def values(self) -> list[float]:
+        return [norm for _, _, norm in self._entries]
+
+    def by_peer(self) -> dict[str, list[float]]:
+        grouped: dict[str, list[float]] = {}
+        for _, peer_id, norm in self._entries:
+            grouped.setdefault(peer_id, []).append(norm)
+        return grouped
+
+    def expire(self, now: float) -> None:
+        while self._entries and self._entries[0][0] <= now - _HISTORY_S:
+            self._drop(0)
+
+    def add(self, now: float, peer_id: str, norms: torch.Tensor) -> None:
+        if not norms.numel():
+            return
+        ordered = norms.flatten().sort().values
+        if ordered.numel() > self.per_request:
+            picks = torch.linspace(0, ordered.numel() - 1, self.per_request).round().long()
+            ordered = ordered[picks]
+        for norm in ordered.tolist():
+            self._entries.append((now, peer_id, norm))
+            self._by_peer[peer_id] += 1
+        while self._by_peer[peer_id] > self.per_peer:
+            self._drop(next(i for i, e in enumerate(self._entries) if e[1] == peer_id))
+        while len(self._entries) > self.window:
+            self._drop(0)
+
+    def _drop(self, index: int) -> None:
+        _, peer_id, _ = self._entries[index]
+        del self._entries[index]
+        self._by_peer[peer_id] -= 1
+        if not self._by_peer[peer_id]:
+            del self._by_peer[peer_id]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +134,7 @@ class RequestGuard:
     def __init__(self, config: GuardConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
-        self._norms: dict[str, deque[float]] = {}
+        self._norms: dict[str, _History] = {}
         # (peer id, reason) -> count; reasons: non_finite_input, input_out_of_range,
         # non_finite_gradient, gradient_out_of_range, outlier_gradient (refused),
         # clipped (accepted after scaling down), step_undone (blamed for an undone
@@ -127,7 +187,7 @@ class RequestGuard:
         if top_value != top_value or top_value == float("inf"):
             self._refuse(uid, peer_id, "non_finite_gradient", "gradients are not all finite")
         norms = _row_norms(grads)
-        history = self._norms.setdefault(uid, deque(maxlen=self.config.window))
+        history = self._history(uid)
         threshold = self.threshold(uid)
         out = list(grads)
         if threshold is not None and norms.numel() and float(norms.max()) > threshold:
@@ -154,30 +214,43 @@ class RequestGuard:
                 f"a gradient value of {top_value:.3g} is above the bound of "
                 f"{self.config.max_gradient_abs:.3g}",
             )
-        history.extend(norms.tolist())
+        history.add(self._clock(), peer_id, norms)
         self.accepted += 1
         return out, float(norms.max()) if norms.numel() else 0.0
 
     def threshold(self, uid: str) -> float | None:
         """The largest row norm accepted as is, or None while warming up."""
-        history = self._norms.get(uid)
-        if history is None or len(history) < self.config.warmup:
+        history = self._history(uid)
+        if len(history) < self.config.warmup:
             return None
-        values = torch.tensor(history, dtype=torch.float64)
+        values = torch.tensor(history.values(), dtype=torch.float64)
         median = float(values.median())
         mad = float((values - median).abs().median())
         spread = max(mad * _MAD_TO_SIGMA, 1e-3 * median, 1e-12)
         # Honest row norms are heavy-tailed (a token's gradient scales with its gate
         # weight, and many weights are tiny), so the median and MAD alone can sit far
         # below rows that are perfectly normal: never judge below the 99th percentile
-        # of what was accepted.
-        high = float(torch.quantile(values, 0.99))
+        # of what was accepted. Of each peer's, the median: a peer's own rows hold up
+        # to an eighth of the window, so the 99th percentile of all of them would be
+        # whatever the loudest peer chose.
+        highs = sorted(
+            float(torch.quantile(torch.tensor(norms, dtype=torch.float64), 0.99))
+            for norms in history.by_peer().values()
+        )
+        high = highs[(len(highs) - 1) // 2]
         return max(median + self.config.max_deviations * spread, high)
 
     def warmed_up(self, uid: str) -> bool:
         """Whether ``uid``'s gradient statistics are judged yet (``warmup`` rows)."""
+        return len(self._history(uid)) >= self.config.warmup
+
+    def _history(self, uid: str) -> _History:
+        """``uid``'s norms of the last ``_HISTORY_S``."""
         history = self._norms.get(uid)
-        return history is not None and len(history) >= self.config.warmup
+        if history is None:
+            history = self._norms[uid] = _History(self.config.window, self.config.warmup)
+        history.expire(self._clock())
+        return history
 
     def step_broken(self, uid: str, reason: str) -> None:
         """Count a step of ``uid`` that broke its weights and could not be undone. Nobody
