@@ -1,25 +1,38 @@
 """Writing files so that a crash (even ``kill -9`` or a power cut) leaves either the old
 content or the new one, never a mix: write a temporary file in the same folder, flush and
 fsync it, rename it over the target, then fsync the folder so the rename itself is on
-disk. Used for the pause state, run-time limits, the transfer count and checkpoints."""
+disk. Used for the pause state, run-time limits, the transfer count and checkpoints.
+
+Each write has its own temporary file: two writers of one target (two requests of the
+control API at once) used to share one name, so their bytes mixed in one file and the
+second rename failed. The last rename wins; a write that fails leaves no temporary file.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 __all__ = ["fsync_dir", "write_atomic"]
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (see the module docstring)."""
+    """Replace ``path`` with ``data`` atomically (see the module docstring). Raises
+    OSError (a full disk, a folder that cannot be written)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
 
 

@@ -240,3 +240,15 @@ def test_the_api_accepts_exactly_the_limits_the_config_accepts() -> None:
     for name, field in LimitsConfig.model_fields.items():
         assert LimitsChange.model_fields[name].metadata == field.metadata, name
     assert LimitsChange.model_config.get("allow_inf_nan") is False
+
+
+@pytest.mark.parametrize("betas", [[1.5, 0.999], [0.9, 1.0], [-0.1, 0.999]])
+def test_adam_betas_outside_zero_to_one_are_refused_when_the_config_is_read(
+    tmp_path: Path, betas: list[float]
+) -> None:
+    """torch refuses them only when an expert is built: `config validate` passed, then
+    the daemon failed to start with "unreachable"."""
+    path = tmp_path / "config.toml"
+    path.write_text(f"[experts.optimizer]\nbetas = {betas}\n")
+    with pytest.raises(ConfigError, match=r"experts\.optimizer\.betas"):
+        load_config(path)

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from volunteerd.config import ExperimentsConfig
+from volunteerd.config import ExperimentsConfig, load_config
 from volunteerd.control.models import MAX_PROJECT_SHARE
 from volunteerd.errors import ConfigError
 from volunteerd.identity import Identity
 from volunteerd.net.peers import peer_id_for
 from volunteerd.swarm.invitation import Invitation
+from volunteerd.swarm.manifest import load_manifest_file
 from volunteerd.swarm.projects import (
     MAX_SHARE,
     Project,
@@ -26,6 +28,7 @@ from volunteerd.swarm.projects import (
     load_projects,
     share_of,
 )
+from volunteerd.train.experiment import load_experiment
 
 OWNER = str(peer_id_for(Identity.generate()))
 PEER = f"/ip4/127.0.0.1/tcp/4001/p2p/{peer_id_for(Identity.generate())}"
@@ -126,3 +129,53 @@ def test_a_daemon_that_hosts_nothing_imports_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_joins_from_many_threads_at_once_are_all_recorded(tmp_path: Path) -> None:
+    """Eight joins at once (the control API runs each in a thread): each is recorded,
+    the file stays valid and no temporary file is left. All eight used to share one
+    temporary file: joins answered "done" went missing and the file came out garbled."""
+    path = tmp_path / "projects.toml"
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def join(i: int) -> None:
+        start.wait()
+        try:
+            assert join_project(path, project(f"project-{i}"))
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert sorted(p.name for p in load_projects(path)) == [f"project-{i}" for i in range(8)]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [".projects.toml.lock", "projects.toml"]
+
+
+def test_bytes_that_are_not_utf8_are_an_error_naming_the_file(tmp_path: Path) -> None:
+    """Every TOML file a volunteer or researcher hands over: a one-line error, not a
+    traceback (a SIGHUP with such a limits.toml used to end the daemon)."""
+    garbled = b"\xff[limits]\nupload_mbit = 3\n"
+    config, limits = tmp_path / "config.toml", tmp_path / "limits.toml"
+    config.write_bytes(garbled)
+    limits.write_bytes(garbled)
+    projects = tmp_path / "projects.toml"
+    projects.write_bytes(garbled)
+    manifest, experiment = tmp_path / "manifest.toml", tmp_path / "experiment.toml"
+    manifest.write_bytes(garbled)
+    experiment.write_bytes(garbled)
+    loaders = [
+        (config, lambda: load_config(config)),
+        (limits, lambda: load_config(None, run_time_dir=tmp_path)),
+        (projects, lambda: load_projects(projects)),
+        (manifest, lambda: load_manifest_file(manifest, owner=OWNER)),
+        (experiment, lambda: load_experiment(experiment)),
+    ]
+    for path, load in loaders:
+        with pytest.raises(ConfigError, match="not valid TOML") as error:
+            load()
+        assert str(path) in str(error.value)

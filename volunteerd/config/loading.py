@@ -82,7 +82,7 @@ def load_config(
         try:
             with path.open("rb") as f:
                 data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # not UTF-8
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
@@ -160,7 +160,7 @@ def _apply_overlay(
             overlay = tomllib.load(f)
     except FileNotFoundError:
         return
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None

@@ -200,9 +200,19 @@ class OptimizerConfig(_Model):
 
     name: Literal["adam", "sgd"] = Field("adam", description='"adam" or "sgd"')
     lr: float = Field(1e-3, gt=0, le=10, description="learning rate")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="adam only")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam only: each in [0, 1)")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
     weight_decay: float = Field(0.0, ge=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, value: tuple[float, float]) -> tuple[float, float]:
+        # torch refuses others only when the expert is built: a daemon that passed
+        # `config validate` then failed to start (and a manifest with them, every
+        # volunteer who joined, with "unreachable").
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError(f"each of betas must be in [0, 1), not {list(value)}")
+        return value
 
 
 class ExpertsConfig(_Model):

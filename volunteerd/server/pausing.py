@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -153,6 +154,7 @@ class Volunteer:
         self._clock = clock
         self.gate = RequestGate()
         self.limits = limits
+        self._changing_limits = trio.Lock()
         self._choice = _Choice()
         self._announcer: Announcer | None = None
         self._serving = True  # the runtime starts with its experts on the device
@@ -174,8 +176,16 @@ class Volunteer:
             return
         try:
             data: Any = json.loads(self._state_file.read_text())
-            paused, until = bool(data["paused"]), data.get("until")
+            paused, until = data["paused"], data.get("until")
+            if not isinstance(paused, bool):  # bool("no") is True
+                raise ValueError(f"paused is {paused!r}, not true or false")
             until = None if until is None else float(until)
+            # A snooze lasts at most a week; a deadline past that (1e300, inf, NaN) was
+            # never written by us and made every start fail while describing it.
+            if until is not None and not (
+                math.isfinite(until) and until <= time.time() + 8 * 86400
+            ):
+                raise ValueError(f"a snooze until {until!r}")
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -285,6 +295,19 @@ class Volunteer:
         All or nothing: the complete new limits are validated first, and if applying
         them still fails half-way the old ones are put back. Raises ConfigError for an
         invalid value or a failed change (the old limits hold then)."""
+        # One change at a time: applying the CPU threads waits for the device, and a
+        # change made meanwhile on the old limits would be undone by this one's result.
+        async with self._changing_limits:
+            return await self._set_limits(limits, persist=persist, reloaded=reloaded, **changes)
+
+    async def _set_limits(
+        self,
+        limits: LimitsConfig | None,
+        *,
+        persist: bool,
+        reloaded: bool,
+        **changes: Any,
+    ) -> LimitsConfig:
         base = limits or self.limits
         try:
             new = LimitsConfig.model_validate({**base.model_dump(), **changes})

@@ -180,8 +180,10 @@ def load_manifest_file(path: Path, *, owner: str, now: float | None = None) -> E
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"manifest file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:  # a folder, no permission
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     lifetime_days = data.pop("lifetime_days", DEFAULT_LIFETIME_DAYS)
     for key in ("owner", "issued_at", "expires_at"):
         if key in data:

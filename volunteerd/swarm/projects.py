@@ -23,9 +23,11 @@ cannot remove it (the config file says so; edit it there).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +138,7 @@ def load_projects(path: Path) -> list[Project]:
             data = tomllib.load(f)
     except FileNotFoundError:
         return []
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
@@ -174,26 +176,53 @@ def save_projects(path: Path, projects: Sequence[Project]) -> None:
     write_atomic(path, _HEADER + tomli_w.dumps({"project": entries}))
 
 
+# Joins and leaves read, change and write the whole file: one at a time, or of two at
+# once (the dashboard and `volunteerd join`, or eight requests of a script) the one that
+# wrote last erased the other's change, though both were answered "done".
+_CHANGING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_change_at_a_time(path: Path) -> Iterator[None]:
+    """This process's threads in turn, and (where the OS has ``flock``) other processes
+    changing the same file too."""
+    with _CHANGING:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: one process changes it, the daemon
+            yield
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def join_project(path: Path, project: Project) -> bool:
     """Record ``project`` in ``path``, in place of an entry of the same name. Returns
     False when an equal entry was there already (nothing written). Raises ConfigError
     (a bad file, or too many projects) or OSError."""
-    projects = load_projects(path)
-    if any(p.same_entry(project) for p in projects):
-        return False
-    kept = [p for p in projects if p.name != project.name]
-    if len(kept) >= MAX_PROJECTS:
-        raise ConfigError(f"at most {MAX_PROJECTS} projects; leave one first")
-    save_projects(path, [*kept, project])
-    return True
+    with _one_change_at_a_time(path):
+        projects = load_projects(path)
+        if any(p.same_entry(project) for p in projects):
+            return False
+        kept = [p for p in projects if p.name != project.name]
+        if len(kept) >= MAX_PROJECTS:
+            raise ConfigError(f"at most {MAX_PROJECTS} projects; leave one first")
+        save_projects(path, [*kept, project])
+        return True
 
 
 def leave_project(path: Path, name: str) -> bool:
     """Remove project ``name`` from ``path``; False when it was not there. Raises
     ConfigError (a bad file) or OSError."""
-    projects = load_projects(path)
-    kept = [p for p in projects if p.name != name]
-    if len(kept) == len(projects):
-        return False
-    save_projects(path, kept)
-    return True
+    with _one_change_at_a_time(path):
+        projects = load_projects(path)
+        kept = [p for p in projects if p.name != name]
+        if len(kept) == len(projects):
+            return False
+        save_projects(path, kept)
+        return True

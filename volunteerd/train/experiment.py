@@ -250,8 +250,10 @@ def load_experiment(path: Path) -> Experiment:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"experiment file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:  # a folder, no permission
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     try:
         return Experiment.model_validate(data)
     except ValidationError as exc:
