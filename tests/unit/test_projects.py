@@ -143,7 +143,7 @@ def test_joins_from_many_threads_at_once_are_all_recorded(tmp_path: Path) -> Non
         start.wait()
         try:
             assert join_project(path, project(f"project-{i}"))
-        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
+        except BaseException as exc:  # reported below, on the test's thread
             failures.append(exc)
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(8)]

@@ -158,6 +158,22 @@ def test_schema_checks_dtype_shape_and_batch() -> None:
         check_against_schema([TensorMeta(dtype="float32", shape=(5, 8))], schema, max_samples=4)
 
 
+def test_a_sequence_longer_than_the_cap_is_refused() -> None:
+    """A transformer expert's sequence dimension is open in its schema; only the body
+    cap bounded it, and attention costs its square."""
+    schema = [TensorSchema(dtype="float32", shape=(None, None, 8))]
+
+    def check(batch: int, length: int) -> int:
+        meta = [TensorMeta(dtype="float32", shape=(batch, length, 8))]
+        return check_against_schema(meta, schema, max_samples=4, max_sequence=16)
+
+    assert check(4, 16) == 4
+    with pytest.raises(FrameTooLarge, match="sequence of 17"):
+        check(1, 17)
+    with pytest.raises(FrameTooLarge, match="sequence of 1048576"):
+        check(1, 1 << 20)
+
+
 def test_prefix_layout_is_little_endian_and_16_bytes() -> None:
     frame = encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[]))
     assert frame[:2] == b"VD"

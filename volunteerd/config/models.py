@@ -389,6 +389,13 @@ class WireLimits(_Model):
     max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 << 20, description="JSON header")
     max_body_bytes: int = Field(256 << 20, ge=1024, le=4 << 30, description="tensor bytes")
     max_tensors: int = Field(128, ge=1, le=1024, description="tensors in one message")
+    max_sequence_length: int = Field(
+        4096,
+        ge=1,
+        le=1 << 20,
+        description="length of a sequence (a transformer expert's second dimension) in a "
+        "request; attention costs its square",
+    )
     max_request_samples: int = Field(8192, ge=1, le=1 << 20, description="samples a request")
     max_inflight_mib: int = Field(
         1024,

@@ -222,6 +222,7 @@ class ExpertRuntime:
         self.on_error: Callable[[str], object] | None = None
         self.retained = RetainedStore(runtime.retain_activations_mb << 20, runtime.retain_s)
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
+        self._max_sequence = limits.max_sequence_length
         self._runtime_config = runtime
         self._experts = {
             uid: _Hosted(ExpertBackend(uid, experts, device, self._max_samples), self.batcher)
@@ -345,7 +346,11 @@ class ExpertRuntime:
         info = hosted.backend.info
         metas = [t.meta for t in tensors]
         samples = check_against_schema(
-            metas, info.inputs, max_samples=self._max_samples, compression=compression
+            metas,
+            info.inputs,
+            max_samples=self._max_samples,
+            max_sequence=self._max_sequence,
+            compression=compression,
         )
         inputs = _decode(tensors, [s.dtype for s in info.inputs])
         self.guard.check_inputs(uid, peer_id, inputs)
@@ -387,7 +392,11 @@ class ExpertRuntime:
         metas = [t.meta for t in tensors]
         if handle is not None:
             samples = check_against_schema(
-                metas, info.outputs, max_samples=self._max_samples, compression=compression
+                metas,
+                info.outputs,
+                max_samples=self._max_samples,
+                max_sequence=self._max_sequence,
+                compression=compression,
             )
             kept = self.retained.take(handle, uid, peer_id)
             if kept is None:
@@ -404,7 +413,11 @@ class ExpertRuntime:
             return _reply(result, compression)
         schemas = [*info.inputs, *info.outputs]
         samples = check_against_schema(
-            metas, schemas, max_samples=self._max_samples, compression=compression
+            metas,
+            schemas,
+            max_samples=self._max_samples,
+            max_sequence=self._max_sequence,
+            compression=compression,
         )
         shape = tuple(m.shape[1:] for m in metas)
         decoded = _decode(tensors, [s.dtype for s in schemas])

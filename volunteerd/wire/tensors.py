@@ -166,6 +166,7 @@ def check_against_schema(
     schemas: Sequence[TensorSchema],
     *,
     max_samples: int,
+    max_sequence: int | None = None,
     same_batch: bool = True,
     compression: Compression = "none",
 ) -> int:
@@ -173,7 +174,10 @@ def check_against_schema(
 
     With ``compression``, floating-point tensors must travel in that dtype instead of
     the schema's. Raises BadDtype, BadShape, or FrameTooLarge when the batch exceeds
-    ``max_samples``. With ``same_batch`` every tensor must have the same first dimension.
+    ``max_samples`` or another dimension the schema leaves open (a sequence) exceeds
+    ``max_sequence``: only the body cap bounded a sequence, and one request of a million
+    tokens kept a transformer expert's device busy for an hour (attention is quadratic).
+    With ``same_batch`` every tensor must have the same first dimension.
     """
     if len(metas) != len(schemas):
         raise BadShape(f"expected {len(schemas)} tensors, got {len(metas)}")
@@ -188,6 +192,12 @@ def check_against_schema(
         ):
             pretty = tuple("*" if d is None else d for d in schema.shape)
             raise BadShape(f"tensor {i}: shape {meta.shape} does not match {pretty}")
+        if max_sequence is not None:
+            for got, want in zip(meta.shape[1:], schema.shape[1:], strict=True):
+                if want is None and got > max_sequence:
+                    raise FrameTooLarge(
+                        f"tensor {i}: a sequence of {got} exceeds the cap of {max_sequence}"
+                    )
         if batch is None:
             batch = meta.shape[0]
         elif same_batch and meta.shape[0] != batch:
