@@ -330,7 +330,7 @@ class ExpertDirectory:
             children: Children = {}
             seen: dict[tuple[int, str], float] = {}
             for record in records.get(key, []):  # in the DHT's order: seen longest first
-                peer = PeerAddress(record.peer_id, record.addrs)
+                peer = PeerAddress(record.peer_id, tuple(dict.fromkeys(record.addrs)))
                 for child in record.children:
                     children.setdefault(child, []).append(peer)
                     seen[(child, record.peer_id)] = now

@@ -33,10 +33,11 @@ from libp2p.peer.peerstore import PeerStoreError
 from pydantic import BaseModel
 
 from volunteerd.config import DHTConfig, TimeoutsConfig
-from volunteerd.errors import InvalidRecord, PeerError
+from volunteerd.errors import InvalidRecord, PeerError, PeerUnreachable, RequestTimeout
 from volunteerd.net.envelope import RecordKind, SignedRecord
 from volunteerd.net.peers import PeerAddress, dialable_part, short
 from volunteerd.net.protocols import PROTOCOLS, Verb
+from volunteerd.net.reachability import observed_ips
 from volunteerd.net.records import (
     EXPERT_RECORDS,
     MANIFESTS,
@@ -154,6 +155,18 @@ def fit_reply(
     return out
 
 
+def fit_reply_header(reply: Callable[..., BaseModel], records: Sequence[R]) -> BaseModel:
+    """``reply(records=...)`` with as many of ``records`` (best first) as keep its JSON
+    within ``_FIND_REPLY_BYTES``. ``fit_reply`` sizes records by their kind's estimate;
+    this checks the real bytes, so an estimate that falls short (a record made of
+    characters JSON escapes) costs the last records, never the whole answer."""
+    header = reply(records=list(records))
+    while records and len(header.model_dump_json().encode()) > _FIND_REPLY_BYTES:
+        records = records[: len(records) * 3 // 4]
+        header = reply(records=list(records))
+    return header
+
+
 def merge_answers(kind: RecordKind[R], answers: Iterable[tuple[int, R]]) -> list[R]:
     """One record per (key, writer), the newest (a withdrawal beats the announcement it
     follows), ordered by the best position any storing peer gave that writer in its
@@ -244,23 +257,26 @@ class ExpertDHT:
             keys, writer = request.header.query()
             per_key = [store.get(key, writer) for key in dict.fromkeys(keys)]
             fitted = fit_reply(per_key, _FIND_REPLY_BYTES, verbs.kind.wire_size_of)
-            return Reply(PROTOCOLS[verbs.find].reply(records=fitted))
+            return Reply(fit_reply_header(PROTOCOLS[verbs.find].reply, fitted))
 
         return {verbs.store: on_store, verbs.find: on_find}
 
     def _source(self, peer_id: str) -> Source:
-        """Who stores: the requesting peer and the IP prefix of its connection (a quota
-        that a thousand identities behind one address share)."""
-        host = ""
+        """Who stores: the requesting peer and the IP prefix of its direct connection (a
+        quota that a thousand identities behind one address share).
+
+        A peer that reaches this node only through a relay circuit has no IP of its own
+        here: the circuit's remote address is the relay's. Charging it to the relay's
+        prefix would let whoever comes first through a relay fill the quota of everyone
+        after, so it gets a prefix quota of its own (as a connection closing under us
+        does); its records still count against its peer quota, the store's budget and
+        the ranks that keep writers seen earlier in place, and the relay bounds what one
+        circuit carries."""
         try:
-            for conn in self._host.get_network().connections.get(ID.from_base58(peer_id), []):
-                remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
-                if remote:
-                    host = str(remote[0])
-                    break
-        except Exception:  # a connection closing under us: no address, its own quota
-            host = ""
-        return Source(peer_id, ip_prefix(host) if host else f"peer:{peer_id}")
+            hosts = observed_ips(self._host, peer_id)
+        except Exception:  # a malformed id or a connection closing under us: none seen
+            hosts = []
+        return Source(peer_id, ip_prefix(hosts[0]) if hosts else f"peer:{peer_id}")
 
     def statistics(self) -> DHTStatistics:
         """What this node stores for others now, and what it refused (by reason)."""
@@ -388,14 +404,22 @@ class ExpertDHT:
     # -- storing and finding, for every kind --------------------------------------------
 
     async def _ask(self, peer_id: ID, verb: Verb, request: BaseModel) -> Any:
-        """``peer_id``'s reply to ``request``; None when it failed to answer (then it is
-        forgotten)."""
+        """``peer_id``'s reply to ``request``; None when it failed to answer.
+
+        A peer that could not be reached or did not answer in time is forgotten (it is
+        gone, or as good as gone). One that answered, but with a typed error or a reply
+        this node cannot read (too large, malformed, cut off), is alive and stays in the
+        routing table: what made its answer unreadable may be what others stored on it,
+        so forgetting it would let them empty a reader's table of honest peers."""
         try:
             with trio.fail_after(self._timeouts.dht_rpc_s):
                 reply, _ = await self._rpc.call(self._address(peer_id), verb, request)
-        except (PeerError, trio.TooSlowError) as exc:
+        except (PeerUnreachable, RequestTimeout, trio.TooSlowError) as exc:
             logger.debug("%s on %s failed: %s", verb, short(peer_id), exc)
             self.forget_peer(str(peer_id))
+            return None
+        except PeerError as exc:
+            logger.debug("%s on %s answered unusably: %s", verb, short(peer_id), exc)
             return None
         return reply
 
@@ -535,7 +559,7 @@ class ExpertDHT:
     async def find_expert(self, uid: str) -> list[PeerAddress]:
         """Servers announcing ``uid`` now."""
         records = (await self.get([uid]))[uid]
-        return [PeerAddress(r.peer_id, r.addrs) for r in records]
+        return [PeerAddress(r.peer_id, tuple(dict.fromkeys(r.addrs))) for r in records]
 
     async def children(self, prefix: str) -> Mapping[int, list[PeerAddress]]:
         """For a prefix key (``"ffn."``, ``"ffn.3."``): alive next coordinates, and who
@@ -543,5 +567,7 @@ class ExpertDHT:
         out: dict[int, list[PeerAddress]] = {}
         for record in (await self.get([prefix]))[prefix]:
             for child in record.children:
-                out.setdefault(child, []).append(PeerAddress(record.peer_id, record.addrs))
+                out.setdefault(child, []).append(
+                    PeerAddress(record.peer_id, tuple(dict.fromkeys(record.addrs)))
+                )
         return out

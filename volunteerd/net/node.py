@@ -73,6 +73,31 @@ class Node:
         return [str(p) for p in self.host.get_connected_peers()]
 
 
+def _routing_only(kad: KadDHT) -> None:
+    """Make ``kad`` keep nothing for others: volunteerd uses Kademlia for routing
+    alone (FIND_NODE, PING; records go through ``ExpertDHT``'s own verbs).
+
+    py-libp2p serves ADD_PROVIDER and PUT_VALUE in server mode whatever the caller
+    uses, and keeps what they carry for 48 h and 24 h: provider entries with no cap on
+    keys or on addresses (about 37 MiB held per 4 MiB message, from identities that
+    cost nothing), values up to 50,000 entries. Here an ADD_PROVIDER is refused like
+    one over py-libp2p's rate limit (the stream is reset, before its providers are
+    read), and neither store takes an entry from any other path."""
+
+    def refuse_providers(peer_id: object) -> bool:
+        return False
+
+    def keep_no_provider(key: bytes, provider: object) -> None:
+        return None
+
+    def keep_no_value(key: bytes, record: object) -> None:
+        return None
+
+    kad._check_provider_rate_limit = refuse_providers  # type: ignore[method-assign,assignment]
+    kad.provider_store.add_provider = keep_no_provider  # type: ignore[method-assign,assignment]
+    kad.value_store.put_record = keep_no_value  # type: ignore[method-assign,assignment]
+
+
 @asynccontextmanager
 async def open_node(
     identity: Identity,
@@ -94,6 +119,7 @@ async def open_node(
     )
     async with open_host(identity, listen, network.announce_addrs, network.max_connections) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
+        _routing_only(kad)
         async with background_trio_service(kad), trio.open_nursery() as nursery:
             streams = Libp2pStreamHost(host)
             rpc = RpcClient(streams, config.wire, config.timeouts, throttle=throttle)

@@ -30,19 +30,31 @@ trusts is never displaced by others.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import re
 import time
 from collections.abc import Iterable
 from functools import partial
-from typing import Annotated, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 from volunteerd import uids
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
 from volunteerd.identity import Identity
+from volunteerd.net.dialback import tcp_endpoint
 from volunteerd.net.envelope import RecordKind, RecordLimits, SignedRecord
-from volunteerd.net.peers import parse_circuit_addr
+from volunteerd.net.peers import parse_circuit_addr, short
 
 __all__ = [
     "EXPERT_RECORDS",
@@ -60,6 +72,7 @@ __all__ = [
     "ManifestStoreRequest",
     "StoreReply",
     "StoreRequest",
+    "is_record_addr",
     "manifest_key",
     "sign_record",
 ]
@@ -73,6 +86,8 @@ MAX_OWNERS_PER_NAME = 16
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 _MIB = 1 << 20
 
+logger = logging.getLogger(__name__)
+
 
 def _check_key(value: str) -> str:
     if not uids.is_valid_key(value):
@@ -80,13 +95,42 @@ def _check_key(value: str) -> str:
     return value
 
 
+# What a record's address may be made of: the characters of ``/ip4|ip6/<ip>/tcp/<port>``
+# and of a base58 relay id. Anything else (control or non-ASCII characters, which JSON
+# writes as six-byte escapes) is no address a node announces.
+_ADDR_CHARS = re.compile(r"[A-Za-z0-9./:-]+")
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def is_record_addr(value: str) -> bool:
+    """Whether ``value`` is an address a record may carry: what a node announces
+    (``net/host.py`` transport_addrs, ``Reachability.announce_addrs``), i.e.
+    ``/ip4|ip6/<ip>/tcp/<port>`` or a circuit address through a relay at one,
+    ``<relay transport>/p2p/<relay id>/p2p-circuit`` (docs/protocol.md).
+
+    Peers dial these addresses, so the IP is one a peer can dial: never the
+    unspecified address (0.0.0.0 or ::, which a peer's system takes for itself), a
+    multicast or the broadcast address; the port is 1..65535. Loopback and private
+    addresses are addresses (tests and LANs use them)."""
+    if len(value) > 200 or not _ADDR_CHARS.fullmatch(value):
+        return False
+    circuit = parse_circuit_addr(value)
+    transport = circuit[0] if circuit is not None else value
+    endpoint = tcp_endpoint(transport)
+    if endpoint is None:
+        return False
+    ip = ipaddress.ip_address(endpoint[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (ip.is_unspecified or ip.is_multicast or ip == _BROADCAST)
+
+
 def _check_addr(value: str) -> str:
-    """A transport multiaddr (no /p2p/), or a circuit address through a relay:
-    ``<relay transport>/p2p/<relay id>/p2p-circuit`` (docs/protocol.md)."""
-    if value.startswith("/") and "/p2p/" not in value and "p2p-circuit" not in value:
-        return value
-    if parse_circuit_addr(value) is None:
-        raise ValueError("not a transport multiaddr or a circuit address")
+    if not is_record_addr(value):
+        raise ValueError(
+            "not an /ip4|ip6/<ip>/tcp/<port> address (nor a circuit address through one) "
+            "that a peer can dial"
+        )
     return value
 
 
@@ -162,16 +206,39 @@ def sign_record(
     active: bool = True,
     now: float | None = None,
 ) -> ExpertRecord:
+    """``peer_id``'s record for ``key``, signed. Of ``addrs``, those a record cannot
+    carry (``is_record_addr``: e.g. a ``/dns4/...`` one in ``network.announce_addrs``)
+    are left out, with a warning the first time, rather than making every record this
+    node announces one that peers refuse."""
     issued = time.time() if now is None else now
+    given = tuple(addrs)
+    carried = tuple(a for a in given if is_record_addr(a))
+    if len(carried) < len(given):
+        _warn_left_out(peer_id, [a for a in given if a not in carried])
     return ExpertRecord(
         key=key,
         peer_id=peer_id,
-        addrs=tuple(addrs),
+        addrs=carried,
         children=tuple(sorted(set(children))),
         active=active,
         issued_at=issued,
         expires_at=issued + ttl_s,
     ).signed(identity)
+
+
+_warned: set[str] = set()
+
+
+def _warn_left_out(peer_id: str, addrs: list[str]) -> None:
+    new = [a for a in addrs if a not in _warned]
+    if new and len(_warned) < 64:
+        _warned.update(new)
+        logger.warning(
+            "%s: records do not carry %s (only /ip4|ip6/<ip>/tcp/<port> addresses peers "
+            "can dial, or circuit addresses through them)",
+            short(peer_id),
+            ", ".join(repr(a[:80]) for a in new),
+        )
 
 
 def _expert_rules(record: ExpertRecord, config: DHTConfig) -> None:
@@ -244,6 +311,26 @@ class FindReply(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     status: Literal["ok"] = "ok"
     records: Annotated[list[ExpertRecord], Field(max_length=16384)]
+
+    @field_validator("records", mode="wrap")
+    @classmethod
+    def _drop_unparsable(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A record that does not parse costs itself, not the records listed with it: a
+        storing node of an earlier version may still hold records this one refuses
+        (e.g. with addresses it no longer carries). Every kept record is checked by the
+        reader as usual."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, list) or len(value) > 16384:
+                raise
+        kept = []
+        for item in value:
+            try:
+                kept.append(ExpertRecord.model_validate(item))
+            except ValidationError:
+                continue
+        return kept
 
 
 # -- experiment manifests ----------------------------------------------------------------

@@ -207,11 +207,12 @@ class SignedRecordStore(Generic[R]):
         """A writer's newer record in its own slot: it keeps the slot's rank, and only
         growth has to fit the quotas."""
         entry = _Entry(record, old.key, old.writer, self._size_of(record), source, old.rank)
-        self._remove(old)
-        reason, victims = self._plan_room(entry)
+        # Planned as if the old record were gone, but it stays until the new one fits: a
+        # refused refresh leaves the store (and every scope's heap) exactly as it was.
+        reason, victims = self._plan_room(entry, replacing=old)
         if reason is not None:
-            self._insert(old, now, refresh=False)  # put the old one back
             return reason
+        self._remove(old)
         for victim in victims:
             self._remove(victim)
             self._evicted += 1
@@ -224,11 +225,19 @@ class SignedRecordStore(Generic[R]):
         first_seen = writer.first_seen if writer is not None else self._clock()
         return (int(source is None), int(writer_id in self._trusted), -first_seen)
 
-    def _plan_room(self, entry: _Entry[R]) -> tuple[str | None, list[_Entry[R]]]:
+    def _plan_room(
+        self, entry: _Entry[R], replacing: _Entry[R] | None = None
+    ) -> tuple[str | None, list[_Entry[R]]]:
         """The lower-ranked records to evict so that ``entry`` fits every quota, or the
-        quota it cannot fit (then nothing is to be evicted). Changes nothing."""
+        quota it cannot fit (then nothing is to be evicted), counting ``replacing`` (the
+        record ``entry`` takes the place of) as gone already. Changes nothing."""
+        # ``replacing`` is planned like a victim (it frees its room and is never picked
+        # as one), and left out of the plan returned: the caller removes it itself.
         victims: set[int] = set()
         plan: list[_Entry[R]] = []
+        if replacing is not None:
+            victims.add(id(replacing))
+            plan.append(replacing)
 
         def fits(scope: _Scope | None, count_cap: int | None, byte_cap: int | None) -> bool:
             if scope is None:
@@ -268,7 +277,7 @@ class SignedRecordStore(Generic[R]):
                     return reason, []
                 victims.add(id(victim))
                 plan.append(victim)
-        return None, plan
+        return None, [v for v in plan if v is not replacing]
 
     def _in(self, entry: _Entry[R], scope: _Scope) -> bool:
         return scope is self._all or any(
@@ -317,8 +326,11 @@ class SignedRecordStore(Generic[R]):
             scope.bytes += entry.size
             heapq.heappush(scope.heap, item)
             if len(scope.heap) > 2 * scope.count + 64:
-                # dead entries pile up behind live ones: compact
-                scope.heap = [i for i in scope.heap if i[2].alive]
+                # Dead entries pile up behind live ones: compact, to one item per live
+                # entry, so the heap stays bounded by the live records even if an entry
+                # were ever pushed twice (items of one entry share its rank).
+                one_each = {id(i[2]): i for i in scope.heap if i[2].alive}
+                scope.heap = list(one_each.values())
                 heapq.heapify(scope.heap)
 
     def _scope(self, name: tuple[str, str]) -> _Scope:
