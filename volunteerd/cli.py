@@ -554,7 +554,9 @@ def _schedule_changes(args: argparse.Namespace) -> dict[str, Any]:
         try:
             checked = ScheduleChange.model_validate({field: value})
         except ValidationError as exc:
-            raise UsageError(f"{flag} {raw}: {field}: {exc.errors()[0]['msg']}") from None
+            # pydantic starts the message of a rule of ours with this: noise to a user
+            rule = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise UsageError(f"{flag} {raw}: {field}: {rule}") from None
         changes[field] = getattr(checked, field)
     return changes
 

@@ -11,7 +11,9 @@ daemon. Errors are JSON, ``{"error": "...", "field": "..."}``:
   JSON, nested deeper than ``MAX_BODY_DEPTH``, an unknown field, a number that is not
   finite or out of its range,
 * 400 an invitation that is not one (``POST /projects``; the message says why),
-* 409 a change the daemon refused (e.g. limits it cannot apply).
+* 409 a change the daemon refused (e.g. limits it cannot apply),
+* 500 a file the daemon could not read or write while answering (``OSError``: a full
+  disk, a read-only data folder); the message names it, the log has the traceback.
 
 Bodies are validated completely before anything changes, and replies are always
 valid JSON: a non-finite number in a snapshot is sent as ``null`` (and logged) rather
@@ -36,7 +38,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from volunteerd import __version__
-from volunteerd.control.auth import allowed_hosts, check_token
+from volunteerd.control.auth import MAX_CHALLENGE_CHARS, allowed_hosts, check_token, prove
 from volunteerd.control.events import EventLog
 from volunteerd.control.models import (
     API_PREFIX,
@@ -233,7 +235,14 @@ Handler = Callable[[Request, Controls], Awaitable[Response]]
 
 
 async def health(request: Request, controls: Controls) -> Response:
-    return _json(Health(ok=True, version=__version__))
+    # ``?challenge=``: prove we hold the token, so that a client may send it (see auth)
+    challenge = request.query_params.get("challenge")
+    if challenge is None:
+        return _json(Health(ok=True, version=__version__))
+    if not 0 < len(challenge) <= MAX_CHALLENGE_CHARS:
+        raise _Refused(422, f"challenge: 1 to {MAX_CHALLENGE_CHARS} characters", "challenge")
+    proof = prove(request.app.state.token, challenge)
+    return _json(Health(ok=True, version=__version__, proof=proof))
 
 
 async def status(request: Request, controls: Controls) -> Response:
@@ -384,6 +393,11 @@ class _Endpoint:
             return _error(exc.status, str(exc), exc.field)
         except VolunteerdError as exc:
             return _error(409, str(exc))
+        except OSError as exc:
+            # A file that cannot be read or written (a full disk, a read-only folder):
+            # the volunteer must read which and why, not a bare 500 from the framework.
+            logger.exception("%s %s failed", request.method, self._path)
+            return _error(500, f"the daemon could not read or write a file: {exc}")
 
 
 # On every reply: the page loads only its own files and talks only to this server; no
@@ -470,5 +484,6 @@ def build_app(controls: Controls, *, token: str) -> _Guard:
         )
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    app.state.token = token  # for ``health``'s proof
     open_paths = {path for _, path, _, needs_token in ROUTES if not needs_token}
     return _Guard(app, token, open_paths)

@@ -8,30 +8,54 @@
   rebinding) is refused with 403 before anything else happens.
 * A request carrying an ``Origin`` from anywhere but this server is refused (403), and
   no CORS header is ever sent, so other sites' pages can neither read nor write.
+* The server proves it knows the token before a client sends it: ``health`` answers a
+  ``challenge`` with ``prove(token, challenge)``. A ``control.json`` left behind by a
+  daemon that crashed names a port that another local user's program may hold next;
+  the client checks the proof first, so that program never sees the token.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
 import os
 import secrets
 from pathlib import Path
 
-__all__ = ["allowed_hosts", "check_token", "load_or_create_token"]
+__all__ = [
+    "MAX_CHALLENGE_CHARS",
+    "allowed_hosts",
+    "check_token",
+    "is_token_text",
+    "load_or_create_token",
+    "prove",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_CHALLENGE_CHARS = 128
 
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
 def load_or_create_token(path: Path) -> str:
-    """The API token in ``path``; created (0600) if missing or empty."""
+    """The API token in ``path``; created (0600) if missing, empty or not a token (bytes
+    that are not visible ASCII: a damaged file, logged). Raises OSError if ``path``
+    cannot be read or written (e.g. it is a folder)."""
     try:
-        token = path.read_text().strip()
-        if token:
+        raw = path.read_bytes().strip()
+    except FileNotFoundError:
+        raw = b""
+    if raw:
+        token = raw.decode("ascii", errors="replace")
+        if is_token_text(token):
             if os.name == "posix" and path.stat().st_mode & 0o077:
                 path.chmod(0o600)  # someone loosened it: tighten again
             return token
-    except FileNotFoundError:
-        pass
+        # Such bytes cannot travel in an HTTP header (clients failed on them), and the
+        # file holds nothing anyone could use: a new token is all that is lost.
+        logger.warning("%s does not hold a token (damaged?): making a new one", path)
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
     tmp = path.with_name(path.name + ".tmp")
@@ -45,6 +69,12 @@ def load_or_create_token(path: Path) -> str:
     return token
 
 
+def is_token_text(text: str) -> bool:
+    """Whether ``text`` can be a token: visible ASCII, no spaces (what an HTTP header
+    carries as is)."""
+    return bool(text) and all("!" <= c <= "~" for c in text)
+
+
 def allowed_hosts(port: int) -> frozenset[str]:
     """The Host header values that name this server."""
     return frozenset(f"{name}:{port}" for name in _LOOPBACK_NAMES)
@@ -55,3 +85,10 @@ def check_token(header: str | None, token: str) -> bool:
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[7:].strip().encode(), token.encode())
+
+
+def prove(token: str, challenge: str) -> str:
+    """The answer to ``challenge`` that only a holder of ``token`` can give (hex). The
+    label keeps it from being a valid answer in any other use of the token."""
+    message = b"volunteerd control proof\0" + challenge.encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()

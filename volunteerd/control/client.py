@@ -5,15 +5,27 @@ use it as is; trio code calls it through ``trio.to_thread.run_sync``. It finds t
 daemon through two files in the data folder: ``control.json`` (the address, written
 by the daemon once the API listens, removed when it stops) and ``api-token`` (0600).
 
+Before it sends the token, the client makes sure the daemon that wrote ``control.json``
+is the one answering: the pid recorded there must be alive, and what answers must prove
+it knows the token (``auth.prove``, on the same connection the token then travels on).
+A daemon killed with SIGKILL leaves ``control.json`` behind, and another local user's
+program may listen on its port next; it must not receive the token.
+
 Errors: ``DaemonNotRunning`` when nothing answers at the recorded address (or none is
-recorded), ``ControlError`` (with ``status`` and ``field``) when the daemon refuses a
-request.
+recorded, or its daemon is gone, or what answers there cannot prove it is that daemon),
+``ControlError`` (with ``status`` and ``field``) when the daemon refuses a request or
+the token cannot be read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import http.client
 import json
+import os
+import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +33,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
+from volunteerd.control.auth import is_token_text, prove
 from volunteerd.control.models import (
     API_PREFIX,
     Events,
@@ -52,21 +65,63 @@ class Endpoint:
 
 def read_endpoint(control_file: Path, token_file: Path) -> Endpoint:
     """The running daemon's address and token. Raises DaemonNotRunning if the daemon
-    has not recorded an address (not started, or stopped cleanly)."""
+    has not recorded an address (not started, or stopped cleanly), or recorded one but
+    its process is gone (killed: it could not remove the file); ControlError if the
+    token cannot be read."""
+    not_running = DaemonNotRunning(
+        f"volunteerd is not running (no {control_file}); start it with `volunteerd serve`"
+    )
     try:
         data: Any = json.loads(control_file.read_text())
         url, pid = str(data["url"]), data.get("pid")
+        _address(url)  # a damaged address is a damaged file
     except FileNotFoundError:
-        raise DaemonNotRunning(
-            f"volunteerd is not running (no {control_file}); start it with `volunteerd serve`"
-        ) from None
+        raise not_running from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DaemonNotRunning(f"{control_file} is unreadable ({exc})") from None
+    # bool is an int to Python, and 0 or a negative pid names a process group
+    recorded = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+    if recorded is not None and not _alive(recorded):
+        raise not_running  # the port it names may be anyone's now: never ask there
     try:
-        token = token_file.read_text().strip()
+        token = token_file.read_bytes().strip().decode("ascii")
     except OSError as exc:
         raise ControlError(f"cannot read the API token in {token_file}: {exc}") from None
-    return Endpoint(url, token, int(pid) if isinstance(pid, int) else None)
+    except UnicodeDecodeError:
+        token = ""
+    if not is_token_text(token):
+        raise ControlError(
+            f"the API token in {token_file} is damaged (not plain text): restart volunteerd, "
+            "which makes a new one"
+        )
+    return Endpoint(url, token, recorded)
+
+
+def _address(url: str) -> tuple[str, int]:
+    """The host and port of a control API address. Raises ValueError if it is not one."""
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port  # ``port`` raises ValueError if malformed
+    if parts.scheme != "http" or not host or not port:
+        raise ValueError(f"not a control API address: {url!r}")
+    return host, port
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not: killed, and not reaped yet).
+    True when this cannot be known (Windows, another user's process): the proof of
+    the token then decides."""
+    if sys.platform == "win32":  # pragma: no cover - os.kill(pid, 0) terminates it there
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it runs, as another user
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 class ControlClient:
@@ -76,11 +131,10 @@ class ControlClient:
     def __init__(self, endpoint: Endpoint, *, timeout_s: float = 10.0) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        parts = urlsplit(endpoint.url)
-        if parts.scheme != "http" or not parts.hostname or not parts.port:
-            raise ControlError(f"not a control API address: {endpoint.url!r}")
-        self._host = parts.hostname
-        self._port = parts.port
+        try:
+            self._host, self._port = _address(endpoint.url)
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
 
     @classmethod
     def for_data_dir(cls, data_dir: Path, **kwargs: Any) -> ControlClient:
@@ -90,8 +144,20 @@ class ControlClient:
     @property
     def dashboard_url(self) -> str:
         """The dashboard's address with the token in the fragment (never sent to a
-        server, so it stays out of logs and Referer headers)."""
+        server, so it stays out of logs and Referer headers). Asks the daemon first: the
+        page at that address reads the fragment, so it must be the daemon's. Raises
+        DaemonNotRunning if it does not answer, or cannot prove it is the daemon."""
+        self.verify()
         return f"{self.endpoint.url}/#token={self.endpoint.token}"
+
+    def verify(self) -> None:
+        """Make sure the daemon answers at the endpoint and knows the token. Raises
+        DaemonNotRunning if not."""
+        conn = self._connection(self.timeout_s)
+        try:
+            self._verify(conn)
+        finally:
+            conn.close()
 
     # -- the routes ----------------------------------------------------------------------
 
@@ -164,6 +230,11 @@ class ControlClient:
     def leave_project(self, name: str) -> ProjectLeft:
         """Leave project ``name``; the daemon restarts without it. Not in such a
         project: a ControlError with status 404."""
+        if not name or "/" in name or name in {".", ".."}:
+            # not one path segment, so no route of the daemon would see it (a "/" the
+            # server decodes into the path; "." and ".." a URL resolves away): no
+            # project is named so, whatever the daemon would answer
+            raise ControlError(f"not in a project named {name!r}", status=404)
         path = "/projects/" + quote(name, safe="")
         return ProjectLeft.model_validate(self._call("DELETE", path, body={}))
 
@@ -203,13 +274,18 @@ class ControlClient:
         extra = 0.0
         if "wait_s=" in path:  # a long poll may take its wait, then some
             extra = float(path.rsplit("wait_s=", 1)[1].split("&")[0] or 0)
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s + extra)
+        conn = self._connection(self.timeout_s + extra)
         try:
+            # the proof and the request share the connection: the token goes only to
+            # the process that gave the proof (never over a new connection, which
+            # http.client would open by itself were this one closed meanwhile)
+            self._verify(conn)
+            conn.auto_open = 0
             try:
                 conn.request(method, path, body=payload, headers=headers)
                 response = conn.getresponse()
                 data = response.read()
-            except (TimeoutError, ConnectionError, OSError) as exc:
+            except (OSError, http.client.HTTPException) as exc:
                 raise DaemonNotRunning(
                     f"volunteerd does not answer at {self.endpoint.url} ({exc})"
                 ) from None
@@ -224,3 +300,33 @@ class ControlClient:
                 pass
             raise ControlError(message, status=response.status, field=field)
         return data
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+
+    def _verify(self, conn: http.client.HTTPConnection) -> None:
+        """Ask what answers on ``conn`` to prove it knows the token (it is then the
+        daemon that wrote ``control.json``, not a program that took its port after it
+        died). Raises DaemonNotRunning if it does not answer or cannot."""
+        challenge = secrets.token_urlsafe(24)
+        try:
+            conn.request("GET", f"{API_PREFIX}/health?{urlencode({'challenge': challenge})}")
+            response = conn.getresponse()
+            data = response.read(64 << 10)
+            if response.status == 200:
+                proof = json.loads(data).get("proof")
+                if isinstance(proof, str) and hmac.compare_digest(
+                    proof.encode(), prove(self.endpoint.token, challenge).encode()
+                ):
+                    return
+        except (OSError, http.client.HTTPException) as exc:
+            raise DaemonNotRunning(
+                f"volunteerd does not answer at {self.endpoint.url} ({exc})"
+            ) from None
+        except (ValueError, AttributeError):
+            pass  # not JSON, or not an object: not the daemon
+        raise DaemonNotRunning(
+            f"what answers at {self.endpoint.url} is not the volunteerd that recorded it "
+            "(it cannot prove it knows the API token, which was not sent): that daemon "
+            "stopped, or its token file was replaced since it started"
+        )

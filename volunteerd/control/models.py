@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
     "API_PREFIX",
@@ -114,7 +114,19 @@ class LimitsChange(_Body):
 # "HH:MM-HH:MM" as ``config.ScheduleConfig`` checks it (a unit test keeps them equal)
 TIME_WINDOW = r"^([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]$"
 MAX_IDLE_MINUTES = 1440.0
-_Window = Annotated[str, Field(pattern=TIME_WINDOW)]
+
+
+def _not_empty(window: str) -> str:
+    # ``config.ScheduleConfig``'s rule, word for word: a change accepted here must also
+    # be one the config accepts, or the daemon refuses it late (409, and in the CLI
+    # only after asking the daemon)
+    start, end = window.split("-")
+    if start == end:
+        raise ValueError(f"an empty time window: {window!r} (leave the list empty for any time)")
+    return window
+
+
+_Window = Annotated[str, Field(pattern=TIME_WINDOW), AfterValidator(_not_empty)]
 
 
 class ScheduleChange(_Body):
@@ -137,6 +149,8 @@ class ScheduleChange(_Body):
 class Health(_Reply):
     ok: bool
     version: str
+    # the answer to ``?challenge=``: ``auth.prove(token, challenge)`` (None: not asked)
+    proof: str | None = None
 
 
 class LimitsView(_Reply):

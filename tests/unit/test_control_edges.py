@@ -1,0 +1,347 @@
+"""The control API's edges: what the client does with a stale or damaged
+``control.json`` or ``api-token``, what it refuses before asking, and how the app
+answers a failing handler or a challenge. Fake servers on 127.0.0.1 stand in for the
+daemon (and for a program that took its port); the app is called as ASGI, in
+process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import pytest
+
+from volunteerd.cli import main
+from volunteerd.control.api import build_app
+from volunteerd.control.auth import is_token_text, load_or_create_token, prove
+from volunteerd.control.client import ControlClient, read_endpoint
+from volunteerd.control.models import LimitsChange, ScheduleChange, ScheduleView
+from volunteerd.errors import ControlError, DaemonNotRunning
+
+TOKEN = "the-token-of-this-daemon"
+PORT = 38999  # the test client's Host (no socket is bound for the app)
+
+
+class _Server(ThreadingHTTPServer):
+    """Records every request; proves ``token`` when asked (None: a program that is not
+    the daemon); answers everything else with ``reply``."""
+
+    def __init__(self, token: str | None, reply: tuple[int, dict[str, Any]]) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.token = token
+        self.reply = reply
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"  # keeps the connection open, as the daemon does
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        self.server.seen.append((self.command, self.path, dict(self.headers.items())))
+        parts = urlsplit(self.path)
+        status, body = self.server.reply
+        if parts.path == "/api/v1/health":
+            status, body = 200, {"ok": True, "version": "0"}
+            challenge = parse_qs(parts.query).get("challenge")
+            if challenge and self.server.token is not None:
+                body["proof"] = prove(self.server.token, challenge[0])
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PATCH = do_DELETE = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def serving() -> Iterator[Any]:
+    """Start fake servers: ``serving(token, reply)`` -> the server (stopped after)."""
+    started: list[_Server] = []
+
+    def start(token: str | None, reply: tuple[int, dict[str, Any]] = (404, {})) -> _Server:
+        server = _Server(token, reply)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def record(data_dir: Path, url: str, pid: Any, token: bytes = TOKEN.encode()) -> None:
+    """What a daemon writes when its API listens (``control.json``, ``api-token``)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "control.json").write_text(json.dumps({"url": url, "pid": pid}))
+    (data_dir / "api-token").write_bytes(token + b"\n")
+
+
+def url_of(server: _Server) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def a_dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid names no process now
+    return child.pid
+
+
+async def ask(
+    app: Any, method: str, path: str, query: dict[str, str] | None = None, body: Any = None
+) -> tuple[int, dict[str, str], Any]:
+    """``app``'s reply to one request from a client that holds the token."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": urlencode(query or {}).encode(),
+        "root_path": "",
+        "headers": [
+            (b"host", f"127.0.0.1:{PORT}".encode()),
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", PORT),
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": payload, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], headers, json.loads(data)
+
+
+def app_of(controls: Any) -> Any:
+    app = build_app(controls, token=TOKEN)
+    app.set_port(PORT)
+    return app
+
+
+def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *argv: str) -> int:
+    monkeypatch.setenv("VOLUNTEERD_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("VOLUNTEERD_CACHE_DIR", str(tmp_path / "cache"))
+    return main(list(argv))
+
+
+# -- a stale control.json never gets the token sent -----------------------------------
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the pid check is POSIX only")
+def test_a_dead_daemons_port_is_never_asked(tmp_path: Path) -> None:
+    # kill -9 left control.json; another program listens on its port now
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        squatter.settimeout(0.2)
+        record(tmp_path, f"http://127.0.0.1:{squatter.getsockname()[1]}", a_dead_pid())
+        with pytest.raises(DaemonNotRunning, match="volunteerd is not running"):
+            ControlClient.for_data_dir(tmp_path)
+        with pytest.raises(TimeoutError):
+            squatter.accept()  # nobody knocked
+
+
+def test_a_program_on_the_port_that_cannot_prove_the_token_never_gets_it(
+    tmp_path: Path, serving: Any
+) -> None:
+    # the recorded pid runs (reused, or a daemon of another user): only the proof tells
+    squatter = serving(None, (200, {}))
+    record(tmp_path, url_of(squatter), os.getpid())
+    client = ControlClient.for_data_dir(tmp_path)
+    with pytest.raises(DaemonNotRunning, match="cannot prove it knows the API token"):
+        client.status()
+    with pytest.raises(DaemonNotRunning):
+        client.dashboard_url  # noqa: B018 - the page there would read the token
+    assert squatter.seen  # it was asked, but never told
+    for _, path, headers in squatter.seen:
+        assert "authorization" not in {k.lower() for k in headers}
+        assert TOKEN not in path + json.dumps(headers)
+
+
+def test_the_token_goes_to_the_daemon_that_proves_it(tmp_path: Path, serving: Any) -> None:
+    daemon = serving(TOKEN, (200, {"stopping": True}))
+    record(tmp_path, url_of(daemon), os.getpid())
+    client = ControlClient.for_data_dir(tmp_path)
+    client.shutdown()
+    assert client.dashboard_url == f"{url_of(daemon)}/#token={TOKEN}"
+    asked = [
+        (method, urlsplit(path).path, h.get("Authorization")) for method, path, h in daemon.seen
+    ]
+    assert asked[:2] == [
+        ("GET", "/api/v1/health", None),
+        ("POST", "/api/v1/shutdown", f"Bearer {TOKEN}"),
+    ]
+
+
+async def test_the_token_never_travels_on_another_connection_than_the_proof(
+    tmp_path: Path, serving: Any
+) -> None:
+    # closing after the proof: a new connection might reach another process
+    daemon = serving(TOKEN, (200, {"stopping": True}))
+    daemon.RequestHandlerClass = type("_Closing", (_Handler,), {"protocol_version": "HTTP/1.0"})
+    record(tmp_path, url_of(daemon), os.getpid())
+    with pytest.raises(DaemonNotRunning, match="does not answer"):
+        ControlClient.for_data_dir(tmp_path).shutdown()
+    assert [urlsplit(path).path for _, path, _ in daemon.seen] == ["/api/v1/health"]
+
+
+async def test_the_app_proves_the_token_only_when_challenged() -> None:
+    app = app_of(_Controls())
+    code, _, health = await ask(app, "GET", "/api/v1/health", {"challenge": "abc"})
+    assert code == 200
+    assert health["proof"] == prove(TOKEN, "abc") != prove("another", "abc")
+    _, _, plain = await ask(app, "GET", "/api/v1/health")
+    assert plain["proof"] is None  # as before: what `bind_control` probes
+    code, _, error = await ask(app, "GET", "/api/v1/health", {"challenge": "x" * 129})
+    assert (code, error["field"]) == (422, "challenge")
+
+
+# -- damaged files: one line, no traceback ---------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://[::1", "http://127.0.0.1:abc"])
+def test_a_malformed_address_is_an_unreadable_control_json(tmp_path: Path, url: str) -> None:
+    record(tmp_path, url, os.getpid())
+    with pytest.raises(DaemonNotRunning, match=r"control\.json is unreadable"):
+        ControlClient.for_data_dir(tmp_path)
+
+
+@pytest.mark.parametrize("token", [b"\xff\xfe", "jet\u00e9".encode()])
+def test_a_damaged_token_file_is_a_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, serving: Any, token: bytes
+) -> None:
+    record(tmp_path / "data", url_of(serving(TOKEN)), os.getpid(), token=token)
+    with pytest.raises(ControlError, match="api-token is damaged"):
+        read_endpoint(tmp_path / "data" / "control.json", tmp_path / "data" / "api-token")
+    assert cli(monkeypatch, tmp_path, "status") == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"volunteerd: the API token in {tmp_path / 'data' / 'api-token'} is damaged "
+        "(not plain text): restart volunteerd, which makes a new one"
+    ]
+
+
+@pytest.mark.parametrize("damaged", [b"\xff\xfe\n", "jet\u00e9\n".encode(), b"a b\n"])
+def test_the_daemon_replaces_a_damaged_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damaged: bytes
+) -> None:
+    path = tmp_path / "api-token"
+    path.write_bytes(damaged)
+    with caplog.at_level(logging.WARNING, logger="volunteerd.control.auth"):
+        token = load_or_create_token(path)
+    assert is_token_text(token)
+    assert path.read_text().strip() == token
+    assert load_or_create_token(path) == token  # kept from now on
+    if os.name == "posix":
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path} does not hold a token (damaged?): making a new one"
+    ]
+
+
+# -- refused before asking, as the daemon would ----------------------------------------
+
+
+def test_an_empty_time_window_is_a_usage_error_before_asking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    with pytest.raises(ValueError, match="an empty time window"):
+        ScheduleChange(compute_hours=["07:00-22:00", "22:00-22:00"])
+    # no daemon runs: the value is judged first (not "volunteerd is not running", 5)
+    assert cli(monkeypatch, tmp_path, "schedule", "--network-hours", "10:00-10:00") == 2
+    assert capsys.readouterr().err == (
+        "volunteerd: --network-hours 10:00-10:00: network_hours: an empty time window: "
+        "'10:00-10:00' (leave the list empty for any time)\n"
+    )
+
+
+async def test_the_api_refuses_an_empty_time_window_as_malformed() -> None:
+    controls = _Controls()
+    code, _, error = await ask(
+        app_of(controls), "PATCH", "/api/v1/schedule", body={"compute_hours": ["22:00-22:00"]}
+    )
+    assert (code, error["field"]) == (422, "compute_hours.0")
+    assert "an empty time window" in error["error"]
+    assert controls.schedule_changes == []  # nothing applied
+
+
+@pytest.mark.parametrize("name", ["a/b", "", "..", "."])
+def test_leaving_a_name_no_project_can_have_says_so_with_a_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, serving: Any, name: str
+) -> None:
+    # the daemon's static files answer such a path with 405 ("DELETE is not allowed")
+    daemon = serving(TOKEN, (405, {"error": "DELETE is not allowed on /api/v1/projects/x"}))
+    record(tmp_path / "data", url_of(daemon), os.getpid())
+    assert cli(monkeypatch, tmp_path, "leave", name) == 2
+    assert capsys.readouterr().err == (
+        f"volunteerd: not in a project named {name!r} (see `volunteerd projects`)\n"
+    )
+    assert not any(method == "DELETE" for method, _, _ in daemon.seen)
+
+
+# -- a failing handler ------------------------------------------------------------------
+
+
+async def test_a_file_error_in_a_handler_is_a_json_500_naming_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="volunteerd.control.api"):
+        code, headers, error = await ask(
+            app_of(_Controls()), "PATCH", "/api/v1/limits", body={"upload_mbit": 3}
+        )
+    assert code == 500
+    assert error == {
+        "error": "the daemon could not read or write a file: "
+        "[Errno 28] No space left on device: 'limits.toml'"
+    }
+    assert headers["x-frame-options"] == "DENY"  # still through the guard
+    logged = [r for r in caplog.records if r.name == "volunteerd.control.api"]
+    assert [r.getMessage() for r in logged] == ["PATCH /api/v1/limits failed"]
+    assert logged[0].exc_info is not None  # with its traceback
+
+
+class _Controls:
+    """The part of ``Controls`` these tests reach."""
+
+    events: Any = None
+
+    def __init__(self) -> None:
+        self.schedule_changes: list[ScheduleChange] = []
+
+    async def set_limits(self, change: LimitsChange) -> Any:
+        raise OSError(28, "No space left on device", "limits.toml")
+
+    async def set_schedule(self, change: ScheduleChange) -> ScheduleView:
+        self.schedule_changes.append(change)
+        raise AssertionError("a refused change reached the daemon")
