@@ -37,20 +37,21 @@ _KEY_RE = re.compile(rf"^{_NAME}\.(?:(?:0|[1-9][0-9]{{0,5}})\.){{0,{MAX_DIMS - 1
 _PART_RE = re.compile(r"^(?:(0|[1-9][0-9]*)|\[(0|[1-9][0-9]*):(0|[1-9][0-9]*)\])$")
 
 
+# fullmatch, not match: "$" also matches before a trailing newline ("ffn.0.0\n").
 def is_valid_uid(uid: str) -> bool:
-    return len(uid) <= MAX_UID_LENGTH and _UID_RE.match(uid) is not None
+    return len(uid) <= MAX_UID_LENGTH and _UID_RE.fullmatch(uid) is not None
 
 
 def is_valid_key(key: str) -> bool:
     """A DHT key: a full uid, or a prefix such as ``ffn.`` or ``ffn.3.``."""
     return len(key) <= MAX_UID_LENGTH and (
-        _KEY_RE.match(key) is not None or _UID_RE.match(key) is not None
+        _KEY_RE.fullmatch(key) is not None or _UID_RE.fullmatch(key) is not None
     )
 
 
 def split_uid(uid: str) -> tuple[str, tuple[int, ...]]:
     """``"ffn.3.17"`` -> ``("ffn", (3, 17))``; raises ValueError for a bad uid."""
-    match = _UID_RE.match(uid) if len(uid) <= MAX_UID_LENGTH else None
+    match = _UID_RE.fullmatch(uid) if len(uid) <= MAX_UID_LENGTH else None
     if match is None:
         raise ValueError(f"not a valid expert uid: {uid!r} (expected e.g. 'ffn.3.17')")
     name, coords = match.groups()
@@ -81,7 +82,7 @@ def expand_pattern(pattern: str) -> list[str]:
             raise ValueError(f"bad expert pattern {item!r}: expected e.g. 'ffn.[0:4].[0:4]'")
         axes: list[range] = []
         for part in rest.split("."):
-            match = _PART_RE.match(part)
+            match = _PART_RE.fullmatch(part)
             if match is None:
                 raise ValueError(
                     f"bad expert pattern {item!r}: {part!r} is neither a number nor [a:b]"

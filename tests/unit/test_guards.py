@@ -423,3 +423,15 @@ async def test_an_expert_broken_behind_its_bounds_is_restored_and_nobody_is_bann
         assert backend.updates == (2 if checkpointed else 1)
         assert all(torch.isfinite(p).all() for p in backend.module.parameters())
         runtime.close()
+
+
+def test_the_counts_of_strangers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refused identity added an entry for good; identities are free."""
+    monkeypatch.setattr("volunteerd.runtime.guard._MAX_COUNTED", 100)
+    guard = RequestGuard(GuardConfig())
+    for i in range(500):
+        with pytest.raises(Rejected):
+            guard.check_inputs("ffn.0", f"stranger{i}", [torch.tensor([[float("nan")]])])
+    assert len(guard.counts) == 100
+    assert ("stranger499", "non_finite_input") in guard.counts
+    assert ("stranger0", "non_finite_input") not in guard.counts

@@ -218,6 +218,20 @@ def test_manifest_file_is_stamped_by_publishing(tmp_path: Path) -> None:
         load_manifest_file(path, owner=OWNER_ID)
 
 
+@pytest.mark.parametrize("lifetime", ["inf", "nan", "0", "-1", "1e300", "31", '"7"', "true"])
+def test_a_lifetime_storing_peers_would_refuse_is_an_error_before_publishing(
+    tmp_path: Path, lifetime: str
+) -> None:
+    """Peers refuse a manifest that lives longer than 30 days (or not a number of days);
+    the owner read only "no peer stored the manifest", as if the network had failed."""
+    path = tmp_path / "experiment.toml"
+    path.write_text(f'name = "demo"\ngrid = [2, 8]\nlifetime_days = {lifetime}\n')
+    with pytest.raises(ConfigError, match=r"lifetime_days must be a number of days in \(0, 30\]"):
+        load_manifest_file(path, owner=OWNER_ID)
+    path.write_text('name = "demo"\ngrid = [2, 8]\nlifetime_days = 30\n')
+    assert load_manifest_file(path, owner=OWNER_ID, now=NOW).expires_at == NOW + 30 * DAY
+
+
 def test_grid_too_large_is_refused() -> None:
     with pytest.raises(ValueError, match="at most"):
         manifest(grid=(100, 100))

@@ -31,3 +31,8 @@ def test_prefixes_and_validity() -> None:
     assert is_valid_key("ffn.3.")
     assert not is_valid_key("ffn")
     assert not is_valid_uid("a" * 70 + ".1")
+    # "$" matched before a trailing newline: such a uid or key passed as valid
+    assert not is_valid_uid("ffn.0.0\n")
+    assert not is_valid_key("ffn.\n")
+    with pytest.raises(ValueError, match="not a valid expert uid"):
+        split_uid("ffn.3.17\n")

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from volunteerd.config import LimitsConfig
+from volunteerd.errors import ConfigError
 from volunteerd.net import Throttle
 from volunteerd.server.pausing import Volunteer
 
@@ -74,3 +75,23 @@ async def test_limit_changes_at_the_same_moment_all_hold(tmp_path: Path) -> None
     assert (v.limits.cpu_threads, v.limits.upload_mbit) == (2, 5.0)
     saved = tomllib.loads((tmp_path / "limits.toml").read_text())["limits"]
     assert (saved["cpu_threads"], saved["upload_mbit"]) == (2, 5.0)
+
+
+async def test_a_limit_change_that_cannot_be_saved_is_refused_whole(tmp_path: Path) -> None:
+    """A change that could not be written (a full disk, a read-only folder) was answered
+    as done, applied, and lost at the next start."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    v = Volunteer(
+        None,
+        Throttle(LimitsConfig()),
+        LimitsConfig(),
+        state_file=None,
+        limits_file=not_a_folder / "limits.toml",
+        grace_s=0,
+    )
+    with pytest.raises(ConfigError, match=r"cannot save the limits .* nothing changed"):
+        await v.set_limits(upload_mbit=5.0)
+    assert v.limits == LimitsConfig()
+    assert await v.set_limits(persist=False, upload_mbit=5.0) == v.limits
+    assert v.limits.upload_mbit == 5.0

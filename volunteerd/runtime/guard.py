@@ -67,6 +67,8 @@ _MAD_TO_SIGMA = 1.4826
 # Bans remembered at most (each costs the attacker a request whose step was undone);
 # beyond it the oldest are forgotten first.
 _MAX_BANNED = 10_000
+# (peer, reason) counts kept at most, the first counted forgotten first.
+_MAX_COUNTED = 40_000
 # A gradient norm is forgotten after this long: statistics that an attack skewed
 # recover once it stops, and an expert idle for long warms up again.
 _HISTORY_S = 600.0
@@ -161,7 +163,7 @@ class RequestGuard:
         if left <= 0:
             del self._banned[peer_id]
             return
-        self.counts[(peer_id, "banned")] += 1
+        self._count(peer_id, "banned")
         raise Rejected(f"{uid}: requests from this peer are refused for {left:.0f} s: {why}")
 
     def check_inputs(self, uid: str, peer_id: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -204,7 +206,7 @@ class RequestGuard:
             out = [(g.float() * scale.view(-1, *[1] * (g.dim() - 1))).to(g.dtype) for g in grads]
             norms = norms * scale
             top_value = _largest(out)
-            self.counts[(peer_id, "clipped")] += 1
+            self._count(peer_id, "clipped")
         # Checked on what would be applied: clipping may have brought a row under it.
         if top_value > self.config.max_gradient_abs:
             self._refuse(
@@ -280,7 +282,7 @@ class RequestGuard:
         self.undone[(uid, reason)] += 1
         blamed = self.blame(senders)
         for peer in blamed:
-            self.counts[(peer, "step_undone")] += 1
+            self._count(peer, "step_undone")
             self.ban(peer, f"a step of {uid} with its gradients was undone ({reason})")
         peers = len({s.peer_id for s in senders})
         if blamed:
@@ -327,8 +329,16 @@ class RequestGuard:
             out.setdefault(peer, {})[reason] = count
         return out
 
-    def _refuse(self, uid: str, peer_id: str, reason: str, message: str) -> None:
+    def _count(self, peer_id: str, reason: str) -> None:
+        """Count ``reason`` for ``peer_id``; the peers first counted longest ago are
+        forgotten beyond ``_MAX_COUNTED`` entries (each stranger refused once added
+        one, for good)."""
         self.counts[(peer_id, reason)] += 1
+        while len(self.counts) > _MAX_COUNTED:
+            del self.counts[next(iter(self.counts))]
+
+    def _refuse(self, uid: str, peer_id: str, reason: str, message: str) -> None:
+        self._count(peer_id, reason)
         logger.info("refused a request for %s from …%s: %s", uid, peer_id[-8:], message)
         raise Rejected(f"{uid}: {message}")
 

@@ -185,12 +185,17 @@ class Scheduler:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"schedule.{where}: {first['msg']}") from None
-        old, self.rules = self.rules, new
         if persist and self._schedule_file is not None:
+            # Saved first: rules that cannot be saved are refused whole, instead of
+            # answered "done" and lost at the next start.
             try:
                 write_atomic(self._schedule_file, schedule_overlay_toml(new))
             except OSError as exc:
-                logger.warning("cannot save the schedule to %s: %s", self._schedule_file, exc)
+                raise ConfigError(
+                    f"cannot save the schedule to {self._schedule_file}: "
+                    f"{exc.strerror or exc}; nothing changed"
+                ) from None
+        old, self.rules = self.rules, new
         before, after = old.model_dump(), new.model_dump()
         changed = changes_in_words(before, after)
         if changed:

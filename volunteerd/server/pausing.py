@@ -37,6 +37,7 @@ device's worker (torch keeps its thread count per thread).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -316,6 +317,12 @@ class Volunteer:
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"limits.{where}: {first['msg']}") from None
         old = self.limits
+        # Saved first: a change that cannot be saved (a full disk, a read-only folder)
+        # is refused whole, instead of answered "done" and lost at the next start.
+        saving = persist and self._limits_file is not None
+        saved_before = self._saved_limits() if saving else None
+        if saving:
+            self._save_limits(new)
         try:
             self._throttle.apply(new)
             self._apply_compute_limits(new)
@@ -326,13 +333,10 @@ class Volunteer:
             logger.exception("applying the limits %s failed; keeping the old ones", new)
             self._throttle.apply(old)
             self._apply_compute_limits(old)
+            if saving:
+                self._restore_saved_limits(saved_before)
             raise ConfigError(f"the limits could not be applied ({exc}); nothing changed") from exc
         self.limits = new
-        if persist and self._limits_file is not None:
-            try:
-                write_atomic(self._limits_file, limits_overlay_toml(new))
-            except OSError as exc:
-                logger.warning("cannot save the limits to %s: %s", self._limits_file, exc)
         logger.info("limits now %s", new.model_dump())
         described = changes_in_words(old.model_dump(), new.model_dump())
         if described:
@@ -479,6 +483,36 @@ class Volunteer:
             self._announcer.set_paused(False)
             await _announce(self._announcer)
         logger.info("serving again")
+
+    def _saved_limits(self) -> bytes | None:
+        """What ``limits.toml`` holds now (None: no such file, or unreadable)."""
+        if self._limits_file is None:
+            return None
+        try:
+            return self._limits_file.read_bytes()
+        except OSError:
+            return None
+
+    def _restore_saved_limits(self, content: bytes | None) -> None:
+        """Put ``limits.toml`` back as it was before a change that failed."""
+        if self._limits_file is None:
+            return
+        with contextlib.suppress(OSError):
+            if content is None:
+                self._limits_file.unlink(missing_ok=True)
+            else:
+                write_atomic(self._limits_file, content)
+
+    def _save_limits(self, limits: LimitsConfig) -> None:
+        limits_file = self._limits_file
+        if limits_file is None:  # pragma: no cover - callers check
+            return
+        try:
+            write_atomic(limits_file, limits_overlay_toml(limits))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot save the limits to {limits_file}: {exc.strerror or exc}; nothing changed"
+            ) from None
 
     def _apply_compute_limits(self, limits: LimitsConfig) -> None:
         if self._runtime is None:

@@ -69,6 +69,8 @@ __all__ = [
 ]
 
 DEFAULT_LIFETIME_DAYS = 7.0
+# What storing peers accept by default (dht.max_manifest_ttl_s, 30 days).
+MAX_LIFETIME_DAYS = 30.0
 MAX_EXPERTS = 4096
 _MAX_OWNERS_ASKED = 16
 _MAX_OWNERS_NAMED = 4
@@ -185,6 +187,17 @@ def load_manifest_file(path: Path, *, owner: str, now: float | None = None) -> E
     except OSError as exc:  # a folder, no permission
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     lifetime_days = data.pop("lifetime_days", DEFAULT_LIFETIME_DAYS)
+    # Checked here: storing peers refuse a lifetime over theirs (30 days by default) or
+    # a non-finite one, and the owner read only "no peer stored the manifest".
+    if (
+        isinstance(lifetime_days, bool)
+        or not isinstance(lifetime_days, int | float)
+        or not 0 < lifetime_days <= MAX_LIFETIME_DAYS
+    ):
+        raise ConfigError(
+            f"{path}: lifetime_days must be a number of days in (0, {MAX_LIFETIME_DAYS:g}], "
+            f"not {lifetime_days!r}"
+        )
     for key in ("owner", "issued_at", "expires_at"):
         if key in data:
             raise ConfigError(f"{path}: {key} is set by publishing, not in the file")
