@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+from contextlib import AsyncExitStack
+from typing import Any
 
 import multiaddr
 import pytest
@@ -12,6 +16,9 @@ from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
+from volunteerd.identity import Identity
+from volunteerd.net.peers import peer_id_for
+from volunteerd.net.records import sign_record
 from volunteerd.testing import local_config, open_peer
 
 pytestmark = pytest.mark.slow
@@ -53,3 +60,81 @@ async def test_an_add_provider_message_is_not_stored() -> None:
         # Kademlia's routing still works between them.
         closest = await sender.dht._kad.peer_routing.find_closest_peers_network(b"ffn.0.")
         assert victim.host.get_id() in closest
+
+
+# -- one hostile Kademlia peer answering FIND_NODE with made-up peers ---------------------
+
+TARGET = "ffn.0."
+_ED25519_ID = b"\x00\x24\x08\x01\x12\x20"  # an identity multihash of an Ed25519 key
+
+
+def _distance(key: bytes, raw_id: bytes) -> int:
+    target = int.from_bytes(hashlib.sha256(key).digest(), "big")
+    return target ^ int.from_bytes(hashlib.sha256(raw_id).digest(), "big")
+
+
+def _made_up_ids(key: bytes, count: int) -> list[bytes]:
+    """Peer ids no node holds the key of, ground to be closer to ``key`` than any real
+    node is likely to be."""
+    raws = [_ED25519_ID + os.urandom(32) for _ in range(4000)]
+    return sorted(raws, key=lambda raw: _distance(key, raw))[:count]
+
+
+def _identity_near(key: str) -> Identity:
+    """An ordinary identity close to ``key``: the attacker's one real node."""
+    return min(
+        (Identity.generate() for _ in range(1000)),
+        key=lambda ident: _distance(key.encode(), peer_id_for(ident).to_bytes()),
+    )
+
+
+async def _answer_with_made_up_peers(stream: Any) -> None:
+    """A Kademlia handler that names 20 made-up peers, all at an address of its choice
+    (here a closed port), in every FIND_NODE answer: fresh ones each time."""
+    try:
+        while True:
+            raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+            request = Message()
+            request.ParseFromString(raw)
+            answer = Message()
+            answer.type = request.type
+            answer.key = request.key
+            if request.type == Message.MessageType.FIND_NODE:
+                for raw_id in _made_up_ids(request.key, 20):
+                    peer = answer.closerPeers.add()
+                    peer.id = raw_id
+                    peer.addrs.append(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/9").to_bytes())
+            data = answer.SerializeToString()
+            await stream.write(bytes(varint.encode(len(data))) + data)
+    except Exception:  # the asker hung up: nothing more to answer
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.close()
+
+
+async def test_one_hostile_kademlia_peer_cannot_eclipse_a_key() -> None:
+    """py-libp2p takes every peer a FIND_NODE answer names as found; records for the key
+    then went to made-up ids only (0 acks, 0 found). Peers the node never reached are
+    not candidates now."""
+    dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
+    async with open_peer(local_config(dht=dht)) as boot, AsyncExitStack() as stack:
+        joining = local_config(bootstrap=boot.multiaddrs, dht=dht)
+        others = [await stack.enter_async_context(open_peer(joining)) for _ in range(3)]
+        honest, client = others[0], others[1]
+        attacker = await stack.enter_async_context(open_peer(joining, _identity_near(TARGET)))
+        attacker.host.set_stream_handler(PROTOCOL_ID, _answer_with_made_up_peers)
+        real = {node.host.get_id() for node in (boot, *others, attacker)}
+        for node in (boot, *others):
+            await attacker.rpc.connect(node.address)
+            await node.dht._kad.routing_table.add_peer(attacker.host.get_id())
+            node.dht._closest_cache.clear()
+        closest = await honest.dht._closest(TARGET)
+        assert set(closest) <= real, "only peers that exist"
+        record = sign_record(
+            honest.identity, honest.peer_id, key=TARGET, addrs=honest.addrs, children=[0], ttl_s=60
+        )
+        stored = await honest.dht.put([record])
+        assert stored.acks[TARGET] >= 1
+        found = await client.dht.get([TARGET])
+        assert [r.peer_id for r in found[TARGET]] == [honest.peer_id]

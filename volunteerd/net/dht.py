@@ -359,8 +359,16 @@ class ExpertDHT:
         local = self._kad.routing_table.find_local_closest_peers(
             key.encode(), self._config.replication
         )
+        # Only peers this node holds a connection to: those that answered the lookup
+        # (it dials each peer it queries) or are otherwise in touch. py-libp2p returns,
+        # and puts in the routing table, every peer a responder names, unchecked: one
+        # hostile peer answering FIND_NODE with made-up ids ground close to a key made
+        # them "closest", and records for that key went nowhere (0 acks, 0 found).
+        connections = self._host.get_network().connections
         candidates = [
-            p for p in dict.fromkeys([*found, *local, self._self_id]) if p not in self._dead_until
+            p
+            for p in dict.fromkeys([*found, *local, self._self_id])
+            if p not in self._dead_until and (p == self._self_id or connections.get(p))
         ]
         closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
             : self._config.replication
