@@ -182,3 +182,22 @@ def test_prefix_layout_is_little_endian_and_16_bytes() -> None:
     header_len, body_len = struct.unpack("<IQ", frame[4:16])
     assert body_len == 0
     assert header_len == len(frame) - 16
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"uid": "ffn.0.0", "tensors": [{"dtype": "float32", "shape": [2, "64"]}]},
+        {"uid": "ffn.0.0", "tensors": [{"dtype": "float32", "shape": [2, 64.0]}]},
+        {"uid": "ffn.0.0", "tensors": [{"dtype": "float32", "shape": [2, 64]}], "retain": "yes"},
+        {"uid": "ffn.0.0", "tensors": [{"dtype": "float32", "shape": [2, 64]}], "retain": 1},
+    ],
+    ids=["string-dim", "float-dim", "string-flag", "int-flag"],
+)
+def test_headers_are_strict_about_types(header: dict[str, object]) -> None:
+    """Another implementation may read "64" or "yes" differently: they are refused, not
+    coerced."""
+    with pytest.raises(MalformedFrame):
+        decode_header(ForwardRequest, json.dumps(header).encode())
+    good = {"uid": "ffn.0.0", "tensors": [{"dtype": "float32", "shape": [2, 64]}], "retain": True}
+    assert decode_header(ForwardRequest, json.dumps(good).encode()).retain is True

@@ -85,7 +85,8 @@ def decode_header(model: type[M], raw: bytes | bytearray | memoryview) -> M:
 
     The RPC server decodes every request header with this (tests/unit/test_fuzz.py)."""
     try:
-        return model.model_validate_json(bytes(raw))
+        # strict: "64" or 64.0 is not a dimension, "yes" not a flag (docs/security.md)
+        return model.model_validate_json(bytes(raw), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "header"
