@@ -359,15 +359,18 @@ class ExpertDHT:
         local = self._kad.routing_table.find_local_closest_peers(
             key.encode(), self._config.replication
         )
-        # Only peers this node holds a connection to: those that answered the lookup
-        # (it dials each peer it queries) or are otherwise in touch. py-libp2p returns,
-        # and puts in the routing table, every peer a responder names, unchecked: one
-        # hostile peer answering FIND_NODE with made-up ids ground close to a key made
-        # them "closest", and records for that key went nowhere (0 acks, 0 found).
+        # Only peers this node holds a connection to (the lookup dials each peer it
+        # queries), and all of those. py-libp2p returns, and puts in the routing table,
+        # every peer a responder names, unchecked: one hostile peer answering FIND_NODE
+        # with made-up ids ground close to a key made them "closest", and records for
+        # that key went nowhere (0 acks, 0 found). Such ids crowd the lookup's own
+        # result and the routing table's closest, so the real peers it reached on the
+        # way, and any other this node is in touch with, are candidates too: writer and
+        # reader then meet on the closest real peers they can reach.
         connections = self._host.get_network().connections
         candidates = [
             p
-            for p in dict.fromkeys([*found, *local, self._self_id])
+            for p in dict.fromkeys([*found, *local, *connections, self._self_id])
             if p not in self._dead_until and (p == self._self_id or connections.get(p))
         ]
         closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
