@@ -60,7 +60,7 @@ lifetime_days = 1
 
 
 @pytest.fixture
-def browser() -> Iterator[webdriver.Chrome]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
         pytest.skip(f"needs {' and '.join(missing)} (apt install chromium chromium-driver)")
@@ -68,7 +68,12 @@ def browser() -> Iterator[webdriver.Chrome]:
     options.binary_location = str(CHROMIUM)
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    # Chromium puts its singleton socket in a folder of TMPDIR and leaves it there: one
+    # more /tmp/org.chromium.Chromium.* per run, for good. A folder of the test's own.
+    scratch = tmp_path_factory.mktemp("chromium")
+    options.add_argument(f"--user-data-dir={scratch / 'profile'}")
+    service = Service(executable_path=str(CHROMEDRIVER), env={**os.environ, "TMPDIR": str(scratch)})
+    driver = webdriver.Chrome(service=service, options=options)
     try:
         yield driver
     finally:
