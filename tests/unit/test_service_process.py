@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -77,6 +78,9 @@ def test_only_section_variables_are_config_settings() -> None:
 def test_a_detached_command_has_its_own_session_and_no_config_variables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for name in [k for k in os.environ if k.startswith("VOLUNTEERD_")]:
+        # e.g. VOLUNTEERD_TEST_WORKERS=0, which the README offers for scripts/test
+        monkeypatch.delenv(name)
     monkeypatch.setenv("VOLUNTEERD_CONTROL__PORT", "0")
     monkeypatch.setenv("VOLUNTEERD_DATA_DIR", "/from/the/shell")
     log = tmp_path / "logs" / "daemon.log"
