@@ -32,7 +32,7 @@ REGENERATE = (
     "run: for p in linux macos windows; do "
     "volunteerd service render --platform $p --out packaging/$p; done"
 )
-AWKWARD = Path("/home/me/100% sure/$HOME \"quoted\" 'single' back\\slash;x")
+AWKWARD = Path("/srv/awkward/100% sure/$HOME \"quoted\" 'single' back\\slash;x")
 
 
 def files(platform: Platform, launch: Launch) -> dict[str, bytes]:
