@@ -334,6 +334,7 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
         return ExitCode(run_tray(paths, start_daemon=not args.no_start, backend=args.backend))
     from volunteerd.control import verbs as commands
     from volunteerd.control.client import ControlClient
+    from volunteerd.control.models import MAX_SNOOZE_S
 
     # a bad value is a usage error whether a daemon runs or not, and never reaches it
     changes = _limit_changes(args) if args.command == "limit" else {}
@@ -343,6 +344,8 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             seconds = commands.parse_duration(args.duration)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if seconds > MAX_SNOOZE_S:  # the API's bound, said in days
+            raise UsageError(f"snooze {args.duration}: at most {MAX_SNOOZE_S / 86400:g} days")
     client = ControlClient.for_data_dir(paths.data_dir)
     if args.command == "status":
         status = client.status()
@@ -535,8 +538,13 @@ def _schedule_changes(args: argparse.Namespace) -> dict[str, Any]:
 
     from volunteerd.control.models import ScheduleChange
 
-    def windows(raw: str) -> list[str]:
-        return [] if raw.strip() == "any" else [w.strip() for w in raw.split(",") if w.strip()]
+    def windows(flag: str, raw: str) -> list[str]:
+        if raw.strip() == "any":
+            return []
+        found = [w.strip() for w in raw.split(",") if w.strip()]
+        if not found:  # an empty shell variable, say: clearing the hours takes "any"
+            raise UsageError(f"{flag} {raw!r}: no time window: give `any` to clear the hours")
+        return found
 
     changes: dict[str, Any] = {}
     for flag, field, raw, value in (
@@ -550,7 +558,7 @@ def _schedule_changes(args: argparse.Namespace) -> dict[str, Any]:
         if raw is None:
             continue
         if field.endswith("_hours"):
-            value = windows(raw)
+            value = windows(flag, raw)
         try:
             checked = ScheduleChange.model_validate({field: value})
         except ValidationError as exc:
@@ -843,15 +851,20 @@ def _train(args: argparse.Namespace) -> ExitCode:
     """``demo`` and ``train``: a trainer in this process (its node in a thread)."""
     from volunteerd.demo import run_demo, run_training, trainer_config
     from volunteerd.moe import SwarmClient
-    from volunteerd.train import load_experiment
+    from volunteerd.train import Experiment, load_experiment
     from volunteerd.train.published import resolve_manifest
 
+    # bad flags are usage errors, before anything starts (0 steps is not "the default")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: at least 1")
+    if args.command == "demo":
+        rows = Experiment().model.grid[0]  # each daemon hosts whole rows of the demo's grid
+        if not 1 <= args.nodes <= rows:
+            raise UsageError(f"--nodes {args.nodes}: between 1 and {rows}")
     stop = _stop_on_signals()
     configure_logging("WARNING")
     summary_json = Path(args.summary_json) if args.summary_json else None
     if args.command == "demo":
-        if args.steps is not None and args.steps < 1:
-            raise ConfigError("--steps must be at least 1")
         if args.local and args.wan:
             raise ConfigError("--local trains without a network: it cannot go with --wan")
         summary = run_demo(
@@ -874,7 +887,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
     bootstrap = args.bootstrap or experiment.swarm.bootstrap_peers
     if not bootstrap:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
-    steps = args.steps or experiment.training.steps
+    steps = experiment.training.steps if args.steps is None else args.steps
     with SwarmClient(trainer_config(bootstrap, listen_host=args.listen_host)) as client:
         experiment = resolve_manifest(experiment, client)
         summary = run_training(experiment, client=client, steps=steps, out=sys.stderr, stop=stop)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from volunteerd.cli import main
 from volunteerd.config import (
     CONFIG_VERSION,
     Config,
@@ -20,7 +21,7 @@ from volunteerd.config import (
     migrations,
 )
 from volunteerd.control.models import LimitsChange
-from volunteerd.errors import ConfigError
+from volunteerd.errors import ConfigError, ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +75,58 @@ def test_error_names_key_value_and_source(tmp_path: Path) -> None:
     assert "VOLUNTEERD_DHT__REPLICATION" in text
     assert "experts.colour = 1: unknown key" in text
     assert "--set experts.colour=1" in text
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "line"),
+    [
+        (
+            {"VOLUNTEERD_BOGUS__X": "1"},
+            [],
+            "bogus: unknown key (environment VOLUNTEERD_BOGUS__X)",
+        ),
+        ({}, ["bogus.x=1"], "bogus: unknown key (flag --set bogus.x=1)"),
+        (
+            {},
+            ["network.port.x=1"],
+            "network.port: Input should be a valid integer (flag --set network.port.x=1)",
+        ),
+        (
+            {"VOLUNTEERD_BOGUS__X": "1"},
+            ["bogus.y=2"],
+            "bogus: unknown key (environment VOLUNTEERD_BOGUS__X, flag --set bogus.y=2)",
+        ),
+    ],
+    ids=["environment", "set", "set-below-a-value", "environment-and-set"],
+)
+def test_a_section_made_by_the_environment_or_a_flag_is_blamed_on_them(
+    env: dict[str, str], overrides: list[str], line: str
+) -> None:
+    # they were blamed on "(defaults)": only the sections above an error were looked up
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env=env, overrides=overrides)
+    assert str(info.value).splitlines()[1:] == [f"  {line}"]
+
+
+def test_a_value_set_over_a_section_is_blamed_alone(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[bogus]\nx = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={}, overrides=["bogus=2"])
+    assert str(info.value).splitlines()[1:] == ["  bogus = 2: unknown key (flag --set bogus=2)"]
+
+
+def test_the_config_validate_command_names_the_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("VOLUNTEERD_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("VOLUNTEERD_BOGUS__X", "1")
+    assert main(["config", "validate"]) == ExitCode.CONFIG
+    assert capsys.readouterr().err == (
+        "volunteerd: invalid configuration:\n"
+        "  bogus: unknown key (environment VOLUNTEERD_BOGUS__X)\n"
+    )
 
 
 def test_unknown_section_and_bad_toml_are_refused(tmp_path: Path) -> None:

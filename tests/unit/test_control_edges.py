@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -26,7 +27,14 @@ from volunteerd.cli import main
 from volunteerd.control.api import build_app
 from volunteerd.control.auth import is_token_text, load_or_create_token, prove
 from volunteerd.control.client import ControlClient, read_endpoint
-from volunteerd.control.models import LimitsChange, ScheduleChange, ScheduleView
+from volunteerd.control.models import (
+    MAX_SNOOZE_S,
+    LimitsChange,
+    LimitsView,
+    ScheduleChange,
+    ScheduleView,
+    SnoozeBody,
+)
 from volunteerd.errors import ControlError, DaemonNotRunning
 
 TOKEN = "the-token-of-this-daemon"
@@ -296,6 +304,48 @@ async def test_the_api_refuses_an_empty_time_window_as_malformed() -> None:
     assert controls.schedule_changes == []  # nothing applied
 
 
+@pytest.mark.parametrize("raw", ["", "  ", ",", " , "])
+@pytest.mark.parametrize("flag", ["--compute-hours", "--network-hours"])
+def test_hours_without_a_window_are_a_usage_error_not_any_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, flag: str, raw: str
+) -> None:
+    # an empty shell variable cleared the hours, as `any` does
+    assert cli(monkeypatch, tmp_path, "schedule", flag, raw) == 2
+    assert capsys.readouterr().err == (
+        f"volunteerd: {flag} {raw!r}: no time window: give `any` to clear the hours\n"
+    )
+
+
+def test_a_snooze_longer_than_the_api_allows_is_a_usage_error_before_asking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    assert MAX_SNOOZE_S == 7 * 86400
+    SnoozeBody(seconds=MAX_SNOOZE_S)
+    with pytest.raises(ValueError, match="less than or equal"):
+        SnoozeBody(seconds=MAX_SNOOZE_S + 1)
+    # no daemon runs: the value is judged first (not "volunteerd is not running", 5)
+    for too_long in ("8d", "7d1s", "604801"):
+        assert cli(monkeypatch, tmp_path, "snooze", too_long) == 2
+        assert capsys.readouterr().err == f"volunteerd: snooze {too_long}: at most 7 days\n"
+    assert cli(monkeypatch, tmp_path, "snooze", "7d") == 5  # allowed: the daemon is asked
+    assert "volunteerd is not running" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["upload_mbit", "download_mbit", "monthly_quota_gb", "daily_quota_gb", "disk_budget_gb"],
+)
+async def test_a_limit_of_minus_zero_is_zero(field: str) -> None:
+    changed = LimitsChange.model_validate({field: -0.0}).changes()
+    assert changed == {field: 0.0}
+    assert math.copysign(1.0, changed[field]) == 1.0
+    controls = _Echoing()
+    code, _, reply = await ask(app_of(controls), "PATCH", "/api/v1/limits", body={field: -0.0})
+    assert code == 200
+    assert math.copysign(1.0, reply[field]) == 1.0  # echoed as 0.0, not -0.0
+    assert math.copysign(1.0, getattr(controls.limits_changes[0], field)) == 1.0
+
+
 @pytest.mark.parametrize("name", ["a/b", "", "..", "."])
 def test_leaving_a_name_no_project_can_have_says_so_with_a_daemon(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, serving: Any, name: str
@@ -345,3 +395,16 @@ class _Controls:
     async def set_schedule(self, change: ScheduleChange) -> ScheduleView:
         self.schedule_changes.append(change)
         raise AssertionError("a refused change reached the daemon")
+
+
+class _Echoing(_Controls):
+    """Applies a limits change by echoing it, as the daemon does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits_changes: list[LimitsChange] = []
+
+    async def set_limits(self, change: LimitsChange) -> LimitsView:
+        self.limits_changes.append(change)
+        now = {"upload_mbit": 1.0, "download_mbit": 1.0, "monthly_quota_gb": 1.0}
+        return LimitsView(duty_cycle=1.0, max_batch_size=0, **{**now, **change.changes()})

@@ -192,6 +192,9 @@ def _set_path(
             raise ConfigError(f"{'.'.join(keys[: i + 1])} is not a section ({source})")
         node = child
     node[keys[-1]] = value
+    # what was set below ``keys`` is gone: its sources must not be blamed for ``value``
+    for stale in [k for k in sources if len(k) > len(keys) and k[: len(keys)] == keys]:
+        del sources[stale]
     sources[keys] = source
 
 
@@ -212,10 +215,7 @@ def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> s
     for error in exc.errors():
         loc = tuple(str(p) for p in error["loc"])
         key = ".".join(loc) or "(top level)"
-        source = next(
-            (sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources),
-            "defaults",
-        )
+        source = _source_of(loc, sources)
         message = error["msg"]
         if error["type"] == "extra_forbidden":
             message = "unknown key"
@@ -224,3 +224,16 @@ def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> s
         else:
             lines.append(f"  {key}: {message} ({source})")
     return "\n".join(lines)
+
+
+def _source_of(loc: tuple[str, ...], sources: Mapping[tuple[str, ...], str]) -> str:
+    """Where the value at ``loc`` came from: what set it or a key below it (a section
+    that ``VOLUNTEERD_BOGUS__X`` or ``--set network.port.x=1`` made), else the nearest
+    section above it that was set (an item of a list), else the defaults."""
+    below = [source for keys, source in sources.items() if keys[: len(loc)] == loc]
+    if below:
+        return ", ".join(dict.fromkeys(below))  # each source once, in the order applied
+    return next(
+        (sources[loc[:n]] for n in range(len(loc) - 1, 0, -1) if loc[:n] in sources),
+        "defaults",
+    )

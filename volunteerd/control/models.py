@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
     "API_PREFIX",
+    "MAX_SNOOZE_S",
     "Activity",
     "ActivityState",
     "Event",
@@ -61,8 +62,14 @@ class _Body(BaseModel):
 # -- request bodies ---------------------------------------------------------------------
 
 
+# the longest snooze: the API's bound, which the CLI checks before asking
+MAX_SNOOZE_S = 7 * 86400.0
+
+
 class SnoozeBody(_Body):
-    seconds: float = Field(gt=0, le=7 * 86400, description="pause for this long (at most a week)")
+    seconds: float = Field(
+        gt=0, le=MAX_SNOOZE_S, description="pause for this long (at most a week)"
+    )
 
 
 # ``swarm.projects.MAX_SHARE`` (this package imports no swarm; a unit test keeps them equal)
@@ -85,24 +92,33 @@ MAX_BATCH_SIZE = 1 << 20
 MAX_CPU_THREADS = 1024
 
 
+def _plain_zero(value: float) -> float:
+    # ``ge=0`` lets -0.0 through, which would be stored and echoed as "-0.0"
+    return value + 0.0
+
+
+# a number of at least 0 (-0.0 becomes 0.0)
+_AtLeastZero = Annotated[float, AfterValidator(_plain_zero)]
+
+
 class LimitsChange(_Body):
     """Only the limits to change; the others keep their values."""
 
-    upload_mbit: float | None = Field(
+    upload_mbit: _AtLeastZero | None = Field(
         None, ge=0, le=MAX_RATE_MBIT, description="Mbit/s, 0 = unlimited"
     )
-    download_mbit: float | None = Field(
+    download_mbit: _AtLeastZero | None = Field(
         None, ge=0, le=MAX_RATE_MBIT, description="Mbit/s, 0 = unlimited"
     )
-    monthly_quota_gb: float | None = Field(
+    monthly_quota_gb: _AtLeastZero | None = Field(
         None, ge=0, le=MAX_QUOTA_GB, description="GB per month, 0 = none"
     )
     duty_cycle: float | None = Field(None, gt=0, le=1)
     max_batch_size: int | None = Field(None, ge=0, le=MAX_BATCH_SIZE)
-    daily_quota_gb: float | None = Field(
+    daily_quota_gb: _AtLeastZero | None = Field(
         None, ge=0, le=MAX_QUOTA_GB, description="GB per day, 0 = none"
     )
-    disk_budget_gb: float | None = Field(
+    disk_budget_gb: _AtLeastZero | None = Field(
         None, ge=0, le=MAX_QUOTA_GB, description="GB for checkpoints and downloads, 0 = none"
     )
     cpu_threads: int | None = Field(None, ge=0, le=MAX_CPU_THREADS, description="0 = default")

@@ -55,6 +55,7 @@ from volunteerd.atomic import write_atomic
 from volunteerd.config import LimitsConfig, limits_overlay_toml
 from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
+from volunteerd.control.models import MAX_SNOOZE_S
 from volunteerd.errors import ConfigError, Paused
 from volunteerd.net import Announcer, Throttle
 from volunteerd.schedule import ALLOWED, Decision
@@ -181,10 +182,11 @@ class Volunteer:
             if not isinstance(paused, bool):  # bool("no") is True
                 raise ValueError(f"paused is {paused!r}, not true or false")
             until = None if until is None else float(until)
-            # A snooze lasts at most a week; a deadline past that (1e300, inf, NaN) was
-            # never written by us and made every start fail while describing it.
+            # A snooze lasts at most a week; a deadline past that (1e300, inf, NaN), with a
+            # day to spare for a clock set back, was never written by us and made every
+            # start fail while describing it.
             if until is not None and not (
-                math.isfinite(until) and until <= time.time() + 8 * 86400
+                math.isfinite(until) and until <= time.time() + MAX_SNOOZE_S + 86400
             ):
                 raise ValueError(f"a snooze until {until!r}")
         except FileNotFoundError:

@@ -1,0 +1,51 @@
+"""``volunteerd demo`` and ``volunteerd train``: a bad flag is a usage error (exit 2),
+said in one line before anything starts."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from volunteerd.cli import main
+from volunteerd.errors import ExitCode
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept() -> Iterator[None]:
+    # a trainer takes SIGINT and SIGTERM; none may stay taken in the test process
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in kept.items():
+        signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_demo_steps_below_one_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], steps: str
+) -> None:
+    assert main(["demo", "--steps", steps]) == ExitCode.USAGE
+    assert capsys.readouterr() == ("", f"volunteerd: --steps {steps}: at least 1\n")
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_train_steps_below_one_is_a_usage_error_not_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], steps: str
+) -> None:
+    # -1 started a trainer, and 0 meant the experiment's training.steps
+    experiment = tmp_path / "experiment.toml"
+    experiment.write_text("")  # every default; no swarm to join, which is not reached
+    argv = ["train", "--config", str(experiment), "--steps", steps]
+    assert main(argv) == ExitCode.USAGE
+    assert capsys.readouterr() == ("", f"volunteerd: --steps {steps}: at least 1\n")
+
+
+@pytest.mark.parametrize("nodes", ["0", "-1", "5"])
+def test_demo_nodes_outside_one_to_four_is_a_usage_error_before_starting(
+    capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    # it printed "starting a local swarm of 0 daemons ...", then failed with exit 1
+    assert main(["demo", "--nodes", nodes]) == ExitCode.USAGE
+    assert capsys.readouterr() == ("", f"volunteerd: --nodes {nodes}: between 1 and 4\n")
