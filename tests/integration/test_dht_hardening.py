@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from contextlib import AsyncExitStack
@@ -88,53 +89,69 @@ def _identity_near(key: str) -> Identity:
     )
 
 
-async def _answer_with_made_up_peers(stream: Any) -> None:
-    """A Kademlia handler that names 20 made-up peers, all at an address of its choice
-    (here a closed port), in every FIND_NODE answer: fresh ones each time."""
-    try:
-        while True:
-            raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
-            request = Message()
-            request.ParseFromString(raw)
-            answer = Message()
-            answer.type = request.type
-            answer.key = request.key
-            if request.type == Message.MessageType.FIND_NODE:
-                for raw_id in _made_up_ids(request.key, 20):
-                    peer = answer.closerPeers.add()
-                    peer.id = raw_id
-                    peer.addrs.append(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/9").to_bytes())
-            data = answer.SerializeToString()
-            await stream.write(bytes(varint.encode(len(data))) + data)
-    except Exception:  # the asker hung up: nothing more to answer
-        pass
-    finally:
-        with contextlib.suppress(Exception):
-            await stream.close()
+def _made_up_answers(addr: str = "/ip4/127.0.0.1/tcp/9") -> Any:
+    """A Kademlia handler that names 20 made-up peers, all at ``addr`` (by default a
+    closed port), in every FIND_NODE answer: fresh ones each time."""
+    packed = multiaddr.Multiaddr(addr).to_bytes()
+
+    async def answer_with_made_up_peers(stream: Any) -> None:
+        try:
+            while True:
+                raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+                request = Message()
+                request.ParseFromString(raw)
+                answer = Message()
+                answer.type = request.type
+                answer.key = request.key
+                if request.type == Message.MessageType.FIND_NODE:
+                    for raw_id in _made_up_ids(request.key, 20):
+                        peer = answer.closerPeers.add()
+                        peer.id = raw_id
+                        peer.addrs.append(packed)
+                data = answer.SerializeToString()
+                await stream.write(bytes(varint.encode(len(data))) + data)
+        except Exception:  # the asker hung up: nothing more to answer
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.close()
+
+    return answer_with_made_up_peers
+
+
+async def _swarm_with_a_liar(
+    stack: AsyncExitStack, addr: str, dht: dict[str, Any]
+) -> tuple[Any, ...]:
+    """A bootstrap node, three honest nodes in touch all round, and an attacker near
+    ``TARGET`` that every honest node has connected and in its routing table, whose
+    FIND_NODE answers name made-up peers at ``addr``."""
+    boot = await stack.enter_async_context(open_peer(local_config(dht=dht)))
+    joining = local_config(bootstrap=boot.multiaddrs, dht=dht)
+    others = [await stack.enter_async_context(open_peer(joining)) for _ in range(3)]
+    attacker = await stack.enter_async_context(open_peer(joining, _identity_near(TARGET)))
+    attacker.host.set_stream_handler(PROTOCOL_ID, _made_up_answers(addr))
+    honest_nodes = (boot, *others)
+    for node in honest_nodes:  # a small swarm: everyone in touch with everyone
+        for other in honest_nodes:
+            if other is not node:
+                await node.rpc.connect(other.address)
+    for node in honest_nodes:
+        await attacker.rpc.connect(node.address)
+        await node.dht._kad.routing_table.add_peer(attacker.host.get_id())
+        node.dht._closest_cache.clear()
+    return honest_nodes, attacker
 
 
 async def test_one_hostile_kademlia_peer_cannot_eclipse_a_key() -> None:
     """py-libp2p takes every peer a FIND_NODE answer names as found; records for the key
     then went to made-up ids only (0 acks, 0 found). Peers the node never reached are
-    not candidates now, and the real ones it is in touch with are: in a small swarm,
-    writer and reader meet on the same real peers whatever the lookups return."""
+    not found now (net/lookup.py), and the real ones it is in touch with are
+    candidates too: writer and reader meet on the same real peers."""
     dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
-    async with open_peer(local_config(dht=dht)) as boot, AsyncExitStack() as stack:
-        joining = local_config(bootstrap=boot.multiaddrs, dht=dht)
-        others = [await stack.enter_async_context(open_peer(joining)) for _ in range(3)]
-        honest, client = others[0], others[1]
-        attacker = await stack.enter_async_context(open_peer(joining, _identity_near(TARGET)))
-        attacker.host.set_stream_handler(PROTOCOL_ID, _answer_with_made_up_peers)
-        real = {node.host.get_id() for node in (boot, *others, attacker)}
-        honest_nodes = (boot, *others)
-        for node in honest_nodes:  # a small swarm: everyone in touch with everyone
-            for other in honest_nodes:
-                if other is not node:
-                    await node.rpc.connect(other.address)
-        for node in honest_nodes:
-            await attacker.rpc.connect(node.address)
-            await node.dht._kad.routing_table.add_peer(attacker.host.get_id())
-            node.dht._closest_cache.clear()
+    async with AsyncExitStack() as stack:
+        honest_nodes, attacker = await _swarm_with_a_liar(stack, "/ip4/127.0.0.1/tcp/9", dht)
+        honest, client = honest_nodes[1], honest_nodes[2]
+        real = {node.host.get_id() for node in (*honest_nodes, attacker)}
         closest = await honest.dht._closest(TARGET)
         assert set(closest) <= real, "only peers that exist"
         record = sign_record(
@@ -144,3 +161,68 @@ async def test_one_hostile_kademlia_peer_cannot_eclipse_a_key() -> None:
         assert stored.acks[TARGET] >= 1
         found = await client.dht.get([TARGET])
         assert [r.peer_id for r in found[TARGET]] == [honest.peer_id]
+
+
+async def test_made_up_peers_neither_enter_routing_tables_nor_make_nodes_dial_a_third_party() -> (
+    None
+):
+    """Before net/lookup.py, every lookup that met the liar put its twenty made-up peers
+    in the routing table (handed on to others) and dialled their address: 70-76
+    connections to a third party's port in the probe. Now a made-up peer is a
+    candidate only, and the address that failed once is not dialled again."""
+    connections = 0
+
+    async def third_party(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        await stream.aclose()
+
+    dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        [listener] = await nursery.start(
+            functools.partial(trio.serve_tcp, third_party, 0, host="127.0.0.1")
+        )
+        port = listener.socket.getsockname()[1]
+        honest_nodes, attacker = await _swarm_with_a_liar(stack, f"/ip4/127.0.0.1/tcp/{port}", dht)
+        real = {node.host.get_id() for node in (*honest_nodes, attacker)}
+        keys = [TARGET, *(f"ffn.{n}." for n in range(1, 6))]
+        for node in honest_nodes:
+            for key in keys:
+                found = await node.dht._kad.peer_routing.find_closest_peers_network(
+                    key.encode(), count=3
+                )
+                assert set(found) <= real
+                assert found, "the real peers are still found"
+        for node in honest_nodes:
+            assert set(node.dht._kad.routing_table.get_peer_ids()) <= real
+        # each honest node dialled the third party's address once at most: one dial is
+        # two connections, py-libp2p's swarm retrying a failed one once (net/host.py)
+        assert connections <= 2 * len(honest_nodes)
+        nursery.cancel_scope.cancel()
+
+
+async def test_made_up_peers_at_a_silent_address_cost_one_query_timeout() -> None:
+    """Made-up peers at an address that accepts and never speaks: each dial waits for
+    its query's timeout. One dial per address, so a lookup ends within its budget and
+    finds the real peers."""
+
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        [listener] = await nursery.start(
+            functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1")
+        )
+        port = listener.socket.getsockname()[1]
+        honest_nodes, attacker = await _swarm_with_a_liar(stack, f"/ip4/127.0.0.1/tcp/{port}", dht)
+        real = {node.host.get_id() for node in (*honest_nodes, attacker)}
+        node = honest_nodes[1]
+        budget = local_config().timeouts.dht_lookup_s
+        with trio.fail_after(budget):
+            found = await node.dht._kad.peer_routing.find_closest_peers_network(
+                TARGET.encode(), count=3
+            )
+        assert found
+        assert set(found) <= real
+        nursery.cancel_scope.cancel()

@@ -359,14 +359,11 @@ class ExpertDHT:
         local = self._kad.routing_table.find_local_closest_peers(
             key.encode(), self._config.replication
         )
-        # Only peers this node holds a connection to (the lookup dials each peer it
-        # queries), and all of those. py-libp2p returns, and puts in the routing table,
-        # every peer a responder names, unchecked: one hostile peer answering FIND_NODE
-        # with made-up ids ground close to a key made them "closest", and records for
-        # that key went nowhere (0 acks, 0 found). Such ids crowd the lookup's own
-        # result and the routing table's closest, so the real peers it reached on the
-        # way, and any other this node is in touch with, are candidates too: writer and
-        # reader then meet on the closest real peers they can reach.
+        # Only peers this node holds a connection to, and all of those. The lookup
+        # (net/lookup.py) returns only peers that answered it, but the routing table
+        # holds whoever asked this node something, and a lookup cut short returns
+        # little: the real peers this node is in touch with are candidates too, so that
+        # writer and reader meet on the closest real peers they can reach.
         connections = self._host.get_network().connections
         candidates = [
             p

@@ -26,6 +26,7 @@ from volunteerd.identity import Identity
 from volunteerd.net.connections import IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
 from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, transport_addrs
+from volunteerd.net.lookup import PeerLookup
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
 from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
@@ -120,6 +121,10 @@ async def open_node(
     async with open_host(identity, listen, network.announce_addrs, network.max_connections) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         _routing_only(kad)
+        # Lookups that believe only peers that answer (net/lookup.py), for ours and
+        # for KadDHT's own refreshes alike.
+        lookup = PeerLookup(host, kad.routing_table, config.timeouts.dht_rpc_s)
+        kad.peer_routing.find_closest_peers_network = lookup.closest  # type: ignore[method-assign]
         async with background_trio_service(kad), trio.open_nursery() as nursery:
             streams = Libp2pStreamHost(host)
             rpc = RpcClient(streams, config.wire, config.timeouts, throttle=throttle)

@@ -20,7 +20,9 @@ The model, read from ``libp2p/kad_dht`` (``common.py``, ``routing_table.py``,
   256 x 20 = 5,120 peers, spread evenly over the key space: every node of a swarm up to
   ~3,500 nodes knows everyone, while in a swarm of 100,000 a node knows ~5 %, and
   knows no more about its own neighbourhood than about any other.
-* **Lookup** (``PeerRouting.find_closest_peers_network(key, count)``). Start from the
+* **Lookup** (``PeerRouting.find_closest_peers_network(key, count)``, whose steps
+  volunteerd's own lookup, ``net/lookup.walk``, takes too: it differs in what it
+  believes, not in what it asks when everyone answers). Start from the
   ``count`` closest peers in the own table. Each round sends FIND_NODE to the (at most
   ``ALPHA`` = 10) closest not yet queried, in parallel, and waits for all answers; each
   answer is the queried node's ``BUCKET_SIZE`` closest known peers to the target (the
@@ -47,8 +49,9 @@ routing table keeps its size.
 
 The sim layer may not import libp2p (only ``net`` does, docs/architecture.md), so the
 constants below are py-libp2p's copied, and ``tests/unit/test_sim_kademlia.py`` checks
-them against the installed library and runs py-libp2p's own lookup code over this
-model's tables to check that both take the same rounds, requests and results.
+them against the installed library and runs py-libp2p's own lookup code and
+``net/lookup.walk`` over this model's tables to check that they take the same rounds and
+requests, and find the same peers (the walk only those that answered).
 """
 
 from __future__ import annotations
