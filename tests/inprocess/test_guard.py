@@ -90,6 +90,35 @@ async def test_each_single_request_attack_is_refused_and_changes_nothing() -> No
         }
 
 
+async def test_backwards_with_nothing_to_learn_make_no_optimizer_step() -> None:
+    """All-zero gradients: Adam would still move the weights by its momentum and count
+    an update, so a peer could add steps (and advance the expert's schedule) at its
+    request rate. Such backwards are answered and step nothing (an empty batch is
+    refused as bad_shape before it gets here)."""
+    config = local_config(experts={"hidden_dim": HIDDEN})
+    probe = torch.randn(8, HIDDEN)
+    async with (
+        open_world(config) as world,
+        world.open_peer() as honest,
+        world.open_peer() as stranger,
+    ):
+        server = await world.add_server("ffn.0.0")
+        backend = server.runtime.backend("ffn.0.0")
+        await backward(honest, server, "ffn.0.0", torch.randn(8, HIDDEN), torch.randn(8, HIDDEN))
+        await server.runtime.settled()
+        assert backend.updates == 1  # Adam now has momentum to move the weights with
+        before = await forward(honest, server, "ffn.0.0", probe)
+        for _ in range(10):
+            x = torch.randn(8, HIDDEN)
+            await backward(stranger, server, "ffn.0.0", x, torch.zeros(8, HIDDEN))
+            await server.runtime.settled()
+        assert backend.updates == 1
+        assert torch.equal(await forward(honest, server, "ffn.0.0", probe), before)
+        await backward(honest, server, "ffn.0.0", torch.randn(8, HIDDEN), torch.randn(8, HIDDEN))
+        await server.runtime.settled()
+        assert backend.updates == 2
+
+
 async def test_a_warmed_up_expert_refuses_far_outliers_and_clips_moderate_ones() -> None:
     config = local_config(experts={"hidden_dim": HIDDEN}, guard={"warmup": 8})
     async with open_world(config) as world, world.open_peer() as trainer:

@@ -104,6 +104,39 @@ def test_no_peer_can_lower_the_threshold_until_honest_gradients_are_refused() ->
         torch.testing.assert_close(out[0], grads)
 
 
+def test_rows_of_zeros_are_not_remembered() -> None:
+    """An early expert, one honest trainer: a stranger's rows of zeros (free to send,
+    and answered) made the median 0 and the threshold ~1e-11, after which the honest
+    trainer's next backward was refused as far above it."""
+    torch.manual_seed(2)
+    guard = RequestGuard(GuardConfig())
+    for _ in range(2):
+        guard.filter_gradients("ffn.0", HONEST[0], [torch.randn(8, 16) * 0.1])
+    before = guard.threshold("ffn.0")
+    assert before is not None
+    for _ in range(20):
+        _, loudest = guard.filter_gradients("ffn.0", ATTACKER, [torch.zeros(64, 16)])
+        assert loudest == 0.0
+    assert guard.threshold("ffn.0") == before
+    grads = torch.randn(8, 16) * 0.1
+    out, _ = guard.filter_gradients("ffn.0", HONEST[0], [grads])
+    torch.testing.assert_close(out[0], grads)
+
+
+def test_one_stranger_whispering_cannot_shut_out_the_only_honest_trainer() -> None:
+    """The same with tiny rows that are not zero (1e-7): the threshold fell to ~4e-7
+    and the honest trainer's rows were refused (0.5 is over 100 times that)."""
+    torch.manual_seed(2)
+    guard = RequestGuard(GuardConfig())
+    for _ in range(2):
+        guard.filter_gradients("ffn.0", HONEST[0], [torch.randn(8, 16) * 0.1])
+    for _ in range(20):
+        guard.filter_gradients("ffn.0", ATTACKER, [torch.full((64, 16), 1e-7)])
+    for _ in range(5):  # accepted, and at most clipped: never refused
+        out, _ = guard.filter_gradients("ffn.0", HONEST[0], [torch.randn(8, 16) * 0.1])
+        assert out[0].norm(dim=1).max() > 0.1
+
+
 def test_no_peer_can_raise_the_threshold_with_loud_rows_that_cancel() -> None:
     torch.manual_seed(2)
     guard = RequestGuard(GuardConfig())

@@ -216,7 +216,9 @@ class RequestGuard:
                 f"a gradient value of {top_value:.3g} is above the bound of "
                 f"{self.config.max_gradient_abs:.3g}",
             )
-        history.add(self._clock(), peer_id, norms)
+        # A row of zeros says nothing about this expert's gradients (a masked sample, or
+        # a peer pulling the median down for free): it is not remembered.
+        history.add(self._clock(), peer_id, norms[norms > 0])
         self.accepted += 1
         return out, float(norms.max()) if norms.numel() else 0.0
 
@@ -234,12 +236,15 @@ class RequestGuard:
         # below rows that are perfectly normal: never judge below the 99th percentile
         # of what was accepted. Of each peer's, the median: a peer's own rows hold up
         # to an eighth of the window, so the 99th percentile of all of them would be
-        # whatever the loudest peer chose.
+        # whatever the loudest peer chose. The upper median of an even count: with one
+        # honest trainer and one stranger whispering tiny rows, the lower one was the
+        # stranger's, and the honest trainer's next rows were refused. (A loud peer
+        # gains nothing from it: its rows were clipped to the threshold already.)
         highs = sorted(
             float(torch.quantile(torch.tensor(norms, dtype=torch.float64), 0.99))
             for norms in history.by_peer().values()
         )
-        high = highs[(len(highs) - 1) // 2]
+        high = highs[len(highs) // 2]
         return max(median + self.config.max_deviations * spread, high)
 
     def warmed_up(self, uid: str) -> bool:

@@ -409,7 +409,7 @@ class ExpertRuntime:
             result = await hosted.backward_retained.submit(
                 (kept.retained, grads, Sender(peer_id, loudest), kept.version), samples=samples
             )
-            self._step_soon(hosted)
+            self._step_soon(hosted, loudest)
             return _reply(result, compression)
         schemas = [*info.inputs, *info.outputs]
         samples = check_against_schema(
@@ -427,14 +427,20 @@ class ExpertRuntime:
         grads = await hosted.backward.submit(
             (decoded, Sender(peer_id, loudest)), samples=samples, shape_key=shape
         )
-        self._step_soon(hosted)
+        self._step_soon(hosted, loudest)
         return _reply(grads, compression)
 
-    def _step_soon(self, hosted: _Hosted) -> None:
+    def _step_soon(self, hosted: _Hosted, loudest: float) -> None:
         """Make the expert's optimizer step due behind the backward just computed (the
         reply goes out first): the batcher's next job runs it before its batches.
-        Backwards that finish before that job is formed share the step."""
-        if hosted.step_pending or self._nursery is None:
+        Backwards that finish before that job is formed share the step.
+
+        A backward whose gradients are all zero (``loudest``: its largest row norm),
+        or that has no rows at all, brings nothing to learn: it makes no step due. Adam
+        would still move the weights by its momentum and count an update, so a peer
+        sending empty backwards could otherwise add steps, and advance the expert's
+        schedule, at its request rate."""
+        if loudest <= 0.0 or hosted.step_pending or self._nursery is None:
             return
         hosted.step_pending = True
         self._due.append(hosted)
