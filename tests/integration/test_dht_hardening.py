@@ -6,6 +6,7 @@ import contextlib
 import functools
 import hashlib
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -164,6 +165,25 @@ async def test_one_hostile_kademlia_peer_cannot_eclipse_a_key() -> None:
         assert [r.peer_id for r in found[TARGET]] == [honest.peer_id]
 
 
+@contextlib.asynccontextmanager
+async def _liar_pointing_at(
+    listener: Callable[[trio.SocketStream], Awaitable[None]], timeouts: dict[str, Any] | None = None
+) -> AsyncIterator[tuple[tuple[Any, ...], set[Any]]]:
+    """A swarm with a liar whose made-up peers all point at a local TCP port served by
+    ``listener`` (the third party): the honest nodes, and the ids of all real nodes."""
+    dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
+    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        [server] = await nursery.start(
+            functools.partial(trio.serve_tcp, listener, 0, host="127.0.0.1")
+        )
+        port = server.socket.getsockname()[1]
+        honest_nodes, attacker = await _swarm_with_a_liar(
+            stack, f"/ip4/127.0.0.1/tcp/{port}", dht, timeouts
+        )
+        yield honest_nodes, {node.host.get_id() for node in (*honest_nodes, attacker)}
+        nursery.cancel_scope.cancel()
+
+
 async def test_made_up_peers_neither_enter_routing_tables_nor_make_nodes_dial_a_third_party() -> (
     None
 ):
@@ -178,14 +198,7 @@ async def test_made_up_peers_neither_enter_routing_tables_nor_make_nodes_dial_a_
         connections += 1
         await stream.aclose()
 
-    dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
-    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
-        [listener] = await nursery.start(
-            functools.partial(trio.serve_tcp, third_party, 0, host="127.0.0.1")
-        )
-        port = listener.socket.getsockname()[1]
-        honest_nodes, attacker = await _swarm_with_a_liar(stack, f"/ip4/127.0.0.1/tcp/{port}", dht)
-        real = {node.host.get_id() for node in (*honest_nodes, attacker)}
+    async with _liar_pointing_at(third_party) as (honest_nodes, real):
         keys = [TARGET, *(f"ffn.{n}." for n in range(1, 6))]
         for node in honest_nodes:
             for key in keys:
@@ -199,7 +212,6 @@ async def test_made_up_peers_neither_enter_routing_tables_nor_make_nodes_dial_a_
         # each honest node dialled the third party's address once at most: one dial is
         # two connections, py-libp2p's swarm retrying a failed one once (net/host.py)
         assert connections <= 2 * len(honest_nodes)
-        nursery.cancel_scope.cancel()
 
 
 async def test_made_up_peers_at_a_silent_address_cost_one_query_timeout() -> None:
@@ -210,24 +222,12 @@ async def test_made_up_peers_at_a_silent_address_cost_one_query_timeout() -> Non
     async def silent(stream: trio.SocketStream) -> None:
         await trio.sleep_forever()
 
-    dht = {"replication": 3, "record_ttl_s": 60.0, "announce_period_s": 30.0}
-    async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
-        [listener] = await nursery.start(
-            functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1")
-        )
-        port = listener.socket.getsockname()[1]
-        # a query gives up after 1 s: one such wait leaves most of the 5 s lookup budget
-        # to the rest of the walk, busy machine or not (py-libp2p's queries wait 10 s)
-        honest_nodes, attacker = await _swarm_with_a_liar(
-            stack, f"/ip4/127.0.0.1/tcp/{port}", dht, timeouts={"dht_rpc_s": 1.0}
-        )
-        real = {node.host.get_id() for node in (*honest_nodes, attacker)}
-        node = honest_nodes[1]
-        budget = local_config().timeouts.dht_lookup_s
-        with trio.fail_after(budget):
-            found = await node.dht._kad.peer_routing.find_closest_peers_network(
+    # a query gives up after 1 s: one such wait leaves most of the 5 s lookup budget to
+    # the rest of the walk, busy machine or not (py-libp2p's queries wait 10 s)
+    async with _liar_pointing_at(silent, {"dht_rpc_s": 1.0}) as (honest_nodes, real):
+        with trio.fail_after(local_config().timeouts.dht_lookup_s):
+            found = await honest_nodes[1].dht._kad.peer_routing.find_closest_peers_network(
                 TARGET.encode(), count=3
             )
         assert found
         assert set(found) <= real
-        nursery.cancel_scope.cancel()
