@@ -166,6 +166,41 @@ async def test_known_peers_are_asked_without_a_referrers_addresses() -> None:
     assert all(peer not in known or addrs == () for peer, addrs in swarm.asked)
 
 
+async def test_a_first_referrer_cannot_crowd_out_a_peers_real_address() -> None:
+    """The liar names a real peer this node does not know yet, with eight addresses of
+    its own choosing, before an honest peer names it with its real one: the real one is
+    still among those dialled."""
+    swarm = _Swarm(12, ["/ip4/127.0.0.1/tcp/9"], lying=False)
+    # an honest start peer farther from the key than the liar: answers are read in
+    # distance order, so the liar's comes first
+    honest = max(swarm.honest[1:], key=lambda p: _distance(KEY, p))
+    while _distance(KEY, swarm.liar) > _distance(KEY, honest):
+        swarm.liar = ID(_ED25519_ID + os.urandom(32))
+    target = min(swarm.honest[1:], key=lambda p: _distance(KEY, p))  # neither of them
+    bogus = tuple(f"/ip4/127.0.0.1/tcp/{port}" for port in range(3000, 3008))
+    honest_ask = swarm.ask
+
+    async def ask(peer: ID, addrs: tuple[str, ...], key: bytes = KEY) -> Answer:
+        answer = await honest_ask(peer, addrs, key)
+        if peer == swarm.liar and answer.referrals is not None:
+            return Answer(True, [Referral(target, bogus)])
+        return answer
+
+    swarm.ask = ask  # type: ignore[method-assign]
+    result = await walk(
+        KEY,
+        5,
+        [swarm.liar, honest],
+        swarm.ask,
+        self_id=swarm.me,
+        known=lambda peer: peer in (swarm.liar, honest),
+        suspicion=Suspicion(),
+    )
+    [(_, dialled)] = [(p, addrs) for p, addrs in swarm.asked if p == target]
+    assert swarm.addr(target) in dialled
+    assert target in result.closest
+
+
 def _answer(peers: list[tuple[bytes, list[bytes]]]) -> Message:
     message = Message(type=Message.MessageType.FIND_NODE, key=KEY)
     for raw, addrs in peers:

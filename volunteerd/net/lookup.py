@@ -22,9 +22,11 @@ What differs is what it believes:
   FIND_NODE; only they enter the routing table. A named peer is a candidate until then.
 * **Answers are checked.** At most ``BUCKET_SIZE`` named peers per answer (the closest
   to the key), each with at most ``_ADDRS_PER_PEER`` direct TCP addresses that a peer
-  can dial (``is_record_addr``); an answer over ``_MAX_ANSWER_BYTES`` is no answer. The
-  addresses of a peer this node already knows (connected or in its routing table) are
-  never replaced by what a third party says about it.
+  can dial (``is_record_addr``); an answer over ``_MAX_ANSWER_BYTES`` is no answer. A
+  referrer adds at most ``_ADDRS_PER_REFERRAL`` addresses to a candidate's, so the first
+  to name a peer cannot crowd out the addresses a later one gives. The addresses of a
+  peer this node already knows (connected or in its routing table) are never replaced
+  by what a third party says about it.
 * **One dial per address.** Two candidates this node knows nothing about that share an
   address are not dialled in the same round (honest peers never share ip:port), and an
   address that could not be dialled is not dialled again for ``SUSPECT_S``.
@@ -85,6 +87,11 @@ SUSPECT_S = 60.0
 # A real answer names 20 peers with a few addresses and signed records each (~5.5 KB).
 _MAX_ANSWER_BYTES = 64 * 1024
 _ADDRS_PER_PEER = 8
+# Of those, what one referrer adds to a candidate's addresses, and what a candidate
+# keeps from all of them: a first referrer cannot fill the list with addresses of its
+# choice and so hide the ones an honest referrer gives.
+_ADDRS_PER_REFERRAL = 4
+_ADDRS_PER_CANDIDATE = 12
 # Failures of a referrer's named peers beyond their successes before it is distrusted.
 _STRIKES = 3
 # What Suspicion remembers at most (oldest forgotten first): bounded under any flood.
@@ -293,8 +300,9 @@ async def walk(
                 if other in queried and other not in pool:
                     continue  # failed or dropped earlier in this lookup
                 referrers.setdefault(other, []).append(peer)
-                merged = dict.fromkeys([*addrs_of.get(other, ()), *referral.addrs])
-                addrs_of[other] = tuple(merged)[:_ADDRS_PER_PEER]
+                held = addrs_of.get(other, ())
+                fresh = [a for a in referral.addrs if a not in held][:_ADDRS_PER_REFERRAL]
+                addrs_of[other] = (*held, *fresh)[:_ADDRS_PER_CANDIDATE]
                 pool.add(other)
         # py-libp2p's ends: a round that named nobody ends the walk unless some of the
         # closest are still to ask; a round after which no peer is among the closest
