@@ -6,6 +6,8 @@ does the same against a real daemon over libp2p)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -57,15 +59,20 @@ ATTACKS = {
 }
 
 
-async def test_each_single_request_attack_is_refused_and_changes_nothing() -> None:
-    config = local_config(experts={"hidden_dim": HIDDEN})
-    probe = torch.randn(8, HIDDEN)
+@contextlib.asynccontextmanager
+async def one_expert_two_peers() -> AsyncIterator[tuple[InProcessServer, Peer, Peer]]:
+    """A server hosting ``ffn.0.0`` with the default guard, an honest peer and a stranger."""
     async with (
-        open_world(config) as world,
+        open_world(local_config(experts={"hidden_dim": HIDDEN})) as world,
         world.open_peer() as honest,
         world.open_peer() as stranger,
     ):
-        server = await world.add_server("ffn.0.0")
+        yield await world.add_server("ffn.0.0"), honest, stranger
+
+
+async def test_each_single_request_attack_is_refused_and_changes_nothing() -> None:
+    probe = torch.randn(8, HIDDEN)
+    async with one_expert_two_peers() as (server, honest, stranger):
         before = await forward(honest, server, "ffn.0.0", probe)
         counts = server.runtime.guard.counts
         for name, (x, grads, reason) in ATTACKS.items():
@@ -95,14 +102,8 @@ async def test_backwards_with_nothing_to_learn_make_no_optimizer_step() -> None:
     an update, so a peer could add steps (and advance the expert's schedule) at its
     request rate. Such backwards are answered and step nothing (an empty batch is
     refused as bad_shape before it gets here)."""
-    config = local_config(experts={"hidden_dim": HIDDEN})
     probe = torch.randn(8, HIDDEN)
-    async with (
-        open_world(config) as world,
-        world.open_peer() as honest,
-        world.open_peer() as stranger,
-    ):
-        server = await world.add_server("ffn.0.0")
+    async with one_expert_two_peers() as (server, honest, stranger):
         backend = server.runtime.backend("ffn.0.0")
         await backward(honest, server, "ffn.0.0", torch.randn(8, HIDDEN), torch.randn(8, HIDDEN))
         await server.runtime.settled()
