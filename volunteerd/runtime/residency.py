@@ -43,6 +43,12 @@ async def restore_device(runtime: ExpertRuntime) -> None:
 def _empty_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # cuBLAS's workspaces (one per handle and stream, 32 MiB each on an H200: 65 MiB
+        # of the cache stayed allocated without this) go back too; cuBLAS takes new ones
+        # at its next call. A private torch call, hence the care.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
     elif device.type == "mps":
         torch.mps.empty_cache()
