@@ -2,7 +2,9 @@
 
 The default corpus is the source of Python's own standard library: real text on every
 machine that runs volunteerd, with no download. Files are read in a fixed order; every
-``val_every``-th file is held out, so validation text is never seen in training.
+``val_every``-th file is held out, so validation text is never seen in training. When no
+such file was read (fewer files, or ``max_bytes`` reached first), the last file read is
+held out instead, or the last ``1/val_every`` of a single file.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def load_corpus(config: DataConfig) -> Corpus:
         total += len(text)
         if total >= config.max_bytes:
             break
+    if train and not val:
+        # The text ran out, or max_bytes was reached, before the first held-out file
+        # (a single file; a few large ones, as in Python 3.12's standard library under
+        # a small max_bytes): hold out the last file read, or the end of the only one.
+        if len(train) > 1:
+            val.append(train.pop())
+        else:
+            (text,) = train
+            cut = len(text) - len(text) // config.val_every
+            train, val = [text[:cut]], [text[cut:]]
     if not train or not val:
         raise ConfigError(f"data.source = {config.source!r}: too little text to split")
     corpus = Corpus(_bytes(train), _bytes(val), len(train) + len(val), config.source)

@@ -47,7 +47,12 @@ class DataConfig(_Model):
         "every machine) or the path of a text file or folder",
     )
     max_bytes: int = Field(3_000_000, ge=10_000, description="read at most this much text")
-    val_every: int = Field(10, ge=2, description="every n-th file is held out for validation")
+    val_every: int = Field(
+        10,
+        ge=2,
+        description="every n-th file is held out for validation (the last file read when "
+        "fewer are read; the last 1/n of a single file)",
+    )
 
 
 class ModelConfig(_Model):
