@@ -15,7 +15,7 @@ from libp2p.peer.id import ID
 
 from volunteerd.identity import Identity
 from volunteerd.net import lookup
-from volunteerd.net.lookup import SUSPECT_S, Answer, Referral, Suspicion, referrals_of, walk
+from volunteerd.net.lookup import SUSPECT_S, Answer, LookupMemory, Referral, referrals_of, walk
 from volunteerd.net.peers import peer_id_for
 
 KEY = b"ffn.0."
@@ -65,7 +65,7 @@ class _Swarm:
         everyone = [*self.honest, self.liar]
         return Answer(True, [Referral(p, (self.addr(p),)) for p in everyone if p != peer])
 
-    async def look(self, suspicion: Suspicion, key: bytes = KEY, count: int = 5) -> list[ID]:
+    async def look(self, memory: LookupMemory, key: bytes = KEY, count: int = 5) -> list[ID]:
         result = await walk(
             key,
             count,
@@ -73,7 +73,7 @@ class _Swarm:
             lambda peer, addrs: self.ask(peer, addrs, key),
             self_id=self.me,
             known=lambda peer: peer in (self.liar, *self.honest[1:3]),
-            suspicion=suspicion,
+            memory=memory,
         )
         return result.closest
 
@@ -88,7 +88,7 @@ def _truly_closest(swarm: _Swarm, key: bytes, count: int) -> list[ID]:
 
 async def test_made_up_peers_are_never_found_and_one_address_is_dialled_once() -> None:
     swarm = _Swarm(12, ["/ip4/127.0.0.1/tcp/9"])
-    found = await swarm.look(Suspicion())
+    found = await swarm.look(LookupMemory())
     assert found == _truly_closest(swarm, KEY, 5)
     # twenty made-up peers at one address: one dial, and the address is then dead
     assert swarm.fake_dials() == 1
@@ -97,49 +97,49 @@ async def test_made_up_peers_are_never_found_and_one_address_is_dialled_once() -
 async def test_a_referrer_whose_peers_cannot_be_reached_stops_being_heard() -> None:
     addrs = [f"/ip4/127.0.0.1/tcp/{port}" for port in range(2000, 2040)]
     swarm = _Swarm(12, addrs)
-    suspicion = Suspicion()
-    found = await swarm.look(suspicion)
+    memory = LookupMemory()
+    found = await swarm.look(memory)
     assert found == _truly_closest(swarm, KEY, 5)
     first = swarm.fake_dials()
     assert 1 <= first <= 5  # one round of the 5 closest at most, before strikes count
-    assert suspicion.distrusted(swarm.liar)
+    assert memory.distrusted(swarm.liar)
     for n in range(10):  # later lookups, other keys: the liar's names go unheard
         key = f"ffn.{n}.".encode()
-        assert await swarm.look(suspicion, key) == _truly_closest(swarm, key, 5)
+        assert await swarm.look(memory, key) == _truly_closest(swarm, key, 5)
     assert swarm.fake_dials() == first
 
 
 async def test_distrust_and_dead_addresses_are_forgotten_after_a_while() -> None:
     now = [0.0]
-    suspicion = Suspicion(clock=lambda: now[0])
+    memory = LookupMemory(clock=lambda: now[0])
     peer = ID(_ED25519_ID + os.urandom(32))
     for _ in range(lookup._STRIKES):
-        suspicion.referral_failed(peer)
-    suspicion.mark_dead(["/ip4/127.0.0.1/tcp/9"])
-    assert suspicion.distrusted(peer)
-    assert suspicion.address_dead("/ip4/127.0.0.1/tcp/9")
+        memory.referral_failed(peer)
+    memory.mark_dead(["/ip4/127.0.0.1/tcp/9"])
+    assert memory.distrusted(peer)
+    assert memory.address_dead("/ip4/127.0.0.1/tcp/9")
     now[0] = SUSPECT_S + 1
-    assert not suspicion.distrusted(peer)
-    assert not suspicion.address_dead("/ip4/127.0.0.1/tcp/9")
+    assert not memory.distrusted(peer)
+    assert not memory.address_dead("/ip4/127.0.0.1/tcp/9")
 
 
 def test_answered_referrals_outweigh_a_few_failures() -> None:
     """Churn: an honest peer names a few peers that just left; it stays heard."""
-    suspicion = Suspicion()
+    memory = LookupMemory()
     peer = ID(_ED25519_ID + os.urandom(32))
     for _ in range(10):
-        suspicion.referral_answered(peer)
+        memory.referral_answered(peer)
     for _ in range(5):
-        suspicion.referral_failed(peer)
-    assert not suspicion.distrusted(peer)
+        memory.referral_failed(peer)
+    assert not memory.distrusted(peer)
 
 
 def test_suspicion_stays_bounded_under_a_flood() -> None:
-    suspicion = Suspicion()
+    memory = LookupMemory()
     for n in range(lookup._REMEMBERED + 500):
-        suspicion.mark_dead([f"/ip4/127.0.0.1/tcp/{n % 65535 + 1}/{n}"])
-        suspicion.referral_failed(ID(n.to_bytes(4, "big")))
-    assert len(suspicion._dead) == len(suspicion._record) == lookup._REMEMBERED
+        memory.mark_dead([f"/ip4/127.0.0.1/tcp/{n % 65535 + 1}/{n}"])
+        memory.referral_failed(ID(n.to_bytes(4, "big")))
+    assert len(memory._dead) == len(memory._record) == lookup._REMEMBERED
 
 
 async def test_a_peer_that_fails_gives_way_to_the_next_closest() -> None:
@@ -153,7 +153,7 @@ async def test_a_peer_that_fails_gives_way_to_the_next_closest() -> None:
         return await honest_ask(peer, addrs, key)
 
     swarm.ask = ask  # type: ignore[method-assign]
-    found = await swarm.look(Suspicion())
+    found = await swarm.look(LookupMemory())
     assert gone not in found
     assert found == [p for p in _truly_closest(swarm, KEY, 6) if p != gone]
 
@@ -161,7 +161,7 @@ async def test_a_peer_that_fails_gives_way_to_the_next_closest() -> None:
 async def test_known_peers_are_asked_without_a_referrers_addresses() -> None:
     """What a third party says about a peer this node already knows is not dialled."""
     swarm = _Swarm(6, ["/ip4/127.0.0.1/tcp/9"])
-    await swarm.look(Suspicion())
+    await swarm.look(LookupMemory())
     known = set(swarm.honest[1:3]) | {swarm.liar}
     assert all(peer not in known or addrs == () for peer, addrs in swarm.asked)
 
@@ -194,7 +194,7 @@ async def test_a_first_referrer_cannot_crowd_out_a_peers_real_address() -> None:
         swarm.ask,
         self_id=swarm.me,
         known=lambda peer: peer in (swarm.liar, honest),
-        suspicion=Suspicion(),
+        memory=LookupMemory(),
     )
     [(_, dialled)] = [(p, addrs) for p, addrs in swarm.asked if p == target]
     assert swarm.addr(target) in dialled
@@ -257,7 +257,7 @@ async def test_in_an_honest_swarm_the_lookup_finds_the_truly_closest(count: int)
         swarm.ask,
         self_id=swarm.me,
         known=lambda peer: peer in swarm.honest[1:3],
-        suspicion=Suspicion(),
+        memory=LookupMemory(),
     )
     truly = _truly_closest(swarm, KEY, count)
     # a walk of more than ALPHA peers may end (as py-libp2p's does) at a round that

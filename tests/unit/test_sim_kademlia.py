@@ -20,7 +20,7 @@ from multiaddr import Multiaddr
 from trio.testing import MockClock
 
 from volunteerd.config import DHTConfig
-from volunteerd.net.lookup import Answer, Referral, Suspicion, walk
+from volunteerd.net.lookup import Answer, LookupMemory, Referral, walk
 from volunteerd.sim import kademlia
 from volunteerd.sim.kademlia import (
     ALPHA,
@@ -159,7 +159,7 @@ def _our_lookup(
             ask,
             self_id=ID(model.peer_id(origin)),
             known=lambda peer: True,
-            suspicion=Suspicion(),
+            memory=LookupMemory(),
         )
         return trio.current_time() - begin, result.closest
 

@@ -72,10 +72,10 @@ __all__ = [
     "MAX_LOOKUP_ROUNDS",
     "SUSPECT_S",
     "Answer",
+    "LookupMemory",
     "LookupResult",
     "PeerLookup",
     "Referral",
-    "Suspicion",
     "walk",
 ]
 
@@ -94,7 +94,7 @@ _ADDRS_PER_REFERRAL = 4
 _ADDRS_PER_CANDIDATE = 12
 # Failures of a referrer's named peers beyond their successes before it is distrusted.
 _STRIKES = 3
-# What Suspicion remembers at most (oldest forgotten first): bounded under any flood.
+# What LookupMemory remembers at most (oldest forgotten first): bounded under any flood.
 _REMEMBERED = 4096
 # Named peers' addresses live in the peerstore this long unless they answer.
 _CANDIDATE_ADDR_TTL_S = 600
@@ -130,7 +130,7 @@ class LookupResult:
     """Queried peers that could not be reached."""
 
 
-class Suspicion:
+class LookupMemory:
     """What lookups remember between them for ``SUSPECT_S``: addresses that could not be
     dialled, and how the peers each referrer named fared."""
 
@@ -210,7 +210,7 @@ async def walk(
     *,
     self_id: ID,
     known: Callable[[ID], bool],
-    suspicion: Suspicion,
+    memory: LookupMemory,
     alpha: int = ALPHA,
     max_rounds: int = MAX_LOOKUP_ROUNDS,
 ) -> LookupResult:
@@ -252,8 +252,8 @@ async def walk(
                 continue
             if not known(peer):
                 named_by = referrers.get(peer, [])
-                addrs = [a for a in addrs_of.get(peer, ()) if not suspicion.address_dead(a)]
-                if not addrs or (named_by and all(suspicion.distrusted(r) for r in named_by)):
+                addrs = [a for a in addrs_of.get(peer, ()) if not memory.address_dead(a)]
+                if not addrs or (named_by and all(memory.distrusted(r) for r in named_by)):
                     pool.discard(peer)  # nothing left to dial, or nobody to believe
                     continue
                 if dialling.intersection(addrs):
@@ -284,14 +284,14 @@ async def walk(
                 if not answer.reached:
                     failed.add(peer)
                     for referrer in referrers.get(peer, ()):
-                        suspicion.referral_failed(referrer)
+                        memory.referral_failed(referrer)
                     if not known(peer):
-                        suspicion.mark_dead(addrs_of.get(peer, ()))
+                        memory.mark_dead(addrs_of.get(peer, ()))
                 continue
             answered.add(peer)
             for referrer in referrers.get(peer, ()):
-                suspicion.referral_answered(referrer)
-            if suspicion.distrusted(peer):
+                memory.referral_answered(referrer)
+            if memory.distrusted(peer):
                 continue
             named = [r for r in answer.referrals if r.peer_id != self_id]
             named_any = named_any or bool(named)
@@ -368,7 +368,7 @@ class PeerLookup:
         self._table = table
         self._timeout_s = query_timeout_s
         self._self_id = host.get_id()
-        self.suspicion = Suspicion()
+        self.memory = LookupMemory()
 
     async def closest(self, target_key: bytes, count: int = BUCKET_SIZE) -> list[ID]:
         start = self._table.find_local_closest_peers(target_key, count)
@@ -381,7 +381,7 @@ class PeerLookup:
             lambda peer, addrs: self._ask(peer, addrs, target_key),
             self_id=self._self_id,
             known=self._known,
-            suspicion=self.suspicion,
+            memory=self.memory,
         )
         logger.debug(
             "lookup: %d rounds, %d queries (%d unreachable), %d found",
