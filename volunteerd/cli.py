@@ -861,12 +861,15 @@ def _train(args: argparse.Namespace) -> ExitCode:
         rows = Experiment().model.grid[0]  # each daemon hosts whole rows of the demo's grid
         if not 1 <= args.nodes <= rows:
             raise UsageError(f"--nodes {args.nodes}: between 1 and {rows}")
+        if args.trainers < 1:
+            raise UsageError(f"--trainers {args.trainers}: at least 1")
+        if args.local and (args.wan or args.trainers > 1):
+            other = "--wan" if args.wan else "--trainers"
+            raise UsageError(f"--local trains without a network: it cannot go with {other}")
     stop = _stop_on_signals()
     configure_logging("WARNING")
     summary_json = Path(args.summary_json) if args.summary_json else None
     if args.command == "demo":
-        if args.local and args.wan:
-            raise ConfigError("--local trains without a network: it cannot go with --wan")
         summary = run_demo(
             steps=args.steps,
             nodes=args.nodes,

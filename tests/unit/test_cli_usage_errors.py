@@ -49,3 +49,22 @@ def test_demo_nodes_outside_one_to_four_is_a_usage_error_before_starting(
     # it printed "starting a local swarm of 0 daemons ...", then failed with exit 1
     assert main(["demo", "--nodes", nodes]) == ExitCode.USAGE
     assert capsys.readouterr() == ("", f"volunteerd: --nodes {nodes}: between 1 and 4\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainers", "0"], "--trainers 0: at least 1"),
+        (["--trainers", "-2"], "--trainers -2: at least 1"),
+        (["--local", "--wan", "home"], "--local trains without a network: it cannot go with --wan"),
+        (
+            ["--local", "--trainers", "2"],
+            "--local trains without a network: it cannot go with --trainers",
+        ),
+    ],
+)
+def test_demo_flags_that_cannot_work_are_usage_errors_before_starting(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["demo", *args]) == ExitCode.USAGE
+    assert capsys.readouterr() == ("", f"volunteerd: {message}\n")
