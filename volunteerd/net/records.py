@@ -207,9 +207,9 @@ def sign_record(
     now: float | None = None,
 ) -> ExpertRecord:
     """``peer_id``'s record for ``key``, signed. Of ``addrs``, those a record cannot
-    carry (``is_record_addr``: e.g. a ``/dns4/...`` one in ``network.announce_addrs``)
-    are left out, with a warning the first time, rather than making every record this
-    node announces one that peers refuse."""
+    carry (``is_record_addr``; ``network.announce_addrs`` is checked when the node
+    starts) are left out, with a warning the first time, rather than making every
+    record this node announces one that peers refuse."""
     issued = time.time() if now is None else now
     given = tuple(addrs)
     carried = tuple(a for a in given if is_record_addr(a))
