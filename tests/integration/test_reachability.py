@@ -15,7 +15,7 @@ from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from volunteerd.errors import ConfigError, RemoteError
+from volunteerd.errors import RemoteError
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
 from volunteerd.net import Node, PeerAddress, Verb, open_node, reachability
@@ -75,19 +75,6 @@ async def test_undialable_node_is_not_direct_and_is_told_which_port_to_forward()
             listening = node.host.get_transport_addrs()[0].value_for_protocol("tcp")
             assert f"forward TCP port {listening}" in report.advice
             assert "network.announce_addrs" in report.advice
-
-
-@pytest.mark.parametrize(
-    "addr", ["/dns4/me.example/tcp/38400", "/ip4/0.0.0.0/tcp/38400", "/ip4/203.0.113.7/tcp/99999"]
-)
-async def test_an_announced_address_peers_cannot_dial_stops_the_node_with_a_config_error(
-    addr: str,
-) -> None:
-    # it used to start (announcing nothing dialable) or, for the port, end in a traceback
-    config = local_config(network={"announce_addrs": [addr]})
-    with pytest.raises(ConfigError, match=r"network\.announce_addrs: .* is not an address"):
-        async with open_node(Identity.generate(), config):
-            pass
 
 
 async def test_undialable_node_falls_back_to_its_bootstrap_relay() -> None:

@@ -139,6 +139,36 @@ def test_unknown_section_and_bad_toml_are_refused(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "/dns4/me.example/tcp/38400",
+        "/ip4/0.0.0.0/tcp/38400",
+        "/ip4/224.0.0.1/tcp/38400",
+        "/ip4/203.0.113.7/tcp/99999",
+        "/ip4/203.0.113.7/udp/38400",
+        "203.0.113.7:38400",
+    ],
+)
+def test_an_announced_address_peers_cannot_dial_is_a_config_error(
+    tmp_path: Path, addr: str
+) -> None:
+    # the records' rule: these started a node that announced nothing dialable (the port,
+    # a traceback); now the file's line is named before anything starts
+    path = tmp_path / "config.toml"
+    path.write_text(f'[network]\nannounce_addrs = ["{addr}"]\n')
+    with pytest.raises(ConfigError, match=r"network\.announce_addrs.*not an address peers can"):
+        load_config(path, env={})
+
+
+def test_announced_addresses_peers_can_dial_are_accepted() -> None:
+    relay = "12D3KooWGzBqzUvBQ6Nv4cPJ4ZnqUQLKCG1GwhrsJvNdCmhnYe4Q"
+    addrs = ["/ip4/203.0.113.7/tcp/38400", "/ip6/2001:db8::1/tcp/1",
+             f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}/p2p-circuit"]  # fmt: skip
+    setting = "network.announce_addrs=[" + ",".join(f'"{a}"' for a in addrs) + "]"
+    assert load_config(None, env={}, overrides=[setting]).network.announce_addrs == addrs
+
+
 def test_cross_field_rules() -> None:
     with pytest.raises(ConfigError, match="record_ttl_s"):
         load_config(None, env={}, overrides=["dht.record_ttl_s=5", "dht.announce_period_s=10"])

@@ -131,7 +131,7 @@ def test_the_addresses_nodes_announce_are_carried(addr: str) -> None:
 def test_a_node_signs_only_the_addresses_records_carry(caplog: pytest.LogCaptureFixture) -> None:
     """An address a record cannot carry (a DNS name) is left out of the record, with a
     warning, instead of making every record refused. (``network.announce_addrs`` is
-    checked when the node starts: tests/integration/test_reachability.py.)"""
+    checked with the configuration: tests/unit/test_config.py.)"""
     record = make(Identity.generate(), addrs=["/dns4/me.example/tcp/38400", ADDR])
     assert record.addrs == (ADDR,)
     assert "me.example" in caplog.text

@@ -15,6 +15,7 @@ from typing import Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from volunteerd import uids
+from volunteerd.config.addrs import is_dialable_addr
 
 __all__ = [
     "CONFIG_VERSION",
@@ -91,9 +92,17 @@ class NetworkConfig(_Model):
     @field_validator("announce_addrs")
     @classmethod
     def _multiaddrs(cls, values: list[str]) -> list[str]:
+        # The records' own rule: a /dns4 name or 0.0.0.0 here started a node whose
+        # records carried nothing a peer could dial, and port 99999 a traceback.
         for value in values:
-            if not value.startswith("/"):
-                raise ValueError(f"not a multiaddr: {value!r} (expected /ip4/.../tcp/...)")
+            if not is_dialable_addr(value):
+                raise ValueError(
+                    f"{value!r} is not an address peers can dial: use "
+                    "/ip4/<public IP>/tcp/<port> (or /ip6/..., or a relay's "
+                    "/p2p/<relay id>/p2p-circuit address); names (/dns4/...) are not "
+                    "announced, and 0.0.0.0, multicast addresses or ports outside 1-65535 "
+                    "cannot be dialled"
+                )
         return values
 
     @field_validator("bootstrap_peers")

@@ -26,6 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from volunteerd.config.addrs import tcp_endpoint
 from volunteerd.errors import Rejected
 
 __all__ = [
@@ -57,21 +58,6 @@ class DialBackReply(BaseModel):
     # The IP the request came from, as this peer saw it: behind NAT, the router's
     # public address (None over a relay circuit).
     observed: Annotated[str, Field(max_length=64)] | None = None
-
-
-def tcp_endpoint(addr: str) -> tuple[str, int] | None:
-    """``/ip4/1.2.3.4/tcp/38400`` -> ("1.2.3.4", 38400); None for any other shape."""
-    parts = addr.split("/")
-    if len(parts) != 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
-        return None
-    try:
-        ip = ipaddress.ip_address(parts[2])
-        port = int(parts[4])
-    except ValueError:
-        return None
-    if (parts[1] == "ip4") != (ip.version == 4) or not 0 < port < 65536:
-        return None
-    return str(ip), port
 
 
 def dialable_addrs(

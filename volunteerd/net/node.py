@@ -12,7 +12,7 @@ nodes pollute the routing tables of servers (docs/decisions/0002).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -22,7 +22,6 @@ from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.tools.anyio_service import background_trio_service
 
 from volunteerd.config import Config
-from volunteerd.errors import ConfigError
 from volunteerd.identity import Identity
 from volunteerd.net.connections import IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
@@ -31,7 +30,6 @@ from volunteerd.net.lookup import PeerLookup
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
 from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
-from volunteerd.net.records import is_record_addr
 from volunteerd.net.rpc import Handler, RpcClient, RpcServer
 from volunteerd.net.throttle import Throttle
 
@@ -101,20 +99,6 @@ def _routing_only(kad: KadDHT) -> None:
     kad.value_store.put_record = keep_no_value  # type: ignore[method-assign,assignment]
 
 
-def _check_announce_addrs(addrs: Sequence[str]) -> None:
-    """Refuse (ConfigError) an announced address that no record could carry: a node
-    with ``/dns4/...``, ``0.0.0.0`` or a multicast address there started and announced
-    nothing a peer could dial, and port 99999 stopped it with a traceback."""
-    for addr in addrs:
-        if not is_record_addr(addr):
-            raise ConfigError(
-                f"network.announce_addrs: {addr!r} is not an address peers can dial: use "
-                "/ip4/<public IP>/tcp/<port> (or /ip6/...); names (/dns4/...) are not "
-                "announced, and 0.0.0.0, multicast addresses or ports outside 1-65535 "
-                "cannot be dialled"
-            )
-
-
 @asynccontextmanager
 async def open_node(
     identity: Identity,
@@ -130,7 +114,6 @@ async def open_node(
     throttle = throttle or Throttle(config.limits)
     network = config.network
     bootstrap = [parse_peer_multiaddr(a) for a in network.bootstrap_peers]
-    _check_announce_addrs(network.announce_addrs)
     # relay: serve as a circuit relay (bootstrap nodes); see net/reachability.py.
     listen = (
         listen_multiaddr(network.listen_host, network.port) if config.reachability.listen else None

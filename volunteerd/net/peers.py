@@ -14,6 +14,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from volunteerd.config.addrs import CIRCUIT_SUFFIX, circuit_parts
 from volunteerd.errors import ConfigError
 from volunteerd.identity import Identity
 
@@ -71,19 +72,14 @@ class PeerAddress:
         return f"{self.addrs[0] if self.addrs else ''}/p2p/{self.peer_id}"
 
 
-CIRCUIT_SUFFIX = "/p2p-circuit"
-
-
 def parse_circuit_addr(text: str) -> tuple[str, str] | None:
     """``/ip4/1.2.3.4/tcp/38400/p2p/<relay id>/p2p-circuit`` -> (relay transport address,
     relay peer id); None for anything else (a direct address, a malformed one, a relay
     chain). The destination's own ``/p2p/<id>`` is not part of an announced address."""
-    if len(text) > 300 or not text.startswith("/") or not text.endswith(CIRCUIT_SUFFIX):
+    parts = circuit_parts(text)
+    if parts is None:
         return None
-    head = text.removesuffix(CIRCUIT_SUFFIX)
-    transport, sep, relay_id = head.rpartition("/p2p/")
-    if not sep or not transport.startswith("/") or "/p2p" in transport or "/" in relay_id:
-        return None
+    transport, relay_id = parts
     try:
         ID.from_base58(relay_id)
         multiaddr.Multiaddr(text)

@@ -30,9 +30,7 @@ trusts is never displaced by others.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import re
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -50,9 +48,9 @@ from pydantic import (
 
 from volunteerd import uids
 from volunteerd.config import DHTConfig
+from volunteerd.config.addrs import is_dialable_addr
 from volunteerd.errors import InvalidRecord
 from volunteerd.identity import Identity
-from volunteerd.net.dialback import tcp_endpoint
 from volunteerd.net.envelope import RecordKind, RecordLimits, SignedRecord
 from volunteerd.net.peers import parse_circuit_addr, short
 
@@ -95,34 +93,13 @@ def _check_key(value: str) -> str:
     return value
 
 
-# What a record's address may be made of: the characters of ``/ip4|ip6/<ip>/tcp/<port>``
-# and of a base58 relay id. Anything else (control or non-ASCII characters, which JSON
-# writes as six-byte escapes) is no address a node announces.
-_ADDR_CHARS = re.compile(r"[A-Za-z0-9./:-]+")
-_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
-
-
 def is_record_addr(value: str) -> bool:
     """Whether ``value`` is an address a record may carry: what a node announces
     (``net/host.py`` transport_addrs, ``Reachability.announce_addrs``), i.e.
-    ``/ip4|ip6/<ip>/tcp/<port>`` or a circuit address through a relay at one,
-    ``<relay transport>/p2p/<relay id>/p2p-circuit`` (docs/protocol.md).
-
-    Peers dial these addresses, so the IP is one a peer can dial: never the
-    unspecified address (0.0.0.0 or ::, which a peer's system takes for itself), a
-    multicast or the broadcast address; the port is 1..65535. Loopback and private
-    addresses are addresses (tests and LANs use them)."""
-    if len(value) > 200 or not _ADDR_CHARS.fullmatch(value):
-        return False
-    circuit = parse_circuit_addr(value)
-    transport = circuit[0] if circuit is not None else value
-    endpoint = tcp_endpoint(transport)
-    if endpoint is None:
-        return False
-    ip = ipaddress.ip_address(endpoint[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (ip.is_unspecified or ip.is_multicast or ip == _BROADCAST)
+    ``/ip4|ip6/<ip>/tcp/<port>`` or a circuit address through a relay at one, whose
+    relay id decodes (``config.addrs.is_dialable_addr``: the configuration's
+    ``network.announce_addrs`` is checked by the same rule)."""
+    return is_dialable_addr(value, parse_circuit_addr)
 
 
 def _check_addr(value: str) -> str:
@@ -207,9 +184,8 @@ def sign_record(
     now: float | None = None,
 ) -> ExpertRecord:
     """``peer_id``'s record for ``key``, signed. Of ``addrs``, those a record cannot
-    carry (``is_record_addr``; ``network.announce_addrs`` is checked when the node
-    starts) are left out, with a warning the first time, rather than making every
-    record this node announces one that peers refuse."""
+    carry (``is_record_addr``) are left out, with a warning the first time, rather than
+    making every record this node announces one that peers refuse."""
     issued = time.time() if now is None else now
     given = tuple(addrs)
     carried = tuple(a for a in given if is_record_addr(a))
