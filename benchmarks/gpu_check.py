@@ -411,7 +411,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20, help="trainer steps each time")
     parser.add_argument("--json", type=Path, help="write the rows here as JSON")
-    parser.add_argument("--log", type=Path, default=Path("gpu_check_train.log"))
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "volunteerd-gpu-check.log",
+        help="the trainer's output (the daemons' logs go beside it, in LOG.daemons)",
+    )
     parser.add_argument("--only", nargs="*", help="run only these checks")
     args = parser.parse_args()
     device = torch.device(args.device)
