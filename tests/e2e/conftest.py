@@ -33,7 +33,9 @@ class Proc:
             time.sleep(0.05)
         raise AssertionError(f"not ready in {timeout_s}s:\n{self.log.read_text()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
+        # generous too: a daemon lowers itself to nice 10, and its graceful stop (1 s
+        # on an idle machine) took over 15 s beside busy processes at nice 0
         if self.process.poll() is None:
             self.process.send_signal(sig)
         return self.process.wait(timeout_s)
