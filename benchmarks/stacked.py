@@ -21,6 +21,7 @@ machine's speed drifts (±15 %) between runs, not within one. Run::
 
     .venv/bin/python benchmarks/stacked.py
     .venv/bin/python benchmarks/stacked.py --threads 1 --experts 2,4,8 --batch 16,64
+    python benchmarks/stacked.py --device cuda --experts 2,8,32 --batch 16,64,256
 """
 
 from __future__ import annotations
@@ -48,25 +49,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seconds", type=float, default=1.0, help="timing per method and turn")
     p.add_argument("--turns", type=int, default=3, help="turns of the three methods")
+    p.add_argument("--device", default="cpu", help='where the experts run, e.g. "cuda"')
     return p.parse_args(argv)
 
 
-def _rounds_per_s(fn: Callable[[], None], seconds: float) -> float:
+def _seconds_per_round(fn: Callable[[], None], seconds: float, device: torch.device) -> float:
+    def settle() -> None:  # a GPU's kernels run after the call returns: wait for them
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(3):
         fn()
+    settle()
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         fn()
         done += 1
+    settle()
     return (time.perf_counter() - start) / done
 
 
-def measure(hidden: int, n_experts: int, batch: int, seconds: float, turns: int) -> list[float]:
+def measure(
+    hidden: int,
+    n_experts: int,
+    batch: int,
+    seconds: float,
+    turns: int,
+    device: torch.device,
+) -> list[float]:
     """Median ms per round of: one by one, stacked per round, already stacked."""
     torch.manual_seed(0)
-    experts = [FeedForwardExpert(hidden) for _ in range(n_experts)]
-    inputs = [torch.randn(batch, hidden) for _ in experts]
-    grads = [torch.randn(batch, hidden) for _ in experts]
+    experts = [FeedForwardExpert(hidden).to(device) for _ in range(n_experts)]
+    inputs = [torch.randn(batch, hidden, device=device) for _ in experts]
+    grads = [torch.randn(batch, hidden, device=device) for _ in experts]
     skeleton = copy.deepcopy(experts[0]).to("meta")
     names = [name for name, _ in experts[0].named_parameters()]
 
@@ -106,24 +121,27 @@ def measure(hidden: int, n_experts: int, batch: int, seconds: float, turns: int)
     times: list[list[float]] = [[] for _ in methods]
     for _ in range(turns):
         for method, out in zip(methods, times, strict=True):
-            out.append(_rounds_per_s(method, seconds) * 1000)
+            out.append(_seconds_per_round(method, seconds, device) * 1000)
     return [statistics.median(t) for t in times]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    device = torch.device(args.device)
     reuse_freed_memory()  # as the daemon does: freed gradients reused, not faulted in anew
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"ffn hidden {args.hidden}, forward + backward of every expert, "
+        f"ffn hidden {args.hidden} on {device}, forward + backward of every expert, "
         f"{torch.get_num_threads()} torch threads; median ms per round of {args.turns} turns"
     )
     header = f"{'experts':>8}{'batch':>7}{'one by one':>12}{'stacked':>10}{'kept stacked':>14}"
     print(header + f"{'stacked / one by one':>22}{'kept / one by one':>19}")
     for n_experts in args.experts:
         for batch in args.batch:
-            single, stacked, kept = measure(args.hidden, n_experts, batch, args.seconds, args.turns)
+            single, stacked, kept = measure(
+                args.hidden, n_experts, batch, args.seconds, args.turns, device
+            )
             print(
                 f"{n_experts:>8}{batch:>7}{single:>12.2f}{stacked:>10.2f}{kept:>14.2f}"
                 f"{stacked / single:>22.2f}{kept / single:>19.2f}"
