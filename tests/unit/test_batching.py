@@ -13,7 +13,7 @@ import trio
 from volunteerd.config import RuntimeConfig
 from volunteerd.errors import Busy, ShuttingDown
 from volunteerd.runtime import DeviceBatcher, DeviceExecutor, Lane
-from volunteerd.runtime.batching import FRUITLESS_WAITS
+from volunteerd.runtime.batching import FRUITLESS_WAITS, Together
 
 
 def doubling(batches: list[int]):  # type: ignore[no-untyped-def]
@@ -290,3 +290,63 @@ async def test_a_lane_stops_waiting_when_waiting_brings_nothing(
         assert batches[-1] == 3
         assert await timed() == pytest.approx(0.05)  # waiting again
         device.close()
+
+
+async def test_lanes_together_run_as_one_call_and_fail_apart(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Batches of lanes with one ``Together`` key in a job go to one call, which answers
+    each; an exception it answers fails that batch only; a lane with another key (or
+    none) runs alone; and when the call itself raises, each batch runs on its own."""
+    config = RuntimeConfig(max_batch_size=100, max_batch_wait_s=0.05)
+    device = batcher(config)
+    calls: list[list[tuple[str, int]]] = []
+    alone: list[int] = []
+    fail_next_call = False
+
+    def together_run(
+        batches: list[tuple[object, list[torch.Tensor]]],
+    ) -> list[list[torch.Tensor] | Exception]:
+        if fail_next_call:
+            raise RuntimeError("the stacked kernel fell over")
+        calls.append([(str(member), sum(len(x) for x in items)) for member, items in batches])
+        return [
+            RuntimeError(f"{member} is broken")
+            if member == "b"
+            else [x * 3 for x in items]  # distinguishable from the lanes' own doubling
+            for member, items in batches
+        ]
+
+    lanes = {
+        name: device.lane(name, doubling(alone), together=Together("ffn", name, together_run))
+        for name in "abc"
+    }
+    other = device.lane("d", doubling(alone), together=Together("other", "d", together_run))
+
+    async def one(lane: Lane, results: dict[str, object]) -> None:  # type: ignore[type-arg]
+        try:
+            results[lane.name] = await submit(lane, torch.ones(2, 3))
+        except RuntimeError as exc:
+            results[lane.name] = exc
+
+    async def job() -> dict[str, object]:
+        results: dict[str, object] = {}
+        async with trio.open_nursery() as clients:
+            for lane in [*lanes.values(), other]:
+                clients.start_soon(one, lane, results)
+        return results
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        first = await job()
+        fail_next_call = True
+        second = await job()
+        device.close()
+    assert [sorted(call) for call in calls] == [[("a", 2), ("b", 2), ("c", 2)]]  # d: alone
+    assert torch.equal(first["a"], torch.full((2, 3), 3.0))  # type: ignore[arg-type]
+    assert str(first["b"]) == "b is broken"
+    assert torch.equal(first["d"], torch.full((2, 3), 2.0))  # type: ignore[arg-type]
+    for name in "abcd":  # the failed call: every batch on its own compute instead
+        assert torch.equal(second[name], torch.full((2, 3), 2.0))  # type: ignore[arg-type]
+    assert lanes["b"].statistics().batches == 1  # the failed batch is not counted
+    assert alone == [2, 2, 2, 2, 2]

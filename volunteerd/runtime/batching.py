@@ -30,6 +30,12 @@ trainer calling an expert once per pass gains nothing from it and would lose
 which happens by itself under load: requests that arrive while a job runs merge
 without any wait. (One fruitless wait is not enough: two clients of an expert that
 meet in every other wait would otherwise stop meeting at all.)
+
+Lanes made ``together`` with the same key (one kind of request to experts of one
+architecture and size, where the runtime stacks experts: see ``experts.stacked``) may
+run as one call: when a job holds batches of several such lanes, ``Together.run`` gets
+them all and answers each batch. A batch it answers with an exception fails alone; if
+the call itself raises, each batch runs on its own compute function instead.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["FRUITLESS_WAITS", "BeforeJob", "DeviceBatcher", "Lane", "QueueStats"]
+__all__ = ["FRUITLESS_WAITS", "BeforeJob", "DeviceBatcher", "Lane", "QueueStats", "Together"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +70,18 @@ X = TypeVar("X")
 # What ``DeviceBatcher.before_job`` hands the batcher: work to run on the worker thread
 # before the job's batches, and what to do with its result back on the trio thread.
 BeforeJob = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Together:
+    """Lanes whose batches may run as one call. ``run`` gets, per batch, the lane's
+    ``member`` and the batch's items, and returns per batch its results in order or the
+    exception that fails that batch; it must change nothing before it can answer every
+    batch (if it raises, each batch runs on its own compute function)."""
+
+    key: Hashable
+    member: Any
+    run: Callable[[list[tuple[Any, list[Any]]]], list[list[Any] | Exception]]
 
 
 @dataclass(slots=True)
@@ -102,10 +120,12 @@ class Lane(Generic[T, R]):
         compute: Callable[[list[T]], list[R]],
         *,
         merge: bool = True,
+        together: Together | None = None,
     ) -> None:
         self.name = name
         self.compute = compute
         self.merge = merge
+        self.together = together
         self._batcher = batcher
         self._closed = False
         self._waiting = 0  # submitted, not yet taken into a job
@@ -193,9 +213,14 @@ class DeviceBatcher:
         self._jobs = 0
 
     def lane(
-        self, name: str, compute: Callable[[list[T]], list[R]], *, merge: bool = True
+        self,
+        name: str,
+        compute: Callable[[list[T]], list[R]],
+        *,
+        merge: bool = True,
+        together: Together | None = None,
     ) -> Lane[T, R]:
-        return Lane(self, name, compute, merge=merge)
+        return Lane(self, name, compute, merge=merge, together=together)
 
     def wake(self) -> None:
         """Form a job now even if no request waits (``before_job`` has work)."""
@@ -318,16 +343,17 @@ class DeviceBatcher:
                 except Exception as exc:
                     logger.exception("the work before a job failed")
                     ahead = exc
+            groups: dict[Hashable, list[_Batch]] = {}
             for batch in batches:
-                try:
-                    batch.results = batch.lane.compute([t.item for t in batch.tasks])
-                except Exception as exc:  # one batch's failure is its requests' only
-                    logger.exception(
-                        "%s: batch of %d samples failed",
-                        batch.lane.name,
-                        sum(t.samples for t in batch.tasks),
-                    )
-                    batch.error = exc
+                if batch.lane.together is not None:
+                    groups.setdefault(batch.lane.together.key, []).append(batch)
+            for batch in batches:
+                together = batch.lane.together
+                group = groups.pop(together.key, []) if together is not None else []
+                if len(group) > 1 and together is not None:
+                    _compute_together(together, group)
+                elif batch.results is None and batch.error is None:
+                    _compute(batch)
             return ahead
 
         try:
@@ -360,3 +386,35 @@ class DeviceBatcher:
                 for task in batch.tasks:
                     task.error = batch.error
                 batch.lane._answered(batch.tasks, ran=False)
+
+
+def _compute(batch: _Batch) -> None:
+    try:
+        batch.results = batch.lane.compute([t.item for t in batch.tasks])
+    except Exception as exc:  # one batch's failure is its requests' only
+        logger.exception(
+            "%s: batch of %d samples failed", batch.lane.name, sum(t.samples for t in batch.tasks)
+        )
+        batch.error = exc
+
+
+def _compute_together(together: Together, group: list[_Batch]) -> None:
+    """The batches of ``group`` in one call, each alone if that call fails."""
+    try:
+        # every lane of the group has a Together of the same key
+        members = [b.lane.together.member for b in group]  # type: ignore[union-attr]
+        answers = together.run(
+            [(member, [t.item for t in b.tasks]) for member, b in zip(members, group, strict=True)]
+        )
+        if len(answers) != len(group):
+            raise RuntimeError(f"{len(answers)} answers for {len(group)} batches")
+    except Exception:
+        logger.exception("%d batches together failed; running them one by one", len(group))
+        for batch in group:
+            _compute(batch)
+        return
+    for batch, answer in zip(group, answers, strict=True):
+        if isinstance(answer, Exception):
+            batch.error = answer
+        else:
+            batch.results = answer
