@@ -40,6 +40,11 @@ Run::
     .venv/bin/python benchmarks/step_latency.py --hivemind-python .hivemind-venv/bin/python
     .venv/bin/python benchmarks/step_latency.py --k 8 --grid 8x8 --steps 30
     .venv/bin/python benchmarks/step_latency.py --table      # 8 configurations, 3-4 min
+    python benchmarks/step_latency.py --device cuda --stack-experts never --grid 8x8
+
+``--device`` puts the daemons' experts there (the trainer stays on the CPU);
+``--stack-experts`` sets whether they compute experts of one size as one
+(``runtime.stack_experts``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Any
 
 import torch
 
+from volunteerd.control.client import ControlClient
 from volunteerd.demo import LocalSwarm, trainer_config
 from volunteerd.logs import configure_logging
 from volunteerd.moe import RemoteMixtureOfExperts, SwarmClient
@@ -96,7 +102,12 @@ def run_grid(
 ) -> list[dict[str, Any]]:
     """One swarm hosting ``grid``; every k of ``ks`` in turn; the kill phase after the
     last if ``kill``."""
-    settings = [f"experts.hidden_dim={args.hidden}", "runtime.torch_threads=1"]
+    settings = [
+        f"experts.hidden_dim={args.hidden}",
+        "runtime.torch_threads=1",
+        f"runtime.device={args.device}",
+        f"runtime.stack_experts={args.stack_experts}",
+    ]
     results = []
     with (
         LocalSwarm(grid_patterns(grid, args.servers, args.placement), settings) as swarm,
@@ -111,7 +122,7 @@ def run_grid(
                 forward_timeout_s=5.0, backward_timeout_s=5.0, grace_after_k_min_s=0.05,
                 client=client,
             )  # fmt: skip
-            result = measure(args, moe, client)
+            result = measure(args, moe, client, swarm)
             result.update(grid=f"{grid[0]}x{grid[1]}", k=k)
             if kill:
                 result["kill"] = kill_phase(args, swarm, moe)
@@ -139,14 +150,26 @@ def step(moe: RemoteMixtureOfExperts, args: argparse.Namespace) -> dict[str, Any
     }
 
 
+def compute_seconds(swarm: LocalSwarm) -> float:
+    """The daemons' experts' compute time so far (their worker threads), all together."""
+    return sum(
+        e.compute_s
+        for node in swarm.daemons
+        for e in ControlClient.for_data_dir(node.data_dir).experts()
+    )
+
+
 def measure(
-    args: argparse.Namespace, moe: RemoteMixtureOfExperts, client: SwarmClient
+    args: argparse.Namespace, moe: RemoteMixtureOfExperts, client: SwarmClient, swarm: LocalSwarm
 ) -> dict[str, Any]:
     for _ in range(args.warmup):
         step(moe, args)
+    before = compute_seconds(swarm)
     steps = [step(moe, args) for _ in range(args.steps)]
+    worker_ms = (compute_seconds(swarm) - before) * 1000 / len(steps)
     times = [s["ms"] for s in steps]
     return {
+        "worker_ms": worker_ms,
         "median_ms": statistics.median(times),
         "p95_ms": pct(times, 0.95),
         "mean_ms": statistics.fmean(times),
@@ -249,6 +272,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="square: out.square().mean(), bounded; sum: out.sum() (hivemind's), grows "
         "without bound",
     )
+    p.add_argument("--device", default="cpu", help="the daemons' runtime.device (e.g. cuda)")
+    p.add_argument(
+        "--stack-experts",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="the daemons' runtime.stack_experts (auto: on a GPU only)",
+    )
     p.add_argument("--hivemind-python", default=os.environ.get("HIVEMIND_PYTHON"))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -312,23 +342,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'system':16} {'grid':>5} {'k':>3} {'median ms':>10} {'p95 ms':>8} "
-        f"{'experts/step':>13} {'late/step':>10} {'failed/step':>12}"
+        f"{'experts/step':>13} {'late/step':>10} {'failed/step':>12} {'compute ms':>11}"
     )
     for r in results:
         print(
             f"{'volunteerd':16} {r['grid']:>5} {r['k']:>3} {r['median_ms']:10.1f} "
             f"{r['p95_ms']:8.1f} {r['experts_per_step']:13.1f} {r['late_per_step']:10.2f} "
-            f"{r['failed_per_step']:12.2f}"
+            f"{r['failed_per_step']:12.2f} {r['worker_ms']:11.1f}"
         )
     if hive:
         print(
             f"{'hivemind 1.1.12':16} {'4x4':>5} {4:>3} {hive['median_ms']:10.1f} "
-            f"{hive['p95_ms']:8.1f} {'-':>13} {'-':>10} {'-':>12}"
+            f"{hive['p95_ms']:8.1f} {'-':>13} {'-':>10} {'-':>12} {'-':>11}"
         )
         print(f"hivemind / volunteerd median: {hive['median_ms'] / results[0]['median_ms']:.1f}x")
     print(
         "late: calls dropped by the k_min rule (k_min 1: still running 50 ms after every "
-        "row had an answer); failed: calls that got no answer"
+        "row had an answer); failed: calls that got no answer; compute ms: the daemons' "
+        "expert compute per step (their worker threads, all daemons together)"
     )
     print_checks(results)
     if kill:

@@ -380,6 +380,12 @@ class RuntimeConfig(_Model):
     retain_s: float = Field(
         60.0, gt=0, description="how long a kept forward waits for its backward"
     )
+    stack_experts: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="compute the batches of many experts of one type and size as one (their "
+        'weights stacked): "auto" = on a GPU, where it saves kernel launches (on a CPU it '
+        "costs more than it saves)",
+    )
 
     @field_validator("device")
     @classmethod

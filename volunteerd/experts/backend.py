@@ -142,7 +142,9 @@ class KeptGraph:
 class Retained:
     """A forward pass kept for its backward: inputs, output, weights. Alone, ``leaves``
     and ``output`` are the graph's own; as a piece of a merged forward (``graph``, its
-    rows the ``index``-th of ``graph.sizes``) they are detached views of its rows."""
+    rows the ``index``-th of ``graph.sizes``) they are detached views of its rows. A
+    forward computed stacked with other experts' (``stacked``) keeps no graph: its
+    backward recomputes it from ``leaves`` on ``weights``."""
 
     leaves: list[torch.Tensor]
     output: torch.Tensor
@@ -151,6 +153,7 @@ class Retained:
     consumed: bool = False
     graph: KeptGraph | None = None
     index: int = 0
+    stacked: bool = False
 
     def __del__(self) -> None:
         # Dropped unused (expired, evicted): its generation no longer needs protecting,
@@ -289,7 +292,11 @@ class ExpertBackend:
         results: list[list[torch.Tensor]] = [[] for _ in items]
         graphs: dict[int, tuple[KeptGraph, list[int]]] = {}
         for i, (retained, grad_outputs) in enumerate(items):
-            if retained.graph is None:
+            if retained.stacked:
+                self.kept_recomputed += 1
+                results[i] = self._recompute(retained, grad_outputs)
+                self._consume(retained)
+            elif retained.graph is None:
                 self._backprop(retained.weights, [retained.output], grad_outputs)
                 results[i] = self._input_grads(retained.leaves)
                 self._consume(retained)
@@ -315,13 +322,72 @@ class ExpertBackend:
                 retained, grad_outputs = items[i]
                 if not whole:
                     self.kept_recomputed += 1
-                    leaves = self._leaves(retained.leaves)
-                    with torch.enable_grad():
-                        out = functional_call(self.module, retained.weights.params, tuple(leaves))
-                    self._backprop(retained.weights, [out], grad_outputs)
-                    results[i] = self._input_grads(leaves)
+                    results[i] = self._recompute(retained, grad_outputs)
                 self._consume(retained)
         return results
+
+    def _recompute(
+        self, retained: Retained, grad_outputs: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Back-propagate a kept forward whose graph is gone: its forward again, from its
+        inputs on the weights it saw."""
+        leaves = self._leaves(retained.leaves)
+        with torch.enable_grad():
+            out = functional_call(self.module, retained.weights.params, tuple(leaves))
+        self._backprop(retained.weights, [out], grad_outputs)
+        return self._input_grads(leaves)
+
+    # Stacked with other experts (``experts.stacked``): the runtime computes, these
+    # keep what a kept forward needs and take the gradients.
+
+    def live_params(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.named_parameters())
+
+    def wide_input(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The one input of a batch, on the device in float32 (stacked experts take one)."""
+        [x] = inputs
+        return x.detach().to(self.device, torch.float32)
+
+    def keep_stacked(
+        self, weights: WeightsSnapshot, sizes: Sequence[int], x: torch.Tensor, out: torch.Tensor
+    ) -> list[tuple[list[torch.Tensor], Retained]]:
+        """Kept forwards (``sizes`` rows each, joined in ``x``) computed stacked on
+        ``weights`` (from ``snapshot``): per request its wire output and a ``Retained``
+        without a graph (its backward recomputes the forward)."""
+        rows = list(sizes)
+        wire = out.to(self.wire_dtype).split(rows)
+        kept = [
+            ([w], Retained([x_rows], o, weights, (x_rows.numel() + o.numel()) * 4, stacked=True))
+            for x_rows, o, w in zip(x.split(rows), out.split(rows), wire, strict=True)
+        ]
+        weights.pending += len(sizes)
+        return kept
+
+    def snapshot(self) -> WeightsSnapshot:
+        """The weights the next kept forward computes with (this generation's)."""
+        return self._weights()
+
+    def add_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add weight gradients computed elsewhere to the accumulated ones (taken
+        without a copy when there are none yet, as after a step, and laid out as the
+        weight is: the fused optimizers read a gradient in the weight's layout)."""
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                grad = grads[name]
+                if param.grad is None and grad.stride() != param.stride():
+                    grad = torch.empty_like(param).copy_(grad)
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+
+    def finish_stacked(self, retained: Retained) -> None:
+        """A stacked kept forward's backward is done (its gradients added)."""
+        self.kept_recomputed += 1
+        self._consume(retained)
+
+    def narrow(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.wire_dtype)
 
     def _backprop(
         self,

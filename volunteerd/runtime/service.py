@@ -53,7 +53,7 @@ from volunteerd.errors import (
 from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
 from volunteerd.experts.multistep import step_many
 from volunteerd.experts.stepcheck import StepCheck, StepOutcome
-from volunteerd.runtime.batching import BeforeJob, DeviceBatcher, Lane, QueueStats
+from volunteerd.runtime.batching import BeforeJob, DeviceBatcher, Lane, QueueStats, Together
 from volunteerd.runtime.executor import DeviceExecutor
 from volunteerd.runtime.guard import RequestGuard, Sender
 from volunteerd.runtime.memory import reuse_freed_memory
@@ -63,6 +63,7 @@ from volunteerd.runtime.retained import (
     StalenessMeter,
     StalenessStats,
 )
+from volunteerd.runtime.stacking import Kind, Stacking, cat_rows, split_rows, stacks_on
 from volunteerd.wire import (
     Compression,
     ExpertInfo,
@@ -96,21 +97,12 @@ class ExpertStats:
     staleness: StalenessStats  # updates between a kept forward and its backward
 
 
-def _cat(columns: list[Tensors]) -> Tensors:
-    return [c[0] if len(c) == 1 else torch.cat(c) for c in zip(*columns, strict=True)]
-
-
-def _split(outputs: Tensors, sizes: list[int]) -> list[Tensors]:
-    if len(sizes) == 1:
-        return [outputs]
-    pieces = [o.split(sizes) for o in outputs]
-    return [[p[i] for p in pieces] for i in range(len(sizes))]
-
-
 class _Hosted:
     """One expert's backend and queues."""
 
-    def __init__(self, backend: ExpertBackend, batcher: DeviceBatcher) -> None:
+    def __init__(
+        self, backend: ExpertBackend, batcher: DeviceBatcher, stacking: Stacking | None = None
+    ) -> None:
         self.backend = backend
         self.step_pending = False
         self.compute_s = 0.0  # added on the worker thread, read on the trio thread
@@ -127,16 +119,16 @@ class _Hosted:
         def forward(items: list[Tensors]) -> list[Tensors]:
             self.refuse_if_broken()
             with self.timed():
-                return _split(backend.forward(_cat(items)), [t[0].shape[0] for t in items])
+                return split_rows(backend.forward(cat_rows(items)), [t[0].shape[0] for t in items])
 
         def backward(items: list[tuple[Tensors, Sender]]) -> list[Tensors]:
             self.refuse_if_broken()
             with self.timed():
                 self.senders.extend(sender for _, sender in items)
-                joined = _cat([tensors for tensors, _ in items])
+                joined = cat_rows([tensors for tensors, _ in items])
                 grads = backend.backward(joined[:n_in], joined[n_in:])
                 self.staleness.record_stateless(len(items))
-                return _split(grads, [t[0].shape[0] for t, _ in items])
+                return split_rows(grads, [t[0].shape[0] for t, _ in items])
 
         def forward_retained(items: list[Tensors]) -> list[tuple[Tensors, Retained, int]]:
             self.refuse_if_broken()
@@ -159,10 +151,18 @@ class _Hosted:
                 return grads
 
         uid = backend.uid
-        self.forward = batcher.lane(f"{uid}/forward", forward)
-        self.backward = batcher.lane(f"{uid}/backward", backward)
-        self.forward_retained = batcher.lane(f"{uid}/forward-retained", forward_retained)
-        self.backward_retained = batcher.lane(f"{uid}/backward-retained", backward_retained)
+
+        def together(kind: Kind) -> Together | None:
+            return stacking.together(self, kind) if stacking is not None else None
+
+        self.forward = batcher.lane(f"{uid}/forward", forward, together=together("forward"))
+        self.backward = batcher.lane(f"{uid}/backward", backward, together=together("backward"))
+        self.forward_retained = batcher.lane(
+            f"{uid}/forward-retained", forward_retained, together=together("forward-retained")
+        )
+        self.backward_retained = batcher.lane(
+            f"{uid}/backward-retained", backward_retained, together=together("backward-retained")
+        )
 
     @contextmanager
     def timed(self) -> Iterator[None]:
@@ -224,8 +224,12 @@ class ExpertRuntime:
         self._max_samples = min(limits.max_request_samples, runtime.max_batch_size)
         self._max_sequence = limits.max_sequence_length
         self._runtime_config = runtime
+        # Experts of one type and size computed as one per job (on GPUs by default)
+        self.stacking = Stacking() if stacks_on(runtime, device) else None
         self._experts = {
-            uid: _Hosted(ExpertBackend(uid, experts, device, self._max_samples), self.batcher)
+            uid: _Hosted(
+                ExpertBackend(uid, experts, device, self._max_samples), self.batcher, self.stacking
+            )
             for uid in uids
         }
         self._finished = trio.Event()
@@ -300,7 +304,7 @@ class ExpertRuntime:
             raise ShuttingDown("the expert runtime is not running")
         if backend.uid in self._experts:
             raise ValueError(f"{backend.uid} is hosted already")
-        hosted = _Hosted(backend, self.batcher)
+        hosted = _Hosted(backend, self.batcher, self.stacking)
         self._experts[backend.uid] = hosted
         if self.on_experts_changed is not None:
             self.on_experts_changed([backend.uid], [])
