@@ -10,14 +10,13 @@ import pytest
 import torch
 import trio
 
+from tests.unit.wire_tensors import wire
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.errors import Busy
-from volunteerd.experts import to_wire
 from volunteerd.experts.layers import FeedForwardExpert
 from volunteerd.experts.stacked import StackEntry, Stacker
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.stacking import stacks_on
-from volunteerd.wire import WireTensor
 
 HIDDEN = 16
 UIDS = [f"ffn.0.{i}" for i in range(4)]
@@ -108,14 +107,6 @@ def runtime(stack: str, device: str = "cpu") -> ExpertRuntime:
         }
     )
     return ExpertRuntime(UIDS, experts, config, WireLimits(), torch.device(device))
-
-
-def wire(*tensors: torch.Tensor) -> list[WireTensor]:
-    out = []
-    for tensor in tensors:
-        meta, data = to_wire(tensor)
-        out.append(WireTensor(meta.dtype, meta.shape, memoryview(bytearray(data))))
-    return out
 
 
 def tensor_of(rt: ExpertRuntime, reply_bytes: list[bytes], rows: int) -> torch.Tensor:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 import trio
 
+from tests.unit.wire_tensors import wire
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.control.models import Staleness
-from volunteerd.experts import Retained, WeightsSnapshot, to_wire
+from volunteerd.experts import Retained, WeightsSnapshot
 from volunteerd.runtime import ExpertRuntime, RetainedStore
 from volunteerd.runtime.retained import STALENESS_BUCKETS, StalenessMeter, StalenessStats
-from volunteerd.wire import WireTensor
 
 HIDDEN = 16
 UID = "ffn.0.0"
@@ -81,22 +81,14 @@ def _runtime() -> ExpertRuntime:
     )
 
 
-def _wire(*tensors: torch.Tensor) -> list[WireTensor]:
-    out = []
-    for tensor in tensors:
-        meta, data = to_wire(tensor)
-        out.append(WireTensor(meta.dtype, meta.shape, memoryview(bytearray(data))))
-    return out
-
-
 async def _kept_forward(rt: ExpertRuntime, peer: str) -> str:
-    reply, _ = await rt.forward(UID, _wire(torch.randn(4, HIDDEN)), retain=True, peer_id=peer)
+    reply, _ = await rt.forward(UID, wire(torch.randn(4, HIDDEN)), retain=True, peer_id=peer)
     assert reply.handle is not None
     return reply.handle
 
 
 async def _backward(rt: ExpertRuntime, peer: str, handle: str) -> None:
-    await rt.backward(UID, _wire(torch.randn(4, HIDDEN)), handle=handle, peer_id=peer)
+    await rt.backward(UID, wire(torch.randn(4, HIDDEN)), handle=handle, peer_id=peer)
     await rt.settled()  # its optimizer step has run
 
 
@@ -113,7 +105,7 @@ async def test_interleaved_trainers_see_the_updates_between_forward_and_backward
         # then one more round without interleaving: fresh again
         await _backward(rt, "A", await _kept_forward(rt, "A"))
         x, g = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
-        await rt.backward(UID, _wire(x, g), peer_id="D")
+        await rt.backward(UID, wire(x, g), peer_id="D")
         await rt.settled()
         rt.close()
     assert rt.backend(UID).updates == 5
