@@ -6,7 +6,8 @@ What it checks (one row each; the script exits 1 if any row fails)
     detect      ``volunteerd hardware --json`` lists the GPU and ``runtime.device =
                 "auto"`` picks it.
     unit tests  the suite's device-parametrised tests (tests/unit/test_residency.py,
-                test_hardware.py) pass with none skipped.
+                test_hardware.py, test_stacked.py: experts stacked on the GPU train as
+                they do one by one) pass with none skipped.
     parity      ``--experts`` ffn experts of ``--hidden`` built on the CPU and on the GPU
                 from the same weights take the same 5 rounds of backward + checked Adam
                 step (``ExpertBackend.step`` with the runtime's ``StepCheck``); their
@@ -20,7 +21,8 @@ What it checks (one row each; the script exits 1 if any row fails)
                 the GPU: samples/s, for the record (not judged).
     daemons     a bootstrap node and two ``volunteerd serve`` daemons with ``runtime.device
                 = "cuda"`` host the demo's model at hidden 512; a trainer on the CPU trains
-                ``--steps`` steps over libp2p on 127.0.0.1; both daemons are paused (their
+                ``--steps`` steps over libp2p on 127.0.0.1 (the daemons stack their
+                experts, ``runtime.stack_experts = "auto"``); both daemons are paused (their
                 GPU memory, read with nvidia-smi, must fall), resumed, one is restarted
                 from its checkpoints, and the trainer trains again: no expert call may fail.
 
@@ -116,7 +118,11 @@ _PYTEST = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benc
 
 
 def check_unit_tests(device: torch.device) -> Row:
-    tests = ["tests/unit/test_residency.py", "tests/unit/test_hardware.py"]
+    tests = [
+        "tests/unit/test_residency.py",
+        "tests/unit/test_hardware.py",
+        "tests/unit/test_stacked.py",
+    ]
     done = subprocess.run(
         [sys.executable, *_PYTEST, *tests],
         capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
