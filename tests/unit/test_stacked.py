@@ -16,7 +16,7 @@ from volunteerd.errors import Busy
 from volunteerd.experts.layers import FeedForwardExpert
 from volunteerd.experts.stacked import StackEntry, Stacker
 from volunteerd.runtime import ExpertRuntime
-from volunteerd.runtime.stacking import stacks_on
+from volunteerd.runtime.stacking import AUTO_MIN_STACK, stacks_on
 
 HIDDEN = 16
 UIDS = [f"ffn.0.{i}" for i in range(4)]
@@ -82,13 +82,33 @@ def test_stacks_waste_at_most_half_their_rows_and_copy_a_bounded_amount_of_weigh
     assert Stacker(expert, max_stack=2).stacks(entries([4] * 3)) == [[0, 1], [2]]
 
 
+def test_too_few_experts_are_computed_one_by_one() -> None:
+    """Under ``min_stack`` a stack costs more than it saves: no batched call is made."""
+    torch.manual_seed(0)
+    experts = [FeedForwardExpert(HIDDEN) for _ in range(4)]
+    stacker = Stacker(experts[0], min_stack=4)
+
+    def no_batched_call(*args: object) -> torch.Tensor:
+        raise AssertionError("stacked")
+
+    stacker._mapped = no_batched_call  # type: ignore[method-assign]
+    entries = [StackEntry(dict(e.named_parameters()), torch.randn(3, HIDDEN)) for e in experts]
+    assert stacker.alone(entries[:3]) == [0, 1, 2]
+    assert stacker.alone(entries) == []
+    outputs = stacker.forward(entries[:3])
+    for out, expert, entry in zip(outputs, experts[:3], entries[:3], strict=True):
+        torch.testing.assert_close(out, expert(entry.inputs).detach())
+    with pytest.raises(AssertionError, match="stacked"):
+        stacker.forward(entries)
+
+
 def test_experts_stack_where_configured() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     auto = RuntimeConfig()
-    assert not stacks_on(auto, cpu)
-    assert stacks_on(auto, gpu)
-    assert stacks_on(RuntimeConfig(stack_experts="always"), cpu)
-    assert not stacks_on(RuntimeConfig(stack_experts="never"), gpu)
+    assert stacks_on(auto, cpu) == 0
+    assert stacks_on(auto, gpu) == AUTO_MIN_STACK == 4
+    assert stacks_on(RuntimeConfig(stack_experts="always"), cpu) == 2
+    assert stacks_on(RuntimeConfig(stack_experts="never"), gpu) == 0
 
 
 # -- in a running runtime -----------------------------------------------------------

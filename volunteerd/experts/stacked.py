@@ -17,7 +17,8 @@ stack; in a backward the padding's output gradients are zero, so it adds nothing
 weight's gradient (back-propagation is linear in them). Entries are sorted by rows and
 cut into stacks that copy at most ``max_stack_bytes`` of weights and pad only small
 batches (``SMALL_ROWS``) freely, larger ones by at most a third of their rows, so one
-large batch is not padded with many small ones.
+large batch is not padded with many small ones; a stack of fewer than ``min_stack``
+entries is computed one by one.
 Nothing here changes an expert: a backward returns the gradients, and the caller adds
 them where they belong.
 """
@@ -55,7 +56,17 @@ class Stacker:
     """Computes entries of experts built like ``module`` (any one of them: only its
     structure is used, on the meta device)."""
 
-    def __init__(self, module: nn.Module, *, max_stack: int = 64, max_stack_bytes: int = 512 << 20):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        min_stack: int = 2,
+        max_stack: int = 64,
+        max_stack_bytes: int = 512 << 20,
+    ):
+        # Fewer entries than ``min_stack`` are computed one by one: stacking a few costs
+        # more than it saves (on the H200, 2 experts stacked took 1.4x as long).
+        self.min_stack = max(2, min_stack)
         self._skeleton = copy.deepcopy(module).to("meta")
         self._names = [name for name, _ in module.named_parameters()]
         self._weight_bytes = sum(p.numel() * 4 for p in module.parameters())
@@ -87,11 +98,22 @@ class Stacker:
             rows = n
         return stacks
 
+    def alone(self, entries: Sequence[StackEntry]) -> list[int]:
+        """The entries that would be computed one by one (in stacks under ``min_stack``)."""
+        return [i for stack in self.stacks(entries) if len(stack) < self.min_stack for i in stack]
+
+    def _groups(self, entries: Sequence[StackEntry]) -> list[list[int]]:
+        """What each computation takes: a stack, or one entry of a stack too small."""
+        groups: list[list[int]] = []
+        for stack in self.stacks(entries):
+            groups.extend([stack] if len(stack) >= self.min_stack else [[i] for i in stack])
+        return groups
+
     def forward(self, entries: Sequence[StackEntry]) -> list[torch.Tensor]:
         """Each entry's output, computed without autograd."""
         outputs: list[torch.Tensor | None] = [None] * len(entries)
         with torch.no_grad():
-            for stack in self.stacks(entries):
+            for stack in self._groups(entries):
                 params, x, sizes = self._stack([entries[i] for i in stack], with_grads=False)
                 out = self._run(params, x, len(stack))
                 if len(stack) == 1:  # computed as it is, not stacked
@@ -107,7 +129,7 @@ class Stacker:
         """Each entry's input gradient and weight gradients (by name), from a forward
         recomputed on the entry's weights."""
         results: list[tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = [None] * len(entries)
-        for stack in self.stacks(entries):
+        for stack in self._groups(entries):
             chosen = [entries[i] for i in stack]
             params, x, sizes = self._stack(chosen, with_grads=True)
             grad = _padded([e.grad_output for e in chosen], sizes)

@@ -225,7 +225,8 @@ class ExpertRuntime:
         self._max_sequence = limits.max_sequence_length
         self._runtime_config = runtime
         # Experts of one type and size computed as one per job (on GPUs by default)
-        self.stacking = Stacking() if stacks_on(runtime, device) else None
+        min_stack = stacks_on(runtime, device)
+        self.stacking = Stacking(min_stack) if min_stack else None
         self._experts = {
             uid: _Hosted(
                 ExpertBackend(uid, experts, device, self._max_samples), self.batcher, self.stacking
