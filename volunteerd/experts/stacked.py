@@ -19,6 +19,7 @@ cut into stacks that copy at most ``max_stack_bytes`` of weights and pad only sm
 batches (``SMALL_ROWS``) freely, larger ones by at most a third of their rows, so one
 large batch is not padded with many small ones; a stack of fewer than ``min_stack``
 entries is computed one by one.
+
 Nothing here changes an expert: a backward returns the gradients, and the caller adds
 them where they belong.
 """
@@ -114,13 +115,10 @@ class Stacker:
         outputs: list[torch.Tensor | None] = [None] * len(entries)
         with torch.no_grad():
             for stack in self._groups(entries):
-                params, x, sizes = self._stack([entries[i] for i in stack], with_grads=False)
+                params, x, sizes = self._stack([entries[i] for i in stack])
                 out = self._run(params, x, len(stack))
-                if len(stack) == 1:  # computed as it is, not stacked
-                    outputs[stack[0]] = out
-                    continue
-                for k, i in enumerate(stack):
-                    outputs[i] = out[k, : sizes[k]]
+                for i, piece in zip(stack, _unstack(out, sizes), strict=True):
+                    outputs[i] = piece
         return [o for o in outputs if o is not None]
 
     def backward(
@@ -131,48 +129,54 @@ class Stacker:
         results: list[tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = [None] * len(entries)
         for stack in self._groups(entries):
             chosen = [entries[i] for i in stack]
-            params, x, sizes = self._stack(chosen, with_grads=True)
-            grad = _padded([e.grad_output for e in chosen], sizes)
+            params, x, sizes = self._stack(chosen)
+            grad = _joined([e.grad_output for e in chosen], sizes)
             with torch.enable_grad():
                 leaves = [x, *params.values()]
                 for leaf in leaves:
                     leaf.requires_grad_()
-                out = self._run(params, x, len(stack))
-                grads = torch.autograd.grad(out, leaves, grad if len(stack) > 1 else grad[0])
-            dx, weight_grads = grads[0], dict(zip(params, grads[1:], strict=True))
+                grads = torch.autograd.grad(self._run(params, x, len(stack)), leaves, grad)
+            dxs = _unstack(grads[0], sizes)
+            per_name = {
+                n: _unstack(g, sizes, rows=False) for n, g in zip(params, grads[1:], strict=True)
+            }
             for k, i in enumerate(stack):
-                if len(stack) == 1:
-                    results[i] = (dx[: sizes[k]], weight_grads)
-                else:
-                    results[i] = (dx[k, : sizes[k]], {n: g[k] for n, g in weight_grads.items()})
+                results[i] = (dxs[k], {n: g[k] for n, g in per_name.items()})
         return [r for r in results if r is not None]
 
     def _stack(
-        self, chosen: Sequence[StackEntry], *, with_grads: bool
+        self, chosen: Sequence[StackEntry]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
+        """The weights and inputs of ``chosen`` as one computation takes them: as they
+        are for one entry, stacked (inputs padded) for several."""
         sizes = [int(e.inputs.shape[0]) for e in chosen]
         if len(chosen) == 1:
-            [entry] = chosen
-            params = {n: entry.params[n].detach() for n in self._names}
-            return params, entry.inputs.detach(), sizes
-        params = {n: torch.stack([e.params[n].detach() for e in chosen]) for n in self._names}
-        x = _padded([e.inputs for e in chosen], sizes)
-        return params, x, sizes
+            params = {n: chosen[0].params[n].detach() for n in self._names}
+        else:
+            params = {n: torch.stack([e.params[n].detach() for e in chosen]) for n in self._names}
+        return params, _joined([e.inputs for e in chosen], sizes), sizes
 
     def _run(self, params: dict[str, torch.Tensor], x: torch.Tensor, n: int) -> torch.Tensor:
-        if n == 1:
-            return self._call(params, x)
-        return self._mapped(params, x)
+        """``n`` entries' outputs: mapped over the stack, or one entry's as it is."""
+        return self._mapped(params, x) if n > 1 else self._call(params, x)
 
 
-def _padded(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> torch.Tensor:
-    """[len, max(sizes), ...]: each tensor's rows, then zero rows (a missing tensor: all
-    zeros); one tensor alone is itself as [1, ...]."""
+def _joined(tensors: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> torch.Tensor:
+    """One entry's tensor as it is; several as [len, max(sizes), ...], each one's rows
+    then zero rows (a missing tensor: all zeros)."""
     first = next(t for t in tensors if t is not None)
     if len(tensors) == 1:
-        return first.detach().unsqueeze(0)
+        return first.detach()
     out = first.new_zeros((len(tensors), max(sizes), *first.shape[1:]))
     for k, t in enumerate(tensors):
         if t is not None:
             out[k, : sizes[k]] = t
     return out
+
+
+def _unstack(t: torch.Tensor, sizes: Sequence[int], *, rows: bool = True) -> list[torch.Tensor]:
+    """Each entry's part of ``t`` (its own rows of a stacked result, padding dropped, if
+    ``rows``): ``t`` itself when one entry was computed as it is."""
+    if len(sizes) == 1:
+        return [t]
+    return [t[k, :n] if rows else t[k] for k, n in enumerate(sizes)]

@@ -106,13 +106,7 @@ class Stacking:
         if shape not in self._stackers:
             self._stackers[shape] = Stacker(backend.module, min_stack=self.min_stack)
         stacker = self._stackers[shape]
-        runs: dict[Kind, Callable[[Stacker, list[tuple[Any, list[Any]]]], list[Answer]]] = {
-            "forward": _forward,
-            "forward-retained": _forward_retained,
-            "backward": _backward,
-            "backward-retained": _backward_retained,
-        }
-        run = runs[kind]
+        run = _RUNS[kind]
 
         def counted(batches: list[tuple[Any, list[Any]]]) -> list[Answer]:
             answers = run(stacker, batches)
@@ -259,3 +253,11 @@ def _each_alone(
         except Exception as exc:  # its own failure, as the batcher would have it
             logger.exception("%s: batch failed", lane.name)
             answers[b] = exc
+
+
+_RUNS: dict[Kind, Callable[[Stacker, list[tuple[Any, list[Any]]]], list[Answer]]] = {
+    "forward": _forward,
+    "forward-retained": _forward_retained,
+    "backward": _backward,
+    "backward-retained": _backward_retained,
+}
