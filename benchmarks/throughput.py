@@ -15,6 +15,10 @@ What it measures
     done). Over the same window the daemon reports:
 
     * the mean server batch: samples per batch its runtime ran (forwards and backwards);
+    * its expert compute: the time its device worker spent computing experts, as a share
+      of the window and per sample served (on a GPU: how much of the device is left);
+    * with experts stacked (``--stack-experts``; on GPUs by default), the share of those
+      batches computed in stacked calls, several experts' batches as one;
     * its CPU per served sample: the CPU time of this process (every thread: the event
       loop, the device worker, torch's threads — the clients are other processes)
       divided by the samples served, a forward and its backward counting as one.
@@ -59,6 +63,10 @@ Run::
         --repeat 3
     .venv/bin/python benchmarks/throughput.py --hidden 512 --experts 4
     .venv/bin/python benchmarks/throughput.py --hidden 512 --batch 64 --clients 4
+    python benchmarks/throughput.py --device cuda --experts 16 --batch 64 --clients 12
+
+``--device`` puts the daemon's experts (and the local bounds) there; the clients stay
+on the CPU. ``--stack-experts`` sets ``runtime.stack_experts``.
 
 Prints one table (and ``--json`` a JSON line) to stdout; logs go to stderr.
 """
@@ -108,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=2048)
     p.add_argument("--max-batch-wait-s", type=float, default=0.005)
     p.add_argument("--stateless", action="store_true", help="recompute forwards in backward")
+    p.add_argument("--device", default="cpu", help="the daemon's runtime.device (e.g. cuda)")
+    p.add_argument(
+        "--stack-experts",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="the daemon's runtime.stack_experts (auto: on a GPU only)",
+    )
     p.add_argument("--hivemind-python", default=os.environ.get("HIVEMIND_PYTHON"))
     p.add_argument("--skip-local", action="store_true", help="skip the local bounds")
     p.add_argument(
@@ -130,8 +145,17 @@ def server_config(args: argparse.Namespace, bootstrap: list[str] | None = None) 
             "max_batch_size": args.max_batch_size,
             "max_batch_wait_s": args.max_batch_wait_s,
             "retain_activations_mb": 0 if args.stateless else 2048,
+            "device": args.device,
+            "stack_experts": args.stack_experts,
         },
         dht={"announce_period_s": 5, "record_ttl_s": 12},
+        # The per-peer limits (200 requests/s) would meter a client of a GPU daemon.
+        peer_limits={
+            "requests_per_s": 100_000,
+            "request_burst": 100_000,
+            "inbound_mib_per_s": 100_000,
+            "inbound_burst_mib": 100_000,
+        },
         timeouts={"request_s": 120},
         logging={"level": "WARNING"},
     )
@@ -232,12 +256,17 @@ def run_volunteerd(args: argparse.Namespace) -> dict[str, Any]:
             ),
             mean_forward_batch=_ratio(delta["forward_samples"], delta["forward_batches"]),
             mean_backward_batch=_ratio(delta["backward_samples"], delta["backward_batches"]),
+            stacked_share=_ratio(
+                delta["stacked_batches"], delta["forward_batches"] + delta["backward_batches"]
+            ),
             samples_served=served,
             optimizer_steps=delta["updates"],
             server_cpu_s=cpu_s,
             server_cpu_cores=cpu_s / server_window_s,
             server_cpu_us_per_sample=cpu_s / served * 1e6 if served else None,
             worker_busy_s=delta["compute_s"],
+            worker_busy_share=delta["compute_s"] / server_window_s,
+            compute_us_per_sample=delta["compute_s"] / served * 1e6 if served else None,
         )
 
     trio.run(main)
@@ -251,7 +280,9 @@ def _ratio(a: float, b: float) -> float:
 def _served(server: Any) -> dict[str, float]:
     """The runtime's counters summed over the experts."""
     stats = server.runtime.statistics()
+    stacking = server.runtime.stacking
     return {
+        "stacked_batches": stacking.batches if stacking is not None else 0,
         "forward_samples": sum(s.forward.samples for s in stats),
         "forward_batches": sum(s.forward.batches for s in stats),
         "backward_samples": sum(s.backward.samples for s in stats),
@@ -292,10 +323,11 @@ def local_bound(args: argparse.Namespace, batch: int, *, stateless: bool = False
     own if ``stateless``), built as the server builds its experts (float32 weights,
     ``make_optimizer``), round robin over ``args.experts`` experts."""
     config = server_config(args).experts
-    modules = [build_module(config, f"ffn.0.{e}") for e in range(args.experts)]
+    device = torch.device(args.device)
+    modules = [build_module(config, f"ffn.0.{e}").to(device) for e in range(args.experts)]
     optimizers = [make_optimizer(list(m.parameters()), config.optimizer) for m in modules]
-    x = torch.randn(batch, args.hidden)
-    grad = torch.ones(batch, args.hidden)  # d out.sum() / d out, as the clients send
+    x = torch.randn(batch, args.hidden, device=device)
+    grad = torch.ones(batch, args.hidden, device=device)  # d out.sum() / d out, as sent
 
     def step(i: int) -> None:
         module, optimizer = modules[i % len(modules)], optimizers[i % len(modules)]
@@ -306,12 +338,18 @@ def local_bound(args: argparse.Namespace, batch: int, *, stateless: bool = False
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for i in range(2 * len(modules)):  # optimizer state, allocator
         step(i)
+    sync()
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < args.local_seconds:
         step(steps)
         steps += 1
+    sync()
     return steps * batch / (time.perf_counter() - start)
 
 
@@ -451,7 +489,13 @@ def print_report(args: argparse.Namespace, rounds: list[Round]) -> None:
 
     print(
         f"\nffn hidden {args.hidden}, batch {args.batch} per request, {args.experts} experts, "
-        f"{args.clients} clients, {args.dtype}, {os.cpu_count()} cores; {args.seconds:g} s "
+        f"{args.clients} clients, {args.dtype}, {os.cpu_count()} cores"
+        + (
+            f", experts on {args.device} (stack_experts {args.stack_experts})"
+            if args.device != "cpu"
+            else ""
+        )
+        + f"; {args.seconds:g} s "
         f"windows (local bounds {args.local_seconds:g} s)"
         + (f"; medians of {args.repeat} alternating runs" if args.repeat > 1 else "")
     )
@@ -472,6 +516,15 @@ def print_report(args: argparse.Namespace, rounds: list[Round]) -> None:
             f"vs local stateless work: volunteerd {_vs(ours_pairs, 'stateless_work')}"
             + (f", hivemind {_vs(hive_pairs, 'stateless_work')}" if hive_runs else "")
         )
+    busy = [r["worker_busy_share"] for r in ours_runs]
+    per_sample = [r["compute_us_per_sample"] for r in ours_runs if r["compute_us_per_sample"]]
+    print(
+        f"expert compute (the daemon's device worker): busy {_median(busy):.0%} of the window, "
+        f"{_median(per_sample):.0f} µs per sample served"
+    )
+    stacked = [r["stacked_share"] for r in ours_runs]
+    if any(stacked):
+        print(f"batches computed stacked (several experts as one): {_median(stacked):.0%}")
     if args.repeat > 1:
         runs = "volunteerd runs: " + ", ".join(f"{r['samples_per_s']:.0f}" for r in ours_runs)
         if hive_runs:
