@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import ReplicasConfig
 from volunteerd.errors import PeerUnreachable
 from volunteerd.experts import ExpertBackend, to_wire
-from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime import ExpertRuntime, averaging
 from volunteerd.runtime.averaging import ReplicaAverager, centered_clip
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import WireTensor
@@ -143,11 +144,13 @@ def reply_for(params: Params, uid: str = UID) -> tuple[ParamsReply, list[WireTen
 class FakeSwarm:
     def __init__(self, replies: dict[str, tuple[ParamsReply, list[WireTensor]] | None]) -> None:
         self.replies = replies
+        self.calls: Counter[str] = Counter()  # peer id -> fetches
 
     async def replicas(self, uid: str) -> list[str]:
         return list(self.replies)
 
     async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
+        self.calls[peer_id] += 1
         reply = self.replies[peer_id]
         if reply is None:
             raise PeerUnreachable(f"{peer_id}: gone")
@@ -195,6 +198,84 @@ async def test_averaging_keeps_kept_forwards_valid() -> None:
     x_ref = x.clone().requires_grad_()
     reference(x_ref).backward(g)
     torch.testing.assert_close(grad_x, x_ref.grad)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_fake_replicas_cannot_crowd_out_an_honest_one() -> None:
+    """A uid listed by 40 identities that do not answer, ahead of the one honest
+    replica: each round asks at most max_peers of them, a fake is asked again only
+    after its backoff (30 s, then 60 s, 120 s...), and once the honest replica has
+    answered it is averaged with in every round, however many fakes are listed."""
+    runtime = backend_runtime()
+    own = runtime.backend(UID).parameter_copies()
+    replies: dict[str, tuple[ParamsReply, list[WireTensor]] | None] = {
+        f"fake-{i}": None for i in range(40)
+    }
+    replies["honest"] = reply_for({k: v + 1e-4 for k, v in own.items()})
+    swarm, clock = FakeSwarm(replies), Clock()
+    config = ReplicasConfig(average_every_s=30.0, max_peers=8)
+    averager = ReplicaAverager(runtime, swarm, config, clock=clock)
+    used = []
+    for _ in range(30):  # 15 minutes of rounds every 30 s
+        used.append(await averager.average(UID))
+        clock.now += 30.0
+    first = used.index(1)
+    assert first <= 5  # 40 fakes at 8 calls a round: found by the sixth round
+    assert used[first:] == [1] * (30 - first)
+    assert all(swarm.calls[f"fake-{i}"] <= 5 for i in range(40))  # at 0, 30, 90, 210, 450 s
+    assert sum(swarm.calls.values()) <= 8 * 30
+    stats = averager.statistics()
+    assert stats.rejected == {"unreachable": sum(swarm.calls.values()) - swarm.calls["honest"]}
+
+
+async def test_a_failing_replica_backs_off_and_comes_back_when_it_answers() -> None:
+    runtime = backend_runtime()
+    own = runtime.backend(UID).parameter_copies()
+    swarm, clock = FakeSwarm({"flaky": None}), Clock()
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(average_every_s=10.0), clock=clock)
+    asked_at = []
+    for second in range(0, 200, 5):
+        clock.now = float(second)
+        calls = swarm.calls["flaky"]
+        await averager.average(UID)
+        if swarm.calls["flaky"] > calls:
+            asked_at.append(second)
+    assert asked_at == [0, 10, 30, 70, 150]  # 10 s, doubled after each failure
+    swarm.replies["flaky"] = reply_for(own)
+    clock.now = 310.0  # after its 160 s backoff
+    assert await averager.average(UID) == 1
+    clock.now += 1.0  # answered: asked again at once
+    assert await averager.average(UID) == 1
+
+
+async def test_what_the_averager_remembers_of_peers_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(averaging, "_MAX_REMEMBERED", 16)
+    runtime = backend_runtime()
+    own = runtime.backend(UID).parameter_copies()
+    swarm, clock = FakeSwarm({}), Clock()
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(max_peers=4), clock=clock)
+    for round_ in range(50):  # four fresh identities a round, half junk
+        swarm.replies = {
+            f"good-{round_}-0": reply_for(own),
+            f"good-{round_}-1": reply_for(own),
+            f"junk-{round_}-0": reply_for({f"x{k}": v for k, v in own.items()}),
+            f"gone-{round_}": None,
+        }
+        await averager.average(UID)
+    assert swarm.calls.total() == 200
+    assert len(averager._good) == 16
+    assert len(averager._failed) == 16
+    assert len(averager.statistics().rejected_by_peer) == 16
+    assert averager.statistics().rejected == {"names": 50, "unreachable": 50}
 
 
 def test_centered_clip_bounds_any_single_replica() -> None:

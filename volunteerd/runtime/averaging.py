@@ -17,6 +17,19 @@ each tensor by at most tau/n per round. The whole move is at most tau*(n-1)/n. T
 weights are written in the device worker's turn, copy-on-write, as an optimizer step
 is (``ExpertBackend.set_parameters``).
 
+Which replicas a round asks: anyone can announce a uid under fresh identities, so the
+DHT's list may be mostly peers that do not exist or send junk. The averager remembers
+who answered: up to ``max_peers`` are asked each round, replicas whose parameters were
+used before first (a random choice of them, keeping one place for a peer not asked yet
+while there is one), then new peers in the order the DHT lists them (storing nodes list
+the writers present longest first), peers never asked before those coming back from a
+backoff. A peer whose fetch failed or whose reply was
+refused is not asked again for a while, twice as long after each failure in a row
+(``average_every_s`` doubled up to an hour). So fake records cost a round at most its
+``max_peers`` calls, each fake is tried once per backoff, and an honest replica found
+once keeps being averaged with however many fakes are listed. What is remembered, and
+the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
+
 The network is behind ``ReplicaSource`` (the daemon gives the DHT and the RPC client),
 so this module needs no libp2p and its tests can fake the swarm.
 """
@@ -26,8 +39,11 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 import trio
@@ -47,6 +63,11 @@ if TYPE_CHECKING:
 __all__ = ["AveragingStats", "ReplicaAverager", "ReplicaSource", "centered_clip"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MAX_REMEMBERED = 4096  # peers remembered as good, as failed, and in each per-peer counter
+_MAX_BACKOFF_S = 3600.0  # the longest a failed peer goes unasked
 
 
 class ReplicaSource(Protocol):
@@ -90,12 +111,16 @@ class ReplicaAverager:
         source: ReplicaSource,
         config: ReplicasConfig,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
         self.source = source
         self._config = config
         self._rng = rng or random.Random()
+        self._clock = clock
         self._counts = _Counters()
+        self._good: OrderedDict[str, float] = OrderedDict()  # peer -> when last used
+        self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Average every expert every ``average_every_s`` (jittered) until cancelled."""
@@ -125,9 +150,7 @@ class ReplicaAverager:
     async def gather(self, uid: str) -> list[tuple[str, Params]]:
         """The parameters of up to ``max_peers`` other replicas of ``uid`` that fit, by
         peer id; the others are counted as rejected."""
-        peers = await self.source.replicas(uid)
-        if len(peers) > self._config.max_peers:
-            peers = self._rng.sample(peers, self._config.max_peers)
+        peers = self.choose(await self.source.replicas(uid))
         if not peers:
             return []
         backend = self.runtime.backend(uid)
@@ -146,12 +169,31 @@ class ReplicaAverager:
             if isinstance(params, str):
                 self._reject(peer_id, params, f"{uid}: {params}")
                 return
+            self._failed.pop(peer_id, None)
+            _remember(self._good, peer_id, self._clock())
             replies.append((peer_id, params))
 
         async with trio.open_nursery() as nursery:
             for peer_id in peers:
                 nursery.start_soon(fetch, peer_id)
         return replies
+
+    def choose(self, listed: list[str]) -> list[str]:
+        """Up to ``max_peers`` of the peers the DHT lists for a uid (in its order): not
+        those failing lately; replicas used before first (a random choice, one place
+        kept for a new peer while there is one), then new ones in the listed order, those
+        never asked before those asked again after a backoff."""
+        now, limit = self._clock(), self._config.max_peers
+        usable = [p for p in dict.fromkeys(listed) if self._failed.get(p, (0.0, 0))[0] <= now]
+        good = [p for p in usable if p in self._good]
+        # never asked first, then those whose backoff is over (fewest failures first)
+        new = sorted(
+            (p for p in usable if p not in self._good), key=lambda p: self._failed.get(p, (0, 0))[1]
+        )
+        known = self._rng.sample(good, min(len(good), limit - 1 if new and limit > 1 else limit))
+        chosen = known + new[: limit - len(known)]
+        spare = [p for p in good if p not in known]
+        return chosen + spare[: limit - len(chosen)]
 
     async def combine(self, uid: str, replies: list[tuple[str, Params]]) -> int:
         """Centered clipping of ``uid``'s weights with ``replies`` (from ``gather``),
@@ -176,7 +218,7 @@ class ReplicaAverager:
         counts.last_shift[uid] = shift
         for (peer_id, _), n_clipped in zip(replies, clipped, strict=True):
             if n_clipped:
-                counts.clipped_by_peer[peer_id] = counts.clipped_by_peer.get(peer_id, 0) + n_clipped
+                _add(counts.clipped_by_peer, peer_id, n_clipped)
         logger.debug(
             "averaged %s with %d replicas (moved %.2e of its norm)", uid, len(replies), shift
         )
@@ -185,7 +227,11 @@ class ReplicaAverager:
     def _reject(self, peer_id: str, reason: str, detail: str) -> None:
         counts = self._counts
         counts.rejected[reason] = counts.rejected.get(reason, 0) + 1
-        counts.rejected_by_peer[peer_id] = counts.rejected_by_peer.get(peer_id, 0) + 1
+        _add(counts.rejected_by_peer, peer_id, 1)
+        self._good.pop(peer_id, None)
+        failures = self._failed.get(peer_id, (0.0, 0))[1] + 1
+        backoff = min(_MAX_BACKOFF_S, self._config.average_every_s * 2 ** min(failures - 1, 20))
+        _remember(self._failed, peer_id, (self._clock() + backoff, failures))
         logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
 
     def statistics(self) -> AveragingStats:
@@ -198,6 +244,21 @@ class ReplicaAverager:
             clipped_by_peer=dict(c.clipped_by_peer),
             last_shift=dict(c.last_shift),
         )
+
+
+def _remember(table: OrderedDict[str, T], peer_id: str, value: T) -> None:
+    """Set ``peer_id``'s entry as the newest, forgetting the oldest beyond the bound."""
+    table[peer_id] = value
+    table.move_to_end(peer_id)
+    while len(table) > _MAX_REMEMBERED:
+        table.popitem(last=False)
+
+
+def _add(counter: dict[str, int], peer_id: str, n: int) -> None:
+    """Count ``n`` for ``peer_id``; a new peer beyond the bound replaces the oldest."""
+    if peer_id not in counter and len(counter) >= _MAX_REMEMBERED:
+        del counter[next(iter(counter))]
+    counter[peer_id] = counter.get(peer_id, 0) + n
 
 
 def _check_reply(

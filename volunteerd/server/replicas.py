@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from volunteerd.net import Node, PeerAddress, Verb
+from volunteerd.errors import PeerUnreachable
+from volunteerd.net import Node, PeerAddress, Verb, short
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
@@ -36,7 +37,9 @@ class SwarmReplicas:
         self._node = node
         self._lookup_s = lookup_s
         self._allowed = allowed
-        self._addresses: dict[str, PeerAddress] = {}
+        # uid -> peer id -> address, from the latest lookup of that uid only: fresh
+        # identities announcing a uid round after round are not all remembered.
+        self._addresses: dict[str, dict[str, PeerAddress]] = {}
 
     async def replicas(self, uid: str) -> list[str]:
         """The other peers announcing ``uid`` (none if the lookup takes too long, or
@@ -45,19 +48,21 @@ class SwarmReplicas:
             return []
         with trio.move_on_after(self._lookup_s):
             records = (await self._node.dht.get([uid]))[uid]
-            peers = []
-            for record in records:
-                if record.peer_id != self._node.peer_id:
-                    self._addresses[record.peer_id] = PeerAddress(record.peer_id, record.addrs)
-                    peers.append(record.peer_id)
-            return peers
+            found = {
+                r.peer_id: PeerAddress(r.peer_id, r.addrs)
+                for r in records
+                if r.peer_id != self._node.peer_id
+            }
+            self._addresses[uid] = found
+            return list(found)
         return []
 
     async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
         """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before)."""
-        reply, tensors = await self._node.rpc.call(
-            self._addresses[peer_id], Verb.PARAMS, ParamsRequest(uid=uid)
-        )
+        address = self._addresses.get(uid, {}).get(peer_id)
+        if address is None:  # the uid's lookup since then no longer lists it
+            raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
+        reply, tensors = await self._node.rpc.call(address, Verb.PARAMS, ParamsRequest(uid=uid))
         return reply, tensors
 
 
