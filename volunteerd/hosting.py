@@ -17,6 +17,7 @@ in the background, and a failure is shown in its state and tried again.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from volunteerd.server.replicas import SwarmReplicas, WindowedDownloader
 from volunteerd.swarm.download import ShardDownloader
 from volunteerd.swarm.joiner import Joiner, capacity_for
 from volunteerd.swarm.projects import Project, share_of
+from volunteerd.swarm.verified import ReplicaChecks, hosts_uid
 
 __all__ = ["Hosting", "prepare_hosting"]
 
@@ -128,6 +130,11 @@ class Hosting:
             ShardDownloader.for_node(node.rpc, self.paths.downloads_dir, config.timeouts),
             volunteer.wait_for_network,
         )
+        # Which listed replicas answer as such (shared: the projects' uids differ).
+        timeouts = config.timeouts
+        checks = ReplicaChecks(
+            hosts_uid(node.rpc, timeouts.connect_s + timeouts.dht_rpc_s), time.monotonic
+        )
         for index, project in enumerate(projects):
 
             def capacity(experts: ExpertsConfig, project: Project = project) -> int:
@@ -148,6 +155,7 @@ class Hosting:
                     project.experiments(config.experiments),
                     capacity,
                     taken=taken,
+                    checks=checks,
                 )
             )
         for project, joiner in zip(projects, self.joiners, strict=True):

@@ -19,7 +19,9 @@ from volunteerd.errors import ResourceUnavailable, UntrustedManifest
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import CheckpointHeader, encode_checkpoint
 from volunteerd.identity import Identity
+from volunteerd.net import Verb
 from volunteerd.net.peers import peer_id_for
+from volunteerd.net.records import StoreReply, StoreRequest, sign_record
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
 from volunteerd.testing import local_config, open_daemon, open_peer
 
@@ -32,14 +34,16 @@ REPLICATION = 2
 CAPACITY = 6  # 3 daemons x 6 = 18 places for 16 experts
 
 
-def make_manifest(owner: Identity) -> ExperimentManifest:
+def make_manifest(
+    owner: Identity, grid: tuple[int, int] = GRID, replication: int = REPLICATION
+) -> ExperimentManifest:
     now = time.time()
     return ExperimentManifest(
         name=NAME,
         hidden_dim=16,
         uid_prefix="ffn",
-        grid=GRID,
-        replication=REPLICATION,
+        grid=grid,
+        replication=replication,
         seed=7,
         owner=str(peer_id_for(owner)),
         issued_at=now,
@@ -173,6 +177,47 @@ async def test_three_joiners_cover_the_grid_and_a_latecomer_downloads_from_repli
                     assert payload_sha256(seeded) != mine  # not merely the same seed
                 print(f"whole test {time.perf_counter() - started:.1f}s")
             stop.set()
+
+
+async def test_fake_replicas_do_not_make_an_expert_look_served(tmp_path: Path) -> None:
+    """Two experts, room for one on each daemon. A hosts one of them; three identities
+    with no server behind them announce the other. The newcomer B must count only
+    replicas that answer for their uid and host the expert nobody serves (counting
+    records, it took the one A serves: "3 replicas" against 1)."""
+    owner = Identity.generate()
+    manifest = make_manifest(owner, grid=(1, 2), replication=1)
+    async with (
+        open_peer(local_config()) as boot,
+        open_peer(local_config(bootstrap=[])) as attacker,
+    ):
+        assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+        config = joining_config(boot.multiaddrs, [manifest.owner], max_experts=1)
+        async with open_daemon(config, tmp_path / "a") as a:
+            (served,) = hosted(a)
+            (unserved,) = set(manifest.uids()) - {served}
+            fakes = [Identity.generate() for _ in range(3)]
+            records = [
+                sign_record(
+                    f, str(peer_id_for(f)), key=unserved, addrs=["/ip4/127.0.0.1/tcp/9"], ttl_s=600
+                )
+                for f in fakes
+            ]
+            reply, _ = await attacker.rpc.call(
+                boot.address, Verb.DHT_STORE, StoreRequest(records=records)
+            )
+            assert isinstance(reply, StoreReply)
+            assert reply.stored == 3
+            with trio.fail_after(30):  # A's own record is found too before B joins
+                while True:
+                    found = (await boot.dht.get([served]))[served]
+                    if {r.peer_id for r in found} == {a.node.peer_id}:
+                        break
+                    await trio.sleep(0.2)
+            async with open_daemon(config, tmp_path / "b") as b:
+                assert hosted(b) == {unserved}
+                (joiner,) = b.joiners
+                assert joiner.sources[unserved] == "seed"  # the fakes had nothing to give
+                assert hosted(a) == {served}
 
 
 async def test_daemon_refuses_a_manifest_signed_by_an_untrusted_key(tmp_path: Path) -> None:

@@ -7,13 +7,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
 
-LEAVES = {"errors", "uids", "atomic", "detached"}
+LEAVES = {"errors", "uids", "atomic", "detached", "bounded"}
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "uids": set(),
     "atomic": set(),
     "detached": set(),
+    "bounded": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),
@@ -106,6 +107,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 TORCH_FREE = {
     "atomic",
+    "bounded",
     "detached",
     "errors",
     "uids",

@@ -43,11 +43,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import trio
 
+from volunteerd.bounded import remember
 from volunteerd.config import ReplicasConfig
 from volunteerd.errors import VolunteerdError
 from volunteerd.experts import ExpertBackend, from_wire
@@ -63,8 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["AveragingStats", "ReplicaAverager", "ReplicaSource", "centered_clip"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _MAX_REMEMBERED = 4096  # peers remembered as good, as failed, and in each per-peer counter
 _MAX_BACKOFF_S = 3600.0  # the longest a failed peer goes unasked
@@ -170,7 +169,7 @@ class ReplicaAverager:
                 self._reject(peer_id, params, f"{uid}: {params}")
                 return
             self._failed.pop(peer_id, None)
-            _remember(self._good, peer_id, self._clock())
+            remember(self._good, peer_id, self._clock(), _MAX_REMEMBERED)
             replies.append((peer_id, params))
 
         async with trio.open_nursery() as nursery:
@@ -231,7 +230,7 @@ class ReplicaAverager:
         self._good.pop(peer_id, None)
         failures = self._failed.get(peer_id, (0.0, 0))[1] + 1
         backoff = min(_MAX_BACKOFF_S, self._config.average_every_s * 2 ** min(failures - 1, 20))
-        _remember(self._failed, peer_id, (self._clock() + backoff, failures))
+        remember(self._failed, peer_id, (self._clock() + backoff, failures), _MAX_REMEMBERED)
         logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
 
     def statistics(self) -> AveragingStats:
@@ -244,14 +243,6 @@ class ReplicaAverager:
             clipped_by_peer=dict(c.clipped_by_peer),
             last_shift=dict(c.last_shift),
         )
-
-
-def _remember(table: OrderedDict[str, T], peer_id: str, value: T) -> None:
-    """Set ``peer_id``'s entry as the newest, forgetting the oldest beyond the bound."""
-    table[peer_id] = value
-    table.move_to_end(peer_id)
-    while len(table) > _MAX_REMEMBERED:
-        table.popitem(last=False)
 
 
 def _add(counter: dict[str, int], peer_id: str, n: int) -> None:

@@ -15,9 +15,11 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
 2. store the manifest again on the closest peers (and every ``republish_every_s``), so
    it outlives its publisher's node;
 3. choose experts (``swarm.assignment``) from the live replica counts in the DHT and the
-   capacity; for each new one, in this order: this node's own newest checkpoint, else a
-   live replica's current state (downloaded), else the seeded weights of the manifest;
-   then host it and announce it;
+   capacity — a listed peer counts once it has answered ``info`` for the uid
+   (``swarm.verified``: fake records must not make an expert look well served); for
+   each new one, in this order: this node's own newest checkpoint, else a live
+   replica's current state (downloaded, from replicas that answered first), else the
+   seeded weights of the manifest; then host it and announce it;
 4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
    the DHT first, finish their queued work, and are saved for a later return.
 """
@@ -45,6 +47,7 @@ from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.runtime.hardware import capacity, detect
 from volunteerd.swarm.assignment import Choice, choose_experts
 from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
+from volunteerd.swarm.verified import ReplicaChecks
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -106,6 +109,7 @@ class Joiner:
         capacity: Callable[[ExpertsConfig], int],
         *,
         taken: Callable[[], Collection[str]] = frozenset,
+        checks: ReplicaChecks | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
     ) -> None:
@@ -115,6 +119,7 @@ class Joiner:
         self._taken = taken
         self._checkpointer = checkpointer
         self._downloader = downloader
+        self._checks = checks  # None: every listed peer counts (tests of the choice)
         self._config = config
         self._capacity_of = capacity
         self._clock = clock
@@ -262,14 +267,15 @@ class Joiner:
         if manifest is None:
             raise RuntimeError("rebalance() before the experiment's manifest was found")
         uids = manifest.uids()
-        replicas = await self.live_replicas(uids)
+        listed = await self.live_replicas(uids)
         if not self.rounds:
             # Just joined: connections to most peers are new and the first lookup is
             # the least reliable. Look twice.
             await trio.sleep(_RETRY_S / 2)
             for uid, peers in (await self.live_replicas(uids)).items():
-                known = {a.peer_id for a in replicas[uid]}
-                replicas[uid] += [a for a in peers if a.peer_id not in known]
+                known = {a.peer_id for a in listed[uid]}
+                listed[uid] += [a for a in peers if a.peer_id not in known]
+        replicas = listed if self._checks is None else await self._checks.real(listed)
         seen = {uid: {a.peer_id for a in peers} for uid, peers in replicas.items()}
         # A replica seen in this lookup or the previous one counts: one lossy lookup
         # (a peer that did not answer in time) must not look like an orphaned expert.
@@ -300,7 +306,7 @@ class Joiner:
             if self.hosted and choice.add:
                 self.moves += len(choice.drop)
             await self._drop(choice.drop)
-        await self._add(choice.add, replicas, manifest.experts_config())
+        await self._add(choice.add, listed, manifest.experts_config())
         return choice
 
     async def _checkpointed(self, uids: Sequence[str]) -> set[str]:
@@ -338,6 +344,14 @@ class Joiner:
             self.hosted[uid] = self._clock()
         self._announce()
 
+    def _download_order(self, uid: str, replicas: Sequence[PeerAddress]) -> list[PeerAddress]:
+        """Replicas that answered for ``uid`` first, then the others (each in a random
+        order, spreading newcomers' downloads over the replicas)."""
+        checks = self._checks
+        real = [p for p in replicas if checks is None or checks.verified(p.peer_id, uid)]
+        rest = [p for p in replicas if p not in real]
+        return self._rng.sample(real, len(real)) + self._rng.sample(rest, len(rest))
+
     async def _initial_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
         """Load ``backend``'s starting state; returns where it came from."""
         uid = backend.uid
@@ -352,7 +366,7 @@ class Joiner:
             if attempt:
                 await trio.sleep(_RETRY_S)
             replicas = (await self.live_replicas([uid]))[uid]
-        for peer in self._rng.sample(list(replicas), len(replicas)):
+        for peer in self._download_order(uid, replicas):
             try:
                 state = await self._downloader.download(peer, backend)
                 await self._runtime.executor.run(partial(backend.load_state, state))

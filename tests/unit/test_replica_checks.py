@@ -1,0 +1,147 @@
+"""The joiner counts a listed replica only once it answered for the uid
+(``swarm.verified.ReplicaChecks``): fake records cannot make an expert look served."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import trio
+import trio.lowlevel
+
+from volunteerd.errors import PeerUnreachable
+from volunteerd.net import PeerAddress
+from volunteerd.swarm import verified
+from volunteerd.swarm.verified import ReplicaChecks
+
+ADDR = ["/ip4/127.0.0.1/tcp/1"]
+
+
+class Swarm:
+    """Which (peer, uid) pairs are real; counts the checks. A check that raises stands
+    for py-libp2p's own errors."""
+
+    def __init__(self, real: set[tuple[str, str]], raising: set[str] = frozenset()) -> None:
+        self.real = real
+        self.raising = raising
+        self.asked: Counter[tuple[str, str]] = Counter()
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def check(self, peer: PeerAddress, uid: str) -> bool:
+        self.asked[peer.peer_id, uid] += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await trio.lowlevel.checkpoint()
+        self.in_flight -= 1
+        if peer.peer_id in self.raising:
+            raise RuntimeError("peer store: no such peer")
+        return (peer.peer_id, uid) in self.real
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def peers(*ids: str) -> list[PeerAddress]:
+    return [PeerAddress(i, ADDR) for i in ids]
+
+
+def ids(found: dict[str, list[PeerAddress]]) -> dict[str, list[str]]:
+    return {uid: [p.peer_id for p in ps] for uid, ps in found.items()}
+
+
+async def test_only_peers_that_answered_for_the_uid_count() -> None:
+    swarm = Swarm({("a", "e.0"), ("b", "e.1")}, raising={"broken"})
+    checks = ReplicaChecks(swarm.check, Clock())
+    listed = {"e.0": peers("fake", "a", "b", "broken"), "e.1": peers("b", "a")}
+    assert ids(await checks.real(listed)) == {"e.0": ["a"], "e.1": ["b"]}
+    assert checks.checks == 6
+    assert checks.refused == 4  # fake, b for e.0, broken (it raised), a for e.1
+
+
+async def test_answers_are_believed_for_a_while_and_refusals_back_off() -> None:
+    swarm, clock = Swarm({("a", "e")}), Clock()
+    checks = ReplicaChecks(swarm.check, clock, verified_s=100, failed_s=50)
+    listed = {"e": peers("a", "fake")}
+    for _ in range(3):  # within both: nobody is asked again
+        assert ids(await checks.real(listed)) == {"e": ["a"]}
+        clock.now += 10
+    assert swarm.asked == {("a", "e"): 1, ("fake", "e"): 1}
+    clock.now += 30  # 60 s on: the fake is asked again, a is still believed
+    await checks.real(listed)
+    assert swarm.asked == {("a", "e"): 1, ("fake", "e"): 2}
+    clock.now += 50  # 110 s: a's answer is too old; a that left no longer counts
+    swarm.real.clear()
+    assert ids(await checks.real(listed)) == {"e": []}
+    assert swarm.asked[("a", "e")] == 2
+
+
+async def test_a_flood_of_fake_replicas_costs_a_bounded_number_of_checks_a_round() -> None:
+    """A thousand fakes listed ahead of the honest replica of one uid: at most
+    max_checks a round, at most at_once at a time, the other uids' replicas checked
+    in the first round all the same, and the honest replica found within
+    ceil(1001 / max_checks) rounds of checks, once each fake backs off."""
+    fakes = [f"fake-{i}" for i in range(1000)]
+    real = {("honest", "flooded")} | {(f"r{u}", f"e.{u}") for u in range(20)}
+    swarm, clock = Swarm(real), Clock()
+    checks = ReplicaChecks(
+        swarm.check, clock, failed_s=3600, max_checks=100, at_once=8, rng=random.Random(1)
+    )
+    listed = {"flooded": peers(*fakes, "honest")} | {f"e.{u}": peers(f"r{u}") for u in range(20)}
+    first = ids(await checks.real(listed))
+    assert all(first[f"e.{u}"] == [f"r{u}"] for u in range(20))
+    assert sum(swarm.asked.values()) == 100
+    rounds = 1
+    while ids(await checks.real(listed))["flooded"] != ["honest"]:
+        rounds += 1
+        clock.now += 60
+    assert rounds <= 11
+    assert max(swarm.asked.values()) == 1  # no fake asked twice within its backoff
+    assert swarm.most_in_flight <= 8
+
+
+async def test_what_is_remembered_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verified, "_MAX_REMEMBERED", 32)
+    swarm = Swarm({(f"p{i}", "e") for i in range(0, 500, 2)})
+    checks = ReplicaChecks(swarm.check, Clock(), max_checks=500)
+    found = await checks.real({"e": peers(*(f"p{i}" for i in range(500)))})
+    assert len(found["e"]) == 32  # the newest 32 answers are kept
+    assert len(checks._verified) == 32
+    assert len(checks._failed) == 32
+
+
+async def test_a_real_replica_that_is_busy_counts_and_one_without_the_expert_does_not() -> None:
+    """``hosts_uid``: a typed error other than unknown_expert is a replica too."""
+    from volunteerd.errors import RemoteError
+    from volunteerd.wire import ExpertInfo, TensorSchema
+
+    class Rpc:
+        def __init__(self, answer: object) -> None:
+            self.answer = answer
+
+        async def call(self, peer: PeerAddress, verb: object, request: object) -> object:
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer, []
+
+    schema = TensorSchema(dtype="float32", shape=[None, 8])
+    info = ExpertInfo(
+        uid="e.1", expert_type="ffn", hidden_dim=8, inputs=[schema], outputs=[schema],
+        max_batch_size=64,
+    )  # fmt: skip
+    cases = [
+        (info, "e.1", True),
+        (info, "e.2", False),  # answered about another uid
+        (RemoteError("busy", "queue full"), "e.1", True),
+        (RemoteError("unknown_expert", "not here"), "e.1", False),
+        (PeerUnreachable("refused"), "e.1", False),
+    ]
+    for answer, uid, expected in cases:
+        check = verified.hosts_uid(Rpc(answer), timeout_s=1.0)  # type: ignore[arg-type]
+        assert await check(peers("p")[0], uid) is expected, (answer, uid)
