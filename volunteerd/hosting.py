@@ -133,7 +133,7 @@ class Hosting:
         # Which listed replicas answer as such (shared: the projects' uids differ).
         timeouts = config.timeouts
         checks = ReplicaChecks(
-            hosts_uid(node.rpc, timeouts.connect_s + timeouts.dht_rpc_s), time.monotonic
+            hosts_uid(node.rpc), time.monotonic, check_s=timeouts.connect_s + timeouts.dht_rpc_s
         )
         for index, project in enumerate(projects):
 

@@ -106,6 +106,35 @@ async def test_a_flood_of_fake_replicas_costs_a_bounded_number_of_checks_a_round
     assert swarm.most_in_flight <= 8
 
 
+async def test_fakes_that_never_answer_hold_a_round_for_round_s_at_most(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Fakes that accept and never answer, listed ahead of the honest replica of one
+    uid and beside another uid's: each holds a slot for check_s and is then refused;
+    checks start in order and none after round_s - check_s, so the round ends by round_s,
+    the next round goes on down the list, and the honest replica is found."""
+
+    async def check(peer: PeerAddress, uid: str) -> bool:
+        if peer.peer_id.startswith("fake"):
+            await trio.sleep(3600)
+        return True
+
+    clock = Clock()
+    checks = ReplicaChecks(check, clock, check_s=10.0, round_s=30.0, at_once=4)
+    listed = {"e": peers(*(f"fake-{i}" for i in range(20)), "honest"), "f": peers("other")}
+    start = trio.current_time()
+    found = ids(await checks.real(listed))
+    assert trio.current_time() - start == pytest.approx(30.0)
+    assert found == {"e": [], "f": ["other"]}  # the other uid's replica went first
+    assert checks.checks == 13  # the other replica, then 4 fakes at 0, 10 and 20 s
+    assert checks.refused == 12
+    clock.now += 60
+    start = trio.current_time()
+    found = ids(await checks.real(listed))  # 8 fakes left (0 and 10 s), then the honest
+    assert found == {"e": ["honest"], "f": ["other"]}
+    assert trio.current_time() - start == pytest.approx(20.0)
+
+
 async def test_what_is_remembered_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verified, "_MAX_REMEMBERED", 32)
     swarm = Swarm({(f"p{i}", "e") for i in range(0, 500, 2)})
@@ -143,5 +172,5 @@ async def test_a_real_replica_that_is_busy_counts_and_one_without_the_expert_doe
         (PeerUnreachable("refused"), "e.1", False),
     ]
     for answer, uid, expected in cases:
-        check = verified.hosts_uid(Rpc(answer), timeout_s=1.0)  # type: ignore[arg-type]
+        check = verified.hosts_uid(Rpc(answer))  # type: ignore[arg-type]
         assert await check(peers("p")[0], uid) is expected, (answer, uid)

@@ -10,9 +10,11 @@ peer that answered is believed for ``verified_s``; one that did not is not asked
 for ``failed_s``. Each round checks at most ``max_checks`` (peer, uid) pairs, taking
 one of each uid's in turn, ``at_once`` at a time, so a flood of fake records costs a
 bounded number of refused dials per round, and a flooded uid does not keep the others
-unchecked. A replica not yet checked does not count: under a flood, an expert looks
-less served than it is and gets more hosts, never fewer. What is remembered is bounded
-(``_MAX_REMEMBERED`` pairs each).
+unchecked. A check that gets no answer within ``check_s`` is a refusal, and no check
+starts once less than that is left of ``round_s``: fakes at addresses that accept and
+never answer delay a rebalance by ``round_s`` at most. A replica not yet checked does not
+count: under a flood, an expert looks less served than it is and gets more hosts, never
+fewer. What is remembered is bounded (``_MAX_REMEMBERED`` pairs each).
 """
 
 from __future__ import annotations
@@ -39,16 +41,16 @@ CheckReplica = Callable[[PeerAddress, str], Awaitable[bool]]
 _MAX_REMEMBERED = 65_536
 
 
-def hosts_uid(rpc: RpcClient, timeout_s: float) -> CheckReplica:
-    """A ``CheckReplica`` that asks the peer ``info`` about the uid."""
+def hosts_uid(rpc: RpcClient) -> CheckReplica:
+    """A ``CheckReplica`` that asks the peer ``info`` about the uid (``ReplicaChecks``
+    bounds how long it may take)."""
 
     async def check(peer: PeerAddress, uid: str) -> bool:
         try:
-            with trio.fail_after(timeout_s):
-                reply, _ = await rpc.call(peer, Verb.INFO, InfoRequest(uid=uid))
+            reply, _ = await rpc.call(peer, Verb.INFO, InfoRequest(uid=uid))
         except RemoteError as exc:
             return exc.code != "unknown_expert"
-        except (PeerError, trio.TooSlowError):
+        except PeerError:
             return False
         return isinstance(reply, ExpertInfo) and reply.uid == uid
 
@@ -65,6 +67,8 @@ class ReplicaChecks:
         failed_s: float = 300.0,
         max_checks: int = 256,
         at_once: int = 16,
+        check_s: float = 15.0,
+        round_s: float = 30.0,
         rng: random.Random | None = None,
     ) -> None:
         self._check = check
@@ -73,6 +77,8 @@ class ReplicaChecks:
         self._failed_s = failed_s
         self._max_checks = max_checks
         self._at_once = at_once
+        self._check_s = check_s
+        self._round_s = round_s
         self._rng = rng or random.Random()
         self._verified: OrderedDict[tuple[str, str], float] = OrderedDict()  # -> when
         self._failed: OrderedDict[tuple[str, str], float] = OrderedDict()  # -> retry at
@@ -108,15 +114,18 @@ class ReplicaChecks:
             for queue in queues[: self._max_checks - len(pairs)]:
                 pairs.append(queue.popleft())
             queues = [q for q in queues if q]
-        limiter = trio.CapacityLimiter(self._at_once)
+        slots = trio.Semaphore(self._at_once)
 
         async def check(peer: PeerAddress, uid: str) -> None:
-            async with limiter:
-                try:
+            try:
+                with trio.move_on_after(self._check_s):
+                    ok = False  # no answer within check_s
                     ok = await self._check(peer, uid)
-                except Exception as exc:  # py-libp2p's own errors, for a peer that left
-                    logger.info("checking %s of %s failed: %r", uid, short(peer.peer_id), exc)
-                    ok = False
+            except Exception as exc:  # py-libp2p's own errors, for a peer that left
+                logger.info("checking %s of %s failed: %r", uid, short(peer.peer_id), exc)
+                ok = False
+            finally:
+                slots.release()
             self.checks += 1
             key = (peer.peer_id, uid)
             if ok:
@@ -128,8 +137,16 @@ class ReplicaChecks:
                 remember(self._failed, key, self._clock() + self._failed_s, _MAX_REMEMBERED)
 
         refused = self.refused
+        # Started in order, at_once at a time, and none after the round has no full
+        # check_s left: fakes that accept and never answer each hold a slot check_s,
+        # and a round lasts round_s at most; what was not started stays unknown.
+        last_start = trio.current_time() + max(0.0, self._round_s - self._check_s)
         async with trio.open_nursery() as nursery:
             for peer, uid in pairs:
+                await slots.acquire()
+                if trio.current_time() > last_start:
+                    slots.release()
+                    break
                 nursery.start_soon(check, peer, uid)
         if pairs:
             logger.debug(
