@@ -23,7 +23,8 @@ What it measures
     as ONE JSON line on stdout::
 
         {"system": "hivemind", "version": ..., "hidden": H, "batch": B, "experts": E,
-         "clients": C, "seconds": s, "steps": n, "samples": n*B, "samples_per_s": x,
+         "clients": C, "seconds": s, "compression": ..., "steps": n, "samples": n*B,
+         "samples_per_s": x,
          "server_cpu_s": c, "server_cpu_us_per_sample": u}
 
     Logs go to stderr. The exit status is non-zero if any client failed.
@@ -72,6 +73,7 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.expert_uid import ExpertInfo
 from hivemind.moe.server import Server
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto.runtime_pb2 import CompressionType
 from hivemind_procs import (
     Interrupted,
     become_subreaper,
@@ -154,6 +156,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_positive_int,
         default=None,
         help="server connection handlers (default: hivemind's, 8 per expert)",
+    )
+    parser.add_argument(
+        "--compression",
+        default="none",
+        choices=["none", "float16"],
+        help="Server.create's compression (float16: CompressionType.FLOAT16, which hivemind "
+        "applies to the inputs both ways and to the input gradients, not to the outputs or "
+        "their gradients)",
     )
     parser.add_argument(
         "--timeout",
@@ -325,6 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # forwarded to the DHT's p2p daemon: loopback only, no NAT port mapping
             host_maddrs=LOOPBACK_MADDRS,
             nat_port_map=False,
+            compression=getattr(CompressionType, args.compression.upper()),
             **create_kwargs,
         )
         maddrs = [str(a) for a in server.dht.get_visible_maddrs()]
@@ -422,6 +433,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "experts": args.experts,
         "clients": args.clients,
         "seconds": args.seconds,
+        "compression": args.compression,
         "steps": round(steps, 2),
         "samples": samples,
         "samples_per_s": round(samples / args.seconds, 2),

@@ -104,7 +104,7 @@ def run_grid(
     last if ``kill``."""
     settings = [
         f"experts.hidden_dim={args.hidden}",
-        "runtime.torch_threads=1",
+        f"runtime.torch_threads={args.torch_threads}",
         f"runtime.device={args.device}",
         f"runtime.stack_experts={args.stack_experts}",
     ]
@@ -273,6 +273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "without bound",
     )
     p.add_argument("--device", default="cpu", help="the daemons' runtime.device (e.g. cuda)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="each daemon's runtime.torch_threads (0: torch's default, one per core)",
+    )
     p.add_argument(
         "--stack-experts",
         choices=["auto", "always", "never"],

@@ -66,7 +66,10 @@ Run::
     python benchmarks/throughput.py --device cuda --experts 16 --batch 64 --clients 12
 
 ``--device`` puts the daemon's experts (and the local bounds) there; the clients stay
-on the CPU. ``--stack-experts`` sets ``runtime.stack_experts``.
+on the CPU. ``--stack-experts`` sets ``runtime.stack_experts``. ``--compression`` is how
+the clients' tensors travel, both ways (``RemoteExpert(compression=...)``); hivemind's
+run then uses ``Server.create(compression=FLOAT16)``, which narrows the inputs and the
+input gradients but not the outputs or their gradients.
 
 Prints one table (and ``--json`` a JSON line) to stdout; logs go to stderr.
 """
@@ -113,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--local-seconds", type=float, default=3.0, help="timing window of each local bound"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=["none", "float16", "bfloat16", "q8"],
+        help="how the clients' tensors travel (hivemind: none or float16 only)",
+    )
     p.add_argument("--max-batch-size", type=int, default=2048)
     p.add_argument("--max-batch-wait-s", type=float, default=0.005)
     p.add_argument("--stateless", action="store_true", help="recompute forwards in backward")
@@ -133,7 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(this machine's speed varies by ±15%% between runs)",
     )
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.hivemind_python and args.compression not in ("none", "float16"):
+        p.error(f"hivemind's run knows no --compression {args.compression}: none or float16")
+    return args
 
 
 def server_config(args: argparse.Namespace, bootstrap: list[str] | None = None) -> Any:
@@ -189,7 +201,7 @@ def client_main(
             peers = node.run(node.node.dht.find_expert, uid)
             if not peers:
                 raise SystemExit(f"client {index}: {uid} not found in the DHT")
-            experts.append(RemoteExpert(uid, peers[0], node))
+            experts.append(RemoteExpert(uid, peers[0], node, compression=args.compression))
         x = torch.randn(args.batch, args.hidden, dtype=dtype)
 
         def step(i: int) -> None:
@@ -373,7 +385,7 @@ def run_hivemind(args: argparse.Namespace) -> dict[str, Any] | None:
         "--hidden", str(args.hidden), "--batch", str(args.batch),
         "--experts", str(args.experts), "--clients", str(args.clients),
         "--seconds", str(args.seconds), "--warmup-batches", str(args.warmup),
-        "--log-level", "WARNING",
+        "--compression", args.compression, "--log-level", "WARNING",
     ]  # fmt: skip
     logger.info("running hivemind: %s", " ".join(cmd))
     try:
@@ -489,7 +501,9 @@ def print_report(args: argparse.Namespace, rounds: list[Round]) -> None:
 
     print(
         f"\nffn hidden {args.hidden}, batch {args.batch} per request, {args.experts} experts, "
-        f"{args.clients} clients, {args.dtype}, {os.cpu_count()} cores"
+        f"{args.clients} clients, {args.dtype}"
+        + (f" ({args.compression} on the wire)" if args.compression != "none" else "")
+        + f", {os.cpu_count()} cores"
         + (
             f", experts on {args.device} (stack_experts {args.stack_experts})"
             if args.device != "cpu"

@@ -114,6 +114,63 @@ async def test_no_grad_forward_keeps_nothing_on_the_server(tmp_path: Path) -> No
         assert server.runtime.backend(UID).updates == 0
 
 
+async def test_compression_halves_the_bytes_both_ways_and_keeps_the_result(
+    tmp_path: Path,
+) -> None:
+    async with (
+        open_peer(local_config()) as boot,
+        open_daemon(
+            local_config(
+                bootstrap=boot.multiaddrs,
+                uids="ffn.0.[0:2]",
+                experts={"hidden_dim": 256},
+                runtime={"retain_activations_mb": 0},  # the backward resends the inputs too
+            ),
+            tmp_path / "s",
+        ) as server,
+    ):
+        stats = server.node.server.stats
+        module = server.runtime.backend(UID).module
+        x = torch.randn(64, 256)
+        with torch.no_grad():
+            expected = module(x)
+        client_config = local_config(bootstrap=boot.multiaddrs)
+
+        def step(node: BackgroundNode, compression: str) -> tuple[torch.Tensor, int, int]:
+            expert = RemoteExpert(UID, server.node.address, node, compression=compression)
+            expert.info  # noqa: B018 (fetched before counting)
+            before = stats.bytes_in, stats.bytes_out
+            inputs = x.clone().requires_grad_()
+            out = expert(inputs)
+            out.square().mean().backward()
+            assert inputs.grad is not None
+            assert torch.isfinite(inputs.grad).all()
+            assert out.dtype == inputs.grad.dtype == torch.float32
+            return out.detach(), stats.bytes_in - before[0], stats.bytes_out - before[1]
+
+        def run() -> dict[str, tuple[torch.Tensor, int, int]]:
+            with BackgroundNode(Identity.generate(), client_config) as node:
+                with torch.no_grad():
+                    # The first forward, against weights no step has moved yet.
+                    first = RemoteExpert(UID, server.node.address, node, compression="float16")
+                    torch.testing.assert_close(first(x), expected, atol=2e-2, rtol=1e-2)
+                return {c: step(node, c) for c in ("none", "float16", "q8")}
+
+        results = await trio.to_thread.run_sync(run)
+        _, plain_in, plain_out = results["none"]
+        _, half_in, half_out = results["float16"]
+        _, q8_in, q8_out = results["q8"]
+        # forward: x, then out; backward: x and d out, then d x: 64 x 256 float32 = 64 KiB
+        assert plain_in > 3 * 64 * 1024
+        assert plain_out > 2 * 64 * 1024
+        assert half_in < 0.55 * plain_in
+        assert half_out < 0.55 * plain_out
+        assert q8_in < 0.3 * plain_in
+        assert q8_out < 0.3 * plain_out
+        await server.runtime.settled()
+        assert server.runtime.backend(UID).updates == 3
+
+
 @pytest.mark.parametrize(
     "fault",
     [

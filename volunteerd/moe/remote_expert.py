@@ -4,7 +4,9 @@ Use it from ordinary synchronous torch code; the calls go through a
 ``BackgroundNode``. Forward sends the inputs; backward sends the inputs again with the
 gradients of the outputs, and the server returns the input gradients after stepping
 the expert's optimizer (Learning@home's stateless backward). Backward runs even when
-the inputs need no gradient, so the expert still learns.
+the inputs need no gradient, so the expert still learns. With ``compression``
+floating-point tensors travel narrowed or quantized both ways (the server answers in
+kind), as ``RemoteMixtureOfExperts`` sends them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from volunteerd.net import PeerAddress, Verb
 from volunteerd.net.background import BackgroundNode
 from volunteerd.wire import (
     BackwardRequest,
+    Compression,
     ExpertInfo,
     ForwardRequest,
     InfoRequest,
@@ -33,11 +36,20 @@ __all__ = ["RemoteExpert"]
 
 
 class RemoteExpert(nn.Module):
-    """The expert ``uid`` served by ``peer``, reached through ``node``."""
+    """The expert ``uid`` served by ``peer``, reached through ``node``; its tensors
+    travel under ``compression``."""
 
-    def __init__(self, uid: str, peer: PeerAddress, node: BackgroundNode) -> None:
+    def __init__(
+        self,
+        uid: str,
+        peer: PeerAddress,
+        node: BackgroundNode,
+        *,
+        compression: Compression = "none",
+    ) -> None:
         super().__init__()
         self.uid = uid
+        self.compression: Compression = compression
         self.peer = peer
         self._node = node
         self._info: ExpertInfo | None = None
@@ -77,12 +89,14 @@ class RemoteExpert(nn.Module):
     ) -> tuple[list[torch.Tensor], str | None]:
         """One blocking request with ``tensors``; returns the reply's tensors (CPU) and
         the handle of a kept forward, if any."""
-        encoded = [to_wire(t) for t in tensors]
+        encoded = [to_wire(t, self.compression) for t in tensors]
         metas = [m for m, _ in encoded]
         header = (
-            ForwardRequest(uid=self.uid, tensors=metas, retain=retain)
+            ForwardRequest(uid=self.uid, tensors=metas, retain=retain, compression=self.compression)
             if verb is Verb.FORWARD
-            else BackwardRequest(uid=self.uid, tensors=metas, handle=handle)
+            else BackwardRequest(
+                uid=self.uid, tensors=metas, handle=handle, compression=self.compression
+            )
         )
         reply, reply_tensors = self._node.run(
             self._node.node.rpc.call, self.peer, verb, header, [b for _, b in encoded]
