@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,3 +219,104 @@ async def test_a_peer_over_its_byte_budget_is_rate_limited_and_others_are_not() 
         assert codes["rate_limited"] > 0, codes
         assert setup.server.stats.refused[(setup.attacker_host.peer_id, "bytes")] > 0
         await forward(setup.good, setup, rows=64)
+
+
+async def test_identities_at_one_address_share_its_budget_and_other_addresses_are_served() -> None:
+    """Identities cost nothing: eight of them at one address, each within its own rate,
+    together get the address's budget (two peers' worth), not eight; a peer at another
+    address is served throughout, and so is one on loopback (exempt by default)."""
+    config = Config.model_validate(
+        {"peer_limits": {"requests_per_s": RATE, "request_burst": BURST, "per_address": 2}}
+    )
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        server_host = await stack.enter_async_context(network.open_host(ip="198.51.100.1"))
+        server = RpcServer(
+            server_host, {Verb.FORWARD: echo}, config.wire, config.timeouts, config.peer_limits
+        )
+        server.install()
+        setup = Setup(server, server_host, None, None, None)  # type: ignore[arg-type]
+
+        async def client(ip: str) -> tuple[MemoryHost, RpcClient]:
+            host = await stack.enter_async_context(network.open_host(ip=ip))
+            rpc = RpcClient(host, config.wire, config.timeouts)
+            stack.push_async_callback(rpc.aclose)
+            return host, rpc
+
+        sybils = [await client("203.0.113.7") for _ in range(7)]
+        sybils.append(await client("::ffff:203.0.113.7"))  # the same address, IPv4-mapped
+        _, good = await client("198.51.100.2")
+        _, local = await client("127.0.0.1")
+        outcomes: Counter[str] = Counter()
+
+        async def sybil(rpc: RpcClient) -> None:
+            while True:
+                try:
+                    await forward(rpc, setup)
+                    outcomes["ok"] += 1
+                except RemoteError as exc:
+                    outcomes[exc.code] += 1
+                except PeerError as exc:  # a stream closed under a refusal
+                    outcomes[type(exc).__name__] += 1
+                await trio.sleep(1.5 / RATE)  # within its own rate
+
+        started = time.monotonic()  # the buckets' clock
+        async with trio.open_nursery() as nursery:
+            for _, rpc in sybils:
+                nursery.start_soon(sybil, rpc)
+            for _ in range(12):  # each within its own rate: every one succeeds
+                await forward(good, setup)
+                await forward(local, setup)
+                await trio.sleep(1 / RATE)
+            nursery.cancel_scope.cancel()
+        flood_s = time.monotonic() - started
+
+    assert outcomes["ok"] <= 2 * (BURST + RATE * (flood_s + 1)), outcomes
+    assert outcomes["rate_limited"] > 0, outcomes
+    refused = Counter(reason for _, reason in server.stats.refused)
+    assert set(refused) == {"address_requests"}, refused
+    assert {peer for peer, _ in server.stats.refused} <= {h.peer_id for h, _ in sybils}
+
+
+async def test_streams_of_one_address_are_capped_together(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    config = Config.model_validate({"peer_limits": {"max_streams": 2, "per_address": 2}})
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        server_host = await stack.enter_async_context(network.open_host(ip="198.51.100.1"))
+        server = RpcServer(
+            server_host, {Verb.FORWARD: echo}, config.wire, config.timeouts, config.peer_limits
+        )
+        server.install()
+        address = server_host.address
+        hosts = [
+            await stack.enter_async_context(network.open_host(ip="2001:db8:1:2::5"))
+            for _ in range(3)
+        ]
+        # Another host in the same IPv6 /64 counts against the same address.
+        hosts.append(await stack.enter_async_context(network.open_host(ip="2001:db8:1:2::9")))
+        other = await stack.enter_async_context(network.open_host(ip="2001:db8:1:3::5"))
+        held = [await h.open_stream(address, FORWARD) for h in hosts[:2] for _ in range(2)]
+        await trio.sleep(0.1)  # four streams held open, two identities: the /64's cap
+        for host in hosts[2:]:
+            stream = await host.open_stream(address, FORWARD)
+            reply = await read_reply(stream, config.wire)
+            assert reply["code"] == "rate_limited"
+            assert "from one address" in reply["message"]
+        # Another /64 is not touched by it.
+        rpc = RpcClient(other, config.wire, config.timeouts)
+        stack.push_async_callback(rpc.aclose)
+        header, data = forward_frame()
+        reply_header, _ = await rpc.call(address, Verb.FORWARD, header, [data])
+        assert reply_header.tensors[0].shape == (2, 32)
+        refused = server.stats.refused
+        assert refused == {(h.peer_id, "address_streams"): 1 for h in hosts[2:]}
+        # Streams closed give the address its slots back.
+        for stream in held[:2]:
+            await stream.reset()
+        await trio.sleep(0.1)
+        stream = await hosts[3].open_stream(address, FORWARD)
+        await stream.write(encode_frame(header, [data]))
+        reply = await read_reply(stream, config.wire)
+        assert "code" not in reply, reply

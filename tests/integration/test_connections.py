@@ -15,7 +15,7 @@ import trio
 from libp2p.peer.id import ID
 
 from volunteerd.config import Config
-from volunteerd.errors import PeerUnreachable
+from volunteerd.errors import PeerUnreachable, RemoteError
 from volunteerd.identity import Identity
 from volunteerd.net import Node, Verb
 from volunteerd.net.connections import slots_in_use
@@ -143,3 +143,48 @@ async def test_a_node_with_many_peers_closes_every_connection_when_it_stops() ->
             while still_connected():  # noqa: ASYNC110 - polling libp2p
                 await trio.sleep(0.05)
         assert still_connected() == 0
+
+
+async def test_one_address_gets_its_share_of_connections_and_requests_not_one_per_identity() -> (
+    None
+):
+    """Identities cost nothing; addresses do not. Loopback is exempt by default (this
+    machine's own processes); with ``limit_loopback`` it counts like any address: two
+    connections from it at most, and one peer's worth of requests for all its peers."""
+    limits = {
+        "limit_loopback": True,
+        "max_connections_per_address": 2,
+        "per_address": 1,
+        "requests_per_s": 0.1,
+        "request_burst": 4,
+    }
+    config = local_config(peer_limits=limits)
+    patient = config.model_copy(update={"timeouts": config.timeouts.model_copy(update=PATIENT)})
+    find = FindRequest(keys=["ffn."])
+    async with open_peer(config) as node, AsyncExitStack() as stack:
+        first = await stack.enter_async_context(open_bare_client(patient))
+        second = await stack.enter_async_context(open_bare_client(patient))
+        for _ in range(3):
+            await first.call(node.address, Verb.DHT_FIND, find)
+        await second.call(node.address, Verb.DHT_FIND, find)  # the address's 4th request
+        with pytest.raises(RemoteError, match=r"peers at 127\.0\.0\.1") as refused:
+            await second.call(node.address, Verb.DHT_FIND, find)  # its own 2nd: refused
+        assert refused.value.code == "rate_limited"
+        assert list(node.server.stats.refused.values()) == [1]
+        assert [reason for _, reason in node.server.stats.refused] == ["address_requests"]
+
+        # A third identity from the same address finds its connection slots taken.
+        with pytest.raises(BaseExceptionGroup) as closed, trio.fail_after(120):
+            await call_once(config, node)
+        assert closed.group_contains(PeerUnreachable, depth=None)
+        assert node.address_slots is not None
+        assert node.address_slots.refused >= 1
+        assert node.address_slots.open("127.0.0.1") == 2
+
+    # Without limit_loopback (the default) the same clients are not counted at all.
+    async with open_peer(local_config(peer_limits={"max_connections_per_address": 1})) as node:
+        async with open_bare_client(patient) as a, open_bare_client(patient) as b:
+            for client in (a, b):
+                await client.call(node.address, Verb.DHT_FIND, find)
+        assert node.address_slots is not None
+        assert node.address_slots.refused == 0

@@ -59,6 +59,7 @@ class ScriptedStream:
     the server writes and how far it read."""
 
     remote_peer_id = PEER
+    remote_host = "203.0.113.9"
 
     def __init__(self, data: bytes, chunk: int = 1 << 16) -> None:
         self._data = data
@@ -525,7 +526,7 @@ def test_non_finite_times_are_rejected_even_when_truly_signed(
     events=st.lists(
         st.tuples(
             st.floats(min_value=0, max_value=0.5),
-            st.sampled_from(["a", "b"]),
+            st.sampled_from(["a", "b", "c"]),
             st.integers(min_value=0, max_value=3 << 20),
         ),
         max_size=200,
@@ -534,22 +535,32 @@ def test_non_finite_times_are_rejected_even_when_truly_signed(
 def test_limiter_never_admits_more_than_burst_plus_rate(
     events: list[tuple[float, str, int]],
 ) -> None:
+    # a and b share an address, whose budget is 1.5 peers' worth; c is alone at another
     config = PeerLimitsConfig(
-        requests_per_s=10, request_burst=5, inbound_mib_per_s=1, inbound_burst_mib=2
+        requests_per_s=10,
+        request_burst=5,
+        inbound_mib_per_s=1,
+        inbound_burst_mib=2,
+        per_address=1.5,
     )
+    hosts = {"a": "203.0.113.7", "b": "::ffff:203.0.113.7", "c": "198.51.100.1"}
     now = [0.0]
     limiter = PeerLimiter(config, clock=lambda: now[0])
-    admitted: dict[str, list[int]] = {"a": [], "b": []}
+    admitted: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     for dt, peer, nbytes in events:
         now[0] += dt
-        if limiter.admit(peer, nbytes) is None:
+        if limiter.admit(peer, nbytes, hosts[peer]) is None:
             admitted[peer].append(nbytes)
-    for sizes in admitted.values():
-        assert len(sizes) <= 5 + 10 * now[0] + 1e-9
+    t = now[0]
+    budgets = [(sizes, 1.0) for sizes in admitted.values()]  # each peer's own
+    budgets.append((admitted["a"] + admitted["b"], 1.5))  # their address's
+    for sizes, scale in budgets:
+        assert len(sizes) <= scale * (5 + 10 * t) + 1e-9
         # Admitted while the byte budget was positive: at most one frame of overdraft.
-        assert sum(sizes) <= (2 + 1 * now[0]) * (1 << 20) + max(sizes, default=0)
-    now[0] += 60  # idle long enough for every bucket to refill: both are forgotten
-    limiter.admit("c", 0)
+        assert sum(sizes) <= scale * (2 + 1 * t) * (1 << 20) + max(sizes, default=0)
+    now[0] += 60  # idle long enough for every bucket to refill: all are forgotten
+    limiter.admit("d", 0, "198.51.100.2")
     now[0] += 2
-    limiter.admit("c", 0)
+    limiter.admit("d", 0, "198.51.100.2")
     assert len(limiter) == 1
+    assert limiter.addresses == 1

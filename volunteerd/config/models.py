@@ -535,6 +535,24 @@ class PeerLimitsConfig(_Model):
     inbound_burst_mib: float = Field(
         1024.0, gt=0, description="MiB of frames a peer may send at once above that rate"
     )
+    per_address: float = Field(
+        8.0,
+        ge=0,
+        le=100_000,
+        description="the peers at one IP address (an IPv6 /64) share this many peers' "
+        "worth of the limits above (requests, bytes, streams); 0 = no limit per address",
+    )
+    limit_loopback: bool = Field(
+        False,
+        description="apply the per-address limits to peers on loopback too (by default "
+        "this machine's own processes, a local trainer or demo, are exempt)",
+    )
+    max_connections_per_address: int = Field(
+        64,
+        ge=1,
+        le=100_000,
+        description="inbound connections one IP address (an IPv6 /64) may hold open at once",
+    )
 
 
 class ReachabilityConfig(_Model):

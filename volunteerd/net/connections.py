@@ -19,6 +19,10 @@ connections at once. Two things are done here about how it counts them:
   again (its next request pays one handshake).
 * **Handshakes queue.** At most 16 inbound connections are upgraded at once; a burst
   of hundreds of peers waits in the queue instead of all timing out together.
+* **Slots per address.** One IP address (an IPv6 /64; ``limits.address_key``) holds at
+  most ``per_address`` inbound connections at once, however many identities it dials
+  from: a further one is closed before its handshake. Loopback is exempt unless
+  ``limit_loopback`` (this machine's own processes).
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
 from libp2p.rcmgr import Direction
 
+from volunteerd.net.limits import address_key
+
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["ConnectionStats", "IdleTrimmer", "install", "slots_in_use"]
+__all__ = ["AddressSlots", "ConnectionStats", "IdleTrimmer", "install", "slots_in_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,28 +62,100 @@ _TRIM_EVERY_S = 5.0
 _CONCURRENT_HANDSHAKES = 16
 
 
-def install(swarm: Swarm) -> None:
-    """Make ``swarm`` release an inbound slot when that connection closes, and upgrade
-    at most ``_CONCURRENT_HANDSHAKES`` inbound connections at once."""
+class AddressSlots:
+    """Inbound connections open now per address key, each at most ``per_address``."""
+
+    def __init__(self, per_address: int, *, limit_loopback: bool = False) -> None:
+        self.per_address = per_address
+        self.limit_loopback = limit_loopback
+        self._open: dict[str, int] = {}
+        self.refused = 0
+
+    def key(self, host: str | None) -> str | None:
+        """The key a connection from ``host`` counts under; None: no cap applies."""
+        return address_key(host, loopback=self.limit_loopback)
+
+    def take(self, key: str) -> bool:
+        """Count one more connection under ``key``; False (nothing counted) when it
+        holds all its slots already."""
+        if self._open.get(key, 0) >= self.per_address:
+            self.refused += 1
+            return False
+        self._open[key] = self._open.get(key, 0) + 1
+        return True
+
+    def give_back(self, key: str) -> None:
+        left = self._open.get(key, 0) - 1
+        if left > 0:
+            self._open[key] = left
+        else:
+            self._open.pop(key, None)
+
+    def open(self, host: str) -> int:
+        """Inbound connections counted against ``host``'s address now."""
+        key = self.key(host)
+        return self._open.get(key, 0) if key is not None else 0
+
+
+def install(swarm: Swarm, slots: AddressSlots | None = None) -> AddressSlots:
+    """Make ``swarm`` release an inbound slot when that connection closes, upgrade at
+    most ``_CONCURRENT_HANDSHAKES`` inbound connections at once, and keep each address
+    within ``slots`` (default: 64 each, loopback exempt). Returns ``slots``."""
+    slots = slots if slots is not None else AddressSlots(64)
     swarm._do_handle_inbound_connection = functools.partial(  # type: ignore[method-assign]
-        _serve_inbound_until_closed, swarm, trio.CapacityLimiter(_CONCURRENT_HANDSHAKES)
+        _serve_inbound_until_closed,
+        swarm,
+        trio.CapacityLimiter(_CONCURRENT_HANDSHAKES),
+        slots,
     )
+    return slots
 
 
 async def _serve_inbound_until_closed(
     swarm: Swarm,
     handshakes: trio.CapacityLimiter,
+    slots: AddressSlots,
     read_write_closer: ReadWriteCloser,
     maddr: multiaddr.Multiaddr,
     _event: Any,
 ) -> None:
-    """Upgrade one inbound connection and hold its listener task (and so its slot)
-    until the connection closes; trio then closes the socket, already closed."""
+    """Upgrade one inbound connection and hold its listener task (and so its slot, and
+    its address's) until the connection closes; trio then closes the socket, already
+    closed."""
     remote = swarm._build_remote_multiaddr(read_write_closer)
     if remote is not None and not await swarm.connection_gate.is_allowed(remote):
         with contextlib.suppress(Exception):
             await read_write_closer.close()
         return
+    key = slots.key(_ip_of(remote))
+    if key is not None and not slots.take(key):
+        logger.debug("inbound connection from %s refused: its address holds its slots", remote)
+        with contextlib.suppress(Exception):
+            await read_write_closer.close()
+        return
+    try:
+        await _upgrade_and_hold(swarm, handshakes, read_write_closer, maddr, remote)
+    finally:
+        if key is not None:
+            slots.give_back(key)
+
+
+def _ip_of(remote: multiaddr.Multiaddr | None) -> str | None:
+    if remote is None:
+        return None
+    for protocol in ("ip4", "ip6"):
+        with contextlib.suppress(Exception):
+            return str(remote.value_for_protocol(protocol))
+    return None
+
+
+async def _upgrade_and_hold(
+    swarm: Swarm,
+    handshakes: trio.CapacityLimiter,
+    read_write_closer: ReadWriteCloser,
+    maddr: multiaddr.Multiaddr,
+    remote: multiaddr.Multiaddr | None,
+) -> None:
     raw_conn = RawConnection(read_write_closer, False)
     try:
         async with handshakes:

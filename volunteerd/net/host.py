@@ -172,10 +172,14 @@ class _NoAutoConnect(AutoConnector):
 
 
 def build_host(
-    identity: Identity, announce_addrs: Sequence[str] = (), max_connections: int = 1000
+    identity: Identity,
+    announce_addrs: Sequence[str] = (),
+    max_connections: int = 1000,
+    per_address: connections.AddressSlots | None = None,
 ) -> IHost:
     """A host that is not yet running; ``max_connections`` bounds inbound and outbound
-    connections together (a tenth of them, at least 8, stay free for our own dials)."""
+    connections together (a tenth of them, at least 8, stay free for our own dials),
+    ``per_address`` the inbound connections of each IP address (default: 64)."""
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
     reserve = max(8, max_connections // 10)
@@ -197,7 +201,7 @@ def build_host(
     swarm = host.get_network()
     if not isinstance(swarm, Swarm):  # new_host always builds a Swarm
         raise TypeError(f"unexpected network {type(swarm).__name__}")
-    connections.install(swarm)
+    connections.install(swarm, per_address)
     swarm.auto_connector = _NoAutoConnect(swarm)  # type: ignore[attr-defined]
     # The default retries a refused dial three times with backoff (0.7 s per dead peer,
     # paid again by every lookup that meets it). Refused is refused: retry once, soon.
@@ -236,9 +240,11 @@ async def open_host(
     listen_addr: str | None,
     announce_addrs: Sequence[str] = (),
     max_connections: int = 1000,
+    per_address: connections.AddressSlots | None = None,
 ) -> AsyncIterator[IHost]:
     """A running host listening on ``listen_addr`` (None: on nothing, a relay-only
-    node); closed when the block exits.
+    node); closed when the block exits. ``max_connections`` and ``per_address`` as
+    for ``build_host``.
 
     Raises ResourceUnavailable when the port is taken."""
     listen = []
@@ -247,7 +253,7 @@ async def open_host(
         ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
         check_port_free(str(ip), int(address.value_for_protocol("tcp")))
         listen.append(address)
-    host = build_host(identity, announce_addrs, max_connections)
+    host = build_host(identity, announce_addrs, max_connections, per_address)
     made = _track_connections(host)
     async with host.run(listen):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
@@ -325,12 +331,14 @@ class Libp2pStream:
     On a relayed connection writes go out in pieces that each cross the relay's
     connections as one Yamux frame (``_RELAYED_WRITE``)."""
 
-    __slots__ = ("_max_write", "_stream", "remote_peer_id")
+    __slots__ = ("_max_write", "_stream", "remote_host", "remote_peer_id")
 
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer_id = str(stream.muxed_conn.peer_id)
-        self._max_write = _RELAYED_WRITE if _is_relayed(stream) else 0
+        relayed = _is_relayed(stream)
+        self._max_write = _RELAYED_WRITE if relayed else 0
+        self.remote_host = None if relayed else _remote_host(stream)
 
     async def read(self, n: int) -> bytes:
         try:
@@ -351,6 +359,14 @@ class Libp2pStream:
 
     async def reset(self) -> None:
         await self._stream.reset()
+
+
+def _remote_host(stream: INetStream) -> str | None:
+    try:
+        remote = stream.muxed_conn.get_remote_address()
+    except Exception:  # a muxer that does not say, or a closing connection
+        return None
+    return str(remote[0]) if remote else None
 
 
 def _is_relayed(stream: INetStream) -> bool:

@@ -1,22 +1,30 @@
-"""Per-peer limits on inbound RPC: request rate, inbound bytes, concurrent streams.
+"""Per-peer limits on inbound RPC: request rate, inbound bytes, concurrent streams;
+and the same budgets, ``per_address`` times larger, shared by every peer connecting
+from one IP address.
 
 Each peer gets two token buckets (requests and bytes) and a count of its open inbound
-streams. Memory is bounded by the peers seen recently: a peer with no open stream is
-forgotten once it has been idle long enough for both buckets to refill, so forgetting
-it never lets it exceed its limits (it comes back with full buckets, as it would have).
+streams; so does each address (an IPv4 address, an IPv6 /64: ``address_key``), for
+all its peers together, so that identities, which cost nothing to make, do not
+multiply what one machine may ask. A peer whose address is unknown (a relayed
+connection: the relay bounds those) and, unless ``limit_loopback``, one on loopback
+(this machine's own processes) has only its own budget. Memory is bounded by the peers
+and addresses seen recently: one with no open stream is forgotten once it has been idle
+long enough for both buckets to refill, so forgetting it never lets it exceed its limits
+(it comes back with full buckets, as it would have).
 
 Pure and clock-injected, so the arithmetic is tested without a network.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from volunteerd.config import PeerLimitsConfig
 
-__all__ = ["PeerLimiter", "TokenBucket"]
+__all__ = ["PeerLimiter", "TokenBucket", "address_key"]
 
 _MIB = 1 << 20
 _SWEEP_EVERY_S = 1.0
@@ -63,20 +71,49 @@ class TokenBucket:
         return self.tokens >= self.burst
 
 
+def address_key(host: str | None, *, loopback: bool = False) -> str | None:
+    """The key an address's budget is kept under: an IPv4 address (IPv4-mapped IPv6
+    ones too) as it is, an IPv6 address's /64 (a single host is routinely given a
+    whole /64); None (no budget by address) for None, an unparsable host, and a
+    loopback address unless ``loopback``."""
+    if host is None:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback and not loopback:
+        return None
+    if address.version == 4:
+        return str(address)
+    return str(ipaddress.ip_network(f"{address}/64", strict=False))
+
+
 @dataclass(slots=True)
-class _Peer:
+class _Budget:
+    """What one peer, or one address for all its peers, has left."""
+
     requests: TokenBucket
     bytes: TokenBucket
     streams: int
     last_seen: float
 
+    def idle(self, now: float) -> bool:
+        return self.streams == 0 and self.requests.is_full(now) and self.bytes.is_full(now)
+
 
 class PeerLimiter:
-    """Admission decisions for inbound streams and requests, one state per peer.
+    """Admission decisions for inbound streams and requests, one state per peer and one
+    per address.
 
     ``open_stream``/``close_stream`` bracket an inbound stream; ``admit`` is asked
-    before reading each request frame with its declared size. Each returns the reason
-    for a refusal ("streams", "requests" or "bytes") or None when admitted.
+    before reading each request frame with its declared size. Each takes the peer and
+    the IP address its connection comes from (None when unknown) and returns the reason
+    for a refusal ("streams", "requests", "bytes" for the peer's own budget;
+    "address_streams", "address_requests", "address_bytes" for its address's) or None
+    when admitted.
     """
 
     def __init__(
@@ -84,32 +121,56 @@ class PeerLimiter:
     ) -> None:
         self._config = config
         self._clock = clock
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _Budget] = {}
+        self._addresses: dict[str, _Budget] = {}
         self._last_sweep = clock()
 
     def __len__(self) -> int:
         """Peers currently remembered."""
         return len(self._peers)
 
+    @property
+    def addresses(self) -> int:
+        """Addresses currently remembered."""
+        return len(self._addresses)
+
     def streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now."""
         peer = self._peers.get(peer_id)
         return peer.streams if peer is not None else 0
 
-    def open_stream(self, peer_id: str) -> str | None:
+    def address_streams(self, host: str) -> int:
+        """Inbound streams the peers at ``host`` hold open now, all together (0 for an
+        address without a budget of its own)."""
+        key = self._key(host)
+        budget = self._addresses.get(key) if key is not None else None
+        return budget.streams if budget is not None else 0
+
+    def open_stream(self, peer_id: str, host: str | None = None) -> str | None:
         peer = self._peer(peer_id)
         if peer.streams >= self._config.max_streams:
             return "streams"
+        address = self._address(host, peer.last_seen)
+        if address is not None:
+            if address.streams >= self._config.max_streams * self._config.per_address:
+                return "address_streams"
+            address.streams += 1
         peer.streams += 1
         return None
 
-    def close_stream(self, peer_id: str) -> None:
+    def close_stream(self, peer_id: str, host: str | None = None) -> None:
+        now = self._clock()
         peer = self._peers.get(peer_id)
         if peer is not None and peer.streams > 0:
             peer.streams -= 1
-            peer.last_seen = self._clock()
+            peer.last_seen = now
+        key = self._key(host)
+        address = self._addresses.get(key) if key is not None else None
+        if address is not None and address.streams > 0:
+            address.streams -= 1
+            address.last_seen = now
 
-    def admit(self, peer_id: str, nbytes: int) -> str | None:
+    def admit(self, peer_id: str, nbytes: int, host: str | None = None) -> str | None:
         """Count one request of ``nbytes`` declared bytes, unless it is refused."""
         peer = self._peer(peer_id)
         now = peer.last_seen
@@ -118,30 +179,61 @@ class PeerLimiter:
         if not peer.bytes.charge(now, nbytes / _MIB):
             peer.requests.tokens += 1  # not served: give the request token back
             return "bytes"
-        return None
+        address = self._address(host, now)
+        if address is None:
+            return None
+        if not address.requests.take(now):
+            reason = "address_requests"
+        elif not address.bytes.charge(now, nbytes / _MIB):
+            address.requests.tokens += 1
+            reason = "address_bytes"
+        else:
+            return None
+        # Refused by the address: the peer's own budget is not charged either.
+        peer.requests.tokens += 1
+        peer.bytes.tokens += nbytes / _MIB
+        return reason
 
-    def _peer(self, peer_id: str) -> _Peer:
+    def _key(self, host: str | None) -> str | None:
+        if self._config.per_address <= 0:
+            return None
+        return address_key(host, loopback=self._config.limit_loopback)
+
+    def _new_budget(self, scale: float, now: float) -> _Budget:
+        config = self._config
+        return _Budget(
+            requests=TokenBucket.full(
+                config.requests_per_s * scale, config.request_burst * scale, now
+            ),
+            bytes=TokenBucket.full(
+                config.inbound_mib_per_s * scale, config.inbound_burst_mib * scale, now
+            ),
+            streams=0,
+            last_seen=now,
+        )
+
+    def _peer(self, peer_id: str) -> _Budget:
         now = self._clock()
         if now - self._last_sweep >= _SWEEP_EVERY_S:
             self._forget_idle(now)
         peer = self._peers.get(peer_id)
         if peer is None:
-            config = self._config
-            peer = self._peers[peer_id] = _Peer(
-                requests=TokenBucket.full(config.requests_per_s, config.request_burst, now),
-                bytes=TokenBucket.full(config.inbound_mib_per_s, config.inbound_burst_mib, now),
-                streams=0,
-                last_seen=now,
-            )
+            peer = self._peers[peer_id] = self._new_budget(1.0, now)
         peer.last_seen = now
         return peer
 
+    def _address(self, host: str | None, now: float) -> _Budget | None:
+        key = self._key(host)
+        if key is None:
+            return None
+        address = self._addresses.get(key)
+        if address is None:
+            address = self._addresses[key] = self._new_budget(self._config.per_address, now)
+        address.last_seen = now
+        return address
+
     def _forget_idle(self, now: float) -> None:
         self._last_sweep = now
-        idle = [
-            peer_id
-            for peer_id, peer in self._peers.items()
-            if peer.streams == 0 and peer.requests.is_full(now) and peer.bytes.is_full(now)
-        ]
-        for peer_id in idle:
-            del self._peers[peer_id]
+        for table in (self._peers, self._addresses):
+            for key in [key for key, budget in table.items() if budget.idle(now)]:
+                del table[key]

@@ -23,7 +23,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from volunteerd.config import Config
 from volunteerd.identity import Identity
-from volunteerd.net.connections import IdleTrimmer
+from volunteerd.net.connections import AddressSlots, IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
 from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, transport_addrs
 from volunteerd.net.lookup import PeerLookup
@@ -52,6 +52,8 @@ class Node:
     throttle: Throttle
     connections: IdleTrimmer
     reachability: Reachability | None = None
+    # Inbound connections per IP address, and how many were refused for it.
+    address_slots: AddressSlots | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -118,7 +120,13 @@ async def open_node(
     listen = (
         listen_multiaddr(network.listen_host, network.port) if config.reachability.listen else None
     )
-    async with open_host(identity, listen, network.announce_addrs, network.max_connections) as host:
+    per_address = AddressSlots(
+        config.peer_limits.max_connections_per_address,
+        limit_loopback=config.peer_limits.limit_loopback,
+    )
+    async with open_host(
+        identity, listen, network.announce_addrs, network.max_connections, per_address
+    ) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         _routing_only(kad)
         # Lookups that believe only peers that answer (net/lookup.py), for ours and
@@ -147,7 +155,16 @@ async def open_node(
             server.install()
             trimmer = IdleTrimmer(host, config.timeouts.connection_idle_s)
             node = Node(
-                host, streams, identity, streams.peer_id, rpc, server, dht, throttle, trimmer
+                host,
+                streams,
+                identity,
+                streams.peer_id,
+                rpc,
+                server,
+                dht,
+                throttle,
+                trimmer,
+                address_slots=per_address,
             )
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)

@@ -192,14 +192,20 @@ class RpcServer:
         self._host.set_stream_handler(spec.protocol_id, on_stream)
 
     async def _serve_stream(self, spec: ProtocolSpec, stream: Stream) -> None:
-        peer_id = stream.remote_peer_id
+        peer_id, host = stream.remote_peer_id, stream.remote_host
         handler = self._handlers[spec.verb]
         self.stats.streams[spec.verb] = self.stats.streams.get(spec.verb, 0) + 1
-        if self._limiter.open_stream(peer_id) is not None:
+        reason = self._limiter.open_stream(peer_id, host)
+        if reason is not None:
             cap = self._peer_limits.max_streams
-            refusal = RateLimited(f"more than {cap} open streams from one peer")
+            refusal = RateLimited(
+                f"more than {cap} open streams from one peer"
+                if reason == "streams"
+                else f"more than {round(cap * self._peer_limits.per_address)} open streams "
+                f"from one address ({host})"
+            )
             with trio.move_on_after(self._timeouts.frame_read_s):
-                await self._refuse_limited(spec, stream, peer_id, "streams", refusal)
+                await self._refuse_limited(spec, stream, peer_id, reason, refusal)
             await _close(stream)
             return
         try:
@@ -232,7 +238,7 @@ class RpcServer:
             logger.debug("%s stream from %s ended: %r", spec.verb, short(peer_id), exc)
         finally:
             self._release(stream)
-            self._limiter.close_stream(peer_id)
+            self._limiter.close_stream(peer_id, host)
             await _close(stream)
 
     async def _serve_one(
@@ -261,7 +267,7 @@ class RpcServer:
                         f"{sizes.body_bytes} bytes is refused"
                     )
                 declared = PREFIX.size + sizes.header_bytes + sizes.body_bytes
-                reason = self._limiter.admit(peer_id, declared)
+                reason = self._limiter.admit(peer_id, declared, stream.remote_host)
                 if reason is None and not self._reserve(stream, declared):
                     reason = "inflight"
                 if reason is not None:
@@ -270,7 +276,7 @@ class RpcServer:
                     refusal: VolunteerdError = (
                         Busy(f"server busy: {self._inflight_bytes >> 20} MiB of requests in flight")
                         if reason == "inflight"
-                        else RateLimited(f"over this peer's {_LIMIT_NAMES[reason]}")
+                        else RateLimited(_over(reason, stream.remote_host))
                     )
                     await self._refuse_limited(spec, stream, peer_id, reason, refusal)
                     return False
@@ -364,6 +370,13 @@ class RpcServer:
         if isinstance(exc, WireError):
             logger.info("refused %s from %s: %s", spec.verb, short(peer_id), exc)
         await self._write(stream, encode_frame(ErrorReply(code=code, message=message[:1000])))
+
+
+def _over(reason: str, host: str | None) -> str:
+    name = reason.removeprefix("address_")
+    if name == reason:
+        return f"over this peer's {_LIMIT_NAMES[name]}"
+    return f"over the {_LIMIT_NAMES[name]} of the peers at {host}, together"
 
 
 _LIMIT_NAMES = {

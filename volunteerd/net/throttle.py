@@ -303,6 +303,10 @@ class ThrottledStream:
     def remote_peer_id(self) -> str:
         return self._stream.remote_peer_id
 
+    @property
+    def remote_host(self) -> str | None:
+        return self._stream.remote_host
+
     async def read(self, n: int) -> bytes:
         data = await self._stream.read(n)
         if data:

@@ -36,6 +36,12 @@ class Stream(Protocol):
         """The peer at the other end, as authenticated by the transport."""
         ...
 
+    @property
+    def remote_host(self) -> str | None:
+        """The IP address the peer's connection comes from; None when it is not known
+        (a relayed connection: that is the relay's)."""
+        ...
+
     async def read(self, n: int) -> bytes:
         """Up to ``n`` bytes (at least one), or ``b""`` once the peer closed its side.
         Raises an exception (``StreamReset`` or the transport's own) on a reset."""

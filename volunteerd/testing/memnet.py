@@ -150,12 +150,15 @@ class MemoryNetwork:
     # --- hosts -------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def open_host(self, identity: Identity | None = None) -> AsyncIterator[MemoryHost]:
+    async def open_host(
+        self, identity: Identity | None = None, *, ip: str | None = None
+    ) -> AsyncIterator[MemoryHost]:
         """A host on this network (peer id from ``identity``, default a fresh one) that
         serves its handlers until the block exits; then its streams are reset and
-        connecting to it is refused."""
+        connecting to it is refused. ``ip`` is the address its peers see its streams
+        come from (``Stream.remote_host``; None: unknown, as over a relay)."""
         identity = identity or Identity.generate()
-        host = MemoryHost(self, identity, self._hosts_opened)
+        host = MemoryHost(self, identity, self._hosts_opened, ip)
         self._hosts_opened += 1
         if host.peer_id in self._hosts:
             raise ValueError(f"{short(host.peer_id)} is already on this network")
@@ -202,9 +205,12 @@ class MemoryNetwork:
 class MemoryHost:
     """A ``StreamHost`` on a ``MemoryNetwork``; get one from ``network.open_host()``."""
 
-    def __init__(self, network: MemoryNetwork, identity: Identity, number: int) -> None:
+    def __init__(
+        self, network: MemoryNetwork, identity: Identity, number: int, ip: str | None = None
+    ) -> None:
         self.network = network
         self.identity = identity
+        self.ip = ip
         self.number = number  # the how-many-th host of its network (from 0)
         self.peer_id = str(peer_id_for(identity))
         self._handlers: dict[str, StreamHandler] = {}
@@ -247,8 +253,8 @@ class MemoryHost:
         if handler is None or target._nursery is None:
             raise PeerUnreachable(f"{short(peer.peer_id)}: protocol {protocol} not supported")
         network = self.network
-        ours = MemoryStream(self, target.peer_id, network._rng_for(self, target))
-        theirs = MemoryStream(target, self.peer_id, network._rng_for(target, self))
+        ours = MemoryStream(self, target.peer_id, network._rng_for(self, target), target.ip)
+        theirs = MemoryStream(target, self.peer_id, network._rng_for(target, self), self.ip)
         ours._peer, theirs._peer = theirs, ours
         target._nursery.start_soon(handler, theirs)
         return ours
@@ -279,8 +285,15 @@ class _Segment:
 class MemoryStream:
     """One end of an in-memory stream (a ``transport.Stream``)."""
 
-    def __init__(self, host: MemoryHost, remote_peer_id: str, rng: random.Random) -> None:
+    def __init__(
+        self,
+        host: MemoryHost,
+        remote_peer_id: str,
+        rng: random.Random,
+        remote_host: str | None = None,
+    ) -> None:
         self.remote_peer_id = remote_peer_id
+        self.remote_host = remote_host
         self._host = host
         self._rng = rng
         self._peer: MemoryStream | None = None
