@@ -184,3 +184,33 @@ async def test_a_peer_whose_step_was_undone_is_banned_on_every_expert() -> None:
             "banned": 2,
         }
         await forward(honest, server, "ffn.0.1", probe)  # the honest trainer is served
+
+
+async def test_identities_at_one_address_count_once_in_the_gradient_statistics() -> None:
+    """Two strangers whispering tiny gradients against one honest trainer owned the
+    threshold (the median of each peer's 99th percentile was theirs) and every honest
+    backward was refused as far above it. Identities cost nothing: both strangers dial
+    from one address, and the guard counts them as one peer."""
+    torch.manual_seed(2)
+    async with (
+        open_world(local_config(experts={"hidden_dim": HIDDEN})) as world,
+        world.open_peer(ip="198.51.100.1") as honest,
+        world.open_peer(ip="203.0.113.7") as first,
+        world.open_peer(ip="203.0.113.7") as second,
+    ):
+        server = await world.add_server("ffn.0.0")
+        for _ in range(2):
+            x, grads = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN) * 0.1
+            await backward(honest, server, "ffn.0.0", x, grads)
+        for _ in range(20):
+            for stranger in (first, second):
+                x = torch.randn(64, HIDDEN)
+                await backward(stranger, server, "ffn.0.0", x, torch.full((64, HIDDEN), 1e-7))
+        guard = server.runtime.guard
+        threshold = guard.threshold("ffn.0.0")
+        assert threshold is not None
+        assert threshold > 0.1  # honest rows are ~0.4; the strangers' alone gave ~4e-7
+        for _ in range(5):  # accepted, at most clipped: never refused
+            x, grads = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN) * 0.1
+            await backward(honest, server, "ffn.0.0", x, grads)
+        assert (honest.peer_id, "outlier_gradient") not in guard.counts

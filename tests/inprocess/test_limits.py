@@ -320,3 +320,38 @@ async def test_streams_of_one_address_are_capped_together(
         await stream.write(encode_frame(header, [data]))
         reply = await read_reply(stream, config.wire)
         assert "code" not in reply, reply
+
+
+@pytest.mark.parametrize(
+    ("ip", "limit_loopback", "address"),
+    [
+        ("203.0.113.7", False, "203.0.113.7"),
+        ("::ffff:203.0.113.7", False, "203.0.113.7"),
+        ("2001:db8:1:2:aaaa::5", False, "2001:db8:1:2::/64"),
+        ("127.0.0.1", False, None),
+        ("::1", False, None),
+        ("127.0.0.1", True, "127.0.0.1"),
+        (None, True, None),  # unknown: over a relay
+    ],
+)
+async def test_requests_carry_the_address_that_stands_for_their_machine(
+    ip: str | None, limit_loopback: bool, address: str | None
+) -> None:
+    config = Config.model_validate({"peer_limits": {"limit_loopback": limit_loopback}})
+    seen: list[str | None] = []
+
+    async def record(request: Request) -> Reply:
+        seen.append(request.address)
+        return await echo(request)
+
+    network = MemoryNetwork()
+    async with network.open_host() as server_host, network.open_host(ip=ip) as client_host:
+        server = RpcServer(
+            server_host, {Verb.FORWARD: record}, config.wire, config.timeouts, config.peer_limits
+        )
+        server.install()
+        client = RpcClient(client_host, config.wire, config.timeouts)
+        header, data = forward_frame()
+        await client.call(server_host.address, Verb.FORWARD, header, [data])
+        await client.aclose()
+    assert seen == [address]

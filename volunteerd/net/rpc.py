@@ -47,7 +47,7 @@ from volunteerd.errors import (
     wire_code,
 )
 from volunteerd.net.framing import RawFrame, read_exactly, read_frame_rest, read_prefix
-from volunteerd.net.limits import PeerLimiter
+from volunteerd.net.limits import PeerLimiter, address_key
 from volunteerd.net.peers import PeerAddress, short
 from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, ProtocolSpec, Verb
 from volunteerd.net.throttle import Throttle
@@ -83,6 +83,11 @@ class Request:
     peer_id: str
     header: Any
     tensors: list[WireTensor]
+    # The address the peer's connection comes from, as the per-address limits key it
+    # (``limits.address_key``: an IPv4 address, an IPv6 /64); None over a relay, and on
+    # loopback unless ``peer_limits.limit_loopback``. What stands for many identities
+    # of one machine where statistics must not be owned by free identities.
+    address: str | None = None
 
 
 @dataclass(slots=True)
@@ -297,7 +302,8 @@ class RpcServer:
                 tensors = split_body(metas, frame.body)
             elif frame.body.nbytes:
                 raise MalformedFrame(f"{spec.verb} carries no tensors")
-            reply = await handler(Request(peer_id, header, tensors))
+            address = address_key(stream.remote_host, loopback=self._peer_limits.limit_loopback)
+            reply = await handler(Request(peer_id, header, tensors, address))
         except VolunteerdError as exc:  # the whole frame was read: the stream is in step
             await self._refuse(spec, stream, peer_id, exc)
             return True

@@ -13,11 +13,14 @@ the queue, and hears about every optimizer step that had to be undone:
   (one row per sample), so that no one peer can steer them: a request adds at most
   ``window / 32`` of its rows (evenly spread over its sorted norms, its largest
   included), a peer holds at most ``window / 8`` (or ``warmup``) of them, its oldest
-  making way, and every norm is forgotten after ``_HISTORY_S``. One request of 256
-  rows used to replace the whole window: rows of ±g (whose updates cancel, so nothing
-  moved and nobody was banned) lowered the threshold until every honest backward was
-  refused, for good, or raised it step by step. Once ``warmup`` rows are known, a row
-  whose norm is above both
+  making way, and every norm is forgotten after ``_HISTORY_S``. A "peer" here is the
+  address its connection comes from (``Request.address``: an IPv4 address, an IPv6
+  /64) where there is one, so that identities, which cost nothing, do not multiply a
+  machine's share or its say in the threshold; the peer id over a relay or loopback.
+  One request of 256 rows used to replace the whole window: rows of ±g (whose updates
+  cancel, so nothing moved and nobody was banned) lowered the threshold until every
+  honest backward was refused, for good, or raised it step by step. Once ``warmup``
+  rows are known, a row whose norm is above both
   ``median + max_deviations * 1.4826 * MAD`` and the 99th percentile of those norms
   is an outlier: it is scaled down to that
   threshold ("clip", the default) or the request is refused ("reject"). A request whose
@@ -181,10 +184,17 @@ class RequestGuard:
             )
 
     def filter_gradients(
-        self, uid: str, peer_id: str, grads: Sequence[torch.Tensor]
+        self,
+        uid: str,
+        peer_id: str,
+        grads: Sequence[torch.Tensor],
+        *,
+        source: str | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         """The gradients to apply, refused (``Rejected``) or with outlier rows clipped,
-        and the largest row norm among them (for ``step_undone``'s blame)."""
+        and the largest row norm among them (for ``step_undone``'s blame). Their norms
+        are remembered under ``source`` (the peer's address, which all identities of one
+        machine share), or under ``peer_id`` when there is none."""
         top_value = _largest(grads)
         if top_value != top_value or top_value == float("inf"):
             self._refuse(uid, peer_id, "non_finite_gradient", "gradients are not all finite")
@@ -218,7 +228,7 @@ class RequestGuard:
             )
         # A row of zeros says nothing about this expert's gradients (a masked sample, or
         # a peer pulling the median down for free): it is not remembered.
-        history.add(self._clock(), peer_id, norms[norms > 0])
+        history.add(self._clock(), source or peer_id, norms[norms > 0])
         self.accepted += 1
         return out, float(norms.max()) if norms.numel() else 0.0
 

@@ -384,11 +384,13 @@ class ExpertRuntime:
         *,
         handle: str | None = None,
         peer_id: str = "",
+        source: str | None = None,
         compression: Compression = "none",
     ) -> tuple[TensorReply, list[bytes]]:
         """Input gradients. ``tensors`` are the output gradients with a ``handle``, else
         the inputs followed by the output gradients. Raises ActivationsExpired for a
-        handle this server no longer knows."""
+        handle this server no longer knows. ``source`` is what the guard's statistics
+        count the gradients under (the peer's address; None: the peer)."""
         hosted = self._hosted(uid)
         self.guard.check_peer(uid, peer_id)
         hosted.refuse_if_broken()
@@ -409,7 +411,7 @@ class ExpertRuntime:
             if tuple(kept.retained.output.shape) != metas[0].shape:
                 raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
             grads, loudest = self.guard.filter_gradients(
-                uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs])
+                uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs]), source=source
             )
             result = await hosted.backward_retained.submit(
                 (kept.retained, grads, Sender(peer_id, loudest), kept.version), samples=samples
@@ -428,7 +430,9 @@ class ExpertRuntime:
         decoded = _decode(tensors, [s.dtype for s in schemas])
         n_in = len(info.inputs)
         self.guard.check_inputs(uid, peer_id, decoded[:n_in])
-        decoded[n_in:], loudest = self.guard.filter_gradients(uid, peer_id, decoded[n_in:])
+        decoded[n_in:], loudest = self.guard.filter_gradients(
+            uid, peer_id, decoded[n_in:], source=source
+        )
         grads = await hosted.backward.submit(
             (decoded, Sender(peer_id, loudest)), samples=samples, shape_key=shape
         )

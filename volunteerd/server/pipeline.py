@@ -109,8 +109,16 @@ class _Pipeline:
 
     # -- stages 3 and 4: accounting, runtime ---------------------------------------------
 
-    async def call(self, kind: Kind, item: Any, tensors: list[WireTensor], peer: str) -> Result:
-        """One expert call (a request, or an item of a batch)."""
+    async def call(
+        self,
+        kind: Kind,
+        item: Any,
+        tensors: list[WireTensor],
+        peer: str,
+        address: str | None = None,
+    ) -> Result:
+        """One expert call (a request, or an item of a batch) from ``peer`` at
+        ``address`` (``Request.address``)."""
         runtime = self._runtime
         if kind == "forward":
             call = runtime.forward(
@@ -118,14 +126,23 @@ class _Pipeline:
             )
         else:
             call = runtime.backward(
-                item.uid, tensors, handle=item.handle, peer_id=peer, compression=item.compression
+                item.uid,
+                tensors,
+                handle=item.handle,
+                peer_id=peer,
+                source=address,
+                compression=item.compression,
             )
         if self._accountant is None:
             return await call
         return await self._accountant.counted(kind, item.uid, peer, tensors, call)
 
     async def one(self, kind: Kind, request: Request) -> Reply:
-        return Reply(*await self.call(kind, request.header, request.tensors, request.peer_id))
+        return Reply(
+            *await self.call(
+                kind, request.header, request.tensors, request.peer_id, request.address
+            )
+        )
 
     async def batch(self, kind: Kind, request: Request) -> Reply:
         """A batch's items run concurrently; an item that fails gets its own error reply."""
@@ -136,7 +153,7 @@ class _Pipeline:
 
         async def one(i: int, item: Any, tensors: list[WireTensor]) -> None:
             try:
-                results[i] = await self.call(kind, item, tensors, request.peer_id)
+                results[i] = await self.call(kind, item, tensors, request.peer_id, request.address)
             except VolunteerdError as exc:
                 results[i] = (ErrorReply(code=wire_code(exc), message=str(exc)[:1000]), [])
             except Exception:  # a bug, not the peer's error: this item's, not the batch's

@@ -245,9 +245,12 @@ class World:
                     await rpc.aclose()
 
     @asynccontextmanager
-    async def open_peer(self, identity: Identity | None = None) -> AsyncIterator[Peer]:
-        """A bare peer: a host and an RpcClient, no directory (a stranger, an attacker)."""
-        async with self.network.open_host(identity) as host:
+    async def open_peer(
+        self, identity: Identity | None = None, *, ip: str | None = None
+    ) -> AsyncIterator[Peer]:
+        """A bare peer: a host and an RpcClient, no directory (a stranger, an attacker);
+        its streams come from ``ip`` (None: an unknown address)."""
+        async with self.network.open_host(identity, ip=ip) as host:
             rpc = RpcClient(host, self.config.wire, self.config.timeouts)
             try:
                 yield Peer(host, rpc)
