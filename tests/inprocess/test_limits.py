@@ -18,7 +18,7 @@ import trio
 
 from volunteerd.config import Config
 from volunteerd.errors import PeerError, RemoteError
-from volunteerd.net import PROTOCOLS, Reply, Request, RpcClient, RpcServer, Verb
+from volunteerd.net import PROTOCOLS, Handler, Reply, Request, RpcClient, RpcServer, Verb
 from volunteerd.testing.clients import read_reply, trickle
 from volunteerd.testing.memnet import MemoryHost, MemoryNetwork
 from volunteerd.wire import ForwardRequest, TensorMeta, TensorReply, encode_frame
@@ -221,6 +221,19 @@ async def test_a_peer_over_its_byte_budget_is_rate_limited_and_others_are_not() 
         await forward(setup.good, setup, rows=64)
 
 
+async def serve_echo(
+    stack: AsyncExitStack, network: MemoryNetwork, config: Config, handler: Handler = echo
+) -> tuple[MemoryHost, RpcServer]:
+    """An RpcServer answering forwards with ``handler``, on a host at 198.51.100.1 that
+    stays up until ``stack`` closes."""
+    host = await stack.enter_async_context(network.open_host(ip="198.51.100.1"))
+    server = RpcServer(
+        host, {Verb.FORWARD: handler}, config.wire, config.timeouts, config.peer_limits
+    )
+    server.install()
+    return host, server
+
+
 async def test_identities_at_one_address_share_its_budget_and_other_addresses_are_served() -> None:
     """Identities cost nothing: eight of them at one address, each within its own rate,
     together get the address's budget (two peers' worth), not eight; a peer at another
@@ -230,11 +243,7 @@ async def test_identities_at_one_address_share_its_budget_and_other_addresses_ar
     )
     network = MemoryNetwork()
     async with AsyncExitStack() as stack:
-        server_host = await stack.enter_async_context(network.open_host(ip="198.51.100.1"))
-        server = RpcServer(
-            server_host, {Verb.FORWARD: echo}, config.wire, config.timeouts, config.peer_limits
-        )
-        server.install()
+        server_host, server = await serve_echo(stack, network, config)
         setup = Setup(server, server_host, None, None, None)  # type: ignore[arg-type]
 
         async def client(ip: str) -> tuple[MemoryHost, RpcClient]:
@@ -284,11 +293,7 @@ async def test_streams_of_one_address_are_capped_together(
     config = Config.model_validate({"peer_limits": {"max_streams": 2, "per_address": 2}})
     network = MemoryNetwork()
     async with AsyncExitStack() as stack:
-        server_host = await stack.enter_async_context(network.open_host(ip="198.51.100.1"))
-        server = RpcServer(
-            server_host, {Verb.FORWARD: echo}, config.wire, config.timeouts, config.peer_limits
-        )
-        server.install()
+        server_host, server = await serve_echo(stack, network, config)
         address = server_host.address
         hosts = [
             await stack.enter_async_context(network.open_host(ip="2001:db8:1:2::5"))
@@ -345,11 +350,9 @@ async def test_requests_carry_the_address_that_stands_for_their_machine(
         return await echo(request)
 
     network = MemoryNetwork()
-    async with network.open_host() as server_host, network.open_host(ip=ip) as client_host:
-        server = RpcServer(
-            server_host, {Verb.FORWARD: record}, config.wire, config.timeouts, config.peer_limits
-        )
-        server.install()
+    async with AsyncExitStack() as stack:
+        server_host, _ = await serve_echo(stack, network, config, record)
+        client_host = await stack.enter_async_context(network.open_host(ip=ip))
         client = RpcClient(client_host, config.wire, config.timeouts)
         header, data = forward_frame()
         await client.call(server_host.address, Verb.FORWARD, header, [data])
