@@ -231,3 +231,55 @@ async def test_made_up_peers_at_a_silent_address_cost_one_query_timeout() -> Non
             )
         assert found
         assert set(found) <= real
+
+
+# -- Kademlia streams held open without a word ----------------------------------------------
+
+
+async def _find_node(asker: Any, node: Any, key: bytes) -> Message:
+    stream = await asker.host.new_stream(node.host.get_id(), [PROTOCOL_ID])
+    try:
+        request = Message(type=Message.MessageType.FIND_NODE, key=key)
+        data = request.SerializeToString()
+        await stream.write(bytes(varint.encode(len(data))) + data)
+        answer = Message()
+        answer.ParseFromString(
+            await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+        )
+        return answer
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.close()
+
+
+async def test_silent_kademlia_streams_do_not_take_every_handler_of_a_node() -> None:
+    """py-libp2p serves at most 12 inbound Kademlia streams at once, resets any beyond,
+    and waits on each for its next message without a deadline: one peer holding 12
+    streams open without a word made a node answer no FIND_NODE to anyone, for as long
+    as it liked. Now 32 are served at once, 4 of them for one peer (8 for one address),
+    each for twice ``timeouts.dht_rpc_s`` at most."""
+    timeouts = {"dht_rpc_s": 2.0}
+    async with (
+        open_peer(local_config(timeouts=timeouts)) as node,
+        open_peer(local_config(timeouts=timeouts)) as attacker,
+        open_peer(local_config(timeouts=timeouts)) as asker,
+    ):
+        await attacker.rpc.connect(node.address)
+        await asker.rpc.connect(node.address)
+        silent = []
+        for _ in range(40):
+            with contextlib.suppress(Exception):  # refused ones may fail to open
+                silent.append(await attacker.host.new_stream(node.host.get_id(), [PROTOCOL_ID]))
+        await trio.sleep(0.5)  # every silent stream has reached the node's handler
+        with trio.fail_after(30):
+            answer = await _find_node(asker, node, attacker.host.get_id().to_bytes())
+        assert answer.type == Message.MessageType.FIND_NODE
+        # Every silent stream ends: refused at once, or reset once its time is up.
+        with trio.fail_after(10):
+            for stream in silent:
+                with contextlib.suppress(Exception):
+                    assert await stream.read(1) == b""
+        # And the attacker is served again, like anyone.
+        with trio.fail_after(30):
+            answer = await _find_node(attacker, node, asker.host.get_id().to_bytes())
+        assert answer.type == Message.MessageType.FIND_NODE

@@ -336,9 +336,8 @@ class Libp2pStream:
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer_id = str(stream.muxed_conn.peer_id)
-        relayed = _is_relayed(stream)
-        self._max_write = _RELAYED_WRITE if relayed else 0
-        self.remote_host = None if relayed else _remote_host(stream)
+        self._max_write = _RELAYED_WRITE if _is_relayed(stream) else 0
+        self.remote_host = remote_host(stream)
 
     async def read(self, n: int) -> bytes:
         try:
@@ -361,7 +360,11 @@ class Libp2pStream:
         await self._stream.reset()
 
 
-def _remote_host(stream: INetStream) -> str | None:
+def remote_host(stream: INetStream) -> str | None:
+    """The IP address ``stream``'s connection comes from; None when relayed (that
+    would be the relay's) or not known."""
+    if _is_relayed(stream):
+        return None
     try:
         remote = stream.muxed_conn.get_remote_address()
     except Exception:  # a muxer that does not say, or a closing connection
