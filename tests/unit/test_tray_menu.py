@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -442,6 +443,8 @@ def test_the_daemon_the_tray_starts_gets_its_locations_and_not_the_shells_settin
 ) -> None:
     """As a daemon started by a service manager: the tray's file locations, none of the
     VOLUNTEERD_<SECTION>__<KEY> variables of the shell that started the tray."""
+    for name in [k for k in os.environ if k.startswith("VOLUNTEERD_")]:
+        monkeypatch.delenv(name)  # the test runner's own (scripts/test reads one)
     monkeypatch.setenv("VOLUNTEERD_CONTROL__PORT", "0")
     monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "the-shells"))
     show = "import os; print(sorted((k, v) for k, v in os.environ.items() if 'VOLUNTEERD' in k))"
