@@ -149,10 +149,10 @@ async def scenario(args: argparse.Namespace, mode: str, attackers: int, tmp: Pat
                 calls: dict[str, int] = {}
                 original = layer._run_calls
 
-                def counting(verb, call_list, n_rows, timeout_s):  # type: ignore[no-untyped-def]
+                def counting(verb, call_list, *rest):  # type: ignore[no-untyped-def]
                     for call in call_list:
                         calls[call.peer.peer_id] = calls.get(call.peer.peer_id, 0) + 1
-                    return original(verb, call_list, n_rows, timeout_s)
+                    return original(verb, call_list, *rest)
 
                 layer._run_calls = counting  # type: ignore[method-assign]
                 for _ in range(args.steps):
