@@ -283,3 +283,92 @@ async def test_silent_kademlia_streams_do_not_take_every_handler_of_a_node() -> 
         with trio.fail_after(30):
             answer = await _find_node(attacker, node, asker.host.get_id().to_bytes())
         assert answer.type == Message.MessageType.FIND_NODE
+
+
+# -- Kademlia messages asked faster than a node should answer -----------------------------
+
+
+def _find_nodes(count: int) -> bytes:
+    """``count`` FIND_NODE requests for random keys, back to back."""
+    frames = []
+    for _ in range(count):
+        data = Message(type=Message.MessageType.FIND_NODE, key=os.urandom(34)).SerializeToString()
+        frames.append(bytes(varint.encode(len(data))) + data)
+    return b"".join(frames)
+
+
+async def _flood(attacker: Any, node: Any, seconds: float) -> tuple[int, float]:
+    """Pipeline FIND_NODE requests to ``node`` on one stream and read answers for
+    ``seconds``: how many came back, and in how long."""
+    stream = await attacker.host.new_stream(node.host.get_id(), [PROTOCOL_ID])
+    await stream.write(_find_nodes(400))
+    answers = 0
+    started = trio.current_time()
+    with trio.move_on_after(seconds):
+        while True:
+            await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+            answers += 1
+    elapsed = trio.current_time() - started
+    with contextlib.suppress(Exception):
+        await stream.reset()
+    return answers, elapsed
+
+
+async def test_a_peer_asking_kademlia_as_fast_as_it_can_is_answered_at_its_rate() -> None:
+    """One peer pipelining FIND_NODE requests was answered as fast as the node could
+    (about 1,500 a second on one stream here, at a few hundred microseconds of the
+    node's CPU each). Now its messages wait for its tokens (burst, then a rate), while
+    another peer, with its own budget, is answered at once."""
+    limits = {"dht_messages_per_s": 5, "dht_message_burst": 10}
+    async with (
+        open_peer(local_config(peer_limits=limits)) as node,
+        open_peer(local_config()) as attacker,
+        open_peer(local_config()) as asker,
+    ):
+        await attacker.rpc.connect(node.address)
+        await asker.rpc.connect(node.address)
+        async with trio.open_nursery() as nursery:
+            flooded: list[tuple[int, float]] = []
+
+            async def flood() -> None:
+                flooded.append(await _flood(attacker, node, 3.0))
+
+            nursery.start_soon(flood)
+            await trio.sleep(1.0)  # the flood has used its burst and is waiting now
+            with trio.fail_after(30):
+                answer = await _find_node(asker, node, attacker.host.get_id().to_bytes())
+            assert answer.type == Message.MessageType.FIND_NODE
+        [(answers, elapsed)] = flooded
+        assert 10 <= answers <= 10 + 5 * elapsed + 2
+        assert node.kademlia is not None
+        assert node.kademlia.waits > 0
+
+
+async def test_the_peers_of_one_address_share_its_kademlia_rate() -> None:
+    """Identities cost nothing: with ``limit_loopback`` (loopback counted as an
+    address) and ``per_address`` 1, two flooding peers on one address together get one
+    peer's worth of answers."""
+    limits = {
+        "dht_messages_per_s": 5,
+        "dht_message_burst": 10,
+        "per_address": 1,
+        "limit_loopback": True,
+    }
+    async with (
+        open_peer(local_config(peer_limits=limits)) as node,
+        open_peer(local_config()) as first,
+        open_peer(local_config()) as second,
+    ):
+        await first.rpc.connect(node.address)
+        await second.rpc.connect(node.address)
+        flooded: list[tuple[int, float]] = []
+
+        async def flood(attacker: Any) -> None:
+            flooded.append(await _flood(attacker, node, 3.0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood, first)
+            nursery.start_soon(flood, second)
+        total = sum(answers for answers, _ in flooded)
+        longest = max(elapsed for _, elapsed in flooded)
+        assert 10 <= total <= 10 + 5 * longest + 2

@@ -29,7 +29,7 @@ from volunteerd.config.models import PeerLimitsConfig
 from volunteerd.errors import WIRE_CODES, InvalidRecord, MalformedFrame, UnknownExpert
 from volunteerd.experts import from_wire, to_wire
 from volunteerd.identity import Identity
-from volunteerd.net.limits import PeerLimiter
+from volunteerd.net.limits import MessagePacer, PeerLimiter
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, Verb
 from volunteerd.net.records import EXPERT_RECORDS, ExpertRecord, sign_record
@@ -564,3 +564,39 @@ def test_limiter_never_admits_more_than_burst_plus_rate(
     limiter.admit("d", 0, "198.51.100.2")
     assert len(limiter) == 1
     assert limiter.addresses == 1
+
+
+@FUZZ
+@given(
+    events=st.lists(
+        st.tuples(st.floats(min_value=0, max_value=0.3), st.sampled_from(["a", "b", "c", "d"])),
+        max_size=300,
+    )
+)
+def test_pacer_lets_through_at_most_burst_plus_rate_and_says_how_long_to_wait(
+    events: list[tuple[float, str]],
+) -> None:
+    # a and b share an address (twice a peer's budget), c is alone, d is on loopback
+    hosts = {"a": "203.0.113.7", "b": "::ffff:203.0.113.7", "c": "198.51.100.1", "d": "::1"}
+    now = [0.0]
+    pacer = MessagePacer(10, 5, 2, clock=lambda: now[0])
+    passed: dict[str, int] = dict.fromkeys(hosts, 0)
+    for dt, peer in events:
+        now[0] += dt
+        wait = pacer.wait_s(peer, hosts[peer])
+        if wait == 0:
+            passed[peer] += 1
+            continue
+        assert 0 < wait <= 0.1 + 1e-9  # one token at 10 a second
+        # Asked again once the wait is over, it passes (nobody else took a token since).
+        now[0] += wait
+        assert pacer.wait_s(peer, hosts[peer]) == 0
+        passed[peer] += 1
+    t = now[0]
+    for peer in hosts:
+        assert passed[peer] <= 5 + 10 * t + 1e-6
+    assert passed["a"] + passed["b"] <= 2 * (5 + 10 * t) + 1e-6
+    assert pacer.messages == sum(passed.values())
+    now[0] += 60  # every bucket full again: all forgotten at the next message
+    pacer.wait_s("c", hosts["c"])
+    assert len(pacer) == 2  # c and its address

@@ -553,6 +553,15 @@ class PeerLimitsConfig(_Model):
         le=100_000,
         description="inbound connections one IP address (an IPv6 /64) may hold open at once",
     )
+    dht_messages_per_s: float = Field(
+        50.0,
+        gt=0,
+        description="Kademlia messages per second a peer's are answered at, sustained "
+        "(beyond that they wait; the peers at one address share per_address times as many)",
+    )
+    dht_message_burst: int = Field(
+        250, ge=1, description="Kademlia messages a peer may send at once above that rate"
+    )
 
 
 class ReachabilityConfig(_Model):

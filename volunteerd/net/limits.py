@@ -12,6 +12,9 @@ and addresses seen recently: one with no open stream is forgotten once it has be
 long enough for both buckets to refill, so forgetting it never lets it exceed its limits
 (it comes back with full buckets, as it would have).
 
+``MessagePacer`` keeps the same kind of buckets for a protocol whose messages are
+delayed rather than refused (Kademlia's: ``net/kademlia.py``).
+
 Pure and clock-injected, so the arithmetic is tested without a network.
 """
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 from volunteerd.config import PeerLimitsConfig
 
-__all__ = ["PeerLimiter", "TokenBucket", "address_key"]
+__all__ = ["MessagePacer", "PeerLimiter", "TokenBucket", "address_key"]
 
 _MIB = 1 << 20
 _SWEEP_EVERY_S = 1.0
@@ -65,6 +68,11 @@ class TokenBucket:
             return False
         self.tokens -= amount
         return True
+
+    def shortfall_s(self, now: float, amount: float = 1.0) -> float:
+        """Seconds until the bucket holds ``amount`` tokens (0.0 if it does now)."""
+        self._refill(now)
+        return max(0.0, (amount - self.tokens) / self.rate)
 
     def is_full(self, now: float) -> bool:
         self._refill(now)
@@ -237,3 +245,67 @@ class PeerLimiter:
         for table in (self._peers, self._addresses):
             for key in [key for key, budget in table.items() if budget.idle(now)]:
                 del table[key]
+
+
+class MessagePacer:
+    """Paces messages (not refuses them) per peer and per address: each message takes a
+    token from its peer's bucket (``rate`` a second up to ``burst``) and from its
+    address's (``per_address`` times both), and waits when either is empty.
+
+    For protocols whose honest traffic comes in bursts that must not fail (a Kademlia
+    lookup that finds its answer refused misses a peer), pacing bounds what a flood
+    costs without refusing anyone. Addresses are keyed as ``address_key`` does; memory
+    is bounded like ``PeerLimiter``'s (idle, full buckets are forgotten).
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        per_address: float,
+        *,
+        loopback: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._rate = rate
+        self._burst = burst
+        self._per_address = per_address
+        self._loopback = loopback
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+        self._last_sweep = clock()
+        self.messages = 0  # admitted
+        self.waits = 0  # times a message had to wait
+
+    def __len__(self) -> int:
+        """Peers and addresses currently remembered."""
+        return len(self._buckets)
+
+    def wait_s(self, peer_id: str, host: str | None = None) -> float:
+        """0.0 after taking a token for one message of ``peer_id`` (from ``host``), or
+        the seconds until its buckets both hold one, taking none (ask again then)."""
+        now = self._clock()
+        if now - self._last_sweep >= _SWEEP_EVERY_S:
+            self._last_sweep = now
+            for key in [k for k, bucket in self._buckets.items() if bucket.is_full(now)]:
+                del self._buckets[key]
+        buckets = [self._bucket(f"peer:{peer_id}", 1.0, now)]
+        address = address_key(host, loopback=self._loopback) if self._per_address > 0 else None
+        if address is not None:
+            buckets.append(self._bucket(address, self._per_address, now))
+        wait = max(bucket.shortfall_s(now) for bucket in buckets)
+        if wait > 0:
+            self.waits += 1
+            return wait
+        for bucket in buckets:
+            bucket.tokens -= 1.0
+        self.messages += 1
+        return 0.0
+
+    def _bucket(self, key: str, scale: float, now: float) -> TokenBucket:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket.full(
+                self._rate * scale, self._burst * scale, now
+            )
+        return bucket

@@ -11,16 +11,13 @@ nodes pollute the routing tables of servers (docs/decisions/0002).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IHost, INetStream
-from libp2p.kad_dht.common import PROTOCOL_ID
+from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -28,14 +25,9 @@ from volunteerd.config import Config
 from volunteerd.identity import Identity
 from volunteerd.net.connections import AddressSlots, IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
-from volunteerd.net.host import (
-    Libp2pStreamHost,
-    listen_multiaddr,
-    open_host,
-    remote_host,
-    transport_addrs,
-)
-from volunteerd.net.limits import address_key
+from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, transport_addrs
+from volunteerd.net.kademlia import serve_kademlia
+from volunteerd.net.limits import MessagePacer
 from volunteerd.net.lookup import PeerLookup
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
@@ -64,6 +56,8 @@ class Node:
     reachability: Reachability | None = None
     # Inbound connections per IP address, and how many were refused for it.
     address_slots: AddressSlots | None = None
+    # Kademlia messages answered for others, and how often one had to wait its turn.
+    kademlia: MessagePacer | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -84,83 +78,6 @@ class Node:
     def connected_peers(self) -> list[str]:
         """The peers this node has an open connection with now."""
         return [str(p) for p in self.host.get_connected_peers()]
-
-
-def _routing_only(kad: KadDHT) -> None:
-    """Make ``kad`` keep nothing for others: volunteerd uses Kademlia for routing
-    alone (FIND_NODE, PING; records go through ``ExpertDHT``'s own verbs).
-
-    py-libp2p serves ADD_PROVIDER and PUT_VALUE in server mode whatever the caller
-    uses, and keeps what they carry for 48 h and 24 h: provider entries with no cap on
-    keys or on addresses (about 37 MiB held per 4 MiB message, from identities that
-    cost nothing), values up to 50,000 entries. Here an ADD_PROVIDER is refused like
-    one over py-libp2p's rate limit (the stream is reset, before its providers are
-    read), and neither store takes an entry from any other path."""
-
-    def refuse_providers(peer_id: object) -> bool:
-        return False
-
-    def keep_no_provider(key: bytes, provider: object) -> None:
-        return None
-
-    def keep_no_value(key: bytes, record: object) -> None:
-        return None
-
-    kad._check_provider_rate_limit = refuse_providers  # type: ignore[method-assign,assignment]
-    kad.provider_store.add_provider = keep_no_provider  # type: ignore[method-assign,assignment]
-    kad.value_store.put_record = keep_no_value  # type: ignore[method-assign,assignment]
-
-
-# Inbound Kademlia streams served at once: in all (py-libp2p's 12, raised: a handler
-# waiting on a peer costs nothing), from one peer (a node runs at most 4 lookups at once,
-# each asking a peer one FIND_NODE per stream: ``ExpertDHT._lookups``), and from one
-# address's peers together.
-_KADEMLIA_STREAMS = 32
-_KADEMLIA_STREAMS_PER_PEER = 4
-_KADEMLIA_STREAMS_PER_ADDRESS = 8
-
-
-def _bound_kademlia_streams(host: IHost, kad: KadDHT, config: Config) -> None:
-    """Keep one peer from taking every Kademlia handler of this node.
-
-    py-libp2p serves at most 12 inbound Kademlia streams at once, resets any beyond,
-    and waits on each for its next message without a deadline: one peer holding 12
-    streams open without a word made the node answer no FIND_NODE to anyone. Here
-    ``_KADEMLIA_STREAMS`` are served in all, a peer has at most
-    ``_KADEMLIA_STREAMS_PER_PEER`` of them and the peers of one address
-    (``limits.address_key``; none for loopback and relayed peers) at most
-    ``_KADEMLIA_STREAMS_PER_ADDRESS``, the rest reset before they reach py-libp2p's
-    handler; and a stream is served for at most twice ``timeouts.dht_rpc_s``, then
-    reset."""
-    limits = config.peer_limits
-    lifetime_s = 2 * config.timeouts.dht_rpc_s
-    kad._inbound_limiter = trio.CapacityLimiter(_KADEMLIA_STREAMS)
-    serving: Counter[str] = Counter()
-
-    async def handle(stream: INetStream) -> None:
-        peer = f"peer:{stream.muxed_conn.peer_id}"
-        address = address_key(remote_host(stream), loopback=limits.limit_loopback)
-        sources = [peer] if address is None else [peer, address]
-        if serving[peer] >= _KADEMLIA_STREAMS_PER_PEER or (
-            address is not None and serving[address] >= _KADEMLIA_STREAMS_PER_ADDRESS
-        ):
-            with contextlib.suppress(Exception):
-                await stream.reset()
-            return
-        serving.update(sources)
-        try:
-            with trio.move_on_after(lifetime_s) as deadline:
-                await kad.handle_stream(stream)
-            if deadline.cancelled_caught:
-                with contextlib.suppress(Exception):
-                    await stream.reset()
-        finally:
-            serving.subtract(sources)
-            for source in sources:
-                if serving[source] <= 0:
-                    del serving[source]
-
-    host.set_stream_handler(PROTOCOL_ID, handle)
 
 
 @asynccontextmanager
@@ -190,8 +107,7 @@ async def open_node(
         identity, listen, network.announce_addrs, network.max_connections, per_address
     ) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
-        _routing_only(kad)
-        _bound_kademlia_streams(host, kad, config)
+        kademlia = serve_kademlia(host, kad, config)
         # Lookups that believe only peers that answer (net/lookup.py), for ours and
         # for KadDHT's own refreshes alike.
         lookup = PeerLookup(host, kad.routing_table, config.timeouts.dht_rpc_s)
@@ -228,6 +144,7 @@ async def open_node(
                 throttle,
                 trimmer,
                 address_slots=per_address,
+                kademlia=kademlia,
             )
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)
