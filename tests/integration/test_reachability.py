@@ -13,6 +13,10 @@ import torch
 import trio
 from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import StopMessage
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
 from volunteerd.errors import RemoteError
@@ -329,3 +333,28 @@ async def test_relayed_calls_arrive_whole_and_move_to_the_direct_connection_dcut
                 while not any(not circuit and n for circuit, n in _conns(client, server.peer_id)):
                     _, tensors = await client.rpc.call(relayed, Verb.FORWARD, request, [payload])
                     assert bytes(tensors[0].data) == payload
+
+
+async def test_a_circuit_is_accepted_only_from_a_relay_the_node_reserved_with() -> None:
+    """py-libp2p accepts a STOP from any peer and upgrades a new connection over it: one
+    peer connected directly could open a "relayed" connection per made-up identity over
+    its one TCP connection, none counted against its address. Now a STOP from a peer
+    the node holds no reservation with is reset before anything is read; the node's
+    own relay still brings circuits (the tests above)."""
+    async with open_peer(local_config()) as node, open_peer(local_config()) as stranger:
+        await stranger.rpc.connect(node.address)
+        stream = await stranger.host.new_stream(node.host.get_id(), [STOP_PROTOCOL_ID])
+        made_up = peer_id_for(Identity.generate())
+        await write_delimited_msg(
+            stream, StopMessage(type=StopMessage.CONNECT, peer=CircuitPeerId(id=made_up.to_bytes()))
+        )
+        answer = None
+        with trio.fail_after(10):
+            try:
+                answer = await read_delimited_msg(stream, StopMessage)
+            except Exception:  # reset: refused before anything was read
+                pass
+        assert answer is None, f"the node answered the circuit: {answer}"
+        assert node.reachability is not None
+        assert node.reachability.relaying.refused_circuits == 1
+        assert str(made_up) not in node.connected_peers()

@@ -20,6 +20,7 @@ a peer dials one by appending ``/p2p/<node id>``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
@@ -272,7 +273,14 @@ class Relaying:
     (DCUtR): run with ``await nursery.start(relaying.serve)``.
 
     ``on_direct(peer id)`` is called when a peer reached through a relay gains a direct
-    connection (the node's RPC client forgets its idle streams to that peer)."""
+    connection (the node's RPC client forgets its idle streams to that peer).
+
+    Circuits are accepted only from a relay this node holds a reservation with (the
+    relays it announces): py-libp2p accepts a STOP from any peer and upgrades a new
+    connection over each, so one peer connected directly could open hundreds of
+    "relayed" connections over its one TCP connection, each under an identity made for
+    the purpose, none counted against the address's connections or limits. A relay
+    this node chose caps the circuits to it (``RELAY_LIMITS.max_circuit_conns``)."""
 
     def __init__(
         self,
@@ -293,10 +301,13 @@ class Relaying:
             host, self._protocol, RelayConfig(roles=RelayRole.STOP, limits=RELAY_LIMITS)
         )
         self._nursery: trio.Nursery | None = None
+        # STOP streams refused: from a peer this node holds no reservation with.
+        self.refused_circuits = 0
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self._protocol), trio.open_nursery() as nursery:
             await self._protocol.event_started.wait()
+            self._host.set_stream_handler(STOP_PROTOCOL_ID, self._on_stop)
             if self._hole_punching is not None:
                 await nursery.start(self._serve_hole_punching)
             self._nursery = nursery
@@ -312,6 +323,16 @@ class Relaying:
             await self._hole_punching.event_started.wait()
             task_status.started()
             await trio.sleep_forever()
+
+    async def _on_stop(self, stream: INetStream) -> None:
+        relay = stream.muxed_conn.peer_id
+        if relay not in self._transport._reservations:
+            self.refused_circuits += 1
+            logger.debug("circuit from %s refused: no reservation with it", short(str(relay)))
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            return
+        await self._protocol._handle_stop_stream(stream)
 
     def upgrades(self) -> UpgradeStats:
         if self._hole_punching is None:
@@ -423,6 +444,10 @@ class Reachability:
     @property
     def mode(self) -> Mode:
         return self._mode
+
+    @property
+    def relaying(self) -> Relaying:
+        return self._relaying
 
     @property
     def announce_addrs(self) -> list[str]:
