@@ -562,6 +562,15 @@ class PeerLimitsConfig(_Model):
     dht_message_burst: int = Field(
         250, ge=1, description="Kademlia messages a peer may send at once above that rate"
     )
+    identify_ping_per_s: float = Field(
+        2.0,
+        gt=0,
+        description="identify and ping streams, and pings, per second a peer's are answered "
+        "at, sustained (beyond that they wait; per address: per_address times as many)",
+    )
+    identify_ping_burst: int = Field(
+        20, ge=1, description="identify and ping streams and pings a peer may send at once"
+    )
 
 
 class ReachabilityConfig(_Model):

@@ -29,6 +29,7 @@ from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, t
 from volunteerd.net.kademlia import serve_kademlia
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.lookup import PeerLookup
+from volunteerd.net.paced import pace_services
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
 from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
@@ -58,6 +59,8 @@ class Node:
     address_slots: AddressSlots | None = None
     # Kademlia messages answered for others, and how often one had to wait its turn.
     kademlia: MessagePacer | None = None
+    # Identify and ping streams (and pings) answered for others, and the waits.
+    services: MessagePacer | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -108,6 +111,7 @@ async def open_node(
     ) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         kademlia = serve_kademlia(host, kad, config)
+        services = pace_services(host, config)
         # Lookups that believe only peers that answer (net/lookup.py), for ours and
         # for KadDHT's own refreshes alike.
         lookup = PeerLookup(host, kad.routing_table, config.timeouts.dht_rpc_s)
@@ -145,6 +149,7 @@ async def open_node(
                 trimmer,
                 address_slots=per_address,
                 kademlia=kademlia,
+                services=services,
             )
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)

@@ -1,0 +1,94 @@
+"""py-libp2p's identify and ping, answered for others at a paced rate (real libp2p on
+127.0.0.1): a peer asking as fast as it can gets the burst and then the rate, while
+another peer is answered at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import pytest
+import trio
+import trio.lowlevel
+from libp2p.host.ping import ID as PING_ID
+from libp2p.identity.identify.identify import ID as IDENTIFY_ID
+from libp2p.identity.identify.pb.identify_pb2 import Identify
+from libp2p.utils.varint import read_varint_prefixed_bytes_limited
+
+from volunteerd.config import PeerLimitsConfig
+from volunteerd.testing import local_config, open_peer
+
+pytestmark = pytest.mark.slow
+
+SECONDS = 3.0
+DEFAULTS = PeerLimitsConfig()
+BURST = DEFAULTS.identify_ping_burst
+
+
+def _most(elapsed: float) -> float:
+    """What the pacer lets one peer have in ``elapsed`` seconds, with one for luck."""
+    return BURST + DEFAULTS.identify_ping_per_s * elapsed + 1
+
+
+async def _identify(asker: Any, node: Any) -> Identify:
+    stream = await asker.host.new_stream(node.host.get_id(), [IDENTIFY_ID])
+    try:
+        data = await read_varint_prefixed_bytes_limited(stream, 1 << 20)
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.close()
+    answer = Identify()
+    answer.ParseFromString(data)
+    return answer
+
+
+async def test_a_peer_identifying_in_a_loop_gets_the_burst_then_the_rate() -> None:
+    async with open_peer(local_config()) as node, open_peer(local_config()) as attacker:
+        await attacker.rpc.connect(node.address)
+        answered = 0
+        started = trio.current_time()
+
+        async def loop() -> None:
+            nonlocal answered
+            while True:
+                try:
+                    stream = await attacker.host.new_stream(node.host.get_id(), [IDENTIFY_ID])
+                    if await stream.read(65536):
+                        answered += 1
+                    await stream.close()
+                except Exception:  # reset: too many of its streams were waiting
+                    await trio.lowlevel.checkpoint()
+
+        with trio.move_on_after(SECONDS):
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(loop)
+        elapsed = trio.current_time() - started
+        assert BURST <= answered <= _most(elapsed)
+        assert node.services is not None
+        assert node.services.waits > 0
+        # Another peer has its own budget: identified at once.
+        async with open_peer(local_config()) as asker:
+            await asker.rpc.connect(node.address)
+            with trio.fail_after(30):
+                answer = await _identify(asker, node)
+            assert IDENTIFY_ID in answer.protocols
+
+
+async def test_pings_on_one_stream_are_echoed_at_the_paced_rate() -> None:
+    async with open_peer(local_config()) as node, open_peer(local_config()) as attacker:
+        await attacker.rpc.connect(node.address)
+        stream = await attacker.host.new_stream(node.host.get_id(), [PING_ID])
+        pings = os.urandom(32) * 200
+        await stream.write(pings)
+        echoed = b""
+        started = trio.current_time()
+        with trio.move_on_after(SECONDS):
+            while len(echoed) < len(pings):
+                echoed += await stream.read(65536)
+        elapsed = trio.current_time() - started
+        with contextlib.suppress(Exception):
+            await stream.reset()
+        assert echoed == pings[: len(echoed)]  # what was echoed is what was sent
+        assert BURST - 1 <= len(echoed) // 32 <= _most(elapsed)
