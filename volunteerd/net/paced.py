@@ -2,9 +2,9 @@
 
 py-libp2p answers identify (a stream per request: the node's addresses, protocols and
 signed record, encoded for each) and ping (an echo per 32 bytes read, as fast as they
-come on one stream) as often as any peer asks. One peer looping either took the node's
-event loop: identify streams ~350 a second at ~1.8 ms of CPU each (both sides), pings
-~3,900 echoed a second on one stream. An honest peer identifies once per connection,
+come on one stream) as often as any peer asks. One peer looping either took a daemon's
+whole core: 925 identify streams a second, or 10,141 pings echoed a second on two
+streams (``benchmarks/flood.py``). An honest peer identifies once per connection,
 pushes an identify when its addresses change and pings rarely, if ever (volunteerd
 itself does not).
 
