@@ -58,12 +58,7 @@ def serve_kademlia(host: IHost, kad: KadDHT, config: Config) -> MessagePacer:
     how often one had to wait."""
     _routing_only(kad)
     limits = config.peer_limits
-    pacer = MessagePacer(
-        limits.dht_messages_per_s,
-        limits.dht_message_burst,
-        limits.per_address,
-        loopback=limits.limit_loopback,
-    )
+    pacer = MessagePacer.for_peers(limits.dht_messages_per_s, limits.dht_message_burst, limits)
     _bound_kademlia_streams(host, kad, config, pacer)
     return pacer
 

@@ -277,6 +277,12 @@ class MessagePacer:
         self.messages = 0  # admitted
         self.waits = 0  # times a message had to wait
 
+    @classmethod
+    def for_peers(cls, rate: float, burst: float, limits: PeerLimitsConfig) -> MessagePacer:
+        """A pacer with ``rate`` and ``burst`` per peer, and the addresses' share and
+        loopback rule of ``limits``."""
+        return cls(rate, burst, limits.per_address, loopback=limits.limit_loopback)
+
     def __len__(self) -> int:
         """Peers and addresses currently remembered."""
         return len(self._buckets)

@@ -48,12 +48,7 @@ def pace_services(host: IHost, config: Config) -> MessagePacer:
     """Replace ``host``'s identify, identify-push and ping handlers with paced ones;
     returns their pacer (its counts: streams and pings let through, waits)."""
     limits = config.peer_limits
-    pacer = MessagePacer(
-        limits.identify_ping_per_s,
-        limits.identify_ping_burst,
-        limits.per_address,
-        loopback=limits.limit_loopback,
-    )
+    pacer = MessagePacer.for_peers(limits.identify_ping_per_s, limits.identify_ping_burst, limits)
     waiting: Counter[str] = Counter()
     handlers = host.get_mux().handlers
     for protocol in (IDENTIFY_ID, IDENTIFY_PUSH_ID, PING_ID):
