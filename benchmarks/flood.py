@@ -9,16 +9,19 @@ What it measures
       Kademlia streams, each reopened when the daemon resets it;
     * ``identify``: identify streams opened and read by ``--streams`` tasks in a loop;
     * ``ping``: 32-byte pings pipelined on ``min(--streams, 2)`` ping streams (py-libp2p
-      serves 2 per peer).
+      serves 2 per peer);
+    * ``unknown``: streams for a protocol nobody serves, opened by ``--streams`` tasks in
+      a loop (each costs the daemon a multistream-select negotiation that ends in "na").
 
     Meanwhile another peer asks the daemon one FIND_NODE every 0.2 s. Reported per
     (flood, mode): what the attacker got answered a second, the daemon's CPU (% of one
     core, from /proc) and the other peer's FIND_NODE latency.
 
     ``paced`` is the default configuration (``peer_limits.dht_messages_per_s`` 50, burst
-    250; ``peer_limits.identify_ping_per_s`` 2, burst 20); ``unpaced`` raises them all
-    to a billion: what py-libp2p's handlers do on their own. Loopback counts per peer
-    only, so the address's share does not enter here.
+    250; ``peer_limits.identify_ping_per_s`` 2, burst 20; ``peer_limits.streams_per_s``
+    50, burst 250); ``unpaced`` raises them all to a billion: what py-libp2p's handlers
+    do on their own. Loopback counts per peer only, so the address's share does not
+    enter here.
 
 Run::
 
@@ -54,10 +57,11 @@ UNPACED = [
     arg
     for key in (
         "dht_messages_per_s", "dht_message_burst", "identify_ping_per_s", "identify_ping_burst",
+        "streams_per_s", "stream_burst",
     )
     for arg in ("--set", f"peer_limits.{key}={BILLION}")
 ]  # fmt: skip
-FLOODS = ("kademlia", "identify", "ping")
+FLOODS = ("kademlia", "identify", "ping", "unknown")
 
 Flood = Callable[[Any, ID, list[int]], Awaitable[None]]
 
@@ -124,6 +128,15 @@ async def ping(attacker: Any, target: ID, answers: list[int]) -> None:
                 got %= 32
     except Exception:
         return
+
+
+async def unknown(attacker: Any, target: ID, answers: list[int]) -> None:
+    """Streams for a protocol nobody serves, one after another; counts the refusals."""
+    while True:
+        try:
+            await attacker.host.new_stream(target, ["/nobody/1.0.0"])
+        except Exception:  # "na" (or reset while too many waited): as expected
+            answers[0] += 1
 
 
 async def ask(asker: Any, target: ID, key: bytes) -> float:
@@ -202,6 +215,7 @@ def main() -> None:
         "kademlia": (kademlia, args.streams),
         "identify": (identify, args.streams),
         "ping": (ping, min(args.streams, 2)),
+        "unknown": (unknown, args.streams),
     }
     for name in floods:
         flood, tasks = runs[name]

@@ -1,6 +1,6 @@
-"""py-libp2p's identify and ping, answered for others at a paced rate (real libp2p on
-127.0.0.1): a peer asking as fast as it can gets the burst and then the rate, while
-another peer is answered at once."""
+"""py-libp2p's identify and ping, and the negotiation of any inbound stream, answered
+for others at a paced rate (real libp2p on 127.0.0.1): a peer asking as fast as it can
+gets the burst and then the rate, while another peer is answered at once."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import trio.lowlevel
 from libp2p.host.ping import ID as PING_ID
 from libp2p.identity.identify.identify import ID as IDENTIFY_ID
 from libp2p.identity.identify.pb.identify_pb2 import Identify
-from libp2p.utils.varint import read_varint_prefixed_bytes_limited
+from libp2p.utils.varint import encode_delim, read_varint_prefixed_bytes_limited
 
 from volunteerd.config import PeerLimitsConfig
+from volunteerd.net.protocols import Verb
+from volunteerd.net.records import FindRequest
 from volunteerd.testing import local_config, open_peer
 
 pytestmark = pytest.mark.slow
@@ -92,3 +94,52 @@ async def test_pings_on_one_stream_are_echoed_at_the_paced_rate() -> None:
             await stream.reset()
         assert echoed == pings[: len(echoed)]  # what was echoed is what was sent
         assert BURST - 1 <= len(echoed) // 32 <= _most(elapsed)
+
+
+async def test_streams_for_a_protocol_nobody_serves_are_negotiated_at_the_paced_rate() -> None:
+    limits = {"streams_per_s": 20, "stream_burst": 50}
+    burst, rate = 50, 20
+    async with (
+        open_peer(local_config(peer_limits=limits)) as node,
+        open_peer(local_config()) as attacker,
+    ):
+        await attacker.rpc.connect(node.address)
+        tried = 0
+        started = trio.current_time()
+
+        async def loop() -> None:
+            nonlocal tried
+            while True:
+                with contextlib.suppress(Exception):  # "not supported", as it should be
+                    await attacker.host.new_stream(node.host.get_id(), ["/nobody/1.0.0"])
+                tried += 1
+
+        with trio.move_on_after(SECONDS):
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):  # as many as may wait: none is reset unread
+                    nursery.start_soon(loop)
+        elapsed = trio.current_time() - started
+        # Unpaced, a node negotiates well over a thousand a second.
+        assert burst // 2 <= tried <= burst + rate * elapsed + 8
+        assert node.negotiations is not None
+        assert node.negotiations.waits > 0
+        # Another peer has its own budget: its streams are negotiated at once.
+        async with open_peer(local_config()) as asker:
+            with trio.fail_after(10):
+                await asker.rpc.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+async def test_a_negotiation_reads_a_few_proposals_not_as_many_as_are_sent() -> None:
+    async with open_peer(local_config()) as node, open_peer(local_config()) as attacker:
+        await attacker.rpc.connect(node.address)
+        connection = attacker.host.get_network().connections[node.host.get_id()][0]
+        stream = await connection.muxed_conn.open_stream()
+        header = encode_delim(b"/multistream/1.0.0")
+        proposals = b"".join(encode_delim(f"/nobody/{i}".encode()) for i in range(200))
+        await stream.write(header + proposals)
+        answers = b""
+        with trio.move_on_after(SECONDS), contextlib.suppress(Exception):  # reset: done
+            while data := await stream.read(65536):
+                answers += data
+        refusals = answers.count(b"na\n")
+        assert 1 <= refusals <= 8  # py-libp2p alone answers all 200

@@ -571,6 +571,15 @@ class PeerLimitsConfig(_Model):
     identify_ping_burst: int = Field(
         20, ge=1, description="identify and ping streams and pings a peer may send at once"
     )
+    streams_per_s: float = Field(
+        50.0,
+        gt=0,
+        description="inbound streams per second a peer's are negotiated at, whatever their "
+        "protocol, sustained (beyond that they wait; per address: per_address times as many)",
+    )
+    stream_burst: int = Field(
+        250, ge=1, description="inbound streams a peer may open at once above that rate"
+    )
 
 
 class ReachabilityConfig(_Model):

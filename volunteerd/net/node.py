@@ -29,7 +29,7 @@ from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, t
 from volunteerd.net.kademlia import serve_kademlia
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.lookup import PeerLookup
-from volunteerd.net.paced import pace_services
+from volunteerd.net.paced import pace_services, pace_streams
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
 from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
@@ -61,6 +61,8 @@ class Node:
     kademlia: MessagePacer | None = None
     # Identify and ping streams (and pings) answered for others, and the waits.
     services: MessagePacer | None = None
+    # Inbound streams (any protocol) negotiated for others, and the waits.
+    negotiations: MessagePacer | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -112,6 +114,7 @@ async def open_node(
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         kademlia = serve_kademlia(host, kad, config)
         services = pace_services(host, config)
+        negotiations = pace_streams(host, config)
         # Lookups that believe only peers that answer (net/lookup.py), for ours and
         # for KadDHT's own refreshes alike.
         lookup = PeerLookup(host, kad.routing_table, config.timeouts.dht_rpc_s)
@@ -150,6 +153,7 @@ async def open_node(
                 address_slots=per_address,
                 kademlia=kademlia,
                 services=services,
+                negotiations=negotiations,
             )
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)

@@ -1,4 +1,4 @@
-"""Identify and ping, answered for others at a paced rate.
+"""Inbound streams, identify and ping, answered for others at a paced rate.
 
 py-libp2p answers identify (a stream per request: the node's addresses, protocols and
 signed record, encoded for each) and ping (an echo per 32 bytes read, as fast as they
@@ -14,6 +14,18 @@ stream takes a token of its peer (``peer_limits.identify_ping_per_s``, 2 a secon
 times both; loopback and relayed peers by peer only, as everywhere), and so does every
 ping on a ping stream; at most ``_WAITING`` streams of one peer wait for a token at a
 time, more are reset at once.
+
+``pace_streams`` does the same one layer down, for every inbound stream whatever its
+protocol: before py-libp2p negotiates the stream's protocol (multistream-select, a few
+messages each way in Python) it takes a token of its peer (``peer_limits.streams_per_s``,
+50 a second, ``stream_burst``, 250, at once) and of its address; at most
+``_WAITING_STREAMS`` of a peer's streams wait, more are reset unread. One peer opening
+streams for a protocol nobody serves had a daemon negotiate 1,595 a second with its
+whole core (``benchmarks/flood.py --flood unknown``). Honest peers reuse their RPC
+streams (``net/rpc.py`` pools them); a Kademlia query opens one, and a daemon's start-up
+publishing sends each peer a burst of them, which the burst covers. And a negotiation
+reads at most ``_MOST_PROPOSALS`` protocol proposals (py-libp2p answers "na" to as many
+as a peer sends on one stream, and the whole protocol list to each "ls").
 """
 
 from __future__ import annotations
@@ -21,19 +33,24 @@ from __future__ import annotations
 from collections import Counter
 
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, IMultiselectCommunicator, INetStream
 from libp2p.custom_types import StreamHandlerFn, TProtocol
 from libp2p.host.ping import ID as PING_ID
 from libp2p.identity.identify.identify import ID as IDENTIFY_ID
 from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH_ID
+from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 
 from volunteerd.config import Config
 from volunteerd.net.host import remote_host
 from volunteerd.net.limits import MessagePacer
 
-__all__ = ["pace_services", "wait_turn"]
+__all__ = ["pace_services", "pace_streams", "wait_turn"]
 
 _WAITING = 4
+_WAITING_STREAMS = 8
+# The multistream header, then protocols proposed (an honest peer proposes one; a
+# py-libp2p peer tries each of the protocols it was given in turn).
+_MOST_PROPOSALS = 8
 
 
 async def wait_turn(pacer: MessagePacer, peer_id: str, ip: str | None) -> None:
@@ -54,18 +71,60 @@ def pace_services(host: IHost, config: Config) -> MessagePacer:
     for protocol in (IDENTIFY_ID, IDENTIFY_PUSH_ID, PING_ID):
         handler = handlers.get(TProtocol(protocol))
         if handler is not None:
-            paced = _paced(handler, pacer, waiting, each_read=protocol == PING_ID)
+            paced = _paced(handler, pacer, waiting, _WAITING, each_read=protocol == PING_ID)
             host.set_stream_handler(TProtocol(protocol), paced)
     return pacer
 
 
+def pace_streams(host: IHost, config: Config) -> MessagePacer:
+    """Make every inbound stream of ``host`` wait for its peer's and address's turn
+    before its protocol is negotiated, and bound the proposals a negotiation reads;
+    returns the pacer (its counts: streams let through, waits)."""
+    limits = config.peer_limits
+    pacer = MessagePacer.for_peers(limits.streams_per_s, limits.stream_burst, limits)
+    swarm = host.get_network()
+    negotiate_and_serve = swarm.common_stream_handler  # type: ignore[attr-defined]
+    paced = _paced(negotiate_and_serve, pacer, Counter(), _WAITING_STREAMS, each_read=False)
+    swarm.set_stream_handler(paced)
+    mux = host.get_mux()
+    negotiate = mux.negotiate
+
+    async def bounded(communicator: IMultiselectCommunicator, *args: object) -> object:
+        return await negotiate(_Proposals(communicator, 1 + _MOST_PROPOSALS), *args)  # type: ignore[arg-type]
+
+    mux.negotiate = bounded  # type: ignore[method-assign,assignment]
+    return pacer
+
+
+class _Proposals:
+    """A multistream communicator that reads at most ``most`` messages."""
+
+    def __init__(self, communicator: IMultiselectCommunicator, most: int) -> None:
+        self._communicator = communicator
+        self._left = most
+
+    async def write(self, msg_str: str) -> None:
+        await self._communicator.write(msg_str)
+
+    async def read(self) -> str:
+        if self._left <= 0:
+            raise MultiselectCommunicatorError("too many protocols proposed on one stream")
+        self._left -= 1
+        return await self._communicator.read()
+
+
 def _paced(
-    handler: StreamHandlerFn, pacer: MessagePacer, waiting: Counter[str], *, each_read: bool
+    handler: StreamHandlerFn,
+    pacer: MessagePacer,
+    waiting: Counter[str],
+    most_waiting: int,
+    *,
+    each_read: bool,
 ) -> StreamHandlerFn:
     async def handle(stream: INetStream) -> None:
         peer_id = str(stream.muxed_conn.peer_id)
         ip = remote_host(stream)
-        if waiting[peer_id] >= _WAITING:
+        if waiting[peer_id] >= most_waiting:
             try:
                 await stream.reset()
             except Exception:  # already gone
