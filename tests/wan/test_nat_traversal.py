@@ -200,8 +200,12 @@ def test_daemon_behind_symmetric_nat_serves_through_the_relay(tmp_path: Path) ->
 
 def test_daemon_behind_cone_nat_ends_up_on_a_direct_connection(tmp_path: Path) -> None:
     """The daemon sits behind a cone NAT, the trainer on a public host: the trainer
-    first reaches the daemon through the relay; DCUtR then has the daemon dial out
-    from its listening port, and the calls move to the direct connection."""
+    first reaches the daemon through the relay; DCUtR then makes a direct connection,
+    and the calls move to it.
+
+    Either side's DCUtR may be first: the daemon dialling out from its listening port,
+    or the trainer dialling the daemon's observed address, which a full cone lets in
+    (it then counts the upgrade, not the daemon: 1 run in ~14 went that way)."""
     links = [_LINK, dataclasses.replace(_LINK, nat="cone"), _LINK]
     with open_wan(links, seed=2) as wan:
         report = _swarm_call(wan, tmp_path, until="direct")
@@ -209,10 +213,11 @@ def test_daemon_behind_cone_nat_ends_up_on_a_direct_connection(tmp_path: Path) -
     assert report["second_reply"] == [[2, HIDDEN]]
     assert all("/p2p-circuit" in a for a in report["announced"])
     assert any("/p2p-circuit" not in a for a in report["connections"])
-    assert report["streams_on_direct"] >= 1, report  # the second call left by the direct one
+    # the second call left by the direct one
+    assert report["streams_on_direct"] >= 1, json.dumps(report)
     daemon = report["daemon"]
     assert daemon["mode"] == "relayed"  # still unreachable for anyone it did not meet
-    assert daemon["upgraded"] >= 1, report
+    assert daemon["upgraded"] + report["upgraded"] >= 1, json.dumps(report)
 
 
 def test_daemon_behind_symmetric_nat_reaches_a_public_trainer_directly(tmp_path: Path) -> None:
