@@ -11,7 +11,10 @@ What it measures
     * ``ping``: 32-byte pings pipelined on ``min(--streams, 2)`` ping streams (py-libp2p
       serves 2 per peer);
     * ``unknown``: streams for a protocol nobody serves, opened by ``--streams`` tasks in
-      a loop (each costs the daemon a multistream-select negotiation that ends in "na").
+      a loop (each costs the daemon a multistream-select negotiation that ends in "na");
+    * ``resets``: yamux streams opened and reset at once by ``--streams`` tasks, no
+      protocol asked (what the daemon pays is yamux's and trio's work per stream); the
+      attacker reconnects whenever the daemon closes its connection.
 
     Meanwhile another peer asks the daemon one FIND_NODE every 0.2 s. Reported per
     (flood, mode): what the attacker got answered a second, the daemon's CPU (% of one
@@ -61,7 +64,7 @@ UNPACED = [
     )
     for arg in ("--set", f"peer_limits.{key}={BILLION}")
 ]  # fmt: skip
-FLOODS = ("kademlia", "identify", "ping", "unknown")
+FLOODS = ("kademlia", "identify", "ping", "unknown", "resets")
 
 Flood = Callable[[Any, ID, list[int]], Awaitable[None]]
 
@@ -137,6 +140,22 @@ async def unknown(attacker: Any, target: ID, answers: list[int]) -> None:
             await attacker.host.new_stream(target, ["/nobody/1.0.0"])
         except Exception:  # "na" (or reset while too many waited): as expected
             answers[0] += 1
+
+
+async def resets(attacker: Any, target: ID, answers: list[int]) -> None:
+    """Streams opened and reset at once, on the attacker's connection to the daemon
+    (dialled again when the daemon closed it); counts the streams."""
+    while True:
+        try:
+            connections = attacker.host.get_network().connections.get(target)
+            if not connections:
+                await attacker.host.connect(attacker.host.get_peerstore().peer_info(target))
+                continue
+            stream = await connections[0].muxed_conn.open_stream()
+            await stream.reset()
+            answers[0] += 1
+        except Exception:  # the connection closed under us: dial again
+            await trio.sleep(0.001)
 
 
 async def ask(asker: Any, target: ID, key: bytes) -> float:
@@ -216,6 +235,7 @@ def main() -> None:
         "identify": (identify, args.streams),
         "ping": (ping, min(args.streams, 2)),
         "unknown": (unknown, args.streams),
+        "resets": (resets, args.streams),
     }
     for name in floods:
         flood, tasks = runs[name]

@@ -116,7 +116,7 @@ async def test_streams_for_a_protocol_nobody_serves_are_negotiated_at_the_paced_
 
         with trio.move_on_after(SECONDS):
             async with trio.open_nursery() as nursery:
-                for _ in range(8):  # as many as may wait: none is reset unread
+                for _ in range(6):  # fewer than may wait: none is reset unread
                     nursery.start_soon(loop)
         elapsed = trio.current_time() - started
         # Unpaced, a node negotiates well over a thousand a second.
@@ -143,3 +143,33 @@ async def test_a_negotiation_reads_a_few_proposals_not_as_many_as_are_sent() -> 
                 answers += data
         refusals = answers.count(b"na\n")
         assert 1 <= refusals <= 8  # py-libp2p alone answers all 200
+
+
+async def test_a_peer_opening_streams_faster_than_they_are_served_loses_its_connection() -> None:
+    limits = {"streams_per_s": 20, "stream_burst": 50}
+    async with (
+        open_peer(local_config(peer_limits=limits)) as node,
+        open_peer(local_config()) as attacker,
+    ):
+        await attacker.rpc.connect(node.address)
+        network = attacker.host.get_network()
+        connection = network.connections[node.host.get_id()][0]
+        opened = 0
+        with trio.move_on_after(SECONDS):
+            while not connection.muxed_conn.is_closed:
+                try:
+                    stream = await connection.muxed_conn.open_stream()
+                    await stream.reset()  # yamux's work, and trio's, but no negotiation
+                    opened += 1
+                except Exception:  # the node closed the connection
+                    break
+        # Paced alone, the streams would be reset one by one, on an open connection.
+        with trio.fail_after(10):
+            await connection.muxed_conn.event_closed.wait()
+        assert opened >= 50  # the burst, at least, was let through
+        assert node.negotiations is not None
+        assert node.negotiations.refused >= 1
+        # The peer is not banned: once its bucket refills it is served again.
+        await trio.sleep(1.0)
+        with trio.fail_after(10):
+            await attacker.rpc.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))

@@ -358,3 +358,27 @@ async def test_a_circuit_is_accepted_only_from_a_relay_the_node_reserved_with() 
         assert node.reachability is not None
         assert node.reachability.relaying.refused_circuits == 1
         assert str(made_up) not in node.connected_peers()
+
+
+async def test_streams_flooding_from_the_nodes_own_relay_are_refused_without_cutting_it() -> None:
+    """A stranger opening streams faster than they are served loses its connection
+    (tests/integration/test_paced_services.py); the node's own relay, which anyone can
+    make open STOP streams to the node, keeps its connection, or every circuit to the
+    node would go with it: its excess streams are only reset."""
+    limits = {"streams_per_s": 20, "stream_burst": 50}
+    async with open_node(Identity.generate(), local_config(), relay=True) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs, reachability={"mode": "relay"}, peer_limits=limits
+        )
+        async with open_peer(config) as node:
+            assert node.reachability is not None
+            assert node.reachability.relaying.reserved_with(boot.peer_id)
+            connection = boot.host.get_network().connections[node.host.get_id()][0]
+            assert node.negotiations is not None
+            with trio.fail_after(30):
+                while node.negotiations.refused < 20:
+                    stream = await connection.muxed_conn.open_stream()
+                    await stream.reset()
+            await trio.sleep(0.5)  # a close, were there one, has happened by now
+            assert not connection.muxed_conn.is_closed
+            assert node.addrs == [f"{boot.addrs[0]}/p2p/{boot.peer_id}/p2p-circuit"]

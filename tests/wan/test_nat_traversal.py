@@ -200,12 +200,14 @@ def test_daemon_behind_symmetric_nat_serves_through_the_relay(tmp_path: Path) ->
 
 def test_daemon_behind_cone_nat_ends_up_on_a_direct_connection(tmp_path: Path) -> None:
     """The daemon sits behind a cone NAT, the trainer on a public host: the trainer
-    first reaches the daemon through the relay; DCUtR then makes a direct connection,
-    and the calls move to it.
+    first reaches the daemon through the relay, then over a direct connection, and
+    the calls move to it.
 
-    Either side's DCUtR may be first: the daemon dialling out from its listening port,
-    or the trainer dialling the daemon's observed address, which a full cone lets in
-    (it then counts the upgrade, not the daemon: 1 run in ~14 went that way)."""
+    Which dial makes it is a race, and any winner is right: the daemon's DCUtR dialling
+    out from its listening port, the trainer's dialling the daemon's observed address
+    (a full cone lets it in), or the daemon dialling the trainer, a public Kademlia
+    peer, outside DCUtR (neither side then counts an upgrade: under load most runs went
+    that way). Hole punching itself is tested in tests/integration/test_reachability.py."""
     links = [_LINK, dataclasses.replace(_LINK, nat="cone"), _LINK]
     with open_wan(links, seed=2) as wan:
         report = _swarm_call(wan, tmp_path, until="direct")
@@ -217,7 +219,7 @@ def test_daemon_behind_cone_nat_ends_up_on_a_direct_connection(tmp_path: Path) -
     assert report["streams_on_direct"] >= 1, json.dumps(report)
     daemon = report["daemon"]
     assert daemon["mode"] == "relayed"  # still unreachable for anyone it did not meet
-    assert daemon["upgraded"] + report["upgraded"] >= 1, json.dumps(report)
+    assert daemon["hole_punch_failed"] == 0, json.dumps(report)
 
 
 def test_daemon_behind_symmetric_nat_reaches_a_public_trainer_directly(tmp_path: Path) -> None:

@@ -276,6 +276,7 @@ class MessagePacer:
         self._last_sweep = clock()
         self.messages = 0  # admitted
         self.waits = 0  # times a message had to wait
+        self.refused = 0  # refused by its caller: too many of the peer's were waiting
 
     @classmethod
     def for_peers(cls, rate: float, burst: float, limits: PeerLimitsConfig) -> MessagePacer:

@@ -114,7 +114,12 @@ async def open_node(
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         kademlia = serve_kademlia(host, kad, config)
         services = pace_services(host, config)
-        negotiations = pace_streams(host, config)
+        relaying: Relaying | None = None
+
+        def our_relay(peer_id: str) -> bool:
+            return relaying is not None and relaying.reserved_with(peer_id)
+
+        negotiations = pace_streams(host, config, keep_connection=our_relay)
         # Lookups that believe only peers that answer (net/lookup.py), for ours and
         # for KadDHT's own refreshes alike.
         lookup = PeerLookup(host, kad.routing_table, config.timeouts.dht_rpc_s)

@@ -19,9 +19,13 @@ time, more are reset at once.
 protocol: before py-libp2p negotiates the stream's protocol (multistream-select, a few
 messages each way in Python) it takes a token of its peer (``peer_limits.streams_per_s``,
 50 a second, ``stream_burst``, 250, at once) and of its address; at most
-``_WAITING_STREAMS`` of a peer's streams wait, more are reset unread. One peer opening
-streams for a protocol nobody serves had a daemon negotiate 1,595 a second with its
-whole core (``benchmarks/flood.py --flood unknown``). Honest peers reuse their RPC
+``_WAITING_STREAMS`` of a peer's streams wait. One peer opening streams for a protocol
+nobody serves had a daemon negotiate 1,452 a second with its whole core
+(``benchmarks/flood.py --flood unknown``). A stream beyond those waiting is reset and
+its connection closed: yamux's and trio's work per stream is paid whether or not the
+stream is negotiated, and one peer opening and resetting streams took a daemon's core
+(~9,000 a second) with every one of them refused. The peer may dial again (its
+buckets keep their state: its next streams wait again). Honest peers reuse their RPC
 streams (``net/rpc.py`` pools them); a Kademlia query opens one, and a daemon's start-up
 publishing sends each peer a burst of them, which the burst covers. And a negotiation
 reads at most ``_MOST_PROPOSALS`` protocol proposals (py-libp2p answers "na" to as many
@@ -30,7 +34,11 @@ as a peer sends on one stream, and the whole protocol list to each "ls").
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost, IMultiselectCommunicator, INetStream
@@ -43,8 +51,11 @@ from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from volunteerd.config import Config
 from volunteerd.net.host import remote_host
 from volunteerd.net.limits import MessagePacer
+from volunteerd.net.peers import short
 
 __all__ = ["pace_services", "pace_streams", "wait_turn"]
+
+logger = logging.getLogger(__name__)
 
 _WAITING = 4
 _WAITING_STREAMS = 8
@@ -76,15 +87,28 @@ def pace_services(host: IHost, config: Config) -> MessagePacer:
     return pacer
 
 
-def pace_streams(host: IHost, config: Config) -> MessagePacer:
+def pace_streams(
+    host: IHost, config: Config, keep_connection: Callable[[str], bool] = lambda peer: False
+) -> MessagePacer:
     """Make every inbound stream of ``host`` wait for its peer's and address's turn
     before its protocol is negotiated, and bound the proposals a negotiation reads;
-    returns the pacer (its counts: streams let through, waits)."""
+    returns the pacer (its counts: streams let through, waits, refused).
+
+    A peer for which ``keep_connection`` says so (a relay this node holds a reservation
+    with: closing that connection would cut every circuit to the node) only has its
+    excess streams reset."""
     limits = config.peer_limits
     pacer = MessagePacer.for_peers(limits.streams_per_s, limits.stream_burst, limits)
     swarm = host.get_network()
     negotiate_and_serve = swarm.common_stream_handler  # type: ignore[attr-defined]
-    paced = _paced(negotiate_and_serve, pacer, Counter(), _WAITING_STREAMS, each_read=False)
+    paced = _paced(
+        negotiate_and_serve,
+        pacer,
+        Counter(),
+        _WAITING_STREAMS,
+        each_read=False,
+        on_overflow=functools.partial(_close_connection, keep_connection),
+    )
     swarm.set_stream_handler(paced)
     mux = host.get_mux()
     negotiate = mux.negotiate
@@ -113,6 +137,21 @@ class _Proposals:
         return await self._communicator.read()
 
 
+async def _close_connection(keep_connection: Callable[[str], bool], stream: INetStream) -> None:
+    """Close the connection ``stream`` came on (its peer opens streams faster than it
+    is served, far beyond any honest burst: what it costs is yamux's and trio's work
+    per stream, paced or not)."""
+    connection = getattr(stream, "swarm_conn", None)
+    if connection is None or keep_connection(str(stream.muxed_conn.peer_id)):
+        return
+    logger.debug(
+        "closing the connection of %s: it opens streams faster than they are served",
+        short(str(stream.muxed_conn.peer_id)),
+    )
+    with contextlib.suppress(Exception):  # already closing
+        await connection.close()
+
+
 def _paced(
     handler: StreamHandlerFn,
     pacer: MessagePacer,
@@ -120,15 +159,17 @@ def _paced(
     most_waiting: int,
     *,
     each_read: bool,
+    on_overflow: Callable[[INetStream], Awaitable[None]] | None = None,
 ) -> StreamHandlerFn:
     async def handle(stream: INetStream) -> None:
         peer_id = str(stream.muxed_conn.peer_id)
         ip = remote_host(stream)
         if waiting[peer_id] >= most_waiting:
-            try:
+            pacer.refused += 1
+            with contextlib.suppress(Exception):  # already gone
                 await stream.reset()
-            except Exception:  # already gone
-                pass
+            if on_overflow is not None:
+                await on_overflow(stream)
             return
         waiting[peer_id] += 1
         try:

@@ -334,6 +334,13 @@ class Relaying:
             return
         await self._protocol._handle_stop_stream(stream)
 
+    def reserved_with(self, peer_id: str) -> bool:
+        """Whether this node holds a reservation on relay ``peer_id``."""
+        try:
+            return ID.from_base58(peer_id) in self._transport._reservations
+        except ValueError:
+            return False
+
     def upgrades(self) -> UpgradeStats:
         if self._hole_punching is None:
             return UpgradeStats(0, 0, None, None)
