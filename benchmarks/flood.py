@@ -14,7 +14,10 @@ What it measures
       a loop (each costs the daemon a multistream-select negotiation that ends in "na");
     * ``resets``: yamux streams opened and reset at once by ``--streams`` tasks, no
       protocol asked (what the daemon pays is yamux's and trio's work per stream); the
-      attacker reconnects whenever the daemon closes its connection.
+      attacker reconnects whenever the daemon closes its connection;
+    * ``frames``: 12-byte Yamux window updates for a stream that does not exist, written
+      1000 at a time by ``--streams`` tasks on the attacker's connection (1.7 MB/s of
+      them is what a core of py-libp2p reads).
 
     Meanwhile another peer asks the daemon one FIND_NODE every 0.2 s. Reported per
     (flood, mode): what the attacker got answered a second, the daemon's CPU (% of one
@@ -22,7 +25,8 @@ What it measures
 
     ``paced`` is the default configuration (``peer_limits.dht_messages_per_s`` 50, burst
     250; ``peer_limits.identify_ping_per_s`` 2, burst 20; ``peer_limits.streams_per_s``
-    50, burst 250); ``unpaced`` raises them all to a billion: what py-libp2p's handlers
+    50, burst 250; ``peer_limits.small_frames_per_s`` 2000, burst 10000); ``unpaced``
+    raises them all to a billion: what py-libp2p's handlers
     do on their own. Loopback counts per peer only, so the address's share does not
     enter here.
 
@@ -38,6 +42,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -60,11 +65,12 @@ UNPACED = [
     arg
     for key in (
         "dht_messages_per_s", "dht_message_burst", "identify_ping_per_s", "identify_ping_burst",
-        "streams_per_s", "stream_burst",
+        "streams_per_s", "stream_burst", "small_frames_per_s", "small_frame_burst",
     )
     for arg in ("--set", f"peer_limits.{key}={BILLION}")
 ]  # fmt: skip
-FLOODS = ("kademlia", "identify", "ping", "unknown", "resets")
+FLOODS = ("kademlia", "identify", "ping", "unknown", "resets", "frames")
+WINDOW_UPDATES = struct.pack("!BBHII", 0, 1, 0, 999_999, 0) * 1000  # no such stream
 
 Flood = Callable[[Any, ID, list[int]], Awaitable[None]]
 
@@ -158,6 +164,22 @@ async def resets(attacker: Any, target: ID, answers: list[int]) -> None:
             await trio.sleep(0.001)
 
 
+async def window_updates(attacker: Any, target: ID, answers: list[int]) -> None:
+    """Window updates for a stream that does not exist, written straight to the
+    attacker's secured connection (TCP keeps them coming as fast as they are read);
+    counts the frames written."""
+    while True:
+        try:
+            connections = attacker.host.get_network().connections.get(target)
+            if not connections:
+                await attacker.host.connect(attacker.host.get_peerstore().peer_info(target))
+                continue
+            await connections[0].muxed_conn.secured_conn.write(WINDOW_UPDATES)
+            answers[0] += 1000
+        except Exception:  # the connection closed under us: dial again
+            await trio.sleep(0.001)
+
+
 async def ask(asker: Any, target: ID, key: bytes) -> float:
     started = time.perf_counter()
     stream = await asker.host.new_stream(target, [PROTOCOL_ID])
@@ -176,7 +198,10 @@ async def measure(
 ) -> dict[str, float]:
     address = PeerAddress(info["peer_id"], tuple(a.split("/p2p/")[0] for a in info["multiaddrs"]))
     target = ID.from_base58(info["peer_id"])
-    async with open_peer(local_config()) as attacker, open_peer(local_config()) as asker:
+    # The attacker reads the daemon's answers as fast as they come (a node of ours
+    # would pace the small frames they arrive in, and flood at that pace).
+    reader = local_config(peer_limits={"small_frames_per_s": 1e9, "small_frame_burst": 10**9})
+    async with open_peer(reader) as attacker, open_peer(local_config()) as asker:
         await attacker.rpc.connect(address)
         await asker.rpc.connect(address)
         answers = [0]
@@ -236,6 +261,7 @@ def main() -> None:
         "ping": (ping, min(args.streams, 2)),
         "unknown": (unknown, args.streams),
         "resets": (resets, args.streams),
+        "frames": (window_updates, args.streams),
     }
     for name in floods:
         flood, tasks = runs[name]

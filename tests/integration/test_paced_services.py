@@ -1,11 +1,13 @@
-"""py-libp2p's identify and ping, and the negotiation of any inbound stream, answered
-for others at a paced rate (real libp2p on 127.0.0.1): a peer asking as fast as it can
-gets the burst and then the rate, while another peer is answered at once."""
+"""py-libp2p's identify and ping, the negotiation of any inbound stream and small Yamux
+frames, handled for others at a paced rate (real libp2p on 127.0.0.1): a peer asking as
+fast as it can gets the burst and then the rate, while another peer is answered at
+once."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from typing import Any
 
 import pytest
@@ -173,3 +175,37 @@ async def test_a_peer_opening_streams_faster_than_they_are_served_loses_its_conn
         await trio.sleep(1.0)
         with trio.fail_after(10):
             await attacker.rpc.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+async def test_small_yamux_frames_are_read_at_the_paced_rate() -> None:
+    """12-byte window updates for a stream that does not exist cost the sender nothing
+    and py-libp2p ~7 µs each: read at the rate, the flood delays what follows it on the
+    same connection (a call), not another peer's call."""
+    limits = {"small_frames_per_s": 1000, "small_frame_burst": 2000}
+    frames = 5000  # 3 s of them beyond the burst
+    async with (
+        open_peer(local_config(peer_limits=limits)) as node,
+        open_peer(local_config()) as attacker,
+        open_peer(local_config()) as asker,
+    ):
+        await attacker.rpc.connect(node.address)
+        await asker.rpc.connect(node.address)
+        connection = attacker.host.get_network().connections[node.host.get_id()][0]
+        update = struct.pack("!BBHII", 0, 1, 0, 999_999, 0)  # WINDOW_UPDATE, no such stream
+        await connection.muxed_conn.secured_conn.write(update * frames)
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+
+            async def call_behind_the_flood() -> None:
+                await attacker.rpc.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+                behind.append(trio.current_time() - started)
+
+            behind: list[float] = []
+            nursery.start_soon(call_behind_the_flood)
+            with trio.fail_after(2):  # another peer's connection is read as usual
+                await asker.rpc.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+            assert not behind
+        # Unpaced, the node reads all 5000 in a few tens of milliseconds.
+        assert behind[0] >= 0.8 * (frames - 2000) / 1000
+        assert node.small_frames is not None
+        assert node.small_frames.waits > 0

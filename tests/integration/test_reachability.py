@@ -372,7 +372,7 @@ async def test_streams_flooding_from_the_nodes_own_relay_are_refused_without_cut
         )
         async with open_peer(config) as node:
             assert node.reachability is not None
-            assert node.reachability.relaying.reserved_with(boot.peer_id)
+            assert node.reachability.relaying.reserved_with(boot.host.get_id())
             connection = boot.host.get_network().connections[node.host.get_id()][0]
             assert node.negotiations is not None
             with trio.fail_after(30):

@@ -600,3 +600,33 @@ def test_pacer_lets_through_at_most_burst_plus_rate_and_says_how_long_to_wait(
     now[0] += 60  # every bucket full again: all forgotten at the next message
     pacer.wait_s("c", hosts["c"])
     assert len(pacer) == 2  # c and its address
+
+
+@FUZZ
+@given(
+    events=st.lists(
+        st.tuples(st.floats(min_value=0, max_value=0.3), st.integers(min_value=1, max_value=8)),
+        max_size=200,
+    )
+)
+def test_pacer_charges_many_messages_at_once_and_never_waits_forever(
+    events: list[tuple[float, int]],
+) -> None:
+    # Batches up to 8 against a burst of 5: a batch larger than the bucket waits until
+    # it is full, then goes into debt; the rate holds over time either way.
+    now = [0.0]
+    pacer = MessagePacer(10, 5, 2, clock=lambda: now[0])
+    passed = 0
+    for dt, amount in events:
+        now[0] += dt
+        wait = pacer.wait_s("a", "203.0.113.7", amount)
+        if wait > 0:
+            assert wait <= 0.8 + 1e-9  # at most a whole bucket's refill at 10 a second
+            now[0] += wait
+            # Asked again then, it passes (but for the clock's rounding: a hair more).
+            while (again := pacer.wait_s("a", "203.0.113.7", amount)) > 0:
+                assert again < 1e-6
+                now[0] += max(again, 1e-9)  # a step the clock can tell
+        passed += amount
+    assert passed <= 5 + 10 * now[0] + 8 + 1e-6
+    assert pacer.messages == passed

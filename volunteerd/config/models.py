@@ -580,6 +580,16 @@ class PeerLimitsConfig(_Model):
     stream_burst: int = Field(
         250, ge=1, description="inbound streams a peer may open at once above that rate"
     )
+    small_frames_per_s: float = Field(
+        2000.0,
+        gt=0,
+        description="small Yamux frames (control frames, data frames under 1 KiB) per second "
+        "a peer's connections are read at, sustained (beyond that reading waits; per "
+        "address: per_address times as many)",
+    )
+    small_frame_burst: int = Field(
+        10_000, ge=1, description="small Yamux frames a peer may send at once above that rate"
+    )
 
 
 class ReachabilityConfig(_Model):

@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import socket
+import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -47,6 +48,7 @@ from volunteerd.errors import PeerUnreachable, ResourceUnavailable
 from volunteerd.identity import Identity
 from volunteerd.net import connections
 from volunteerd.net.dialback import tcp_endpoint
+from volunteerd.net.limits import MessagePacer
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
 from volunteerd.net.transport import StreamHandler
 
@@ -176,10 +178,15 @@ def build_host(
     announce_addrs: Sequence[str] = (),
     max_connections: int = 1000,
     per_address: connections.AddressSlots | None = None,
+    small_frames: MessagePacer | None = None,
+    unpaced: Callable[[ID], bool] = lambda peer_id: False,
 ) -> IHost:
     """A host that is not yet running; ``max_connections`` bounds inbound and outbound
     connections together (a tenth of them, at least 8, stay free for our own dials),
-    ``per_address`` the inbound connections of each IP address (default: 64)."""
+    ``per_address`` the inbound connections of each IP address (default: 64),
+    ``small_frames`` paces the small Yamux frames each peer sends (default: unpaced),
+    except from the peers ``unpaced`` names (our relays: their connection carries
+    every circuit's frames)."""
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
     reserve = max(8, max_connections // 10)
@@ -202,11 +209,75 @@ def build_host(
     if not isinstance(swarm, Swarm):  # new_host always builds a Swarm
         raise TypeError(f"unexpected network {type(swarm).__name__}")
     connections.install(swarm, per_address)
+    if small_frames is not None:
+        _pace_small_frames(swarm, small_frames, unpaced)
     swarm.auto_connector = _NoAutoConnect(swarm)  # type: ignore[attr-defined]
     # The default retries a refused dial three times with backoff (0.7 s per dead peer,
     # paid again by every lookup that meets it). Refused is refused: retry once, soon.
     swarm.retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
     return host
+
+
+# A frame carrying fewer bytes than this is "small": a control frame (window update,
+# ping, a stream's SYN, FIN or RST) or a data frame with little in it.
+_SMALL_FRAME = 1024
+# Small frames are charged this many at a time: a flood then costs one sleep per
+# batch, not one per frame (a trio sleep costs more than the frame).
+_SMALL_FRAMES_CHARGED = 16
+
+
+def _pace_small_frames(swarm: Swarm, pacer: MessagePacer, unpaced: Callable[[ID], bool]) -> None:
+    """Each small Yamux frame a peer sends waits for a token of ``pacer`` (its peer's
+    and its address's) before the next frame is read.
+
+    py-libp2p handles a Yamux frame in Python (~7 µs each, most of it log messages
+    formatted whether logged or not): one peer sending 12-byte window updates for a
+    stream that does not exist, 1.7 MB/s, took a daemon's whole core. Honest traffic
+    is mostly frames of up to 64 KiB; its small frames (a window update per 128 KiB
+    read, a few per stream opened) come far below the rate. Waiting stops reading the
+    connection, so TCP slows the sender down; nothing is refused."""
+    muxers = swarm.upgrader.muxer_multistream
+    new_conn = muxers.new_conn
+
+    async def paced(conn: Any, peer_id: ID) -> Any:
+        return await new_conn(_SmallFramesPaced(conn, pacer, peer_id, unpaced), peer_id)
+
+    muxers.new_conn = paced  # type: ignore[method-assign]
+
+
+class _SmallFramesPaced:
+    """A secured connection as Yamux reads it: after the header of every
+    ``_SMALL_FRAMES_CHARGED``-th small frame, the read waits for the peer's turn for
+    that many. Everything else is the connection's own."""
+
+    def __init__(
+        self, conn: Any, pacer: MessagePacer, peer_id: ID, unpaced: Callable[[ID], bool]
+    ) -> None:
+        self._conn = conn
+        self._pacer = pacer
+        self._peer = peer_id
+        self._peer_id = str(peer_id)
+        self._ip = _connection_host(conn)
+        self._unpaced = unpaced
+        self._uncharged = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        data: bytes = await self._conn.read(n)
+        if n == _yamux.HEADER_SIZE and len(data) == n:  # Yamux reads a header whole
+            _, kind, _, _, length = struct.unpack(_yamux.YAMUX_HEADER_FORMAT, data)
+            if kind != _yamux.TYPE_DATA or length < _SMALL_FRAME:
+                self._uncharged += 1
+                if self._uncharged >= _SMALL_FRAMES_CHARGED:
+                    self._uncharged = 0
+                    if not self._unpaced(self._peer):
+                        await self._pacer.wait(self._peer_id, self._ip, _SMALL_FRAMES_CHARGED)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        await self._conn.write(data)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -241,10 +312,12 @@ async def open_host(
     announce_addrs: Sequence[str] = (),
     max_connections: int = 1000,
     per_address: connections.AddressSlots | None = None,
+    small_frames: MessagePacer | None = None,
+    unpaced: Callable[[ID], bool] = lambda peer_id: False,
 ) -> AsyncIterator[IHost]:
     """A running host listening on ``listen_addr`` (None: on nothing, a relay-only
-    node); closed when the block exits. ``max_connections`` and ``per_address`` as
-    for ``build_host``.
+    node); closed when the block exits. ``max_connections``, ``per_address`` and
+    ``small_frames`` and ``unpaced`` as for ``build_host``.
 
     Raises ResourceUnavailable when the port is taken."""
     listen = []
@@ -253,7 +326,7 @@ async def open_host(
         ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
         check_port_free(str(ip), int(address.value_for_protocol("tcp")))
         listen.append(address)
-    host = build_host(identity, announce_addrs, max_connections, per_address)
+    host = build_host(identity, announce_addrs, max_connections, per_address, small_frames, unpaced)
     made = _track_connections(host)
     async with host.run(listen):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))
@@ -336,7 +409,7 @@ class Libp2pStream:
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer_id = str(stream.muxed_conn.peer_id)
-        self._max_write = _RELAYED_WRITE if _is_relayed(stream) else 0
+        self._max_write = _RELAYED_WRITE if _is_relayed(stream.muxed_conn) else 0
         self.remote_host = remote_host(stream)
 
     async def read(self, n: int) -> bytes:
@@ -363,19 +436,24 @@ class Libp2pStream:
 def remote_host(stream: INetStream) -> str | None:
     """The IP address ``stream``'s connection comes from; None when relayed (that
     would be the relay's) or not known."""
-    if _is_relayed(stream):
+    return _connection_host(stream.muxed_conn)
+
+
+def _connection_host(connection: Any) -> str | None:
+    """The IP address a connection (muxed or secured) comes from, as ``remote_host``."""
+    if _is_relayed(connection):
         return None
     try:
-        remote = stream.muxed_conn.get_remote_address()
-    except Exception:  # a muxer that does not say, or a closing connection
+        remote = connection.get_remote_address()
+    except Exception:  # a connection that does not say, or a closing one
         return None
     return str(remote[0]) if remote else None
 
 
-def _is_relayed(stream: INetStream) -> bool:
+def _is_relayed(connection: Any) -> bool:
     try:
-        return bool(stream.muxed_conn.get_connection_type() == ConnectionType.RELAYED)
-    except Exception:  # a muxer that does not say: treat it as direct
+        return bool(connection.get_connection_type() == ConnectionType.RELAYED)
+    except Exception:  # a connection that does not say: treat it as direct
         return False
 
 

@@ -39,7 +39,6 @@ from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_byt
 from volunteerd.config import Config
 from volunteerd.net.host import remote_host
 from volunteerd.net.limits import MessagePacer, address_key
-from volunteerd.net.paced import wait_turn
 
 __all__ = ["serve_kademlia"]
 
@@ -148,7 +147,7 @@ class _PacedStream:
                 if exc.received_bytes == 0:
                     return b""  # the peer is done: the handler sees a clean end
                 raise
-            await wait_turn(self._pacer, self._peer_id, self._ip)
+            await self._pacer.wait(self._peer_id, self._ip)
             self._pending = memoryview(encode_varint_prefixed(message))
         size = len(self._pending) if n is None else min(n, len(self._pending))
         chunk, self._pending = self._pending[:size], self._pending[size:]

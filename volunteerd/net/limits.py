@@ -13,17 +13,23 @@ long enough for both buckets to refill, so forgetting it never lets it exceed it
 (it comes back with full buckets, as it would have).
 
 ``MessagePacer`` keeps the same kind of buckets for a protocol whose messages are
-delayed rather than refused (Kademlia's: ``net/kademlia.py``).
+delayed rather than refused (Kademlia's: ``net/kademlia.py``; identify, ping and the
+negotiation of every inbound stream: ``net/paced.py``; small Yamux frames:
+``net/host.py``).
 
-Pure and clock-injected, so the arithmetic is tested without a network.
+Pure and clock-injected, so the arithmetic is tested without a network (``wait``, the
+one coroutine, sleeps on trio's clock until ``wait_s`` lets a message through).
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import trio
 
 from volunteerd.config import PeerLimitsConfig
 
@@ -79,6 +85,7 @@ class TokenBucket:
         return self.tokens >= self.burst
 
 
+@functools.lru_cache(maxsize=4096)  # asked per message by the pacers: parse each once
 def address_key(host: str | None, *, loopback: bool = False) -> str | None:
     """The key an address's budget is kept under: an IPv4 address (IPv4-mapped IPv6
     ones too) as it is, an IPv6 address's /64 (a single host is routinely given a
@@ -288,9 +295,12 @@ class MessagePacer:
         """Peers and addresses currently remembered."""
         return len(self._buckets)
 
-    def wait_s(self, peer_id: str, host: str | None = None) -> float:
+    def wait_s(self, peer_id: str, host: str | None = None, amount: int = 1) -> float:
         """0.0 after taking a token for one message of ``peer_id`` (from ``host``), or
-        the seconds until its buckets both hold one, taking none (ask again then)."""
+        the seconds until its buckets both hold one, taking none (ask again then).
+
+        ``amount`` messages at once take as many tokens (a bucket smaller than that
+        is waited on until full, then goes into debt, so the long-run rate holds)."""
         now = self._clock()
         if now - self._last_sweep >= _SWEEP_EVERY_S:
             self._last_sweep = now
@@ -300,14 +310,21 @@ class MessagePacer:
         address = address_key(host, loopback=self._loopback) if self._per_address > 0 else None
         if address is not None:
             buckets.append(self._bucket(address, self._per_address, now))
-        wait = max(bucket.shortfall_s(now) for bucket in buckets)
+        wait = max(bucket.shortfall_s(now, min(amount, bucket.burst)) for bucket in buckets)
         if wait > 0:
             self.waits += 1
             return wait
         for bucket in buckets:
-            bucket.tokens -= 1.0
-        self.messages += 1
+            bucket.tokens -= amount
+        self.messages += amount
         return 0.0
+
+    async def wait(self, peer_id: str, host: str | None = None, amount: int = 1) -> None:
+        """Return once ``amount`` messages of ``peer_id`` (from ``host``) may pass."""
+        delay = self.wait_s(peer_id, host, amount)
+        while delay > 0:  # the buckets refill with time, not on an event
+            await trio.sleep(delay)
+            delay = self.wait_s(peer_id, host, amount)
 
     def _bucket(self, key: str, scale: float, now: float) -> TokenBucket:
         bucket = self._buckets.get(key)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
 from libp2p.tools.anyio_service import background_trio_service
 
 from volunteerd.config import Config
@@ -63,6 +64,8 @@ class Node:
     services: MessagePacer | None = None
     # Inbound streams (any protocol) negotiated for others, and the waits.
     negotiations: MessagePacer | None = None
+    # Small Yamux frames read from others, and the waits.
+    small_frames: MessagePacer | None = None
 
     @property
     def addrs(self) -> list[str]:
@@ -108,17 +111,28 @@ async def open_node(
         config.peer_limits.max_connections_per_address,
         limit_loopback=config.peer_limits.limit_loopback,
     )
+    limits = config.peer_limits
+    small_frames = MessagePacer.for_peers(
+        limits.small_frames_per_s, limits.small_frame_burst, limits
+    )
+    relaying: Relaying | None = None
+
+    def our_relay(peer_id: ID) -> bool:
+        """Whether ``peer_id`` is a relay this node holds a reservation with."""
+        return relaying is not None and relaying.reserved_with(peer_id)
+
     async with open_host(
-        identity, listen, network.announce_addrs, network.max_connections, per_address
+        identity,
+        listen,
+        network.announce_addrs,
+        network.max_connections,
+        per_address,
+        small_frames,
+        unpaced=our_relay,
     ) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         kademlia = serve_kademlia(host, kad, config)
         services = pace_services(host, config)
-        relaying: Relaying | None = None
-
-        def our_relay(peer_id: str) -> bool:
-            return relaying is not None and relaying.reserved_with(peer_id)
-
         negotiations = pace_streams(host, config, keep_connection=our_relay)
         # Lookups that believe only peers that answer (net/lookup.py), for ours and
         # for KadDHT's own refreshes alike.
@@ -159,6 +173,7 @@ async def open_node(
                 kademlia=kademlia,
                 services=services,
                 negotiations=negotiations,
+                small_frames=small_frames,
             )
             nursery.start_soon(_expire_records, dht)
             nursery.start_soon(trimmer.serve)

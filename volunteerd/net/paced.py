@@ -40,12 +40,12 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-import trio
 from libp2p.abc import IHost, IMultiselectCommunicator, INetStream
 from libp2p.custom_types import StreamHandlerFn, TProtocol
 from libp2p.host.ping import ID as PING_ID
 from libp2p.identity.identify.identify import ID as IDENTIFY_ID
 from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH_ID
+from libp2p.peer.id import ID
 from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 
 from volunteerd.config import Config
@@ -53,7 +53,7 @@ from volunteerd.net.host import remote_host
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.peers import short
 
-__all__ = ["pace_services", "pace_streams", "wait_turn"]
+__all__ = ["pace_services", "pace_streams"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,6 @@ _WAITING_STREAMS = 8
 # The multistream header, then protocols proposed (an honest peer proposes one; a
 # py-libp2p peer tries each of the protocols it was given in turn).
 _MOST_PROPOSALS = 8
-
-
-async def wait_turn(pacer: MessagePacer, peer_id: str, ip: str | None) -> None:
-    """Wait until ``pacer`` lets one message of ``peer_id`` (from ``ip``) through."""
-    delay = pacer.wait_s(peer_id, ip)
-    while delay > 0:  # the buckets refill with time, not on an event
-        await trio.sleep(delay)
-        delay = pacer.wait_s(peer_id, ip)
 
 
 def pace_services(host: IHost, config: Config) -> MessagePacer:
@@ -88,7 +80,7 @@ def pace_services(host: IHost, config: Config) -> MessagePacer:
 
 
 def pace_streams(
-    host: IHost, config: Config, keep_connection: Callable[[str], bool] = lambda peer: False
+    host: IHost, config: Config, keep_connection: Callable[[ID], bool] = lambda peer: False
 ) -> MessagePacer:
     """Make every inbound stream of ``host`` wait for its peer's and address's turn
     before its protocol is negotiated, and bound the proposals a negotiation reads;
@@ -137,12 +129,12 @@ class _Proposals:
         return await self._communicator.read()
 
 
-async def _close_connection(keep_connection: Callable[[str], bool], stream: INetStream) -> None:
+async def _close_connection(keep_connection: Callable[[ID], bool], stream: INetStream) -> None:
     """Close the connection ``stream`` came on (its peer opens streams faster than it
     is served, far beyond any honest burst: what it costs is yamux's and trio's work
     per stream, paced or not)."""
     connection = getattr(stream, "swarm_conn", None)
-    if connection is None or keep_connection(str(stream.muxed_conn.peer_id)):
+    if connection is None or keep_connection(stream.muxed_conn.peer_id):
         return
     logger.debug(
         "closing the connection of %s: it opens streams faster than they are served",
@@ -173,7 +165,7 @@ def _paced(
             return
         waiting[peer_id] += 1
         try:
-            await wait_turn(pacer, peer_id, ip)
+            await pacer.wait(peer_id, ip)
         finally:
             waiting[peer_id] -= 1
             if waiting[peer_id] <= 0:
@@ -199,5 +191,5 @@ class _PacedReads:
         return getattr(self._stream, name)
 
     async def read(self, n: int | None = None) -> bytes:
-        await wait_turn(self._pacer, self._peer_id, self._ip)
+        await self._pacer.wait(self._peer_id, self._ip)
         return await self._stream.read(n)

@@ -334,12 +334,9 @@ class Relaying:
             return
         await self._protocol._handle_stop_stream(stream)
 
-    def reserved_with(self, peer_id: str) -> bool:
+    def reserved_with(self, peer_id: ID) -> bool:
         """Whether this node holds a reservation on relay ``peer_id``."""
-        try:
-            return ID.from_base58(peer_id) in self._transport._reservations
-        except ValueError:
-            return False
+        return peer_id in self._transport._reservations
 
     def upgrades(self) -> UpgradeStats:
         if self._hole_punching is None:
