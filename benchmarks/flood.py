@@ -148,36 +148,43 @@ async def unknown(attacker: Any, target: ID, answers: list[int]) -> None:
             answers[0] += 1
 
 
-async def resets(attacker: Any, target: ID, answers: list[int]) -> None:
-    """Streams opened and reset at once, on the attacker's connection to the daemon
-    (dialled again when the daemon closed it); counts the streams."""
+async def on_connection(
+    attacker: Any, target: ID, answers: list[int], act: Callable[[Any], Awaitable[int]]
+) -> None:
+    """``act`` on the attacker's muxed connection to the daemon again and again (dialled
+    again whenever the daemon closed it), adding what it returns to the count."""
     while True:
         try:
             connections = attacker.host.get_network().connections.get(target)
             if not connections:
                 await attacker.host.connect(attacker.host.get_peerstore().peer_info(target))
                 continue
-            stream = await connections[0].muxed_conn.open_stream()
-            await stream.reset()
-            answers[0] += 1
+            answers[0] += await act(connections[0].muxed_conn)
         except Exception:  # the connection closed under us: dial again
             await trio.sleep(0.001)
+
+
+async def resets(attacker: Any, target: ID, answers: list[int]) -> None:
+    """Streams opened and reset at once; counts the streams."""
+
+    async def open_and_reset(muxed: Any) -> int:
+        stream = await muxed.open_stream()
+        await stream.reset()
+        return 1
+
+    await on_connection(attacker, target, answers, open_and_reset)
 
 
 async def window_updates(attacker: Any, target: ID, answers: list[int]) -> None:
     """Window updates for a stream that does not exist, written straight to the
-    attacker's secured connection (TCP keeps them coming as fast as they are read);
-    counts the frames written."""
-    while True:
-        try:
-            connections = attacker.host.get_network().connections.get(target)
-            if not connections:
-                await attacker.host.connect(attacker.host.get_peerstore().peer_info(target))
-                continue
-            await connections[0].muxed_conn.secured_conn.write(WINDOW_UPDATES)
-            answers[0] += 1000
-        except Exception:  # the connection closed under us: dial again
-            await trio.sleep(0.001)
+    secured connection (TCP keeps them coming as fast as they are read); counts the
+    frames written."""
+
+    async def write(muxed: Any) -> int:
+        await muxed.secured_conn.write(WINDOW_UPDATES)
+        return 1000
+
+    await on_connection(attacker, target, answers, write)
 
 
 async def ask(asker: Any, target: ID, key: bytes) -> float:

@@ -21,7 +21,7 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from volunteerd.identity import Identity
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import sign_record
-from volunteerd.testing import local_config, open_peer
+from volunteerd.testing import local_config, open_node_and_peers, open_peer
 
 pytestmark = pytest.mark.slow
 
@@ -314,26 +314,13 @@ async def _flood(attacker: Any, node: Any, seconds: float) -> tuple[int, float]:
     return answers, elapsed
 
 
-@contextlib.asynccontextmanager
-async def _node_and_two_peers(limits: dict[str, Any]) -> AsyncIterator[tuple[Any, Any, Any]]:
-    """A node with these ``peer_limits`` and two peers connected to it."""
-    async with (
-        open_peer(local_config(peer_limits=limits)) as node,
-        open_peer(local_config()) as first,
-        open_peer(local_config()) as second,
-    ):
-        await first.rpc.connect(node.address)
-        await second.rpc.connect(node.address)
-        yield node, first, second
-
-
 async def test_a_peer_asking_kademlia_as_fast_as_it_can_is_answered_at_its_rate() -> None:
     """One peer pipelining FIND_NODE requests was answered as fast as the node could
     (about 1,500 a second on one stream here, at a few hundred microseconds of the
     node's CPU each). Now its messages wait for its tokens (burst, then a rate), while
     another peer, with its own budget, is answered at once."""
     limits = {"dht_messages_per_s": 5, "dht_message_burst": 10}
-    async with _node_and_two_peers(limits) as (node, attacker, asker):
+    async with open_node_and_peers(limits) as (node, attacker, asker):
         async with trio.open_nursery() as nursery:
             flooded: list[tuple[int, float]] = []
 
@@ -361,7 +348,7 @@ async def test_the_peers_of_one_address_share_its_kademlia_rate() -> None:
         "per_address": 1,
         "limit_loopback": True,
     }
-    async with _node_and_two_peers(limits) as (node, first, second):
+    async with open_node_and_peers(limits) as (node, first, second):
         flooded: list[tuple[int, float]] = []
 
         async def flood(attacker: Any) -> None:

@@ -21,7 +21,7 @@ from libp2p.utils.varint import encode_delim, read_varint_prefixed_bytes_limited
 from volunteerd.config import PeerLimitsConfig
 from volunteerd.net.protocols import Verb
 from volunteerd.net.records import FindRequest
-from volunteerd.testing import local_config, open_peer
+from volunteerd.testing import local_config, open_node_and_peers, open_peer
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +48,7 @@ async def _identify(asker: Any, node: Any) -> Identify:
 
 
 async def test_a_peer_identifying_in_a_loop_gets_the_burst_then_the_rate() -> None:
-    async with open_peer(local_config()) as node, open_peer(local_config()) as attacker:
-        await attacker.rpc.connect(node.address)
+    async with open_node_and_peers({}, peers=1) as (node, attacker):
         answered = 0
         started = trio.current_time()
 
@@ -81,8 +80,7 @@ async def test_a_peer_identifying_in_a_loop_gets_the_burst_then_the_rate() -> No
 
 
 async def test_pings_on_one_stream_are_echoed_at_the_paced_rate() -> None:
-    async with open_peer(local_config()) as node, open_peer(local_config()) as attacker:
-        await attacker.rpc.connect(node.address)
+    async with open_node_and_peers({}, peers=1) as (node, attacker):
         stream = await attacker.host.new_stream(node.host.get_id(), [PING_ID])
         pings = os.urandom(32) * 200
         await stream.write(pings)
@@ -101,11 +99,7 @@ async def test_pings_on_one_stream_are_echoed_at_the_paced_rate() -> None:
 async def test_streams_for_a_protocol_nobody_serves_are_negotiated_at_the_paced_rate() -> None:
     limits = {"streams_per_s": 20, "stream_burst": 50}
     burst, rate = 50, 20
-    async with (
-        open_peer(local_config(peer_limits=limits)) as node,
-        open_peer(local_config()) as attacker,
-    ):
-        await attacker.rpc.connect(node.address)
+    async with open_node_and_peers(limits, peers=1) as (node, attacker):
         tried = 0
         started = trio.current_time()
 
@@ -132,8 +126,7 @@ async def test_streams_for_a_protocol_nobody_serves_are_negotiated_at_the_paced_
 
 
 async def test_a_negotiation_reads_a_few_proposals_not_as_many_as_are_sent() -> None:
-    async with open_peer(local_config()) as node, open_peer(local_config()) as attacker:
-        await attacker.rpc.connect(node.address)
+    async with open_node_and_peers({}, peers=1) as (node, attacker):
         connection = attacker.host.get_network().connections[node.host.get_id()][0]
         stream = await connection.muxed_conn.open_stream()
         header = encode_delim(b"/multistream/1.0.0")
@@ -149,11 +142,7 @@ async def test_a_negotiation_reads_a_few_proposals_not_as_many_as_are_sent() -> 
 
 async def test_a_peer_opening_streams_faster_than_they_are_served_loses_its_connection() -> None:
     limits = {"streams_per_s": 20, "stream_burst": 50}
-    async with (
-        open_peer(local_config(peer_limits=limits)) as node,
-        open_peer(local_config()) as attacker,
-    ):
-        await attacker.rpc.connect(node.address)
+    async with open_node_and_peers(limits, peers=1) as (node, attacker):
         network = attacker.host.get_network()
         connection = network.connections[node.host.get_id()][0]
         opened = 0
@@ -183,13 +172,7 @@ async def test_small_yamux_frames_are_read_at_the_paced_rate() -> None:
     same connection (a call), not another peer's call."""
     limits = {"small_frames_per_s": 1000, "small_frame_burst": 2000}
     frames = 5000  # 3 s of them beyond the burst
-    async with (
-        open_peer(local_config(peer_limits=limits)) as node,
-        open_peer(local_config()) as attacker,
-        open_peer(local_config()) as asker,
-    ):
-        await attacker.rpc.connect(node.address)
-        await asker.rpc.connect(node.address)
+    async with open_node_and_peers(limits) as (node, attacker, asker):
         connection = attacker.host.get_network().connections[node.host.get_id()][0]
         update = struct.pack("!BBHII", 0, 1, 0, 999_999, 0)  # WINDOW_UPDATE, no such stream
         await connection.muxed_conn.secured_conn.write(update * frames)

@@ -7,7 +7,7 @@ the caller's ``async with``, so nothing outlives a test.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from volunteerd.identity import Identity
 from volunteerd.net import Node, open_node
 from volunteerd.paths import Paths
 
-__all__ = ["local_config", "open_daemon", "open_peer"]
+__all__ = ["local_config", "open_daemon", "open_node_and_peers", "open_peer"]
 
 
 def local_config(
@@ -70,3 +70,17 @@ async def open_peer(config: Config, identity: Identity | None = None) -> AsyncIt
     """A node with no experts (a bootstrap peer, or a client)."""
     async with open_node(identity or Identity.generate(), config) as node:
         yield node
+
+
+@asynccontextmanager
+async def open_node_and_peers(
+    peer_limits: dict[str, Any], peers: int = 2
+) -> AsyncIterator[tuple[Node, ...]]:
+    """A node with these ``peer_limits`` and ``peers`` peers connected to it (default
+    limits): ``(node, peer, peer, ...)``, for tests of what a node lets one peer do."""
+    async with AsyncExitStack() as stack:
+        node = await stack.enter_async_context(open_peer(local_config(peer_limits=peer_limits)))
+        others = [await stack.enter_async_context(open_peer(local_config())) for _ in range(peers)]
+        for other in others:
+            await other.rpc.connect(node.address)
+        yield (node, *others)
