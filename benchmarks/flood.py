@@ -159,7 +159,8 @@ async def on_connection(
             if not connections:
                 await attacker.host.connect(attacker.host.get_peerstore().peer_info(target))
                 continue
-            answers[0] += await act(connections[0].muxed_conn)
+            done = await act(connections[0].muxed_conn)
+            answers[0] += done  # not `+= await`: that reads the count before awaiting
         except Exception:  # the connection closed under us: dial again
             await trio.sleep(0.001)
 
