@@ -236,7 +236,9 @@ def test_dashboard_follows_the_daemon_live_and_its_controls_change_it(
     browser.find_element(By.ID, "pause").click()
     wait.until(lambda d: state(d) == "paused")
     assert client.status().state == "paused"
-    assert browser.find_element(By.ID, "resume").is_enabled()
+    # The state shows as soon as the page hears of it (the pause's answer, or the
+    # status stream first); the buttons come back once the pause request is over.
+    wait.until(lambda d: d.find_element(By.ID, "resume").is_enabled())
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, state_events)) > before)
     browser.find_element(By.ID, "resume").click()
     wait.until(lambda d: state(d) == "running")
