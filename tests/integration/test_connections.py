@@ -188,3 +188,54 @@ async def test_one_address_gets_its_share_of_connections_and_requests_not_one_pe
                 await client.call(node.address, Verb.DHT_FIND, find)
         assert node.address_slots is not None
         assert node.address_slots.refused == 0
+
+
+def honest_config(config: Config) -> Config:
+    """Patient enough for a loaded machine, not for a stalled handshake's 10 s."""
+    timeouts = config.timeouts.model_copy(update={"connect_s": 8, "request_s": 30})
+    return config.model_copy(update={"timeouts": timeouts})
+
+
+async def open_silent(node: Node, count: int, source: str, stack: AsyncExitStack) -> list:
+    """``count`` TCP connections to ``node`` from ``source`` that never send a byte."""
+    port = int(str(node.address).split("/tcp/")[1].split("/")[0])
+    streams = []
+    for _ in range(count):
+        stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+        stack.push_async_callback(stream.aclose)
+        streams.append(stream)
+    return streams
+
+
+@pytest.mark.timeout(300)
+async def test_silent_connections_do_not_hold_the_handshake_slots() -> None:
+    """A TCP connection that sends nothing held a handshake slot until py-libp2p's 10 s
+    upgrade timeout: 32 of them (16 before the slots were raised to 32) kept every
+    newcomer out, an honest dial timed out behind them. Now a connection queues for a
+    slot only once its first bytes are in, and a handshake whose peer then keeps it
+    waiting gives its slot back. Loopback is exempt from the per-address limits here,
+    so only that is tested."""
+    config = local_config()
+    async with open_peer(config) as node, AsyncExitStack() as stack:
+        await open_silent(node, 64, "127.0.0.2", stack)
+        # and 64 that open the negotiation, then fall silent: each holds a slot a while
+        for stream in await open_silent(node, 64, "127.0.0.3", stack):
+            await stream.send_all(b"\x13/multistream/1.0.0\n")
+        await trio.sleep(0.5)  # all accepted, all mid-handshake
+        async with open_bare_client(honest_config(config)) as client:
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+@pytest.mark.timeout(300)
+async def test_many_addresses_queueing_handshakes_delay_a_newcomer_by_a_turn_each() -> None:
+    """Sixteen addresses each queue 40 connections that send their first bytes and fall
+    silent: each takes a handshake slot for its second of patience. In one queue the
+    newcomer waited behind all 640 (20 s); in turns by address, behind one each."""
+    config = local_config(peer_limits={"limit_loopback": True})
+    async with open_peer(config) as node, AsyncExitStack() as stack:
+        for i in range(16):
+            for stream in await open_silent(node, 40, f"127.0.0.{2 + i}", stack):
+                await stream.send_all(b"\x13/multistream/1.0.0\n")
+        await trio.sleep(0.5)  # all queued for a slot
+        async with open_bare_client(honest_config(config)) as client:
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))

@@ -17,8 +17,15 @@ connections at once. Two things are done here about how it counts them:
   have had no stream for ``timeouts.connection_idle_s`` once more than half of the
   slots are taken, oldest idle first, down to half. A peer that still wants us dials
   again (its next request pays one handshake).
-* **Handshakes queue.** At most 16 inbound connections are upgraded at once; a burst
+* **Handshakes queue.** At most 32 inbound connections are upgraded at once; a burst
   of hundreds of peers waits in the queue instead of all timing out together.
+* **A silent peer does not hold a handshake slot.** Connections that never sent a byte
+  held their slots for py-libp2p's 10 s upgrade timeout: one address opening 16 of
+  them every 10 s kept every newcomer out (an honest peer's dial timed out after 5 s).
+  A handshake now queues for a slot only once its peer's first bytes are in, in turns
+  by address (:class:`HandshakeSlots`), and one that has waited ``_SLOW_PEER_S`` in
+  all for its peer's bytes since gives the slot back and finishes (or times out)
+  without one.
 * **Slots per address.** One IP address (an IPv6 /64; ``limits.address_key``) holds at
   most ``per_address`` inbound connections at once, however many identities it dials
   from: a further one is closed before its handshake. Loopback is exempt unless
@@ -31,7 +38,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +57,14 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["AddressSlots", "ConnectionStats", "IdleTrimmer", "install", "slots_in_use"]
+__all__ = [
+    "AddressSlots",
+    "ConnectionStats",
+    "HandshakeSlots",
+    "IdleTrimmer",
+    "install",
+    "slots_in_use",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +74,12 @@ _TRIM_EVERY_S = 5.0
 # Handshakes (Noise, then Yamux) run at most this many at once. Hundreds of peers
 # dialling in the same second all progressed together and slowly on the one event loop,
 # past py-libp2p's 10 s upgrade timeout (52 of 300 failed); queued, each finishes fast.
-_CONCURRENT_HANDSHAKES = 16
+# (16 while a silent connection could hold a slot for 10 s.)
+_CONCURRENT_HANDSHAKES = 32
+# A handshake that has waited this long in all for its peer's bytes gives its slot back
+# (see _QuickHandshake): on loopback a handshake waits ~1 ms in all, over a link with a
+# 250 ms round trip ~1 s; a slow peer that loses its slot is not refused.
+_SLOW_PEER_S = 1.0
 
 
 class AddressSlots:
@@ -105,7 +125,7 @@ def install(swarm: Swarm, slots: AddressSlots | None = None) -> AddressSlots:
     swarm._do_handle_inbound_connection = functools.partial(  # type: ignore[method-assign]
         _serve_inbound_until_closed,
         swarm,
-        trio.CapacityLimiter(_CONCURRENT_HANDSHAKES),
+        HandshakeSlots(_CONCURRENT_HANDSHAKES),
         slots,
     )
     return slots
@@ -113,7 +133,7 @@ def install(swarm: Swarm, slots: AddressSlots | None = None) -> AddressSlots:
 
 async def _serve_inbound_until_closed(
     swarm: Swarm,
-    handshakes: trio.CapacityLimiter,
+    handshakes: HandshakeSlots,
     slots: AddressSlots,
     read_write_closer: ReadWriteCloser,
     maddr: multiaddr.Multiaddr,
@@ -134,7 +154,7 @@ async def _serve_inbound_until_closed(
             await read_write_closer.close()
         return
     try:
-        await _upgrade_and_hold(swarm, handshakes, read_write_closer, maddr, remote)
+        await _upgrade_and_hold(swarm, handshakes, read_write_closer, maddr, remote, key)
     finally:
         if key is not None:
             slots.give_back(key)
@@ -151,26 +171,122 @@ def _ip_of(remote: multiaddr.Multiaddr | None) -> str | None:
 
 async def _upgrade_and_hold(
     swarm: Swarm,
-    handshakes: trio.CapacityLimiter,
+    handshakes: HandshakeSlots,
     read_write_closer: ReadWriteCloser,
     maddr: multiaddr.Multiaddr,
     remote: multiaddr.Multiaddr | None,
+    key: str | None,
 ) -> None:
-    raw_conn = RawConnection(read_write_closer, False)
+    """Upgrade (in ``key``'s turns for a handshake slot) and hold until closed."""
+    # the queue's turns go round the addresses; an exempt connection is its own
+    raw_conn = _QuickHandshake(read_write_closer, handshakes, key if key is not None else object())
     try:
-        async with handshakes:
-            muxed = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
+        muxed = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
     except Exception as exc:
         # A failed handshake is the peer's problem (or a port scan's), never ours.
         logger.debug("inbound connection from %s failed: %s", remote, exc)
         with contextlib.suppress(Exception):
             await raw_conn.close()
         return
+    finally:
+        raw_conn.done()
     closed = getattr(muxed, "event_closed", None)
     if isinstance(closed, trio.Event):
         await closed.wait()
     else:  # a muxer without the event: the library's own behaviour
         await swarm.manager.wait_finished()
+
+
+class HandshakeSlots:
+    """``total`` slots for handshakes, handed out in turns by address: when one frees,
+    the address that waits longest since its last turn gets it (its oldest waiting
+    connection), so the connections one address queues delay another's by one turn,
+    not by their number."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._waiting: OrderedDict[Hashable, deque[trio.Event]] = OrderedDict()
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    async def acquire(self, key: Hashable) -> None:
+        if self.used < self.total and not self._waiting:
+            self.used += 1
+            return
+        turn = trio.Event()
+        self._waiting.setdefault(key, deque()).append(turn)
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():  # handed over, then cancelled: pass it on
+                self.release()
+            else:
+                queue = self._waiting[key]
+                queue.remove(turn)
+                if not queue:
+                    del self._waiting[key]
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the next address's oldest waiter, if any waits."""
+        if not self._waiting:
+            self.used -= 1
+            return
+        key, queue = next(iter(self._waiting.items()))
+        turn = queue.popleft()
+        if queue:
+            self._waiting.move_to_end(key)
+        else:
+            del self._waiting[key]
+        turn.set()  # the slot passes over, still counted
+
+
+class _QuickHandshake(RawConnection):
+    """An inbound connection whose handshake holds one of the ``handshakes`` slots
+    only while its peer keeps up. It asks for the slot (in ``key``'s turn) once the
+    peer's first bytes are in, so a connection that sends nothing never queues for
+    one; and gives it back once it has waited ``_SLOW_PEER_S`` in all for the peer's
+    bytes since, then finishes (or times out) without one. Reads of other tasks (the
+    muxer's, after the handshake) go straight through."""
+
+    def __init__(self, stream: ReadWriteCloser, handshakes: HandshakeSlots, key: Hashable) -> None:
+        super().__init__(stream, False)
+        self._handshakes = handshakes
+        self._key = key
+        self._task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
+        self._holding = False
+        self._patience = _SLOW_PEER_S
+
+    def done(self) -> None:
+        """The handshake is over (or failed): give the slot back, read straight on."""
+        if self._holding:
+            self._handshakes.release()
+        self._holding = False
+        self._task = None
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._task is None or self._task is not trio.lowlevel.current_task():
+            return await super().read(n)
+        if not self._holding:
+            if self._patience <= 0:  # slow: goes on without a slot
+                return await super().read(n)
+            data = await super().read(n)  # the first bytes, then the queue
+            await self._handshakes.acquire(self._key)
+            self._holding = True
+            return data
+        started = trio.current_time()
+        data_or_none: bytes | None = None
+        with trio.move_on_after(self._patience):  # a read cancelled early loses nothing
+            data_or_none = await super().read(n)
+        self._patience -= trio.current_time() - started
+        if data_or_none is not None:
+            return data_or_none
+        self._handshakes.release()
+        self._holding = False
+        logger.debug("a handshake's peer is slow: it goes on without a slot")
+        return await super().read(n)
 
 
 def slots_in_use(swarm: Swarm) -> tuple[int, int]:
