@@ -131,8 +131,11 @@ class Desktop:
         docked = [title for title, ok in self.icons() if ok]
         return docked[0] if len(docked) == 1 else None
 
-    def wait_docked(self, text: str, timeout_s: float = 30) -> str:
-        """The title of the one docked volunteerd icon, once it contains ``text``."""
+    def wait_docked(self, text: str, timeout_s: float = 90) -> str:
+        """The title of the one docked volunteerd icon, once it contains ``text``. The
+        daemon runs at low priority (nice 10): beside a busy machine its control API
+        can miss the tray's 5 s request timeout several times, and the tray backs off
+        to 8 s between tries (a fresh-clone CI run saw 30 s pass)."""
         try:
             return wait_for(
                 f"an icon docked, saying {text!r}",
