@@ -33,6 +33,7 @@
     ├── ShuttingDown           the service is stopping                -> "shutting_down"
     ├── ControlError           the control API refused a request (``.status``, ``.field``)
     │   └── DaemonNotRunning   no daemon answers on this data folder's control address
+    │       └── DaemonNotAnswering  its daemon runs but did not answer in time (busy)
     ├── UsageError             a command-line value that argparse could not check
     └── Interrupted            the user asked a command to stop (Ctrl-C)
 
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ControlError",
+    "DaemonNotAnswering",
     "DaemonNotRunning",
     "ExitCode",
     "FrameTooLarge",
@@ -135,6 +137,11 @@ class ControlError(VolunteerdError):
 
 class DaemonNotRunning(ControlError):
     """No daemon answers at the control address recorded in the data folder."""
+
+
+class DaemonNotAnswering(DaemonNotRunning):
+    """The daemon recorded in the data folder runs, but its control API did not answer
+    within the client's timeout: a busy computer (the daemon runs at low priority)."""
 
 
 class UsageError(VolunteerdError):

@@ -35,7 +35,7 @@ from volunteerd.control.models import (
     ScheduleView,
     SnoozeBody,
 )
-from volunteerd.errors import ControlError, DaemonNotRunning
+from volunteerd.errors import ControlError, DaemonNotAnswering, DaemonNotRunning
 
 TOKEN = "the-token-of-this-daemon"
 PORT = 38999  # the test client's Host (no socket is bound for the app)
@@ -179,6 +179,19 @@ def test_a_dead_daemons_port_is_never_asked(tmp_path: Path) -> None:
             ControlClient.for_data_dir(tmp_path)
         with pytest.raises(TimeoutError):
             squatter.accept()  # nobody knocked
+
+
+def test_a_daemon_that_runs_but_does_not_answer_in_time_is_busy_not_gone(tmp_path: Path) -> None:
+    # a listening socket nobody accepts on: the connection is made, no answer comes
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        record(tmp_path, url, os.getpid())  # a process that runs
+        with pytest.raises(DaemonNotAnswering, match=r"runs \(pid \d+\) but did not answer"):
+            ControlClient.for_data_dir(tmp_path, timeout_s=0.3).status()
+        record(tmp_path, url, None)  # no pid recorded: nothing says it runs
+        with pytest.raises(DaemonNotRunning, match="does not answer") as gone:
+            ControlClient.for_data_dir(tmp_path, timeout_s=0.3).status()
+        assert not isinstance(gone.value, DaemonNotAnswering)
 
 
 def test_a_program_on_the_port_that_cannot_prove_the_token_never_gets_it(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from volunteerd.control.client import ControlClient
 from volunteerd.control.models import LimitsView, Status
 from volunteerd.errors import ControlError, DaemonNotRunning
 from volunteerd.paths import Paths
@@ -137,6 +140,12 @@ def test_not_connected_lines_and_states() -> None:
         "disconnected",
         "Not connected — starting volunteerd…",
     )
+    busy = view(Seen("busy"))
+    assert (busy.state, busy.status_line) == (
+        "disconnected",
+        "Not connected — volunteerd runs but does not answer (busy?)",
+    )
+    assert "Start volunteerd" not in [i.text for i in busy.items]  # one runs already
     absent = view(Seen("absent"))
     assert (absent.state, absent.status_line) == (
         "disconnected",
@@ -420,6 +429,21 @@ def test_app_sees_no_daemon_when_none_recorded_its_address(tmp_path: Path) -> No
     with pytest.raises(DaemonNotRunning):
         app._client()
     assert app._poll() == Seen("absent")
+
+
+def test_app_sees_a_busy_daemon_and_does_not_start_another(tmp_path: Path) -> None:
+    paths = paths_in(tmp_path)
+    paths.data_dir.mkdir()
+    (paths.data_dir / "api-token").write_text("a-token")
+    never = [sys.executable, "-c", "raise SystemExit('a second daemon was started')"]
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        (paths.data_dir / "control.json").write_text(json.dumps({"url": url, "pid": os.getpid()}))
+        app = TrayApp(paths, serve_command=never)
+        app._client = lambda: ControlClient.for_data_dir(paths.data_dir, timeout_s=0.3)  # type: ignore[method-assign]
+        app._start_if_absent()
+        assert app._child is None
+        assert app._poll() == Seen("busy")
 
 
 def test_app_reports_a_daemon_it_started_that_exited(tmp_path: Path) -> None:

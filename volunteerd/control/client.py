@@ -49,7 +49,7 @@ from volunteerd.control.models import (
     Stats,
     Status,
 )
-from volunteerd.errors import ControlError, DaemonNotRunning
+from volunteerd.errors import ControlError, DaemonNotAnswering, DaemonNotRunning
 
 __all__ = ["ControlClient", "Endpoint", "read_endpoint"]
 
@@ -286,9 +286,7 @@ class ControlClient:
                 response = conn.getresponse()
                 data = response.read()
             except (OSError, http.client.HTTPException) as exc:
-                raise DaemonNotRunning(
-                    f"volunteerd does not answer at {self.endpoint.url} ({exc})"
-                ) from None
+                raise self._unanswered(exc) from None
         finally:
             conn.close()
         if response.status >= 400:
@@ -300,6 +298,17 @@ class ControlClient:
                 pass
             raise ControlError(message, status=response.status, field=field)
         return data
+
+    def _unanswered(self, exc: Exception) -> DaemonNotRunning:
+        """What a failed exchange means: DaemonNotAnswering when it timed out and the
+        recorded process still runs (busy, not gone), else DaemonNotRunning."""
+        pid = self.endpoint.pid
+        if isinstance(exc, TimeoutError) and pid is not None and _alive(pid):
+            return DaemonNotAnswering(
+                f"volunteerd runs (pid {pid}) but did not answer at {self.endpoint.url} "
+                "in time: the computer may be busy (volunteerd runs at low priority)"
+            )
+        return DaemonNotRunning(f"volunteerd does not answer at {self.endpoint.url} ({exc})")
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
@@ -320,9 +329,7 @@ class ControlClient:
                 ):
                     return
         except (OSError, http.client.HTTPException) as exc:
-            raise DaemonNotRunning(
-                f"volunteerd does not answer at {self.endpoint.url} ({exc})"
-            ) from None
+            raise self._unanswered(exc) from None
         except (ValueError, AttributeError):
             pass  # not JSON, or not an object: not the daemon
         raise DaemonNotRunning(

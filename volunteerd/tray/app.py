@@ -45,7 +45,13 @@ from typing import Any
 
 from volunteerd.control.client import ControlClient
 from volunteerd.detached import start_detached
-from volunteerd.errors import ControlError, DaemonNotRunning, ExitCode, ResourceUnavailable
+from volunteerd.errors import (
+    ControlError,
+    DaemonNotAnswering,
+    DaemonNotRunning,
+    ExitCode,
+    ResourceUnavailable,
+)
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths
 from volunteerd.tray import menu
 from volunteerd.tray.icons import icon_image
@@ -225,6 +231,8 @@ class TrayApp:
         try:
             client = self._client()
             status = client.status()
+        except DaemonNotAnswering:  # its process runs: busy, not gone
+            return Seen("busy", notice=notice)
         except DaemonNotRunning:
             return self._not_answering(notice)
         except ControlError as exc:
@@ -332,6 +340,8 @@ class TrayApp:
         try:
             self._client().health()
             return
+        except DaemonNotAnswering:
+            return  # it runs, busy: another would only find its data folder locked
         except DaemonNotRunning:
             pass
         except ControlError:

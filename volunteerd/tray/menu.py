@@ -79,7 +79,8 @@ ICON_STATES: tuple[IconState, ...] = ("contributing", "waiting", "paused", "erro
 # absent:    nothing answers (not running, stopped, or gone away)
 # failed:    the daemon the tray started exited before it answered (``Seen.error``)
 # error:     the daemon answers but refuses the tray (e.g. a wrong token; ``Seen.error``)
-Link = Literal["connected", "starting", "absent", "failed", "error"]
+# busy: the daemon's process runs but its control API did not answer in time
+Link = Literal["connected", "starting", "busy", "absent", "failed", "error"]
 
 ActionName = Literal[
     "pause",
@@ -198,6 +199,8 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
         return "Paused · monthly quota used up"
     if seen.link == "starting":
         return "Not connected — starting volunteerd…"
+    if seen.link == "busy":
+        return "Not connected — volunteerd runs but does not answer (busy?)"
     if seen.link == "absent":
         return "Not connected — volunteerd is not running"
     return "Error: " + _shorten(seen.error or "unknown")
