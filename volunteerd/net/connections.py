@@ -285,6 +285,7 @@ class _QuickHandshake(RawConnection):
             return data_or_none
         self._handshakes.release()
         self._holding = False
+        self._patience = 0.0  # for good: it does not queue again
         logger.debug("a handshake's peer is slow: it goes on without a slot")
         return await super().read(n)
 
