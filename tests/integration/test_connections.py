@@ -7,6 +7,7 @@ connections on loopback; they assert outcomes, not timings.
 
 from __future__ import annotations
 
+import resource
 import time
 from contextlib import AsyncExitStack
 
@@ -196,6 +197,16 @@ def honest_config(config: Config) -> Config:
     return config.model_copy(update={"timeouts": timeouts})
 
 
+def enough_file_descriptors(needed: int) -> None:
+    """Raise this process's soft limit on open files to ``needed`` (both ends of every
+    test connection live here), or skip where the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.skip(f"needs {needed} open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 async def open_silent(node: Node, count: int, source: str, stack: AsyncExitStack) -> list:
     """``count`` TCP connections to ``node`` from ``source`` that never send a byte."""
     port = int(str(node.address).split("/tcp/")[1].split("/")[0])
@@ -215,6 +226,7 @@ async def test_silent_connections_do_not_hold_the_handshake_slots() -> None:
     slot only once its first bytes are in, and a handshake whose peer then keeps it
     waiting gives its slot back. Loopback is exempt from the per-address limits here,
     so only that is tested."""
+    enough_file_descriptors(1024)
     config = local_config()
     async with open_peer(config) as node, AsyncExitStack() as stack:
         await open_silent(node, 64, "127.0.0.2", stack)
@@ -228,13 +240,14 @@ async def test_silent_connections_do_not_hold_the_handshake_slots() -> None:
 
 @pytest.mark.timeout(300)
 async def test_many_addresses_queueing_handshakes_delay_a_newcomer_by_a_turn_each() -> None:
-    """Sixteen addresses each queue 40 connections that send their first bytes and fall
+    """Sixteen addresses each queue 20 connections that send their first bytes and fall
     silent: each takes a handshake slot for its second of patience. In one queue the
-    newcomer waited behind all 640 (20 s); in turns by address, behind one each."""
+    newcomer waited behind all 320 (10 s); in turns by address, behind one each."""
+    enough_file_descriptors(1024)
     config = local_config(peer_limits={"limit_loopback": True})
     async with open_peer(config) as node, AsyncExitStack() as stack:
         for i in range(16):
-            for stream in await open_silent(node, 40, f"127.0.0.{2 + i}", stack):
+            for stream in await open_silent(node, 20, f"127.0.0.{2 + i}", stack):
                 await stream.send_all(b"\x13/multistream/1.0.0\n")
         await trio.sleep(0.5)  # all queued for a slot
         async with open_bare_client(honest_config(config)) as client:
