@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,10 @@ import pytest
 from volunteerd.config import load_config
 from volunteerd.detached import config_variables, start_detached
 from volunteerd.paths import Paths
+from volunteerd.service import process
+from volunteerd.service.install import Chosen, status
 from volunteerd.service.managers import Systemd
-from volunteerd.service.process import probe, stop_daemon, stop_tray, tray_pid
+from volunteerd.service.process import probe, stop_daemon, stop_tray, tray_pid, wait_until_answering
 
 
 def paths_in(tmp_path: Path) -> Paths:
@@ -139,3 +142,69 @@ def test_uninstall_stops_the_tray_named_in_its_pid_file_and_nothing_else(
         for proc in (tray, other):
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_a_daemon_too_busy_to_answer_is_running_and_is_stopped_by_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A volunteerd process whose control port accepts connections but never answers
+    # (a daemon at nice 10 on a loaded computer): running, not gone.
+    monkeypatch.setattr(process, "REQUEST_TIMEOUT_S", 0.3)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    busy = subprocess.Popen(
+        [sys.executable, "-c", BUSY_DAEMON, "volunteerd", "serve", str(tmp_path / "control.json")],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert busy.stdout is not None
+        port = int(busy.stdout.readline())
+        paths = paths_in(tmp_path)
+        paths.control_file.write_text(
+            json.dumps({"url": f"http://127.0.0.1:{port}", "pid": busy.pid})
+        )
+        (tmp_path / "api-token").write_text("t")
+
+        answer = probe(tmp_path)
+        assert answer is not None
+        assert answer.pid == busy.pid
+        assert "did not answer" in answer.busy
+        assert not answer.refused
+        started = time.monotonic()
+        assert wait_until_answering(tmp_path, timeout_s=0.5) == answer  # waited, then busy
+        assert time.monotonic() - started >= 0.5
+
+        said: list[str] = []
+        status(paths, Chosen(), out=said.append)
+        assert said[-1] == (
+            f"daemon      running (pid {busy.pid}) but its API did not answer in time (busy?)"
+        )
+        shown: list[str] = []
+        status(paths, Chosen(), as_json=True, out=shown.append)
+        report = json.loads(shown[0])
+        assert report["running"] is True
+        assert report["pid"] == busy.pid
+        assert report["state"].startswith("busy")
+
+        # No shutdown request to wait out: SIGTERM at once.
+        assert (
+            stop_daemon(paths, timeout_s=5) == f"stopped the daemon (pid {busy.pid}) with SIGTERM"
+        )
+        assert busy.wait(10) == 143
+    finally:
+        busy.kill()
+        busy.wait(10)
+        if busy.stdout is not None:
+            busy.stdout.close()
+
+
+BUSY_DAEMON = """
+import os, signal, socket, sys, time
+def stop(*_):  # as the daemon does: its control.json goes with it
+    os.remove(sys.argv[3])
+    os._exit(143)
+signal.signal(signal.SIGTERM, stop)
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+time.sleep(60)
+"""

@@ -221,7 +221,13 @@ def status(paths: Paths, chosen: Chosen, *, as_json: bool = False, out: Out = pr
     installed = any(f["role"] == "daemon" and f["installed"] for f in files)
     current = installed and all(f["current"] for f in files if f["installed"])
     answer = probe(paths.data_dir)
-    state = _daemon_state(paths) if answer is not None and not answer.refused else None
+    state = (
+        "busy (does not answer in time)"
+        if answer is not None and answer.busy
+        else _daemon_state(paths)
+        if answer is not None and not answer.refused
+        else None
+    )
     report = {
         "platform": platform,
         "installed": installed,
@@ -252,6 +258,8 @@ def status(paths: Paths, chosen: Chosen, *, as_json: bool = False, out: Out = pr
         out("daemon      not running")
     elif answer.refused:
         out(f"daemon      something answers at {answer.url} but refuses: {answer.refused}")
+    elif answer.busy:
+        out(f"daemon      running (pid {answer.pid}) but its API did not answer in time (busy?)")
     else:
         out(f"daemon      {state}, pid {answer.pid}, dashboard at {answer.url}/")
         out("            (`volunteerd dashboard` opens it, signed in)")
@@ -399,7 +407,11 @@ def _start(
     if not config.control.enabled:
         out("the control API is off (control.enabled = false): cannot tell whether it runs")
         return ExitCode.OK
-    answer = running or wait_until_answering(paths.data_dir, START_TIMEOUT_S, alive)
+    answer = (
+        running
+        if running is not None and not running.busy
+        else wait_until_answering(paths.data_dir, START_TIMEOUT_S, alive)
+    )
     if answer is None:
         code = child.poll() if child is not None else None
         if code is None:
@@ -410,6 +422,12 @@ def _start(
         return ExitCode.CONFIG if code == ExitCode.CONFIG else ExitCode.UNAVAILABLE
     if answer.refused:
         out(f"something answers at {answer.url} but refuses this client: {answer.refused}")
+        return ExitCode.UNAVAILABLE
+    if answer.busy:
+        out(
+            f"volunteerd is running (pid {answer.pid}) but did not answer within "
+            f"{START_TIMEOUT_S:.0f} s (busy?); `volunteerd service status` asks again"
+        )
         return ExitCode.UNAVAILABLE
     out(f"volunteerd is running (pid {answer.pid}): dashboard at {answer.url}/")
     out("`volunteerd dashboard` opens it, signed in")

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from volunteerd.control.client import ControlClient
-from volunteerd.errors import ControlError, DaemonNotRunning, ResourceUnavailable
+from volunteerd.errors import (
+    ControlError,
+    DaemonNotAnswering,
+    DaemonNotRunning,
+    ResourceUnavailable,
+)
 from volunteerd.paths import Paths
 
 __all__ = [
@@ -41,15 +46,19 @@ REQUEST_TIMEOUT_S = 5.0
 class Answer:
     """What answers on a data folder's control address: ``url`` (``http://127.0.0.1:P``)
     and ``pid`` from ``control.json``; ``refused`` when something answers but refuses
-    us (another token: not a daemon these commands may drive)."""
+    us (another token: not a daemon these commands may drive); ``busy`` when the
+    recorded process runs but its API did not answer in time (a daemon at nice 10 on a
+    loaded computer: it is there, and must not get a second one started beside it)."""
 
     url: str
     pid: int | None
     refused: str = ""
+    busy: str = ""
 
 
 def probe(data_dir: Path) -> Answer | None:
-    """The daemon answering for ``data_dir``, or None when nothing answers."""
+    """The daemon answering for ``data_dir`` (or running there without answering in
+    time: ``busy``), or None when none runs."""
     try:
         client = ControlClient.for_data_dir(data_dir, timeout_s=REQUEST_TIMEOUT_S)
     except DaemonNotRunning:
@@ -58,6 +67,8 @@ def probe(data_dir: Path) -> Answer | None:
         return Answer("", None, refused=str(exc))
     try:
         client.health()
+    except DaemonNotAnswering as exc:
+        return Answer(client.endpoint.url, client.endpoint.pid, busy=str(exc))
     except DaemonNotRunning:
         return None
     except ControlError as exc:
@@ -69,13 +80,16 @@ def wait_until_answering(
     data_dir: Path, timeout_s: float, alive: Callable[[], bool] | None = None
 ) -> Answer | None:
     """Poll the control API until it answers (the Answer) or ``timeout_s`` passes, or
-    ``alive`` says the daemon has ended (None)."""
+    ``alive`` says the daemon has ended (None). A daemon that runs without answering in
+    time is waited for too; at the deadline its ``busy`` Answer is returned."""
     deadline = time.monotonic() + timeout_s
     while True:
         answer = probe(data_dir)
-        if answer is not None:
+        if answer is not None and not answer.busy:
             return answer
-        if time.monotonic() >= deadline or (alive is not None and not alive()):
+        if time.monotonic() >= deadline:
+            return answer
+        if alive is not None and not alive():
             return None
         time.sleep(POLL_S)
 
@@ -90,7 +104,7 @@ def stop_daemon(paths: Paths, timeout_s: float) -> str:
     if answer is None and not (pid is not None and _alive(pid) and _is_volunteerd(pid)):
         paths.control_file.unlink(missing_ok=True)  # left by a daemon that was killed
         return "no daemon was running"
-    if answer is not None and not answer.refused:
+    if answer is not None and not answer.refused and not answer.busy:
         try:
             ControlClient.for_data_dir(paths.data_dir, timeout_s=REQUEST_TIMEOUT_S).shutdown()
         except ControlError:
