@@ -252,3 +252,21 @@ async def test_many_addresses_queueing_handshakes_delay_a_newcomer_by_a_turn_eac
         await trio.sleep(0.5)  # all queued for a slot
         async with open_bare_client(honest_config(config)) as client:
             await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+@pytest.mark.timeout(300)
+async def test_stalled_handshakes_from_many_addresses_delay_a_newcomer_under_a_second() -> None:
+    """160 addresses each queue 2 connections that send their first bytes and fall
+    silent. With a fixed second of patience per slot holder, 32 slots served the 160
+    addresses' turns in ~5 s: a newcomer's dial timed out. The patience shrinks with
+    the queue, so the newcomer's turn comes in well under a second."""
+    enough_file_descriptors(1024)
+    config = local_config(peer_limits={"limit_loopback": True})
+    impatient = config.timeouts.model_copy(update={"connect_s": 3.5, "request_s": 30})
+    async with open_peer(config) as node, AsyncExitStack() as stack:
+        for i in range(160):
+            for stream in await open_silent(node, 2, f"127.0.1.{2 + i}", stack):
+                await stream.send_all(b"\x13/multistream/1.0.0\n")
+        await trio.sleep(0.5)  # all queued for a slot
+        async with open_bare_client(config.model_copy(update={"timeouts": impatient})) as client:
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))

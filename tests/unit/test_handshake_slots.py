@@ -63,3 +63,26 @@ async def test_a_cancelled_waiter_leaves_the_queue() -> None:
     assert got == ["b"]
     assert slots.used == 1
     assert slots.waiting() == 0
+
+
+async def test_a_holders_patience_shrinks_as_the_queue_grows() -> None:
+    # Held by stalled peers, the slots must turn over faster than a long queue grows.
+    slots = HandshakeSlots(2, patience=1.0)
+    assert slots.allowance() == 1.0
+    await slots.acquire("a")
+    await slots.acquire("b")
+    began = trio.current_time()
+    reading = trio.CancelScope()
+    slots.reading(reading, began - 0.25)  # it had waited 0.25 s before this read
+    assert reading.deadline == began + 0.75
+    async with trio.open_nursery() as nursery:
+        for key in ("c", "d"):
+            nursery.start_soon(slots.acquire, key)
+        await trio.testing.wait_all_tasks_blocked()
+        assert slots.waiting() == 2
+        assert slots.allowance() == 0.5  # 1 s x 2 slots / (2 + 2 waiting)
+        assert reading.deadline == began + 0.25  # tightened, counting what it waited
+        slots.done_reading(reading)
+        slots.release()
+        slots.release()
+    assert slots.allowance() == 1.0  # nobody waits any more

@@ -25,7 +25,10 @@ connections at once. Two things are done here about how it counts them:
   A handshake now queues for a slot only once its peer's first bytes are in, in turns
   by address (:class:`HandshakeSlots`), and one that has waited ``_SLOW_PEER_S`` in
   all for its peer's bytes since gives the slot back and finishes (or times out)
-  without one.
+  without one. While connections queue, that patience shrinks to ``_SLOW_PEER_S *
+  32 / (32 + waiting)``: held by stalled peers the slots turn over faster the longer
+  the queue, so however many addresses queue such connections a newcomer waits less
+  than ``_SLOW_PEER_S`` for its turn.
 * **Slots per address.** One IP address (an IPv6 /64; ``limits.address_key``) holds at
   most ``per_address`` inbound connections at once, however many identities it dials
   from: a further one is closed before its handshake. Loopback is exempt unless
@@ -77,8 +80,9 @@ _TRIM_EVERY_S = 5.0
 # (16 while a silent connection could hold a slot for 10 s.)
 _CONCURRENT_HANDSHAKES = 32
 # A handshake that has waited this long in all for its peer's bytes gives its slot back
-# (see _QuickHandshake): on loopback a handshake waits ~1 ms in all, over a link with a
-# 250 ms round trip ~1 s; a slow peer that loses its slot is not refused.
+# (see _QuickHandshake), less while others queue (HandshakeSlots.allowance): on loopback
+# a handshake waits ~1 ms in all, over a link with a 250 ms round trip ~1 s; a slow peer
+# that loses its slot is not refused.
 _SLOW_PEER_S = 1.0
 
 
@@ -203,15 +207,42 @@ class HandshakeSlots:
     """``total`` slots for handshakes, handed out in turns by address: when one frees,
     the address that waits longest since its last turn gets it (its oldest waiting
     connection), so the connections one address queues delay another's by one turn,
-    not by their number."""
+    not by their number.
 
-    def __init__(self, total: int) -> None:
+    A holder may keep its slot while it waits for its peer's bytes ``allowance()`` in
+    all: ``patience`` while nobody queues, ``patience * total / (total + waiting)``
+    while connections queue (tightened for holders already waiting when more queue).
+    Held by slow peers, the slots then turn over ``(total + waiting) / patience`` times a
+    second, so a newcomer behind ``A`` addresses (with ``waiting >= A`` connections)
+    waits about ``patience * A / (total + waiting)``: under ``patience`` however many
+    addresses queue connections that send their first bytes and fall silent. A slow peer
+    that runs out of it is not refused: it finishes without a slot."""
+
+    def __init__(self, total: int, patience: float = _SLOW_PEER_S) -> None:
         self.total = total
+        self.patience = patience
         self.used = 0
         self._waiting: OrderedDict[Hashable, deque[trio.Event]] = OrderedDict()
+        self._count = 0
+        # holders waiting for their peer's bytes: their read's scope -> when their
+        # waiting began, counted in all (earlier reads' waiting included)
+        self._reading: dict[trio.CancelScope, float] = {}
 
     def waiting(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+        return self._count
+
+    def allowance(self) -> float:
+        """How long in all a holder may wait for its peer's bytes now."""
+        return self.patience * self.total / (self.total + self._count)
+
+    def reading(self, scope: trio.CancelScope, began: float) -> None:
+        """A holder waits for its peer's bytes in ``scope`` (until ``done_reading``),
+        having waited since ``began`` in all: its deadline is kept to the allowance."""
+        scope.deadline = min(scope.deadline, began + self.allowance())
+        self._reading[scope] = began
+
+    def done_reading(self, scope: trio.CancelScope) -> None:
+        self._reading.pop(scope, None)
 
     async def acquire(self, key: Hashable) -> None:
         if self.used < self.total and not self._waiting:
@@ -219,6 +250,10 @@ class HandshakeSlots:
             return
         turn = trio.Event()
         self._waiting.setdefault(key, deque()).append(turn)
+        self._count += 1
+        allowance = self.allowance()
+        for scope, began in self._reading.items():  # at most `total` of them
+            scope.deadline = min(scope.deadline, began + allowance)
         try:
             await turn.wait()
         except BaseException:
@@ -227,6 +262,7 @@ class HandshakeSlots:
             else:
                 queue = self._waiting[key]
                 queue.remove(turn)
+                self._count -= 1
                 if not queue:
                     del self._waiting[key]
             raise
@@ -238,6 +274,7 @@ class HandshakeSlots:
             return
         key, queue = next(iter(self._waiting.items()))
         turn = queue.popleft()
+        self._count -= 1
         if queue:
             self._waiting.move_to_end(key)
         else:
@@ -249,9 +286,10 @@ class _QuickHandshake(RawConnection):
     """An inbound connection whose handshake holds one of the ``handshakes`` slots
     only while its peer keeps up. It asks for the slot (in ``key``'s turn) once the
     peer's first bytes are in, so a connection that sends nothing never queues for
-    one; and gives it back once it has waited ``_SLOW_PEER_S`` in all for the peer's
-    bytes since, then finishes (or times out) without one. Reads of other tasks (the
-    muxer's, after the handshake) go straight through."""
+    one; and gives it back once it has waited for the peer's bytes longer in all than
+    the slots' allowance (``_SLOW_PEER_S`` while nobody queues, less while many do),
+    then finishes (or times out) without one. Reads of other tasks (the muxer's, after
+    the handshake) go straight through."""
 
     def __init__(self, stream: ReadWriteCloser, handshakes: HandshakeSlots, key: Hashable) -> None:
         super().__init__(stream, False)
@@ -259,7 +297,8 @@ class _QuickHandshake(RawConnection):
         self._key = key
         self._task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
         self._holding = False
-        self._patience = _SLOW_PEER_S
+        self._slow = False
+        self._waited = 0.0  # waiting for the peer's bytes while holding a slot, in all
 
     def done(self) -> None:
         """The handshake is over (or failed): give the slot back, read straight on."""
@@ -272,7 +311,7 @@ class _QuickHandshake(RawConnection):
         if self._task is None or self._task is not trio.lowlevel.current_task():
             return await super().read(n)
         if not self._holding:
-            if self._patience <= 0:  # slow: goes on without a slot
+            if self._slow:  # goes on without a slot
                 return await super().read(n)
             data = await super().read(n)  # the first bytes, then the queue
             await self._handshakes.acquire(self._key)
@@ -280,14 +319,18 @@ class _QuickHandshake(RawConnection):
             return data
         started = trio.current_time()
         data_or_none: bytes | None = None
-        with trio.move_on_after(self._patience):  # a read cancelled early loses nothing
-            data_or_none = await super().read(n)
-        self._patience -= trio.current_time() - started
+        with trio.CancelScope() as scope:  # a read cancelled early loses nothing
+            self._handshakes.reading(scope, started - self._waited)
+            try:
+                data_or_none = await super().read(n)
+            finally:
+                self._handshakes.done_reading(scope)
+        self._waited += trio.current_time() - started
         if data_or_none is not None:
             return data_or_none
         self._handshakes.release()
         self._holding = False
-        self._patience = 0.0  # for good: it does not queue again
+        self._slow = True  # for good: it does not queue again
         logger.debug("a handshake's peer is slow: it goes on without a slot")
         return await super().read(n)
 
