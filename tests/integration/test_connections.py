@@ -11,8 +11,10 @@ import resource
 import time
 from contextlib import AsyncExitStack
 
+import multiaddr
 import pytest
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from volunteerd.config import Config
@@ -21,6 +23,7 @@ from volunteerd.identity import Identity
 from volunteerd.net import Node, Verb
 from volunteerd.net.connections import slots_in_use
 from volunteerd.net.host import Libp2pStreamHost, open_host
+from volunteerd.net.peers import key_pair_for
 from volunteerd.net.records import FindRequest
 from volunteerd.testing import local_config, open_peer
 from volunteerd.testing.clients import open_bare_client
@@ -269,4 +272,79 @@ async def test_stalled_handshakes_from_many_addresses_delay_a_newcomer_under_a_s
                 await stream.send_all(b"\x13/multistream/1.0.0\n")
         await trio.sleep(0.5)  # all queued for a slot
         async with open_bare_client(config.model_copy(update={"timeouts": impatient})) as client:
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+async def hold_strangers(node: Node, config: Config, count: int) -> None:
+    """``count`` strangers connect at once (10 ms apart), each asks one FIND_NODE, and
+    all hold their connections until every one has been answered."""
+    answered = 0
+    held = trio.Event()
+
+    async def stranger() -> None:
+        nonlocal answered
+        async with open_bare_client(config) as client:
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+            answered += 1
+            await held.wait()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(count):
+            nursery.start_soon(stranger)
+            await trio.sleep(0.01)
+        with trio.fail_after(240):
+            while answered < count:  # noqa: ASYNC110 - polling state
+                await trio.sleep(0.05)
+        assert len(node.host.get_network().get_connections()) == count
+        held.set()
+
+
+@pytest.mark.timeout(600)
+async def test_more_than_256_peers_at_once_and_again_after_they_leave() -> None:
+    """py-libp2p's default resource manager held a node to 256 established inbound
+    connections whatever network.max_connections said (the 257th peer's connection was
+    closed after its handshake), and each connection it turned away kept two of its
+    1,000 for good: after a few rounds of 300 peers the node refused almost everyone.
+    Now only the node's own slots count (900 inbound here)."""
+    enough_file_descriptors(2048)
+    config = local_config()
+    patient = config.timeouts.model_copy(update={"connect_s": 60, "request_s": 60})
+    async with open_peer(config) as node:
+        for _ in range(2):
+            await hold_strangers(node, config.model_copy(update={"timeouts": patient}), 300)
+
+
+async def test_a_node_that_learnt_of_more_than_a_thousand_peers_still_identifies() -> None:
+    """py-libp2p's peer store evicts entries without addresses first past 1,000 peers,
+    and a node's own entry (its key pair) has none: identify then failed to read the
+    node's public key, and the exception stopped the whole node."""
+    config = local_config()
+    async with open_peer(config) as node:
+        store = node.host.get_peerstore()
+        for port in range(1100):
+            stranger = ID.from_pubkey(key_pair_for(Identity.generate()).public_key)
+            store.add_addrs(stranger, [multiaddr.Multiaddr(f"/ip4/10.9.0.1/tcp/{port}")], 3600)
+        assert store.pubkey(node.host.get_id()) == node.host.get_public_key()
+        async with open_bare_client(config) as client:  # identify runs on connecting
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+            await trio.sleep(0.5)
+        async with open_bare_client(config) as client:
+            await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+async def test_a_protocol_handler_that_raises_costs_its_stream_not_the_node() -> None:
+    config = local_config()
+    async with open_peer(config) as node, open_peer(local_config()) as other:
+
+        async def broken(stream: object) -> None:
+            raise RuntimeError("a bug in some protocol's handler")
+
+        node.host.set_stream_handler(TProtocol("/volunteerd-test/broken/1"), broken)
+        await other.rpc.connect(node.address)
+        stream = await other.host.new_stream(
+            node.host.get_id(), [TProtocol("/volunteerd-test/broken/1")]
+        )
+        with trio.fail_after(10), pytest.raises(Exception):  # noqa: B017 - reset
+            await stream.read(1)
+        async with open_bare_client(config) as client:
             await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))

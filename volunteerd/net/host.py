@@ -35,6 +35,10 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import PeerStore
+from libp2p.rcmgr import ResourceManager
+from libp2p.rcmgr.connection_limits import ConnectionLimits
+from libp2p.rcmgr.manager import ResourceLimits
 from libp2p.relay.circuit_v2 import protocol as _relay_protocol
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as _NOISE_MAX_PLAINTEXT
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -173,6 +177,55 @@ class _NoAutoConnect(AutoConnector):
         self._started = False
 
 
+class _OwnEntryKept(PeerStore):
+    """py-libp2p's peer store, whose eviction never takes this node's own entry.
+
+    Past ``max_peers`` (1,000) entries it evicts those without addresses first, and
+    this node's own entry (its key pair) has none: once a node had learnt of 1,000
+    peers, identify could no longer read its own public key, and the exception of the
+    next peer's identify stream stopped the whole node."""
+
+    def __init__(self, own: ID) -> None:
+        super().__init__()
+        self._own = own
+
+    def _enforce_peer_limit(self) -> None:
+        own = self.peer_data_map.pop(self._own, None)
+        try:
+            super()._enforce_peer_limit()
+        finally:
+            if own is not None:
+                self.peer_data_map[self._own] = own
+
+
+def unlimited_resource_manager() -> ResourceManager:
+    """py-libp2p's resource manager with none of its limits: this node keeps its own
+    (inbound slots and slots per address in ``net/connections.py``, each peer's and
+    address's budgets and pacers, ``wire.max_inflight_mib``).
+
+    ``new_host()`` makes one with defaults when given none, and those broke a busy
+    node: at most 256 established inbound connections (whatever
+    ``network.max_connections`` says; the 257th peer's connection was closed after its
+    handshake), and each connection it turned away kept two of the 1,000 connections
+    it counts in all, for good: after a few hundred turned away it refused almost every
+    newcomer, until restarted. Its other defaults would refuse connections above 90 %
+    of the computer's memory in use (a volunteer's desktop gets there) and more than 10
+    connections a second from one peer."""
+    unlimited = 1 << 62
+    return ResourceManager(
+        limits=ResourceLimits(
+            max_connections=unlimited, max_memory_mb=unlimited, max_streams=unlimited
+        ),
+        connection_limits=ConnectionLimits(),  # None everywhere: no limit
+        enable_metrics=False,
+        enable_connection_tracking=False,
+        enable_memory_limits=False,
+        enable_circuit_breaker=False,
+        enable_graceful_degradation=False,
+        enable_rate_limiting=False,
+    )
+
+
 def build_host(
     identity: Identity,
     announce_addrs: Sequence[str] = (),
@@ -191,6 +244,8 @@ def build_host(
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
     reserve = max(8, max_connections // 10)
     host = new_host(
+        resource_manager=unlimited_resource_manager(),
+        peerstore_opt=_OwnEntryKept(ID.from_pubkey(key_pair.public_key)),
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},

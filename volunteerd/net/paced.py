@@ -170,12 +170,38 @@ def _paced(
             waiting[peer_id] -= 1
             if waiting[peer_id] <= 0:
                 del waiting[peer_id]
-        if each_read:
-            await handler(_PacedReads(stream, pacer, peer_id, ip))  # type: ignore[arg-type]
-        else:
-            await handler(stream)
+        try:
+            if each_read:
+                await handler(_PacedReads(stream, pacer, peer_id, ip))  # type: ignore[arg-type]
+            else:
+                await handler(stream)
+        except Exception as exc:
+            # Raised out of here, a handler's exception (py-libp2p's identify, say)
+            # stopped the swarm and with it the node: it costs the stream only.
+            _handler_failed(exc)
+            with contextlib.suppress(Exception):
+                await stream.reset()
 
     return handle
+
+
+_FAILURES_SEEN: set[str] = set()
+
+
+def _handler_failed(exc: Exception) -> None:
+    """Log a stream handler's failure: a kind's first at WARNING (a bug to report),
+    the rest at DEBUG (a peer could repeat one at will)."""
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    first = kind not in _FAILURES_SEEN and len(_FAILURES_SEEN) < 100
+    if first:
+        _FAILURES_SEEN.add(kind)
+    logger.log(
+        logging.WARNING if first else logging.DEBUG,
+        "a stream handler failed (%s: %s); its stream is reset, the node goes on",
+        kind,
+        exc,
+        exc_info=first,
+    )
 
 
 class _PacedReads:
