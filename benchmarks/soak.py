@@ -10,12 +10,15 @@ What it measures
     and its open file descriptors. Nothing may grow with the number of strangers served:
     before the fix in volunteerd/net/connections.py both nodes refused everyone after
     ~250 strangers. At the end, ``--burst`` strangers connect at once to each node
-    (handshakes that fail are counted) and one newcomer must still be answered.
+    (handshakes that fail are counted) and one newcomer must still be answered;
+    ``--hold`` keeps a burst's connections open until all are answered (that many
+    peers at once), ``--bursts`` repeats it.
 
 Run::
 
     .venv/bin/python benchmarks/soak.py                       # 10 minutes
     .venv/bin/python benchmarks/soak.py --duration-s 3600     # the hour of the issue
+    .venv/bin/python benchmarks/soak.py --duration-s 10 --burst 400 --bursts 4 --hold
 
 Linux only (/proc). Prints one table to stdout.
 """
@@ -26,7 +29,7 @@ import argparse
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +88,10 @@ def open_connections(port: int) -> int:
 CLIENT_CONFIG = local_config(timeouts={"connect_s": 120, "request_s": 120})
 
 
-async def call(node: NodeProc) -> None:
+async def call(node: NodeProc, answered: Callable[[], object] = lambda: None,
+               held: trio.Event | None = None) -> None:  # fmt: skip
+    """One stranger's request; then ``answered()``, and with ``held`` it keeps its
+    connection until that is set."""
     async with open_bare_client(CLIENT_CONFIG) as client:
         with trio.fail_after(240):
             if node.name == "daemon":
@@ -94,6 +100,9 @@ async def call(node: NodeProc) -> None:
                 await client.call(node.address, Verb.FORWARD, request, [data])
             else:
                 await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+        answered()
+        if held is not None:
+            await held.wait()
 
 
 async def soak(nodes: list[NodeProc], args: argparse.Namespace) -> None:
@@ -137,31 +146,45 @@ async def soak(nodes: list[NodeProc], args: argparse.Namespace) -> None:
     sample()
 
     for node in nodes:
-        await burst(node, args.burst)
+        for _ in range(args.bursts):
+            await burst(node, args.burst, hold=args.hold)
 
 
-async def burst(node: NodeProc, count: int) -> None:
-    """``count`` strangers at once, then one newcomer; prints what failed and why."""
+async def burst(node: NodeProc, count: int, *, hold: bool = False) -> None:
+    """``count`` strangers at once (with ``hold``: each keeps its connection until all
+    are answered or have failed, so that many peers are connected at the same time),
+    then one newcomer; prints what failed and why."""
     ok = 0
     errors: dict[str, int] = {}
+    held = trio.Event() if hold else None
+
+    def answered() -> None:
+        nonlocal ok
+        ok += 1
 
     async def one() -> None:
-        nonlocal ok
         try:
-            await call(node)
-            ok += 1
+            await call(node, answered, held)
         except Exception as exc:
             while isinstance(exc, BaseExceptionGroup):
                 exc = exc.exceptions[0]
             text = f"{type(exc).__name__}: {str(exc)[:150]}"
             errors[text] = errors.get(text, 0) + 1
 
+    at_once = ""
     async with trio.open_nursery() as nursery:
         for _ in range(count):
             nursery.start_soon(one)
+            if held is not None:
+                await trio.sleep(0.005)  # this one process's handshakes, not the node's
+        if held is not None:
+            while ok + sum(errors.values()) < count:  # noqa: ASYNC110 - polling counts
+                await trio.sleep(0.1)
+            at_once = f"{open_connections(node.port)} connections open at once; "
+            held.set()
     print(
         f"{node.name}: burst of {count} at once: {ok} answered, {count - ok} failed; "
-        f"RSS {rss_mib(node.process.pid):.0f} MiB, {fds(node.process.pid)} fds",
+        f"{at_once}RSS {rss_mib(node.process.pid):.0f} MiB, {fds(node.process.pid)} fds",
         flush=True,
     )
     for text, n in sorted(errors.items(), key=lambda e: -e[1])[:3]:
@@ -180,6 +203,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="chains per node")
     parser.add_argument("--sample-s", type=float, default=60.0)
     parser.add_argument("--burst", type=int, default=300)
+    parser.add_argument("--bursts", type=int, default=1, help="bursts, one after another")
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="a burst's strangers keep their connections until all are answered",
+    )
     args = parser.parse_args()
     with ExitStack() as stack:
         boot = stack.enter_context(node_process("bootstrap", "bootstrap"))
