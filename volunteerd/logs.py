@@ -16,6 +16,11 @@ So every third-party logger named in ``_THIRD_PARTY`` is routed through one hand
 * an identical message (same logger, level and text) is shown at most ``_BURST`` times
   a minute; the next one shown after that says how many were left out.
 
+volunteerd's own warnings and errors, on the handler ``configure_logging`` sets up (the
+daemon's, the command line's), are summarised the same way (``_OwnRepeats``), by kind
+rather than by text: a peer must not be able to fill a volunteer's disk with the log of
+a failure it can repeat.
+
 ``volunteerd.net`` calls ``tame_third_party()`` as soon as it has imported py-libp2p
 (every entry point and every library use goes through it); ``configure_logging`` calls
 it again with the level it sets. Setting ``LIBP2P_DEBUG`` leaves py-libp2p's own
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -38,39 +44,20 @@ _WINDOW_S = 60.0
 _MAX_KEYS = 512
 
 
-class _Routed(logging.Handler):
-    """Passes third-party records on to the root logger's handlers, as described in
-    the module docstring. Called under the handler's lock (logging.Handler.handle), so
-    its counters need no other."""
+class _Repeats:
+    """How many records of each kind were shown in the current minute: ``_BURST`` are,
+    the rest are left out and counted, and the next one shown after the minute says how
+    many. Bounded memory (``_MAX_KEYS`` kinds)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
         self.clock = clock
-        # (logger, level, text) -> [window start, shown in window, left out in window]
-        self._seen: dict[tuple[str, int, str], list[float]] = {}
+        # kind -> [window start, shown in window, left out in window]
+        self._seen: dict[tuple[object, ...], list[float]] = {}
 
-    def emit(self, record: logging.LogRecord) -> None:
-        debugging = logging.getLogger("volunteerd").isEnabledFor(logging.DEBUG)
-        if record.levelno < logging.CRITICAL and not debugging:
-            return
-        try:
-            text = record.getMessage()
-        except Exception:  # a third party's bad format arguments: not worth a traceback
-            text = str(record.msg)
-        left_out = self._count(record.name, record.levelno, text)
-        if left_out is None:
-            return
-        if left_out:
-            record = logging.makeLogRecord(record.__dict__)
-            record.msg = f"{text} ({left_out} more like this in the last minute not shown)"
-            record.args = None
-        logging.getLogger().handle(record)
-
-    def _count(self, name: str, level: int, text: str) -> int | None:
+    def count(self, key: tuple[object, ...]) -> int | None:
         """None: leave this record out; else show it, with how many like it were left
         out since it was last shown."""
         now = self.clock()
-        key = (name, level, text)
         seen = self._seen.get(key)
         if seen is None or now - seen[0] >= _WINDOW_S:
             left_out = 0 if seen is None else int(seen[2])
@@ -85,10 +72,69 @@ class _Routed(logging.Handler):
         return None
 
     def _forget(self, now: float) -> None:
-        """Bounded memory: drop the windows that are over, or every one if none is."""
+        """Drop the windows that are over, or every one if none is."""
         stale = [key for key, seen in self._seen.items() if now - seen[0] >= _WINDOW_S]
         for key in stale or list(self._seen):
             del self._seen[key]
+
+
+def _noting(record: logging.LogRecord, text: str, left_out: int) -> logging.LogRecord:
+    if not left_out:
+        return record
+    record = logging.makeLogRecord(record.__dict__)
+    record.msg = f"{text} ({left_out} more like this in the last minute not shown)"
+    record.args = None
+    return record
+
+
+class _Routed(logging.Handler):
+    """Passes third-party records on to the root logger's handlers, as described in
+    the module docstring; identical texts are counted by ``_Repeats``. Called under the
+    handler's lock (logging.Handler.handle), so its counters need no other."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.repeats = _Repeats(clock)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        debugging = logging.getLogger("volunteerd").isEnabledFor(logging.DEBUG)
+        if record.levelno < logging.CRITICAL and not debugging:
+            return
+        try:
+            text = record.getMessage()
+        except Exception:  # a third party's bad format arguments: not worth a traceback
+            text = str(record.msg)
+        left_out = self.repeats.count((record.name, record.levelno, text))
+        if left_out is None:
+            return
+        logging.getLogger().handle(_noting(record, text, left_out))
+
+
+class _OwnRepeats(logging.Filter):
+    """volunteerd's own warnings and errors on the handler ``configure_logging`` sets
+    up: at most ``_BURST`` a minute of one kind (logger, level, message before its
+    arguments, exception type), whatever the arguments (a peer's id, an expert's uid).
+    A peer that can make the daemon log a failure (a bug it found, a refusal logged as
+    a warning) could otherwise repeat it at its request rate: gigabytes of a log that
+    nothing rotates, and the CPU to format the tracebacks."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.repeats = _Repeats(clock)
+        self._lock = threading.Lock()  # filters run before the handler takes its own
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not record.name.startswith("volunteerd"):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        key = (record.name, record.levelno, str(record.msg), type(error).__qualname__)
+        with self._lock:
+            left_out = self.repeats.count(key)
+        if left_out is None:
+            return False
+        if left_out:
+            record.msg = f"{record.msg} ({left_out} more like this in the last minute not shown)"
+        return True
 
 
 _ROUTED = _Routed()
@@ -125,6 +171,7 @@ def configure_logging(level: str = "INFO") -> None:
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
     )
+    handler.addFilter(_OwnRepeats())
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("volunteerd").setLevel(level)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from volunteerd.config import ExpertsConfig
+from volunteerd.errors import BadShape
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.stepcheck import StepCheck
 
@@ -33,6 +34,15 @@ def test_retained_backward_equals_stateless_backward() -> None:
     for pa, pb in zip(a.module.parameters(), b.module.parameters(), strict=True):
         torch.testing.assert_close(pa, pb)
     assert a.updates == b.updates == 1
+
+
+def test_gradients_that_do_not_fit_the_outputs_are_a_bad_shape() -> None:
+    """Whatever the module, gradients of another shape than its outputs are the
+    sender's error (BadShape), found before autograd raises, with nothing accumulated."""
+    a = backend()
+    with pytest.raises(BadShape, match="for outputs of shapes"):
+        a.backward([torch.randn(5, 16)], [torch.randn(4, 16)])
+    assert all(p.grad is None for p in a.module.parameters())
 
 
 @pytest.mark.parametrize("arrival", ["together", "apart", "one dropped", "step between"])

@@ -106,8 +106,7 @@ def test_identical_lines_beyond_three_a_minute_are_left_out_and_then_counted(
     shown: Shown, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [1000.0]
-    monkeypatch.setattr(logs._ROUTED, "clock", lambda: now[0])
-    monkeypatch.setattr(logs._ROUTED, "_seen", {})
+    monkeypatch.setattr(logs._ROUTED, "repeats", logs._Repeats(lambda: now[0]))
     logging.getLogger("volunteerd").setLevel(logging.DEBUG)
     logs.tame_third_party()
     dht = logging.getLogger(DHT_LOGGER)
@@ -124,3 +123,50 @@ def test_identical_lines_beyond_three_a_minute_are_left_out_and_then_counted(
         "Failed to read DHT message from stream: another reason",
         f"{reset} (46 more like this in the last minute not shown)",
     ]
+
+
+def test_our_own_failures_are_summarised_by_kind_whatever_their_arguments() -> None:
+    """A failure a peer can trigger at its request rate (each time with its own peer id
+    in the message) is shown a few times a minute, with its traceback, then counted."""
+    now = [1000.0]
+    own = logs._OwnRepeats(lambda: now[0])
+    shown: list[logging.LogRecord] = []
+
+    def log(level: int, msg: str, *args: object, error: Exception | None = None) -> None:
+        exc_info = (type(error), error, None) if error else None
+        record = logging.LogRecord("volunteerd.net.rpc", level, __file__, 1, msg, args, exc_info)
+        if own.filter(record):
+            shown.append(record)
+
+    for i in range(500):
+        log(logging.ERROR, "%s handler failed for %s", "backward", f"peer{i}", error=KeyError())
+    log(logging.ERROR, "%s handler failed for %s", "backward", "peer", error=ValueError())
+    for i in range(10):
+        log(logging.INFO, "served %s", i)  # below WARNING: every one
+    now[0] += 61
+    log(logging.ERROR, "%s handler failed for %s", "backward", "late", error=KeyError())
+    texts = [r.getMessage() for r in shown]
+    assert texts[:3] == [f"backward handler failed for peer{i}" for i in range(3)]
+    assert texts[3] == "backward handler failed for peer"  # another exception: its own kind
+    assert texts[4:14] == [f"served {i}" for i in range(10)]
+    assert texts[14:] == [
+        "backward handler failed for late (497 more like this in the last minute not shown)"
+    ]
+    assert shown[14].exc_info is not None  # still with its traceback
+
+
+def test_the_daemons_log_handler_summarises_our_repeated_failures() -> None:
+    code = """
+        from volunteerd.logs import configure_logging
+        configure_logging("INFO")
+        log = logging.getLogger("volunteerd.server.pipeline")
+        for i in range(1000):
+            try:
+                raise RuntimeError("a bug")
+            except RuntimeError:
+                log.exception("forward of ffn.0.%s failed for %s", i % 7, i)
+        logging.getLogger("volunteerd.test").warning("and life goes on")
+    """
+    stderr = run_python(code)
+    assert stderr.count("RuntimeError: a bug") == 3
+    assert "and life goes on" in stderr

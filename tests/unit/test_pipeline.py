@@ -3,6 +3,7 @@ gate, then accounting, then the runtime, and is counted exactly once."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 import trio
 
 from volunteerd.config import Config, LimitsConfig
-from volunteerd.errors import Paused, Rejected
+from volunteerd.errors import BadShape, Paused, Rejected
 from volunteerd.experts import to_wire
 from volunteerd.net import Handler, Request, Throttle, Verb
 from volunteerd.runtime import ExpertRuntime
@@ -21,6 +22,7 @@ from volunteerd.server.pausing import RequestGate
 from volunteerd.server.pipeline import GATED_VERBS, expert_handlers
 from volunteerd.stats import StatsStore
 from volunteerd.wire import (
+    BackwardBatchRequest,
     BackwardRequest,
     ErrorReply,
     ForwardBatchRequest,
@@ -51,9 +53,12 @@ class World:
 
 
 @asynccontextmanager
-async def pipeline(tmp_path: Path) -> AsyncIterator[World]:
+async def pipeline(tmp_path: Path, **experts: object) -> AsyncIterator[World]:
     config = Config.model_validate(
-        {"experts": {"uids": "ffn.0.[0:2]", "hidden_dim": HIDDEN}, "runtime": {"device": "cpu"}}
+        {
+            "experts": {"uids": "ffn.0.[0:2]", "hidden_dim": HIDDEN, **experts},
+            "runtime": {"device": "cpu"},
+        }
     )
     runtime = ExpertRuntime(
         config.experts.uid_list(),
@@ -176,3 +181,57 @@ async def test_uptime_counts_to_the_moment_accounting_stops(
         assert store.current().running_s == pytest.approx(2.5)
     finally:
         store.close()
+
+
+def sequences(batch: int, length: int) -> WireTensor:
+    meta, data = to_wire(torch.randn(batch, length, HIDDEN))
+    return WireTensor(meta.dtype, tuple(meta.shape), memoryview(data))
+
+
+async def test_gradients_for_another_sequence_length_are_the_peers_error_not_a_bug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transformer's schema leaves the sequence open: a stateless backward with inputs
+    of length 3 and output gradients of length 5 passed it and failed in autograd, an
+    ``internal`` reply and two tracebacks logged per item (a batch of 64: megabytes)."""
+    async with pipeline(tmp_path, type="transformer", num_heads=2) as world:
+        for inputs, grads in [((2, 3), (2, 5)), ((2, 3), (2, 1)), ((2, 5), (2, 3))]:
+            x, g = sequences(*inputs), sequences(*grads)
+            header = BackwardRequest(uid="ffn.0.0", tensors=[x.meta, g.meta])
+            with pytest.raises(BadShape, match="do not match"):
+                await world.call(Verb.BACKWARD, header, [x, g])
+        x, g = sequences(2, 3), sequences(2, 5)
+        items = [BackwardRequest(uid="ffn.0.1", tensors=[x.meta, g.meta]) for _ in range(16)]
+        reply = await world.call(
+            Verb.BACKWARD_BATCH, BackwardBatchRequest(items=items), [x, g] * 16
+        )
+        codes = {item.code for item in reply.header.items}  # type: ignore[attr-defined]
+        assert codes == {"bad_shape"}
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # gradients of the outputs' own shape are served, by both experts
+        g = sequences(2, 3)
+        for uid in ("ffn.0.0", "ffn.0.1"):
+            header = BackwardRequest(uid=uid, tensors=[x.meta, g.meta])
+            answer = await world.call(Verb.BACKWARD, header, [x, g])
+            assert answer.header.tensors[0].shape == (2, 3, HIDDEN)  # type: ignore[attr-defined]
+
+
+async def test_backwards_of_zero_gradients_are_not_remembered_for_a_step(tmp_path: Path) -> None:
+    """A backward whose gradients are all zero makes no step due, so the step that
+    clears the list of senders never came: a stranger grew it by ~1,400 entries a
+    second on an expert nobody else trained."""
+    async with pipeline(tmp_path) as world:
+        hosted = world.runtime._hosted("ffn.0.0")
+        x, zero = tensor(4), tensor(4, 0.0)
+        header = BackwardRequest(uid="ffn.0.0", tensors=[x.meta, zero.meta])
+        for _ in range(200):
+            await world.call(Verb.BACKWARD, header, [x, zero])
+        await world.runtime.settled()
+        assert hosted.senders == []
+        assert hosted.backend.updates == 0
+        g = tensor(4, 0.5)  # a real gradient: a step, which takes its sender along
+        header = BackwardRequest(uid="ffn.0.0", tensors=[x.meta, g.meta])
+        await world.call(Verb.BACKWARD, header, [x, g])
+        await world.runtime.settled()
+        assert hosted.backend.updates == 1
+        assert hosted.senders == []

@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from volunteerd.config import ExpertsConfig, OptimizerConfig
-from volunteerd.errors import ConfigError
+from volunteerd.errors import BadShape, ConfigError
 from volunteerd.experts.checkpoint_file import CheckpointError, ExpertState
 from volunteerd.experts.registry import build_module, schemas_for
 from volunteerd.experts.stepcheck import StepCheck, StepMemo, StepOutcome
@@ -173,6 +173,18 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
     return alias.requires_grad_()
 
 
+def _check_gradient_shapes(
+    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+) -> None:
+    """Raise BadShape (the peer's error) rather than autograd's RuntimeError (an
+    internal one) when gradients do not fit the outputs they are for. The runtime
+    checks the shapes before queueing; this holds for any module."""
+    got = [tuple(g.shape) for g in grad_outputs]
+    made = [tuple(o.shape) for o in outputs]
+    if got != made:
+        raise BadShape(f"output gradients of shapes {got} for outputs of shapes {made}")
+
+
 class ExpertBackend:
     """A hosted expert. Parameters are float32 on ``device``; the wire dtype may be
     narrower (inputs are widened for compute and outputs narrowed back)."""
@@ -222,6 +234,7 @@ class ExpertBackend:
         leaves = self._leaves(inputs)
         with torch.enable_grad():
             out = self.module(*leaves)
+            _check_gradient_shapes([out], grad_outputs)
             torch.autograd.backward([out], [self._wide(g) for g in grad_outputs])
         return self._input_grads(leaves)
 

@@ -7,8 +7,8 @@ expert from the same configuration starts from the same weights.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,7 +17,13 @@ from volunteerd.config import ExpertsConfig
 from volunteerd.experts.layers import FeedForwardExpert, TransformerBlockExpert
 from volunteerd.wire import TensorSchema
 
-__all__ = ["EXPERT_TYPES", "ExpertType", "build_module", "schemas_for"]
+__all__ = ["EXPERT_TYPES", "ExpertType", "build_module", "output_shapes", "schemas_for"]
+
+Shape = tuple[int, ...]
+
+
+def _shaped_like_inputs(inputs: Sequence[Shape]) -> list[Shape]:
+    return list(inputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +32,9 @@ class ExpertType:
     build: Callable[[ExpertsConfig], nn.Module]
     # (inputs, outputs) schemas for a wire dtype and hidden size
     schemas: Callable[[str, int], tuple[list[TensorSchema], list[TensorSchema]]]
+    # the outputs' exact shapes for inputs of these shapes (the schemas leave the batch
+    # and a sequence open; a stateless backward's gradients must have these shapes)
+    output_shapes: Callable[[Sequence[Shape]], list[Shape]] = field(default=_shaped_like_inputs)
 
 
 def _ffn_schemas(dtype: str, hidden: int) -> tuple[list[TensorSchema], list[TensorSchema]]:
@@ -61,6 +70,12 @@ def build_module(config: ExpertsConfig, uid: str) -> nn.Module:
         return EXPERT_TYPES[config.type].build(config)
     finally:
         torch.random.set_rng_state(generator_state)
+
+
+def output_shapes(expert_type: str, inputs: Sequence[Shape]) -> list[Shape]:
+    """The shapes of the outputs an expert of ``expert_type`` makes of inputs of the
+    shapes ``inputs`` (already checked against its schemas)."""
+    return EXPERT_TYPES[expert_type].output_shapes(inputs)
 
 
 def schemas_for(config: ExpertsConfig) -> tuple[list[TensorSchema], list[TensorSchema]]:

@@ -40,6 +40,7 @@ the call itself raises, each batch runs on its own compute function instead.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import trio
 
 from volunteerd.config import RuntimeConfig
-from volunteerd.errors import Busy, ShuttingDown
+from volunteerd.errors import Busy, ShuttingDown, VolunteerdError
 from volunteerd.runtime.executor import DeviceExecutor
 
 if TYPE_CHECKING:
@@ -384,18 +385,48 @@ class DeviceBatcher:
                 batch.lane._answered(batch.tasks, ran=True)
             else:
                 for task in batch.tasks:
-                    task.error = batch.error
+                    task.error = _own_copy(batch.error)
                 batch.lane._answered(batch.tasks, ran=False)
+
+
+def _own_copy(error: BaseException | None) -> BaseException | None:
+    """The batch's error for one of its requests. One exception object raised again by
+    each request's task gathers every task's frames into its traceback: a batch of 64
+    failed requests logged 64 tracebacks, each longer than the last (~2 MB of log per
+    batch). A copy shares the worker's frames and adds only its own task's."""
+    if error is None:
+        return None
+    try:
+        mine = copy.copy(error)
+    except Exception:  # an exception class that cannot be rebuilt from its args
+        return error
+    mine.__traceback__ = error.__traceback__
+    mine.__cause__ = error.__cause__
+    mine.__context__ = error.__context__
+    mine.__suppress_context__ = error.__suppress_context__
+    return mine
 
 
 def _compute(batch: _Batch) -> None:
     try:
         batch.results = batch.lane.compute([t.item for t in batch.tasks])
     except Exception as exc:  # one batch's failure is its requests' only
-        logger.exception(
-            "%s: batch of %d samples failed", batch.lane.name, sum(t.samples for t in batch.tasks)
-        )
+        batch_failed(batch.lane.name, exc)
         batch.error = exc
+
+
+def batch_failed(lane: str, exc: Exception) -> None:
+    """Log a batch's failure. A typed error is its requests' own (a bad shape, an
+    expert being restored) and their replies say so; anything else is a bug, worth its
+    traceback."""
+    typed = isinstance(exc, VolunteerdError)
+    logger.log(
+        logging.DEBUG if typed else logging.ERROR,
+        "%s: batch failed: %s",
+        lane,
+        exc,
+        exc_info=not typed,
+    )
 
 
 def _compute_together(together: Together, group: list[_Batch]) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +45,7 @@ import trio
 from volunteerd.config import ExpertsConfig, GuardConfig, RuntimeConfig, WireLimits
 from volunteerd.errors import (
     ActivationsExpired,
+    BadShape,
     Busy,
     CheckpointError,
     ShuttingDown,
@@ -52,6 +53,7 @@ from volunteerd.errors import (
 )
 from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire, to_wire
 from volunteerd.experts.multistep import step_many
+from volunteerd.experts.registry import output_shapes
 from volunteerd.experts.stepcheck import StepCheck, StepOutcome
 from volunteerd.runtime.batching import BeforeJob, DeviceBatcher, Lane, QueueStats, Together
 from volunteerd.runtime.executor import DeviceExecutor
@@ -124,7 +126,7 @@ class _Hosted:
         def backward(items: list[tuple[Tensors, Sender]]) -> list[Tensors]:
             self.refuse_if_broken()
             with self.timed():
-                self.senders.extend(sender for _, sender in items)
+                self.heard(sender for _, sender in items)
                 joined = cat_rows([tensors for tensors, _ in items])
                 grads = backend.backward(joined[:n_in], joined[n_in:])
                 self.staleness.record_stateless(len(items))
@@ -142,7 +144,7 @@ class _Hosted:
         ) -> list[Tensors]:
             self.refuse_if_broken()
             with self.timed():
-                self.senders.extend(item[2] for item in items)
+                self.heard(item[2] for item in items)
                 grads = backend.backward_retained([(kept, g) for kept, g, _, _ in items])
                 # the next step (updates + 1) applies them: staleness = updates since
                 # each forward
@@ -172,6 +174,14 @@ class _Hosted:
             yield
         finally:
             self.compute_s += time.perf_counter() - start
+
+    def heard(self, senders: Iterable[Sender]) -> None:
+        """Note whose gradients the next step applies (on the worker). A backward whose
+        gradients are all zero makes no step due (``_step_soon``), so it is not noted:
+        nothing would clear the list on an expert nobody else trains (a peer grew it by
+        a thousand entries a second), and a silent sender has no part in a step to
+        blame (its zero would only lower the median the loud are measured against)."""
+        self.senders.extend(s for s in senders if s.grad_norm > 0.0)
 
     def refuse_if_broken(self) -> None:
         if self.broken:
@@ -426,9 +436,18 @@ class ExpertRuntime:
             max_sequence=self._max_sequence,
             compression=compression,
         )
+        n_in = len(info.inputs)
+        expected = output_shapes(info.expert_type, [m.shape for m in metas[:n_in]])
+        got = [m.shape for m in metas[n_in:]]
+        if got != expected:
+            # the schemas leave a sequence open: inputs of one length with gradients of
+            # another passed them, and failed in autograd (an internal error, logged)
+            raise BadShape(
+                f"output gradients of shapes {got} do not match the outputs {expected} "
+                "of these inputs"
+            )
         shape = tuple(m.shape[1:] for m in metas)
         decoded = _decode(tensors, [s.dtype for s in schemas])
-        n_in = len(info.inputs)
         self.guard.check_inputs(uid, peer_id, decoded[:n_in])
         decoded[n_in:], loudest = self.guard.filter_gradients(
             uid, peer_id, decoded[n_in:], source=source

@@ -18,16 +18,15 @@ succeeded: if it raises, the batcher runs every batch alone.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.stacked import StackEntry, Stacker
-from volunteerd.runtime.batching import Lane, Together
+from volunteerd.runtime.batching import Lane, Together, batch_failed
 from volunteerd.runtime.guard import Sender
 from volunteerd.runtime.retained import StalenessMeter
 
@@ -44,7 +43,6 @@ __all__ = [
     "stacks_on",
 ]
 
-logger = logging.getLogger(__name__)
 
 Tensors = list[torch.Tensor]
 Kind = Literal["forward", "backward", "forward-retained", "backward-retained"]
@@ -80,13 +78,14 @@ class Member(Protocol):
     """What stacking needs of a hosted expert (``service._Hosted``)."""
 
     backend: ExpertBackend
-    senders: list[Sender]
     staleness: StalenessMeter
     compute_s: float
     forward_retained: Lane[Any, Any]
     backward_retained: Lane[Any, Any]
 
     def refuse_if_broken(self) -> None: ...
+
+    def heard(self, senders: Iterable[Sender]) -> None: ...
 
 
 class Stacking:
@@ -197,7 +196,7 @@ def _backward(stacker: Stacker, batches: list[tuple[Any, list[Any]]]) -> list[An
     for b, rows, (dx, grads) in zip(chosen, sizes, results, strict=True):
         member, items = batches[b]
         member.backend.add_gradients(grads)
-        member.senders.extend(sender for _, sender in items)
+        member.heard(sender for _, sender in items)
         member.staleness.record_stateless(len(items))
         answers[b] = split_rows([member.backend.narrow(dx)], rows)
     _charge([batches[b][0] for b in chosen], [sum(r) for r in sizes], time.perf_counter() - start)
@@ -228,7 +227,7 @@ def _backward_retained(stacker: Stacker, batches: list[tuple[Any, list[Any]]]) -
         backend = member.backend
         backend.add_gradients(grads)
         backend.finish_stacked(kept)
-        member.senders.append(sender)
+        member.heard([sender])
         # the next step (updates + 1) applies them: staleness = updates since the forward
         member.staleness.record(backend.updates - version)
         answers[b][i] = [backend.narrow(dx)]  # type: ignore[index]
@@ -251,7 +250,7 @@ def _each_alone(
         try:
             answers[b] = lane.compute(items)
         except Exception as exc:  # its own failure, as the batcher would have it
-            logger.exception("%s: batch failed", lane.name)
+            batch_failed(lane.name, exc)
             answers[b] = exc
 
 
