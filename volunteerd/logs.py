@@ -17,8 +17,8 @@ So every third-party logger named in ``_THIRD_PARTY`` is routed through one hand
   a minute; the next one shown after that says how many were left out.
 
 volunteerd's own warnings and errors, on the handler ``configure_logging`` sets up (the
-daemon's, the command line's), are summarised the same way (``_OwnRepeats``), by kind
-rather than by text: a peer must not be able to fill a volunteer's disk with the log of
+daemon's, the command line's), are summarised the same way (``_OwnRepeats``, 10 a minute), by
+kind rather than by text: a peer must not be able to fill a volunteer's disk with the log of
 a failure it can repeat.
 
 ``volunteerd.net`` calls ``tame_third_party()`` as soon as it has imported py-libp2p
@@ -40,17 +40,19 @@ __all__ = ["configure_logging", "tame_third_party"]
 
 _THIRD_PARTY = ("libp2p", "multiaddr", "async_service", "hypercorn")
 _BURST = 3
+_OWN_BURST = 10  # volunteerd's own: kinds are coarser (a message before its arguments)
 _WINDOW_S = 60.0
 _MAX_KEYS = 512
 
 
 class _Repeats:
-    """How many records of each kind were shown in the current minute: ``_BURST`` are,
+    """How many records of each kind were shown in the current minute: ``burst`` are,
     the rest are left out and counted, and the next one shown after the minute says how
     many. Bounded memory (``_MAX_KEYS`` kinds)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, burst: int = _BURST) -> None:
         self.clock = clock
+        self.burst = burst
         # kind -> [window start, shown in window, left out in window]
         self._seen: dict[tuple[object, ...], list[float]] = {}
 
@@ -65,7 +67,7 @@ class _Repeats:
                 self._forget(now)
             self._seen[key] = [now, 1, 0]
             return left_out
-        if seen[1] < _BURST:
+        if seen[1] < self.burst:
             seen[1] += 1
             return 0
         seen[2] += 1
@@ -112,7 +114,7 @@ class _Routed(logging.Handler):
 
 class _OwnRepeats(logging.Filter):
     """volunteerd's own warnings and errors on the handler ``configure_logging`` sets
-    up: at most ``_BURST`` a minute of one kind (logger, level, message before its
+    up: at most ``_OWN_BURST`` a minute of one kind (logger, level, message before its
     arguments, exception type), whatever the arguments (a peer's id, an expert's uid).
     A peer that can make the daemon log a failure (a bug it found, a refusal logged as
     a warning) could otherwise repeat it at its request rate: gigabytes of a log that
@@ -120,7 +122,7 @@ class _OwnRepeats(logging.Filter):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.repeats = _Repeats(clock)
+        self.repeats = _Repeats(clock, _OWN_BURST)
         self._lock = threading.Lock()  # filters run before the handler takes its own
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -63,6 +63,14 @@ def test_sighup_applies_the_limits_file_and_keeps_serving(
     wait_for_log(server, "limits.upload_mbit = inf: Input should be a finite number")
     assert "limits.monthly_quota_gb = 1e+300" in server.log.read_text()
 
+    # tomllib's errors other than TOMLDecodeError stopped the daemon
+    limits.write_text("[limits]\nupload_mbit = 1" + "0" * 5000 + "\n")
+    server.process.send_signal(signal.SIGHUP)
+    wait_for_log(server, "limits.toml: not valid TOML: Exceeds the limit (4300 digits)")
+    limits.write_text("[limits]\nupload_mbit = " + "[" * 3000 + "]" * 3000 + "\n")
+    server.process.send_signal(signal.SIGHUP)
+    wait_for_log(server, "limits.toml: not valid TOML: nested too deeply")
+
     assert server.process.poll() is None
     kept = api.limits()  # the API answers, with the limits of the last good reload
     assert (kept.upload_mbit, kept.duty_cycle, kept.monthly_quota_gb) == (3.0, 0.5, 0.0)

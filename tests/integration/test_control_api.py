@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 import stat
@@ -192,6 +193,11 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
         with pytest.raises(ControlError) as missing:
             await call(client.leave_project, "x")
         assert missing.value.status == 404
+        # bytes of the command line that are not UTF-8 (surrogates): no such project
+        for name in ("a\udcff", "\udced\udca0\udc80"):
+            with pytest.raises(ControlError, match="not in a project named") as missing:
+                await call(client.leave_project, name)
+            assert missing.value.status == 404
 
         # Every route of the table was exercised above or is exercised here.
         assert {path.rsplit("/", 1)[-1] for _, path, _, _ in ROUTES} == {
@@ -428,6 +434,15 @@ def raw_reply(
     return response.status, {k.lower(): v for k, v in response.getheaders()}, data
 
 
+def hang_up_mid_body(url: str, headers: dict[str, str]) -> None:
+    """PATCH /limits announcing 100 bytes of body, then closing after 5 of them."""
+    port = int(url.rsplit(":", 1)[1])
+    lines = ["PATCH /api/v1/limits HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
+    lines += ["Content-Type: application/json", "Content-Length: 100", "", ""]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall("\r\n".join(lines).encode() + b'{"upl')
+
+
 def announce_huge_body(url: str, headers: dict[str, str]) -> tuple[int, Any]:
     """PATCH /limits announcing 1 GiB of body; the reply, after only its first bytes."""
     port = int(url.rsplit(":", 1)[1])
@@ -464,6 +479,12 @@ BAD_BODIES: list[tuple[str, bytes, int, str]] = [
     ("/schedule", b'{"run": "sometimes"}', 422, "run"),
     ("/snooze", b'{"seconds": Infinity}', 422, "seconds"),
     ("/snooze", b'{"seconds": NaN}', 422, "seconds"),
+    # a value of the wrong JSON type is refused, not converted (true was 1 Mbit/s)
+    ("/limits", b'{"upload_mbit": true}', 422, "upload_mbit"),
+    ("/limits", b'{"cpu_threads": true}', 422, "cpu_threads"),
+    ("/limits", b'{"download_mbit": "7"}', 422, "download_mbit"),
+    ("/snooze", b'{"seconds": true}', 422, "seconds"),
+    ("/schedule", b'{"on_battery": "yes"}', 422, "on_battery"),
     ("/limits", b"[" * 30_000 + b"]" * 30_000, 422, "body"),
     ("/limits", b'{"upload_mbit": ' + b"[" * 40 + b"]" * 40 + b"}", 422, "body"),
     ("/limits", b'{"x": "' + b"[{" * 100 + b'\\""}', 422, "x"),  # brackets in a string
@@ -472,7 +493,9 @@ BAD_BODIES: list[tuple[str, bytes, int, str]] = [
 ]
 
 
-async def test_bad_values_change_nothing_and_the_api_stays_up(tmp_path: Path) -> None:
+async def test_bad_values_change_nothing_and_the_api_stays_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     async with (
         open_peer(local_config()) as boot,
         open_daemon(config_for(boot), tmp_path / "a") as daemon,
@@ -525,6 +548,13 @@ async def test_bad_values_change_nothing_and_the_api_stays_up(tmp_path: Path) ->
         code, error = await call(announce_huge_body, url, good)
         assert (code, error["field"]) == (413, "body")
         await unchanged_and_answering("a huge body")
+        # A client that hangs up mid-body is gone, not the daemon's error (each one
+        # logged an ERROR with a 40-line traceback).
+        for _ in range(5):
+            await call(hang_up_mid_body, url, good)
+        await unchanged_and_answering("hung up mid-body")
+        failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not failed, [r.getMessage() for r in failed]
         assert not (tmp_path / "a" / "limits.toml").exists()  # nothing was saved either
         assert daemon.volunteer.state.mode == "running"  # the snoozes did not happen
 

@@ -139,6 +139,50 @@ def test_unknown_section_and_bad_toml_are_refused(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+DAMAGED = {
+    "an integer of 5,000 digits": ("[limits]\nupload_mbit = 1" + "0" * 5000, "4300 digits"),
+    "arrays nested 3,000 deep": ("[limits]\nupload_mbit = " + "[" * 3000 + "]" * 3000, "nested"),
+    "bytes that are not UTF-8": ("[limits]\nupload_mbit = 1 # \udcff", "utf-8"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED, ids=list(DAMAGED))
+def test_every_toml_file_read_refuses_damage_with_a_config_error(
+    tmp_path: Path, damage: str
+) -> None:
+    """tomllib raises ValueError for a huge integer and RecursionError for deep
+    nesting, not only TOMLDecodeError: a damaged limits.toml reloaded on SIGHUP
+    stopped the daemon with a traceback."""
+    from volunteerd.swarm.manifest import load_manifest_file
+    from volunteerd.swarm.projects import load_projects
+    from volunteerd.train.experiment import load_experiment
+
+    text, why = DAMAGED[damage]
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(text.encode("utf-8", "surrogateescape"))
+    (tmp_path / "limits.toml").write_bytes(bad.read_bytes())
+    readers = {
+        "config": lambda: load_config(bad, env={}),
+        "limits.toml": lambda: load_config(None, run_time_dir=tmp_path, env={}),
+        "projects": lambda: load_projects(bad),
+        "experiment": lambda: load_experiment(bad),
+        "manifest": lambda: load_manifest_file(bad, owner="12D3KooWowner"),
+    }
+    for name, read in readers.items():
+        with pytest.raises(ConfigError, match=f"not valid TOML: .*{why}") as error:
+            read()
+        assert len(str(error.value)) < 400, name
+
+
+def test_a_value_of_thousands_of_characters_is_shown_by_its_start() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides=["network.port=1" + "0" * 5000], env={})
+    message = str(error.value)
+    assert "network.port = '1000" in message
+    assert "(5003 characters)" in message  # its repr's
+    assert len(message) < 400
+
+
 @pytest.mark.parametrize(
     "addr",
     [

@@ -19,7 +19,6 @@ config file's limits. The schedule set at run time is kept the same way, in
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 
 from volunteerd.config.migrations import migrate
 from volunteerd.config.models import Config, LimitsConfig, ScheduleConfig
+from volunteerd.config.toml_files import parse_toml, read_toml
 from volunteerd.errors import ConfigError
 
 __all__ = [
@@ -80,12 +80,9 @@ def load_config(
     sources: dict[tuple[str, ...], str] = {}
     if path is not None and path.exists():
         try:
-            with path.open("rb") as f:
-                data = tomllib.load(f)
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # not UTF-8
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+            data = read_toml(path)
+        except FileNotFoundError:  # gone since exists(): a dangling link, say
+            raise ConfigError(f"{path}: cannot read: it is gone") from None
         data = migrate(data, f"file {path}")
         _record_sources(data, (), f"file {path}", sources)
     elif path is not None and required:
@@ -102,7 +99,8 @@ def load_config(
 
     for item in overrides:
         keys, value = parse_override(item)
-        _set_path(data, keys, value, f"flag --set {item}", sources)
+        shown = item if len(item) <= _SHOWN_CHARS else f"{item[:_SHOWN_CHARS]}…"
+        _set_path(data, keys, value, f"flag --set {shown}", sources)
 
     for flag in flags:
         _set_path(data, tuple(flag.key.split(".")), flag.value, f"flag {flag.typed}", sources)
@@ -156,14 +154,9 @@ def _apply_overlay(
     """Put the keys of ``path``'s only section, ``section``, in the place of the config
     file's (``limits.toml``, ``schedule.toml``)."""
     try:
-        with path.open("rb") as f:
-            overlay = tomllib.load(f)
+        overlay = read_toml(path)
     except FileNotFoundError:
         return
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     values = overlay.get(section)
     if set(overlay) - {section} or not isinstance(values, dict):
         raise ConfigError(f"{path}: may hold only a [{section}] section")
@@ -173,8 +166,8 @@ def _apply_overlay(
 
 def _parse_value(raw: str) -> Any:
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+        return parse_toml(f"v = {raw}", "value")["v"]
+    except ConfigError:  # a bare word; or past TOML's limits, then refused as a string
         return raw
 
 
@@ -210,6 +203,9 @@ def _record_sources(
             _record_sources(value, (*prefix, key), source, sources)
 
 
+_SHOWN_CHARS = 80
+
+
 def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> str:
     lines = ["invalid configuration:"]
     for error in exc.errors():
@@ -220,7 +216,10 @@ def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> s
         if error["type"] == "extra_forbidden":
             message = "unknown key"
         if "input" in error and error["type"] != "missing" and not isinstance(error["input"], dict):
-            lines.append(f"  {key} = {error['input']!r}: {message} ({source})")
+            shown = repr(error["input"])
+            if len(shown) > _SHOWN_CHARS:  # a value of thousands of characters: its start
+                shown = f"{shown[:_SHOWN_CHARS]}… ({len(shown)} characters)"
+            lines.append(f"  {key} = {shown}: {message} ({source})")
         else:
             lines.append(f"  {key}: {message} ({source})")
     return "\n".join(lines)

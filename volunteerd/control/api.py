@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -376,7 +376,15 @@ class _Endpoint:
         self._allow = ", ".join(sorted({*handlers, *(["HEAD"] if "GET" in handlers else [])}))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self._respond(Request(scope, receive))
+        try:
+            response = await self._respond(Request(scope, receive))
+        except ClientDisconnect:
+            # It hung up before its body was read: nobody to answer, and not the
+            # daemon's error (it was logged as one, traceback and all, each time).
+            logger.debug(
+                "%s %s: the client hung up before its body came", scope["method"], self._path
+            )
+            return
         await response(scope, receive, send)
 
     async def _respond(self, request: Request) -> Response:

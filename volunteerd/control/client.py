@@ -230,12 +230,18 @@ class ControlClient:
     def leave_project(self, name: str) -> ProjectLeft:
         """Leave project ``name``; the daemon restarts without it. Not in such a
         project: a ControlError with status 404."""
-        if not name or "/" in name or name in {".", ".."}:
+        try:
+            # bytes of the command line that are not UTF-8 (kept as surrogates) have no
+            # URL: no project is named so either
+            segment = quote(name, safe="")
+        except UnicodeEncodeError:
+            segment = ""
+        if not segment or "/" in name or name in {".", ".."}:
             # not one path segment, so no route of the daemon would see it (a "/" the
             # server decodes into the path; "." and ".." a URL resolves away): no
             # project is named so, whatever the daemon would answer
             raise ControlError(f"not in a project named {name!r}", status=404)
-        path = "/projects/" + quote(name, safe="")
+        path = "/projects/" + segment
         return ProjectLeft.model_validate(self._call("DELETE", path, body={}))
 
     def metrics(self) -> str:

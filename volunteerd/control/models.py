@@ -55,8 +55,10 @@ class _Reply(BaseModel):
 
 class _Body(BaseModel):
     # A request never carries infinity or NaN (JSON has neither; Python's parser reads
-    # ``Infinity``, ``NaN`` and ``1e999`` as such, and pydantic the strings "inf", "nan")
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    # ``Infinity``, ``NaN`` and ``1e999`` as such, and pydantic the strings "inf", "nan").
+    # Strict: a value of the wrong JSON type is refused, not converted (``true`` was a
+    # limit of 1 Mbit/s, ``"7"`` one of 7, ``"yes"`` a yes); an integer is a number.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # -- request bodies ---------------------------------------------------------------------

@@ -212,6 +212,8 @@ class Scheduler:
             await self.set_rules(load(), persist=False, reloaded=True)
         except ConfigError as exc:
             logger.error("configuration not reloaded, the schedule stays: %s", exc)
+        except Exception:  # a bug on the way: still not worth the daemon
+            logger.exception("configuration not reloaded, the schedule stays")
 
     def _post(self, message: str) -> None:
         if self._events is not None:

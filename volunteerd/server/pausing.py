@@ -360,6 +360,9 @@ class Volunteer:
         except ConfigError as exc:
             logger.error("configuration not reloaded, the limits stay: %s", exc)
             self._post("error", f"configuration not reloaded, the limits stay: {exc}")
+        except Exception as exc:  # a bug on the way: still not worth the daemon
+            logger.exception("configuration not reloaded, the limits stay")
+            self._post("error", f"configuration not reloaded, the limits stay: {exc!r}")
 
     @property
     def described(self) -> str:

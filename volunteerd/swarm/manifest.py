@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import time
-import tomllib
 import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -53,6 +52,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from volunteerd import uids
 from volunteerd.config import ExpertsConfig, OptimizerConfig
+from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
 from volunteerd.identity import Identity
 from volunteerd.net import ExpertDHT
@@ -178,14 +178,9 @@ def load_manifest_file(path: Path, *, owner: str, now: float | None = None) -> E
 
     Raises ConfigError naming each bad key."""
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        data = read_toml(path)
     except FileNotFoundError:
         raise ConfigError(f"manifest file not found: {path}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except OSError as exc:  # a folder, no permission
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     lifetime_days = data.pop("lifetime_days", DEFAULT_LIFETIME_DAYS)
     # Checked here: storing peers refuse a lifetime over theirs (30 days by default) or
     # a non-finite one, and the owner read only "no peer stored the manifest".

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import tomllib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from volunteerd.atomic import write_atomic
 from volunteerd.config import ExperimentsConfig
+from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
 from volunteerd.swarm.invitation import Invitation
 
@@ -134,14 +134,9 @@ def load_projects(path: Path) -> list[Project]:
     """The projects in ``path`` (none if it does not exist). Raises ConfigError naming
     the file and what is wrong in it."""
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        data = read_toml(path)
     except FileNotFoundError:
         return []
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     try:
         entries = _File.model_validate(data).project
     except ValidationError as exc:

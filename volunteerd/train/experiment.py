@@ -13,7 +13,6 @@ the optimizer in ``experts``.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from volunteerd import uids
 from volunteerd.config import OptimizerConfig
+from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
 
 __all__ = [
@@ -251,14 +251,9 @@ class Experiment(_Model):
 def load_experiment(path: Path) -> Experiment:
     """Read an experiment file; raises ConfigError naming each bad key."""
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        data = read_toml(path)
     except FileNotFoundError:
         raise ConfigError(f"experiment file not found: {path}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except OSError as exc:  # a folder, no permission
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     try:
         return Experiment.model_validate(data)
     except ValidationError as exc:

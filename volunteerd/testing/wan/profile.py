@@ -158,7 +158,7 @@ class Profile(BaseModel):
         """A profile from TOML text (see the module docstring)."""
         try:
             data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # see config/toml_files.py
             raise ProfileError(f"profile {name!r} is not TOML: {exc}") from None
         data.setdefault("name", name)
         try:

@@ -1,0 +1,48 @@
+"""Reading TOML: the one place that turns whatever a damaged file raises into a
+ConfigError.
+
+``tomllib`` raises ``TOMLDecodeError`` for most bad text, but a plain ``ValueError``
+for an integer of more than 4,300 digits (Python's limit on converting them) and
+``RecursionError`` for arrays nested a few thousand deep; a file that is not UTF-8
+raises ``UnicodeDecodeError``. Caught by type one at a time, the rare ones escaped as
+tracebacks: a damaged ``limits.toml`` reloaded on SIGHUP stopped the daemon.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from volunteerd.errors import ConfigError
+
+__all__ = ["parse_toml", "read_toml"]
+
+_NOT_TOML = (ValueError, RecursionError)  # ValueError covers TOMLDecodeError and UnicodeDecodeError
+
+
+def _why(exc: BaseException) -> str:
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file at ``path``. Raises FileNotFoundError when there is none (the
+    caller decides what that means) and ConfigError, naming the file, for anything
+    else: text that is not TOML or not UTF-8, a folder, no permission."""
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise
+    except _NOT_TOML as exc:
+        raise ConfigError(f"{path}: not valid TOML: {_why(exc)}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def parse_toml(text: str, what: str) -> dict[str, Any]:
+    """TOML ``text``; raises ConfigError naming ``what`` it is."""
+    try:
+        return tomllib.loads(text)
+    except _NOT_TOML as exc:
+        raise ConfigError(f"{what}: not valid TOML: {_why(exc)}") from None
