@@ -36,6 +36,7 @@ from volunteerd.control.events import EventLog
 from volunteerd.control.server import bind_control, serve_control
 from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import Node, open_node
+from volunteerd.net.shard import sweep_downloads
 from volunteerd.net.throttle import Throttle, TransferLedger
 from volunteerd.paths import DataDirLock, Paths
 from volunteerd.schedule import Scheduler
@@ -181,6 +182,8 @@ class Daemon:
         uids = [] if projects else config.experts.uid_list()
         if projects and config.experts.uids:
             logger.info("in a project: experts.uids (%s) is not hosted", config.experts.uids)
+        # what downloads cut short long ago left (also after leaving the last project)
+        await trio.to_thread.run_sync(sweep_downloads, paths.downloads_dir)
         hosting: Hosting | None = None
         if projects or uids:
             from volunteerd.hosting import prepare_hosting  # imports torch

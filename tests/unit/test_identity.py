@@ -61,3 +61,15 @@ def test_garbage_key_file_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"not a key")
     with pytest.raises(IdentityError, match="not a volunteerd key file"):
         load_or_create_identity(path)
+
+
+def test_a_key_file_that_links_to_nothing_is_a_clear_error(tmp_path: Path) -> None:
+    """Reading it says "no such file", creating one says "exists": that loop ran until
+    Python's recursion limit, making a new key each time. No identity is made behind a
+    link (the key may be on a drive not mounted yet)."""
+    path = tmp_path / "identity.key"
+    path.symlink_to(tmp_path / "usb" / "identity.key")
+    with pytest.raises(IdentityError, match=r"links to .*usb/identity\.key, which does not exist"):
+        load_or_create_identity(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.key"]  # no stray files
+    assert path.is_symlink()

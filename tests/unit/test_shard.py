@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,13 @@ from volunteerd.errors import (
     wire_code,
 )
 from volunteerd.net import PeerAddress, Verb
-from volunteerd.net.shard import ShardServer, download_shard, partial_paths
+from volunteerd.net.shard import (
+    STALE_S,
+    ShardServer,
+    download_shard,
+    partial_paths,
+    sweep_downloads,
+)
 from volunteerd.wire import ShardReply, ShardRequest
 
 UID = "ffn.0.0"
@@ -307,6 +315,42 @@ async def test_interrupted_download_resumes_from_the_bytes_on_disk(tmp_path: Pat
     result = await download(FakeRpc(shards), dest)
     assert dest.read_bytes() == DATA
     assert (result.resumed_from, result.fetched, result.restarts) == (4096, len(DATA) - 4096, 0)
+
+
+async def test_what_downloads_left_long_ago_is_swept_and_recent_partials_resume(
+    tmp_path: Path,
+) -> None:
+    """A daemon killed mid-download (or whose project was left since) left its partial
+    files for ever, counted against the disk budget. Those untouched for an hour go;
+    a fresh one stays, and still resumes."""
+    shards = server(Experts(ffn_0_0=DATA))
+    rpc = FakeRpc(shards)
+    rpc.fail_from = 5
+    dest = tmp_path / "downloads" / "ffn.0.0.ckpt"
+    with pytest.raises(ShardError):
+        await download(rpc, dest, retries=2)
+    old = tmp_path / "downloads" / "ffn.0.9.ckpt.partial"
+    old.write_bytes(b"x" * 100)
+    os.utime(old, (time.time() - STALE_S - 60,) * 2)
+    (tmp_path / "downloads" / "folder").mkdir()  # not ours to judge: left alone
+
+    assert sweep_downloads(tmp_path / "downloads") == [old]
+    assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == [
+        "ffn.0.0.ckpt.partial",
+        "ffn.0.0.ckpt.partial.json",
+        "folder",
+    ]
+    result = await download(FakeRpc(shards), dest)
+    assert result.resumed_from == 4096
+    # an hour on, what a download leaves is swept too
+    partial, sidecar = partial_paths(tmp_path / "downloads" / "ffn.0.1.ckpt")
+    partial.write_bytes(b"y")
+    sidecar.write_text("{}")
+    later = time.time() + STALE_S + 60
+    assert sorted(sweep_downloads(tmp_path / "downloads", now=later)) == sorted(
+        [dest, partial, sidecar]
+    )
+    assert sweep_downloads(tmp_path / "nowhere") == []
 
 
 async def test_expired_snapshot_starts_the_download_again(tmp_path: Path) -> None:

@@ -118,3 +118,53 @@ def test_kill_minus_nine_loses_at_most_the_unflushed_counts(tmp_path: Path) -> N
     assert counted % 100 == 0
     store.record("ffn.0", forward=1)  # and the file is usable
     store.close()
+
+
+@pytest.mark.parametrize("link", ["to nothing", "to itself"])
+def test_a_stats_file_that_is_a_broken_link_is_moved_aside(tmp_path: Path, link: str) -> None:
+    """``exists()`` follows links: a link to nothing (or a loop) was never moved aside,
+    though the log said so, and the daemon did not start."""
+    from volunteerd.server.contribution import open_stats
+
+    path = tmp_path / "stats.sqlite3"
+    path.symlink_to(tmp_path / "unmounted" / "stats.sqlite3" if link == "to nothing" else path)
+    store = open_stats(path, keep_hourly_days=7)
+    store.record("ffn.0.0", forward=1, samples=4)
+    store.close()
+    assert not path.is_symlink()
+    assert [p.is_symlink() for p in tmp_path.glob("stats.sqlite3.unreadable-*")] == [True]
+    again = StatsStore.open(path, keep_hourly_days=7)
+    assert again.current().work.forward == 1
+    again.close()
+
+
+def test_statistics_that_cannot_be_kept_anywhere_are_kept_in_memory(tmp_path: Path) -> None:
+    from volunteerd.server.contribution import open_stats
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("not a folder")
+    store = open_stats(blocked / "stats.sqlite3", keep_hourly_days=7)  # its folder is a file
+    store.record("ffn.0.0", forward=2, samples=4)
+    store.flush()
+    assert store.current().work.forward == 2
+    store.close()
+
+
+async def test_a_full_disk_at_the_last_write_still_lets_the_daemon_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last flush failing (a full disk) raised out of the daemon's stop: exit 1
+    with a traceback instead of a clean stop, and the database left open."""
+    import sqlite3
+
+    from volunteerd.server.contribution import opened_stats
+
+    def full() -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    async with opened_stats(tmp_path / "stats.sqlite3", keep_hourly_days=7) as store:
+        store.record("ffn.0.0", forward=1, samples=4)
+        store.flush = full  # type: ignore[method-assign]
+    assert "the last statistics could not be written: database or disk is full" in caplog.text
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        store._db.execute("SELECT 1")

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from volunteerd.config import LimitsConfig
@@ -146,9 +147,19 @@ def test_ledger_counts_the_month_and_survives_a_restart(tmp_path: Path) -> None:
     assert TransferLedger(path, clock=lambda: now[0]).total == 0
 
 
-def test_a_damaged_ledger_counts_from_zero(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        # valid JSON that int() cannot take: the daemon did not start (OverflowError)
+        '{"month": "2000-01", "bytes_up": 1e400, "bytes_down": 0}',
+        '{"month": "2000-01", "bytes_up": Infinity, "bytes_down": 0}',
+        "[" * 100_000 + "]" * 100_000,  # deeper than the parser goes
+    ],
+)
+def test_a_damaged_ledger_counts_from_zero(tmp_path: Path, text: str) -> None:
     path = tmp_path / "transfer.json"
-    path.write_text("{not json")
+    path.write_text(text)
     assert TransferLedger(path).total == 0
 
 

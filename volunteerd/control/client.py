@@ -77,12 +77,16 @@ def read_endpoint(control_file: Path, token_file: Path) -> Endpoint:
         _address(url)  # a damaged address is a damaged file
     except FileNotFoundError:
         raise not_running from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise DaemonNotRunning(f"{control_file} is unreadable ({exc})") from None
     # bool is an int to Python, and 0 or a negative pid names a process group
     recorded = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
     if recorded is not None and not _alive(recorded):
-        raise not_running  # the port it names may be anyone's now: never ask there
+        # the port it names may be anyone's now: never ask there
+        raise DaemonNotRunning(
+            f"volunteerd is not running (process {recorded} of {control_file} has ended); "
+            "start it with `volunteerd serve`"
+        )
     try:
         token = token_file.read_bytes().strip().decode("ascii")
     except OSError as exc:

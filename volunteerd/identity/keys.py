@@ -104,6 +104,13 @@ def _create(path: Path) -> Identity:
         os.link(tmp, path)
     except FileExistsError:
         os.unlink(tmp)
+        if path.is_symlink() and not path.exists():
+            # Not a race but a link to nothing (a key on a drive not mounted?): making a
+            # new identity behind it would be wrong, and trying again looped for ever.
+            raise IdentityError(
+                f"key file {path} links to {os.readlink(path)}, which does not exist: "
+                "restore it, or remove the link to start a new identity"
+            ) from None
         return load_or_create_identity(path)
     except OSError:
         os.replace(tmp, path)  # filesystems without hard links

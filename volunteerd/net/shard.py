@@ -57,6 +57,7 @@ from volunteerd.wire.messages import MAX_SHARD_CHUNK, Sha256, ShardReply, ShardR
 
 __all__ = [
     "MAX_SHARD_CHUNK",
+    "STALE_S",
     "ShardResult",
     "ShardServer",
     "ShardStats",
@@ -64,6 +65,7 @@ __all__ = [
     "download_shard",
     "fetch_shard",
     "partial_paths",
+    "sweep_downloads",
 ]
 
 if TYPE_CHECKING:
@@ -282,6 +284,40 @@ class ShardResult:
     resumed_from: int
     fetched: int
     restarts: int
+
+
+# A partial download resumes only while its replica keeps the snapshot (``keep_idle_s``,
+# 10 minutes): six times that, and a restart still finds what it had.
+STALE_S = 3600.0
+
+
+def sweep_downloads(directory: Path, *, now: float | None = None) -> list[Path]:
+    """Delete the files in a downloads folder untouched for ``STALE_S``: the partial
+    files of downloads cut short (a daemon killed, a project left since) and whole ones
+    never loaded. They are no use by then, and counted against the disk budget for ever.
+    Returns what was deleted; a file that cannot be is logged and left."""
+    cutoff = (time.time() if now is None else now) - STALE_S
+    try:
+        entries = list(directory.iterdir())
+    except OSError:  # no folder (yet): nothing left behind
+        return []
+    swept = []
+    for entry in entries:
+        try:
+            if entry.is_dir() or entry.lstat().st_mtime > cutoff:
+                continue
+            entry.unlink()
+        except OSError as exc:
+            logger.warning("%s: not deleted (%s)", entry, exc)
+            continue
+        swept.append(entry)
+    if swept:
+        logger.info(
+            "deleted %d unfinished download files of over an hour ago from %s",
+            len(swept),
+            directory,
+        )
+    return swept
 
 
 def partial_paths(dest: Path) -> tuple[Path, Path]:

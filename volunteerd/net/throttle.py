@@ -141,7 +141,15 @@ class TransferLedger:
             day, day_bytes = data.get("day"), int(data.get("day_bytes", 0))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            ArithmeticError,
+            RecursionError,
+        ) as exc:
             logger.warning("%s is unreadable (%s); counting this month from zero", path, exc)
             return
         if month == self.month:

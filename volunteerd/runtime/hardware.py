@@ -257,7 +257,7 @@ def _sync(device: torch.device) -> None:
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -238,14 +238,25 @@ def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
     a volunteer from contributing."""
     try:
         return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
-    except (sqlite3.DatabaseError, RuntimeError) as exc:
+    except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
         aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
-        logger.error("%s is unreadable (%s); moved to %s, counting afresh", path, exc, aside)
         for suffix in ("", "-wal", "-shm"):
             part = path.with_name(path.name + suffix)
-            if part.exists():
-                part.replace(aside.with_name(aside.name + suffix))
+            if part.is_symlink() or part.exists():  # a link to nothing, or to itself, too
+                try:
+                    part.replace(aside.with_name(aside.name + suffix))
+                except OSError as why:
+                    logger.error("%s could not be moved aside: %s", part, why)
+        logger.error("%s is unreadable (%s); moved to %s, counting afresh", path, exc, aside)
+    try:
         return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
+    except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
+        logger.error(
+            "%s cannot be made either (%s): this run's statistics are kept in memory only",
+            path,
+            exc,
+        )
+        return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
 
 
 @asynccontextmanager
@@ -256,4 +267,7 @@ async def opened_stats(path: Path, keep_hourly_days: int) -> AsyncIterator[Stats
         yield store
     finally:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(store.close)
+            try:
+                await trio.to_thread.run_sync(store.close)
+            except (sqlite3.Error, OSError) as exc:  # a full disk: the daemon still stops well
+                logger.error("the last statistics could not be written: %s", exc)

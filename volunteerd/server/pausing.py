@@ -191,7 +191,7 @@ class Volunteer:
                 raise ValueError(f"a snooze until {until!r}")
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, ArithmeticError, RecursionError) as exc:
             logger.warning("%s is unreadable (%s); starting unpaused", self._state_file, exc)
             return
         if paused and until is not None and until <= self._clock():

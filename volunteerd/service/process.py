@@ -162,7 +162,7 @@ def _wait_gone(control_file: Path, pid: int | None, timeout_s: float) -> bool:
 def _recorded_pid(control_file: Path) -> int | None:
     try:
         pid = json.loads(control_file.read_text()).get("pid")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return pid if isinstance(pid, int) else None
 

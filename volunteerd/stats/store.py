@@ -120,8 +120,12 @@ class StatsStore:
         return cls(db, **kwargs)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        self.flush()
-        self._db.close()
+        """Write what is counted and close; the database is closed even when the
+        writing fails (a full disk), and that error raised afterwards."""
+        try:
+            self.flush()
+        finally:
+            self._db.close()
 
     # -- counting (in memory) -------------------------------------------------------
 

@@ -5,6 +5,9 @@ The replica serves its state as a checkpoint file over the ``shard`` verb
 folder, is read back with the checkpoint reader (header and payload checksums, schema)
 and is deleted once loaded. The SHA-256 of every file downloaded is kept by uid for
 logs and tests.
+
+Before each download, and when the daemon starts, what earlier downloads left behind
+long ago is deleted (``net.shard.sweep_downloads``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from volunteerd.errors import CheckpointError
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import ExpertState, read_checkpoint
 from volunteerd.net import PeerAddress, RpcClient
-from volunteerd.net.shard import ShardResult, download_shard
+from volunteerd.net.shard import ShardResult, download_shard, sweep_downloads
 
 __all__ = ["ShardDownloader"]
 
@@ -43,6 +46,7 @@ class ShardDownloader:
 
     async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState:
         uid = backend.uid
+        await trio.to_thread.run_sync(sweep_downloads, self._directory)
         await trio.to_thread.run_sync(lambda: self._directory.mkdir(parents=True, exist_ok=True))
         dest = self._directory / f"{uid}.ckpt"
         with trio.fail_after(self._download_s):
