@@ -73,6 +73,11 @@ class _Repeats:
         seen[2] += 1
         return None
 
+    def shown(self, key: tuple[object, ...]) -> int:
+        """How many of ``key``'s kind were shown in the current window."""
+        seen = self._seen.get(key)
+        return 0 if seen is None else int(seen[1])
+
     def _forget(self, now: float) -> None:
         """Drop the windows that are over, or every one if none is."""
         stale = [key for key, seen in self._seen.items() if now - seen[0] >= _WINDOW_S]
@@ -132,10 +137,16 @@ class _OwnRepeats(logging.Filter):
         key = (record.name, record.levelno, str(record.msg), type(error).__qualname__)
         with self._lock:
             left_out = self.repeats.count(key)
+            last = left_out is not None and self.repeats.shown(key) == self.repeats.burst
         if left_out is None:
             return False
+        notes = []
         if left_out:
-            record.msg = f"{record.msg} ({left_out} more like this in the last minute not shown)"
+            notes.append(f"{left_out} more like this in the last minute not shown")
+        if last:  # a reader must know that silence after it is not the end of them
+            notes.append("more like this within a minute are counted, not shown")
+        if notes:
+            record.msg = f"{record.msg} ({'; '.join(notes)})"
         return True
 
 

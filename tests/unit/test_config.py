@@ -174,6 +174,32 @@ def test_every_toml_file_read_refuses_damage_with_a_config_error(
         assert len(str(error.value)) < 400, name
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[network]\nport = true", "network.port = True: Input should be a valid integer"),
+        ('[limits]\nupload_mbit = "5"', "limits.upload_mbit = '5': Input should be a valid number"),
+        ('[schedule]\non_battery = "yes"', "schedule.on_battery = 'yes': Input should be a valid"),
+        (
+            "[runtime]\nqueue_size = 2.0",
+            "runtime.queue_size = 2.0: Input should be a valid integer",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_not_converted(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """``port = true`` was port 1 and ``upload_mbit = "5"`` 5 Mbit/s, silently."""
+    path = tmp_path / "config.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(path, env={})
+    config = load_config(
+        None, overrides=["limits.upload_mbit=5", "experts.optimizer.betas=[0.8, 0.9]"], env={}
+    )
+    assert (config.limits.upload_mbit, config.experts.optimizer.betas) == (5.0, (0.8, 0.9))
+
+
 def test_a_value_of_thousands_of_characters_is_shown_by_its_start() -> None:
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides=["network.port=1" + "0" * 5000], env={})

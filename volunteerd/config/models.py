@@ -45,9 +45,11 @@ CONFIG_VERSION: Final = 1
 class _Model(BaseModel):
     # No setting means infinity or NaN (TOML spells them inf and nan, and pydantic would
     # also take the strings "inf" and "nan" for a float): an infinite limit or period
-    # only breaks arithmetic and JSON later, far from the key that caused it.
+    # only breaks arithmetic and JSON later, far from the key that caused it. Strict: a
+    # value of the wrong type is refused, not converted (``port = true`` was port 1,
+    # ``upload_mbit = "5"`` 5); an integer is still a number.
     model_config = ConfigDict(
-        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False, strict=True
     )
 
 
@@ -212,6 +214,12 @@ class OptimizerConfig(_Model):
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam only: each in [0, 1)")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
     weight_decay: float = Field(0.0, ge=0)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_a_list(cls, value: object) -> object:
+        # TOML and JSON have lists, not tuples; strict validation takes tuples only
+        return tuple(value) if isinstance(value, list) else value
 
     @field_validator("betas")
     @classmethod
