@@ -23,7 +23,15 @@ from volunteerd.moe import LocalMixtureOfExperts, OutputChecks, RemoteMixtureOfE
 from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE
 from volunteerd.moe.client import TrainerClient
 from volunteerd.testing import local_config
-from volunteerd.testing.faulty import Fault, nan, noise, one_row_short, scaled_by, wider
+from volunteerd.testing.faulty import (
+    Fault,
+    int64_min,
+    nan,
+    noise,
+    one_row_short,
+    scaled_by,
+    wider,
+)
 from volunteerd.testing.inprocess import InProcessServer, open_world
 
 HIDDEN = 16
@@ -234,6 +242,9 @@ LIES: dict[str, tuple[Fault, str]] = {
     "wider_outputs": (Fault(outputs=wider), BAD_SHAPE),
     "short_gradients": (Fault(gradients=one_row_short), BAD_SHAPE),
     "wider_gradients": (Fault(gradients=wider), BAD_SHAPE),
+    # the right shape in int64: passed every check of values with 1 or 2 answers
+    "int64_outputs": (Fault(outputs=int64_min), BAD_SHAPE),
+    "int64_gradients": (Fault(gradients=int64_min), BAD_SHAPE),
 }
 
 

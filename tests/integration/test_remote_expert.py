@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from volunteerd.errors import BadShape
+from volunteerd.errors import BadDtype, BadShape
 from volunteerd.experts import make_optimizer
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
@@ -20,7 +20,7 @@ from volunteerd.net.background import BackgroundNode
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.server.pipeline import expert_handlers
 from volunteerd.testing import local_config, open_daemon, open_peer
-from volunteerd.testing.faulty import Fault, Faults, one_row_short, wider
+from volunteerd.testing.faulty import Fault, Faults, int64_min, one_row_short, wider
 
 # Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
 pytestmark = pytest.mark.slow
@@ -178,8 +178,17 @@ async def test_compression_halves_the_bytes_both_ways_and_keeps_the_result(
         Fault(outputs=wider),
         Fault(gradients=one_row_short),
         Fault(gradients=wider),
+        Fault(outputs=int64_min),
+        Fault(gradients=int64_min),
     ],
-    ids=["short_outputs", "wider_outputs", "short_gradients", "wider_gradients"],
+    ids=[
+        "short_outputs",
+        "wider_outputs",
+        "short_gradients",
+        "wider_gradients",
+        "int64_outputs",
+        "int64_gradients",
+    ],
 )
 async def test_an_answer_of_the_wrong_shape_is_a_clear_error(fault: Fault) -> None:
     """A server whose answers do not fit what was sent (a real expert runtime behind
@@ -198,7 +207,7 @@ async def test_an_answer_of_the_wrong_shape_is_a_clear_error(fault: Fault) -> No
                 with BackgroundNode(Identity.generate(), local_config()) as node:
                     expert = RemoteExpert(UID, server.address, node)
                     x = torch.randn(8, 32, requires_grad=True)
-                    with pytest.raises(BadShape, match=f"{UID} at .* answered a"):
+                    with pytest.raises((BadShape, BadDtype), match=f"{UID} at .* answered a"):
                         expert(x).sum().backward()
                     assert x.grad is None
 

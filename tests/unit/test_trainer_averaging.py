@@ -612,6 +612,45 @@ async def test_join_refuses_a_state_that_does_not_fit_and_starts_from_the_seed(
     assert averager.statistics().started_from == "seed"
 
 
+@pytest.mark.parametrize(
+    ("moment", "value"),
+    [("exp_avg_sq", -1.0), ("exp_avg", 1e30), ("exp_avg", 1e-3)],
+    ids=["negative second moment", "first moment of 1e30", "first moment over zero"],
+)
+async def test_join_refuses_adam_moments_adam_could_not_have_made(
+    tmp_path: Path, moment: str, value: float
+) -> None:
+    """Weights that every witness vouches for, with moments that wreck the first step:
+    a negative second moment made every weight NaN, a first moment of 1e30 over a
+    second of 0 moved them to 1e34. Adam's own moments keep |m| <= 7.3 sqrt(v)."""
+    model, opt = _trained_tiny(5)
+    state = _published_state(model, opt, version=5)
+    honest = _published_state(model, opt, version=5)
+    for index in state.optimizer_state:
+        state.optimizer_state[index][moment] = torch.full_like(
+            state.optimizer_state[index][moment], value
+        )
+        if moment == "exp_avg":
+            state.optimizer_state[index]["exp_avg_sq"].zero_()
+    network = FakeNetwork(
+        FakePeer("liar", state.params, version=9, state=state),
+        FakePeer("witness", honest.params, version=5, state=honest),
+    )
+    joiner = Tiny()
+    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
+    averager = _averager(network)
+    peer_id, version = await trio.to_thread.run_sync(
+        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
+    )
+    assert (peer_id, version) == ("witness", 5)  # the next best, whose state is Adam's
+    assert averager.statistics().rejected.get("join_optimizer_state") == 1
+    optimizer.zero_grad()
+    joiner.loss(0).backward()
+    optimizer.step()
+    assert all(bool(torch.isfinite(p).all()) for p in joiner.parameters())
+    assert max(float(p.detach().abs().max()) for p in joiner.parameters()) < 10
+
+
 async def test_join_without_peers_or_trained_peers_starts_from_the_seed(tmp_path: Path) -> None:
     joiner = Tiny()
     optimizer = torch.optim.Adam(joiner.parameters())

@@ -165,7 +165,9 @@ def judge_round(
     for i, t in enumerate(tensors):
         if t is None:
             continue
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point():
+            t = t.double()  # abs(-2**63) wraps to itself in int64
+        if not bool(torch.isfinite(t).all()):
             reasons[i] = NON_FINITE
             continue
         scales[i] = _rms(t)

@@ -35,7 +35,7 @@ from volunteerd.errors import (
     RequestTimeout,
     VolunteerdError,
 )
-from volunteerd.experts import from_wire, to_wire
+from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
 from volunteerd.moe.checks import (
     BAD_SHAPE,
     OutputChecks,
@@ -49,7 +49,7 @@ from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
 from volunteerd.moe.timing import Limits, RoundTrips
 from volunteerd.net import PeerAddress, Verb, short
-from volunteerd.wire import BackwardRequest, Compression, ForwardRequest
+from volunteerd.wire import BackwardRequest, Compression, ForwardRequest, on_wire
 
 __all__ = [
     "LocalMixtureOfExperts",
@@ -309,6 +309,10 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self.backward_timeout_s = backward_timeout_s
         self.grace_after_k_min_s = grace_after_k_min_s
         self.compression: Compression = compression
+        # what an answer decodes to: the wire dtype of float32 under the compression
+        # (q8 is dequantized to float32)
+        wire = on_wire("float32", compression)
+        self._answer_dtype = torch.float32 if wire == "q8" else TORCH_DTYPES[wire]
         self.client = client
         self.checks = checks or OutputChecks()
         self.suspicion = Suspicion()
@@ -484,10 +488,11 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         how many answers the checks dropped without blaming their peer. Failures are
         noted, convicted peers banned, a diverging model reported."""
         tensors = [self._decode(o) for o in outcomes]
-        # An answer of another shape than the rows sent is no honest mistake: it is
-        # refused and its peer banned before it can reach (or break) the step.
+        # An answer of another shape than the rows sent, or of another dtype than the
+        # one asked for, is no honest mistake: it is refused and its peer banned before
+        # it can reach (or break) the step.
         malformed = [
-            t is not None and tuple(t.shape) != self._answer_shape(call)
+            t is not None and not self._well_formed(t, call)
             for t, call in zip(tensors, calls, strict=True)
         ]
         tensors = [None if bad else t for t, bad in zip(tensors, malformed, strict=True)]
@@ -524,13 +529,22 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         ``in_features`` for each row sent (the experts map [B, H] to [B, H])."""
         return (len(call.rows), self.in_features)
 
+    def _well_formed(self, answer: torch.Tensor, call: Call) -> bool:
+        """The answer has ``_answer_shape`` and the dtype its request asked for (float32
+        sent, float32 back, or what the compression makes of it): an int64 answer of
+        -2**63 passed every check (``abs`` wraps, integers are always finite) and made
+        the trainer's Adam state infinite."""
+        return tuple(answer.shape) == self._answer_shape(call) and answer.dtype == (
+            self._answer_dtype
+        )
+
     def _fits(
         self, y: torch.Tensor | None, call: Call, peer: PeerAddress, route: Route
     ) -> torch.Tensor | None:
         """A spot check's answer if it has the shape ``call``'s answer must have; else
         None, and ``peer`` is banned for it (a checker or judge of the wrong shape
         would otherwise outvote the main answer with a tensor the step cannot use)."""
-        if y is None or tuple(y.shape) == self._answer_shape(call):
+        if y is None or self._well_formed(y, call):
             return y
         self.stats.rejected[BAD_SHAPE] += 1
         self._misbehaved(peer, call.uid, BAD_SHAPE, _usable(route))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from volunteerd.errors import BadShape, RemoteError
+from volunteerd.errors import BadDtype, BadShape, RemoteError
 from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
 from volunteerd.net import PeerAddress, Verb
 from volunteerd.net.background import BackgroundNode
@@ -30,6 +30,7 @@ from volunteerd.wire import (
     InfoRequest,
     TensorMeta,
     check_against_schema,
+    on_wire,
 )
 
 __all__ = ["RemoteExpert"]
@@ -101,6 +102,14 @@ class RemoteExpert(nn.Module):
         reply, reply_tensors = self._node.run(
             self._node.node.rpc.call, self.peer, verb, header, [b for _, b in encoded]
         )
+        # outputs for a forward, input gradients for a backward: in the dtypes asked for
+        # (an int64 answer passes every check of values: integers are always finite)
+        schemas = self.info.outputs if verb is Verb.FORWARD else self.info.inputs
+        got = [t.dtype for t in reply_tensors]
+        if got[: len(schemas)] != [on_wire(s.dtype, self.compression) for s in schemas]:
+            raise BadDtype(
+                f"{self.uid} at {self.peer.peer_id[-8:]} answered a {verb.value} in {got}"
+            )
         return [from_wire(t) for t in reply_tensors], reply.handle
 
     def extra_repr(self) -> str:

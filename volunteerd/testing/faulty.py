@@ -42,6 +42,7 @@ __all__ = [
     "Fault",
     "Faults",
     "TensorFault",
+    "int64_min",
     "nan",
     "noise",
     "one_row_short",
@@ -57,6 +58,12 @@ describes what it returns (another shape makes a malformed answer)."""
 def nan(tensor: torch.Tensor) -> torch.Tensor:
     """Every value NaN."""
     return torch.full_like(tensor, float("nan"))
+
+
+def int64_min(tensor: torch.Tensor) -> torch.Tensor:
+    """The honest answer's shape in int64, every value -2**63: integers are always
+    finite, and abs(-2**63) wraps to itself."""
+    return torch.full(tensor.shape, torch.iinfo(torch.int64).min, dtype=torch.int64)
 
 
 def one_row_short(tensor: torch.Tensor) -> torch.Tensor:
@@ -187,7 +194,11 @@ def _apply_all(
     for tensor in tensors:
         if tensor.dtype in FLOAT_DTYPES:
             honest = from_wire(tensor)
-            meta, data = to_wire(attack(honest.float()).to(honest.dtype))
+            attacked = attack(honest.float())
+            # a floating-point answer goes back in the honest dtype; another as it is
+            meta, data = to_wire(
+                attacked.to(honest.dtype) if attacked.is_floating_point() else attacked
+            )
         else:
             meta, data = tensor.meta, bytes(tensor.data)
         metas.append(meta)

@@ -705,6 +705,37 @@ def _check_params(state: ExpertState, layout: Layout) -> Params | str:
     return dict(state.params)
 
 
+def _adam_ratio_bound(group: Mapping[str, Any]) -> tuple[float, float] | None:
+    """(C, eps): Adam's moments always satisfy |m| <= C * sqrt(v) for betas (b1, b2)
+    with b1**2 < b2, C = (1 - b1) / sqrt((1 - b2) * (1 - b1**2 / b2)) (Cauchy-Schwarz
+    over the sums of past gradients they are; 7.3 for the defaults). None: no bound."""
+    betas = group.get("betas")
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        return None
+    b1, b2 = float(betas[0]), float(betas[1])
+    if not (0 <= b1 < 1 and 0 < b2 < 1 and b1 * b1 < b2):
+        return None
+    bound = (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+    return bound, float(group.get("eps", 1e-8))
+
+
+def _adam_moments_possible(
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, ratio: tuple[float, float] | None
+) -> bool:
+    """Whether Adam could have made these moments: a running mean of squares is never
+    negative (one is the square root of a negative: NaN weights at the first step),
+    and the first moment is bounded by the second (a peer's 1e30 over 0 moved the
+    weights to 1e34 at the first step). A joiner's witnesses compare weights only."""
+    if bool((exp_avg_sq < 0).any()):
+        return False
+    if ratio is None:
+        return True
+    bound, eps = ratio
+    # 1 % and Adam's eps for float rounding: within them the step stays below ~bound
+    limit = (exp_avg_sq.double().sqrt() + eps) * (bound * 1.01)
+    return not bool((exp_avg.double().abs() > limit).any())
+
+
 def _load_state(
     state: ExpertState, named_params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> str | None:
@@ -715,6 +746,8 @@ def _load_state(
     if isinstance(checked, str):
         return checked
     shapes = [tuple(p.shape) for p in named_params.values()]
+    current = optimizer.state_dict()
+    ratio = _adam_ratio_bound(current["param_groups"][0] if current["param_groups"] else {})
     for index, values in state.optimizer_state.items():
         if not 0 <= index < len(shapes) or set(values) != _ADAM_KEYS:
             return "optimizer_state"
@@ -727,7 +760,8 @@ def _load_state(
                 return "optimizer_state"
             if not bool(torch.isfinite(moment).all()):
                 return "non_finite"
-    current = optimizer.state_dict()
+        if not _adam_moments_possible(values["exp_avg"], values["exp_avg_sq"], ratio):
+            return "optimizer_state"
     if sum(len(g["params"]) for g in current["param_groups"]) != len(shapes):
         return "optimizer_state"
     with torch.no_grad():
