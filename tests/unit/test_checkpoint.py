@@ -4,6 +4,7 @@ broken state is never written."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -14,11 +15,13 @@ import trio
 
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import CheckpointConfig
-from volunteerd.experts import ExpertBackend, to_wire
+from volunteerd.experts import ExpertBackend, checkpoint_file, to_wire
 from volunteerd.experts.checkpoint_file import (
     MAGIC,
     CheckpointError,
     CheckpointStore,
+    decode_checkpoint,
+    encode_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
@@ -472,3 +475,53 @@ async def test_checkpoints_stay_within_the_disk_budget(tmp_path: Path) -> None:
     assert await step_all(7) == 0
     assert (downloads / "ffn.0.7.ckpt").exists()
     assert len(warnings) == 2
+
+
+@pytest.mark.parametrize("shape", [[0, 2**64], [0, 2**41], [2**63, 0]])
+def test_a_tensor_of_no_bytes_and_an_absurd_dimension_is_refused(shape: list[int]) -> None:
+    """Zero bytes pass every size check; torch.empty overflowed on the dimension and the
+    TypeError of a replica's state escaped the joiner (which then tried no other)."""
+    pieces = encode_checkpoint(backend().state())
+    header = json.loads(bytes(pieces[1]))
+    header["tensors"].append({"name": "param/extra", "dtype": "float32", "shape": shape})
+    raw = json.dumps(header).encode()
+    prefix = checkpoint_file._PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
+    with pytest.raises(CheckpointError, match="bad header: tensors"):
+        decode_checkpoint(b"".join([prefix, raw, *(bytes(p) for p in pieces[2:])]))
+
+
+def test_a_checkpoint_of_another_projects_expert_of_the_same_name_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints are kept by uid: after leaving project A and joining B (both naming
+    their experts ffn.*), B's ffn.0.0 started from A's trained weights."""
+    a = backend()
+    a.experiment = "12D3KooWownerA/proj-a"
+    train(a, 3, seed=1)
+    store = CheckpointStore(tmp_path)
+    store.save(a.state())
+    kept = read_checkpoint(store.files(UID)[0])
+    assert kept.experiment == "12D3KooWownerA/proj-a"
+    b = backend()
+    b.experiment = "12D3KooWownerB/proj-b"
+    with pytest.raises(CheckpointError, match=r"proj-a's ffn\.0\.1, this expert is .*proj-b's"):
+        b.check_state(kept)
+    assert store.load_newest(UID, b.check_state) is None  # B starts elsewhere
+    mine = backend()
+    mine.experiment = "12D3KooWownerA/proj-a"
+    mine.load_state(kept)  # A again: its own weights back
+    assert mine.updates == 3
+    loose = backend()  # the config's experts.uids: no project's weights either
+    with pytest.raises(CheckpointError):
+        loose.check_state(kept)
+
+
+def test_a_state_of_no_project_is_written_as_before_and_taken_by_any() -> None:
+    """Files written before the experiment was kept (and the config's experts) have no
+    such field, so that earlier versions still read them; any expert takes them."""
+    plain = backend().state()
+    header = json.loads(bytes(encode_checkpoint(plain)[1]))
+    assert "experiment" not in header
+    b = backend()
+    b.experiment = "12D3KooWownerB/proj-b"
+    b.load_state(decode_checkpoint(b"".join(bytes(p) for p in encode_checkpoint(plain))))

@@ -144,6 +144,21 @@ def test_store_keeps_newest_per_owner_and_never_lets_one_owner_hide_another() ->
     assert store.get("stdlib-chars") == []
 
 
+def test_a_trusted_manifest_this_version_cannot_read_says_why() -> None:
+    """A manifest from a newer volunteerd (a field this one lacks) was skipped without
+    a word, and the join failed as "not found: check the internet connection"."""
+    m = manifest()
+    record = sign_manifest(m, OWNER)
+    newer = json.loads(record.body)
+    newer["sparsity"] = 0.5
+    unreadable = ManifestRecord(
+        name=m.name, owner=OWNER_ID, body=json.dumps(newer), issued_at=NOW, expires_at=NOW + 7 * DAY
+    ).signed(OWNER)
+    reasons: list[str] = []
+    assert choose_trusted("stdlib-chars", [unreadable], [OWNER_ID], reasons) is None
+    assert reasons == ["manifest 'stdlib-chars': sparsity: Extra inputs are not permitted"]
+
+
 def test_trusted_owner_chosen_and_untrusted_refused_with_a_clear_error() -> None:
     stranger = Identity.generate()
     mine = sign_manifest(manifest(), OWNER)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import trio
 
 from volunteerd.errors import (
@@ -474,3 +475,21 @@ async def test_empty_snapshot_downloads_to_an_empty_file(tmp_path: Path) -> None
     result = await download(FakeRpc(server(Experts(ffn_0_0=b""))), tmp_path / "x")
     assert result.size == 0
     assert (tmp_path / "x").read_bytes() == b""
+
+
+async def test_a_replica_announcing_more_than_the_expert_can_take_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """A 9 KB expert's replica announced 300 MiB and the joiner fetched and read all of
+    it before refusing the bytes: the downloader bounds a state by the expert's size."""
+    from volunteerd.config import ExpertsConfig
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.swarm.download import ShardDownloader
+
+    backend = ExpertBackend("ffn.0.0", ExpertsConfig(hidden_dim=8), torch.device("cpu"), 64)
+    bound = backend.largest_state_bytes()
+    assert bound < 2 << 20
+    rpc = FakeRpc(server(Experts(ffn_0_0=bytes(bound + 1))))
+    with pytest.raises(ShardError, match=f"more than {bound}"):
+        await ShardDownloader(rpc, tmp_path, 60).download(PEER, backend)  # type: ignore[arg-type]
+    assert rpc.calls == 1  # the first reply's total was enough

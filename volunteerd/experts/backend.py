@@ -208,6 +208,8 @@ class ExpertBackend:
             max_batch_size=max_batch_size,
         )
         self.updates = 0
+        # Whose expert this is (ExpertState.experiment): a project's joiner sets it
+        self.experiment = ""
         # Counts writes to the weights other than optimizer steps (a loaded checkpoint,
         # a replica average): (updates, revision) changes whenever the weights do.
         self.revision = 0
@@ -507,7 +509,16 @@ class ExpertBackend:
             updates=self.updates,
             params=self.parameter_copies(),
             optimizer_state=optimizer_state,
+            experiment=self.experiment,
         )
+
+    def largest_state_bytes(self) -> int:
+        """More than a checkpoint of this expert ever takes: its weights and an optimizer
+        state of at most three times their size (Adam's two moments), plus a MiB for the
+        header and the step counts. A replica announcing more is refused before its
+        bytes come (a 9 KB expert's replica had a joiner fetch and read 300 MiB)."""
+        weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return 4 * weights + (1 << 20)
 
     def parameter_copies(self) -> dict[str, torch.Tensor]:
         """The weights by name, copied to the CPU."""
@@ -520,6 +531,16 @@ class ExpertBackend:
     def check_state(self, state: ExpertState) -> None:
         """Raise CheckpointError unless ``state`` fits this expert (type, sizes, names,
         shapes, finite values)."""
+        if state.experiment and state.experiment != self.experiment:
+            # Another project's expert of the same name, type and width (checkpoints are
+            # kept by uid): a volunteer who left one project and joined another started
+            # the new one's experts from the old one's weights, and replica averaging
+            # carried them into its swarm. A state of no experiment (written before it
+            # was kept) is still taken.
+            raise CheckpointError(
+                f"the state of {state.experiment or 'no project'}'s {state.uid}, this "
+                f"expert is {self.experiment or 'no project'}'s"
+            )
         if (state.expert_type, state.hidden_dim) != (self.info.expert_type, self.info.hidden_dim):
             raise CheckpointError(
                 f"{state.expert_type} of width {state.hidden_dim}, this expert is "

@@ -79,10 +79,16 @@ class _Header(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# A dimension of a stored tensor: a dimension of 2**64 next to one of 0 takes no bytes,
+# passed every size check, and overflowed torch.empty (a replica's state raised
+# TypeError out of the joiner).
+_MAX_DIM = 1 << 40
+
+
 class TensorEntry(_Header):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     dtype: Literal["float32", "float64", "float16", "bfloat16", "int64", "int32"]
-    shape: Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(max_length=8)]
+    shape: Annotated[tuple[Annotated[int, Field(ge=0, le=_MAX_DIM)], ...], Field(max_length=8)]
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +110,8 @@ class CheckpointHeader(_Header):
     tensors: Annotated[list[TensorEntry], Field(max_length=4096)]
     payload_bytes: Annotated[int, Field(ge=0)]
     payload_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    # written only when set: files without it stay readable by earlier versions
+    experiment: Annotated[str, Field(max_length=256)] = ""
 
 
 @dataclass(slots=True)
@@ -120,6 +128,9 @@ class ExpertState:
     updates: int
     params: dict[str, torch.Tensor]
     optimizer_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # Whose weights these are: "<owner>/<name>" of a project's experiment; "" for the
+    # experts of the config's experts.uids (and in files written before it was kept).
+    experiment: str = ""
 
     def non_finite(self) -> list[str]:
         """The names (as in the file) of the floating-point tensors holding a NaN or an
@@ -172,8 +183,9 @@ def encode_checkpoint(
         tensors=entries,
         payload_bytes=total,
         payload_sha256=digest.hexdigest(),
+        experiment=state.experiment,
     )
-    raw = header.model_dump_json().encode()
+    raw = header.model_dump_json(exclude=None if state.experiment else {"experiment"}).encode()
     prefix = _PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
     return [prefix, raw, *pieces]
 
@@ -248,10 +260,14 @@ def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> Ex
         chunk = payload[offset : offset + entry.nbytes]
         offset += entry.nbytes
         dtype = _DTYPES[entry.dtype]
-        if entry.nbytes:
-            tensor = torch.frombuffer(bytearray(chunk), dtype=dtype).reshape(entry.shape)
-        else:
-            tensor = torch.empty(entry.shape, dtype=dtype)
+        try:
+            if entry.nbytes:
+                tensor = torch.frombuffer(bytearray(chunk), dtype=dtype).reshape(entry.shape)
+            else:
+                tensor = torch.empty(entry.shape, dtype=dtype)
+        except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+            # bytes from a stranger (a replica's state): its error, not a crash
+            raise CheckpointError(f"{where}: {entry.name}: {exc}") from None
         kind, _, rest = entry.name.partition("/")
         if kind == "param" and rest and rest not in params:
             params[rest] = tensor
@@ -269,6 +285,7 @@ def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> Ex
         updates=header.updates,
         params=params,
         optimizer_state=optim,
+        experiment=header.experiment,
     )
 
 

@@ -50,7 +50,9 @@ class ShardDownloader:
         await trio.to_thread.run_sync(lambda: self._directory.mkdir(parents=True, exist_ok=True))
         dest = self._directory / f"{uid}.ckpt"
         with trio.fail_after(self._download_s):
-            result = await download_shard(self._rpc, peer, uid, dest)
+            result = await download_shard(
+                self._rpc, peer, uid, dest, max_bytes=backend.largest_state_bytes()
+            )
         try:
             state = await trio.to_thread.run_sync(read_checkpoint, dest)
         finally:

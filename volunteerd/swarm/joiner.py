@@ -209,6 +209,7 @@ class Joiner:
         """The trusted manifest of ``config.join``, looked up until ``join_timeout_s``.
         Raises UntrustedManifest or ResourceUnavailable."""
         name = self._config.join
+        unusable: list[str] = []
         with trio.move_on_after(self._config.join_timeout_s):
             while True:
                 owners = self._config.trusted_owners
@@ -218,7 +219,8 @@ class Joiner:
                     logger.info("looking up experiment %r failed: %r", name, exc)
                     await trio.sleep(_RETRY_S)
                     continue
-                manifest = choose_trusted(name, records, owners)
+                unusable.clear()
+                manifest = choose_trusted(name, records, owners, unusable)
                 if manifest is not None:
                     self.record = next(
                         r
@@ -227,6 +229,13 @@ class Joiner:
                     )
                     return manifest
                 await trio.sleep(_RETRY_S)
+        if unusable:
+            # found, signed by its owner, but this version cannot read it: saying "not
+            # found, check the internet connection" sent volunteers the wrong way
+            raise ConfigError(
+                f"experiment {name!r} was found, but this volunteerd cannot use it: "
+                f"{unusable[0]} (was it published with a newer volunteerd? upgrade)"
+            )
         whose = (
             " from a trusted owner (experiments.trusted_owners)"
             if self._config.trusted_owners
@@ -339,6 +348,8 @@ class Joiner:
         # replicas would slow down their serving (and its own lookups).
         for uid in uids:
             backend = await trio.to_thread.run_sync(self._runtime.make_backend, uid, experts)
+            if self.manifest is not None:  # whose weights its checkpoints will hold
+                backend.experiment = f"{self.manifest.owner}/{self.manifest.name}"
             self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
             await self._runtime.add_expert(backend)
             self.hosted[uid] = self._clock()
@@ -370,8 +381,16 @@ class Joiner:
             try:
                 state = await self._downloader.download(peer, backend)
                 await self._runtime.executor.run(partial(backend.load_state, state))
-            except (VolunteerdError, OSError, trio.TooSlowError) as exc:
+            except trio.TooSlowError:
+                logger.warning("could not download %s from %s: too slow", uid, peer)
+                continue
+            except (VolunteerdError, OSError) as exc:
                 logger.warning("could not download %s from %s: %s", uid, peer, exc)
+                continue
+            except Exception as exc:  # a stranger's bytes met a bug: that replica's failure
+                logger.warning(
+                    "could not download %s from %s: %s: %s", uid, peer, type(exc).__name__, exc
+                )
                 continue
             logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
             return f"replica {peer.peer_id}"

@@ -274,7 +274,10 @@ async def lookup_manifests(
 
 
 def choose_trusted(
-    name: str, records: Sequence[ManifestRecord], trusted_owners: Iterable[str]
+    name: str,
+    records: Sequence[ManifestRecord],
+    trusted_owners: Iterable[str],
+    unusable: list[str] | None = None,
 ) -> ExperimentManifest | None:
     """The newest well-formed manifest of ``name`` whose owner is trusted.
 
@@ -282,7 +285,9 @@ def choose_trusted(
     Raises UntrustedManifest, naming the owners, when no owner is trusted at all and
     others' manifests exist: the first run's hint of whom to trust. Once an owner is
     trusted, strangers' manifests are never suggested (anyone can publish under any
-    name: a flood of fresh keys must not be offered as owners to trust)."""
+    name: a flood of fresh keys must not be offered as owners to trust). Why a trusted
+    owner's manifest could not be used (a newer volunteerd's fields, an expert type
+    this version lacks) is appended to ``unusable``."""
     trusted = set(trusted_owners)
     best: ExperimentManifest | None = None
     strangers: list[str] = []
@@ -294,7 +299,9 @@ def choose_trusted(
             continue
         try:
             manifest = parse_manifest(record)
-        except InvalidRecord:
+        except InvalidRecord as exc:
+            if unusable is not None:
+                unusable.append(str(exc))
             continue
         if best is None or manifest.issued_at > best.issued_at:
             best = manifest
