@@ -524,7 +524,7 @@ def _limit_changes(args: argparse.Namespace) -> dict[str, float]:
         if raw is None:
             continue
         try:
-            checked = LimitsChange.model_validate({field: raw})
+            checked = LimitsChange.model_validate({field: raw}, strict=False)  # text typed
         except ValidationError as exc:
             raise UsageError(f"{flag} {raw}: {field}: {exc.errors()[0]['msg']}") from None
         changes[field] = getattr(checked, field)
@@ -560,7 +560,7 @@ def _schedule_changes(args: argparse.Namespace) -> dict[str, Any]:
         if field.endswith("_hours"):
             value = windows(flag, raw)
         try:
-            checked = ScheduleChange.model_validate({field: value})
+            checked = ScheduleChange.model_validate({field: value}, strict=False)  # text typed
         except ValidationError as exc:
             # pydantic starts the message of a rule of ours with this: noise to a user
             rule = exc.errors()[0]["msg"].removeprefix("Value error, ")

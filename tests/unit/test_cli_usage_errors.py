@@ -68,3 +68,29 @@ def test_demo_flags_that_cannot_work_are_usage_errors_before_starting(
 ) -> None:
     assert main(["demo", *args]) == ExitCode.USAGE
     assert capsys.readouterr() == ("", f"volunteerd: {message}\n")
+
+
+def test_limit_and_schedule_flags_are_read_from_text_as_the_api_reads_json() -> None:
+    """The API's bodies are strict (a JSON true or "7" is refused); what is typed on
+    the command line is text, read as numbers and words before the same checks."""
+    import argparse
+
+    from volunteerd.cli import UsageError, _limit_changes, _schedule_changes
+
+    limits = {"up": "8", "down": "20.5", "quota": None, "daily_gb": None, "disk_gb": "0"}
+    assert _limit_changes(argparse.Namespace(**limits, threads="2")) == {
+        "upload_mbit": 8.0,
+        "download_mbit": 20.5,
+        "disk_budget_gb": 0.0,
+        "cpu_threads": 2,
+    }
+    with pytest.raises(UsageError, match="--up eight: upload_mbit"):
+        _limit_changes(argparse.Namespace(**{**limits, "up": "eight"}, threads=None))
+    rules = {"run": "when_idle", "idle_minutes": "5", "on_battery": "no"}
+    rules |= {"compute_hours": "22:00-07:00", "network_hours": None, "gpu": None}
+    assert _schedule_changes(argparse.Namespace(**rules)) == {
+        "run": "when_idle",
+        "idle_minutes": 5.0,
+        "on_battery": False,
+        "compute_hours": ["22:00-07:00"],
+    }
