@@ -84,3 +84,22 @@ def test_hardware_command_prints_json(
     assert report["capacity"]["experts"] > 0
     assert report["speed"]["samples_per_s"] > 0
     assert (tmp_path / "cache" / "speed.json").exists()
+
+
+def test_an_expert_larger_than_the_whole_memory_is_a_clear_error_not_one_anyway() -> None:
+    """ "At least one expert" tried to allocate a width-65536 expert (64 GiB) every
+    minute and failed with the allocator's words; an expert that fits the budget
+    nowhere but the memory still is hosted (one)."""
+    from volunteerd.config import Config
+    from volunteerd.errors import ConfigError
+    from volunteerd.swarm.joiner import capacity_for
+
+    config = Config.model_validate({"hardware": {"memory_budget_mb": 1}})
+    experts_that_fit = capacity_for(config, torch.device("cpu"))
+    assert experts_that_fit(ExpertsConfig(hidden_dim=256)) == 1  # over the budget: one
+    whole = detect().memory_bytes
+    width = 1024
+    while expert_footprint(ExpertsConfig(hidden_dim=width)) <= whole:
+        width *= 2
+    with pytest.raises(ConfigError, match="more than all of this computer's memory"):
+        experts_that_fit(ExpertsConfig(hidden_dim=width))

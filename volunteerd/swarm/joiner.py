@@ -71,7 +71,19 @@ def capacity_for(config: Config, device: torch.device) -> Callable[[ExpertsConfi
     def experts_that_fit(experts: ExpertsConfig) -> int:
         if config.experiments.max_experts:
             return config.experiments.max_experts
-        fit = capacity(detect(), device, experts, config.runtime, config.hardware)
+        hardware = detect()
+        fit = capacity(hardware, device, experts, config.runtime, config.hardware)
+        gpu = next((g for g in hardware.gpus if g.index == (device.index or 0)), None)
+        whole = gpu.memory_bytes if device.type == "cuda" and gpu else hardware.memory_bytes
+        if whole and fit.per_expert_bytes > whole:
+            # "at least one" would try to allocate it every minute, failing with the
+            # allocator's words (an experiment of width 65536: 64 GiB an expert)
+            where = "GPU memory" if device.type == "cuda" else "memory"
+            raise ConfigError(
+                f"one expert of this experiment needs {fit.per_expert_bytes / 2**30:.1f} GiB, "
+                f"more than all of this computer's {where} ({whole / 2**30:.1f} GiB): it "
+                "cannot host any"
+            )
         if fit.experts < 1:
             logger.warning(
                 "not even one expert fits the memory budget (%d MiB, %s); hosting one anyway",
