@@ -12,6 +12,7 @@ import torch
 from volunteerd.config import ExpertsConfig
 from volunteerd.errors import BadShape
 from volunteerd.experts import ExpertBackend
+from volunteerd.experts import backend as backend_module
 from volunteerd.experts.stepcheck import StepCheck
 
 
@@ -43,6 +44,35 @@ def test_gradients_that_do_not_fit_the_outputs_are_a_bad_shape() -> None:
     with pytest.raises(BadShape, match="for outputs of shapes"):
         a.backward([torch.randn(5, 16)], [torch.randn(4, 16)])
     assert all(p.grad is None for p in a.module.parameters())
+
+
+@pytest.mark.parametrize("kind", ["ffn", "transformer"])
+def test_a_large_batch_runs_in_pieces_with_the_same_results(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transformer block's activations are ~14 times its input: a forward or stateless
+    backward over more than CHUNK_BYTES of input runs piece by piece (the peak stays
+    bounded), with the results of one call."""
+    config = ExpertsConfig(type=kind, hidden_dim=16, num_heads=2, optimizer={"name": "adam"})
+    whole = ExpertBackend("ffn.0.0", config, torch.device("cpu"), 1024)
+    pieces = ExpertBackend("ffn.0.0", config, torch.device("cpu"), 1024)
+    shape = (10, 16) if kind == "ffn" else (10, 3, 16)
+    x, g = torch.randn(shape), torch.randn(shape)
+    (y_whole,) = whole.forward([x])
+    (dx_whole,) = whole.backward([x], [g])
+    calls: list[int] = []
+    pieces.module.register_forward_hook(lambda _m, args, _out: calls.append(len(args[0])))
+    row_bytes = x[0].numel() * 4
+    monkeypatch.setattr(backend_module, "CHUNK_BYTES", 3 * row_bytes)  # 3 rows a piece
+    (y_pieces,) = pieces.forward([x])
+    (dx_pieces,) = pieces.backward([x], [g])
+    assert calls == [3, 3, 3, 1, 3, 3, 3, 1]
+    torch.testing.assert_close(y_pieces, y_whole)
+    torch.testing.assert_close(dx_pieces, dx_whole)
+    for p, q in zip(pieces.module.parameters(), whole.module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(BadShape):  # gradients for other rows: refused before any piece
+        pieces.backward([x], [g[:7]])
 
 
 @pytest.mark.parametrize("arrival", ["together", "apart", "one dropped", "step between"])
