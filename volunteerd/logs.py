@@ -145,9 +145,19 @@ class _OwnRepeats(logging.Filter):
             notes.append(f"{left_out} more like this in the last minute not shown")
         if last:  # a reader must know that silence after it is not the end of them
             notes.append("more like this within a minute are counted, not shown")
-        if notes:
-            record.msg = f"{record.msg} ({'; '.join(notes)})"
+        if notes:  # on the record, not in its message: other handlers see it as it was
+            record.volunteerd_repeats = "; ".join(notes)
         return True
+
+
+class _NotingFormatter(logging.Formatter):
+    """Adds ``_OwnRepeats``' note, if the record has one, to the end of its line (before
+    a traceback)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        note = getattr(record, "volunteerd_repeats", None)
+        return f"{line} ({note})" if note else line
 
 
 _ROUTED = _Routed()
@@ -182,7 +192,7 @@ def configure_logging(level: str = "INFO") -> None:
         root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+        _NotingFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
     )
     handler.addFilter(_OwnRepeats())
     root.addHandler(handler)

@@ -174,6 +174,43 @@ def test_every_toml_file_read_refuses_damage_with_a_config_error(
         assert len(str(error.value)) < 400, name
 
 
+def test_a_fifo_a_folder_or_a_huge_file_is_refused_without_waiting(tmp_path: Path) -> None:
+    """A FIFO nobody writes to, given as the config, blocked ``config validate`` (and
+    a daemon's start or SIGHUP reload) forever; a folder or a file of gigabytes is
+    not a config either."""
+    import os
+    import threading
+
+    from volunteerd.config.toml_files import MAX_BYTES, read_toml
+
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            read_toml(fifo)
+        except BaseException as exc:  # the test looks at it below
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock it before failing, so the test run can go on
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("reading a FIFO blocked")
+    assert isinstance(outcome[0], ConfigError), outcome
+    assert "not a regular file" in str(outcome[0])
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_toml(tmp_path)
+    huge = tmp_path / "huge.toml"
+    with huge.open("wb") as f:
+        f.truncate(MAX_BYTES + 1)
+    with pytest.raises(ConfigError, match="larger than 16 MiB"):
+        load_config(huge, env={})
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

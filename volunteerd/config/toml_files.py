@@ -10,6 +10,8 @@ tracebacks: a damaged ``limits.toml`` reloaded on SIGHUP stopped the daemon.
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from volunteerd.errors import ConfigError
 
 __all__ = ["parse_toml", "read_toml"]
 
+MAX_BYTES = 16 * 2**20  # every file of ours is a few KiB; a manifest's text is far less
 _NOT_TOML = (ValueError, RecursionError)  # ValueError covers TOMLDecodeError and UnicodeDecodeError
 
 
@@ -28,16 +31,29 @@ def _why(exc: BaseException) -> str:
 def read_toml(path: Path) -> dict[str, Any]:
     """The TOML file at ``path``. Raises FileNotFoundError when there is none (the
     caller decides what that means) and ConfigError, naming the file, for anything
-    else: text that is not TOML or not UTF-8, a folder, no permission."""
+    else: text that is not TOML or not UTF-8, a folder, a FIFO or device (opened
+    without waiting, never read: a FIFO nobody writes to would block forever), more
+    than ``MAX_BYTES``, no permission."""
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise
-    except _NOT_TOML as exc:
-        raise ConfigError(f"{path}: not valid TOML: {_why(exc)}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"{path}: not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_BYTES // 2**20} MiB: not a TOML file of ours")
+    try:
+        return tomllib.loads(data.decode())
+    except _NOT_TOML as exc:
+        raise ConfigError(f"{path}: not valid TOML: {_why(exc)}") from None
 
 
 def parse_toml(text: str, what: str) -> dict[str, Any]:
