@@ -490,6 +490,19 @@ def _published_state(
     return network.published[-1][0]
 
 
+async def _join_a_fresh_tiny(
+    network: FakeNetwork, tmp_path: Path
+) -> tuple[Tiny, torch.optim.Adam, TrainerAverager, tuple[str, int]]:
+    """A new trainer's model and Adam, joined through ``network``."""
+    joiner = Tiny()
+    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
+    averager = _averager(network)
+    result = await trio.to_thread.run_sync(
+        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
+    )
+    return joiner, optimizer, averager, result
+
+
 async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -501,13 +514,7 @@ async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
         FakePeer("gone", kind="raise", version=9),
     )
     torch.manual_seed(99)
-    joiner = Tiny()
-    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
-    averager = _averager(network)
-
-    result = await trio.to_thread.run_sync(
-        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
-    )
+    joiner, optimizer, averager, result = await _join_a_fresh_tiny(network, tmp_path)
     assert result == ("best", 5)
     for (name, p), q in zip(joiner.named_parameters(), peer_model.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -542,12 +549,7 @@ async def test_join_refuses_a_liars_state_that_no_other_trainer_vouches_for(
         FakePeer("honest", honest.params, version=5, state=honest),
         FakePeer("other", other.params, version=6, state=other),
     )
-    joiner = Tiny()
-    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
-    averager = _averager(network)
-    peer_id, version = await trio.to_thread.run_sync(
-        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
-    )
+    joiner, _, averager, (peer_id, version) = await _join_a_fresh_tiny(network, tmp_path)
     assert peer_id in {"honest", "other"}
     assert averager.statistics().rejected.get("join_disagrees") == 1
     served = honest if peer_id == "honest" else other
@@ -636,12 +638,7 @@ async def test_join_refuses_adam_moments_adam_could_not_have_made(
         FakePeer("liar", state.params, version=9, state=state),
         FakePeer("witness", honest.params, version=5, state=honest),
     )
-    joiner = Tiny()
-    optimizer = torch.optim.Adam(joiner.parameters(), lr=1e-2)
-    averager = _averager(network)
-    peer_id, version = await trio.to_thread.run_sync(
-        averager.join, dict(joiner.named_parameters()), optimizer, tmp_path
-    )
+    joiner, optimizer, averager, (peer_id, version) = await _join_a_fresh_tiny(network, tmp_path)
     assert (peer_id, version) == ("witness", 5)  # the next best, whose state is Adam's
     assert averager.statistics().rejected.get("join_optimizer_state") == 1
     optimizer.zero_grad()
