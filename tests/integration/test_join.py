@@ -17,7 +17,7 @@ from volunteerd.config import Config
 from volunteerd.daemon import Running
 from volunteerd.errors import ResourceUnavailable, UntrustedManifest
 from volunteerd.experts import ExpertBackend
-from volunteerd.experts.checkpoint_file import CheckpointHeader, encode_checkpoint
+from volunteerd.experts.checkpoint_file import CheckpointHeader, ExpertState, encode_checkpoint
 from volunteerd.identity import Identity
 from volunteerd.net import Verb
 from volunteerd.net.peers import peer_id_for
@@ -77,8 +77,19 @@ def hosted(running: Running) -> set[str]:
 
 def payload_sha256(backend: ExpertBackend) -> str:
     """The checkpoint hash of an expert's state (weights and optimizer state)."""
-    pieces = encode_checkpoint(backend.state(), saved_at=0.0)
-    raw = bytes(pieces[1])
+    return payload_sha256_of(backend.state())
+
+
+def weights_sha256(backend: ExpertBackend) -> str:
+    """The hash of an expert's weights and update count: what a newcomer takes from a
+    replica (its optimizer starts afresh)."""
+    state = backend.state()
+    state.optimizer_state = {}
+    return payload_sha256_of(state)
+
+
+def payload_sha256_of(state: ExpertState) -> str:
+    raw = bytes(encode_checkpoint(state, saved_at=0.0)[1])
     return CheckpointHeader.model_validate_json(raw).payload_sha256
 
 
@@ -170,11 +181,11 @@ async def test_three_joiners_cover_the_grid_and_a_latecomer_downloads_from_repli
                     peer = source.removeprefix("replica ")
                     replica = next(d for d in daemons if d.node.peer_id == peer)
                     assert uid in hosted(replica), (uid, owners[uid].node.peer_id)
-                    theirs = await replica.runtime.with_expert(uid, payload_sha256)
-                    mine = await late.runtime.with_expert(uid, payload_sha256)
+                    theirs = await replica.runtime.with_expert(uid, weights_sha256)
+                    mine = await late.runtime.with_expert(uid, weights_sha256)
                     assert mine == theirs, uid
                     seeded = ExpertBackend(uid, manifest.experts_config(), torch.device("cpu"), 16)
-                    assert payload_sha256(seeded) != mine  # not merely the same seed
+                    assert weights_sha256(seeded) != mine  # not merely the same seed
                 print(f"whole test {time.perf_counter() - started:.1f}s")
             stop.set()
 

@@ -447,3 +447,56 @@ def test_weights_broken_behind_the_bounds_are_reported_not_served_as_good() -> N
     b.load_state(cheap_backend("adam").state())
     honest_gradients([b], generator)
     assert b.step(check).judged == "predicted"
+
+
+@pytest.mark.parametrize(
+    "moments",
+    ["a first moment over a zero second", "a huge second moment"],
+)
+def test_a_replicas_state_gives_its_weights_and_count_never_its_moments(moments: str) -> None:
+    """A newcomer takes a replica's weights and update count but starts Adam afresh:
+    finite moments Adam could never have made grew the weights from 13 to 1e6 in six
+    honest steps (each past the cheap check), and a huge second moment froze them."""
+    replica = cheap_backend("adam")
+    honest_steps([replica], StepCheck(max_ratio=1.0), steps=3, seed=4)
+    state = replica.state()
+    for entry in state.optimizer_state.values():
+        if moments == "a huge second moment":
+            entry["exp_avg_sq"].fill_(1e30)
+        else:
+            entry["exp_avg"].fill_(1.0)
+            entry["exp_avg_sq"].zero_()
+    newcomer, fresh = cheap_backend("adam"), cheap_backend("adam")
+    newcomer.load_state(state, moments=False)
+    fresh.set_parameters(state.params)  # the same weights, an optimizer never stepped
+    assert newcomer.updates == 3
+    assert newcomer.state().optimizer_state == {}
+    check = StepCheck(max_ratio=1.0)
+    generator = torch.Generator().manual_seed(8)
+    before = {n: p.clone() for n, p in state.params.items()}
+    for _ in range(6):
+        honest_gradients([newcomer, fresh], generator)
+        assert newcomer.step(check).undone is None
+        fresh.step()
+    after = newcomer.state()
+    for name, value in after.params.items():
+        assert torch.equal(value, fresh.state().params[name]), name  # Adam's own steps
+        assert not torch.equal(value, before[name]), name  # it learns
+    assert after.updates == 9
+    # From our own checkpoint the moments are kept as they were.
+    own = cheap_backend("adam")
+    own.load_state(replica.state())
+    assert_same_state(own, replica)
+
+
+def test_a_state_of_more_updates_than_any_expert_makes_is_refused() -> None:
+    from volunteerd.errors import CheckpointError
+
+    state = cheap_backend("adam").state()
+    b = cheap_backend("adam")
+    for updates in (10**40, backend_module.MAX_UPDATES + 1, -1):
+        state.updates = updates
+        with pytest.raises(CheckpointError, match="updates"):
+            b.load_state(state)
+    state.updates = backend_module.MAX_UPDATES
+    b.load_state(state)

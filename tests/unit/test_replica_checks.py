@@ -174,3 +174,75 @@ async def test_a_real_replica_that_is_busy_counts_and_one_without_the_expert_doe
     for answer, uid, expected in cases:
         check = verified.hosts_uid(Rpc(answer))  # type: ignore[arg-type]
         assert await check(peers("p")[0], uid) is expected, (answer, uid)
+
+
+async def test_a_newcomer_downloads_only_from_replicas_that_answered_and_few() -> None:
+    """Fake records cost nothing; each fake tried for a download held a newcomer's start
+    ~30 s (five of them at an address that accepts and never speaks: 169 s). Only
+    replicas that answered for the uid are tried, at most three, and a replica's
+    state brings its weights, never its optimizer's moments."""
+    import types
+
+    import torch
+
+    from volunteerd.config import ExperimentsConfig, ExpertsConfig
+    from volunteerd.errors import Busy
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.swarm.joiner import Joiner
+
+    uid = "ffn.0.0"
+    real = [f"real{i}" for i in range(5)]
+    fakes = [f"fake{i}" for i in range(20)]
+    swarm = Swarm({(r, uid) for r in real})
+    checks = ReplicaChecks(swarm.check, Clock(), max_checks=len(real) + 2)
+    listed = peers(*real, *fakes)
+    await checks.real({uid: listed})  # the round's checks: some fakes stay unchecked
+
+    def make() -> ExpertBackend:
+        config = ExpertsConfig(hidden_dim=8, optimizer={"name": "adam", "lr": 0.01})
+        return ExpertBackend(uid, config, torch.device("cpu"), 1024)
+
+    replica = make()
+    replica.backward([torch.randn(2, 8)], [torch.randn(2, 8)])
+    replica.step()
+    asked: list[str] = []
+
+    class Downloads:
+        answering = False
+
+        async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
+            asked.append(peer.peer_id)
+            if not self.answering:
+                raise Busy("try later")
+            return replica.state()
+
+    async def run(fn: object) -> object:
+        return fn()  # type: ignore[operator]
+
+    downloads = Downloads()
+    joiner = Joiner(
+        None,  # type: ignore[arg-type]  # not looked up: the replicas are given
+        types.SimpleNamespace(executor=types.SimpleNamespace(run=run)),  # type: ignore[arg-type]
+        lambda: None,
+        None,
+        downloads,
+        ExperimentsConfig(),
+        lambda experts: 1,
+        checks=checks,
+        rng=random.Random(3),
+    )
+    assert await joiner._initial_state(make(), listed) == "seed"
+    assert len(asked) == 3
+    assert set(asked) <= set(real), asked
+    asked.clear()
+    downloads.answering = True
+    newcomer = make()
+    source = await joiner._initial_state(newcomer, listed)
+    assert source.startswith("replica real")
+    assert len(asked) == 1
+    assert newcomer.updates == 1
+    assert all(
+        torch.equal(p, replica.parameter_copies()[n])
+        for n, p in newcomer.parameter_copies().items()
+    )
+    assert newcomer.state().optimizer_state == {}  # Adam starts afresh

@@ -77,6 +77,9 @@ _OPTIMIZER_KEYS = {
 }
 # A running mean of squares: a negative one makes Adam's step the square root of one.
 _NOT_NEGATIVE = frozenset({"exp_avg_sq"})
+# More updates than any expert makes (a billion a second for 285 years), and still exact
+# as a float and in JSON: a replica's 10**40 was taken and served on as it was.
+MAX_UPDATES = 2**53
 
 
 def make_optimizer(
@@ -565,6 +568,8 @@ class ExpertBackend:
                 f"the state of {state.experiment or 'no project'}'s {state.uid}, this "
                 f"expert is {self.experiment or 'no project'}'s"
             )
+        if not 0 <= state.updates <= MAX_UPDATES:
+            raise CheckpointError(f"{state.updates} updates: not a count of this world")
         if (state.expert_type, state.hidden_dim) != (self.info.expert_type, self.info.hidden_dim):
             raise CheckpointError(
                 f"{state.expert_type} of width {state.hidden_dim}, this expert is "
@@ -615,13 +620,25 @@ class ExpertBackend:
             if not torch.isfinite(value).all():
                 raise CheckpointError(f"{name}: not finite")
 
-    def load_state(self, state: ExpertState) -> None:
+    def load_state(self, state: ExpertState, *, moments: bool = True) -> None:
         """Replace the weights, the optimizer state (when ``state`` is for the
         configured optimizer) and the update count. Checks first: raises
-        CheckpointError and changes nothing when ``state`` does not fit."""
+        CheckpointError and changes nothing when ``state`` does not fit.
+
+        ``moments=False`` (a state a replica sent): the optimizer starts afresh, as for
+        a new expert. A stranger's Adam moments cannot be checked against anything:
+        finite ones that Adam could never have made (a first moment over a zero second)
+        grew a newcomer's weights from 13 to 1e6 in six honest steps, each one past the
+        step check's cheap path, and a huge second moment froze them (a step of exactly
+        0 for ~80,000 steps). Weights are another matter: replica averaging pulls them
+        back towards the others'; nothing repairs moments."""
         self.check_state(state)
         self._write_parameters(state.params)
-        if state.optimizer == self.optimizer_name:
+        if not moments:
+            saved = self.optimizer.state_dict()
+            saved["state"] = {}
+            self.optimizer.load_state_dict(saved)
+        elif state.optimizer == self.optimizer_name:
             saved = self.optimizer.state_dict()  # this config's hyperparameters
             saved["state"] = {
                 index: {key: value.clone() for key, value in entry.items()}

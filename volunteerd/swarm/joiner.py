@@ -58,8 +58,12 @@ __all__ = ["JoinState", "Joiner", "ReplicaDownloader", "capacity_for"]
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
-# lookups that must all find no replica before an expert starts from the seed
+# lookups that must all find no replica (that answers for the uid) before an expert
+# starts from the seed
 _SEED_LOOKUPS = 3
+# Replicas a newcomer downloads an expert from before it gives up and seeds it: each
+# download may take timeouts.request_s x 10 (a replica that trickles its bytes).
+_MAX_DOWNLOADS = 3
 
 JoinState = Literal["joining", "joined", "failed"]
 
@@ -327,7 +331,9 @@ class Joiner:
             if self.hosted and choice.add:
                 self.moves += len(choice.drop)
             await self._drop(choice.drop)
-        await self._add(choice.add, listed, manifest.experts_config())
+        # Only replicas that answered for their uid: a record costs nothing, and each
+        # fake one tried for a download cost a newcomer ~30 s of timeouts and retries.
+        await self._add(choice.add, replicas, manifest.experts_config())
         return choice
 
     async def _checkpointed(self, uids: Sequence[str]) -> set[str]:
@@ -368,12 +374,14 @@ class Joiner:
         self._announce()
 
     def _download_order(self, uid: str, replicas: Sequence[PeerAddress]) -> list[PeerAddress]:
-        """Replicas that answered for ``uid`` first, then the others (each in a random
-        order, spreading newcomers' downloads over the replicas)."""
+        """The replicas to try, at most ``_MAX_DOWNLOADS``: only those that answered for
+        ``uid`` (``ReplicaChecks``), in a random order (spreading newcomers' downloads
+        over them). Listed peers that never answered are not tried: five fake records
+        at an address that accepts and never speaks held a newcomer's start for 169 s,
+        and a key holds hundreds of records."""
         checks = self._checks
         real = [p for p in replicas if checks is None or checks.verified(p.peer_id, uid)]
-        rest = [p for p in replicas if p not in real]
-        return self._rng.sample(real, len(real)) + self._rng.sample(rest, len(rest))
+        return self._rng.sample(real, min(len(real), _MAX_DOWNLOADS))
 
     async def _initial_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
         """Load ``backend``'s starting state; returns where it came from."""
@@ -389,10 +397,12 @@ class Joiner:
             if attempt:
                 await trio.sleep(_RETRY_S)
             replicas = (await self.live_replicas([uid]))[uid]
+            if replicas and self._checks is not None:
+                replicas = (await self._checks.real({uid: replicas}))[uid]
         for peer in self._download_order(uid, replicas):
             try:
                 state = await self._downloader.download(peer, backend)
-                await self._runtime.executor.run(partial(backend.load_state, state))
+                await self._runtime.executor.run(partial(backend.load_state, state, moments=False))
             except trio.TooSlowError:
                 logger.warning("could not download %s from %s: too slow", uid, peer)
                 continue
