@@ -117,6 +117,38 @@ async def test_a_closed_gate_refuses_before_the_runtime_and_counts_each_item_onc
         assert Verb.INFO not in GATED_VERBS
 
 
+async def test_refusals_of_made_up_uids_add_no_rows_to_the_statistics(tmp_path: Path) -> None:
+    """uids cost a peer nothing: batches of 64 invented ones (refused as unknown, or
+    while paused) wrote a row each into the statistics file, 2.5 MB a second for good.
+    Refusals of uids the daemon does not host share one row per hour and reason."""
+    async with pipeline(tmp_path) as world:
+        x = tensor(1)
+        for paused in (False, True):
+            world.gate.closed = paused
+            for batch in range(5):
+                items = [
+                    ForwardRequest(uid=f"zz{batch}.{i}.{paused:d}", tensors=[x.meta])
+                    for i in range(64)
+                ]
+                try:
+                    reply = await world.call(
+                        Verb.FORWARD_BATCH, ForwardBatchRequest(items=items), [x] * 64
+                    )
+                except Paused:
+                    assert paused
+                else:
+                    assert not paused
+                    assert all(isinstance(r, ErrorReply) for r in reply.header.items)  # type: ignore[attr-defined]
+        with pytest.raises(Paused):  # a hosted expert's refusal keeps its uid
+            await world.call(Verb.FORWARD, ForwardRequest(uid="ffn.0.0", tensors=[x.meta]), [x])
+        assert world.counts.refusals == {"unknown_expert": 320, "paused": 321}
+        world.counts.store.flush()
+        rows = world.counts.store._db.execute(
+            "SELECT expert, reason, count FROM rejected ORDER BY reason, expert"
+        ).fetchall()
+        assert rows == [("", "paused", 320), ("ffn.0.0", "paused", 1), ("", "unknown_expert", 320)]
+
+
 async def test_the_guard_refusal_is_counted_by_its_wire_code_once(tmp_path: Path) -> None:
     async with pipeline(tmp_path) as world:
         x, g = tensor(2), tensor(2, float("nan"))

@@ -258,6 +258,9 @@ class ExpertRuntime:
     def uids(self) -> list[str]:
         return list(self._experts)
 
+    def hosts(self, uid: str) -> bool:
+        return uid in self._experts
+
     def backend(self, uid: str) -> ExpertBackend:
         return self._hosted(uid).backend
 

@@ -11,7 +11,8 @@ Tables (times are UTC; ``hour`` and ``day`` are Unix seconds at the start of the
 
 * ``work(bucket, size, expert, forward, backward, samples, compute_s, bytes_in,
   bytes_out)`` — ``size`` is 3600 (hourly) or 86400 (daily);
-* ``rejected(bucket, size, expert, reason, count)``;
+* ``rejected(bucket, size, expert, reason, count)`` — ``expert`` is "" for uids the
+  daemon did not host (a peer makes those up for free: ``server.contribution``);
 * ``uptime(bucket, size, running_s, paused_s)``.
 """
 
