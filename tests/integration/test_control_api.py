@@ -118,6 +118,14 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
 
         peers = {p.peer_id: p for p in await call(client.peers)}
         assert peers[trainer.peer_id].requests == 1
+        assert not peers[trainer.peer_id].banned
+        # A peer the guard banned is listed as such (the dashboard's Standing column),
+        # even one this daemon never counted a request of.
+        assert daemon.runtime is not None
+        daemon.runtime.guard.ban("12D3KooWbanned", "its gradients wrecked a step")
+        peers = {p.peer_id: p for p in await call(client.peers)}
+        assert peers["12D3KooWbanned"].banned
+        assert 0 < peers["12D3KooWbanned"].banned_s <= daemon.runtime.guard.config.ban_s
 
         stats = await call(client.stats)
         assert stats.all_time.forward == 1
@@ -176,7 +184,7 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
         )
         assert 'volunteerd_inbound_slots{state="total"} 900' in metrics
         assert "volunteerd_inflight_request_bytes 0" in metrics
-        assert "volunteerd_guard_banned_peers 0" in metrics
+        assert "volunteerd_guard_banned_peers 1" in metrics  # the one banned above
 
         # Projects (joined and left for real in test_projects.py): an invitation that
         # is none is refused saying why, a dry run records nothing, and leaving a

@@ -285,6 +285,8 @@ def test_a_manifest_published_before_the_display_fields_still_parses() -> None:
         ("owner_name", "x" * 65, "at most 64"),
         ("owner_name", "Ada\r\nowner: someone else", "control or invisible"),
         ("owner_name", "para\u2029graph", "control or invisible"),
+        ("description", "Z" + "\u0300" * 279, "combining marks"),  # drawn over the header
+        ("owner_name", "A" + "\u20dd" * 5, "combining marks"),  # enclosing ones too
         ("homepage", "ftp://example.org", "http:// or https://"),
         ("homepage", "javascript:alert(1)", "http:// or https://"),
         ("homepage", "example.org", "http:// or https://"),
@@ -304,3 +306,8 @@ def test_display_fields_are_bounded_and_free_of_control_characters(
     path.write_text(f'name = "demo"\n{field} = {json.dumps(value)}\n')
     with pytest.raises(ConfigError, match=f"{field}: "):
         load_manifest_file(path, owner=OWNER_ID)
+
+
+def test_written_languages_keep_their_marks() -> None:
+    text = "Vi\u1ec7t \u05e9\u05c1\u05bc\u05b8 a\u0301\u0323\u0302\u0306"  # 4 marks at most
+    assert manifest(description=text, owner_name=text).description == text

@@ -175,6 +175,11 @@ def test_contributing_to_a_project_says_whose_it_is() -> None:
     assert configured == "Helping: tiny-lm · 0 samples today"
     joining = view(connected(projects=[project(state="joining")])).status_line
     assert joining == "Contributing · 0 samples today", "only joined projects are helped"
+    # a stranger's longest description and owner name: one line of a menu still
+    wordy = project(description="w" * 280, owner_name="o" * 64)
+    long = view(connected(projects=[wordy]))
+    assert long.status_line == f"Helping: {'w' * 63}… by {'o' * 31}… · 0 samples today"
+    assert long.title == "volunteerd — " + long.status_line
 
 
 def test_running_for_nobody_says_so_with_what_to_do_and_the_waiting_icon() -> None:

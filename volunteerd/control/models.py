@@ -367,6 +367,10 @@ class PeerView(_Reply):
     requests: int  # expert calls this daemon answered for the peer since it started
     refused: int  # its calls refused (paused, busy, over its limits, bad values...)
     connected: bool  # a libp2p connection is open now
+    # every expert call of the peer is refused for banned_s more seconds (it sent
+    # gradients or inputs that would have wrecked an expert: docs/security.md)
+    banned: bool = False
+    banned_s: float = 0.0
 
 
 class StatsBucket(_Reply):

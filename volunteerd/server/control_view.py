@@ -243,13 +243,16 @@ class ControlView:
             refused[peer] = refused.get(peer, 0) + count
         counted = self._accountant.peers
         connected = set(self._node.connected_peers())
-        ids = sorted(connected | set(counted) | set(refused))
+        bans = self._runtime.guard.banned() if self._runtime is not None else {}
+        ids = sorted(connected | set(counted) | set(refused) | set(bans))
         return [
             PeerView(
                 peer_id=peer,
                 requests=counted[peer].requests if peer in counted else 0,
                 refused=refused.get(peer, 0) + (counted[peer].refused if peer in counted else 0),
                 connected=peer in connected,
+                banned=peer in bans,
+                banned_s=round(bans.get(peer, 0.0), 1),
             )
             for peer in ids
         ]

@@ -79,13 +79,26 @@ _MAX_OWNERS_NAMED = 4
 _HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
+_MARKS = frozenset({"Mn", "Me"})  # combining marks drawn on the character before them
+# Marks on one character: written languages stack up to 3 or so (Vietnamese tones over
+# vowel marks, Hebrew points); hundreds drew a column of glyphs ~230 px tall over the
+# dashboard's header and its Resume button.
+_MAX_MARKS = 4
+
+
 def _displayable(value: str) -> str:
     """Text a volunteer is shown (dashboard, tray, terminal): no control characters,
     line breaks or invisible formatting (bidi overrides could make "by Alice" read
-    as someone else), which a signed manifest would otherwise carry to every screen."""
+    as someone else), and no stacks of more than ``_MAX_MARKS`` combining marks, which
+    a signed manifest would otherwise carry to every screen."""
+    marks = 0
     for char in value:
-        if unicodedata.category(char) in _HIDDEN_CATEGORIES:
+        category = unicodedata.category(char)
+        if category in _HIDDEN_CATEGORIES:
             raise ValueError(f"contains a control or invisible character ({char!a})")
+        marks = marks + 1 if category in _MARKS else 0
+        if marks > _MAX_MARKS:
+            raise ValueError(f"more than {_MAX_MARKS} combining marks on one character")
     return value
 
 

@@ -100,7 +100,8 @@ SNOOZE_S = 3600.0
 UPLOAD_PRESETS_MBIT: tuple[float, ...] = (0.0, 1.0, 5.0, 10.0, 50.0)
 DOWNLOAD_PRESETS_MBIT: tuple[float, ...] = (0.0, 5.0, 10.0, 50.0, 100.0)
 
-_MAX_LINE = 64  # characters of an error in a menu line
+_MAX_LINE = 64  # characters of an error or a project's description in a menu line
+_MAX_OWNER = 32  # characters of a project owner's name there
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +171,11 @@ def helping(status: Status) -> str:
     first = joined[0]
     # no owner: a project of the config's experiments.join, trusted by its settings
     owner = first.owner_name or (_short_id(first.owner) if first.owner else "")
-    by = f" by {owner}" if owner else ""
+    by = f" by {_shorten(owner, _MAX_OWNER)}" if owner else ""
     more = f" and {len(joined) - 1} more" if len(joined) > 1 else ""
-    return f"Helping: {first.description or first.name}{by}{more}"
+    # Shortened like the rest: a manifest's description of 280 characters made a
+    # menu line (and tooltip) of 340.
+    return f"Helping: {_shorten(first.description or first.name)}{by}{more}"
 
 
 def status_line(seen: Seen, *, now: float | None = None) -> str:
@@ -322,9 +325,9 @@ def _short_id(peer_id: str) -> str:
     return f"{peer_id[:8]}…{peer_id[-6:]}" if len(peer_id) > 16 else peer_id
 
 
-def _shorten(text: str) -> str:
+def _shorten(text: str, limit: int = _MAX_LINE) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def find(items: tuple[Item, ...], text: str) -> Item:
