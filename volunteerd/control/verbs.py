@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+import unicodedata
 from collections.abc import Sequence
 
 from volunteerd.control.models import (
@@ -31,6 +32,22 @@ __all__ = [
 ]
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# What a terminal acts on rather than shows: escape sequences, line breaks, bidi overrides.
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _shown(text: str) -> str:
+    """``text`` with every control or invisible character written as its escape: lines
+    printed from the daemon's status can carry text that came from peers (an error, an
+    address), and an ESC, a newline or U+202E would act on the terminal (a forged line,
+    colours, reversed text) instead of being read."""
+    if all(unicodedata.category(c) not in _UNSHOWN for c in text):
+        return text
+    return "".join(c if unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text)
+
+
+def _lines(lines: Sequence[str]) -> str:
+    return "\n".join(_shown(line) for line in lines)
 
 
 def parse_duration(text: str) -> float:
@@ -154,7 +171,7 @@ def format_status(status: Status) -> str:
         f"limits        up {_mbit(status.limits.upload_mbit)}, "
         f"down {_mbit(status.limits.download_mbit)}",
     ]
-    return "\n".join(lines)
+    return _lines(lines)
 
 
 def describe_change(status: Status) -> str:
@@ -230,4 +247,4 @@ def format_projects(projects: Sequence[ProjectView], *, running: bool) -> str:
             lines.append(f"  {p.homepage}")
         if p.error:
             lines.append(f"  last error: {p.error}")
-    return "\n".join(lines)
+    return _lines(lines)
