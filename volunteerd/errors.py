@@ -26,6 +26,7 @@
     │   ├── PeerUnreachable    could not open a stream to the peer
     │   ├── RequestTimeout     the peer did not answer in time
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
+    │   ├── ReplyTooLarge      a reply declared more than its call asked for (also a FrameTooLarge)
     │   ├── ShardError         a shard download failed (bad bytes, or the peer kept failing)
     │   └── TrainerStateError  another trainer's state is not usable (too large, not a trainer's)
     ├── NoExpertsAvailable     no expert of a layer is alive or answers (a trainer skips the step)
@@ -70,6 +71,7 @@ __all__ = [
     "RateLimited",
     "Rejected",
     "RemoteError",
+    "ReplyTooLarge",
     "RequestTimeout",
     "ResourceUnavailable",
     "ShardError",
@@ -257,6 +259,12 @@ class RemoteError(PeerError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class ReplyTooLarge(FrameTooLarge, PeerError):
+    """A reply declared a header or body over the cap of its call; refused from its
+    prefix, before the rest was read. A ``FrameTooLarge`` (wire code ``too_large``) and a
+    ``PeerError``, so callers that treat a failed peer as failed need no new case."""
 
 
 class ShardError(PeerError):

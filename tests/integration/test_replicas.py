@@ -14,7 +14,7 @@ import trio
 
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import ReplicasConfig
-from volunteerd.errors import PeerUnreachable
+from volunteerd.errors import PeerUnreachable, ReplyTooLarge
 from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.runtime import ExpertRuntime, averaging
 from volunteerd.runtime.averaging import ReplicaAverager, centered_clip
@@ -145,15 +145,23 @@ class FakeSwarm:
     def __init__(self, replies: dict[str, tuple[ParamsReply, list[WireTensor]] | None]) -> None:
         self.replies = replies
         self.calls: Counter[str] = Counter()  # peer id -> fetches
+        self.caps: list[int] = []  # each fetch's max_bytes
 
     async def replicas(self, uid: str) -> list[str]:
         return list(self.replies)
 
-    async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        """As the RPC client does: a reply over ``max_bytes`` is ReplyTooLarge."""
         self.calls[peer_id] += 1
+        self.caps.append(max_bytes)
         reply = self.replies[peer_id]
         if reply is None:
             raise PeerUnreachable(f"{peer_id}: gone")
+        declared = sum(t.data.nbytes for t in reply[1])
+        if declared > max_bytes:
+            raise ReplyTooLarge(f"body of {declared} bytes exceeds the cap of {max_bytes}")
         return reply
 
 
@@ -181,6 +189,29 @@ async def test_replies_that_do_not_fit_are_dropped_and_counted() -> None:
     after = runtime.backend(UID).parameter_copies()
     for k in own:  # the mean of own and good
         torch.testing.assert_close(after[k], own[k] + 0.5e-4)
+
+
+async def test_a_reply_larger_than_the_experts_parameters_is_refused_and_backs_off() -> None:
+    """Each fetch may bring at most the expert's own parameter bytes; a replica that
+    sends more is counted as "too_large" and not asked again until its backoff is over
+    (tests/integration/test_oversized_replies.py: refused over libp2p, unread)."""
+    runtime = backend_runtime()
+    own = runtime.backend(UID).parameter_copies()
+    size = sum(v.numel() * 4 for v in own.values())
+    padded = {k: v.clone() for k, v in own.items()}
+    padded["up.weight"] = torch.zeros(size)  # one tensor as large as all of them
+    swarm, clock = FakeSwarm({"huge": reply_for(padded)}), Clock()
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(average_every_s=10.0), clock=clock)
+    assert await averager.average(UID) == 0
+    assert swarm.caps == [size]
+    stats = averager.statistics()
+    assert stats.rejected == {"too_large": 1}
+    assert stats.rejected_by_peer == {"huge": 1}
+    clock.now = 5.0
+    assert await averager.average(UID) == 0
+    assert swarm.calls["huge"] == 1  # backing off
+    after = runtime.backend(UID).parameter_copies()
+    assert all(torch.equal(after[k], own[k]) for k in own)
 
 
 async def test_averaging_keeps_kept_forwards_valid() -> None:

@@ -241,10 +241,14 @@ class FakeRpc:
         self.corrupt: set[int] = set()  # call numbers whose body gets a flipped bit
         self.fail_from: int | None = None  # every call from this one on fails
         self.busy: set[int] = set()  # call numbers answered "busy"
+        self.caps: list[int | None] = []  # each call's max_body_bytes
 
-    async def call_raw(self, peer: PeerAddress, verb: Verb, header: Any) -> tuple[Any, memoryview]:
+    async def call_raw(
+        self, peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
+    ) -> tuple[Any, memoryview]:
         assert verb is Verb.SHARD
         self.calls += 1
+        self.caps.append(max_body_bytes)
         if self.calls in self.fail or (self.fail_from and self.calls >= self.fail_from):
             raise PeerUnreachable("connection dropped")
         if self.calls in self.busy:
@@ -279,6 +283,18 @@ async def test_download_writes_the_whole_snapshot_and_cleans_up(tmp_path: Path) 
     )
     assert rpc.calls == 10
     assert not any(p.exists() for p in partial_paths(dest))
+
+
+async def test_each_chunk_reply_is_capped_at_the_length_asked_for(tmp_path: Path) -> None:
+    """The RPC client refuses a longer reply from its prefix (tests/unit/test_reply_caps.py,
+    tests/integration/test_oversized_replies.py): a chunk costs what was asked for."""
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    with pytest.raises(ShardError, match="more than 3000"):
+        await download(rpc, tmp_path / "x", chunk_bytes=4096, max_bytes=3000)
+    assert rpc.caps == [3000]  # before the size is known: at most max_bytes
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    await download(rpc, tmp_path / "y", chunk_bytes=4096)
+    assert rpc.caps == [4096, 4096, len(DATA) - 8192]
 
 
 async def test_dropped_calls_are_retried_within_one_download(tmp_path: Path) -> None:
@@ -434,8 +450,10 @@ async def test_reply_that_contradicts_the_download_is_refused(tmp_path: Path) ->
     rpc = FakeRpc(server(experts))
     original = rpc.call_raw
 
-    async def lying(peer: PeerAddress, verb: Verb, header: Any) -> tuple[Any, memoryview]:
-        reply, body = await original(peer, verb, header)
+    async def lying(
+        peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
+    ) -> tuple[Any, memoryview]:
+        reply, body = await original(peer, verb, header, max_body_bytes=max_body_bytes)
         if rpc.calls == 3:
             reply = reply.model_copy(update={"total": reply.total + 1})
         return reply, body

@@ -163,7 +163,9 @@ class FakeRpc:
         self.asked: list[int] = []  # lengths asked for
         self.fail: set[int] = set()
 
-    async def call_raw(self, peer: PeerAddress, verb: Verb, header: Any) -> tuple[Any, memoryview]:
+    async def call_raw(
+        self, peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
+    ) -> tuple[Any, memoryview]:
         assert verb is Verb.SHARD
         self.calls += 1
         self.asked.append(header.length)

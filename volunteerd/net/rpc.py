@@ -14,7 +14,12 @@ Both sides pass every stream through the node's ``Throttle`` (``net/throttle.py`
 volunteer's upload and download limits, shared by all peers, and the transfer count.
 
 Client: a pool of idle streams per (peer, verb). Opening a stream costs a protocol
-negotiation (~5 ms) and connecting costs ~250 ms on loopback, so both are reused.
+negotiation (~5 ms) and connecting costs ~250 ms on loopback, so both are reused. A
+reply's body is capped by what the call can use, not by ``wire.max_body_bytes`` alone:
+none for verbs whose replies carry no body, and ``max_body_bytes`` where the caller knows
+the size (an expert's parameters, a shard chunk). The cap is checked from the reply's
+prefix, before its header or body is read; a reply over it is ``ReplyTooLarge`` and the
+stream is reset.
 
 Both sides see the network only as a ``StreamHost`` (``net/transport.py``): py-libp2p's
 host in a node, an in-memory one in tests. Times are trio's clock throughout.
@@ -41,6 +46,7 @@ from volunteerd.errors import (
     PeerUnreachable,
     RateLimited,
     RemoteError,
+    ReplyTooLarge,
     RequestTimeout,
     VolunteerdError,
     WireError,
@@ -72,6 +78,13 @@ logger = logging.getLogger(__name__)
 # trainer's concurrent calls). Without it a peer that never reads, or grants Yamux a few
 # bytes of window now and then, held its reply and its in-flight budget for good.
 _REPLY_PIECE = 64 * 1024
+
+
+# The verbs whose replies carry a body: tensors, or a shard's raw bytes. Every other
+# reply is its JSON header alone, and a body on it is refused from the prefix.
+_REPLIES_WITH_BODY = frozenset(
+    {verb for verb, spec in PROTOCOLS.items() if spec.carries_tensors} | {Verb.SHARD}
+)
 
 
 class _SlowReader(Exception):
@@ -439,14 +452,25 @@ class RpcClient:
         verb: Verb,
         header: BaseModel,
         buffers: Sequence[bytes | bytearray | memoryview] = (),
+        *,
+        max_body_bytes: int | None = None,
     ) -> tuple[Any, list[WireTensor]]:
         """Send one request and return the reply header and tensors.
 
+        ``max_body_bytes``: the most bytes the reply's body (its tensors together) may
+        have, when the caller knows what it asked for (``wire.max_body_bytes`` if None;
+        a verb whose replies carry no tensors allows no body whatever is given).
+
         Raises RemoteError when the peer answers with an error, RequestTimeout when it
-        does not answer within ``request_s``, PeerUnreachable when no stream opens.
+        does not answer within ``request_s``, PeerUnreachable when no stream opens,
+        ReplyTooLarge when the reply declares more than ``max_body_bytes`` (nothing of
+        it beyond its 16-byte prefix is read, and the stream is reset), and PeerError
+        when the reply is otherwise malformed.
         """
         spec = PROTOCOLS[verb]
-        reply, body = await self.call_raw(peer, verb, header, buffers)
+        reply, body = await self.call_raw(
+            peer, verb, header, buffers, max_body_bytes=max_body_bytes
+        )
         try:
             tensors = split_body(_tensor_metas(reply), body) if spec.carries_tensors else []
         except WireError as exc:
@@ -459,15 +483,21 @@ class RpcClient:
         verb: Verb,
         header: BaseModel,
         buffers: Sequence[bytes | bytearray | memoryview] = (),
+        *,
+        max_body_bytes: int | None = None,
     ) -> tuple[Any, memoryview]:
         """Like ``call``, but the reply's body is returned as it came, uncut: for verbs
-        whose body is not tensors (``shard``)."""
+        whose body is not tensors (``shard``: pass the chunk length asked for as
+        ``max_body_bytes``)."""
         spec = PROTOCOLS[verb]
         frame = encode_frame(header, buffers)
+        body_cap = self._limits.max_body_bytes if verb in _REPLIES_WITH_BODY else 0
+        if max_body_bytes is not None:
+            body_cap = max(0, min(body_cap, max_body_bytes))
         stream, reused = await self._acquire(peer, spec)
         try:
             try:
-                reply, body = await self._exchange(spec, stream, frame)
+                reply, body = await self._exchange(spec, stream, frame, body_cap)
             except _StaleStream:
                 await _reset(stream)
                 if not (reused and spec.idempotent):
@@ -475,7 +505,7 @@ class RpcClient:
                 # A pooled stream the server had closed: one fresh try for safe verbs.
                 stream = await self._open(peer, spec)
                 try:
-                    reply, body = await self._exchange(spec, stream, frame)
+                    reply, body = await self._exchange(spec, stream, frame, body_cap)
                 except _StaleStream:
                     raise PeerError(f"{verb} to {short(peer.peer_id)}: stream closed") from None
         except _RemoteErrorKeep as exc:
@@ -491,7 +521,7 @@ class RpcClient:
         return reply, body
 
     async def _exchange(
-        self, spec: ProtocolSpec, stream: Stream, frame: bytes
+        self, spec: ProtocolSpec, stream: Stream, frame: bytes, body_cap: int
     ) -> tuple[Any, memoryview]:
         written = False
         replying = False  # a reply byte arrived
@@ -516,7 +546,7 @@ class RpcClient:
                         prefix = await read_prefix(stream)
                         if prefix is not None:
                             replying = True
-                            raw = await read_frame_rest(stream, bytes(prefix), self._limits)
+                            raw = await self._read_reply(spec, stream, bytes(prefix), body_cap)
                     except Exception as exc:
                         read_error = exc
                     if not written and (raw is None or not _says_ok(raw.header)):
@@ -529,6 +559,9 @@ class RpcClient:
                 f"{spec.verb}: no reply within {self._timeouts.request_s}s"
             ) from None
         if raw is None:
+            if isinstance(read_error, ReplyTooLarge):
+                # Its prefix alone was read: the stream is out of step (call_raw resets it).
+                raise read_error
             if isinstance(read_error, WireError):
                 raise PeerError(f"{spec.verb}: bad reply: {read_error}") from None
             if not replying:
@@ -551,6 +584,20 @@ class RpcClient:
         if not written:
             raise PeerError(f"{spec.verb}: replied before the request was sent") from None
         return reply, raw.body
+
+    async def _read_reply(
+        self, spec: ProtocolSpec, stream: Stream, prefix: bytes, body_cap: int
+    ) -> RawFrame:
+        """The rest of the reply whose ``prefix`` was just read. Raises ReplyTooLarge,
+        before reading any more, when the prefix declares a header over
+        ``wire.max_header_bytes`` or a body over ``body_cap``."""
+        try:
+            parse_prefix(
+                prefix, max_header_bytes=self._limits.max_header_bytes, max_body_bytes=body_cap
+            )
+        except FrameTooLarge as exc:
+            raise ReplyTooLarge(f"{spec.verb} reply refused: {exc}") from None
+        return await read_frame_rest(stream, prefix, self._limits)
 
     def _adapter(self, spec: ProtocolSpec) -> TypeAdapter[Any]:
         adapter = self._reply_adapters.get(spec.verb)

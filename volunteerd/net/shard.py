@@ -47,6 +47,7 @@ from volunteerd.errors import (
     MalformedFrame,
     PeerError,
     RemoteError,
+    ReplyTooLarge,
     ShardError,
     SnapshotExpired,
 )
@@ -367,8 +368,9 @@ async def download_shard(
 
     Raises RemoteError (``unknown_expert``: the peer does not host ``uid``;
     ``shutting_down``), and ShardError when the peer keeps failing (``resumable``: the
-    partial file is kept), when its replies contradict each other, or when the bytes do
-    not match their SHA-256 (the partial file is deleted).
+    partial file is kept), when its replies contradict each other or one declares more
+    bytes than its request asked for (refused from its prefix, before they are read; not
+    retried), or when the bytes do not match their SHA-256 (the partial file is deleted).
     """
     if chunk_bytes < 1:
         raise ValueError("chunk_bytes must be positive")
@@ -412,7 +414,11 @@ async def download_shard(
                 length=min(chunk_bytes, partial.remaining(max_bytes)),
             )
             try:
-                reply, body = await rpc.call_raw(peer, Verb.SHARD, request)
+                reply, body = await rpc.call_raw(
+                    peer, Verb.SHARD, request, max_body_bytes=request.length
+                )
+            except ReplyTooLarge as exc:  # more than asked for: a peer not to retry
+                raise ShardError(f"{where}: {exc}", resumable=True) from exc
             except RemoteError as exc:
                 if exc.code == "expired" and partial.sha256 is not None:
                     logger.info("%s: snapshot expired on the peer; starting again", where)
@@ -466,8 +472,8 @@ async def fetch_shard(
 
     Raises RemoteError (e.g. ``unknown_expert``), PeerError when the peer cannot be
     reached, and ShardError when it keeps failing, when its replies contradict each
-    other, when the snapshot is larger than ``max_bytes`` or its bytes do not match
-    their SHA-256.
+    other or one declares more bytes than asked for (refused before they are read), when
+    the snapshot is larger than ``max_bytes`` or its bytes do not match their SHA-256.
     """
     if chunk_bytes < 1:
         raise ValueError("chunk_bytes must be positive")
@@ -484,7 +490,11 @@ async def fetch_shard(
             length=min(chunk_bytes, progress.remaining(max_bytes)),
         )
         try:
-            reply, body = await rpc.call_raw(peer, Verb.SHARD, request)
+            reply, body = await rpc.call_raw(
+                peer, Verb.SHARD, request, max_body_bytes=request.length
+            )
+        except ReplyTooLarge as exc:  # more than asked for: a peer not to retry
+            raise ShardError(f"{where}: {exc}", resumable=False) from exc
         except RemoteError as exc:
             if exc.code == "expired" and progress.sha256 is not None:
                 logger.info("%s: snapshot expired on the peer; starting again", where)

@@ -2,8 +2,9 @@
 
 Every ``average_every_s`` (jittered ±20%, so replicas do not all ask at once) and for
 each hosted uid, the averager asks the swarm for the other daemons hosting that uid,
-fetches their parameters (the ``params`` verb), drops replies that do not fit (wrong
-uid, names, dtypes or shapes, non-finite values) and combines the rest with *centered
+fetches their parameters (the ``params`` verb), drops replies that do not fit (larger
+than its own parameters, refused from their prefix before the rest is read; wrong uid,
+names, dtypes or shapes, non-finite values) and combines the rest with *centered
 clipping* around its own weights, tensor by tensor::
 
     new = own + 1/n * sum_i clip(w_i - own, tau)      n = replicas averaged, self included
@@ -50,7 +51,7 @@ import trio
 
 from volunteerd.bounded import remember
 from volunteerd.config import ReplicasConfig
-from volunteerd.errors import VolunteerdError
+from volunteerd.errors import FrameTooLarge, VolunteerdError
 from volunteerd.experts import ExpertBackend, from_wire
 from volunteerd.experts.clipping import Params, centered_clip
 from volunteerd.runtime.service import ExpertRuntime
@@ -76,8 +77,12 @@ class ReplicaSource(Protocol):
         """Peer ids of the other daemons hosting ``uid`` now (not this one)."""
         ...
 
-    async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
-        """``peer_id``'s parameters of ``uid``. Raises VolunteerdError when it fails."""
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        """``peer_id``'s parameters of ``uid``, whose tensors hold at most ``max_bytes``
+        together. Raises VolunteerdError when it fails: FrameTooLarge for a reply over
+        ``max_bytes``, refused before its body is read."""
         ...
 
 
@@ -156,11 +161,17 @@ class ReplicaAverager:
         expected = {
             name: (p.dtype, tuple(p.shape)) for name, p in backend.module.named_parameters()
         }
+        # A reply that fits has exactly these bytes: one over them is refused from its
+        # prefix, or a replica could make this node read ~256 MiB (wire.max_body_bytes).
+        max_bytes = sum(p.numel() * p.element_size() for p in backend.module.parameters())
         replies: list[tuple[str, Params]] = []
 
         async def fetch(peer_id: str) -> None:
             try:
-                reply, tensors = await self.source.fetch(peer_id, uid)
+                reply, tensors = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
+            except FrameTooLarge as exc:
+                self._reject(peer_id, "too_large", str(exc))
+                return
             except VolunteerdError as exc:
                 self._reject(peer_id, "unreachable", str(exc))
                 return

@@ -57,12 +57,18 @@ class SwarmReplicas:
             return list(found)
         return []
 
-    async def fetch(self, peer_id: str, uid: str) -> tuple[ParamsReply, list[WireTensor]]:
-        """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before)."""
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before), at most
+        ``max_bytes`` of tensors: a reply declaring more is refused from its prefix
+        (ReplyTooLarge, a FrameTooLarge), its body never read."""
         address = self._addresses.get(uid, {}).get(peer_id)
         if address is None:  # the uid's lookup since then no longer lists it
             raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
-        reply, tensors = await self._node.rpc.call(address, Verb.PARAMS, ParamsRequest(uid=uid))
+        reply, tensors = await self._node.rpc.call(
+            address, Verb.PARAMS, ParamsRequest(uid=uid), max_body_bytes=max_bytes
+        )
         return reply, tensors
 
 
