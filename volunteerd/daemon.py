@@ -43,7 +43,7 @@ from volunteerd.schedule import Scheduler
 from volunteerd.server.contribution import Accountant, opened_stats
 from volunteerd.server.control_view import ControlView
 from volunteerd.server.events import open_events
-from volunteerd.server.pausing import Volunteer
+from volunteerd.server.pausing import Volunteer, refusal_before_reading
 from volunteerd.swarm.projects import Project, load_projects
 
 if TYPE_CHECKING:
@@ -229,6 +229,8 @@ class Daemon:
                 computing,
                 trio.open_nursery() as serving,
             ):
+                if handlers is not None:  # paused: refused before a byte more is read
+                    node.server.refuse_unread = refusal_before_reading(volunteer.gate, accountant)
                 await serving.start(accountant.serve)
                 await serving.start(scheduler.serve)  # decides before the volunteer serves
                 if hosting is not None:

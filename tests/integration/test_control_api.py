@@ -356,9 +356,12 @@ async def test_pause_through_the_api_withdraws_the_announcements(tmp_path: Path)
             return not await announced()
 
         await eventually(withdrawn)
+        read_before = daemon.node.server.stats.bytes_in
         with pytest.raises(RemoteError) as refused:
             await forward(trainer, daemon, "ffn.0.0", 2)
         assert refused.value.code == "paused"
+        # refused from its prefix: a peer that keeps sending costs a paused daemon nothing
+        assert daemon.node.server.stats.bytes_in == read_before
         await call(client.resume)
         await eventually(announced)
         await forward(trainer, daemon, "ffn.0.0", 2)

@@ -173,6 +173,10 @@ class RpcServer:
         self._inflight_budget = limits.max_inflight_mib << 20
         self._charged: dict[int, int] = {}  # by id(stream): one request at a time each
         self._installed = False
+        # Asked (verb, peer id) once a request's prefix is read: an error refuses the
+        # request before its header and body are read (the volunteer paused: a peer
+        # that kept sending made a paused daemon read 3 MB/s and use half a core).
+        self.refuse_unread: Callable[[Verb, str], VolunteerdError | None] | None = None
 
     def open_streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
@@ -286,6 +290,11 @@ class RpcServer:
                     )
                 declared = PREFIX.size + sizes.header_bytes + sizes.body_bytes
                 reason = self._limiter.admit(peer_id, declared, stream.remote_host)
+                if reason is None and self.refuse_unread is not None:
+                    early = self.refuse_unread(spec.verb, peer_id)
+                    if early is not None:  # the frame stays unread: close after the reply
+                        await self._refuse(spec, stream, peer_id, early)
+                        return False
                 if reason is None and not self._reserve(stream, declared):
                     reason = "inflight"
                 if reason is not None:

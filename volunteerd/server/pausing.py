@@ -56,8 +56,8 @@ from volunteerd.config import LimitsConfig, limits_overlay_toml
 from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.control.models import MAX_SNOOZE_S
-from volunteerd.errors import ConfigError, Paused
-from volunteerd.net import Announcer, Throttle
+from volunteerd.errors import ConfigError, Paused, VolunteerdError
+from volunteerd.net import Announcer, Throttle, Verb
 from volunteerd.schedule import ALLOWED, Decision
 
 if TYPE_CHECKING:
@@ -66,8 +66,15 @@ if TYPE_CHECKING:
 
     # Only for types: a daemon that hosts nothing never imports torch.
     from volunteerd.runtime import ExpertRuntime
+    from volunteerd.server.contribution import Accountant
 
-__all__ = ["RequestGate", "Volunteer", "VolunteerState"]
+__all__ = [
+    "GATED_VERBS",
+    "RequestGate",
+    "Volunteer",
+    "VolunteerState",
+    "refusal_before_reading",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +90,12 @@ class VolunteerState:
     until: float | None  # the end of a snooze, in time.time() seconds
     reason: str  # for people: why it is not serving ("" while serving)
     limits: LimitsConfig
+
+
+# The verbs that cost the volunteer compute or bandwidth: refused while paused.
+GATED_VERBS = frozenset(
+    {Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH, Verb.PARAMS, Verb.SHARD}
+)
 
 
 class RequestGate:
@@ -118,6 +131,29 @@ class RequestGate:
     async def wait_idle(self) -> None:
         """Return when no gated request is in flight."""
         await self._idle.wait()
+
+
+def refusal_before_reading(
+    gate: RequestGate, accountant: Accountant | None
+) -> Callable[[Verb, str], VolunteerdError | None]:
+    """For ``RpcServer.refuse_unread``: while ``gate`` is closed, a gated verb's request
+    is refused from its prefix, its header and body never read, and counted as one
+    refused call (of no uid: none was read). The gate's own refusal in the pipeline
+    stays for requests read before the pause."""
+
+    def refuse(verb: Verb, peer_id: str) -> VolunteerdError | None:
+        if verb not in GATED_VERBS:
+            return None
+        refusal = gate.refusal()
+        if refusal is not None and accountant is not None and verb in _COUNTED_VERBS:
+            accountant.refused("", peer_id, refusal)
+        return refusal
+
+    return refuse
+
+
+# The gated verbs whose refusals are counted as refused expert calls (``gated``).
+_COUNTED_VERBS = frozenset({Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH})
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from volunteerd.net import Handler, Reply, Request, ShardServer, Verb, short
 from volunteerd.net.shard import Snapshot
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.server.contribution import Accountant, Result
-from volunteerd.server.pausing import RequestGate
+from volunteerd.server.pausing import GATED_VERBS, RequestGate
 from volunteerd.wire import BatchReply, ErrorReply, TensorReply, WireTensor
 from volunteerd.wire.messages import ParamsReply
 
@@ -46,10 +46,6 @@ __all__ = ["GATED_VERBS", "expert_handlers", "shard_snapshot"]
 
 logger = logging.getLogger(__name__)
 
-# The verbs that cost the volunteer compute or bandwidth: refused while paused.
-GATED_VERBS = frozenset(
-    {Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH, Verb.PARAMS, Verb.SHARD}
-)
 
 Kind = Literal["forward", "backward"]
 
