@@ -8,7 +8,8 @@ Three parts, all built by ``open_node``:
   limits) on bootstrap nodes and on ``act_as_relay`` nodes, and dialling circuit
   addresses for the RPC client. The relay's stream handlers are registered here, and
   reservations are made explicitly: py-libp2p's automatic reservation did not reserve
-  (docs/decisions, notes on py-libp2p).
+  (docs/decisions, notes on py-libp2p). It also runs hole punching (DCUtR), bounded in
+  what a peer can make it dial (``net/holepunching.py``).
 * ``Reachability`` decides the mode (``direct``, ``relayed``, ``unreachable`` or
   ``unknown``) by asking up to three connected peers to dial it back, reserves a relay
   slot when needed and keeps it refreshed, and reports the addresses to announce and
@@ -33,7 +34,6 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -43,6 +43,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from volunteerd.config import ReachabilityConfig, TimeoutsConfig
 from volunteerd.errors import PeerError, PeerUnreachable
 from volunteerd.net.dialback import DialBackReply, DialBackRequest, dialable_addrs, tcp_endpoint
+from volunteerd.net.holepunching import HolePunching, UpgradeStats
 from volunteerd.net.host import transport_addrs
 from volunteerd.net.peers import (
     CIRCUIT_SUFFIX,
@@ -167,68 +168,6 @@ def observed_ips(host: IHost, peer_id: str) -> list[str]:
     return ips
 
 
-@dataclass(frozen=True, slots=True)
-class UpgradeStats:
-    """What DCUtR did with this node's relayed connections."""
-
-    # Relayed connections that gained a direct one: by hole punching (both sides dial
-    # at once, from their listening ports) or by a plain dial that simply worked (the
-    # other side is reachable, or this one is).
-    upgraded: int
-    # Hole punches that ended without a direct connection (a symmetric NAT, a firewall).
-    failed: int
-    last_upgrade_at: float | None
-    last_upgrade_peer: str | None
-
-
-class _HolePunching(DCUtRProtocol):
-    """py-libp2p's DCUtR (``/libp2p/dcutr``), counting its outcomes.
-
-    Every 2 s it looks for peers connected only through a relay and, for each, first
-    dials the peer's known direct addresses, then exchanges observed addresses over
-    the relayed connection and has both sides dial each other at the same moment,
-    each from its listening port (SO_REUSEPORT). Both sides dial, so a node behind
-    any NAT reaches a public peer directly (its NAT lets it dial out); two peers
-    behind symmetric NATs (a new public port per destination) have no port to aim
-    at and stay relayed (docs/protocol.md has the measured table). A relayed
-    connection that gained a direct one is closed a minute later; new streams
-    prefer the direct one at once."""
-
-    def __init__(self, host: IHost) -> None:
-        super().__init__(host)
-        self.upgraded = 0
-        self.failed = 0
-        self.last_upgrade_at: float | None = None
-        self.last_upgrade_peer: str | None = None
-
-    def statistics(self) -> UpgradeStats:
-        return UpgradeStats(
-            self.upgraded, self.failed, self.last_upgrade_at, self.last_upgrade_peer
-        )
-
-    def _count(self, peer_id: ID, upgraded: bool) -> None:
-        if upgraded:
-            self.upgraded += 1
-            self.last_upgrade_at = time.time()
-            self.last_upgrade_peer = str(peer_id)
-            logger.info("connection to %s upgraded from relayed to direct", short(peer_id))
-        else:
-            self.failed += 1
-
-    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
-        upgraded = bool(await super()._try_unilateral_upgrade(peer_id))
-        if upgraded:
-            self._count(peer_id, True)
-        return upgraded
-
-    async def _perform_hole_punch(
-        self, peer_id: ID, addrs: list[multiaddr.Multiaddr], as_responder: bool = False
-    ) -> bool:
-        upgraded = bool(await super()._perform_hole_punch(peer_id, addrs, as_responder))
-        self._count(peer_id, upgraded)
-        return upgraded
-
-
 class _DirectAfterRelayed(INotifee):
     """Calls ``on_direct(peer id)`` when a direct connection opens to a peer this node
     is connected to through a relay (whoever dialled it): the RPC client then stops
@@ -293,12 +232,16 @@ class Relaying:
         self._host = host
         self.hop = hop
         self._protocol = CircuitV2Protocol(host, limits=RELAY_LIMITS, allow_hop=hop)
-        self._hole_punching = _HolePunching(host) if hole_punching else None
         if on_direct is not None:
             host.get_network().register_notifee(_DirectAfterRelayed(on_direct))
         # STOP only: with the CLIENT role py-libp2p reserves a slot before every dial.
         self._transport = CircuitV2Transport(
             host, self._protocol, RelayConfig(roles=RelayRole.STOP, limits=RELAY_LIMITS)
+        )
+        self._hole_punching = (
+            HolePunching(host, lambda: tuple(self._transport._reservations))
+            if hole_punching
+            else None
         )
         self._nursery: trio.Nursery | None = None
         # STOP streams refused: from a peer this node holds no reservation with.
