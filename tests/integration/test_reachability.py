@@ -382,3 +382,35 @@ async def test_streams_flooding_from_the_nodes_own_relay_are_refused_without_cut
             await trio.sleep(0.5)  # a close, were there one, has happened by now
             assert not connection.muxed_conn.is_closed
             assert node.addrs == [f"{boot.addrs[0]}/p2p/{boot.peer_id}/p2p-circuit"]
+
+
+async def test_a_lone_peers_word_puts_no_stranger_address_in_the_nodes_records() -> None:
+    """A peer answering dial-back names the address it reached the node at, and the
+    IP it saw. Taken on its word, a stranger's address went first into the node's
+    signed records (and any text into its status): now one at another IP than the
+    node's own needs a second peer's agreement, and one no rule could produce (another
+    port, not an address) is ignored."""
+    lies = ["/ip4/6.6.6.6/tcp/PORT"]  # from the first check, at the start
+
+    async def lying(request: Request) -> Reply:
+        port = request.header.addrs[0].rsplit("/", 1)[-1]
+        lie = lies[0].replace("PORT", port)
+        return Reply(DialBackReply(reachable=lie, dialled=1, observed="6.6.6.6"), [])
+
+    async with (
+        open_peer(local_config()) as boot,
+        open_node(Identity.generate(), local_config(), {Verb.DIALBACK: lying}) as liar,
+        open_peer(local_config(bootstrap=[*boot.multiaddrs, *liar.multiaddrs])) as node,
+    ):
+        reach = node.reachability
+        assert reach is not None
+        for lie in ("/ip4/6.6.6.6/tcp/PORT", "/ip4/6.6.6.6/tcp/1", "/dns4/evil.example/tcp/1"):
+            lies[:] = [lie]
+            with trio.fail_after(60):
+                while len(node.host.get_network().connections) < 2:  # noqa: ASYNC110 - polling
+                    await trio.sleep(0.1)
+                assert await reach.check() == "direct"  # the honest peer reached it
+            report = reach.report()
+            assert report.direct_addrs == tuple(node.addrs), lie
+            assert report.announce_addrs == tuple(node.addrs), lie
+            assert not any("6.6.6.6" in a or "evil" in a for a in report.announce_addrs)

@@ -124,3 +124,26 @@ def test_dialback_reply_says_which_ip_the_request_came_from() -> None:
     assert DialBackReply().observed is None  # over a relay: nothing observed
     with pytest.raises(ValidationError):
         DialBackReply(observed="x" * 65)
+
+
+def test_a_reply_is_believed_only_where_the_dialling_rules_could_have_reached() -> None:
+    from volunteerd.net.dialback import DialBackReply, believable
+
+    sent = ["/ip4/192.168.1.5/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]
+
+    def reply(reachable: str, observed: str | None = "203.0.113.7") -> DialBackReply:
+        return DialBackReply(reachable=reachable, dialled=1, observed=observed)
+
+    assert believable(reply("/ip4/203.0.113.7/tcp/4001"), sent) == "/ip4/203.0.113.7/tcp/4001"
+    assert believable(reply("/ip4/192.168.1.5/tcp/4001", None), sent) == "/ip4/192.168.1.5/tcp/4001"
+    for wrong in (
+        "/ip4/203.0.113.7/tcp/1",  # a port that was not sent
+        "/ip4/6.6.6.6/tcp/4001",  # neither sent nor the IP it says it saw
+        "/dns4/evil.example/tcp/4001",
+        "/ip4/0.0.0.0/tcp/4001",
+    ):
+        assert believable(reply(wrong, "6.6.6.6" if "0.0.0.0" in wrong else None), sent) is None
+    with pytest.raises(ValueError):  # text that is no address never gets this far
+        reply("/ip4/203.0.113.7/tcp/4001\nstate running")
+    with pytest.raises(ValueError):
+        reply("/ip4/1.2.3.4/tcp/1" + "1" * 300)

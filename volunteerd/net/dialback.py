@@ -26,13 +26,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from volunteerd.config.addrs import tcp_endpoint
+from volunteerd.config.addrs import is_dialable_addr, tcp_endpoint
 from volunteerd.errors import Rejected
 
 __all__ = [
     "MAX_DIALBACK_ADDRS",
     "DialBackReply",
     "DialBackRequest",
+    "believable",
     "dialable_addrs",
     "tcp_endpoint",
 ]
@@ -52,7 +53,7 @@ class DialBackReply(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     status: Literal["ok"] = "ok"
     # The first address at which the requester answered, or None.
-    reachable: str | None = None
+    reachable: Annotated[str, Field(max_length=200, pattern=r"^[!-~]+$")] | None = None
     # How many addresses were dialled (the others were skipped by the IP rule).
     dialled: int = 0
     # The IP the request came from, as this peer saw it: behind NAT, the router's
@@ -87,3 +88,25 @@ def dialable_addrs(
             family = "ip4" if ip.version == 4 else "ip6"
             out.append(f"/{family}/{same_family[0]}/tcp/{endpoint[1]}")
     return list(dict.fromkeys(out))
+
+
+def believable(reply: DialBackReply, sent: Iterable[str]) -> str | None:
+    """The address ``reply`` says it reached this node at, if it is one the dialling
+    rules above could have produced from the addresses ``sent``: a TCP address at a
+    port that was sent, at the IP of a sent address or the IP the peer says it saw.
+    Else None: a peer's word goes into this node's signed expert records (a stranger's
+    ``/ip4/6.6.6.6/tcp/1`` was announced first, before the node's own addresses)."""
+    if reply.reachable is None:
+        return None
+    endpoint = tcp_endpoint(reply.reachable)
+    if endpoint is None or not is_dialable_addr(reply.reachable, lambda _: None):
+        return None
+    ends = [e for e in (tcp_endpoint(a.partition("/p2p/")[0]) for a in sent) if e is not None]
+    ips = {ip for ip, _ in ends} | ({reply.observed} if reply.observed else set())
+    ports = {port for _, port in ends}
+    try:
+        ip = str(ipaddress.ip_address(endpoint[0]))
+        known = {str(ipaddress.ip_address(i)) for i in ips}
+    except ValueError:
+        return None
+    return reply.reachable if ip in known and endpoint[1] in ports else None

@@ -22,6 +22,7 @@ a peer dials one by appending ``/p2p/<node id>``.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +43,14 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from volunteerd.config import ReachabilityConfig, TimeoutsConfig
 from volunteerd.errors import PeerError, PeerUnreachable
-from volunteerd.net.dialback import DialBackReply, DialBackRequest, dialable_addrs, tcp_endpoint
+from volunteerd.net.dialback import (
+    MAX_DIALBACK_ADDRS,
+    DialBackReply,
+    DialBackRequest,
+    believable,
+    dialable_addrs,
+    tcp_endpoint,
+)
 from volunteerd.net.holepunching import HolePunching, UpgradeStats
 from volunteerd.net.host import transport_addrs
 from volunteerd.net.peers import (
@@ -198,6 +206,19 @@ class _DirectAfterRelayed(INotifee):
 
     async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
         pass
+
+
+def _ip_of(addr: str) -> str | None:
+    endpoint = tcp_endpoint(addr)
+    return None if endpoint is None else endpoint[0]
+
+
+def _is_ip(text: str | None) -> bool:
+    try:
+        ipaddress.ip_address(text or "")
+    except ValueError:
+        return False
+    return True
 
 
 def _is_circuit(conn: INetConn) -> bool:
@@ -473,7 +494,9 @@ class Reachability:
         announced = self.announce_addrs
         addrs = [a for a in transport_addrs(self._host) if tcp_endpoint(a) is not None]
         peers = self._peers_to_ask()
-        worked: list[str] = []
+        sent = addrs[:MAX_DIALBACK_ADDRS]
+        reports: dict[str, set[str]] = {}  # address reached -> the peers that say so
+        refused: list[str] = []  # peers that dialled and reached no address
         observed: list[str] = []
         answered = 0
 
@@ -482,19 +505,27 @@ class Reachability:
             try:
                 with trio.fail_after(_DIAL_S * 2 + self._timeouts.connect_s):
                     reply, _ = await self._rpc.call(
-                        PeerAddress(peer_id, ()),
-                        Verb.DIALBACK,
-                        DialBackRequest(addrs=addrs[:4]),
+                        PeerAddress(peer_id, ()), Verb.DIALBACK, DialBackRequest(addrs=sent)
                     )
             except (PeerError, trio.TooSlowError) as exc:
                 logger.debug("dial-back by %s failed: %s", short(peer_id), exc)
                 return
-            if reply.dialled:  # it tried (0: it saw no IP to dial, e.g. over a relay)
-                answered += 1
-            if reply.observed is not None:
-                observed.append(reply.observed)
+            if not reply.dialled:  # it saw no IP to dial (over a relay): it says nothing
+                return
+            answered += 1
+            if _is_ip(reply.observed):
+                observed.append(str(reply.observed))
+            reached = believable(reply, sent)
+            if reached is not None:
+                reports.setdefault(reached, set()).add(peer_id)
+                return
+            refused.append(peer_id)
             if reply.reachable is not None:
-                worked.append(reply.reachable)
+                logger.info(
+                    "dial-back by %s: it could not have reached this node at %a; ignored",
+                    short(peer_id),
+                    reply.reachable[:80],
+                )
 
         if addrs and peers:
             async with trio.open_nursery() as nursery:
@@ -502,7 +533,21 @@ class Reachability:
                     nursery.start_soon(ask, peer_id)
         self._asked = len(peers)
         self._checked_at = time.time()
-        self._direct = tuple(dict.fromkeys(worked))
+        # A peer's word alone put a stranger's address first in this node's signed
+        # records, and made a node behind NAT believe it was reachable (taking no relay)
+        # where the other peers had found it was not. So: an address at one of this
+        # node's own IPs counts on one peer's word, one at another IP (the router's,
+        # behind NAT) when two of the peers that dialled agree on it (one, if only one
+        # dialled); and the node is direct only if no more peers failed to reach it
+        # than reached it.
+        own_ips = {e[0] for e in map(tcp_endpoint, sent) if e is not None}
+        worked = [
+            a for a, who in reports.items() if _ip_of(a) in own_ips or len(who) >= min(2, answered)
+        ]
+        reached_by = set().union(*reports.values()) if reports else set()
+        if len(reached_by) < len(refused):
+            worked = []
+        self._direct = tuple(worked)
         self._observed = tuple(dict.fromkeys(observed))
         if worked:
             await self._set_mode("direct")
