@@ -217,6 +217,8 @@ class Reachability(_Reply):
     upgraded: int = 0
     # Hole punches that failed (a symmetric NAT, a firewall): those peers stay relayed.
     hole_punch_failed: int = 0
+    # hole punches peers asked for and were refused (too many, too soon: docs/security.md)
+    hole_punch_refused: int = 0
     last_upgrade_at: float | None = None
 
 

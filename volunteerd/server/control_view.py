@@ -155,6 +155,7 @@ class ControlView:
                 observed=list(report.observed_ips),
                 upgraded=report.upgrades.upgraded,
                 hole_punch_failed=report.upgrades.failed,
+                hole_punch_refused=report.upgrades.refused,
                 last_upgrade_at=report.upgrades.last_upgrade_at,
             )
         rates = self._accountant.rates()
