@@ -35,7 +35,6 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.peer.peerstore import PeerStore
 from libp2p.rcmgr import ResourceManager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
 from libp2p.rcmgr.manager import ResourceLimits
@@ -54,6 +53,7 @@ from volunteerd.net import connections
 from volunteerd.net.dialback import tcp_endpoint
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
+from volunteerd.net.peerstore import NodePeerStore
 from volunteerd.net.transport import StreamHandler
 
 __all__ = [
@@ -177,27 +177,6 @@ class _NoAutoConnect(AutoConnector):
         self._started = False
 
 
-class _OwnEntryKept(PeerStore):
-    """py-libp2p's peer store, whose eviction never takes this node's own entry.
-
-    Past ``max_peers`` (1,000) entries it evicts those without addresses first, and
-    this node's own entry (its key pair) has none: once a node had learnt of 1,000
-    peers, identify could no longer read its own public key, and the exception of the
-    next peer's identify stream stopped the whole node."""
-
-    def __init__(self, own: ID) -> None:
-        super().__init__()
-        self._own = own
-
-    def _enforce_peer_limit(self) -> None:
-        own = self.peer_data_map.pop(self._own, None)
-        try:
-            super()._enforce_peer_limit()
-        finally:
-            if own is not None:
-                self.peer_data_map[self._own] = own
-
-
 def unlimited_resource_manager() -> ResourceManager:
     """py-libp2p's resource manager with none of its limits: this node keeps its own
     (inbound slots and slots per address in ``net/connections.py``, each peer's and
@@ -243,9 +222,10 @@ def build_host(
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
     reserve = max(8, max_connections // 10)
+    peerstore = NodePeerStore(ID.from_pubkey(key_pair.public_key))
     host = new_host(
         resource_manager=unlimited_resource_manager(),
-        peerstore_opt=_OwnEntryKept(ID.from_pubkey(key_pair.public_key)),
+        peerstore_opt=peerstore,
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
@@ -270,7 +250,26 @@ def build_host(
     # The default retries a refused dial three times with backoff (0.7 s per dead peer,
     # paid again by every lookup that meets it). Refused is refused: retry once, soon.
     swarm.retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
+    _keep_own_dials(host, peerstore)
     return host
+
+
+# py-libp2p's connect keeps the addresses it is given for this long before dialling them.
+_CONNECT_ADDR_TTL_S = 120
+
+
+def _keep_own_dials(host: IHost, peerstore: NodePeerStore) -> None:
+    """``host.connect`` keeps the addresses it is given, a DNS name included, before
+    py-libp2p's own connect stores them (through the peer store's bounds, which drop
+    names) and dials what the peer store holds: this node's own choice of address (a
+    bootstrap peer's ``/dns4/...``) is dialled, a name a stranger claims is not."""
+    connect = host.connect
+
+    async def connect_to_own_choice(peer_info: PeerInfo) -> None:
+        peerstore.add_own_addrs(peer_info.peer_id, list(peer_info.addrs), _CONNECT_ADDR_TTL_S)
+        await connect(peer_info)
+
+    host.connect = connect_to_own_choice  # type: ignore[method-assign]
 
 
 # A frame carrying fewer bytes than this is "small": a control frame (window update,

@@ -22,23 +22,36 @@ handler does for any peer that opens a stream had to be bounded here:
   (``per_address`` times as many), so a flood is answered at that rate and no faster.
   Messages are delayed, never refused: an honest node's burst of lookups (a daemon
   publishing its experts at start) must not lose its answers.
+* **Answers** (``_bounded_answers``). py-libp2p lists every peerstore address and the
+  signed record of each peer it names: one stranger that claimed 100 addresses of ~1 KB
+  made a bootstrap node's FIND_NODE answers 103 KB, which readers drop whole (64 KiB at
+  most, ``net/lookup.py``), so newcomers joining through it learnt no one else; 20
+  such identities with 1,000 addresses each made a 37-byte request a 7.9 MB answer.
+  A named peer now carries at most ``MAX_ADDRS_PER_PEER`` usable addresses
+  (``net/peerstore.py``, which also bounds what is stored) and its signed record only
+  if at most ``MAX_RECORD_BYTES``, and the peers named stay within
+  ``_ANSWER_PEERS_BYTES``, the farthest left out first.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Sequence
 
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.io.exceptions import IncompleteReadError
 from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
-from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.kad_dht import KadDHT, get_connection_type
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
+from libp2p.peer.id import ID
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
 from volunteerd.config import Config
 from volunteerd.net.host import remote_host
 from volunteerd.net.limits import MessagePacer, address_key
+from volunteerd.net.peerstore import MAX_ADDRS_PER_PEER, MAX_RECORD_BYTES, usable_addr
 
 __all__ = ["serve_kademlia"]
 
@@ -49,6 +62,12 @@ __all__ = ["serve_kademlia"]
 _KADEMLIA_STREAMS = 32
 _KADEMLIA_STREAMS_PER_PEER = 4
 _KADEMLIA_STREAMS_PER_ADDRESS = 8
+# What the peers an answer names may take of it: readers take answers of 64 KiB at most
+# (``net/lookup.py``); the rest is for the key and this node's own signed record. An
+# honest answer, 20 peers with a few addresses and records each, is ~5.5 KB.
+_ANSWER_PEERS_BYTES = 60 * 1024
+# A named peer's field tag and length prefix, at most (an entry under 2 MiB).
+_FIELD_OVERHEAD = 4
 
 
 def serve_kademlia(host: IHost, kad: KadDHT, config: Config) -> MessagePacer:
@@ -56,6 +75,7 @@ def serve_kademlia(host: IHost, kad: KadDHT, config: Config) -> MessagePacer:
     handler); returns the pacer, whose counts say how many messages were answered and
     how often one had to wait."""
     _routing_only(kad)
+    _bounded_answers(kad)
     limits = config.peer_limits
     pacer = MessagePacer.for_peers(limits.dht_messages_per_s, limits.dht_message_burst, limits)
     _bound_kademlia_streams(host, kad, config, pacer)
@@ -79,6 +99,43 @@ def _routing_only(kad: KadDHT) -> None:
     kad._check_provider_rate_limit = refuse_providers  # type: ignore[method-assign,assignment]
     kad.provider_store.add_provider = keep_no_provider  # type: ignore[method-assign,assignment]
     kad.value_store.put_record = keep_no_value  # type: ignore[method-assign,assignment]
+
+
+def _bounded_answers(kad: KadDHT) -> None:
+    """Make ``kad`` name peers in its answers (FIND_NODE, and the closer peers of
+    GET_VALUE and GET_PROVIDERS) with at most ``MAX_ADDRS_PER_PEER`` usable addresses
+    each, a signed record only of at most ``MAX_RECORD_BYTES``, and no more peers than
+    fit in ``_ANSWER_PEERS_BYTES`` (py-libp2p gives them closest first: the farthest
+    are left out)."""
+    host = kad.host
+
+    def add_closer_peers(
+        response: Message, closest_peers: Sequence[ID], exclude_peer_id: ID | None = None
+    ) -> None:
+        peerstore = host.get_peerstore()
+        room = _ANSWER_PEERS_BYTES - response.ByteSize()
+        for peer_id in closest_peers:
+            if peer_id == exclude_peer_id:
+                continue
+            named = Message.Peer(id=peer_id.to_bytes())
+            named.connection = get_connection_type(host, peer_id)
+            envelope = peerstore.get_peer_record(peer_id)
+            if envelope is not None:
+                signed = envelope.marshal_envelope()
+                if len(signed) <= MAX_RECORD_BYTES:
+                    named.signedRecord = signed
+            try:
+                addrs = peerstore.addrs(peer_id)
+            except Exception:  # a peer the peerstore forgot, or whose addresses expired
+                addrs = []
+            named.addrs.extend([a.to_bytes() for a in addrs if usable_addr(a)][:MAX_ADDRS_PER_PEER])
+            size = named.ByteSize() + _FIELD_OVERHEAD
+            if size > room:
+                break
+            room -= size
+            response.closerPeers.append(named)
+
+    kad._add_closer_peers_to_response = add_closer_peers  # type: ignore[method-assign]
 
 
 def _bound_kademlia_streams(host: IHost, kad: KadDHT, config: Config, pacer: MessagePacer) -> None:

@@ -1,0 +1,150 @@
+"""What the node's peer store keeps of a peer's addresses (net/peerstore.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import create_signed_peer_record
+from multiaddr import Multiaddr
+
+from volunteerd.identity import Identity
+from volunteerd.net.host import build_host
+from volunteerd.net.peers import key_pair_for, peer_id_for
+from volunteerd.net.peerstore import MAX_ADDRS_PER_PEER, NodePeerStore, usable_addr
+
+ME = Identity.generate()
+OWN = peer_id_for(ME)
+PEER = peer_id_for(Identity.generate())
+RELAY = peer_id_for(Identity.generate())
+LONG_NAME = ".".join(["a" * 60] * 4)
+CIRCUIT = f"/ip4/203.0.113.5/tcp/38400/p2p/{RELAY}/p2p-circuit"
+_ED25519_ID = b"\x00\x24\x08\x01\x12\x20"  # an identity multihash of an Ed25519 key
+
+
+def _addrs(count: int, first_port: int = 1) -> list[Multiaddr]:
+    return [
+        Multiaddr(f"/ip4/127.0.0.1/tcp/{port}") for port in range(first_port, first_port + count)
+    ]
+
+
+def _stored(store: NodePeerStore, peer: ID = PEER) -> list[str]:
+    return [str(a) for a in store.addrs(peer)]
+
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "/ip4/127.0.0.1/tcp/38400",
+        "/ip4/192.168.1.5/tcp/1",
+        "/ip6/::1/tcp/2",
+        f"/ip4/10.0.0.2/tcp/4001/p2p/{PEER}",
+        CIRCUIT,
+        f"{CIRCUIT}/p2p/{PEER}",
+    ],
+)
+def test_usable_addresses_are_direct_tcp_or_circuits(addr: str) -> None:
+    assert usable_addr(Multiaddr(addr))
+
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        f"/dns4/{LONG_NAME}/tcp/1",
+        "/dns4/boot.example.org/tcp/38400",
+        "/ip4/127.0.0.1/udp/1/quic-v1",
+        "/ip4/127.0.0.1/tcp/1/tls",
+        "/ip4/0.0.0.0/tcp/1",
+        "/ip4/224.0.0.1/tcp/1",
+        "/ip4/127.0.0.1/tcp/0",
+        f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}/p2p/{PEER}",
+        f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{PEER}/p2p-circuit",
+    ],
+)
+def test_other_addresses_are_not_usable(addr: str) -> None:
+    assert not usable_addr(Multiaddr(addr))
+
+
+def test_a_peer_keeps_at_most_eight_usable_addresses_the_first_that_came() -> None:
+    store = NodePeerStore(OWN)
+    fat = [Multiaddr(f"/dns4/{LONG_NAME}/tcp/{port}") for port in range(1, 101)]
+    store.add_addrs(PEER, [*fat[:50], *_addrs(20), *fat[50:]], 7200)
+    assert _stored(store) == [str(a) for a in _addrs(MAX_ADDRS_PER_PEER)]
+    store.add_addr(PEER, Multiaddr("/ip4/127.0.0.1/tcp/999"), 7200)
+    store.add_addrs(PEER, [Multiaddr(CIRCUIT)], 7200)
+    assert len(store.addrs(PEER)) == MAX_ADDRS_PER_PEER
+
+
+def test_a_peer_with_only_unusable_addresses_has_none() -> None:
+    store = NodePeerStore(OWN)
+    store.add_addrs(PEER, [Multiaddr(f"/dns4/{LONG_NAME}/tcp/1")], 7200)
+    assert PEER not in store.peers_with_addrs()
+
+
+def test_a_known_address_added_again_takes_no_room_and_refreshes_its_ttl() -> None:
+    store = NodePeerStore(OWN)
+    store.add_addrs(PEER, _addrs(MAX_ADDRS_PER_PEER), 60)
+    store.add_addrs(PEER, _addrs(1), 7200)
+    assert len(store.addrs(PEER)) == MAX_ADDRS_PER_PEER
+    assert store.peer_data_map[PEER].get_ttl() == 7200
+
+
+def test_expired_addresses_make_room_for_new_ones() -> None:
+    store = NodePeerStore(OWN)
+    store.add_addrs(PEER, _addrs(MAX_ADDRS_PER_PEER), 60)
+    store.peer_data_map[PEER].last_identified = int(time.time()) - 120
+    store.add_addrs(PEER, _addrs(2, first_port=100), 60)
+    assert _stored(store) == [str(a) for a in _addrs(2, first_port=100)]
+
+
+def test_addresses_this_node_chose_to_dial_may_be_names() -> None:
+    store = NodePeerStore(OWN)
+    store.add_own_addrs(PEER, [Multiaddr("/dns4/boot.example.org/tcp/38400")], 120)
+    assert _stored(store) == ["/dns4/boot.example.org/tcp/38400"]
+    store.add_own_addrs(PEER, _addrs(20), 120)
+    assert len(store.addrs(PEER)) == MAX_ADDRS_PER_PEER
+
+
+async def test_connect_dials_a_bootstrap_peer_by_the_name_it_was_given() -> None:
+    host = build_host(Identity.generate())
+    dialled: list[list[str]] = []
+
+    async def dial_peer(peer_id: ID) -> list[object]:
+        dialled.append([str(a) for a in host.get_peerstore().addrs(peer_id)])
+        raise ConnectionError("no network in a unit test")
+
+    host.get_network().dial_peer = dial_peer  # type: ignore[method-assign]
+    boot = "/dns4/boot.example.org/tcp/38400"
+    with pytest.raises(ConnectionError):
+        await host.connect(PeerInfo(PEER, [Multiaddr(boot)]))
+    assert dialled == [[boot]]
+
+
+def test_a_signed_record_keeps_eight_usable_addresses_and_a_fat_one_is_refused() -> None:
+    identity = Identity.generate()
+    key_pair = key_pair_for(identity)
+    peer = peer_id_for(identity)
+    store = NodePeerStore(OWN)
+    fat = [Multiaddr(f"/dns4/{LONG_NAME}/tcp/{port}") for port in range(1, 101)]
+    refused = create_signed_peer_record(peer, fat, key_pair.private_key)
+    assert not store.consume_peer_record(refused, 7200)
+    assert store.get_peer_record(peer) is None
+
+    addrs = [Multiaddr(CIRCUIT), *_addrs(20)]
+    record = create_signed_peer_record(peer, addrs, key_pair.private_key)
+    assert store.consume_peer_record(record, 7200)
+    stored = store.addrs(peer)
+    assert len(stored) == MAX_ADDRS_PER_PEER
+    assert set(stored) <= set(addrs)
+    assert store.get_peer_record(peer) is not None
+
+
+def test_this_nodes_own_entry_is_never_evicted() -> None:
+    store = NodePeerStore(OWN)
+    store.add_key_pair(OWN, key_pair_for(ME))
+    for _ in range(store.max_peers + 5):
+        store.add_addrs(ID(_ED25519_ID + os.urandom(32)), _addrs(1), 7200)
+    assert store.has_peer(OWN)
