@@ -503,11 +503,19 @@ async def _join_a_fresh_tiny(
     return joiner, optimizer, averager, result
 
 
-async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
-    tmp_path: Path,
+@pytest.mark.parametrize("moments", ["as Adam made them", "a second moment of 1e30"])
+async def test_join_loads_params_and_version_and_adam_starts_afresh(
+    tmp_path: Path, moments: str
 ) -> None:
+    """A late joiner takes the weights and update count of the peer with the most
+    updates; Adam's moments are a stranger's that nothing vouches for (a second moment
+    of 1e30, which Adam could have made, froze a joiner's weights), so its optimizer
+    starts as a new one would, and training goes on from the peer's weights."""
     peer_model, peer_optimizer = _trained_tiny(5)
     state = _published_state(peer_model, peer_optimizer, version=5)
+    if moments != "as Adam made them":
+        for entry in state.optimizer_state.values():
+            entry["exp_avg_sq"].fill_(1e30)
     network = FakeNetwork(
         FakePeer("old", kind="ok", version=1, state=_published_state(*_trained_tiny(1), 1)),
         FakePeer("best", kind="ok", version=5, state=state),
@@ -518,16 +526,20 @@ async def test_join_loads_params_adam_state_and_version_and_training_goes_on(
     assert result == ("best", 5)
     for (name, p), q in zip(joiner.named_parameters(), peer_model.parameters(), strict=True):
         assert torch.equal(p, q), name
-    for index, values in peer_optimizer.state_dict()["state"].items():
-        for key, t in values.items():
-            assert torch.equal(optimizer.state_dict()["state"][index][key], t), (index, key)
-    # the next step is the peer's next step, exactly
-    for model, opt in ((joiner, optimizer), (peer_model, peer_optimizer)):
+    assert optimizer.state_dict()["state"] == {}
+    # the next step is a fresh Adam's first step from the peer's weights: it moves them
+    fresh = Tiny()
+    fresh.load_state_dict(peer_model.state_dict())
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    for model, opt in ((joiner, optimizer), (fresh, fresh_optimizer)):
         opt.zero_grad()
         model.loss(100).backward()
         opt.step()
-    for p, q in zip(joiner.parameters(), peer_model.parameters(), strict=True):
+    for p, q, before in zip(
+        joiner.parameters(), fresh.parameters(), peer_model.parameters(), strict=True
+    ):
         assert torch.equal(p, q)
+        assert not torch.equal(p, before)
     stats = averager.statistics()
     assert (stats.started_from, stats.started_from_version) == ("best", 5)
 

@@ -739,8 +739,12 @@ def _adam_moments_possible(
 def _load_state(
     state: ExpertState, named_params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> str | None:
-    """Load a downloaded state (parameters and Adam state) into ``named_params`` and
-    ``optimizer`` after checking it all; returns why it was refused, or None."""
+    """Load a downloaded state's parameters into ``named_params`` after checking it all
+    (moments Adam could not have made mark a liar: its state is refused); returns why
+    it was refused, or None. ``optimizer`` starts afresh: a stranger's moments that Adam
+    could have made can still be chosen to harm, and nothing vouches for them (the
+    witnesses compare weights): a second moment of 1e30 froze a joiner's weights for
+    tens of thousands of steps."""
     layout = {n: (tuple(p.shape), p.dtype) for n, p in named_params.items()}
     checked = _check_params(state, layout)
     if isinstance(checked, str):
@@ -767,13 +771,5 @@ def _load_state(
     with torch.no_grad():
         for name, p in named_params.items():
             p.copy_(checked[name])
-    optimizer.load_state_dict(
-        {
-            "state": {
-                index: {key: t.clone() for key, t in values.items()}
-                for index, values in state.optimizer_state.items()
-            },
-            "param_groups": current["param_groups"],
-        }
-    )
+    optimizer.load_state_dict({"state": {}, "param_groups": current["param_groups"]})
     return None
