@@ -183,6 +183,9 @@ async def open_node(
                 hop=relay or config.reachability.act_as_relay,
                 hole_punching=config.reachability.hole_punching,
                 on_direct=rpc.forget,
+                throttle=throttle,
+                circuit_idle_s=config.timeouts.connection_idle_s,
+                limit_loopback=config.peer_limits.limit_loopback,
             )
             await nursery.start(relaying.serve)
             streams.connect_circuit = relaying.connect

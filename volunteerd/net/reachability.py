@@ -36,7 +36,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
-from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
@@ -63,7 +63,9 @@ from volunteerd.net.peers import (
 )
 from volunteerd.net.protocols import Verb
 from volunteerd.net.records import MAX_ADDRS
+from volunteerd.net.relay import BoundedRelay
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
+from volunteerd.net.throttle import Throttle
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -240,7 +242,11 @@ class Relaying:
     connection over each, so one peer connected directly could open hundreds of
     "relayed" connections over its one TCP connection, each under an identity made for
     the purpose, none counted against the address's connections or limits. A relay
-    this node chose caps the circuits to it (``RELAY_LIMITS.max_circuit_conns``)."""
+    this node chose caps the circuits to it (``RELAY_LIMITS.max_circuit_conns``).
+
+    With ``hop``, the circuits relayed for others are bounded (reservations, circuits
+    per peer and per address, idle ones closed after ``circuit_idle_s``) and their
+    bytes pass through ``throttle``: ``net/relay.py``."""
 
     def __init__(
         self,
@@ -249,10 +255,21 @@ class Relaying:
         hop: bool,
         hole_punching: bool = True,
         on_direct: Callable[[str], object] | None = None,
+        throttle: Throttle | None = None,
+        circuit_idle_s: float = 30.0,
+        limit_loopback: bool = False,
     ) -> None:
         self._host = host
         self.hop = hop
-        self._protocol = CircuitV2Protocol(host, limits=RELAY_LIMITS, allow_hop=hop)
+        # The hop service's bounds, and relayed bytes through ``throttle``: net/relay.py.
+        self._protocol = BoundedRelay(
+            host,
+            RELAY_LIMITS,
+            allow_hop=hop,
+            throttle=throttle,
+            idle_s=circuit_idle_s,
+            limit_loopback=limit_loopback,
+        )
         if on_direct is not None:
             host.get_network().register_notifee(_DirectAfterRelayed(on_direct))
         # STOP only: with the CLIENT role py-libp2p reserves a slot before every dial.
