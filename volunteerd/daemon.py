@@ -231,6 +231,11 @@ class Daemon:
             ):
                 if handlers is not None:  # paused: refused before a byte more is read
                     node.server.refuse_unread = refusal_before_reading(volunteer.gate, accountant)
+                if node.reachability is not None:  # relaying is the volunteer's bandwidth too
+                    gate = volunteer.gate
+                    node.reachability.relaying.hold_while(
+                        lambda: gate.reason if gate.closed else None
+                    )
                 await serving.start(accountant.serve)
                 await serving.start(scheduler.serve)  # decides before the volunteer serves
                 if hosting is not None:

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from volunteerd.errors import PeerUnreachable
 from volunteerd.identity import Identity
 from volunteerd.net import Node, PeerAddress
 from volunteerd.net.peers import peer_id_for
-from volunteerd.testing import local_config, open_peer
+from volunteerd.testing import local_config, open_daemon, open_peer
 
 # Real libp2p nodes on loopback, in wall-clock time.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -271,3 +272,16 @@ async def test_a_relay_whose_quota_is_used_up_takes_no_reservation_and_no_circui
                 await peer.reachability.relaying.connect(
                     PeerAddress(node.peer_id, tuple(node.addrs))
                 )
+
+
+async def test_a_paused_volunteer_relays_nothing_for_others(tmp_path: Path) -> None:
+    """Relaying is the volunteer's bandwidth too: while it has paused its daemon, a
+    peer gets no reservation on it; after it resumes, one does."""
+    config = local_config(reachability={"act_as_relay": True})
+    async with open_daemon(config, tmp_path / "relay") as daemon:
+        relay = daemon.node
+        async with open_peer(local_config(reachability=_PLAIN)) as peer:
+            await daemon.volunteer.pause()
+            assert await _reserve(peer, relay, [None]) != [StatusCode.OK]
+            await daemon.volunteer.resume()
+            assert await _reserve(peer, relay, [None]) == [StatusCode.OK]

@@ -315,6 +315,12 @@ class Relaying:
             return
         await self._protocol._handle_stop_stream(stream)
 
+    def hold_while(self, held: Callable[[], str | None]) -> None:
+        """Relay nothing for others while ``held()`` gives a reason (the volunteer
+        paused, snoozed, or the schedule): no reservation, no circuit, and the open
+        circuits end at their next bytes."""
+        self._protocol.held = held
+
     def reserved_with(self, peer_id: ID) -> bool:
         """Whether this node holds a reservation on relay ``peer_id``."""
         return peer_id in self._transport._reservations

@@ -105,6 +105,9 @@ class BoundedRelay(CircuitV2Protocol):
         # a full relay or a peer without a reservation, are not counted).
         self.refused_reservations = 0
         self.refused_circuits = 0
+        # Why the volunteer holds this node back now (paused, snoozed, the schedule), or
+        # None: set by the daemon. Relaying is the volunteer's bandwidth too.
+        self.held: Callable[[], str | None] = lambda: None
 
     @property
     def circuits(self) -> int:
@@ -145,13 +148,20 @@ class BoundedRelay(CircuitV2Protocol):
         for peer_id in [p for p in self._address_of if p not in reservations]:
             del self._address_of[peer_id]
 
+    def _held_back(self) -> str | None:
+        """Why no reservation, circuit or relayed byte is taken now, or None."""
+        if self._throttle is not None and self._throttle.quota_exhausted:
+            return "the transfer quota is used up"
+        return self.held()
+
     def _reservation_refusal(self, stream: INetStream, msg: HopMessage) -> str | None:
         """Why the RESERVE ``msg`` on ``stream`` is refused (by these bounds), or None."""
         peer_id = stream.muxed_conn.peer_id
         if msg.HasField("peer") and msg.peer.id and msg.peer.id != peer_id.to_bytes():
             return "it names another peer"
-        if self._throttle is not None and self._throttle.quota_exhausted:
-            return "the transfer quota is used up"
+        reason = self._held_back()
+        if reason is not None:
+            return reason
         self._drop_stale()
         if peer_id in self.resource_manager._reservations:
             return None  # a refresh
@@ -230,11 +240,10 @@ class BoundedRelay(CircuitV2Protocol):
         if reservation is None:
             await self._refuse(stream, StatusCode.NO_RESERVATION, "no reservation")
             return
-        if self._throttle is not None and self._throttle.quota_exhausted:
+        held = self._held_back()
+        if held is not None:
             self.refused_circuits += 1
-            await self._refuse(
-                stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "the transfer quota is used up"
-            )
+            await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, held)
             return
         to = str(target)
         caps = [
@@ -317,10 +326,11 @@ class BoundedRelay(CircuitV2Protocol):
                 if 0 < self.limits.data < circuit.moved:
                     logger.debug("circuit ended: %d bytes relayed", circuit.moved)
                     return
+                held = self._held_back()
+                if held is not None:
+                    logger.debug("circuit ended: %s", held)
+                    return
                 if throttle is not None:
-                    if throttle.quota_exhausted:
-                        logger.debug("circuit ended: the transfer quota is used up")
-                        return
                     await throttle.received(len(data))
                     await throttle.sent(len(data))
                 with trio.fail_after(self.write_timeout):
