@@ -22,6 +22,7 @@ from volunteerd.errors import Busy, ModelDiverging, NoExpertsAvailable
 from volunteerd.moe import LocalMixtureOfExperts, OutputChecks, RemoteMixtureOfExperts
 from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE
 from volunteerd.moe.client import TrainerClient
+from volunteerd.moe.layer import LATE_STREAK_BAN
 from volunteerd.testing import local_config
 from volunteerd.testing.faulty import (
     Fault,
@@ -210,6 +211,42 @@ async def test_experts_slower_than_k_min_and_grace_are_dropped_as_late_not_banne
                 assert moe.stats.forward_failed == moe.stats.backward_failed == 0
                 assert moe.stats.unanswered_tokens == 0
                 assert client.directory.banned == {}
+
+            await in_thread(run)
+
+
+async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answers_is_not() -> (
+    None
+):
+    """A server that answers info and stalls every call cost each step that chose it
+    the whole grace, for good: late is no fault once, but LATE_STREAK_BAN in a row with
+    no answer in between ban its peer; an answer in between starts the count again."""
+    async with open_world(CONFIG) as world:
+        await world.add_server("ffn.0.[0:2]")
+        slow = await world.add_server("ffn.1.[0:2]")
+        async with world.open_trainer() as client:
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client, k_best=4, k_min=2)
+                moe.grace_after_k_min_s = 0.0
+                per_step = 2  # both of the slow server's experts, each step
+                slow.faults.fault = Fault(delay_s=600.0)
+                steps(moe, LATE_STREAK_BAN // per_step - 1)
+                slow.faults.fault = Fault()  # it answers once: the streak starts again
+                moe.grace_after_k_min_s = 30.0
+                steps(moe, 1)
+                moe.grace_after_k_min_s = 0.0
+                slow.faults.fault = Fault(delay_s=600.0)
+                steps(moe, LATE_STREAK_BAN // per_step - 1)
+                assert client.directory.banned == {}
+                late = moe.stats.late
+                steps(moe, 1)
+                assert moe.stats.late == late + per_step
+                assert slow.peer_id in client.directory.banned
+                steps(moe, 2)  # no longer chosen: no more grace paid for it
+                assert moe.stats.late == late + per_step
+                assert moe.stats.unanswered_tokens == 0
 
             await in_thread(run)
 

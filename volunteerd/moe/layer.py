@@ -69,6 +69,11 @@ _WARN_EVERY_S = 60.0
 # before NoExpertsAvailable: one lookup on a loaded machine may reach too few nodes.
 _LOOKUPS_AGAIN = 3
 _LOOK_AGAIN_AFTER_S = 1.0
+# Calls of one peer cut off late in a row, none answered in between, before it is
+# banned: an honest peer slower than its round-mates still answers now and then (and
+# a ban ends); one that answers info and stalls every call does not.
+LATE_STREAK_BAN = 8
+_MAX_LATE_PEERS = 4096
 # Typed refusals from a live server: loaded, forgetful, or refusing what we sent (too
 # big, too often, values it will not train on) — the request's fault, not the peer's.
 _NOT_BANNED = frozenset(
@@ -322,6 +327,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self._warned_at: dict[str, float] = {}
         # measured call durations per peer: the rounds' timeouts and grace follow them
         self.round_trips = RoundTrips()
+        # peer -> calls in a row cut off late, with no answer from it in between
+        self._late_streak: dict[str, int] = {}
         # Makes autograd call our backward even when the inputs need no gradient.
         self._dummy = torch.empty(0, requires_grad=True)
 
@@ -427,6 +434,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             for call, outcome in zip(calls, outcomes, strict=True):
                 if outcome.ok:
                     self.round_trips.observe(call.peer.peer_id, verb.value, outcome.seconds)
+                    self._late_streak.pop(call.peer.peer_id, None)
             return outcomes
 
         return self.client.run(run)
@@ -452,6 +460,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         loaded."""
         if outcome.late:
             self.stats.late += 1
+            self._late_again(call, usable)
             return
         error = outcome.error
         code = error.code if isinstance(error, VolunteerdError) else type(error).__name__
@@ -469,6 +478,22 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         else:
             reason = "failed"
         self._ban(call.peer.peer_id, f"{reason}: {call.uid}: {error}", None, usable)
+
+    def _late_again(self, call: Call, usable: set[str]) -> None:
+        """A call cut off at the end of its round (its row's other experts answered):
+        no fault once, but a peer whose every call is late (one that answers ``info``
+        and stalls every forward) cost each step that chose it the whole grace, for
+        good, and was never banned. ``LATE_STREAK_BAN`` in a row with no answer in
+        between: banned for the client's ``ban_s``."""
+        peer_id = call.peer.peer_id
+        streak = self._late_streak.pop(peer_id, 0) + 1  # re-inserted last: newest
+        if streak < LATE_STREAK_BAN:
+            self._late_streak[peer_id] = streak
+            if len(self._late_streak) > _MAX_LATE_PEERS:
+                del self._late_streak[next(iter(self._late_streak))]
+            return
+        self.stats.failures["late"] += 1
+        self._ban(peer_id, f"late {streak} times in a row: {call.uid}", None, usable)
 
     def _misbehaved(self, peer: PeerAddress, uid: str, reason: str, usable: set[str]) -> None:
         """A peer sent what its peers did not: drop it for ``checks.ban_s``."""
