@@ -219,8 +219,9 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
     None
 ):
     """A server that answers info and stalls every call cost each step that chose it
-    the whole grace, for good: late is no fault once, but LATE_STREAK_BAN in a row with
-    no answer in between ban its peer; an answer in between starts the count again."""
+    the whole grace, for good: late is no fault once, but LATE_STREAK_BAN rounds in a
+    row that cut it off, with no answer in between, ban its peer; an answer in between
+    starts the count again."""
     async with open_world(CONFIG) as world:
         await world.add_server("ffn.0.[0:2]")
         slow = await world.add_server("ffn.1.[0:2]")
@@ -230,7 +231,7 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
                 torch.manual_seed(0)
                 moe = layer(client, k_best=4, k_min=2)
                 moe.grace_after_k_min_s = 0.0
-                per_step = 2  # both of the slow server's experts, each step
+                per_step = 1  # its forward round (no backward: it answered nothing)
                 slow.faults.fault = Fault(delay_s=600.0)
                 steps(moe, LATE_STREAK_BAN // per_step - 1)
                 slow.faults.fault = Fault()  # it answers once: the streak starts again
@@ -242,10 +243,10 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
                 assert client.directory.banned == {}
                 late = moe.stats.late
                 steps(moe, 1)
-                assert moe.stats.late == late + per_step
+                assert moe.stats.late == late + 2  # both of its experts' calls
                 assert slow.peer_id in client.directory.banned
                 steps(moe, 2)  # no longer chosen: no more grace paid for it
-                assert moe.stats.late == late + per_step
+                assert moe.stats.late == late + 2
                 assert moe.stats.unanswered_tokens == 0
 
             await in_thread(run)

@@ -69,9 +69,9 @@ _WARN_EVERY_S = 60.0
 # before NoExpertsAvailable: one lookup on a loaded machine may reach too few nodes.
 _LOOKUPS_AGAIN = 3
 _LOOK_AGAIN_AFTER_S = 1.0
-# Calls of one peer cut off late in a row, none answered in between, before it is
-# banned: an honest peer slower than its round-mates still answers now and then (and
-# a ban ends); one that answers info and stalls every call does not.
+# Rounds in a row that cut one peer off late, no answer from it in between, before it
+# is banned: an honest peer slower than its round-mates still answers now and then
+# (and a ban ends); one that answers info and stalls every call does not.
 LATE_STREAK_BAN = 8
 _MAX_LATE_PEERS = 4096
 # Typed refusals from a live server: loaded, forgetful, or refusing what we sent (too
@@ -460,7 +460,6 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         loaded."""
         if outcome.late:
             self.stats.late += 1
-            self._late_again(call, usable)
             return
         error = outcome.error
         code = error.code if isinstance(error, VolunteerdError) else type(error).__name__
@@ -480,11 +479,11 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self._ban(call.peer.peer_id, f"{reason}: {call.uid}: {error}", None, usable)
 
     def _late_again(self, call: Call, usable: set[str]) -> None:
-        """A call cut off at the end of its round (its row's other experts answered):
+        """A round that cut ``call``'s peer off late (its rows' other experts answered):
         no fault once, but a peer whose every call is late (one that answers ``info``
         and stalls every forward) cost each step that chose it the whole grace, for
-        good, and was never banned. ``LATE_STREAK_BAN`` in a row with no answer in
-        between: banned for the client's ``ban_s``."""
+        good, and was never banned. ``LATE_STREAK_BAN`` such rounds in a row with no
+        answer from it in between: banned for the client's ``ban_s``."""
         peer_id = call.peer.peer_id
         streak = self._late_streak.pop(peer_id, 0) + 1  # re-inserted last: newest
         if streak < LATE_STREAK_BAN:
@@ -533,6 +532,9 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             answered = [i for i, t in enumerate(tensors) if t is not None]
             self._report_diverging(verb, verdict, calls, answered)
         unblamed = 0
+        late = {c.peer.peer_id: c for c, o in zip(calls, outcomes, strict=True) if o.late}
+        for call in late.values():  # once a round, however many of its calls it had
+            self._late_again(call, usable)
         for i, (call, outcome) in enumerate(zip(calls, outcomes, strict=True)):
             reason = verdict.reasons[i]
             if malformed[i]:
