@@ -147,3 +147,17 @@ def test_a_reply_is_believed_only_where_the_dialling_rules_could_have_reached() 
         reply("/ip4/203.0.113.7/tcp/4001\nstate running")
     with pytest.raises(ValueError):
         reply("/ip4/1.2.3.4/tcp/1" + "1" * 300)
+
+
+def test_an_address_counts_only_if_the_peer_that_says_it_reached_it_could_have() -> None:
+    """A peer on the internet cannot have dialled a private address behind NAT: a node
+    believing it would announce that address and take no relay."""
+    from volunteerd.net.reachability import _routable_from
+
+    lan, home = "/ip4/192.168.1.5/tcp/4001", "/ip4/127.0.0.1/tcp/4001"
+    assert _routable_from(lan, ["192.168.1.7"])
+    assert not _routable_from(lan, ["8.8.4.4"])
+    assert _routable_from(home, ["127.0.0.1"])
+    assert not _routable_from(home, ["192.168.1.7"])
+    assert _routable_from("/ip4/9.9.9.9/tcp/4001", ["8.8.4.4"])
+    assert not _routable_from(lan, [])  # reached only through a relay: nothing checked

@@ -210,6 +210,23 @@ class _DirectAfterRelayed(INotifee):
         pass
 
 
+def _routable_from(addr: str, peer_ips: list[str]) -> bool:
+    """Whether a peer seen at ``peer_ips`` (our direct connections to it) could have
+    dialled ``addr``: a loopback address only from this machine, a private one only
+    from a loopback or private address (the same LAN), a public one from anywhere. A
+    peer we reach only through a relay has dialled nothing we can check: no."""
+    ip_text = _ip_of(addr)
+    if ip_text is None or not peer_ips:
+        return False
+    ip = ipaddress.ip_address(ip_text)
+    seen = [ipaddress.ip_address(p) for p in peer_ips if _is_ip(p)]
+    if ip.is_loopback:
+        return any(p.is_loopback for p in seen)
+    if ip.is_private:
+        return any(p.is_loopback or p.is_private for p in seen)
+    return True
+
+
 def _ip_of(addr: str) -> str | None:
     endpoint = tcp_endpoint(addr)
     return None if endpoint is None else endpoint[0]
@@ -519,7 +536,6 @@ class Reachability:
         peers = self._peers_to_ask()
         sent = addrs[:MAX_DIALBACK_ADDRS]
         reports: dict[str, set[str]] = {}  # address reached -> the peers that say so
-        refused: list[str] = []  # peers that dialled and reached no address
         observed: list[str] = []
         answered = 0
 
@@ -539,10 +555,9 @@ class Reachability:
             if _is_ip(reply.observed):
                 observed.append(str(reply.observed))
             reached = believable(reply, sent)
-            if reached is not None:
+            if reached is not None and _routable_from(reached, observed_ips(self._host, peer_id)):
                 reports.setdefault(reached, set()).add(peer_id)
                 return
-            refused.append(peer_id)
             if reply.reachable is not None:
                 logger.info(
                     "dial-back by %s: it could not have reached this node at %a; ignored",
@@ -557,19 +572,15 @@ class Reachability:
         self._asked = len(peers)
         self._checked_at = time.time()
         # A peer's word alone put a stranger's address first in this node's signed
-        # records, and made a node behind NAT believe it was reachable (taking no relay)
-        # where the other peers had found it was not. So: an address at one of this
-        # node's own IPs counts on one peer's word, one at another IP (the router's,
-        # behind NAT) when two of the peers that dialled agree on it (one, if only one
-        # dialled); and the node is direct only if no more peers failed to reach it
-        # than reached it.
+        # records. So: an address at one of this node's own IPs counts on one peer's
+        # word (if that peer could have reached it at all: a peer on the internet
+        # cannot have reached a private address behind NAT; the node would then announce
+        # it and take no relay), one at another IP (the router's, behind NAT) when two
+        # of the peers that dialled agree on it (one, if only one dialled).
         own_ips = {e[0] for e in map(tcp_endpoint, sent) if e is not None}
         worked = [
             a for a, who in reports.items() if _ip_of(a) in own_ips or len(who) >= min(2, answered)
         ]
-        reached_by = set().union(*reports.values()) if reports else set()
-        if len(reached_by) < len(refused):
-            worked = []
         self._direct = tuple(worked)
         self._observed = tuple(dict.fromkeys(observed))
         if worked:
