@@ -28,9 +28,12 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 from volunteerd.errors import PeerUnreachable
 from volunteerd.identity import Identity
-from volunteerd.net import Node, PeerAddress
+from volunteerd.net import Node, PeerAddress, Verb, open_node
 from volunteerd.net.peers import peer_id_for
+from volunteerd.net.rpc import Reply, Request
 from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.wire import TensorMeta
+from volunteerd.wire.messages import ForwardRequest, TensorReply
 
 # Real libp2p nodes on loopback, in wall-clock time.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -195,7 +198,10 @@ async def test_an_idle_circuit_is_closed_by_the_relay() -> None:
     """A circuit that carries nothing (Yamux pings aside) for ``connection_idle_s`` is
     closed by the relay: a stranger cannot hold its four slots by doing nothing."""
     async with (
-        _relay_and_reserved_node(timeouts={"connection_idle_s": 1.0}) as (_, node),
+        _relay_and_reserved_node(timeouts={"connection_idle_s": 1.0, "request_s": 0.6}) as (
+            _,
+            node,
+        ),
         open_peer(local_config(reachability=_PLAIN)) as peer,
     ):
         assert peer.reachability is not None
@@ -204,6 +210,39 @@ async def test_an_idle_circuit_is_closed_by_the_relay() -> None:
         with trio.fail_after(15):
             while node.host.get_network().connections.get(peer.host.get_id()):  # noqa: ASYNC110
                 await trio.sleep(0.2)
+
+
+async def test_a_call_waiting_for_a_slow_answer_keeps_its_circuit() -> None:
+    """Idle is measured from the last bytes beyond keep-alives, and is never shorter
+    than a request may wait: fixed windows of ``connection_idle_s`` cut a relayed call
+    whose answer took longer than one window (40 s against 30) though it was within
+    ``request_s``."""
+
+    async def slow_echo(request: Request) -> Reply:
+        await trio.sleep(3.0)
+        return Reply(
+            TensorReply(tensors=[t.meta for t in request.tensors]),
+            [t.data for t in request.tensors],
+        )
+
+    relay_config = local_config(
+        reachability={"act_as_relay": True}, timeouts={"connection_idle_s": 1.0, "request_s": 4.0}
+    )
+    async with open_peer(relay_config) as relay:
+        config = local_config(reachability=_relayed(relay))
+        async with (
+            open_node(Identity.generate(), config, {Verb.FORWARD: slow_echo}) as server,
+            open_peer(local_config(reachability=_PLAIN)) as client,
+        ):
+            payload = bytes(256)
+            request = ForwardRequest(
+                uid="ffn.0.0", tensors=[TensorMeta(dtype="float32", shape=(64,))]
+            )
+            relayed = PeerAddress(server.peer_id, tuple(server.addrs))
+            with trio.fail_after(60):
+                for _ in range(2):  # each waits 3 s for its answer: 3 idle windows of old
+                    _, tensors = await client.rpc.call(relayed, Verb.FORWARD, request, [payload])
+                    assert bytes(tensors[0].data) == payload
 
 
 async def _push(sender: Node, receiver: Node, nbytes: int) -> float:

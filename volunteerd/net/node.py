@@ -184,7 +184,10 @@ async def open_node(
                 hole_punching=config.reachability.hole_punching,
                 on_direct=rpc.forget,
                 throttle=throttle,
-                circuit_idle_s=config.timeouts.connection_idle_s,
+                # never shorter than a request may wait for its answer
+                circuit_idle_s=max(
+                    config.timeouts.connection_idle_s, 1.5 * config.timeouts.request_s
+                ),
                 limit_loopback=config.peer_limits.limit_loopback,
             )
             await nursery.start(relaying.serve)

@@ -27,8 +27,10 @@ duration and bytes) and bounds the rest:
   handshake, and given back when they end: at most ``max_circuit_conns`` (16) in all,
   of which at most ``CIRCUITS_PER_SOURCE`` (4) from one peer and as many from the
   peers at one address;
-* a circuit that carried under ``IDLE_BYTES`` (4 KiB; the endpoints' Yamux pings are
-  ~120 bytes per 30 s) in ``idle_s`` (``timeouts.connection_idle_s``) is closed;
+* a circuit that carried nothing but keep-alives (reads of at most ``PING_BYTES``: the
+  endpoints' Yamux pings and window updates) for ``idle_s`` is closed; the node makes
+  that at least ``timeouts.request_s`` and a half, so a call waiting for a slow answer
+  is never cut (fixed windows of 30 s cut answers slower than 30 s);
 * every relayed byte passes through the node's ``Throttle``: received counts against
   the download limit and sent against the upload limit, both against the quotas; while
   a quota is used up, reservations and circuits are refused and the open circuits end.
@@ -60,13 +62,15 @@ from volunteerd.net.throttle import Throttle
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-__all__ = ["CIRCUITS_PER_SOURCE", "IDLE_BYTES", "RESERVATIONS_PER_ADDRESS", "BoundedRelay"]
+__all__ = ["CIRCUITS_PER_SOURCE", "PING_BYTES", "RESERVATIONS_PER_ADDRESS", "BoundedRelay"]
 
 logger = logging.getLogger(__name__)
 
 RESERVATIONS_PER_ADDRESS = 4  # reservations held by the peers at one IP address
 CIRCUITS_PER_SOURCE = 4  # circuits to one reserved peer from one peer, or one address
-IDLE_BYTES = 4096  # a circuit carrying less in idle_s is idle
+# A read no larger is a keep-alive (a Yamux ping or window update in its Noise frame,
+# ~30 bytes), not activity; any request or answer is larger.
+PING_BYTES = 64
 _PIECE = 64 * 1024  # the most read (and so written, and throttled) at once
 _STOP_S = 15.0  # the STOP handshake with the reserved peer (py-libp2p's)
 _CLOSE_S = 2.0  # closing a circuit's two streams
@@ -75,13 +79,14 @@ _CLOSE_S = 2.0  # closing a circuit's two streams
 @dataclass(slots=True)
 class _Circuit:
     moved: int = 0  # bytes, both directions together
+    active_at: float = 0.0  # trio time of the last read larger than PING_BYTES
 
 
 class BoundedRelay(CircuitV2Protocol):
     """py-libp2p's circuit relay v2, bounded (module docstring).
 
     ``throttle``: the node's; None relays unthrottled and uncounted. ``idle_s``: a
-    circuit carrying under ``IDLE_BYTES`` that long is closed. ``limit_loopback``: peers
+    circuit carrying only keep-alives that long is closed. ``limit_loopback``: peers
     on loopback share per-address bounds too (``peer_limits.limit_loopback``)."""
 
     def __init__(
@@ -323,6 +328,8 @@ class BoundedRelay(CircuitV2Protocol):
                 if not data:
                     return
                 circuit.moved += len(data)
+                if len(data) > PING_BYTES:
+                    circuit.active_at = trio.current_time()
                 if 0 < self.limits.data < circuit.moved:
                     logger.debug("circuit ended: %d bytes relayed", circuit.moved)
                     return
@@ -341,14 +348,13 @@ class BoundedRelay(CircuitV2Protocol):
             scope.cancel()
 
     async def _end_when_idle(self, circuit: _Circuit, scope: trio.CancelScope) -> None:
-        seen = circuit.moved
+        circuit.active_at = trio.current_time()
         while True:
-            await trio.sleep(self._idle_s)
-            if circuit.moved - seen < IDLE_BYTES:
+            await trio.sleep_until(circuit.active_at + self._idle_s)
+            if trio.current_time() - circuit.active_at >= self._idle_s:
                 logger.debug("circuit ended: idle for %.0f s", self._idle_s)
                 scope.cancel()
                 return
-            seen = circuit.moved
 
 
 class _OnDisconnect(INotifee):
