@@ -191,28 +191,33 @@ async def test_tokens_whose_experts_all_failed_backtrack_to_their_next_best() ->
             await in_thread(run)
 
 
-async def test_experts_slower_than_k_min_and_grace_are_dropped_as_late_not_banned() -> None:
+async def with_a_slow_server(test: Callable[[TrainerClient, InProcessServer], None]) -> None:
+    """``test(client, slow)`` in a thread: a trainer and two servers, ``slow`` hosting
+    one row of the grid (its faults set by the test)."""
     async with open_world(CONFIG) as world:
         await world.add_server("ffn.0.[0:2]")
         slow = await world.add_server("ffn.1.[0:2]")
         async with world.open_trainer() as client:
+            await in_thread(lambda: test(client, slow))
 
-            def run() -> None:
-                torch.manual_seed(0)
-                moe = layer(client, k_best=4, k_min=2)
-                steps(moe, 1)  # everyone answers (the grace is long)
-                assert moe.stats.forward_ok == 4
-                moe.grace_after_k_min_s = 0.0
-                slow.faults.fault = Fault(delay_s=600.0)  # far beyond any loaded machine
-                steps(moe, 1)
-                assert moe.stats.late == 2, "both of the slow server's experts"
-                assert moe.stats.forward_ok == 4 + 2
-                assert moe.stats.backward_ok == 4 + 2, "backward only to those that answered"
-                assert moe.stats.forward_failed == moe.stats.backward_failed == 0
-                assert moe.stats.unanswered_tokens == 0
-                assert client.directory.banned == {}
 
-            await in_thread(run)
+async def test_experts_slower_than_k_min_and_grace_are_dropped_as_late_not_banned() -> None:
+    def run(client: TrainerClient, slow: InProcessServer) -> None:
+        torch.manual_seed(0)
+        moe = layer(client, k_best=4, k_min=2)
+        steps(moe, 1)  # everyone answers (the grace is long)
+        assert moe.stats.forward_ok == 4
+        moe.grace_after_k_min_s = 0.0
+        slow.faults.fault = Fault(delay_s=600.0)  # far beyond any loaded machine
+        steps(moe, 1)
+        assert moe.stats.late == 2, "both of the slow server's experts"
+        assert moe.stats.forward_ok == 4 + 2
+        assert moe.stats.backward_ok == 4 + 2, "backward only to those that answered"
+        assert moe.stats.forward_failed == moe.stats.backward_failed == 0
+        assert moe.stats.unanswered_tokens == 0
+        assert client.directory.banned == {}
+
+    await with_a_slow_server(run)
 
 
 async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answers_is_not() -> (
@@ -222,34 +227,30 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
     the whole grace, for good: late is no fault once, but LATE_STREAK_BAN rounds in a
     row that cut it off, with no answer in between, ban its peer; an answer in between
     starts the count again."""
-    async with open_world(CONFIG) as world:
-        await world.add_server("ffn.0.[0:2]")
-        slow = await world.add_server("ffn.1.[0:2]")
-        async with world.open_trainer() as client:
 
-            def run() -> None:
-                torch.manual_seed(0)
-                moe = layer(client, k_best=4, k_min=2)
-                moe.grace_after_k_min_s = 0.0
-                per_step = 1  # its forward round (no backward: it answered nothing)
-                slow.faults.fault = Fault(delay_s=600.0)
-                steps(moe, LATE_STREAK_BAN // per_step - 1)
-                slow.faults.fault = Fault()  # it answers once: the streak starts again
-                moe.grace_after_k_min_s = 30.0
-                steps(moe, 1)
-                moe.grace_after_k_min_s = 0.0
-                slow.faults.fault = Fault(delay_s=600.0)
-                steps(moe, LATE_STREAK_BAN // per_step - 1)
-                assert client.directory.banned == {}
-                late = moe.stats.late
-                steps(moe, 1)
-                assert moe.stats.late == late + 2  # both of its experts' calls
-                assert slow.peer_id in client.directory.banned
-                steps(moe, 2)  # no longer chosen: no more grace paid for it
-                assert moe.stats.late == late + 2
-                assert moe.stats.unanswered_tokens == 0
+    def run(client: TrainerClient, slow: InProcessServer) -> None:
+        torch.manual_seed(0)
+        moe = layer(client, k_best=4, k_min=2)
+        moe.grace_after_k_min_s = 0.0
+        per_step = 1  # its forward round (no backward: it answered nothing)
+        slow.faults.fault = Fault(delay_s=600.0)
+        steps(moe, LATE_STREAK_BAN // per_step - 1)
+        slow.faults.fault = Fault()  # it answers once: the streak starts again
+        moe.grace_after_k_min_s = 30.0
+        steps(moe, 1)
+        moe.grace_after_k_min_s = 0.0
+        slow.faults.fault = Fault(delay_s=600.0)
+        steps(moe, LATE_STREAK_BAN // per_step - 1)
+        assert client.directory.banned == {}
+        late = moe.stats.late
+        steps(moe, 1)
+        assert moe.stats.late == late + 2  # both of its experts' calls
+        assert slow.peer_id in client.directory.banned
+        steps(moe, 2)  # no longer chosen: no more grace paid for it
+        assert moe.stats.late == late + 2
+        assert moe.stats.unanswered_tokens == 0
 
-            await in_thread(run)
+    await with_a_slow_server(run)
 
 
 async def test_no_answer_at_all_is_the_typed_error() -> None:

@@ -137,6 +137,24 @@ async def test_the_peers_at_one_address_hold_at_most_four_reservations() -> None
         assert await _reserve(peers[4], relay, [None]) == [StatusCode.OK]
 
 
+async def _open_circuits(strangers: list[Node], target: PeerAddress) -> int:
+    """One circuit to ``target`` for each entry of ``strangers``, all at once; how many
+    opened."""
+    opened = 0
+
+    async def one(stranger: Node) -> None:
+        nonlocal opened
+        assert stranger.reachability is not None
+        with contextlib.suppress(Exception), trio.fail_after(30):
+            await stranger.reachability.relaying.connect(target)
+            opened += 1
+
+    async with trio.open_nursery() as nursery:
+        for stranger in strangers:
+            nursery.start_soon(one, stranger)
+    return opened
+
+
 async def test_one_stranger_opens_at_most_four_circuits_to_a_reserved_node() -> None:
     """40 circuits at once from one stranger to one reserved node: at most 4 open (the
     cap was checked before the handshake and counted after it: all 40 opened); an
@@ -147,18 +165,7 @@ async def test_one_stranger_opens_at_most_four_circuits_to_a_reserved_node() -> 
     ):
         assert stranger.reachability is not None
         target = PeerAddress(node.peer_id, tuple(node.addrs))
-        opened = 0
-
-        async def one() -> None:
-            nonlocal opened
-            assert stranger.reachability is not None
-            with contextlib.suppress(Exception), trio.fail_after(30):
-                await stranger.reachability.relaying.connect(target)
-                opened += 1
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(40):
-                nursery.start_soon(one)
+        opened = await _open_circuits([stranger] * 40, target)
         conns = node.host.get_network().connections.get(stranger.host.get_id()) or []
         assert 1 <= opened <= 4, f"{opened} circuits opened"
         assert len(conns) <= 4
@@ -178,19 +185,7 @@ async def test_the_peers_at_one_address_open_at_most_four_circuits_to_one_node()
         open_peer(local_config(reachability=_PLAIN)) as second,
     ):
         target = PeerAddress(node.peer_id, tuple(node.addrs))
-        opened = 0
-
-        async def one(stranger: Node) -> None:
-            nonlocal opened
-            assert stranger.reachability is not None
-            with contextlib.suppress(Exception), trio.fail_after(30):
-                await stranger.reachability.relaying.connect(target)
-                opened += 1
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(4):
-                nursery.start_soon(one, first)
-                nursery.start_soon(one, second)
+        opened = await _open_circuits([first, second] * 4, target)
         assert 1 <= opened <= 4, f"{opened} circuits opened"
 
 

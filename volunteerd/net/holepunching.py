@@ -69,6 +69,7 @@ __all__ = [
     "SESSIONS_AT_ONCE",
     "HolePunching",
     "UpgradeStats",
+    "direct_ips",
     "punchable_addrs",
 ]
 
@@ -84,6 +85,22 @@ _EXCHANGE_S = 10  # reading or writing one CONNECT or SYNC (py-libp2p: 30 s)
 _REMEMBERED = 4096  # peers whose last session start is kept; beyond, new ones are refused
 
 _LOOPBACK, _PRIVATE, _PUBLIC = 0, 1, 2
+
+
+def direct_ips(host: IHost, peer_id: ID) -> list[str]:
+    """The remote IPs of ``host``'s direct (not relayed) connections to ``peer_id``."""
+    conns = host.get_network().connections.get(peer_id) or []  # type: ignore[attr-defined]
+    ips = []
+    for conn in conns if isinstance(conns, list) else [conns]:
+        try:
+            if any(CIRCUIT_SUFFIX in str(a) for a in conn.get_transport_addresses()):
+                continue
+            remote = conn.muxed_conn.get_remote_address()
+        except Exception:  # a closing connection: nothing observed
+            continue
+        if remote:
+            ips.append(str(remote[0]))
+    return ips
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,18 +337,7 @@ class HolePunching(DCUtRProtocol):
         return conns if isinstance(conns, list) else [conns]
 
     def _direct_ips(self, peer_id: ID) -> list[str]:
-        """The remote IPs of this node's direct connections to ``peer_id``."""
-        ips = []
-        for conn in self._conns(peer_id):
-            try:
-                if any(CIRCUIT_SUFFIX in str(a) for a in conn.get_transport_addresses()):
-                    continue
-                remote = conn.muxed_conn.get_remote_address()
-            except Exception:  # a closing connection: nothing observed
-                continue
-            if remote:
-                ips.append(str(remote[0]))
-        return ips
+        return direct_ips(self.host, peer_id)
 
     def _known_addrs(self, peer_id: ID) -> list[Multiaddr]:
         try:

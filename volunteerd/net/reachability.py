@@ -51,7 +51,7 @@ from volunteerd.net.dialback import (
     dialable_addrs,
     tcp_endpoint,
 )
-from volunteerd.net.holepunching import HolePunching, UpgradeStats
+from volunteerd.net.holepunching import HolePunching, UpgradeStats, direct_ips
 from volunteerd.net.host import transport_addrs
 from volunteerd.net.peers import (
     CIRCUIT_SUFFIX,
@@ -162,20 +162,7 @@ class DialBackServer:
 
 def observed_ips(host: IHost, peer_id: str) -> list[str]:
     """The remote IPs of our direct (not relayed) connections to ``peer_id``."""
-    conns = host.get_network().connections.get(ID.from_base58(peer_id)) or []
-    if not isinstance(conns, list):
-        conns = [conns]
-    ips = []
-    for conn in conns:
-        try:
-            if any(CIRCUIT_SUFFIX in str(a) for a in conn.get_transport_addresses()):
-                continue
-            remote = conn.muxed_conn.get_remote_address()
-        except Exception:  # a closing connection: nothing observed
-            continue
-        if remote:
-            ips.append(str(remote[0]))
-    return ips
+    return direct_ips(host, ID.from_base58(peer_id))
 
 
 class _DirectAfterRelayed(INotifee):
