@@ -45,6 +45,8 @@ def _stored(store: NodePeerStore, peer: ID = PEER) -> list[str]:
         CIRCUIT,
         f"{CIRCUIT}/p2p/{PEER}",
     ],
+    # the peer ids are made afresh in each process: ids that every xdist worker agrees on
+    ids=["loopback", "private", "ip6", "with-own-id", "circuit", "circuit-with-id"],
 )
 def test_usable_addresses_are_direct_tcp_or_circuits(addr: str) -> None:
     assert usable_addr(Multiaddr(addr))
@@ -62,6 +64,17 @@ def test_usable_addresses_are_direct_tcp_or_circuits(addr: str) -> None:
         "/ip4/127.0.0.1/tcp/0",
         f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}/p2p/{PEER}",
         f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{PEER}/p2p-circuit",
+    ],
+    ids=[
+        "long-name",
+        "dns",
+        "quic",
+        "tls",
+        "unspecified",
+        "multicast",
+        "port-0",
+        "two-ids",
+        "relay-chain",
     ],
 )
 def test_other_addresses_are_not_usable(addr: str) -> None:
