@@ -36,6 +36,28 @@ __all__ = ["bind_control", "serve_control"]
 logger = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
+# What hypercorn's error log gets when a client left while its reply was being written:
+# its own task and the app's both wrote to the socket (BusyResourceError: seen when a
+# client that announced 1 GiB of body read the 413 and hung up), or the socket was gone.
+_CLIENT_GONE = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class _ClientGone(logging.Filter):
+    """Hypercorn logs a client that hung up mid-reply as "Error in ASGI Framework" with
+    its traceback: the client's doing, not the daemon's error. Shown at debug only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        if isinstance(error, _CLIENT_GONE):
+            logger.debug("a client hung up while its reply was written: %r", error)
+            return False
+        return True
+
+
+_HTTP_LOG = logging.getLogger("volunteerd.control.http")
+_HTTP_LOG.addFilter(_ClientGone())
 
 
 def bind_control(port: int) -> socket.socket:
@@ -108,7 +130,7 @@ async def serve_control(
     config = HypercornConfig()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) it from here
     config.accesslog = None
-    config.errorlog = logging.getLogger("volunteerd.control.http")
+    config.errorlog = _HTTP_LOG
     config.graceful_timeout = 1.0
     config.keep_alive_timeout = 30.0
     async with trio.open_nursery() as nursery:
