@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 import multiaddr
 import trio
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetStream, INetwork
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -63,7 +63,7 @@ from volunteerd.net.peers import (
 )
 from volunteerd.net.protocols import Verb
 from volunteerd.net.records import MAX_ADDRS
-from volunteerd.net.relay import BoundedRelay
+from volunteerd.net.relay import BoundedRelay, QuietNotifee
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.net.throttle import Throttle
 
@@ -165,7 +165,7 @@ def observed_ips(host: IHost, peer_id: str) -> list[str]:
     return direct_ips(host, ID.from_base58(peer_id))
 
 
-class _DirectAfterRelayed(INotifee):
+class _DirectAfterRelayed(QuietNotifee):
     """Calls ``on_direct(peer id)`` when a direct connection opens to a peer this node
     is connected to through a relay (whoever dialled it): the RPC client then stops
     reusing its idle streams, which run over the relayed connection."""
@@ -180,21 +180,6 @@ class _DirectAfterRelayed(INotifee):
         others = network.connections.get(peer) or []  # type: ignore[attr-defined]
         if any(_is_circuit(c) for c in (others if isinstance(others, list) else [others])):
             self._on_direct(str(peer))
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        pass
-
-    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        pass
 
 
 def _routable_from(addr: str, peer_ips: list[str]) -> bool:

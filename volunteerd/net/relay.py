@@ -62,7 +62,13 @@ from volunteerd.net.throttle import Throttle
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-__all__ = ["CIRCUITS_PER_SOURCE", "PING_BYTES", "RESERVATIONS_PER_ADDRESS", "BoundedRelay"]
+__all__ = [
+    "CIRCUITS_PER_SOURCE",
+    "PING_BYTES",
+    "RESERVATIONS_PER_ADDRESS",
+    "BoundedRelay",
+    "QuietNotifee",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -357,17 +363,14 @@ class BoundedRelay(CircuitV2Protocol):
                 return
 
 
-class _OnDisconnect(INotifee):
-    """Calls ``closed(peer id)`` when a connection to that peer closes."""
-
-    def __init__(self, closed: Callable[[ID], None]) -> None:
-        self._closed = closed
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        with contextlib.suppress(Exception):  # a connection that never finished
-            self._closed(conn.muxed_conn.peer_id)
+class QuietNotifee(INotifee):
+    """A py-libp2p network notifee that does nothing; subclasses override what they
+    watch."""
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         pass
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
@@ -381,3 +384,14 @@ class _OnDisconnect(INotifee):
 
     async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
         pass
+
+
+class _OnDisconnect(QuietNotifee):
+    """Calls ``closed(peer id)`` when a connection to that peer closes."""
+
+    def __init__(self, closed: Callable[[ID], None]) -> None:
+        self._closed = closed
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        with contextlib.suppress(Exception):  # a connection that never finished
+            self._closed(conn.muxed_conn.peer_id)
