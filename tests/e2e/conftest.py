@@ -14,6 +14,20 @@ from pathlib import Path
 
 import pytest
 
+# A test here starts real daemons: each imports torch and opens a libp2p host, and a
+# daemon may be given up to `Proc.wait_ready`'s 180 s to do so. The suite's 120 s per
+# test (pyproject.toml) is for tests in one process; beside busy processes a test that
+# starts a daemon twice (a restart) ran past it while nothing was hung. Without a
+# timeout mark of its own, such a test gets this one.
+E2E_TIMEOUT_S = 400
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+
 
 @dataclass
 class Proc:
