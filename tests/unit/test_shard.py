@@ -27,6 +27,7 @@ from volunteerd.errors import (
 )
 from volunteerd.net import PeerAddress, Verb
 from volunteerd.net.shard import (
+    HELD_PER_REQUESTER,
     STALE_S,
     ShardServer,
     download_shard,
@@ -185,6 +186,51 @@ async def test_snapshots_in_use_are_not_evicted_and_a_full_cache_is_busy() -> No
     with pytest.raises(SnapshotExpired):
         await shards.chunk(ShardRequest(uid="ffn.0.0", sha256=a.sha256))
     assert shards.statistics().busy == 1
+
+
+async def test_one_requester_keeps_a_few_snapshots_in_use_and_pins_no_more() -> None:
+    # A peer asking for a byte of a fresh snapshot every second held 44 of them (1 GiB)
+    # in a trainer's cache, and every other trainer's download was refused busy.
+    n = HELD_PER_REQUESTER
+    experts = Experts(**{f"ffn_0_{i}": bytes([i]) * 100 for i in range(n + 3)})
+    clock = Clock()
+    shards = server(experts, clock, max_cache_bytes=100 * n + 50, in_use_s=60.0)
+    for i in range(n + 1):  # one requester, one snapshot more than it may hold at once
+        await shards.chunk(ShardRequest(uid=f"ffn.0.{i}", length=1), requester="pinner")
+    assert shards.statistics().cached_bytes == 100 * n  # its oldest was let go, and evicted
+
+    honest, _ = await shards.chunk(ShardRequest(uid=f"ffn.0.{n + 1}"), requester="honest")
+    assert honest.total == 100  # room, though the pinner used all of its own just now
+    with pytest.raises(Busy):  # the pinner's next one waits: the cache is full of use
+        await shards.chunk(ShardRequest(uid=f"ffn.0.{n + 2}", length=1), requester="pinner")
+    reply, _ = await shards.chunk(
+        ShardRequest(uid=honest.uid, sha256=honest.sha256, offset=50), requester="honest"
+    )
+    assert reply.offset == 50
+
+
+async def test_an_unchanged_snapshot_is_not_hashed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed: list[int] = []
+
+    def counting(data: bytes) -> str:
+        hashed.append(len(data))
+        return sha(data)
+
+    monkeypatch.setattr("volunteerd.net.shard._sha256_hex", counting)
+    experts = Experts(ffn_0_0=DATA)
+    clock = Clock()
+    shards = server(experts, clock, reuse_s=0.0)  # every fresh request asks for a snapshot
+    first, _ = await shards.chunk(ShardRequest(uid=UID, length=1))
+    clock.now += 1
+    again, _ = await shards.chunk(ShardRequest(uid=UID, length=1))
+    assert experts.taken == 2
+    assert again.sha256 == first.sha256 == sha(DATA)
+    assert hashed == [len(DATA)]
+    experts.states[UID] = DATA[::-1]  # new bytes: hashed
+    clock.now += 1
+    changed, _ = await shards.chunk(ShardRequest(uid=UID, length=1))
+    assert changed.sha256 == sha(DATA[::-1])
+    assert len(hashed) == 2
 
 
 async def test_a_snapshot_larger_than_the_cache_is_still_kept() -> None:

@@ -22,7 +22,7 @@ import trio.testing
 from torch import nn
 
 from volunteerd.errors import ConfigError, PeerUnreachable
-from volunteerd.experts.checkpoint_file import ExpertState
+from volunteerd.experts.checkpoint_file import ExpertState, encode_checkpoint
 from volunteerd.experts.clipping import clip_bound
 from volunteerd.swarm.trainers import TrainerNetStats, TrainerPeer
 from volunteerd.train import (
@@ -33,7 +33,12 @@ from volunteerd.train import (
     load_corpus,
     load_experiment,
 )
-from volunteerd.train.averaging import TrainerAverager, data_shard_of
+from volunteerd.train.averaging import (
+    INFO_GRACE_S,
+    TrainerAverager,
+    data_shard_of,
+    params_bytes_bound,
+)
 from volunteerd.wire import TrainerInfo
 
 EXPERIMENT = "unit-test"
@@ -75,6 +80,7 @@ class FakeNetwork:
     def __init__(self, *peers: FakePeer) -> None:
         self.by_id = {p.peer.peer_id: p for p in peers}
         self.published: list[tuple[ExpertState, TrainerInfo]] = []
+        self.max_bytes: list[int] = []  # what each fetch_params allowed
 
     def publish(self, state: ExpertState, info: TrainerInfo) -> None:
         self.published.append((state, info))
@@ -99,6 +105,7 @@ class FakeNetwork:
     ) -> ExpertState:
         fake = self.by_id[peer.peer_id]
         fake.fetched += 1
+        self.max_bytes.append(max_bytes)
         await fake._behave()
         return _state("trainer.0", fake.params, fake.version)
 
@@ -189,6 +196,24 @@ async def test_hostile_peer_moves_each_tensor_by_at_most_tau_over_n(
     assert stats.clipped == len(own)  # every tensor of the hostile peer's, none of the other's
     assert stats.rounds == 1
     assert stats.averaged_with == 2
+
+
+async def test_a_peers_parameters_may_be_no_larger_than_ones_own_layout_allows(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The limit was the config's max_state_mb (1 GiB), though the layout is known: a
+    # peer declaring that much made a trainer allocate it.
+    own = _own()
+    network = FakeNetwork(FakePeer("honest", _near(own, 1e-3, seed=2)))
+    averager = _averager(network, group_size=2)
+    _published(averager, {k: v.clone() for k, v in own.items()})
+    await averager.run_round()
+
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in own.items()}
+    encoded = b"".join(encode_checkpoint(_state("trainer.0", own, 3)))
+    [allowed] = network.max_bytes
+    assert allowed == params_bytes_bound(layout)
+    assert len(encoded) <= allowed < len(encoded) + (1 << 20)
 
 
 async def test_hostile_peer_alone_is_bounded_round_after_round(
@@ -330,6 +355,61 @@ async def test_a_hanging_peer_keeps_its_place_to_the_end_then_is_tried_last(
             assert await averager.run_round() == ("a",)  # at the back of the line now
         else:
             assert first == ("a",)
+
+
+async def test_silent_strangers_do_not_keep_a_trainer_from_the_peer_it_knows(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Eight fresh identities at an address that accepts and never answers: two honest
+    # trainers averaged with each other 5 times in 300 s, the silent ones taking every
+    # place of most rounds and holding each round (their info too) for all of timeout_s.
+    own = _own()
+    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
+    honest = FakePeer("honest", _near(own, 1e-3, 12))
+    for seed in range(4):
+        averager = _averager(FakeNetwork(*silent, honest), group_size=3, rng=random.Random(seed))
+        weights = {k: v.clone() for k, v in own.items()}
+        _published(averager, weights)
+        rounds: list[tuple[str, ...]] = []
+        while "honest" not in (rounds[-1] if rounds else ()):  # a search among strangers
+            rounds.append(await averager.run_round())
+            averager.apply_pending(weights)
+            assert len(rounds) <= 15, rounds
+        for _ in range(12):  # known now: in every round after
+            assert "honest" in await averager.run_round()
+            averager.apply_pending(weights)
+
+
+@pytest.fixture
+def slow_clock() -> trio.testing.MockClock:
+    """Jumps only after 0.2 s of real idleness: a reply's check in a worker thread that
+    took longer than ``patient_clock``'s 50 ms on a loaded machine would let virtual
+    time run to the next deadline meanwhile."""
+    return trio.testing.MockClock(autojump_threshold=0.2)
+
+
+async def test_a_round_waits_for_silent_peers_infos_no_longer_than_a_grace(
+    slow_clock: trio.abc.Clock,
+) -> None:
+    own = _own()
+    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
+    honest = FakePeer("honest", _near(own, 1e-3, 12))
+    averager = _averager(FakeNetwork(*silent, honest), group_size=2)
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    quick: list[float] = []  # how long rounds took that gave the silent peers no place
+    for _ in range(20):
+        started, tried = trio.current_time(), sum(p.fetched for p in silent)
+        chosen = await averager.run_round()
+        averager.apply_pending(weights)
+        if sum(p.fetched for p in silent) == tried:
+            assert chosen == ("honest",)
+            quick.append(trio.current_time() - started)
+    # they were asked for their info each round (INFO_PEERS): once the place is
+    # settled, that is given INFO_GRACE_S, not all of timeout_s (5 s here)
+    assert len(quick) >= 5
+    within = [t for t in quick if t <= INFO_GRACE_S + 0.5]
+    assert len(within) >= 0.8 * len(quick), quick
 
 
 async def test_a_flood_of_dead_trainers_costs_a_round_a_few_tries_per_place(

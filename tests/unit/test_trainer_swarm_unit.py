@@ -5,7 +5,9 @@ serves, and verbs added to a running RPC server (over the in-memory network)."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import tracemalloc
 from typing import Any, cast
 
 import pytest
@@ -124,6 +126,7 @@ def test_trainer_info_round_trips_and_refuses_impossible_values() -> None:
         {"tokens_per_s": -1.0},
         {"tokens_per_s": float("nan")},
         {"tokens_per_s": float("inf")},
+        {"tokens_per_s": 1.7e308},  # finite, but two of them summed to an infinite rate
         {"rounds": 2**70},
         {"data_shard": -1},
         {"experiment": ""},
@@ -176,7 +179,8 @@ class FakeRpc:
         except VolunteerdError as exc:
             raise RemoteError(wire_code(exc), str(exc)) from None
         if self.lie is not None:
-            return self.lie(reply, body)
+            lied = self.lie(reply, body)
+            return await lied if inspect.isawaitable(lied) else lied
         return reply, body
 
 
@@ -227,6 +231,37 @@ async def test_fetch_refuses_bytes_that_do_not_match_their_hash() -> None:
 
     with pytest.raises(ShardError, match="sha256"):
         await fetch(FakeRpc(shards_of(DATA), lie=flip))
+
+
+class Declares:
+    """A peer that answers the first chunk honestly but declares ``total`` bytes in all,
+    then never answers again."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.replies = 0
+
+    async def __call__(self, reply: ShardReply, body: memoryview) -> tuple[ShardReply, memoryview]:
+        self.replies += 1
+        if self.replies > 1:
+            await trio.sleep_forever()
+        return reply.model_copy(update={"total": self.total}), body
+
+
+async def test_fetch_holds_the_bytes_received_not_the_size_a_peer_declares() -> None:
+    # Once a peer's first chunk declared 512 MiB, the download allocated (and zeroed)
+    # all of it: two such trainers cost an honest one +2 GiB a round for 1 MiB each.
+    liar = Declares(512 << 20)
+    rpc = FakeRpc(shards_of(DATA), lie=liar)
+    tracemalloc.start()
+    try:
+        with trio.move_on_after(0.5):
+            await fetch(rpc, max_bytes=1 << 30)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert liar.replies == 2  # the first chunk was taken, the second never came
+    assert peak < 16 << 20
 
 
 async def test_fetch_refuses_chunks_of_two_snapshots() -> None:

@@ -33,7 +33,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Protocol
 
@@ -57,6 +57,7 @@ from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.wire.messages import MAX_SHARD_CHUNK, Sha256, ShardReply, ShardRequest, Uid
 
 __all__ = [
+    "HELD_PER_REQUESTER",
     "MAX_SHARD_CHUNK",
     "STALE_S",
     "ShardResult",
@@ -83,6 +84,13 @@ _MAX_RESTARTS = 3
 # Server answers worth waiting for and asking again.
 _RETRY_CODES = frozenset({"busy", "rate_limited"})
 _HASH_BLOCK = 4 << 20
+# Snapshots one requester (an address; a peer id over a relay or on loopback) keeps "in
+# use" at once (a joining daemon may download a few experts from one peer together),
+# and requesters remembered. Without it, one peer asking for a byte of a fresh snapshot
+# every second held 44 of them (1 GiB) in a trainer's cache, and every other trainer's
+# download was refused busy.
+HELD_PER_REQUESTER = 4
+_MAX_REQUESTERS = 4096
 
 
 # --------------------------------------------------------------------------- server
@@ -108,6 +116,8 @@ class _Kept:
     data: bytes
     taken_at: float
     used_at: float
+    holders: set[str] = field(default_factory=set)  # requesters counting it in use
+    anonymous: bool = False  # used by a caller that named no requester
 
 
 class ShardServer:
@@ -118,7 +128,9 @@ class ShardServer:
     ``keep_idle_s``: a snapshot is dropped after this long without a request.
     ``max_cache_bytes``: snapshots kept, in all (a soft cap: it may be passed by one
     snapshot); beyond it the least recently used go first, except those asked for within
-    ``in_use_s``. When those alone fill the cache, a fresh request gets Busy.
+    ``in_use_s`` by a requester that counts it among its latest ``HELD_PER_REQUESTER``
+    (4) snapshots (one requester cannot pin more). When those alone fill the cache, a
+    fresh request gets Busy.
     ``max_chunk_bytes``: larger requests get shorter replies. ``clock`` is for tests.
 
     Idle snapshots are dropped when a request comes, and by ``serve`` as time passes
@@ -147,6 +159,7 @@ class ShardServer:
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # by sha256, LRU first
         self._latest: dict[str, str] = {}  # uid -> sha256 of its newest snapshot
         self._taking = trio.Lock()
+        self._held: OrderedDict[str, list[str]] = OrderedDict()  # requester -> its sha256s
         self._snapshots = self._reused = self._chunks = self._bytes_out = self._expired = 0
         self._busy = 0
 
@@ -162,13 +175,18 @@ class ShardServer:
 
     async def handle(self, request: Request) -> Reply:
         """The ``shard`` verb's handler."""
-        header, chunk = await self.chunk(request.header)
+        requester = request.address or request.peer_id
+        header, chunk = await self.chunk(request.header, requester=requester)
         return Reply(header, [chunk])
 
-    async def chunk(self, request: ShardRequest) -> tuple[ShardReply, memoryview]:
+    async def chunk(
+        self, request: ShardRequest, *, requester: str | None = None
+    ) -> tuple[ShardReply, memoryview]:
         """The reply to ``request`` and its body. Raises UnknownExpert (from the
         snapshot callback), SnapshotExpired for a ``sha256`` no longer kept, Busy when
-        snapshots in use fill the cache, and MalformedFrame for an offset past the end."""
+        snapshots in use fill the cache, and MalformedFrame for an offset past the end.
+        ``requester`` keeps at most ``HELD_PER_REQUESTER`` snapshots in use at once (None:
+        no limit)."""
         self._drop_idle()
         if request.sha256 is None:
             sha256, kept = await self._fresh(request.uid)
@@ -181,6 +199,9 @@ class ShardServer:
             kept = found
         kept.used_at = self._clock()
         self._kept.move_to_end(sha256)
+        self._hold(requester, sha256, kept)
+        if request.sha256 is None:  # what the requester let go may make room now
+            self._make_room(keep=sha256)
         total = len(kept.data)
         if request.offset > total:
             raise MalformedFrame(f"offset {request.offset} is past the end ({total} bytes)")
@@ -207,7 +228,10 @@ class ShardServer:
                 self._busy += 1
                 raise Busy(f"{uid}: snapshots of running downloads fill the cache; try later")
             data = await self._snapshot(uid)
-            sha256 = await trio.to_thread.run_sync(_sha256_hex, data)
+            if latest is not None and recent is not None and recent.data is data:  # hashed
+                sha256 = latest
+            else:
+                sha256 = await trio.to_thread.run_sync(_sha256_hex, data)
             now = self._clock()
             kept = self._kept.get(sha256) or _Kept(uid, data, now, now)
             kept.taken_at = now
@@ -217,6 +241,34 @@ class ShardServer:
             self._make_room(keep=sha256)
             logger.debug("%s: snapshot %s of %d bytes", uid, sha256[:12], len(data))
             return sha256, kept
+
+    def _hold(self, requester: str | None, sha256: str, kept: _Kept) -> None:
+        """Count ``kept`` in use for ``requester``, which lets go of its oldest snapshot
+        beyond ``HELD_PER_REQUESTER``."""
+        if requester is None:
+            kept.anonymous = True
+            return
+        held = self._held.pop(requester, [])
+        self._held[requester] = held
+        if sha256 in held:
+            held.remove(sha256)
+        held.append(sha256)
+        kept.holders.add(requester)
+        while len(held) > HELD_PER_REQUESTER:
+            self._let_go(requester, held.pop(0))
+        while len(self._held) > _MAX_REQUESTERS:
+            gone, shas = self._held.popitem(last=False)
+            for old in shas:
+                self._let_go(gone, old)
+
+    def _let_go(self, requester: str, sha256: str) -> None:
+        kept = self._kept.get(sha256)
+        if kept is not None:
+            kept.holders.discard(requester)
+
+    def _in_use(self, kept: _Kept, now: float) -> bool:
+        held = kept.anonymous or bool(kept.holders)
+        return held and now - kept.used_at <= self._in_use_s
 
     def _drop_idle(self) -> None:
         now = self._clock()
@@ -231,7 +283,7 @@ class ShardServer:
         for sha256, kept in list(self._kept.items()):
             if total <= self._max_cache_bytes:
                 break
-            if sha256 != keep and now - kept.used_at > self._in_use_s:
+            if sha256 != keep and not self._in_use(kept, now):
                 total -= len(kept.data)
                 self._forget(sha256)
 
@@ -464,7 +516,8 @@ async def fetch_shard(
     Like ``download_shard`` without a file: every chunk comes from one snapshot (the
     ``sha256`` of the first reply), a snapshot over ``max_bytes`` is refused from the
     first reply's ``total`` (that first chunk is at most ``max_bytes`` too), before more
-    is asked for or a buffer is allocated, and the whole SHA-256 is checked at the end.
+    is asked for; memory grows with the bytes received, never with the size a peer
+    declares; and the whole SHA-256 is checked at the end.
     A dropped stream, a timeout or a ``busy``/``rate_limited`` answer is retried
     ``retries`` times in a row; an ``expired`` snapshot starts the download again.
     ``on_chunk(received, total)`` is called after each chunk. Bound the whole call with
@@ -533,7 +586,10 @@ class _Progress(Protocol):
 
 
 class _InMemory:
-    """``fetch_shard``'s download so far: one buffer of the snapshot's size."""
+    """``fetch_shard``'s download so far: the bytes received, in one buffer that grows
+    with them. It is not allocated at the size the first reply declares: a peer that
+    declares 1 GiB and then stalls would cost the downloader that memory (zero-filled
+    while holding the GIL) for the price of one chunk."""
 
     def __init__(self, uid: str) -> None:
         self.uid = uid
@@ -548,10 +604,9 @@ class _InMemory:
 
     def start(self, sha256: str, total: int) -> None:
         self.sha256, self.total = sha256, total
-        self._buffer = bytearray(total)
 
     def write(self, data: memoryview) -> None:
-        self._buffer[self.offset : self.offset + data.nbytes] = data
+        self._buffer += data  # chunks arrive in order: each at the current offset
         self.offset += data.nbytes
 
     def finish(self) -> bytearray:

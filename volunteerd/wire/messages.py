@@ -224,6 +224,8 @@ class TrainerInfo(_Wire):
     experiment: ExperimentName
     version: Count
     tokens: Count
-    tokens_per_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    # A trillion tokens a second is no trainer's; without a bound two reports of 1.7e308
+    # summed to an infinite swarm rate (and --summary-json to invalid JSON).
+    tokens_per_s: Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
     rounds: Count
     data_shard: Count
