@@ -315,6 +315,13 @@ class ExpertDHT:
     def routing_table_size(self) -> int:
         return int(self._kad.get_routing_table_size())
 
+    def knows(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is in the routing table."""
+        try:
+            return bool(self._kad.routing_table.peer_in_table(ID.from_base58(peer_id)))
+        except Exception:  # a malformed peer id is known to nobody
+            return False
+
     def forget_peer(self, peer_id: str) -> None:
         """Stop routing through a peer that failed to answer."""
         try:

@@ -12,6 +12,8 @@ nodes pollute the routing tables of servers (docs/decisions/0002).
 from __future__ import annotations
 
 import logging
+import math
+import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -37,11 +39,17 @@ from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
 from volunteerd.net.rpc import Handler, RpcClient, RpcServer
 from volunteerd.net.throttle import Throttle
 
-__all__ = ["Node", "open_node"]
+__all__ = ["REJOIN_CHECK_S", "REJOIN_EVERY_S", "REJOIN_MAX_WAIT_S", "Node", "open_node"]
 
 logger = logging.getLogger(__name__)
 
 _EXPIRE_EVERY_S = 10.0
+# Staying joined (``_stay_joined``): how often a node checks that it is, the longest it
+# waits between tries while the bootstrap peers do not answer, and how often a node
+# connected to none of them but to others joins through them again anyway.
+REJOIN_CHECK_S = 15.0
+REJOIN_MAX_WAIT_S = 300.0
+REJOIN_EVERY_S = 120.0
 
 
 @dataclass(slots=True)
@@ -197,6 +205,7 @@ async def open_node(
                 logger.info(
                     "joined the swarm through %d of %d bootstrap peers", joined, len(bootstrap)
                 )
+                nursery.start_soon(_stay_joined, dht, host, tuple(bootstrap), joined > 0)
             reach = Reachability(
                 host,
                 rpc,
@@ -215,6 +224,54 @@ async def open_node(
                 nursery.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
                     await rpc.aclose()
+
+
+async def _stay_joined(
+    dht: ExpertDHT, host: IHost, bootstrap: tuple[PeerAddress, ...], joined: bool
+) -> None:
+    """Join through ``bootstrap`` again whenever the node has lost the swarm.
+
+    Joining once at start is not enough for a node that runs for weeks: a network that
+    went away for minutes, a new address, a laptop's sleep or a restarted bootstrap node
+    left nodes with no connection, or with one another but unknown to the bootstrap
+    nodes, where newcomers look first: nobody found their experts until a human
+    restarted them. Every ``REJOIN_CHECK_S`` (jittered), a node connected to none of its
+    bootstrap peers joins through them again when it has no connection at all or none
+    of them is in its routing table, and at least every ``REJOIN_EVERY_S`` otherwise;
+    while they do not answer it waits twice as long each time, up to
+    ``REJOIN_MAX_WAIT_S``."""
+    others = tuple(p for p in bootstrap if p.peer_id != str(host.get_id()))
+    if not others:
+        return
+    ids = [ID.from_base58(p.peer_id) for p in others]
+    last_joined = trio.current_time() if joined else -math.inf
+    wait = REJOIN_CHECK_S
+    while True:
+        await trio.sleep(wait * random.uniform(0.8, 1.2))
+        connections = host.get_network().connections
+        if any(connections.get(p) for p in ids):
+            last_joined, wait = trio.current_time(), REJOIN_CHECK_S
+            continue
+        lost = not connections or not any(dht.knows(p.peer_id) for p in others)
+        if not lost and trio.current_time() - last_joined < REJOIN_EVERY_S:
+            continue
+        # py-libp2p refuses dials to a peer whose addresses all failed in the last 60 s
+        # (its negative cache): these tries are spaced out already.
+        unblock = getattr(host.get_network(), "unblock_peer", None)
+        if unblock is not None:
+            for peer_id in ids:
+                unblock(peer_id)
+        joined_now = await dht.bootstrap(others)
+        if joined_now:
+            logger.info(
+                "joined the swarm again through %d of %d bootstrap peers%s",
+                joined_now,
+                len(others),
+                " (it had lost it)" if lost else "",
+            )
+            last_joined, wait = trio.current_time(), REJOIN_CHECK_S
+        else:
+            wait = min(2 * wait, REJOIN_MAX_WAIT_S)
 
 
 async def _expire_records(dht: ExpertDHT) -> None:

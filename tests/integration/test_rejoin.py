@@ -1,0 +1,144 @@
+"""A node that lost the swarm joins it again through its bootstrap peers, by itself.
+
+Probed from outside (2026-12-05): after a bootstrap node restarted, or a volunteer's
+network went away for minutes, nodes never dialled their bootstrap peers again;
+newcomers joining through the bootstrap node found none of their experts until a human
+restarted them.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+import trio
+
+import volunteerd.net.node as node_module
+from volunteerd.config import Config
+from volunteerd.identity import Identity
+from volunteerd.net import Announcer, Node
+from volunteerd.testing import local_config, open_peer
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _until(check: Callable[[], bool], within_s: float = 30) -> None:
+    with trio.fail_after(within_s):
+        while not check():  # noqa: ASYNC110 - polling the nodes' state
+            await trio.sleep(0.1)
+
+
+def _knows(a: Node, b: Node) -> bool:
+    return b.peer_id in a.connected_peers() and a.dht.knows(b.peer_id)
+
+
+class _Stop:
+    """Asks a peer run by ``_run_peer`` to stop, and waits until it has (its port free)."""
+
+    def __init__(self) -> None:
+        self.asked = trio.Event()
+        self.done = trio.Event()
+
+    async def __call__(self) -> None:
+        self.asked.set()
+        await self.done.wait()
+
+
+async def _run_peer(
+    config: Config,
+    identity: Identity,
+    stop: _Stop,
+    *,
+    task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        async with open_peer(config, identity) as peer:
+            task_status.started(peer)
+            await stop.asked.wait()
+    finally:
+        stop.done.set()
+
+
+async def test_a_node_joins_again_through_a_bootstrap_node_that_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a and b stay connected to each other, and still list the bootstrap node in their
+    # routing tables: they join through it again on the periodic turn
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.5)
+    monkeypatch.setattr(node_module, "REJOIN_EVERY_S", 3.0)
+    boot_identity, port = Identity.generate(), _free_port()
+    boot_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
+    async with trio.open_nursery() as nursery:
+        stop = _Stop()
+        boot: Node = await nursery.start(_run_peer, boot_config, boot_identity, stop)
+        address = boot.multiaddrs
+        async with (
+            open_peer(local_config(bootstrap=address)) as a,
+            open_peer(local_config(bootstrap=address)) as b,
+        ):
+            await _until(lambda: _knows(boot, a) and _knows(boot, b))
+            await stop()  # the bootstrap node goes away ...
+            await _until(lambda: boot.peer_id not in a.connected_peers())
+
+            # ... and comes back with its identity and port, and an empty routing table
+            async with open_peer(boot_config, boot_identity) as again:
+                await _until(lambda: _knows(again, a) and _knows(again, b))
+                # a newcomer joining through it now finds the others
+                async with open_peer(local_config(bootstrap=again.multiaddrs)) as newcomer:
+                    await _until(lambda: newcomer.dht.knows(a.peer_id))
+
+
+async def test_a_node_left_with_no_connection_joins_again_once_the_bootstrap_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A network gone for minutes (or a laptop's sleep) leaves a node with no connection;
+    # it keeps trying, waiting twice as long each time, and is back once one answers.
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.2)
+    boot_identity, port = Identity.generate(), _free_port()
+    boot_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
+    async with trio.open_nursery() as nursery:
+        stop = _Stop()
+        boot: Node = await nursery.start(_run_peer, boot_config, boot_identity, stop)
+        async with open_peer(local_config(bootstrap=boot.multiaddrs)) as a:
+            await _until(lambda: _knows(boot, a))
+            await stop()
+            await _until(lambda: not a.connected_peers())
+            await trio.sleep(3)  # several tries that find nobody
+            assert not a.connected_peers()
+            async with open_peer(boot_config, boot_identity) as again:
+                await _until(lambda: _knows(again, a) and _knows(a, again))
+
+
+async def test_announcements_that_reach_no_other_peer_are_told_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # "announcement reached no peer" could never be logged: the count includes the
+    # node itself, and a node cut off from everyone said nothing.
+    config = local_config()
+    async with open_peer(config) as alone:
+        announcer = Announcer(
+            alone.dht, alone.identity, alone.peer_id, alone.addrs, config.dht, config.timeouts
+        )
+        announcer.set_uids(["ffn.0.0"])
+        for _ in range(2):
+            await announcer.announce_now()
+        assert announcer.unheard
+        told = [r for r in caplog.records if "reach no other peer" in r.getMessage()]
+        assert len(told) == 1
+        assert told[0].levelname == "WARNING"
+        async with open_peer(local_config(bootstrap=alone.multiaddrs)) as other:
+            await _until(lambda: other.peer_id in alone.connected_peers())
+            await announcer.announce_now()
+            assert not announcer.unheard
+            assert any("reach other peers again" in r.getMessage() for r in caplog.records)
