@@ -548,6 +548,14 @@ class Libp2pStreamHost:
         except Exception as exc:
             raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
 
+    async def hang_up(self, peer_id: str) -> None:
+        try:
+            pid = ID.from_base58(peer_id)
+        except Exception:  # a malformed peer id has no connection
+            return
+        with contextlib.suppress(Exception):  # already gone, or closing: nothing to do
+            await self._host.disconnect(pid)
+
     async def _ensure_connected(self, peer: PeerAddress, peer_id: ID) -> None:
         if self._host.get_network().connections.get(peer_id):
             return

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -37,6 +38,7 @@ from typing import Annotated, Any
 import trio
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from volunteerd.bounded import remember
 from volunteerd.config import PeerLimitsConfig, TimeoutsConfig, WireLimits
 from volunteerd.errors import (
     Busy,
@@ -113,6 +115,10 @@ Handler = Callable[[Request], Awaitable[Reply]]
 
 # (peer, reason) pairs counted one by one in RpcStats.refused; beyond: under "other".
 _MAX_REFUSED_KEYS = 4096
+# A client closes its connection to a peer after this many calls in a row that timed
+# out or opened no stream (``RpcClient._silent``); peers counted at once.
+SILENCES_BEFORE_HANG_UP = 2
+_MAX_SILENT_PEERS = 4096
 
 
 @dataclass(slots=True)
@@ -454,6 +460,9 @@ class RpcClient:
         self._max_idle = max_idle_per_peer
         self._idle: dict[tuple[str, Verb], list[_Pooled]] = {}
         self._reply_adapters: dict[Verb, TypeAdapter[Any]] = {}
+        # peer -> calls in a row that timed out or opened no stream (see _silent)
+        self._silences: OrderedDict[str, int] = OrderedDict()
+        self.hung_up = 0  # connections closed after SILENCES_BEFORE_HANG_UP such calls
 
     async def call(
         self,
@@ -498,6 +507,49 @@ class RpcClient:
         """Like ``call``, but the reply's body is returned as it came, uncut: for verbs
         whose body is not tensors (``shard``: pass the chunk length asked for as
         ``max_body_bytes``)."""
+        try:
+            result = await self._call_raw(
+                peer, verb, header, buffers, max_body_bytes=max_body_bytes
+            )
+        except (RequestTimeout, PeerUnreachable):
+            await self._silent(peer.peer_id)
+            raise
+        except RemoteError:
+            self._silences.pop(peer.peer_id, None)  # it answered
+            raise
+        self._silences.pop(peer.peer_id, None)
+        return result
+
+    async def _silent(self, peer_id: str) -> None:
+        """Count a call that ``peer_id`` left unanswered; after
+        ``SILENCES_BEFORE_HANG_UP`` in a row, close the connection to it.
+
+        A connection whose other end is gone (the peer's address changed, its network
+        went away, a laptop slept) stays open here until the kernel gives up on it, some
+        15 minutes, and every call took it and timed out: a trainer kept calling a
+        volunteer at its old address though its record named the new one. Closed, the
+        next call dials the address the peer announces now."""
+        silences = self._silences.pop(peer_id, 0) + 1
+        if silences < SILENCES_BEFORE_HANG_UP:
+            remember(self._silences, peer_id, silences, _MAX_SILENT_PEERS)
+            return
+        self.forget(peer_id)
+        self.hung_up += 1
+        logger.info(
+            "%s: %d calls in a row unanswered; closing its connection", short(peer_id), silences
+        )
+        with trio.CancelScope(shield=True):
+            await self._host.hang_up(peer_id)
+
+    async def _call_raw(
+        self,
+        peer: PeerAddress,
+        verb: Verb,
+        header: BaseModel,
+        buffers: Sequence[bytes | bytearray | memoryview] = (),
+        *,
+        max_body_bytes: int | None = None,
+    ) -> tuple[Any, memoryview]:
         spec = PROTOCOLS[verb]
         frame = encode_frame(header, buffers)
         body_cap = self._limits.max_body_bytes if verb in _REPLIES_WITH_BODY else 0

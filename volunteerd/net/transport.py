@@ -83,6 +83,11 @@ class StreamHost(Protocol):
         is down, refuses the protocol, or a dial fails)."""
         ...
 
+    async def hang_up(self, peer_id: str) -> None:
+        """Close every connection to ``peer_id`` (streams on them break); the next
+        stream dials afresh. Nothing happens when there is none."""
+        ...
+
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         """Serve ``protocol``: each inbound stream runs ``await handler(stream)`` in a
         task of its own; the handler owns the stream (closes or resets it)."""

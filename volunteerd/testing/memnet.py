@@ -259,6 +259,12 @@ class MemoryHost:
         target._nursery.start_soon(handler, theirs)
         return ours
 
+    async def hang_up(self, peer_id: str) -> None:
+        self._connected.discard(peer_id)
+        other = self.network.host(peer_id)
+        if other is not None:
+            other._connected.discard(self.peer_id)
+
     def _target(self, peer_id: str) -> MemoryHost:
         target = self.network.host(peer_id)
         if target is None:

@@ -1,0 +1,118 @@
+"""A client closes a connection that stopped answering, so the next call dials afresh.
+
+Probed from outside (2026-12-05): after a volunteer's address changed, a trainer kept
+its connection to the old address, whose other end was gone, and every call took it
+and timed out until the kernel gave up on the socket, ~16 minutes later, though the
+volunteer's record named its new address all along.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from volunteerd.config import Config
+from volunteerd.errors import RemoteError, RequestTimeout
+from volunteerd.net import PeerAddress, Verb
+from volunteerd.net.rpc import SILENCES_BEFORE_HANG_UP, Reply, Request, RpcClient, RpcServer
+from volunteerd.net.transport import Stream
+from volunteerd.testing.memnet import MemoryHost, MemoryNetwork
+from volunteerd.wire import InfoRequest
+from volunteerd.wire.messages import ErrorReply
+
+CONFIG = Config()
+
+
+class Void:
+    """A stream on a connection whose other end is gone: writes vanish, nothing comes."""
+
+    remote_peer_id = "gone"
+    remote_host = None
+
+    async def read(self, n: int) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError  # unreachable
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+class HalfOpen:
+    """A client's host whose connection to every peer is dead until it hangs up."""
+
+    def __init__(self, host: MemoryHost) -> None:
+        self._host = host
+        self.peer_id = host.peer_id
+        self.dead = True
+        self.hang_ups: list[str] = []
+
+    async def connect(self, peer: PeerAddress) -> None:
+        if not self.dead:
+            await self._host.connect(peer)
+
+    async def open_stream(self, peer: PeerAddress, protocol: str) -> Stream:
+        if self.dead:
+            return Void()
+        return await self._host.open_stream(peer, protocol)
+
+    async def hang_up(self, peer_id: str) -> None:
+        self.hang_ups.append(peer_id)
+        self.dead = False  # the next stream dials: the address the peer announces now
+
+    def set_stream_handler(self, protocol: str, handler: Any) -> None:
+        self._host.set_stream_handler(protocol, handler)
+
+
+async def answer(request: Request) -> Reply:
+    return Reply(ErrorReply(code="unknown_expert", message="no such expert"))
+
+
+async def test_a_connection_that_stopped_answering_is_closed_and_the_next_call_dials(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    network = MemoryNetwork()
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        RpcServer(
+            server_host, {Verb.INFO: answer}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+        ).install()
+        host = HalfOpen(client_host)
+        client = RpcClient(host, CONFIG.wire, CONFIG.timeouts)  # type: ignore[arg-type]
+        for _ in range(SILENCES_BEFORE_HANG_UP):
+            with pytest.raises(RequestTimeout):
+                await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+        assert host.hang_ups == [server_host.peer_id]
+        assert client.hung_up == 1
+        with pytest.raises(RemoteError, match="no such expert"):  # an answer, at once
+            with trio.fail_after(1):
+                await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+        await client.aclose()
+
+
+async def test_one_unanswered_call_between_answers_closes_nothing(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    network = MemoryNetwork()
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        RpcServer(
+            server_host, {Verb.INFO: answer}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+        ).install()
+        host = HalfOpen(client_host)
+        client = RpcClient(host, CONFIG.wire, CONFIG.timeouts)  # type: ignore[arg-type]
+        for _ in range(3):  # a slow call now and then: the connection is alive
+            client.forget(server_host.peer_id)  # (no pooled stream: a new one is silent)
+            host.dead = True
+            with pytest.raises(RequestTimeout):
+                await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+            host.dead = False
+            with pytest.raises(RemoteError):
+                await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+        assert host.hang_ups == []
+        await client.aclose()
