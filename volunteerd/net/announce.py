@@ -65,6 +65,7 @@ class Announcer:
         self._paused = False
         self._lock = trio.Lock()  # one round at a time: a withdrawal is never overtaken
         self.last_outcome: StoreOutcome | None = None
+        self.unheard = False  # the last round's records reached no other peer
 
     def set_addrs(self, addrs: Iterable[str]) -> None:
         """Announce these addresses from the next round on (which starts at once); the
@@ -121,8 +122,17 @@ class Announcer:
             outcome = await self._dht.put(self.records(withdraw=withdrawn))
             self._announced = set(live)
             self.last_outcome = outcome
-        if outcome.acks and outcome.min_acks == 0:
-            logger.warning("an announcement reached no peer; retrying next round")
+        # acks count this node too: 1 is a record no other peer took
+        unheard = bool(outcome.acks) and outcome.min_acks <= 1
+        if unheard and not self.unheard:
+            logger.warning(
+                "announcements reach no other peer: nobody can find this node's experts "
+                "(retrying every round; the node joins through its bootstrap peers again "
+                "when it has lost them)"
+            )
+        elif self.unheard and not unheard:
+            logger.info("announcements reach other peers again")
+        self.unheard = unheard
         return outcome
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
