@@ -9,7 +9,8 @@ restarted them.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import pytest
@@ -70,6 +71,19 @@ async def _run_peer(
         stop.done.set()
 
 
+@asynccontextmanager
+async def _bootstrap_node() -> AsyncIterator[tuple[Node, _Stop, Config, Identity]]:
+    """A bootstrap node at a fixed port, to stop with ``await stop()`` and start again
+    with the same config and identity."""
+    identity = Identity.generate()
+    config = local_config(network={"listen_host": "127.0.0.1", "port": _free_port()})
+    async with trio.open_nursery() as nursery:
+        stop = _Stop()
+        boot: Node = await nursery.start(_run_peer, config, identity, stop)
+        yield boot, stop, config, identity
+        await stop()
+
+
 async def test_a_node_joins_again_through_a_bootstrap_node_that_restarted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -77,11 +91,7 @@ async def test_a_node_joins_again_through_a_bootstrap_node_that_restarted(
     # routing tables: they join through it again on the periodic turn
     monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.5)
     monkeypatch.setattr(node_module, "REJOIN_EVERY_S", 3.0)
-    boot_identity, port = Identity.generate(), _free_port()
-    boot_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
-    async with trio.open_nursery() as nursery:
-        stop = _Stop()
-        boot: Node = await nursery.start(_run_peer, boot_config, boot_identity, stop)
+    async with _bootstrap_node() as (boot, stop, boot_config, boot_identity):
         address = boot.multiaddrs
         async with (
             open_peer(local_config(bootstrap=address)) as a,
@@ -105,19 +115,17 @@ async def test_a_node_left_with_no_connection_joins_again_once_the_bootstrap_ans
     # A network gone for minutes (or a laptop's sleep) leaves a node with no connection;
     # it keeps trying, waiting twice as long each time, and is back once one answers.
     monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.2)
-    boot_identity, port = Identity.generate(), _free_port()
-    boot_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
-    async with trio.open_nursery() as nursery:
-        stop = _Stop()
-        boot: Node = await nursery.start(_run_peer, boot_config, boot_identity, stop)
-        async with open_peer(local_config(bootstrap=boot.multiaddrs)) as a:
-            await _until(lambda: _knows(boot, a))
-            await stop()
-            await _until(lambda: not a.connected_peers())
-            await trio.sleep(3)  # several tries that find nobody
-            assert not a.connected_peers()
-            async with open_peer(boot_config, boot_identity) as again:
-                await _until(lambda: _knows(again, a) and _knows(a, again))
+    async with (
+        _bootstrap_node() as (boot, stop, boot_config, boot_identity),
+        open_peer(local_config(bootstrap=boot.multiaddrs)) as a,
+    ):
+        await _until(lambda: _knows(boot, a))
+        await stop()
+        await _until(lambda: not a.connected_peers())
+        await trio.sleep(3)  # several tries that find nobody
+        assert not a.connected_peers()
+        async with open_peer(boot_config, boot_identity) as again:
+            await _until(lambda: _knows(again, a) and _knows(a, again))
 
 
 async def test_announcements_that_reach_no_other_peer_are_told_once(

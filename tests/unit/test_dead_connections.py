@@ -8,6 +8,8 @@ volunteer's record named its new address all along.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -75,9 +77,9 @@ async def answer(request: Request) -> Reply:
     return Reply(ErrorReply(code="unknown_expert", message="no such expert"))
 
 
-async def test_a_connection_that_stopped_answering_is_closed_and_the_next_call_dials(
-    autojump_clock: trio.abc.Clock,
-) -> None:
+@asynccontextmanager
+async def half_open_client() -> AsyncIterator[tuple[MemoryHost, HalfOpen, RpcClient]]:
+    """A server answering ``info``, and a client whose connection to it is dead."""
     network = MemoryNetwork()
     async with network.open_host() as server_host, network.open_host() as client_host:
         RpcServer(
@@ -85,6 +87,16 @@ async def test_a_connection_that_stopped_answering_is_closed_and_the_next_call_d
         ).install()
         host = HalfOpen(client_host)
         client = RpcClient(host, CONFIG.wire, CONFIG.timeouts)  # type: ignore[arg-type]
+        try:
+            yield server_host, host, client
+        finally:
+            await client.aclose()
+
+
+async def test_a_connection_that_stopped_answering_is_closed_and_the_next_call_dials(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with half_open_client() as (server_host, host, client):
         for _ in range(SILENCES_BEFORE_HANG_UP):
             with pytest.raises(RequestTimeout):
                 await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
@@ -93,19 +105,12 @@ async def test_a_connection_that_stopped_answering_is_closed_and_the_next_call_d
         with pytest.raises(RemoteError, match="no such expert"):  # an answer, at once
             with trio.fail_after(1):
                 await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
-        await client.aclose()
 
 
 async def test_one_unanswered_call_between_answers_closes_nothing(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    network = MemoryNetwork()
-    async with network.open_host() as server_host, network.open_host() as client_host:
-        RpcServer(
-            server_host, {Verb.INFO: answer}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
-        ).install()
-        host = HalfOpen(client_host)
-        client = RpcClient(host, CONFIG.wire, CONFIG.timeouts)  # type: ignore[arg-type]
+    async with half_open_client() as (server_host, host, client):
         for _ in range(3):  # a slow call now and then: the connection is alive
             client.forget(server_host.peer_id)  # (no pooled stream: a new one is silent)
             host.dead = True
@@ -115,4 +120,3 @@ async def test_one_unanswered_call_between_answers_closes_nothing(
             with pytest.raises(RemoteError):
                 await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
         assert host.hang_ups == []
-        await client.aclose()

@@ -507,10 +507,13 @@ class RpcClient:
         """Like ``call``, but the reply's body is returned as it came, uncut: for verbs
         whose body is not tensors (``shard``: pass the chunk length asked for as
         ``max_body_bytes``)."""
+        spec = PROTOCOLS[verb]
+        frame = encode_frame(header, buffers)
+        body_cap = self._limits.max_body_bytes if verb in _REPLIES_WITH_BODY else 0
+        if max_body_bytes is not None:
+            body_cap = max(0, min(body_cap, max_body_bytes))
         try:
-            result = await self._call_raw(
-                peer, verb, header, buffers, max_body_bytes=max_body_bytes
-            )
+            result = await self._call_raw(peer, spec, frame, body_cap)
         except (RequestTimeout, PeerUnreachable):
             await self._silent(peer.peer_id)
             raise
@@ -542,19 +545,9 @@ class RpcClient:
             await self._host.hang_up(peer_id)
 
     async def _call_raw(
-        self,
-        peer: PeerAddress,
-        verb: Verb,
-        header: BaseModel,
-        buffers: Sequence[bytes | bytearray | memoryview] = (),
-        *,
-        max_body_bytes: int | None = None,
+        self, peer: PeerAddress, spec: ProtocolSpec, frame: bytes, body_cap: int
     ) -> tuple[Any, memoryview]:
-        spec = PROTOCOLS[verb]
-        frame = encode_frame(header, buffers)
-        body_cap = self._limits.max_body_bytes if verb in _REPLIES_WITH_BODY else 0
-        if max_body_bytes is not None:
-            body_cap = max(0, min(body_cap, max_body_bytes))
+        verb = spec.verb
         stream, reused = await self._acquire(peer, spec)
         try:
             try:
