@@ -246,6 +246,7 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
         steps(moe, 1)
         assert moe.stats.late == late + 2  # both of its experts' calls
         assert slow.peer_id in client.directory.banned
+        assert client.rpc.hung_up == 1  # its connection too: the next call dials afresh
         steps(moe, 2)  # no longer chosen: no more grace paid for it
         assert moe.stats.late == late + 2
         assert moe.stats.unanswered_tokens == 0

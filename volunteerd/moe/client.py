@@ -59,6 +59,11 @@ class TrainerClient(ABC):
 
         self.run(ban)
 
+    def hang_up(self, peer_id: str) -> None:
+        """Close the connection to ``peer_id``: the next call dials its announced
+        address afresh (see RpcClient.hang_up)."""
+        self.run(self.rpc.hang_up, peer_id)
+
 
 class SwarmClient(TrainerClient):
     def __init__(

@@ -492,7 +492,12 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                 del self._late_streak[next(iter(self._late_streak))]
             return
         self.stats.failures["late"] += 1
-        self._ban(peer_id, f"late {streak} times in a row: {call.uid}", None, usable)
+        if self._ban(peer_id, f"late {streak} times in a row: {call.uid}", None, usable):
+            # Calls cut off late never time out on their own, so the RPC client's rule
+            # for silent connections never saw them: a connection whose other end is
+            # gone (a new address, a network that dropped) would be taken again when
+            # the ban ends. The next call dials afresh.
+            self.client.hang_up(peer_id)
 
     def _misbehaved(self, peer: PeerAddress, uid: str, reason: str, usable: set[str]) -> None:
         """A peer sent what its peers did not: drop it for ``checks.ban_s``."""

@@ -536,11 +536,17 @@ class RpcClient:
         if silences < SILENCES_BEFORE_HANG_UP:
             remember(self._silences, peer_id, silences, _MAX_SILENT_PEERS)
             return
-        self.forget(peer_id)
-        self.hung_up += 1
         logger.info(
             "%s: %d calls in a row unanswered; closing its connection", short(peer_id), silences
         )
+        await self.hang_up(peer_id)
+
+    async def hang_up(self, peer_id: str) -> None:
+        """Close the connection to ``peer_id`` and drop its pooled streams: the next
+        call dials afresh (for a caller that gave up on the peer in its own way)."""
+        self._silences.pop(peer_id, None)
+        self.forget(peer_id)
+        self.hung_up += 1
         with trio.CancelScope(shield=True):
             await self._host.hang_up(peer_id)
 
