@@ -24,6 +24,7 @@
     ├── InvalidRecord          a DHT record failed validation
     ├── PeerError              talking to a peer failed (client side)
     │   ├── PeerUnreachable    could not open a stream to the peer
+    │   │   └── StreamTimedOut  ... because nothing answered in time (a dead connection?)
     │   ├── RequestTimeout     the peer did not answer in time
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
     │   ├── ReplyTooLarge      a reply declared more than its call asked for (also a FrameTooLarge)
@@ -77,6 +78,7 @@ __all__ = [
     "ShardError",
     "ShuttingDown",
     "SnapshotExpired",
+    "StreamTimedOut",
     "TrainerStateError",
     "UnknownExpert",
     "UnsupportedVersion",
@@ -246,6 +248,11 @@ class PeerError(VolunteerdError):
 
 class PeerUnreachable(PeerError):
     code = "unreachable"
+
+
+class StreamTimedOut(PeerUnreachable):
+    """No stream opened because the peer did not answer in time, where a refusal (a
+    protocol it does not serve) would have come at once: its connection may be dead."""
 
 
 class RequestTimeout(PeerError):

@@ -14,15 +14,18 @@ from typing import Any
 
 import pytest
 import trio
+from libp2p.host.exceptions import StreamFailure
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
 
 from volunteerd.config import Config
-from volunteerd.errors import RemoteError, RequestTimeout
+from volunteerd.errors import PeerUnreachable, RemoteError, RequestTimeout
 from volunteerd.net import PeerAddress, Verb
+from volunteerd.net.host import _timed_out
 from volunteerd.net.rpc import SILENCES_BEFORE_HANG_UP, Reply, Request, RpcClient, RpcServer
 from volunteerd.net.transport import Stream
 from volunteerd.testing.memnet import MemoryHost, MemoryNetwork
 from volunteerd.wire import InfoRequest
-from volunteerd.wire.messages import ErrorReply
+from volunteerd.wire.messages import ErrorReply, ParamsRequest
 
 CONFIG = Config()
 
@@ -120,3 +123,31 @@ async def test_one_unanswered_call_between_answers_closes_nothing(
             with pytest.raises(RemoteError):
                 await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
         assert host.hang_ups == []
+
+
+async def test_a_refusal_is_an_answer_and_closes_nothing(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # A peer that does not serve a verb refuses its streams at once: a live connection
+    # (the DHT stores on every connected peer, bare clients included, each round).
+    async with half_open_client() as (server_host, host, client):
+        host.dead = False
+        for _ in range(3):
+            with pytest.raises(PeerUnreachable, match="not supported"):
+                await client.call(server_host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"))
+        assert host.hang_ups == []
+
+
+def test_py_libp2ps_negotiation_timeout_is_told_from_a_refusal() -> None:
+    def failure(cause: str) -> Exception:
+        try:
+            try:
+                raise MultiselectClientError(cause)
+            except MultiselectClientError as error:
+                raise StreamFailure("failed to open a stream to peer x") from error
+        except StreamFailure as exc:
+            return exc
+
+    assert _timed_out(failure("response timed out after 10s, protocols tried: [...]"))
+    assert not _timed_out(failure("protocol not supported"))
+    assert _timed_out(trio.TooSlowError())

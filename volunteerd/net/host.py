@@ -47,7 +47,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from multiaddr.utils import get_thin_waist_addresses
 
-from volunteerd.errors import PeerUnreachable, ResourceUnavailable
+from volunteerd.errors import PeerUnreachable, ResourceUnavailable, StreamTimedOut
 from volunteerd.identity import Identity
 from volunteerd.net import connections
 from volunteerd.net.dialback import tcp_endpoint
@@ -511,6 +511,19 @@ def _is_relayed(connection: Any) -> bool:
         return False
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether py-libp2p's failure to open a stream came from waiting in vain (its
+    protocol negotiation's "response timed out"), not from a refusal."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, TimeoutError | trio.TooSlowError) or "timed out" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class Libp2pStreamHost:
     """py-libp2p's ``host`` as a ``transport.StreamHost``.
 
@@ -537,7 +550,8 @@ class Libp2pStreamHost:
         except (trio.Cancelled, KeyboardInterrupt, PeerUnreachable):
             raise
         except Exception as exc:
-            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+            kind = StreamTimedOut if _timed_out(exc) else PeerUnreachable
+            raise kind(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
         return Libp2pStream(stream)
 
     async def connect(self, peer: PeerAddress) -> None:

@@ -50,6 +50,7 @@ from volunteerd.errors import (
     RemoteError,
     ReplyTooLarge,
     RequestTimeout,
+    StreamTimedOut,
     VolunteerdError,
     WireError,
     wire_code,
@@ -116,7 +117,7 @@ Handler = Callable[[Request], Awaitable[Reply]]
 # (peer, reason) pairs counted one by one in RpcStats.refused; beyond: under "other".
 _MAX_REFUSED_KEYS = 4096
 # A client closes its connection to a peer after this many calls in a row that timed
-# out or opened no stream (``RpcClient._silent``); peers counted at once.
+# out, or opened no stream in time (``RpcClient._silent``); peers counted at once.
 SILENCES_BEFORE_HANG_UP = 2
 _MAX_SILENT_PEERS = 4096
 
@@ -514,7 +515,7 @@ class RpcClient:
             body_cap = max(0, min(body_cap, max_body_bytes))
         try:
             result = await self._call_raw(peer, spec, frame, body_cap)
-        except (RequestTimeout, PeerUnreachable):
+        except (RequestTimeout, StreamTimedOut):
             await self._silent(peer.peer_id)
             raise
         except RemoteError:
@@ -524,8 +525,9 @@ class RpcClient:
         return result
 
     async def _silent(self, peer_id: str) -> None:
-        """Count a call that ``peer_id`` left unanswered; after
-        ``SILENCES_BEFORE_HANG_UP`` in a row, close the connection to it.
+        """Count a call that ``peer_id`` left unanswered (no reply, or no stream, in
+        time: a refusal is an answer); after ``SILENCES_BEFORE_HANG_UP`` in a row,
+        close the connection to it.
 
         A connection whose other end is gone (the peer's address changed, its network
         went away, a laptop slept) stays open here until the kernel gives up on it, some
@@ -681,7 +683,7 @@ class RpcClient:
             with trio.fail_after(self._timeouts.connect_s):
                 stream = await self._host.open_stream(peer, spec.protocol_id)
         except trio.TooSlowError:
-            raise PeerUnreachable(
+            raise StreamTimedOut(
                 f"{short(peer.peer_id)}: no stream within {self._timeouts.connect_s}s"
             ) from None
         return stream if self._throttle is None else self._throttle.wrap(stream)
