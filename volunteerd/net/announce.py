@@ -126,9 +126,9 @@ class Announcer:
         unheard = bool(outcome.acks) and outcome.min_acks <= 1
         if unheard and not self.unheard:
             logger.warning(
-                "announcements reach no other peer: nobody can find this node's experts "
-                "(retrying every round; the node joins through its bootstrap peers again "
-                "when it has lost them)"
+                "announcements reach no other peer: only peers that ask this node itself "
+                "can find its experts (retrying every round; a node with bootstrap peers "
+                "joins through them again when it has lost them)"
             )
         elif self.unheard and not unheard:
             logger.info("announcements reach other peers again")
