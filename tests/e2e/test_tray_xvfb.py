@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from volunteerd.errors import ControlError
 from volunteerd.paths import Paths
 from volunteerd.tray.app import TrayApp
 from volunteerd.tray.icons import icon_image
+from volunteerd.tray.menu import Seen
 
 TRAYER = shutil.which("trayer")
 # a 24 px high panel at the top left, as wide as its icons
@@ -341,6 +343,55 @@ def test_menu_drives_the_daemon_and_the_icon_follows_it(
 # -- helpers ---------------------------------------------------------------------------------
 
 
+class _FlappingTray(TrayApp):
+    """A tray whose daemon seems to change its state at every poll, from the first on
+    (no daemon: only where the tray learns the state is replaced)."""
+
+    STATES = (Seen("busy"), Seen("error", error="a test"), Seen("absent"))
+
+    def __init__(self, paths: Paths) -> None:
+        super().__init__(paths, start_daemon=False, backend="xorg", poll_s=0.01)
+        self.max_backoff_s = 0.01
+        self.polls = 0
+        self.shown = 0
+
+    def _poll(self) -> Seen:
+        self.polls += 1
+        return self.STATES[self.polls % len(self.STATES)]
+
+    def _show(self, seen: Seen) -> None:
+        super()._show(seen)
+        self.shown += 1
+
+
+def _shown(app: _FlappingTray, changes: int) -> bool:
+    return app.shown >= changes
+
+
+def test_the_icon_follows_changes_from_the_moment_it_docks(
+    desktop: Desktop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poll thread changes the icon and its title through pystray, which has its X
+    loop make each change and waits for it. python-xlib could leave that request unsent
+    while the icon docked, and the poll thread then waited forever: a CI run saw "volunteerd
+    is not running" for 90 s beside a running daemon. Before the fix, about one start in
+    a hundred hung here (each of 3 runs failed, at starts 2, 88 and 116); now every start
+    goes on changing the icon."""
+    monkeypatch.setenv("DISPLAY", desktop.display)
+    paths = Paths(tmp_path / "config.toml", tmp_path / "data", tmp_path / "cache")
+    for start in range(150):
+        app = _FlappingTray(paths)
+        runner = threading.Thread(target=app.run, daemon=True)
+        runner.start()
+        try:
+            wait_for(f"start {start}: 6 changes of the icon", partial(_shown, app, 6), 30)
+        finally:  # a stuck change holds the lock that stop takes
+            threading.Thread(target=app.stop, daemon=True).start()
+            runner.join(20)
+        assert not runner.is_alive()
+        wait_for("the icon left the tray", lambda: desktop.icons() == [], 15)
+
+
 def test_service_install_shows_the_tray_at_once_and_uninstall_closes_it(
     desktop: Desktop, tmp_path: Path
 ) -> None:
@@ -368,7 +419,11 @@ def test_service_install_shows_the_tray_at_once_and_uninstall_closes_it(
         installed = service("install")
         assert installed.returncode == 0, installed.stdout + installed.stderr
         assert "started the tray icon" in installed.stdout
-        desktop.wait_docked("No peers")
+        try:
+            desktop.wait_docked("No peers")
+        except AssertionError as exc:  # both the daemon and the tray write this log
+            log = (data / "daemon.log").read_text(errors="replace").splitlines()[-40:]
+            raise AssertionError("\n".join([str(exc), installed.stdout, *log])) from None
         again = service("install")
         assert "the tray icon is showing already" in again.stdout, again.stdout
         removed = service("uninstall")

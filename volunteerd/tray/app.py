@@ -70,6 +70,7 @@ REQUEST_TIMEOUT_S = 5.0  # one control API call
 NOTICE_S = 30.0  # how long a failed action stays in the menu
 STOP_TIMEOUT_S = 10.0  # for pystray's loop to end
 START_TIMEOUT_S = 180.0  # a started daemon that has not answered by then is "not running"
+FLUSH_S = 0.25  # how often the X connection is flushed (see ``_flush_loop``)
 
 
 class TrayApp:
@@ -163,6 +164,10 @@ class TrayApp:
             threading.Thread(target=self._poll_loop, name="tray-poll", daemon=True),
             threading.Thread(target=self._work_loop, name="tray-work", daemon=True),
         ]
+        if getattr(self.icon, "_display", None) is not None:  # pystray's X backend
+            threads.append(
+                threading.Thread(target=self._flush_loop, name="tray-flush", daemon=True)
+            )
 
         def setup(icon: Any) -> None:
             if self._stopping.is_set():  # stopped before the loop started
@@ -375,6 +380,19 @@ class TrayApp:
         if display is not None:
             with contextlib.suppress(Exception):  # closed, or the server went away
                 display.flush()
+
+    def _flush_loop(self) -> None:
+        """Flush the X connection every ``FLUSH_S`` while the tray runs.
+
+        pystray's X backend runs an update asked for from another thread (the icon, the
+        title) by sending its own window a message and waiting until its loop has done
+        it. python-xlib can leave that message unsent (its flush returns at once while
+        another thread sends, and that thread may stop before it), and the loop waits
+        for X events that never come: the updating thread then waited forever, and the
+        icon kept its first title ("volunteerd is not running") beside a daemon that
+        ran. Whatever is left unsent goes out at the next flush here."""
+        while not self._stopping.wait(FLUSH_S):
+            self._flush_x()
 
     def _title(self, shown: View) -> str:
         # pystray's X backend sets the title as a Latin-1 window name
