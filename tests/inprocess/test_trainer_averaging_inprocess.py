@@ -47,7 +47,12 @@ class BoardNetwork:
         return self.board.infos[peer.peer_id]
 
     async def fetch_params(
-        self, peer: TrainerPeer, timeout_s: float, max_bytes: int
+        self,
+        peer: TrainerPeer,
+        timeout_s: float,
+        max_bytes: int,
+        *,
+        first_reply_s: float | None = None,
     ) -> ExpertState:
         state = self.board.states[peer.peer_id]
         return ExpertState(

@@ -28,7 +28,7 @@ from volunteerd.errors import (
 from volunteerd.experts.checkpoint_file import ExpertState, read_checkpoint
 from volunteerd.identity import Identity
 from volunteerd.net import Node
-from volunteerd.net.shard import partial_paths
+from volunteerd.net.shard import FIRST_CHUNK_BYTES, partial_paths
 from volunteerd.swarm.trainers import TrainerPeer, TrainerSwarm, rendezvous_key
 from volunteerd.testing import local_config, open_peer
 from volunteerd.wire import TrainerInfo
@@ -261,6 +261,31 @@ async def test_a_peer_that_never_answers_fails_the_fetch_within_its_timeout() ->
                     await b.swarm.fetch_params(mute, timeout_s=2.0, max_bytes=1 << 20)
                 with pytest.raises(PeerError):
                     await b.swarm.info(mute, timeout_s=2.0)
+
+
+async def test_a_peer_that_never_answers_is_cut_at_the_first_reply_deadline() -> None:
+    """Without it, the dial alone took connect_s (10 s) and was tried three times: a
+    record whose address accepts and never answers held an averaging place for all of
+    timeout_s. A peer that answers still sends all of a snapshot larger than the first
+    chunk (FIRST_CHUNK_BYTES), within the same deadline."""
+    async with trainers(2) as (_, (a, b)):
+        published = trainer_state(hidden=256)  # parameters alone: several first chunks
+        assert sum(t.nbytes for t in published.params.values()) > 4 * FIRST_CHUNK_BYTES
+        a.swarm.publish(published, trainer_info())
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            port = silent.getsockname()[1]
+            mute = TrainerPeer(some_peer_id(), (f"/ip4/127.0.0.1/tcp/{port}",))
+            started = trio.current_time()
+            with trio.fail_after(DEADLINE_S), pytest.raises(RequestTimeout, match="within 1 s"):
+                await b.swarm.fetch_params(mute, timeout_s=30, max_bytes=1 << 20, first_reply_s=1)
+            assert trio.current_time() - started < 5  # not connect_s, not three tries
+        with trio.fail_after(DEADLINE_S):
+            fetched = await b.swarm.fetch_params(
+                a.peer, timeout_s=30, max_bytes=64 << 20, first_reply_s=20
+            )
+        assert_same_tensors(fetched.params, published.params)
 
 
 async def test_info_for_another_experiment_is_refused() -> None:

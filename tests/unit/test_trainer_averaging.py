@@ -21,7 +21,7 @@ import trio
 import trio.testing
 from torch import nn
 
-from volunteerd.errors import ConfigError, PeerUnreachable
+from volunteerd.errors import ConfigError, PeerUnreachable, RequestTimeout
 from volunteerd.experts.checkpoint_file import ExpertState, encode_checkpoint
 from volunteerd.experts.clipping import clip_bound
 from volunteerd.swarm.trainers import TrainerNetStats, TrainerPeer
@@ -46,8 +46,9 @@ CLIP = 0.5
 
 
 class FakePeer:
-    """Another trainer as the fake network answers for it: ``kind`` is "ok", "raise"
-    or "hang"; ``params``/``state`` what it serves."""
+    """Another trainer as the fake network answers for it: ``kind`` is "ok", "raise",
+    "hang" (never answers) or "stall" (begins to answer a fetch, then never goes on);
+    ``params``/``state`` what it serves."""
 
     def __init__(
         self,
@@ -70,7 +71,7 @@ class FakePeer:
     async def _behave(self) -> None:
         if self.kind == "raise":
             raise PeerUnreachable(f"{self.peer.peer_id} is gone")
-        if self.kind == "hang":
+        if self.kind in ("hang", "stall"):
             await trio.sleep_forever()
 
 
@@ -81,6 +82,7 @@ class FakeNetwork:
         self.by_id = {p.peer.peer_id: p for p in peers}
         self.published: list[tuple[ExpertState, TrainerInfo]] = []
         self.max_bytes: list[int] = []  # what each fetch_params allowed
+        self.first_reply_s: list[float | None] = []  # and the first answer's deadline
 
     def publish(self, state: ExpertState, info: TrainerInfo) -> None:
         self.published.append((state, info))
@@ -101,13 +103,23 @@ class FakeNetwork:
         )
 
     async def fetch_params(
-        self, peer: TrainerPeer, timeout_s: float, max_bytes: int
+        self,
+        peer: TrainerPeer,
+        timeout_s: float,
+        max_bytes: int,
+        *,
+        first_reply_s: float | None = None,
     ) -> ExpertState:
         fake = self.by_id[peer.peer_id]
         fake.fetched += 1
         self.max_bytes.append(max_bytes)
-        await fake._behave()
-        return _state("trainer.0", fake.params, fake.version)
+        self.first_reply_s.append(first_reply_s)
+        # as the real network does: no first answer within first_reply_s is a timeout
+        begun = first_reply_s is None or fake.kind == "stall"
+        with trio.move_on_after(math.inf if begun else first_reply_s):
+            await fake._behave()
+            return _state("trainer.0", fake.params, fake.version)
+        raise RequestTimeout(f"{peer.peer_id}: no answer within {first_reply_s} s")
 
     async def download_state(
         self, peer: TrainerPeer, dest: Path, timeout_s: float, max_bytes: int
@@ -257,7 +269,7 @@ async def test_a_hanging_peer_is_left_out_after_timeout_and_the_round_completes(
 ) -> None:
     own = _own()
     good = _near(own, 1e-3, seed=5)
-    network = FakeNetwork(FakePeer("good", good), FakePeer("hangs", kind="hang"))
+    network = FakeNetwork(FakePeer("good", good), FakePeer("hangs", kind="stall"))
     averager = _averager(network, group_size=3)
     weights = {k: v.clone() for k, v in own.items()}
     _published(averager, weights)
@@ -339,7 +351,7 @@ async def test_a_hanging_peer_keeps_its_place_to_the_end_then_is_tried_last(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     own = _own()
-    hangs = FakePeer("hangs", kind="hang")
+    hangs = FakePeer("hangs", kind="stall")  # it began to answer: no first-reply cut
     network = FakeNetwork(hangs, FakePeer("a", _near(own, 1e-3, 10)))
     for seed in range(6):
         averager = _averager(network, group_size=2, rng=random.Random(seed))
@@ -928,3 +940,29 @@ def test_a_download_that_kept_failing_is_counted_by_what_failed_it() -> None:
     assert _reason(failed(RequestTimeout("slow"))) == "timeout"
     assert _reason(failed(OSError("connection reset"))) == "unreachable"
     assert _reason(ShardError("bytes do not match their sha256", resumable=False)) == "bad_bytes"
+
+
+async def test_a_silent_stranger_costs_a_place_seconds_not_the_round(
+    slow_clock: trio.abc.Clock,
+) -> None:
+    # Records whose address accepts and never answers: a place given to one waited for
+    # all of timeout_s, and then went to the next new peer, another record. These 12
+    # rounds averaged twice in 54 s. A peer must now begin to answer within a quarter
+    # of timeout_s, and once a peer is known to answer, a round tries one that is not:
+    # 11 times in 28 s.
+    own = _own()
+    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
+    honest = FakePeer("honest", _near(own, 1e-3, 12))
+    network = FakeNetwork(*silent, honest)
+    averager = _averager(network, group_size=2, rng=random.Random(3))  # timeout_s 5
+    weights = {k: v.clone() for k, v in own.items()}
+    _published(averager, weights)
+    started, averaged = trio.current_time(), 0
+    for _ in range(12):
+        averaged += await averager.run_round() == ("honest",)
+        averager.apply_pending(weights)
+    took = trio.current_time() - started
+    assert set(network.first_reply_s) == {5.0 / 4}
+    assert sum(p.fetched for p in silent) >= 3  # new peers still get their turn
+    assert averaged >= 10, averaged
+    assert took <= 12 * 3.0, took

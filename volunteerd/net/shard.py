@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -48,6 +49,7 @@ from volunteerd.errors import (
     PeerError,
     RemoteError,
     ReplyTooLarge,
+    RequestTimeout,
     ShardError,
     SnapshotExpired,
 )
@@ -57,6 +59,7 @@ from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.wire.messages import MAX_SHARD_CHUNK, Sha256, ShardReply, ShardRequest, Uid
 
 __all__ = [
+    "FIRST_CHUNK_BYTES",
     "HELD_PER_REQUESTER",
     "MAX_SHARD_CHUNK",
     "STALE_S",
@@ -83,6 +86,9 @@ Snapshot = Callable[[str], Awaitable[bytes]]
 _MAX_RESTARTS = 3
 # Server answers worth waiting for and asking again.
 _RETRY_CODES = frozenset({"busy", "rate_limited"})
+# the first chunk ``fetch_shard`` asks for when the peer's first answer has a deadline:
+# 64 KiB take half a second at 1 Mbit/s
+FIRST_CHUNK_BYTES = 64 << 10
 _HASH_BLOCK = 4 << 20
 # Snapshots one requester (an address; a peer id over a relay or on loopback) keeps "in
 # use" at once (a joining daemon may download a few experts from one peer together),
@@ -510,6 +516,7 @@ async def fetch_shard(
     retries: int = 2,
     backoff_s: float = 0.25,
     on_chunk: Callable[[int, int], None] | None = None,
+    first_reply_s: float | None = None,
 ) -> bytearray:
     """Download the snapshot ``uid`` from ``peer`` into memory and return its bytes.
 
@@ -523,6 +530,12 @@ async def fetch_shard(
     ``on_chunk(received, total)`` is called after each chunk. Bound the whole call with
     ``trio.fail_after``.
 
+    With ``first_reply_s``, the peer must answer (a chunk or an error) within that time
+    of each request until it first has, and the first chunk asked for is at most
+    ``FIRST_CHUNK_BYTES``: a record whose address accepts and never answers fails in
+    seconds (RequestTimeout, not retried), where it held the whole call's deadline,
+    and a peer with a large snapshot on a slow link is not cut short.
+
     Raises RemoteError (e.g. ``unknown_expert``), PeerError when the peer cannot be
     reached, and ShardError when it keeps failing, when its replies contradict each
     other or one declares more bytes than asked for (refused before they are read), when
@@ -534,21 +547,32 @@ async def fetch_shard(
     where = f"shard {uid} from {short(peer.peer_id)}"
     progress = _InMemory(uid)
     failures = restarts = 0
+    answered = first_reply_s is None
     while progress.total is None or progress.offset < progress.total:
+        # Before the size is known, never ask for more than max_bytes.
+        length = min(chunk_bytes, progress.remaining(max_bytes))
         request = ShardRequest(
             uid=uid,
             sha256=progress.sha256,
             offset=progress.offset,
-            # Before the size is known, never ask for more than max_bytes.
-            length=min(chunk_bytes, progress.remaining(max_bytes)),
+            length=length if answered else min(length, FIRST_CHUNK_BYTES),
         )
         try:
-            reply, body = await rpc.call_raw(
-                peer, Verb.SHARD, request, max_body_bytes=request.length
-            )
+            with trio.move_on_after(math.inf if first_reply_s is None else first_reply_s) as first:
+                reply, body = await rpc.call_raw(
+                    peer, Verb.SHARD, request, max_body_bytes=request.length
+                )
+            if first.cancelled_caught:
+                raise RequestTimeout(f"{where}: no answer within {first_reply_s:g} s")
         except ReplyTooLarge as exc:  # more than asked for: a peer not to retry
             raise ShardError(f"{where}: {exc}", resumable=False) from exc
+        except RequestTimeout as exc:
+            if not answered:
+                raise
+            failures = await _backoff(failures, retries, backoff_s, where, exc)
+            continue
         except RemoteError as exc:
+            answered = True
             if exc.code == "expired" and progress.sha256 is not None:
                 logger.info("%s: snapshot expired on the peer; starting again", where)
                 progress = _InMemory(uid)
@@ -568,7 +592,7 @@ async def fetch_shard(
         if progress.sha256 is None:
             progress.start(reply.sha256, reply.total)
         progress.write(body)
-        failures = 0
+        failures, answered = 0, True
         if on_chunk is not None:
             on_chunk(progress.offset, reply.total)
     data = progress.finish()

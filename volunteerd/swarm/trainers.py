@@ -313,11 +313,17 @@ class TrainerSwarm:
         return await self._bounded(f"trainer-info from {short(peer.peer_id)}", timeout_s, ask)
 
     async def fetch_params(
-        self, peer: TrainerPeer, timeout_s: float, max_bytes: int
+        self,
+        peer: TrainerPeer,
+        timeout_s: float,
+        max_bytes: int,
+        *,
+        first_reply_s: float | None = None,
     ) -> ExpertState:
         """``peer``'s published parameters (``trainer.0``), downloaded into memory.
 
-        Raises RequestTimeout after ``timeout_s``; ShardError when the snapshot is over
+        Raises RequestTimeout after ``timeout_s``, or after ``first_reply_s`` when the
+        peer has not answered by then (``fetch_shard``); ShardError when the snapshot is over
         ``max_bytes`` (refused before it is downloaded) or its bytes do not match their
         SHA-256; RemoteError/PeerError when the peer refuses or cannot be reached;
         TrainerStateError when the bytes are not a trainer's parameters."""
@@ -337,6 +343,7 @@ class TrainerSwarm:
                 max_bytes=max_bytes,
                 chunk_bytes=self._chunk_bytes,
                 on_chunk=on_chunk,
+                first_reply_s=first_reply_s,
             )
             state = await _decode(data, where)
             return _checked(state, TRAINER_PARAMS_UID, where)

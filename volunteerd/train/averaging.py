@@ -112,6 +112,9 @@ INFO_GRACE_S = 2.0
 _MAX_GOOD = 4096
 # with one place a round, how often it goes to a peer not averaged with before
 EXPLORE_ONE_PLACE = 0.25
+# a peer must begin to answer a fetch within this (a quarter of timeout_s if less):
+# a record whose address accepts and never answers held its place for all of timeout_s
+FIRST_REPLY_S = 5.0
 _ADAM_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 
@@ -132,9 +135,15 @@ class TrainerNetwork(Protocol):
         ...
 
     async def fetch_params(
-        self, peer: TrainerPeer, timeout_s: float, max_bytes: int
+        self,
+        peer: TrainerPeer,
+        timeout_s: float,
+        max_bytes: int,
+        *,
+        first_reply_s: float | None = None,
     ) -> ExpertState:
-        """``peer``'s published parameters (no optimizer state); raises VolunteerdError."""
+        """``peer``'s published parameters (no optimizer state); raises VolunteerdError,
+        RequestTimeout when the peer has not begun to answer within ``first_reply_s``."""
         ...
 
     async def download_state(
@@ -342,12 +351,13 @@ class TrainerAverager:
     def _in_line(self, peers: list[TrainerPeer], places: int) -> list[TrainerPeer]:
         """``peers`` in the order a round with ``places`` places tries them: of those not
         left out lately, peers whose parameters fit before (all places but one while
-        there is a new peer), then the new ones, then the other known ones, each group in
-        random order (one place: a new peer first in a quarter of the rounds); last,
-        those left out lately, in random order. Forgets the failures
-        of peers no longer listed. Known peers first: records are free, and fresh
-        identities whose address accepts and never answers once took every place of
-        most rounds (two honest trainers averaged 3 and 2 times in 300 s beside 8)."""
+        there is a new peer), then one new peer, then the other known ones, each group in
+        random order (one place: the new peer first in a quarter of the rounds); with no
+        new peer, one left out lately after the known ones. While no peer is known: the
+        new ones, then those left out lately, in random order. Forgets the failures of
+        peers no longer listed. Known peers first: records are free, and fresh identities
+        whose address accepts and never answers once took every place of most rounds
+        (two honest trainers averaged 3 and 2 times in 300 s beside 8)."""
         listed = {p.peer_id for p in peers}
         with self._lock:
             if listed:  # a lookup that found nobody (or timed out) forgets nothing
@@ -370,7 +380,14 @@ class TrainerAverager:
             first = places - 1
         else:  # one place: a new peer's turn now and then, or the pairs never mix
             first = 0 if self._rng.random() < EXPLORE_ONE_PLACE else 1
-        return known[:first] + new + known[first:] + avoided
+        if not known:
+            return new + avoided
+        # One peer not known to answer a round: records are free, and a place that went
+        # to a silent one went on to the next (tries of 5 s each), so rounds beside 8
+        # records took ~17 s where they take ~1 s.
+        if not new:
+            return known + avoided[:1]
+        return known[:first] + new[:1] + known[first:]
 
     async def _peers(self) -> list[TrainerPeer]:
         """The other trainers now (none when the lookup takes over ``timeout_s``)."""
@@ -390,7 +407,10 @@ class TrainerAverager:
         with trio.move_on_after(timeout_s):
             try:
                 state = await self.network.fetch_params(
-                    peer, timeout_s, min(self.config.max_state_bytes, params_bytes_bound(layout))
+                    peer,
+                    timeout_s,
+                    min(self.config.max_state_bytes, params_bytes_bound(layout)),
+                    first_reply_s=min(FIRST_REPLY_S, self.config.timeout_s / 4),
                 )
             except VolunteerdError as exc:
                 self._reject(peer.peer_id, _reason(exc), str(exc))
