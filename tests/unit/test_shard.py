@@ -209,6 +209,30 @@ async def test_one_requester_keeps_a_few_snapshots_in_use_and_pins_no_more() -> 
     assert reply.offset == 50
 
 
+async def test_a_superseded_snapshot_leaves_once_no_download_uses_it() -> None:
+    # One peer asking for a byte of each fresh snapshot of a trainer's parameters kept
+    # the cache full (1 GiB) of snapshots nobody would download again.
+    experts = Experts(ffn_0_0=b"v0" * 50)
+    clock = Clock()
+    shards = server(experts, clock, reuse_s=0.0, max_cache_bytes=1 << 30, in_use_s=60.0)
+    honest, _ = await shards.chunk(ShardRequest(uid=UID, length=10), requester="honest")
+    for version in range(1, 3 * HELD_PER_REQUESTER):
+        experts.states[UID] = f"v{version}".encode() * 50
+        clock.now += 1
+        await shards.chunk(ShardRequest(uid=UID, length=1), requester="pinner")
+        # the pinner's latest few, and the one the honest peer is downloading
+        assert shards.statistics().cached <= HELD_PER_REQUESTER + 1
+    _, body = await shards.chunk(
+        ShardRequest(uid=UID, sha256=honest.sha256, offset=10), requester="honest"
+    )
+    assert bytes(body) == (b"v0" * 50)[10:]  # still there for the download in progress
+    clock.now += 61  # nobody has asked for the old ones in in_use_s: the next fresh one
+    experts.states[UID] = b"last" * 25  # drops them all
+    latest, _ = await shards.chunk(ShardRequest(uid=UID, length=1), requester="pinner")
+    assert shards.statistics().cached == 1
+    assert latest.total == 100
+
+
 async def test_an_unchanged_snapshot_is_not_hashed_again(monkeypatch: pytest.MonkeyPatch) -> None:
     hashed: list[int] = []
 

@@ -138,6 +138,8 @@ class ShardServer:
     (4) snapshots (one requester cannot pin more). When those alone fill the cache, a
     fresh request gets Busy.
     ``max_chunk_bytes``: larger requests get shorter replies. ``clock`` is for tests.
+    A snapshot superseded by a newer one of its uid is dropped once no download uses it
+    (one peer asking for a byte of each fresh snapshot kept the cache full with them).
 
     Idle snapshots are dropped when a request comes, and by ``serve`` as time passes
     (start it next to the node, or a finished download's bytes stay in memory until the
@@ -244,6 +246,9 @@ class ShardServer:
             self._kept[sha256] = kept
             self._latest[uid] = sha256
             self._snapshots += 1
+            for old, older in list(self._kept.items()):
+                if older.uid == uid and old != sha256 and not self._in_use(older, now):
+                    self._forget(old)  # superseded, and nobody downloads it
             self._make_room(keep=sha256)
             logger.debug("%s: snapshot %s of %d bytes", uid, sha256[:12], len(data))
             return sha256, kept
@@ -271,6 +276,9 @@ class ShardServer:
         kept = self._kept.get(sha256)
         if kept is not None:
             kept.holders.discard(requester)
+            superseded = self._latest.get(kept.uid) != sha256
+            if superseded and not self._in_use(kept, self._clock()):
+                self._forget(sha256)
 
     def _in_use(self, kept: _Kept, now: float) -> bool:
         held = kept.anonymous or bool(kept.holders)
