@@ -260,6 +260,7 @@ class Daemon:
                     request_restart=self.request_restart,
                     events=events,
                     scheduler=scheduler,
+                    unheard=partial(_unheard, hosting),
                 )
                 await serving.start(running.controls.serve)
                 if self._control_socket is not None:
@@ -318,3 +319,9 @@ async def bootstrap_only(
                 logger.info("join with --bootstrap %s", addr)
             task_status.started(node)
             await trio.sleep_forever()
+
+
+def _unheard(hosting: Hosting | None) -> bool:
+    """Whether the experts' last announcements reached no other peer."""
+    announcer = hosting.announcer if hosting is not None else None
+    return announcer is not None and announcer.unheard

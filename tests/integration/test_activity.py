@@ -15,7 +15,9 @@ from volunteerd.control.client import ControlClient
 from volunteerd.control.verbs import format_status
 from volunteerd.experts import to_wire
 from volunteerd.net import Verb
+from volunteerd.net.records import FindRequest
 from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.testing.clients import open_bare_client
 from volunteerd.wire import ForwardRequest
 
 pytestmark = pytest.mark.slow
@@ -34,6 +36,27 @@ async def test_a_daemon_in_no_project_says_so_and_how_to_join(tmp_path: Path) ->
         shown = format_status(status)
         assert "state         not in a project\n" in shown
         assert "volunteerd join <invitation>" in shown
+
+
+async def test_a_daemon_whose_announcements_reach_nobody_says_it_is_cut_off(
+    tmp_path: Path,
+) -> None:
+    # A peer is connected, but no other peer keeps its records: trainers that look its
+    # experts up cannot find them ("waiting for work" said all was well).
+    alone = local_config(uids=GRID, experts={"hidden_dim": HIDDEN})
+    async with (
+        open_daemon(alone, tmp_path / "alone") as daemon,
+        open_bare_client(local_config()) as client,
+    ):
+        with trio.fail_after(30):
+            await client.call(daemon.node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+        control = ControlClient.for_data_dir(tmp_path / "alone")
+        status = await trio.to_thread.run_sync(control.status)
+        assert status.connected_peers >= 1
+        assert (status.activity.state, status.activity.message) == (
+            "no_peers",
+            "cut off: its announcements reach no other peer",
+        )
 
 
 async def test_a_daemon_says_what_it_does_as_it_changes(tmp_path: Path) -> None:

@@ -135,3 +135,18 @@ def test_no_call_answered_lately_is_waiting_for_work() -> None:
 def test_a_resume_under_way_is_not_contributing_yet() -> None:
     activity = decide_activity(signals(serving=False))
     assert (activity.state, activity.message) == ("waiting", "resuming")
+
+
+def test_idle_and_unheard_is_cut_off_not_waiting_for_work() -> None:
+    # Connections that died with the network stay open until the kernel gives up on
+    # them (minutes): "waiting for work" beside them said all was well.
+    idle = NOW - WAITING_AFTER_S - 1
+    for answered in (None, idle):
+        activity = decide_activity(signals(last_answered_at=answered, unheard=True))
+        assert activity.state == "no_peers"
+        assert activity.message == "cut off: its announcements reach no other peer"
+        assert "internet connection" in activity.hint
+    # calls answered lately: trainers reach it (they dialled it directly)
+    assert decide_activity(signals(unheard=True)).state == "contributing"
+    # no peer at all says so first
+    assert decide_activity(signals(connected_peers=0, unheard=True)).message == "no peers"

@@ -11,6 +11,9 @@ passes them in. The first rule that holds decides::
     paused          not serving by choice or rule: paused, snoozed, a quota, the schedule
     no_peers        no peer connected
     unreachable     peers cannot dial this node and no relay carries its connections
+    no_peers        no expert call answered in the last ``WAITING_AFTER_S`` and the
+                    last announcements reached no other peer ("cut off": connections
+                    that died with the network, or no bootstrap peers)
     waiting         serving, but no expert call answered in the last ``WAITING_AFTER_S``
     contributing    otherwise
 """
@@ -59,6 +62,7 @@ class Signals:
     port: int | None  # the TCP port peers would dial, when known
     last_answered_at: float | None  # time.time() of the last expert call answered
     now: float
+    unheard: bool = False  # the experts' last announcements reached no other peer
 
 
 def decide_activity(s: Signals) -> Activity:
@@ -86,7 +90,16 @@ def decide_activity(s: Signals) -> Activity:
         )
     if not s.serving:
         return _activity("waiting", "resuming", "the experts are being put back to work")
-    if s.last_answered_at is None or s.now - s.last_answered_at > WAITING_AFTER_S:
+    idle = s.last_answered_at is None or s.now - s.last_answered_at > WAITING_AFTER_S
+    if idle and s.unheard:
+        return _activity(
+            "no_peers",
+            "cut off: its announcements reach no other peer",
+            "trainers find experts through other peers, and none keeps its records: check "
+            "the internet connection (it joins through its bootstrap peers again by "
+            "itself); without bootstrap peers, only trainers that dial it directly find it",
+        )
+    if idle:
         return _activity(
             "waiting",
             "waiting for work",

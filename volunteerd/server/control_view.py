@@ -119,8 +119,10 @@ class ControlView:
         request_restart: Callable[[], None],
         events: EventLog,
         scheduler: Scheduler | None = None,
+        unheard: Callable[[], bool] = lambda: False,
     ) -> None:
         self._node = node
+        self._unheard = unheard  # whether the last announcements reached no other peer
         self._runtime = runtime
         self._volunteer = volunteer
         self._checkpointer = checkpointer
@@ -199,6 +201,7 @@ class ControlView:
             port=_tcp_port(reachability.addrs or self._node.multiaddrs),
             last_answered_at=self._accountant.last_answered_at,
             now=now,
+            unheard=self._unheard(),
         )
         return Status(**fields, activity=decide_activity(signals))
 
