@@ -8,6 +8,7 @@ import trio
 
 from volunteerd.identity import Identity
 from volunteerd.moe import ExpertDirectory
+from volunteerd.moe.directory import BAN_MEMORY_S
 from volunteerd.net import ExpertRecord, PeerAddress, peer_id_for
 from volunteerd.net.records import sign_record
 
@@ -140,3 +141,29 @@ async def test_junk_listed_first_is_tried_a_few_at_a_time_and_not_again() -> Non
         assert len(verify.asked) == asked
         assert directory.verifications["failed"] >= 10
         nursery.cancel_scope.cancel()
+
+
+def test_a_peer_banned_again_is_banned_longer_until_it_behaves_for_a_day() -> None:
+    # One that misbehaved, waited its ban out and misbehaved again cost a ban's worth
+    # of steps every time, for good.
+    clock = Clock()
+    directory = ExpertDirectory(FakeDHT(), ban_s=60.0, clock=clock)  # type: ignore[arg-type]
+
+    lengths = []
+    for _ in range(9):
+        start = clock.now
+        directory.ban("peer", "timeout: test")
+        directory.ban("peer", "timeout: test")  # more failures of the same moment
+        lengths.append(directory.banned["peer"] - start)
+        clock.now = directory.banned["peer"]
+        assert not directory.is_banned("peer")
+    assert lengths == [60.0 * f for f in (1, 2, 4, 8, 16, 32, 64, 64, 64)]
+    assert directory.ban_reasons["timeout"] == 9
+
+    directory.ban("peer", "late 8 times in a row: x", 10.0)  # its own length, grown too
+    assert directory.banned["peer"] - clock.now == 640.0
+    clock.now = directory.banned["peer"] + BAN_MEMORY_S + 1  # a day without a ban
+    directory.ban("peer", "timeout: test")
+    assert directory.banned["peer"] - clock.now == 60.0
+    directory.ban("other", "timeout: test")  # another peer starts from the ban asked for
+    assert directory.banned["other"] - clock.now == 60.0

@@ -7,7 +7,10 @@ keys it has never seen: a cached answer older than ``3 * refresh_s`` (the refres
 failed) is still given while a refresh runs beside the step, and steps in flight at
 once that ask for the same key share one lookup. Peers that failed a
 call are banned for ``ban_s``: their experts are not offered to the beam search from the
-next step on, whatever the DHT still says.
+next step on, whatever the DHT still says. A peer banned again within ``BAN_MEMORY_S`` of
+its last ban's end is banned twice as long as the time before, up to ``BAN_GROWTH_MAX``
+times: one that misbehaved, waited its ban out and misbehaved again cost every ban's
+worth of steps again, for good.
 
 Anyone can announce anything in the DHT, under as many fresh identities as it likes
 (issue 12: 1,100 of them hid every honest server). So with a ``verify`` function (the
@@ -44,6 +47,12 @@ if TYPE_CHECKING:
 __all__ = ["Children", "ExpertDirectory", "RecordLookup", "Verify", "info_verifier"]
 
 logger = logging.getLogger(__name__)
+
+# A peer banned again within this long of its last ban's end is banned twice as long as
+# the time before, up to BAN_GROWTH_MAX times the ban asked for; offenders remembered:
+BAN_MEMORY_S = 86_400.0
+BAN_GROWTH_MAX = 64
+_MAX_OFFENDERS = 4096
 
 # prefix key -> next coordinate -> servers announcing it
 Children = dict[int, list[PeerAddress]]
@@ -114,6 +123,8 @@ class ExpertDirectory:
         self._clock = clock
         self._cache: dict[str, _Entry] = {}
         self._banned: dict[str, float] = {}
+        # peer -> (bans in a row, when the last ends): for growing bans
+        self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._verified: OrderedDict[str, float] = OrderedDict()  # peer -> when
         self._failed: OrderedDict[str, float] = OrderedDict()  # peer -> retry after
         self._pending: set[str] = set()
@@ -176,13 +187,26 @@ class ExpertDirectory:
         return self._verify is None or peer_id in self._verified
 
     def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
-        """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``)."""
+        """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``), or
+        longer for a peer banned again (the module docstring)."""
         seconds = self._ban_s if seconds is None else seconds
-        until = self._clock() + seconds
-        if not self.is_banned(peer_id):
-            logger.info("not choosing %s for %.0fs: %s", short(peer_id), seconds, reason)
+        now = self._clock()
+        if self.is_banned(peer_id):  # more failures of the same moment: no new offence
+            until = now + seconds
+        else:
+            bans, last_end = self._offences.pop(peer_id, (0, -math.inf))
+            bans = bans + 1 if now - last_end <= BAN_MEMORY_S else 1
+            seconds *= min(2 ** (bans - 1), BAN_GROWTH_MAX)
+            until = now + seconds
+            self._offences[peer_id] = (bans, until)
+            while len(self._offences) > _MAX_OFFENDERS:
+                self._offences.popitem(last=False)
+            again = f" (banned {bans} times in a row)" if bans > 1 else ""
+            logger.info("not choosing %s for %.0fs%s: %s", short(peer_id), seconds, again, reason)
             self.ban_reasons[reason.split(":", 1)[0]] += 1
         self._banned[peer_id] = max(until, self._banned.get(peer_id, until))
+        bans, _ = self._offences.get(peer_id, (1, until))
+        self._offences[peer_id] = (bans, self._banned[peer_id])
 
     def is_banned(self, peer_id: str) -> bool:
         until = self._banned.get(peer_id)
