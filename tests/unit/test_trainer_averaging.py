@@ -369,15 +369,20 @@ async def test_a_hanging_peer_keeps_its_place_to_the_end_then_is_tried_last(
             assert first == ("a",)
 
 
+def _silent_eight_and_an_honest_one() -> tuple[dict[str, torch.Tensor], list[FakePeer], FakePeer]:
+    """``_own()``, eight peers that never answer and one honest peer close to it."""
+    own = _own()
+    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
+    return own, silent, FakePeer("honest", _near(own, 1e-3, 12))
+
+
 async def test_silent_strangers_do_not_keep_a_trainer_from_the_peer_it_knows(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     # Eight fresh identities at an address that accepts and never answers: two honest
     # trainers averaged with each other 5 times in 300 s, the silent ones taking every
     # place of most rounds and holding each round (their info too) for all of timeout_s.
-    own = _own()
-    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
-    honest = FakePeer("honest", _near(own, 1e-3, 12))
+    own, silent, honest = _silent_eight_and_an_honest_one()
     for seed in range(4):
         averager = _averager(FakeNetwork(*silent, honest), group_size=3, rng=random.Random(seed))
         weights = {k: v.clone() for k, v in own.items()}
@@ -403,9 +408,7 @@ def slow_clock() -> trio.testing.MockClock:
 async def test_a_round_waits_for_silent_peers_infos_no_longer_than_a_grace(
     slow_clock: trio.abc.Clock,
 ) -> None:
-    own = _own()
-    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
-    honest = FakePeer("honest", _near(own, 1e-3, 12))
+    own, silent, honest = _silent_eight_and_an_honest_one()
     averager = _averager(FakeNetwork(*silent, honest), group_size=2)
     weights = {k: v.clone() for k, v in own.items()}
     _published(averager, weights)
@@ -950,9 +953,7 @@ async def test_a_silent_stranger_costs_a_place_seconds_not_the_round(
     # rounds averaged twice in 54 s. A peer must now begin to answer within a quarter
     # of timeout_s, and once a peer is known to answer, a round tries one that is not:
     # 11 times in 28 s.
-    own = _own()
-    silent = [FakePeer(f"silent{i}", kind="hang") for i in range(8)]
-    honest = FakePeer("honest", _near(own, 1e-3, 12))
+    own, silent, honest = _silent_eight_and_an_honest_one()
     network = FakeNetwork(*silent, honest)
     averager = _averager(network, group_size=2, rng=random.Random(3))  # timeout_s 5
     weights = {k: v.clone() for k, v in own.items()}
