@@ -191,22 +191,20 @@ class ExpertDirectory:
         longer for a peer banned again (the module docstring)."""
         seconds = self._ban_s if seconds is None else seconds
         now = self._clock()
-        if self.is_banned(peer_id):  # more failures of the same moment: no new offence
-            until = now + seconds
-        else:
+        if not self.is_banned(peer_id):  # a new offence; failures of the same moment are not
             bans, last_end = self._offences.pop(peer_id, (0, -math.inf))
             bans = bans + 1 if now - last_end <= BAN_MEMORY_S else 1
             seconds *= min(2 ** (bans - 1), BAN_GROWTH_MAX)
-            until = now + seconds
-            self._offences[peer_id] = (bans, until)
+            self._offences[peer_id] = (bans, now + seconds)
             while len(self._offences) > _MAX_OFFENDERS:
                 self._offences.popitem(last=False)
             again = f" (banned {bans} times in a row)" if bans > 1 else ""
             logger.info("not choosing %s for %.0fs%s: %s", short(peer_id), seconds, again, reason)
             self.ban_reasons[reason.split(":", 1)[0]] += 1
-        self._banned[peer_id] = max(until, self._banned.get(peer_id, until))
-        bans, _ = self._offences.get(peer_id, (1, until))
-        self._offences[peer_id] = (bans, self._banned[peer_id])
+        until = max(now + seconds, self._banned.get(peer_id, -math.inf))
+        self._banned[peer_id] = until
+        if peer_id in self._offences:  # its memory counts from the ban's real end
+            self._offences[peer_id] = (self._offences[peer_id][0], until)
 
     def is_banned(self, peer_id: str) -> bool:
         until = self._banned.get(peer_id)
