@@ -511,6 +511,20 @@ def _is_relayed(connection: Any) -> bool:
         return False
 
 
+def _broke_in_handshake(exc: BaseException) -> bool:
+    """Whether py-libp2p's failure to open a stream was the multistream handshake's
+    write or read failing (the stream broke), not a refusal or a timeout."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        text = str(seen)
+        if "handshake write failed" in text or "handshake read failed" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _timed_out(exc: BaseException) -> bool:
     """Whether py-libp2p's failure to open a stream came from waiting in vain (its
     protocol negotiation's "response timed out"), not from a refusal."""
@@ -543,10 +557,24 @@ class Libp2pStreamHost:
         self._host.set_stream_handler(TProtocol(protocol), on_stream)
 
     async def open_stream(self, peer: PeerAddress, protocol: str) -> Libp2pStream:
+        """A new stream to ``peer`` for ``protocol``, connecting first if need be.
+
+        A stream that broke before its protocol was negotiated (py-libp2p could not
+        write or read the multistream handshake: the stream was reset, or the connection
+        was closing) is tried once more, on a new connection if the old one is gone:
+        a CI run saw a client's call fail so beside a healthy server. A refusal or a
+        timeout is not tried again."""
         try:
             peer_id = ID.from_base58(peer.peer_id)
-            await self._ensure_connected(peer, peer_id)
-            stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+            for tries_left in (1, 0):
+                await self._ensure_connected(peer, peer_id)
+                try:
+                    stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+                    break
+                except Exception as exc:
+                    if not tries_left or not _broke_in_handshake(exc):
+                        raise
+                    logger.debug("%s: a new stream broke (%s); once more", short(peer.peer_id), exc)
         except (trio.Cancelled, KeyboardInterrupt, PeerUnreachable):
             raise
         except Exception as exc:
