@@ -966,4 +966,4 @@ async def test_a_silent_stranger_costs_a_place_seconds_not_the_round(
     assert set(network.first_reply_s) == {5.0 / 4}
     assert sum(p.fetched for p in silent) >= 3  # new peers still get their turn
     assert averaged >= 10, averaged
-    assert took <= 12 * 3.0, took
+    assert took <= 45, took  # before: 54 s (room for a loaded machine's clock jumps)
