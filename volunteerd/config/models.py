@@ -373,6 +373,12 @@ class RuntimeConfig(_Model):
     queue_size: int = Field(
         64, ge=1, le=100_000, description="requests waiting per expert; beyond it: busy"
     )
+    fair_share: bool = Field(
+        True,
+        description="share the device fairly among the peers' addresses: while a lighter "
+        "one's requests wait, one that used far more of it recently waits, and a full queue "
+        "takes a request from whoever holds the most places in it",
+    )
     torch_threads: int = Field(0, ge=0, le=1024, description="0 = torch's default")
     priority: Literal["low", "normal"] = Field(
         "low",

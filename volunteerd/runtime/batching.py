@@ -31,6 +31,23 @@ which happens by itself under load: requests that arrive while a job runs merge
 without any wait. (One fruitless wait is not enough: two clients of an expert that
 meet in every other wait would otherwise stop meeting at all.)
 
+**Parties share the device.** Every request names its *party* (the runtime gives the
+address of the peer's connection, or the peer's id where it has none, so all the
+identities of one machine are one party). The batcher keeps each party's worker time,
+decaying with a half-life of ``USAGE_HALF_LIFE_S``, and while several parties are
+active (a request waiting or served in the last ``RECENT_S``) a party that used more
+than ``HEAVY_RATIO`` times the lightest one's (and more than ``HEAVY_SLACK_S``) is
+*heavy*: its requests wait while a lighter party's run, and a job holds at most one
+batch budget (``max_batch_size`` samples) of them, so a lighter party waits at most
+that long for the device however much a heavy one asks for. The rule is
+work-conserving (a heavy party is served whenever no lighter one waits) and does
+nothing to parties of similar use, whose requests still merge. A full lane refuses the
+newcomer unless another party holds at least two more of its waiting places; then
+the party with the most gives up its newest one (``Busy``). A job holds at
+most ``JOB_BATCHES`` times the batch budget in samples, so a party that has the device
+to itself keeps a newcomer waiting at most that long. With ``fair=False``
+(``runtime.fair_share``) parties are not told apart (the bound on a job stays).
+
 Lanes made ``together`` with the same key (one kind of request to experts of one
 architecture and size, where the runtime stacks experts: see ``experts.stacked``) may
 run as one call: when a job holds batches of several such lanes, ``Together.run`` gets
@@ -40,8 +57,10 @@ the call itself raises, each batch runs on its own compute function instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -57,12 +76,27 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["FRUITLESS_WAITS", "BeforeJob", "DeviceBatcher", "Lane", "QueueStats", "Together"]
+__all__ = [
+    "FRUITLESS_WAITS",
+    "BeforeJob",
+    "DeviceBatcher",
+    "FairStats",
+    "Lane",
+    "QueueStats",
+    "Together",
+]
 
 logger = logging.getLogger(__name__)
 
 # Waits in a row that brought a lane no second request before it stops waiting.
 FRUITLESS_WAITS = 8
+
+# Sharing the device among parties (see the module's docstring).
+USAGE_HALF_LIFE_S = 2.0  # a party's worker time halves every this many seconds
+RECENT_S = 5.0  # a party that submitted within this long is active
+HEAVY_RATIO = 4.0  # heavy: more than this many times the lightest active party's time
+HEAVY_SLACK_S = 0.05  # ... and more than this (decayed seconds of worker time)
+JOB_BATCHES = 8  # a job holds at most this many batch budgets of samples
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -92,6 +126,7 @@ class _Task(Generic[T, R]):
     samples: int
     shape_key: Hashable
     arrived: float
+    party: Hashable = None
     done: trio.Event = field(default_factory=trio.Event)
     result: R | None = None
     error: BaseException | None = None
@@ -108,6 +143,18 @@ class QueueStats:
     @property
     def mean_batch_samples(self) -> float:
         return self.samples / self.batches if self.batches else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FairStats:
+    """How the device was shared: requests held back while a lighter party's ran
+    (``deferred``, counted once per job that held them), waiting requests that gave
+    their place in a full lane to another party's (``evicted``), and the parties
+    active now with their decayed worker time in seconds (``usage``)."""
+
+    deferred: int
+    evicted: int
+    usage: dict[str, float]
 
 
 class Lane(Generic[T, R]):
@@ -130,6 +177,7 @@ class Lane(Generic[T, R]):
         self._batcher = batcher
         self._closed = False
         self._waiting = 0  # submitted, not yet taken into a job
+        self._party_waiting: dict[Hashable, int] = {}  # the same, per party
         self._unfinished = 0  # submitted, not yet answered
         self._finished = trio.Event()
         # Waits in a row that brought no second request (reset by any batch of several).
@@ -139,24 +187,60 @@ class Lane(Generic[T, R]):
         self._batches = 0
         self._refused = 0
 
-    async def submit(self, item: T, *, samples: int, shape_key: Hashable = None) -> R:
-        """Queue one request and wait for its result.
+    async def submit(
+        self, item: T, *, samples: int, shape_key: Hashable = None, party: Hashable = None
+    ) -> R:
+        """Queue one request of ``party`` and wait for its result.
 
-        Raises Busy at once when the lane is full, ShuttingDown after ``close``, and
+        Raises Busy at once when the lane is full (or later, when a party with fewer
+        waiting requests took this one's place), ShuttingDown after ``close``, and
         whatever the compute function raised for the batch."""
         if self._closed or self._batcher.closing:
             raise ShuttingDown(f"{self.name} is stopping")
-        if self._waiting >= self._batcher.config.queue_size:
+        if self._waiting >= self._batcher.config.queue_size and not self._make_room(party):
             self._refused += 1
             raise Busy(f"{self.name}: {self._batcher.config.queue_size} requests already waiting")
-        task: _Task[T, R] = _Task(self, item, samples, shape_key, trio.current_time())
+        task: _Task[T, R] = _Task(self, item, samples, shape_key, trio.current_time(), party)
         self._waiting += 1
+        self._party_waiting[party] = self._party_waiting.get(party, 0) + 1
         self._unfinished += 1
         self._batcher._put(task)
         await task.done.wait()
         if task.error is not None:
             raise task.error
         return task.result  # type: ignore[return-value]
+
+    def _make_room(self, party: Hashable) -> bool:
+        """In a full lane, the newest waiting request of the party that has the most
+        waiting here gives its place to ``party``, if ``party`` has at least two fewer
+        (with one fewer, the swap would only turn the two round)."""
+        if not self._batcher.fair:
+            return False
+        mine = self._party_waiting.get(party, 0)
+        victim, most = max(self._party_waiting.items(), key=lambda kv: kv[1])
+        if most <= mine + 1:
+            return False
+        task = self._batcher._evict(self, victim)
+        if task is None:
+            return False
+        self._took([task])
+        self._refused += 1
+        task.error = Busy(
+            f"{self.name}: {self._batcher.config.queue_size} requests already waiting; "
+            "this one gave its place to another party's"
+        )
+        self._answered([task], ran=False)
+        return True
+
+    def _took(self, tasks: list[_Task[T, R]]) -> None:
+        """``tasks`` left the waiting line (taken into a job, or evicted)."""
+        self._waiting -= len(tasks)
+        for task in tasks:
+            left = self._party_waiting[task.party] - 1
+            if left:
+                self._party_waiting[task.party] = left
+            else:
+                del self._party_waiting[task.party]
 
     def close(self) -> None:
         """Refuse new requests; the queued ones are still answered (``finished``)."""
@@ -195,15 +279,29 @@ class _Batch:
     tasks: list[_Task[Any, Any]]
     results: list[Any] | None = None
     error: BaseException | None = None
+    seconds: float = 0.0  # worker time, set on the worker
+
+    @property
+    def samples(self) -> int:
+        return sum(t.samples for t in self.tasks)
 
 
 class DeviceBatcher:
     """The lanes of one device and the loop that runs them. Make lanes with ``lane``,
     start ``serve`` in a nursery, then submit to the lanes."""
 
-    def __init__(self, executor: DeviceExecutor, config: RuntimeConfig) -> None:
+    def __init__(
+        self, executor: DeviceExecutor, config: RuntimeConfig, *, fair: bool | None = None
+    ) -> None:
         self.executor = executor
         self.config = config
+        self.fair = config.fair_share if fair is None else fair
+        # Per party: worker time (seconds, decayed), and when it last submitted.
+        self._usage: dict[Hashable, float] = {}
+        self._seen: dict[Hashable, float] = {}
+        self._decayed_at: float | None = None
+        self._deferred = 0
+        self._evicted = 0
         # Called on the trio thread as each job is formed: work that must run on the
         # worker before the job's batches (and after those of the previous job), or
         # None. The runtime's optimizer steps come this way.
@@ -237,9 +335,73 @@ class DeviceBatcher:
         """Jobs run so far (each one hand-off to the worker)."""
         return self._jobs
 
+    def statistics(self) -> FairStats:
+        with contextlib.suppress(RuntimeError):  # outside trio: as last decayed
+            self._decay(trio.current_time())
+        return FairStats(
+            deferred=self._deferred,
+            evicted=self._evicted,
+            usage={str(p): round(u, 4) for p, u in self._usage.items()},
+        )
+
     def _put(self, task: _Task[Any, Any]) -> None:
         self._queue.append(task)
+        self._seen[task.party] = task.arrived
         self._wakeup.set()
+
+    def _evict(self, lane: Lane[Any, Any], party: Hashable) -> _Task[Any, Any] | None:
+        """Take the newest waiting request of ``party`` in ``lane`` out of the queue."""
+        for index in range(len(self._queue) - 1, -1, -1):
+            task = self._queue[index]
+            if task.lane is lane and task.party == party:
+                del self._queue[index]
+                self._evicted += 1
+                return task
+        return None
+
+    # -- sharing among parties ------------------------------------------------------------
+
+    def _decay(self, now: float) -> None:
+        if self._decayed_at is None or now <= self._decayed_at:
+            self._decayed_at = now if self._decayed_at is None else self._decayed_at
+            return
+        factor = 0.5 ** ((now - self._decayed_at) / USAGE_HALF_LIFE_S)
+        self._decayed_at = now
+        for party in self._usage:
+            self._usage[party] *= factor
+        waiting = {task.party for task in self._queue}
+        for party, seen in list(self._seen.items()):
+            if now - seen > RECENT_S and party not in waiting:
+                del self._seen[party]
+                # what it used is forgotten with it: after RECENT_S of silence little
+                # is left of it anyway (a sixth at the default half-life)
+                self._usage.pop(party, None)
+
+    def _charge(self, batches: list[_Batch]) -> None:
+        """Add each batch's worker time to its parties, in proportion to samples; a
+        party just served is active."""
+        now = trio.current_time()
+        self._decay(now)
+        for batch in batches:
+            total = batch.samples
+            for task in batch.tasks:
+                self._seen[task.party] = now
+                if batch.seconds and total:
+                    share = batch.seconds * task.samples / total
+                    self._usage[task.party] = self._usage.get(task.party, 0.0) + share
+
+    def _heavy(self) -> set[Hashable]:
+        """The parties that used far more of the device than the lightest active one."""
+        if not self.fair:
+            return set()
+        self._decay(trio.current_time())
+        waiting = {task.party for task in self._queue}
+        active = waiting | set(self._seen)
+        if len(active) < 2:
+            return set()
+        usage = {party: self._usage.get(party, 0.0) for party in active}
+        bar = HEAVY_RATIO * min(usage.values()) + HEAVY_SLACK_S
+        return {party for party in waiting if usage[party] > bar}
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -268,7 +430,7 @@ class DeviceBatcher:
             stopped = ShuttingDown("the device's batcher stopped")
             while self._queue:
                 task = self._queue.popleft()
-                task.lane._waiting -= 1
+                task.lane._took([task])
                 task.error = stopped
                 task.lane._answered([task], ran=False)
 
@@ -300,37 +462,59 @@ class DeviceBatcher:
 
     def _take(self) -> list[_Batch]:
         """The waiting requests as batches, in order of their first request; those
-        that do not fit their batch's budget stay queued, in order."""
+        that do not fit their batch's budget or the job's stay queued, in order. While
+        a lighter party has requests waiting, a heavy party's wait; otherwise they get
+        one batch budget of samples, the least-used party's first."""
         limit = self._limit()
+        job_limit = limit * JOB_BATCHES
+        heavy = self._heavy()
+        if heavy and all(task.party in heavy for task in self._queue):
+            # only heavy parties wait: one batch budget of samples, the least-used first
+            candidates = sorted(self._queue, key=lambda t: self._usage.get(t.party, 0.0))
+            job_limit = limit
+        else:
+            candidates = [t for t in self._queue if t.party not in heavy]
+            self._deferred += len(self._queue) - len(candidates)
+        chosen = self._batches(candidates, limit, job_limit)
+        taken = {id(task) for batch in chosen for task in batch.tasks}
+        self._queue = deque(task for task in self._queue if id(task) not in taken)
+        for batch in chosen:
+            batch.lane._took(batch.tasks)
+        return chosen
+
+    @staticmethod
+    def _batches(tasks: list[_Task[Any, Any]], limit: int, job_limit: int) -> list[_Batch]:
+        """``tasks`` grouped into batches of at most ``limit`` samples and
+        ``job_limit`` in all (the first request always fits), in order."""
         batches: list[_Batch] = []
         open_batches: dict[tuple[int, Hashable], tuple[_Batch, int]] = {}
         full: set[tuple[int, Hashable]] = set()
-        left: deque[_Task[Any, Any]] = deque()
-        for task in self._queue:
+        job = 0
+        for task in tasks:
+            if batches and job + task.samples > job_limit:
+                break  # the job is full: the rest wait, in order
             lane = task.lane
             key = (id(lane), task.shape_key)
             if not lane.merge:
                 batches.append(_Batch(lane, [task]))
+                job += task.samples
                 continue
             if key in full:
-                left.append(task)
                 continue
             entry = open_batches.get(key)
             if entry is None:
                 batch = _Batch(lane, [task])
                 batches.append(batch)
                 open_batches[key] = (batch, task.samples)
+                job += task.samples
                 continue
             batch, samples = entry
             if samples + task.samples > limit:
                 full.add(key)  # later requests of this batch wait, in order
-                left.append(task)
                 continue
             batch.tasks.append(task)
             open_batches[key] = (batch, samples + task.samples)
-        self._queue = left
-        for batch in batches:
-            batch.lane._waiting -= len(batch.tasks)
+            job += task.samples
         return batches
 
     async def _run(self, batches: list[_Batch], before: BeforeJob | None) -> None:
@@ -368,6 +552,7 @@ class DeviceBatcher:
             self._answer(batches)
             raise
         self._jobs += 1
+        self._charge(batches)
         self._answer(batches)
         if before is not None:
             before[1](ahead)
@@ -408,11 +593,14 @@ def _own_copy(error: BaseException | None) -> BaseException | None:
 
 
 def _compute(batch: _Batch) -> None:
+    start = time.perf_counter()
     try:
         batch.results = batch.lane.compute([t.item for t in batch.tasks])
     except Exception as exc:  # one batch's failure is its requests' only
         batch_failed(batch.lane.name, exc)
         batch.error = exc
+    finally:
+        batch.seconds += time.perf_counter() - start
 
 
 def batch_failed(lane: str, exc: Exception) -> None:
@@ -431,6 +619,8 @@ def batch_failed(lane: str, exc: Exception) -> None:
 
 def _compute_together(together: Together, group: list[_Batch]) -> None:
     """The batches of ``group`` in one call, each alone if that call fails."""
+    start = time.perf_counter()
+    answers: list[list[Any] | Exception] | None
     try:
         # every lane of the group has a Together of the same key
         members = [b.lane.together.member for b in group]  # type: ignore[union-attr]
@@ -441,6 +631,13 @@ def _compute_together(together: Together, group: list[_Batch]) -> None:
             raise RuntimeError(f"{len(answers)} answers for {len(group)} batches")
     except Exception:
         logger.exception("%d batches together failed; running them one by one", len(group))
+        answers = None
+    # the call's time shared out by samples (a batch run alone again adds its own)
+    seconds = time.perf_counter() - start
+    total = sum(batch.samples for batch in group) or 1
+    for batch in group:
+        batch.seconds += seconds * batch.samples / total
+    if answers is None:
         for batch in group:
             _compute(batch)
         return

@@ -352,11 +352,13 @@ class ExpertRuntime:
         *,
         retain: bool = False,
         peer_id: str = "",
+        source: str | None = None,
         compression: Compression = "none",
     ) -> tuple[TensorReply, list[bytes]]:
         """Outputs for ``tensors``; with ``retain`` the graph is kept (if memory allows)
         and the reply carries its handle. With ``compression`` floating-point tensors
-        travel narrowed or quantized, both ways (``experts.tensor_codec``)."""
+        travel narrowed or quantized, both ways (``experts.tensor_codec``). ``source``
+        is the party the device is shared by (the peer's address; None: the peer)."""
         hosted = self._hosted(uid)
         self.guard.check_peer(uid, peer_id)
         hosted.refuse_if_broken()
@@ -380,14 +382,16 @@ class ExpertRuntime:
         if reserved is not None:
             try:
                 outputs, kept, version = await hosted.forward_retained.submit(
-                    inputs, samples=samples, shape_key=shape
+                    inputs, samples=samples, shape_key=shape, party=source or peer_id
                 )
             except BaseException:
                 self.retained.release(reserved)
                 raise
             handle = self.retained.put(uid, peer_id, kept, reserved, samples, version)
             return _reply(outputs, compression, handle)
-        outputs = await hosted.forward.submit(inputs, samples=samples, shape_key=shape)
+        outputs = await hosted.forward.submit(
+            inputs, samples=samples, shape_key=shape, party=source or peer_id
+        )
         return _reply(outputs, compression)
 
     async def backward(
@@ -427,7 +431,9 @@ class ExpertRuntime:
                 uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs]), source=source
             )
             result = await hosted.backward_retained.submit(
-                (kept.retained, grads, Sender(peer_id, loudest), kept.version), samples=samples
+                (kept.retained, grads, Sender(peer_id, loudest), kept.version),
+                samples=samples,
+                party=source or peer_id,
             )
             self._step_soon(hosted, loudest)
             return _reply(result, compression)
@@ -456,7 +462,10 @@ class ExpertRuntime:
             uid, peer_id, decoded[n_in:], source=source
         )
         grads = await hosted.backward.submit(
-            (decoded, Sender(peer_id, loudest)), samples=samples, shape_key=shape
+            (decoded, Sender(peer_id, loudest)),
+            samples=samples,
+            shape_key=shape,
+            party=source or peer_id,
         )
         self._step_soon(hosted, loudest)
         return _reply(grads, compression)

@@ -118,7 +118,12 @@ class _Pipeline:
         runtime = self._runtime
         if kind == "forward":
             call = runtime.forward(
-                item.uid, tensors, retain=item.retain, peer_id=peer, compression=item.compression
+                item.uid,
+                tensors,
+                retain=item.retain,
+                peer_id=peer,
+                source=address,
+                compression=item.compression,
             )
         else:
             call = runtime.backward(

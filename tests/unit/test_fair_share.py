@@ -1,0 +1,211 @@
+"""Parties share the device: a party that used far more of it waits while a lighter
+one's requests run, a full lane takes a place from the party holding the most, parties
+of similar use still merge, and a job is bounded for a party alone.
+
+The compute functions sleep on the worker thread for their cost, so these tests run on
+the wall clock (the worker's time is what a party is charged); what they assert is the
+order of batches, not how long anything took."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import RuntimeConfig
+from volunteerd.errors import Busy
+from volunteerd.runtime import DeviceBatcher, DeviceExecutor, Lane
+from volunteerd.runtime.batching import HEAVY_RATIO, HEAVY_SLACK_S, JOB_BATCHES
+
+# An item is (party, samples); a batch's cost is COST_S per sample.
+Item = tuple[str, int]
+COST_S = 0.002
+
+
+def batcher(fair: bool = True, **config: float) -> DeviceBatcher:
+    return DeviceBatcher(DeviceExecutor(torch.device("cpu")), RuntimeConfig(**config), fair=fair)
+
+
+def costly(name: str, log: list[tuple[str, list[str], int]], device: DeviceBatcher) -> Callable:  # type: ignore[type-arg]
+    """A compute function that notes (lane, parties, job) as it starts, then works."""
+
+    def compute(items: list[Item]) -> list[str]:
+        log.append((name, [party for party, _ in items], device.jobs))
+        time.sleep(COST_S * sum(samples for _, samples in items))
+        return [party for party, _ in items]
+
+    return compute
+
+
+async def call(lane: Lane, party: str, samples: int) -> str:  # type: ignore[type-arg]
+    return await lane.submit((party, samples), samples=samples, party=party)  # type: ignore[no-any-return]
+
+
+async def flood(lane: Lane, party: str, samples: int, stop: trio.Event) -> None:  # type: ignore[type-arg]
+    while not stop.is_set():
+        try:
+            await call(lane, party, samples)
+        except Busy:
+            await trio.sleep(0.001)
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "first-come"])
+async def test_a_light_party_waits_for_no_batch_of_a_heavy_one_begun_after_it_asked(
+    fair: bool,
+) -> None:
+    """A floods two experts with full batches; B asks for one sample at a time. Fair,
+    at most one batch of A's starts between B's request and B's batch (the one formed
+    before B asked); first come, first served, B waits behind A's queue."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(fair, max_batch_size=10, max_batch_wait_s=0)
+    lanes = [device.lane(name, costly(name, log, device)) for name in ("a", "b")]
+    stop = trio.Event()
+    waited: list[int] = []  # per call of B: A's batches begun after it asked, before it ran
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        for i in range(8):
+            nursery.start_soon(flood, lanes[i % 2], "A", 10, stop)
+        await trio.sleep(0.3)  # A's use builds up: ~0.3 s of worker time
+        for i in range(8):
+            asked = len(log)
+            assert await call(lanes[i % 2], "B", 1) == "B"
+            ran = next(n for n, (_, parties, _) in enumerate(log) if n >= asked and "B" in parties)
+            waited.append(sum(1 for _, parties, _ in log[asked:ran] if "B" not in parties))
+        stop.set()
+        device.close()
+
+    later = waited[1:]  # the first call may meet a job A formed alone
+    if fair:
+        assert max(later) <= 1, waited
+        assert device.statistics().deferred > 0
+    else:
+        assert max(later) >= 3, waited
+        assert device.statistics().deferred == 0
+
+
+async def test_a_heavy_party_is_still_served_when_no_lighter_one_waits() -> None:
+    """Fair sharing is work-conserving: A, flooding beside a B that asks now and then,
+    gets most of the device."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    lane = device.lane("a", costly("a", log, device))
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        for _ in range(4):
+            nursery.start_soon(flood, lane, "A", 10, stop)
+        for _ in range(10):
+            await call(lane, "B", 1)
+            await trio.sleep(0.03)
+        stop.set()
+        device.close()
+    served = [parties for _, parties, _ in log]
+    a_batches = sum(1 for parties in served if "A" in parties)
+    assert a_batches >= 10  # ~0.3 s of B's pauses, 20 ms per batch of A's
+    assert sum(parties.count("B") for parties in served) == 10
+
+
+async def test_a_heavy_party_s_small_requests_still_share_a_job() -> None:
+    """Held to one batch budget per job, a heavy party's requests for many experts (a
+    trainer's one message per server) still run in one job when they fit."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    lanes = [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(8)]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        async with trio.open_nursery() as flooding:
+            flooding.start_soon(flood, lanes[0], "A", 10, stop)
+            await trio.sleep(0.2)
+            await call(lanes[1], "B", 1)  # B is active now, and far lighter
+            stop.set()
+        usage = device.statistics().usage
+        assert usage["A"] > HEAVY_RATIO * usage["B"] + HEAVY_SLACK_S  # A is heavy
+        log.clear()
+        async with trio.open_nursery() as clients:
+            for lane in lanes:
+                clients.start_soon(call, lane, "A", 1)
+        device.close()
+    assert len(log) == 8
+    assert len({job for _, _, job in log}) == 1
+
+
+async def test_parties_that_use_the_device_alike_merge_and_are_not_held_back() -> None:
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=100, max_batch_wait_s=0.01)
+    lane = device.lane("a", costly("a", log, device))
+
+    async def rounds(party: str) -> None:
+        for _ in range(15):
+            assert await call(lane, party, 4) == party
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        async with trio.open_nursery() as clients:
+            for party in ("A", "A", "B", "B"):
+                clients.start_soon(rounds, party)
+        device.close()
+    both = sum(1 for _, parties, _ in log if {"A", "B"} <= set(parties))
+    assert both >= len(log) // 2, log
+    usage = device.statistics().usage
+    assert set(usage) == {"A", "B"}
+    assert max(usage.values()) < 2 * min(usage.values())
+
+
+async def test_a_full_lane_takes_a_place_from_the_party_holding_the_most() -> None:
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(queue_size=4, max_batch_size=100, max_batch_wait_s=0)
+    lane = device.lane("a", costly("a", log, device))
+    outcome: dict[str, list[str]] = {"A": [], "B": []}
+
+    async def one(party: str, name: str) -> None:
+        try:
+            await call(lane, party, 1)
+            outcome[party].append(name)
+        except Busy as exc:
+            outcome[party].append(f"{name}: busy" + (" (gave)" if "gave" in str(exc) else ""))
+
+    async with trio.open_nursery() as nursery:
+        # the batcher does not run yet: everything waits
+        for n in range(4):
+            nursery.start_soon(one, "A", f"a{n}")
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "B", "b0")  # A holds 4 of 4: A's newest gives its place
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "A", "a4")  # A holds 3, B 1: A is refused
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "B", "b1")  # A 3, B 1: A's newest again
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, "B", "b2")  # A 2, B 2: B is refused
+        await trio.testing.wait_all_tasks_blocked()
+        assert lane.statistics().waiting == 4
+        await nursery.start(device.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        device.close()
+    assert sorted(outcome["A"]) == ["a0", "a1", "a2: busy (gave)", "a3: busy (gave)", "a4: busy"]
+    assert sorted(outcome["B"]) == ["b0", "b1", "b2: busy"]
+    assert lane.statistics().refused_busy == 4
+    assert device.statistics().evicted == 2
+    assert [parties for _, parties, _ in log] == [["A", "A", "B", "B"]]
+
+
+async def test_a_party_alone_gets_jobs_of_a_bounded_size() -> None:
+    """Twelve experts' full batches waiting from one party: the first job holds
+    JOB_BATCHES of them, so a newcomer waits at most that long."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    lanes = [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(12)]
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as clients:
+            for lane in lanes:
+                clients.start_soon(call, lane, "A", 10)
+            await trio.testing.wait_all_tasks_blocked()
+            await nursery.start(device.serve)
+        device.close()
+    jobs = [job for _, _, job in log]
+    assert jobs.count(jobs[0]) == JOB_BATCHES
+    assert len(set(jobs)) == 2
