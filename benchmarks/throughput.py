@@ -132,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "always", "never"],
         help="the daemon's runtime.stack_experts (auto: on a GPU only)",
     )
+    p.add_argument(
+        "--fair-share",
+        default="on",
+        choices=["on", "off"],
+        help="the daemon's runtime.fair_share (its clients are parties of their own)",
+    )
     p.add_argument("--hivemind-python", default=os.environ.get("HIVEMIND_PYTHON"))
     p.add_argument("--skip-local", action="store_true", help="skip the local bounds")
     p.add_argument(
@@ -159,6 +165,7 @@ def server_config(args: argparse.Namespace, bootstrap: list[str] | None = None) 
             "retain_activations_mb": 0 if args.stateless else 2048,
             "device": args.device,
             "stack_experts": args.stack_experts,
+            "fair_share": args.fair_share == "on",
         },
         dht={"announce_period_s": 5, "record_ttl_s": 12},
         # The per-peer limits (200 requests/s) would meter a client of a GPU daemon.
@@ -276,6 +283,8 @@ def run_volunteerd(args: argparse.Namespace) -> dict[str, Any]:
             server_cpu_s=cpu_s,
             server_cpu_cores=cpu_s / server_window_s,
             server_cpu_us_per_sample=cpu_s / served * 1e6 if served else None,
+            jobs=delta["jobs"],
+            deferred=delta["deferred"],
             worker_busy_s=delta["compute_s"],
             worker_busy_share=delta["compute_s"] / server_window_s,
             compute_us_per_sample=delta["compute_s"] / served * 1e6 if served else None,
@@ -301,6 +310,8 @@ def _served(server: Any) -> dict[str, float]:
         "backward_batches": sum(s.backward.batches for s in stats),
         "updates": sum(s.updates for s in stats),
         "compute_s": sum(s.compute_s for s in stats),
+        "jobs": server.runtime.batcher.jobs,
+        "deferred": server.runtime.batcher.statistics().deferred,
     }
 
 
