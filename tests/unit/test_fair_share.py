@@ -1,6 +1,7 @@
 """Parties share the device: a party that used far more of it waits while a lighter
 one's requests run, a full lane takes a place from the party holding the most, parties
-of similar use still merge, and a job is bounded for a party alone.
+of similar use still merge, a job is bounded for a party alone, and a party pays for
+the optimizer steps its gradients cause.
 
 The compute functions sleep on the worker thread for their cost, so these tests run on
 the wall clock (the worker's time is what a party is charged); what they assert is the
@@ -15,10 +16,11 @@ import pytest
 import torch
 import trio
 
-from volunteerd.config import RuntimeConfig
+from tests.unit.wire_tensors import wire
+from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.errors import Busy
-from volunteerd.runtime import DeviceBatcher, DeviceExecutor, Lane
-from volunteerd.runtime.batching import HEAVY_RATIO, HEAVY_SLACK_S, JOB_BATCHES
+from volunteerd.runtime import DeviceBatcher, DeviceExecutor, ExpertRuntime, Lane
+from volunteerd.runtime.batching import HEAVY_JOB_S, HEAVY_RATIO, HEAVY_SLACK_S, JOB_BATCHES
 
 # An item is (party, samples); a batch's cost is COST_S per sample.
 Item = tuple[str, int]
@@ -209,3 +211,81 @@ async def test_a_party_alone_gets_jobs_of_a_bounded_size() -> None:
     jobs = [job for _, _, job in log]
     assert jobs.count(jobs[0]) == JOB_BATCHES
     assert len(set(jobs)) == 2
+
+
+async def test_a_party_pays_for_the_optimizer_steps_its_gradients_made_due() -> None:
+    """A backward of one row costs its batch little and the expert's optimizer step
+    more: the runtime charges each step's time to the party whose gradients made it
+    due (zero gradients make no step due, so their sender pays none)."""
+    hidden = 64
+    rt = ExpertRuntime(
+        ["ffn.0.0"],
+        ExpertsConfig(hidden_dim=hidden),
+        RuntimeConfig(device="cpu", max_batch_wait_s=0),
+        WireLimits(),
+        torch.device("cpu"),
+    )
+    charged: list[dict[str, float]] = []
+    charge = rt.batcher.charge
+
+    def recording(costs: dict[str, float]) -> None:
+        charged.append(dict(costs))
+        charge(costs)
+
+    rt.batcher.charge = recording  # type: ignore[method-assign]
+    x = torch.randn(1, hidden)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.serve)
+        for _ in range(5):
+            await rt.backward("ffn.0.0", wire(x, torch.zeros(1, hidden)), peer_id="silent")
+            await rt.backward("ffn.0.0", wire(x, torch.randn(1, hidden)), peer_id="stepping")
+            await rt.settled()
+        rt.close()
+    assert rt.backend("ffn.0.0").updates == 5  # the zeros made no step
+    assert len(charged) == 5
+    assert all(set(costs) == {"stepping"} and costs["stepping"] > 0 for costs in charged)
+
+
+async def test_charged_time_counts_like_a_party_s_own_batches() -> None:
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    lane = device.lane("a", costly("a", log, device))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        await call(lane, "B", 1)
+        device.charge({"A": 1.0})  # A's steps took a second of the worker's time
+        assert device.statistics().usage["A"] == pytest.approx(1.0, rel=0.2)
+        async with trio.open_nursery() as clients:
+            clients.start_soon(call, lane, "A", 1)
+            clients.start_soon(call, lane, "B", 1)
+        device.close()
+    assert [parties for _, parties, _ in log][-2:] == [["B"], ["A"]]  # A, heavy, waited
+    assert device.statistics().deferred == 1
+
+
+async def test_jobs_of_a_heavy_party_alone_shrink_to_the_time_they_may_take() -> None:
+    """A floods 16 experts with requests of 20 ms each while B calls now and then: a
+    job of A's requests alone, one batch budget (100 samples, 10 requests: 200 ms) at
+    first, soon holds only what takes about HEAVY_JOB_S (50 ms), so B never waits for
+    more than that."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=100, max_batch_wait_s=0)
+    lanes = [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(16)]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        async with trio.open_nursery() as clients:
+            for lane in lanes:
+                clients.start_soon(flood, lane, "A", 10, stop)
+            for _ in range(15):
+                await call(lanes[0], "B", 1)
+                await trio.sleep(0.05)
+            stop.set()
+        device.close()
+    jobs: dict[int, list[list[str]]] = {}
+    for _, parties, job in log:
+        jobs.setdefault(job, []).append(parties)
+    alone = [len(batches) for batches in jobs.values() if all("B" not in p for p in batches)]
+    assert max(alone[:3]) > 3  # before A was known to be heavy, and while it shrank
+    assert max(alone[-10:]) <= 3, alone  # ~50 ms of 20 ms requests
+    assert HEAVY_JOB_S == 0.05

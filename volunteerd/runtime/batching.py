@@ -33,20 +33,23 @@ meet in every other wait would otherwise stop meeting at all.)
 
 **Parties share the device.** Every request names its *party* (the runtime gives the
 address of the peer's connection, or the peer's id where it has none, so all the
-identities of one machine are one party). The batcher keeps each party's worker time,
-decaying with a half-life of ``USAGE_HALF_LIFE_S``, and while several parties are
-active (a request waiting or served in the last ``RECENT_S``) a party that used more
-than ``HEAVY_RATIO`` times the lightest one's (and more than ``HEAVY_SLACK_S``) is
-*heavy*: its requests wait while a lighter party's run, and a job holds at most one
-batch budget (``max_batch_size`` samples) of them, so a lighter party waits at most
-that long for the device however much a heavy one asks for. The rule is
-work-conserving (a heavy party is served whenever no lighter one waits) and does
-nothing to parties of similar use, whose requests still merge. A full lane refuses the
-newcomer unless another party holds at least two more of its waiting places; then
-the party with the most gives up its newest one (``Busy``). A job holds at
-most ``JOB_BATCHES`` times the batch budget in samples, so a party that has the device
-to itself keeps a newcomer waiting at most that long. With ``fair=False``
-(``runtime.fair_share``) parties are not told apart (the bound on a job stays).
+identities of one machine are one party). The batcher keeps each party's worker time
+(its batches', and what the runtime ``charge``s it for: the optimizer steps its
+gradients made due), decaying with a half-life of ``USAGE_HALF_LIFE_S``, and while
+several parties are active (a request waiting or served in the last ``RECENT_S``) a
+party that used more than ``HEAVY_RATIO`` times the lightest one's (and more than
+``HEAVY_SLACK_S``) is *heavy*: its requests wait while a lighter party's run, and a
+job of heavy parties' requests alone holds as many as take about ``HEAVY_JOB_S`` of
+the worker with the optimizer steps due before them (at least one request, at most
+one batch budget: ``_adapt``), so a lighter party waits about that long for the
+device however much a heavy one asks for. The rule is work-conserving (a heavy party is served
+whenever no lighter one waits) and does nothing to parties of similar use, whose
+requests still merge. A full lane refuses the newcomer unless another party holds at
+least two more of its waiting places; then the party with the most gives up its
+newest one (``Busy``). A job holds at most ``JOB_BATCHES`` times the batch budget in
+samples, so a party that has the device to itself keeps a newcomer waiting at most
+that long. With ``fair=False`` (``runtime.fair_share``) parties are not told apart
+(the bound on a job stays).
 
 Lanes made ``together`` with the same key (one kind of request to experts of one
 architecture and size, where the runtime stacks experts: see ``experts.stacked``) may
@@ -62,7 +65,7 @@ import copy
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -97,6 +100,7 @@ RECENT_S = 5.0  # a party that submitted within this long is active
 HEAVY_RATIO = 4.0  # heavy: more than this many times the lightest active party's time
 HEAVY_SLACK_S = 0.05  # ... and more than this (decayed seconds of worker time)
 JOB_BATCHES = 8  # a job holds at most this many batch budgets of samples
+HEAVY_JOB_S = 0.05  # what a job of heavy parties' alone should take at most
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -302,6 +306,10 @@ class DeviceBatcher:
         self._decayed_at: float | None = None
         self._deferred = 0
         self._evicted = 0
+        # Samples a job of heavy parties' alone may hold, adapted to what such jobs
+        # take (their optimizer steps included): see ``_adapt``.
+        self._heavy_budget = config.max_batch_size
+        self._heavy_job = False  # the job being formed holds heavy parties' only
         # Called on the trio thread as each job is formed: work that must run on the
         # worker before the job's batches (and after those of the previous job), or
         # None. The runtime's optimizer steps come this way.
@@ -390,6 +398,31 @@ class DeviceBatcher:
                     share = batch.seconds * task.samples / total
                     self._usage[task.party] = self._usage.get(task.party, 0.0) + share
 
+    def _adapt(self, samples: int, seconds: float) -> None:
+        """After a job of heavy parties' alone that held ``samples`` and took
+        ``seconds`` of the worker (with the steps due before it): the next such job
+        holds half as many when it took more than ``HEAVY_JOB_S``, twice as many (up to
+        the batch budget) when it took less than half that. A lighter party that asks
+        meanwhile thus waits about ``HEAVY_JOB_S``, or one request where a single one
+        takes longer, whether a heavy party sends large batches or many small requests
+        whose optimizer steps cost far more than they do."""
+        if seconds > HEAVY_JOB_S:
+            self._heavy_budget = max(1, samples // 2)
+        elif seconds < HEAVY_JOB_S / 2:
+            self._heavy_budget = min(self._limit(), 2 * self._heavy_budget)
+
+    def charge(self, costs: Mapping[Any, float]) -> None:
+        """Charge parties for worker time spent on their behalf outside their batches
+        (the runtime: the optimizer steps their gradients made due, which run before
+        a later job's batches). Call on the trio thread."""
+        if not costs:
+            return
+        now = trio.current_time()
+        self._decay(now)
+        for party, seconds in costs.items():
+            self._seen[party] = now
+            self._usage[party] = self._usage.get(party, 0.0) + seconds
+
     def _heavy(self) -> set[Hashable]:
         """The parties that used far more of the device than the lightest active one."""
         if not self.fair:
@@ -425,7 +458,7 @@ class DeviceBatcher:
                     elif batch.lane is waited:
                         batch.lane.fruitless_waits += 1
                 before = self.before_job() if self.before_job is not None else None
-                await self._run(batches, before)
+                await self._run(batches, before, heavy_job=self._heavy_job)
         finally:
             stopped = ShuttingDown("the device's batcher stopped")
             while self._queue:
@@ -464,14 +497,16 @@ class DeviceBatcher:
         """The waiting requests as batches, in order of their first request; those
         that do not fit their batch's budget or the job's stay queued, in order. While
         a lighter party has requests waiting, a heavy party's wait; otherwise they get
-        one batch budget of samples, the least-used party's first."""
+        a job of ``_heavy_budget`` samples, the least-used party's first."""
         limit = self._limit()
         job_limit = limit * JOB_BATCHES
         heavy = self._heavy()
+        self._heavy_job = False
         if heavy and all(task.party in heavy for task in self._queue):
-            # only heavy parties wait: one batch budget of samples, the least-used first
+            # only heavy parties wait: as many as take ~HEAVY_JOB_S, least-used first
             candidates = sorted(self._queue, key=lambda t: self._usage.get(t.party, 0.0))
-            job_limit = limit
+            job_limit = min(limit, self._heavy_budget)
+            self._heavy_job = True
         else:
             candidates = [t for t in self._queue if t.party not in heavy]
             self._deferred += len(self._queue) - len(candidates)
@@ -517,8 +552,19 @@ class DeviceBatcher:
             job += task.samples
         return batches
 
-    async def _run(self, batches: list[_Batch], before: BeforeJob | None) -> None:
+    async def _run(
+        self, batches: list[_Batch], before: BeforeJob | None, *, heavy_job: bool = False
+    ) -> None:
+        took = [0.0]
+
         def job() -> Any:
+            start = time.perf_counter()
+            try:
+                return work()
+            finally:
+                took[0] = time.perf_counter() - start
+
+        def work() -> Any:
             # The work before the batches must not raise (the runtime's steps report
             # their failures in their result); if it does, the batches still run.
             ahead = None
@@ -552,6 +598,8 @@ class DeviceBatcher:
             self._answer(batches)
             raise
         self._jobs += 1
+        if heavy_job:
+            self._adapt(sum(batch.samples for batch in batches), took[0])
         self._charge(batches)
         self._answer(batches)
         if before is not None:

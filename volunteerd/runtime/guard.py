@@ -133,6 +133,9 @@ class Sender:
 
     peer_id: str
     grad_norm: float  # the largest gradient row norm of the request, as applied
+    # whom the device charges for the step (batching's party: the peer's address, or
+    # its id without one); "" = the peer id
+    party: str = ""
 
 
 class RequestGuard:

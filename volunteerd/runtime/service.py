@@ -431,7 +431,7 @@ class ExpertRuntime:
                 uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs]), source=source
             )
             result = await hosted.backward_retained.submit(
-                (kept.retained, grads, Sender(peer_id, loudest), kept.version),
+                (kept.retained, grads, Sender(peer_id, loudest, source or peer_id), kept.version),
                 samples=samples,
                 party=source or peer_id,
             )
@@ -462,7 +462,7 @@ class ExpertRuntime:
             uid, peer_id, decoded[n_in:], source=source
         )
         grads = await hosted.backward.submit(
-            (decoded, Sender(peer_id, loudest)),
+            (decoded, Sender(peer_id, loudest, source or peer_id)),
             samples=samples,
             shape_key=shape,
             party=source or peer_id,
@@ -492,7 +492,8 @@ class ExpertRuntime:
     def _due_steps(self) -> BeforeJob | None:
         """The optimizer steps due now, for the job being formed (the batcher asks on
         the trio thread): every expert that received gradients since its last step,
-        stepped in one pass on the worker, with their outcomes handled afterwards."""
+        stepped in one pass on the worker, with their outcomes handled afterwards; the
+        parties whose gradients made each step due are charged its time."""
         if not self._due:
             return None
         due, self._due = self._due, []
@@ -505,6 +506,8 @@ class ExpertRuntime:
         for hosted in due:
             hosted.step_pending = False  # from here on, new gradients wait for the next step
         check = self.step_check
+
+        costs: dict[str, float] = {}  # worker time of the steps, per party that made them due
 
         def run() -> list[tuple[StepOutcome, list[Sender]] | BaseException]:
             senders = []
@@ -519,14 +522,18 @@ class ExpertRuntime:
                 return [exc] * len(due)
             finally:
                 share = (time.perf_counter() - start) / len(due)
-                for hosted in due:
+                for hosted, heard in zip(due, senders, strict=True):
                     hosted.compute_s += share
+                    for sender in heard:  # an expert's step is its senders' to pay
+                        party = sender.party or sender.peer_id
+                        costs[party] = costs.get(party, 0.0) + share / len(heard)
             for hosted, outcome in zip(due, outcomes, strict=True):
                 if outcome.broken is not None:
                     hosted.broken = True
             return list(zip(outcomes, senders, strict=True))
 
         def after(results: list[tuple[StepOutcome, list[Sender]] | BaseException]) -> None:
+            self.batcher.charge(costs)
             self._steps_in_flight -= len(due)
             for hosted, result in zip(due, results, strict=True):
                 if isinstance(result, BaseException):
