@@ -42,6 +42,13 @@ def costly(name: str, log: list[tuple[str, list[str], int]], device: DeviceBatch
     return compute
 
 
+def costly_lanes(
+    device: DeviceBatcher, log: list[tuple[str, list[str], int]], n: int
+) -> list[Lane]:  # type: ignore[type-arg]
+    """``n`` lanes e0, e1, ... of ``costly`` compute functions."""
+    return [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(n)]
+
+
 async def call(lane: Lane, party: str, samples: int) -> str:  # type: ignore[type-arg]
     return await lane.submit((party, samples), samples=samples, party=party)  # type: ignore[no-any-return]
 
@@ -112,11 +119,11 @@ async def test_a_heavy_party_is_still_served_when_no_lighter_one_waits() -> None
 
 
 async def test_a_heavy_party_s_small_requests_still_share_a_job() -> None:
-    """Held to one batch budget per job, a heavy party's requests for many experts (a
-    trainer's one message per server) still run in one job when they fit."""
+    """Held to a budget per job, a heavy party's requests for many experts (a trainer's
+    one message per server) still run in one job when they fit."""
     log: list[tuple[str, list[str], int]] = []
     device = batcher(max_batch_size=10, max_batch_wait_s=0)
-    lanes = [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(8)]
+    lanes = costly_lanes(device, log, 8)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(device.serve)
@@ -200,7 +207,7 @@ async def test_a_party_alone_gets_jobs_of_a_bounded_size() -> None:
     JOB_BATCHES of them, so a newcomer waits at most that long."""
     log: list[tuple[str, list[str], int]] = []
     device = batcher(max_batch_size=10, max_batch_wait_s=0)
-    lanes = [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(12)]
+    lanes = costly_lanes(device, log, 12)
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as clients:
             for lane in lanes:
@@ -270,7 +277,7 @@ async def test_jobs_of_a_heavy_party_alone_shrink_to_the_time_they_may_take() ->
     more than that."""
     log: list[tuple[str, list[str], int]] = []
     device = batcher(max_batch_size=100, max_batch_wait_s=0)
-    lanes = [device.lane(f"e{i}", costly(f"e{i}", log, device)) for i in range(16)]
+    lanes = costly_lanes(device, log, 16)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(device.serve)
