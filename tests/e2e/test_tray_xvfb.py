@@ -392,6 +392,39 @@ def test_the_icon_follows_changes_from_the_moment_it_docks(
         wait_for("the icon left the tray", lambda: desktop.icons() == [], 15)
 
 
+def test_the_icon_shows_when_xlib_leaves_the_first_requests_unsent(
+    desktop: Desktop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """python-xlib's flush returns at once while another thread sends, and a request
+    queued then waits for the next X event. Here every flush of the threads that ask
+    pystray's loop for something (pystray's setup thread, the poll thread) returns at
+    once, as it would in that race: the tray's own flush thread must send them. Showing
+    the icon at the start is two such requests; a CI run saw a tray stuck there, its
+    first title ("volunteerd is not running") kept beside a running daemon."""
+    from Xlib import display
+
+    flush = display.Display.flush
+
+    def racing_flush(self: display.Display) -> None:
+        name = threading.current_thread().name
+        if name != "tray-poll" and "setup_handler" not in name:
+            flush(self)
+
+    monkeypatch.setattr(display.Display, "flush", racing_flush)
+    monkeypatch.setenv("DISPLAY", desktop.display)
+    app = _FlappingTray(Paths(tmp_path / "config.toml", tmp_path / "data", tmp_path / "cache"))
+    runner = threading.Thread(target=app.run, daemon=True)
+    runner.start()
+    try:
+        wait_for("3 changes of the icon", partial(_shown, app, 3), 30)
+        wait_for("the icon docked", lambda: [d for _, d in desktop.icons()] == [True], 15)
+    finally:
+        threading.Thread(target=app.stop, daemon=True).start()
+        runner.join(20)
+    assert not runner.is_alive()
+    wait_for("the icon left the tray", lambda: desktop.icons() == [], 15)
+
+
 def test_service_install_shows_the_tray_at_once_and_uninstall_closes_it(
     desktop: Desktop, tmp_path: Path
 ) -> None:

@@ -160,24 +160,33 @@ class TrayApp:
             raise ResourceUnavailable(
                 f"cannot show a tray icon ({type(exc).__name__}: {exc}){hint}"
             ) from exc
-        threads = [
+        pollers = [
             threading.Thread(target=self._poll_loop, name="tray-poll", daemon=True),
             threading.Thread(target=self._work_loop, name="tray-work", daemon=True),
         ]
+        threads = list(pollers)
+        flusher = None
         if getattr(self.icon, "_display", None) is not None:  # pystray's X backend
-            threads.append(
-                threading.Thread(target=self._flush_loop, name="tray-flush", daemon=True)
-            )
+            flusher = threading.Thread(target=self._flush_loop, name="tray-flush", daemon=True)
 
         def setup(icon: Any) -> None:
             if self._stopping.is_set():  # stopped before the loop started
                 icon.stop()
                 return
-            icon.visible = True
-            for thread in threads:
+            try:
+                # Two requests that pystray's loop runs while this thread waits (the
+                # image, then showing it): the flush thread sends them if python-xlib
+                # left them unsent.
+                icon.visible = True
+            except Exception:  # whatever the backend raises: the next poll tries again
+                logger.exception("could not show the tray icon")
+            for thread in pollers:
                 thread.start()
 
         logger.info("tray started (pystray's %s backend)", _backend_of(type(self.icon)))
+        if flusher is not None:  # from before pystray's loop: setup waits on it too
+            threads.append(flusher)
+            flusher.start()
         try:
             self.icon.run(setup)
         finally:
@@ -275,6 +284,8 @@ class TrayApp:
             if self._stopping.is_set() or self.icon is None:
                 return
             try:
+                if not self.icon.visible:  # showing it failed at the start
+                    self.icon.visible = True
                 if new.state != self._drawn_state:
                     self._drawn_state = None  # until it is drawn: the next poll retries
                     self.icon.icon = icon_image(new.state)
@@ -390,7 +401,9 @@ class TrayApp:
         another thread sends, and that thread may stop before it), and the loop waits
         for X events that never come: the updating thread then waited forever, and the
         icon kept its first title ("volunteerd is not running") beside a daemon that
-        ran. Whatever is left unsent goes out at the next flush here."""
+        ran. Showing the icon at the start (pystray's setup thread) waits the same way,
+        so this runs from before pystray's loop. Whatever is left unsent goes out at the
+        next flush here."""
         while not self._stopping.wait(FLUSH_S):
             self._flush_x()
 
