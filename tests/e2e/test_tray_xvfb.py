@@ -397,17 +397,18 @@ def test_the_icon_shows_when_xlib_leaves_the_first_requests_unsent(
 ) -> None:
     """python-xlib's flush returns at once while another thread sends, and a request
     queued then waits for the next X event. Here every flush of the threads that ask
-    pystray's loop for something (pystray's setup thread, the poll thread) returns at
-    once, as it would in that race: the tray's own flush thread must send them. Showing
-    the icon at the start is two such requests; a CI run saw a tray stuck there, its
-    first title ("volunteerd is not running") kept beside a running daemon."""
+    pystray's loop for something (pystray's setup thread, the poll thread, the one that
+    stops the tray) returns at once, as it would in that race: the tray's own flush
+    thread must send them. Showing the icon at the start is two such requests; a CI run
+    saw a tray stuck there, its first title ("volunteerd is not running") kept beside a
+    running daemon. Stopping is one more."""
     from Xlib import display
 
     flush = display.Display.flush
 
     def racing_flush(self: display.Display) -> None:
         name = threading.current_thread().name
-        if name != "tray-poll" and "setup_handler" not in name:
+        if name != "tray-poll" and "setup_handler" not in name and "(stop)" not in name:
             flush(self)
 
     monkeypatch.setattr(display.Display, "flush", racing_flush)

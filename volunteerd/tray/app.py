@@ -393,7 +393,7 @@ class TrayApp:
                 display.flush()
 
     def _flush_loop(self) -> None:
-        """Flush the X connection every ``FLUSH_S`` while the tray runs.
+        """Flush the X connection every ``FLUSH_S`` until pystray's loop has ended.
 
         pystray's X backend runs an update asked for from another thread (the icon, the
         title) by sending its own window a message and waiting until its loop has done
@@ -401,10 +401,10 @@ class TrayApp:
         another thread sends, and that thread may stop before it), and the loop waits
         for X events that never come: the updating thread then waited forever, and the
         icon kept its first title ("volunteerd is not running") beside a daemon that
-        ran. Showing the icon at the start (pystray's setup thread) waits the same way,
-        so this runs from before pystray's loop. Whatever is left unsent goes out at the
-        next flush here."""
-        while not self._stopping.wait(FLUSH_S):
+        ran. Showing the icon at the start (pystray's setup thread) and stopping the
+        loop wait the same way, so this runs from before pystray's loop until after it.
+        Whatever is left unsent goes out at the next flush here."""
+        while not self._loop_done.wait(FLUSH_S):
             self._flush_x()
 
     def _title(self, shown: View) -> str:
