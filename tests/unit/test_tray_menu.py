@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -465,6 +466,27 @@ def test_app_reports_a_daemon_it_started_that_exited(tmp_path: Path) -> None:
     )
     assert "in use" in app.paths.daemon_log_file.read_text()
     assert [i.text for i in view(seen).items if i.default] == ["Start volunteerd"]
+
+
+def test_a_daemon_that_cannot_be_started_is_reported_and_the_tray_keeps_polling(
+    tmp_path: Path,
+) -> None:
+    app = TrayApp(paths_in(tmp_path), serve_command=[str(tmp_path / "no-such-volunteerd")])
+    poller = threading.Thread(target=app._poll_loop, daemon=True)
+    poller.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "Could not start volunteerd" not in app.seen.notice:
+            assert poller.is_alive(), "the poll thread died"
+            assert time.monotonic() < deadline, app.seen
+            time.sleep(0.02)
+        assert app.seen.link == "absent"
+        assert "no-such-volunteerd" in app.seen.notice
+    finally:
+        app._stopping.set()
+        app._wake.set()
+        poller.join(10)
+    assert not poller.is_alive()
 
 
 def test_the_daemon_the_tray_starts_gets_its_locations_and_not_the_shells_settings(

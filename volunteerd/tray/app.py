@@ -222,7 +222,11 @@ class TrayApp:
 
     def _poll_loop(self) -> None:
         if self.start_daemon:
-            self._start_if_absent()
+            try:
+                self._start_if_absent()
+            except Exception as exc:  # e.g. no such executable: say so, keep polling
+                logger.exception("could not start volunteerd")
+                self._set_notice(f"Could not start volunteerd: {exc}")
         delay = self.poll_s
         while not self._stopping.is_set():
             try:
