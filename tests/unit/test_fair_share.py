@@ -20,7 +20,13 @@ from tests.unit.wire_tensors import wire
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.errors import Busy
 from volunteerd.runtime import DeviceBatcher, DeviceExecutor, ExpertRuntime, Lane
-from volunteerd.runtime.batching import HEAVY_JOB_S, HEAVY_RATIO, HEAVY_SLACK_S, JOB_BATCHES
+from volunteerd.runtime.batching import (
+    CALM_RATIO,
+    HEAVY_JOB_S,
+    HEAVY_RATIO,
+    HEAVY_SLACK_S,
+    JOB_BATCHES,
+)
 
 # An item is (party, samples); a batch's cost is COST_S per sample.
 Item = tuple[str, int]
@@ -299,3 +305,39 @@ async def test_jobs_of_a_heavy_party_alone_shrink_to_the_time_they_may_take(fair
         assert HEAVY_JOB_S == 0.05
     else:
         assert max(alone[-10:]) >= 8, alone  # as many as wait: 15 or 16
+
+
+async def test_a_heavy_party_that_dips_under_the_bar_still_gets_small_jobs() -> None:
+    """A floods 16 experts with requests of 20 ms; B calls one of them back to back
+    with requests as large. B's own share keeps A's use near the bar, and each time A
+    dipped under it a job held every request A had waiting (up to 16: 320 ms that B
+    asked into). A heavy party stays held to small jobs until its use comes down to
+    CALM_RATIO times the lightest's: B's requests wait for few of A's."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=100, max_batch_wait_s=0)
+    lanes = costly_lanes(device, log, 16)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        async with trio.open_nursery() as clients:
+            for lane in lanes:
+                clients.start_soon(flood, lane, "A", 10, stop)
+            for _ in range(40):
+                log.append(("asked", ["B"], device.jobs))
+                await call(lanes[0], "B", 10)
+            stop.set()
+        device.close()
+    waited: list[int] = []  # A's requests begun between B's asking and B's batch
+    asking = False
+    for name, parties, _ in log:
+        if name == "asked":
+            waited.append(0)
+            asking = True
+        elif "B" in parties:
+            asking = False
+        elif asking:
+            waited[-1] += parties.count("A")
+    # the job begun before B asked, and ~50 ms of A's 20 ms requests (first come,
+    # first served: up to 16)
+    assert max(waited[5:]) <= 8, waited
+    assert CALM_RATIO < HEAVY_RATIO

@@ -42,9 +42,13 @@ party that used more than ``HEAVY_RATIO`` times the lightest one's (and more tha
 job of heavy parties' requests alone holds as many as take about ``HEAVY_JOB_S`` of
 the worker with the optimizer steps due before them (at least one request, at most
 one batch budget: ``_adapt``), so a lighter party waits about that long for the
-device however much a heavy one asks for. The rule is work-conserving (a heavy party is served
-whenever no lighter one waits) and does nothing to parties of similar use, whose
-requests still merge. A full lane refuses the newcomer unless another party holds at
+device however much a heavy one asks for. A party found heavy stays *held* until its
+use comes down to ``CALM_RATIO`` times the lightest one's: while it is merely held
+(under the bar, so its requests are not deferred) it adds at most that many samples
+to any job, so it never gets a whole job of its waiting requests by dipping under the
+bar now and then. The rule is work-conserving (a heavy party is served whenever no
+lighter one waits) and does nothing to parties of similar use, whose requests still
+merge. A full lane refuses the newcomer unless another party holds at
 least two more of its waiting places; then the party with the most gives up its
 newest one (``Busy``). A job holds at most ``JOB_BATCHES`` times the batch budget in
 samples, so a party that has the device to itself keeps a newcomer waiting at most
@@ -98,6 +102,7 @@ FRUITLESS_WAITS = 8
 USAGE_HALF_LIFE_S = 2.0  # a party's worker time halves every this many seconds
 RECENT_S = 5.0  # a party that submitted within this long is active
 HEAVY_RATIO = 4.0  # heavy: more than this many times the lightest active party's time
+CALM_RATIO = 2.0  # a heavy party stays held to small jobs until it uses less than this
 HEAVY_SLACK_S = 0.05  # ... and more than this (decayed seconds of worker time)
 JOB_BATCHES = 8  # a job holds at most this many batch budgets of samples
 HEAVY_JOB_S = 0.05  # what a job of heavy parties' alone should take at most
@@ -310,6 +315,9 @@ class DeviceBatcher:
         # take (their optimizer steps included): see ``_adapt``.
         self._heavy_budget = config.max_batch_size
         self._heavy_job = False  # the job being formed holds heavy parties' only
+        # Parties found heavy that have not come down to CALM_RATIO since: their
+        # requests in any job hold at most ``_heavy_budget`` samples.
+        self._held: set[Hashable] = set()
         # Called on the trio thread as each job is formed: work that must run on the
         # worker before the job's batches (and after those of the previous job), or
         # None. The runtime's optimizer steps come this way.
@@ -433,8 +441,12 @@ class DeviceBatcher:
         if len(active) < 2:
             return set()
         usage = {party: self._usage.get(party, 0.0) for party in active}
-        bar = HEAVY_RATIO * min(usage.values()) + HEAVY_SLACK_S
-        return {party for party in waiting if usage[party] > bar}
+        lightest = min(usage.values())
+        bar = HEAVY_RATIO * lightest + HEAVY_SLACK_S
+        heavy = {party for party in waiting if usage[party] > bar}
+        calm = CALM_RATIO * lightest + HEAVY_SLACK_S
+        self._held = {p for p in self._held if p in active and usage[p] > calm} | heavy
+        return heavy
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -502,6 +514,7 @@ class DeviceBatcher:
         job_limit = limit * JOB_BATCHES
         heavy = self._heavy()
         self._heavy_job = False
+        held: dict[Hashable, int] = {}
         if heavy and all(task.party in heavy for task in self._queue):
             # only heavy parties wait: as many as take ~HEAVY_JOB_S, least-used first
             candidates = sorted(self._queue, key=lambda t: self._usage.get(t.party, 0.0))
@@ -510,7 +523,9 @@ class DeviceBatcher:
         else:
             candidates = [t for t in self._queue if t.party not in heavy]
             self._deferred += len(self._queue) - len(candidates)
-        chosen = self._batches(candidates, limit, job_limit)
+            # a party that dipped under the bar does not get a whole job at once
+            held = {party: self._heavy_budget for party in self._held}
+        chosen = self._batches(candidates, limit, job_limit, held)
         taken = {id(task) for batch in chosen for task in batch.tasks}
         self._queue = deque(task for task in self._queue if id(task) not in taken)
         for batch in chosen:
@@ -518,38 +533,48 @@ class DeviceBatcher:
         return chosen
 
     @staticmethod
-    def _batches(tasks: list[_Task[Any, Any]], limit: int, job_limit: int) -> list[_Batch]:
+    def _batches(
+        tasks: list[_Task[Any, Any]],
+        limit: int,
+        job_limit: int,
+        held: Mapping[Hashable, int] | None = None,
+    ) -> list[_Batch]:
         """``tasks`` grouped into batches of at most ``limit`` samples and
-        ``job_limit`` in all (the first request always fits), in order."""
+        ``job_limit`` in all (the first request always fits), in order; a party in
+        ``held`` adds at most that many samples (its first request always fits)."""
         batches: list[_Batch] = []
         open_batches: dict[tuple[int, Hashable], tuple[_Batch, int]] = {}
         full: set[tuple[int, Hashable]] = set()
         job = 0
+        own: dict[Hashable, int] = {}  # samples taken per party
+        capped: set[Hashable] = set()  # held parties that took what they may
         for task in tasks:
             if batches and job + task.samples > job_limit:
                 break  # the job is full: the rest wait, in order
+            if held and task.party in held:
+                taken = own.get(task.party, 0)
+                if task.party in capped or (taken and taken + task.samples > held[task.party]):
+                    capped.add(task.party)
+                    continue  # its later requests wait, in order
             lane = task.lane
             key = (id(lane), task.shape_key)
             if not lane.merge:
                 batches.append(_Batch(lane, [task]))
-                job += task.samples
+            elif key in full:
                 continue
-            if key in full:
-                continue
-            entry = open_batches.get(key)
-            if entry is None:
+            elif (entry := open_batches.get(key)) is None:
                 batch = _Batch(lane, [task])
                 batches.append(batch)
                 open_batches[key] = (batch, task.samples)
-                job += task.samples
-                continue
-            batch, samples = entry
-            if samples + task.samples > limit:
-                full.add(key)  # later requests of this batch wait, in order
-                continue
-            batch.tasks.append(task)
-            open_batches[key] = (batch, samples + task.samples)
+            else:
+                batch, samples = entry
+                if samples + task.samples > limit:
+                    full.add(key)  # later requests of this batch wait, in order
+                    continue
+                batch.tasks.append(task)
+                open_batches[key] = (batch, samples + task.samples)
             job += task.samples
+            own[task.party] = own.get(task.party, 0) + task.samples
         return batches
 
     async def _run(
