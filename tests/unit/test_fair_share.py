@@ -10,7 +10,7 @@ order of batches, not how long anything took."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -65,6 +65,24 @@ async def flood(lane: Lane, party: str, samples: int, stop: trio.Event) -> None:
             await call(lane, party, samples)
         except Busy:
             await trio.sleep(0.001)
+
+
+async def while_a_floods(
+    device: DeviceBatcher,
+    lanes: list[Lane],  # type: ignore[type-arg]
+    b: Callable[[], Awaitable[None]],
+) -> None:
+    """Serve ``device`` while party A floods every lane with requests of 10 samples,
+    until ``b`` (party B's calls) returns."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        async with trio.open_nursery() as clients:
+            for lane in lanes:
+                clients.start_soon(flood, lane, "A", 10, stop)
+            await b()
+            stop.set()
+        device.close()
 
 
 @pytest.mark.parametrize("fair", [True, False], ids=["fair", "first-come"])
@@ -285,17 +303,13 @@ async def test_jobs_of_a_heavy_party_alone_shrink_to_the_time_they_may_take(fair
     log: list[tuple[str, list[str], int]] = []
     device = batcher(fair, max_batch_size=100, max_batch_wait_s=0)
     lanes = costly_lanes(device, log, 16)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(device.serve)
-        async with trio.open_nursery() as clients:
-            for lane in lanes:
-                clients.start_soon(flood, lane, "A", 10, stop)
-            for _ in range(15):
-                await call(lanes[0], "B", 1)
-                await trio.sleep(0.05)
-            stop.set()
-        device.close()
+
+    async def b() -> None:
+        for _ in range(15):
+            await call(lanes[0], "B", 1)
+            await trio.sleep(0.05)
+
+    await while_a_floods(device, lanes, b)
     jobs: dict[int, list[list[str]]] = {}
     for _, parties, job in log:
         jobs.setdefault(job, []).append(parties)
@@ -316,17 +330,13 @@ async def test_a_heavy_party_that_dips_under_the_bar_still_gets_small_jobs() -> 
     log: list[tuple[str, list[str], int]] = []
     device = batcher(max_batch_size=100, max_batch_wait_s=0)
     lanes = costly_lanes(device, log, 16)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(device.serve)
-        async with trio.open_nursery() as clients:
-            for lane in lanes:
-                clients.start_soon(flood, lane, "A", 10, stop)
-            for _ in range(40):
-                log.append(("asked", ["B"], device.jobs))
-                await call(lanes[0], "B", 10)
-            stop.set()
-        device.close()
+
+    async def b() -> None:
+        for _ in range(40):
+            log.append(("asked", ["B"], device.jobs))
+            await call(lanes[0], "B", 10)
+
+    await while_a_floods(device, lanes, b)
     waited: list[int] = []  # A's requests begun between B's asking and B's batch
     asking = False
     for name, parties, _ in log:
