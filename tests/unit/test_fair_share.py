@@ -226,11 +226,15 @@ async def test_a_full_lane_takes_a_place_from_the_party_holding_the_most() -> No
     assert [parties for _, parties, _ in log] == [["A", "A", "B", "B"]]
 
 
-async def test_a_party_alone_gets_jobs_of_a_bounded_size() -> None:
+@pytest.mark.parametrize("was_held", [False, True], ids=["fresh", "held-before"])
+async def test_a_party_alone_gets_jobs_of_a_bounded_size(was_held: bool) -> None:
     """Twelve experts' full batches waiting from one party: the first job holds
-    JOB_BATCHES of them, so a newcomer waits at most that long."""
+    JOB_BATCHES of them, so a newcomer waits at most that long. A party held to small
+    jobs while it shared the device (see below) is not held once it is alone."""
     log: list[tuple[str, list[str], int]] = []
     device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    if was_held:
+        device._held, device._heavy_budget = {"A"}, 10  # one request per job
     lanes = costly_lanes(device, log, 12)
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as clients:

@@ -43,7 +43,8 @@ job of heavy parties' requests alone holds as many as take about ``HEAVY_JOB_S``
 the worker with the optimizer steps due before them (at least one request, at most
 one batch budget: ``_adapt``), so a lighter party waits about that long for the
 device however much a heavy one asks for. A party found heavy stays *held* until its
-use comes down to ``CALM_RATIO`` times the lightest one's: while it is merely held
+use comes down to ``CALM_RATIO`` times the lightest one's (or no other party is
+active): while it is merely held
 (under the bar, so its requests are not deferred) it adds at most that many samples
 to any job, so it never gets a whole job of its waiting requests by dipping under the
 bar now and then. The rule is work-conserving (a heavy party is served whenever no
@@ -439,6 +440,7 @@ class DeviceBatcher:
         waiting = {task.party for task in self._queue}
         active = waiting | set(self._seen)
         if len(active) < 2:
+            self._held = set()  # nobody left to share with
             return set()
         usage = {party: self._usage.get(party, 0.0) for party in active}
         lightest = min(usage.values())
