@@ -50,6 +50,7 @@ from multiaddr.utils import get_thin_waist_addresses
 from volunteerd.errors import PeerUnreachable, ResourceUnavailable, StreamTimedOut
 from volunteerd.identity import Identity
 from volunteerd.net import connections
+from volunteerd.net import flow as _flow  # noqa: F401 - patches Yamux's writes and TCP's reads
 from volunteerd.net.dialback import tcp_endpoint
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
