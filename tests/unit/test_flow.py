@@ -107,7 +107,7 @@ async def test_a_peer_that_gives_no_credit_fails_the_write_after_five_seconds(
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("side", ["ours", "theirs"])
+@pytest.mark.parametrize("side", ["ours", "theirs", "connection"])
 async def test_a_reset_while_the_writer_waits_for_credit_ends_the_write_at_once(
     autojump_clock: trio.abc.Clock, side: str
 ) -> None:
@@ -129,7 +129,10 @@ async def test_a_reset_while_the_writer_waits_for_credit_ends_the_write_at_once(
         assert not outcome
         assert ours.send_window == 0
         reset_at = trio.current_time()
-        await (ours if side == "ours" else theirs).reset()
+        if side == "connection":
+            await dialer.close()
+        else:
+            await (ours if side == "ours" else theirs).reset()
         await ended.wait()
         assert outcome, "the write ended without an error"
         assert trio.current_time() == reset_at  # not the end of the 5 s wait

@@ -10,8 +10,8 @@ against the library's real Yamux.
 reply on loopback took 21 ms while the connection's measured round trip let the window
 grow, and 45 ms when it did not (after smaller calls on the same connection). Here the
 writer waits on an event that is set when the stream's send window grows or the stream
-closes. Everything else is as the library's: a frame at a time within the window, the
-same locks, and the same error after 5 s without credit.
+or its connection closes. Everything else is as the library's: a frame at a time within
+the window, the same locks, and the same error after 5 s without credit.
 
 *TCP reads ahead.* Noise reads each message as a 2-byte length and then the message, so
 every 64 KiB frame took two or more ``recv`` calls, each a trio checkpoint. A connection
@@ -43,8 +43,9 @@ ZERO_WINDOW_TIMEOUT_S = 5.0  # the library's: a peer that gives no credit for 5 
 
 class _Waking:
     """A YamuxStream attribute whose change in one direction sets the event the
-    stream's writer waits on (``_vd_credit``): ``send_window`` growing, ``closed``
-    becoming true. Every write of the attribute, the library's included, passes here."""
+    stream's writer waits on (``_vd_credit``): ``send_window`` growing, ``closed`` or
+    ``send_closed`` (the connection going away) becoming true. Every write of the
+    attribute, the library's included, passes here."""
 
     def __init__(self, name: str, wakes: Callable[[Any, Any], bool]) -> None:
         self._name, self._key, self._wakes = name, f"_vd_{name}", wakes
@@ -111,6 +112,9 @@ async def _write(self: _yamux.YamuxStream, data: bytes) -> None:
 
 _yamux.YamuxStream.send_window = _Waking("send_window", lambda before, after: after > before)  # type: ignore[assignment]
 _yamux.YamuxStream.closed = _Waking("closed", lambda before, after: after and not before)  # type: ignore[assignment]
+_yamux.YamuxStream.send_closed = _Waking(  # type: ignore[assignment]
+    "send_closed", lambda before, after: after and not before
+)
 _yamux.YamuxStream.write = _write  # type: ignore[method-assign]
 
 
