@@ -211,7 +211,7 @@ async def test_what_all_connections_hold_ahead_is_bounded_and_freed_with_them(
     """Readers that stop after a first piece (a peer's small frames being paced) keep
     what they received ahead: at most READ_AHEAD each, and READ_AHEAD_BUDGET in all;
     past that a read takes what it asks for. A connection's bytes count until it is
-    gone."""
+    closed or gone."""
     monkeypatch.setattr(flow, "READ_AHEAD_BUDGET", flow.held_ahead() + 3 * flow.READ_AHEAD)
     pairs = [await socket_pair() for _ in range(6)]
     for ours, theirs in pairs:
@@ -225,9 +225,15 @@ async def test_what_all_connections_hold_ahead_is_bounded_and_freed_with_them(
     for ours, _ in pairs[3:]:
         assert len(await ours.read(100)) == 100  # unread bytes are still there
     before = flow.held_ahead()
-    for ours, theirs in pairs[:2]:
-        await ours.close()
-        await theirs.aclose()
+    ours, theirs = pairs[0]
+    await ours.close()  # closed: what it held is dropped at once
+    await theirs.aclose()
+    assert flow.held_ahead() == before - (flow.READ_AHEAD - 12)
+    assert await ours.read(100) == b""
+    ours, theirs = pairs[1]
+    await ours.stream.aclose()  # its socket closed under it: the wrapper is only dropped
+    await theirs.aclose()
+    assert flow.held_ahead() == before - (flow.READ_AHEAD - 12)
     del pairs[:2], ours, theirs
     gc.collect()
     assert flow.held_ahead() == before - 2 * (flow.READ_AHEAD - 12)

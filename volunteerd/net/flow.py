@@ -192,9 +192,24 @@ async def _read_ahead(self: _io.TrioTCPStream, n: int | None = None) -> bytes:
         return data[:n]
 
 
+_library_close = _io.TrioTCPStream.close
+
+
+async def _close_dropping_what_is_held(self: _io.TrioTCPStream) -> None:
+    """The library's close; bytes received ahead and not read are dropped with the
+    connection (they no longer count against the budget, and are never handed out)."""
+    global _held_in_all
+    ahead: _Ahead | None = self.__dict__.get("_vd_ahead")
+    if ahead is not None and ahead.left:
+        _held_in_all -= ahead.left
+        ahead.data, ahead.at, ahead.left = b"", 0, 0
+    await _library_close(self)
+
+
 def held_ahead() -> int:
     """Bytes received ahead by all connections and not handed out yet."""
     return _held_in_all
 
 
 _io.TrioTCPStream.read = _read_ahead  # type: ignore[method-assign]
+_io.TrioTCPStream.close = _close_dropping_what_is_held  # type: ignore[method-assign]
