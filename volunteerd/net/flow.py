@@ -25,6 +25,7 @@ for, as the library's did.
 from __future__ import annotations
 
 import struct
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -128,12 +129,18 @@ class _Ahead:
 
 
 _held_in_all = 0  # bytes received ahead by every connection together
+_counting = threading.Lock()  # a trainer's node runs its own trio loop in a thread
+
+
+def _count(change: int) -> None:
+    global _held_in_all
+    with _counting:
+        _held_in_all += change
 
 
 def _release(ahead: _Ahead) -> None:
     """Run when a connection is gone: what it still held no longer counts."""
-    global _held_in_all
-    _held_in_all -= ahead.left
+    _count(-ahead.left)
 
 
 def _ahead_of(stream: _io.TrioTCPStream) -> _Ahead:
@@ -146,14 +153,13 @@ def _ahead_of(stream: _io.TrioTCPStream) -> _Ahead:
 
 def _take(ahead: _Ahead, n: int | None) -> bytes:
     """Up to ``n`` of the bytes received ahead (b"" if none are left)."""
-    global _held_in_all
     if not ahead.left:
         return b""
     at, data = ahead.at, ahead.data
     size = ahead.left if n is None else min(n, ahead.left)
     piece = data[at : at + size] if size < len(data) else data
     ahead.at, ahead.left = at + size, ahead.left - size
-    _held_in_all -= size
+    _count(-size)
     if not ahead.left:
         ahead.data = b""
     return piece
@@ -163,7 +169,6 @@ async def _read_ahead(self: _io.TrioTCPStream, n: int | None = None) -> bytes:
     """The library's ``TrioTCPStream.read`` (up to ``n`` bytes; b"" once closed
     locally; ``ConnectionClosedError`` when reset), receiving ``READ_AHEAD`` at once
     while all connections together hold less than ``READ_AHEAD_BUDGET``."""
-    global _held_in_all
     if n == 0:
         return b""
     ahead = _ahead_of(self)
@@ -188,7 +193,7 @@ async def _read_ahead(self: _io.TrioTCPStream, n: int | None = None) -> bytes:
         if n is None or len(data) <= n:
             return data
         ahead.data, ahead.at, ahead.left = data, n, len(data) - n
-        _held_in_all += ahead.left
+        _count(ahead.left)
         return data[:n]
 
 
@@ -198,10 +203,9 @@ _library_close = _io.TrioTCPStream.close
 async def _close_dropping_what_is_held(self: _io.TrioTCPStream) -> None:
     """The library's close; bytes received ahead and not read are dropped with the
     connection (they no longer count against the budget, and are never handed out)."""
-    global _held_in_all
     ahead: _Ahead | None = self.__dict__.get("_vd_ahead")
     if ahead is not None and ahead.left:
-        _held_in_all -= ahead.left
+        _count(-ahead.left)
         ahead.data, ahead.at, ahead.left = b"", 0, 0
     await _library_close(self)
 
