@@ -390,7 +390,9 @@ def _request_overheads(
     a, b = _fit(trips)  # seconds of a round trip, both sides, by request + reply bytes
     typical = 2 * _PER_REQUEST * rows * hidden * 4
     rest = max(0.0, a + b * typical - server_codec - client_codec)
-    return server_codec + rest / 2, client_codec + rest / 2, typical, b / 2
+    # A byte costs something: a slope below 0 is the noise of a busy machine (seen once,
+    # -1e-10 s a byte, beside two busy loops), not a discount for larger requests.
+    return server_codec + rest / 2, client_codec + rest / 2, typical, max(0.0, b) / 2
 
 
 async def _round_trips(
