@@ -120,6 +120,62 @@ async def test_a_light_party_waits_for_no_batch_of_a_heavy_one_begun_after_it_as
         assert device.statistics().deferred == 0
 
 
+async def test_a_party_that_had_the_device_to_itself_is_not_held_back_by_a_newcomer() -> None:
+    """B uses the device alone for ~0.5 s, then A floods both experts and B goes on
+    asking. B's time alone counts for nothing (no one else was active): it is not
+    heavy beside A, and its request runs in the first job formed after it asked,
+    before any batch of A's there.
+    (Counted, B's use made it look heavy and its requests waited behind A's queue
+    until that use had decayed.)"""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    lanes = costly_lanes(device, log, 2)
+    stop = trio.Event()
+    waited: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(device.serve)
+        for i in range(25):
+            await call(lanes[i % 2], "B", 10)
+        assert device.statistics().usage.get("B", 0.0) == 0.0
+        for i in range(8):
+            nursery.start_soon(flood, lanes[i % 2], "A", 10, stop)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(8):
+            # the job running (or formed) when B asks was formed without it; B's
+            # request is in the next one at the latest, before any batch of A's there
+            asked, formed = len(log), device.jobs
+            assert await call(lanes[i % 2], "B", 1) == "B"
+            ran = next(n for n, (_, parties, _) in enumerate(log) if n >= asked and "B" in parties)
+            waited.append(
+                sum(1 for _, parties, job in log[asked:ran] if job > formed and "B" not in parties)
+            )
+        stop.set()
+        device.close()
+    assert waited == [0] * 8, waited
+
+
+async def test_a_queue_of_requests_takes_turns_with_a_party_that_asks_once() -> None:
+    """A has six full batches waiting for one expert and B one request, neither
+    heavy: A's first batch was formed before B asked, then B's request runs before A's
+    second (first come, first served: after all six)."""
+    for fair, expected in ((True, 1), (False, 6)):
+        log: list[tuple[str, list[str], int]] = []
+        device = batcher(fair, max_batch_size=10, max_batch_wait_s=0)
+        lane = device.lane("a", costly("a", log, device))
+        async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as clients:
+                for _ in range(6):
+                    clients.start_soon(call, lane, "A", 10)
+                    await trio.testing.wait_all_tasks_blocked()
+                clients.start_soon(call, lane, "B", 1)
+                await trio.testing.wait_all_tasks_blocked()
+                await nursery.start(device.serve)
+            device.close()
+        served = [parties for _, parties, _ in log]
+        assert served.index(["B"]) == expected, served
+        assert served.count(["A"]) == 6
+
+
 async def test_a_heavy_party_is_still_served_when_no_lighter_one_waits() -> None:
     """Fair sharing is work-conserving: A, flooding beside a B that asks now and then,
     gets most of the device."""
@@ -151,10 +207,11 @@ async def test_a_heavy_party_s_small_requests_still_share_a_job() -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(device.serve)
+        await call(lanes[1], "B", 1)  # B is active: the device is contended
         async with trio.open_nursery() as flooding:
             flooding.start_soon(flood, lanes[0], "A", 10, stop)
             await trio.sleep(0.2)
-            await call(lanes[1], "B", 1)  # B is active now, and far lighter
+            await call(lanes[1], "B", 1)  # and far lighter
             stop.set()
         usage = device.statistics().usage
         assert usage["A"] > HEAVY_RATIO * usage["B"] + HEAVY_SLACK_S  # A is heavy
@@ -223,7 +280,7 @@ async def test_a_full_lane_takes_a_place_from_the_party_holding_the_most() -> No
     assert sorted(outcome["B"]) == ["b0", "b1", "b2: busy"]
     assert lane.statistics().refused_busy == 4
     assert device.statistics().evicted == 2
-    assert [parties for _, parties, _ in log] == [["A", "A", "B", "B"]]
+    assert [parties for _, parties, _ in log] == [["A", "B", "A", "B"]]  # in turns
 
 
 @pytest.mark.parametrize("was_held", [False, True], ids=["fresh", "held-before"])

@@ -33,16 +33,20 @@ meet in every other wait would otherwise stop meeting at all.)
 
 **Parties share the device.** Every request names its *party* (the runtime gives the
 address of the peer's connection, or the peer's id where it has none, so all the
-identities of one machine are one party). The batcher keeps each party's worker time
-(its batches', and what the runtime ``charge``s it for: the optimizer steps its
-gradients made due), decaying with a half-life of ``USAGE_HALF_LIFE_S``, and while
-several parties are active (a request waiting or served in the last ``RECENT_S``) a
-party that used more than ``HEAVY_RATIO`` times the lightest one's (and more than
-``HEAVY_SLACK_S``) is *heavy*: its requests wait while a lighter party's run, and a
-job of heavy parties' requests alone holds as many as take about ``HEAVY_JOB_S`` of
-the worker with the optimizer steps due before them (at least one request, at most
-one batch budget: ``_adapt``), so a lighter party waits about that long for the
-device however much a heavy one asks for. A party found heavy stays *held* until its
+identities of one machine are one party). While several parties are active (a request
+waiting or served in the last ``RECENT_S``) the batcher counts each party's worker
+time (its batches', and what the runtime ``charge``s it for: the optimizer steps its
+gradients made due), decaying with a half-life of ``USAGE_HALF_LIFE_S``; a party alone
+with the device is charged nothing, so a trainer that had it to itself does not look
+heavy to a newcomer. A party that used more than ``HEAVY_RATIO`` times the lightest
+one's (and more than ``HEAVY_SLACK_S``) is *heavy*: its requests wait while a lighter
+party's run, and a job of heavy parties' requests alone holds as many as take about
+``HEAVY_JOB_S`` of the worker with the optimizer steps due before them (starting at one
+request, at most one batch budget: ``_adapt``), so a lighter party waits about that
+long for the device however much a heavy one asks for. Other requests are taken in
+turns: every party's first waiting request before any party's second, the least-used
+party's first within a round, so a queue of one party's holds another's request for
+at most one batch even before that party counts as heavy. A party found heavy stays *held* until its
 use comes down to ``CALM_RATIO`` times the lightest one's (or no other party is
 active): while it is merely held
 (under the bar, so its requests are not deferred) it adds at most that many samples
@@ -313,8 +317,10 @@ class DeviceBatcher:
         self._deferred = 0
         self._evicted = 0
         # Samples a job of heavy parties' alone may hold, adapted to what such jobs
-        # take (their optimizer steps included): see ``_adapt``.
-        self._heavy_budget = config.max_batch_size
+        # take (their optimizer steps included): see ``_adapt``. It starts at one
+        # request and grows: a first heavy job of a whole batch budget of one-row
+        # backwards made a second of steps due, which a light party then waited for.
+        self._heavy_budget = 1
         self._heavy_job = False  # the job being formed holds heavy parties' only
         # Parties found heavy that have not come down to CALM_RATIO since: their
         # requests in any job hold at most ``_heavy_budget`` samples.
@@ -395,28 +401,40 @@ class DeviceBatcher:
                 self._usage.pop(party, None)
 
     def _charge(self, batches: list[_Batch]) -> None:
-        """Add each batch's worker time to its parties, in proportion to samples; a
-        party just served is active."""
+        """Add each batch's worker time to its parties, in proportion to samples, while
+        the device is contended; a party just served is active."""
         now = trio.current_time()
         self._decay(now)
         for batch in batches:
-            total = batch.samples
             for task in batch.tasks:
                 self._seen[task.party] = now
+        if not self._contended():
+            return
+        for batch in batches:
+            total = batch.samples
+            for task in batch.tasks:
                 if batch.seconds and total:
                     share = batch.seconds * task.samples / total
                     self._usage[task.party] = self._usage.get(task.party, 0.0) + share
 
+    def _contended(self) -> bool:
+        """Several parties are active: only then does worker time count against a
+        party. A party that had the device to itself (a trainer before anyone else
+        came) would otherwise look heavy beside a newcomer, a flooder included, and
+        wait while the flooder's queue ran, for as long as its use took to decay."""
+        return len(self._seen) >= 2
+
     def _adapt(self, samples: int, seconds: float) -> None:
         """After a job of heavy parties' alone that held ``samples`` and took
         ``seconds`` of the worker (with the steps due before it): the next such job
-        holds half as many when it took more than ``HEAVY_JOB_S``, twice as many (up to
-        the batch budget) when it took less than half that. A lighter party that asks
-        meanwhile thus waits about ``HEAVY_JOB_S``, or one request where a single one
-        takes longer, whether a heavy party sends large batches or many small requests
-        whose optimizer steps cost far more than they do."""
+        holds as many as would take ``HEAVY_JOB_S`` at this one's pace when it took
+        longer (at least one request), twice as many (up to the batch budget) when it
+        took less than half that. A lighter party that asks meanwhile thus waits about
+        ``HEAVY_JOB_S``, or one request where a single one takes longer, whether a
+        heavy party sends large batches or many small requests whose optimizer steps
+        cost far more than they do."""
         if seconds > HEAVY_JOB_S:
-            self._heavy_budget = max(1, samples // 2)
+            self._heavy_budget = max(1, int(samples * HEAVY_JOB_S / seconds))
         elif seconds < HEAVY_JOB_S / 2:
             self._heavy_budget = min(self._limit(), 2 * self._heavy_budget)
 
@@ -428,8 +446,11 @@ class DeviceBatcher:
             return
         now = trio.current_time()
         self._decay(now)
-        for party, seconds in costs.items():
+        for party in costs:
             self._seen[party] = now
+        if not self._contended():
+            return
+        for party, seconds in costs.items():
             self._usage[party] = self._usage.get(party, 0.0) + seconds
 
     def _heavy(self) -> set[Hashable]:
@@ -508,10 +529,11 @@ class DeviceBatcher:
         return waited
 
     def _take(self) -> list[_Batch]:
-        """The waiting requests as batches, in order of their first request; those
-        that do not fit their batch's budget or the job's stay queued, in order. While
-        a lighter party has requests waiting, a heavy party's wait; otherwise they get
-        a job of ``_heavy_budget`` samples, the least-used party's first."""
+        """The waiting requests as batches, in order of their first request (sharing
+        the device: taken in turns, each party's first before any party's second);
+        those that do not fit their batch's budget or the job's stay queued, in order.
+        While a lighter party has requests waiting, a heavy party's wait; otherwise
+        they get a job of ``_heavy_budget`` samples, the least-used party's first."""
         limit = self._limit()
         job_limit = limit * JOB_BATCHES
         heavy = self._heavy()
@@ -525,6 +547,8 @@ class DeviceBatcher:
         else:
             candidates = [t for t in self._queue if t.party not in heavy]
             self._deferred += len(self._queue) - len(candidates)
+            if self.fair:
+                candidates = _in_turns(candidates, self._usage)
             # a party that dipped under the bar does not get a whole job at once
             held = {party: self._heavy_budget for party in self._held}
         chosen = self._batches(candidates, limit, job_limit, held)
@@ -647,6 +671,23 @@ class DeviceBatcher:
                 for task in batch.tasks:
                     task.error = _own_copy(batch.error)
                 batch.lane._answered(batch.tasks, ran=False)
+
+
+def _in_turns(
+    tasks: list[_Task[Any, Any]], usage: Mapping[Hashable, float]
+) -> list[_Task[Any, Any]]:
+    """``tasks`` in rounds: every party's first waiting request before any party's
+    second, and so on; within a round the least-used party's first (by arrival where
+    they used alike). A party with a queue of requests thus holds each lane's next
+    batch for at most one of them against one that asks now and then, even before it
+    counts as heavy, and parties with one request each keep their order."""
+    taken: dict[Hashable, int] = {}
+    turns: list[tuple[int, float, int]] = []
+    for index, task in enumerate(tasks):
+        turn = taken.get(task.party, 0)
+        taken[task.party] = turn + 1
+        turns.append((turn, usage.get(task.party, 0.0), index))
+    return [tasks[index] for _, _, index in sorted(turns)]
 
 
 def _own_copy(error: BaseException | None) -> BaseException | None:
