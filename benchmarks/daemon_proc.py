@@ -53,7 +53,12 @@ def volunteerd_process(*args: str) -> Iterator[DaemonProc]:
             "--set", 'logging.level="WARNING"',
         ]  # fmt: skip
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # In its data folder: ``-m`` puts the working folder first on sys.path, so a
+        # daemon started from a checkout would run that checkout's code, not the one
+        # PYTHONPATH names (a worktree of an earlier commit, for a comparison).
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         try:
             while not ready.exists():
                 if proc.poll() is not None:
