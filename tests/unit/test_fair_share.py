@@ -412,3 +412,25 @@ async def test_a_heavy_party_that_dips_under_the_bar_still_gets_small_jobs() -> 
     # first served: up to 16)
     assert max(waited[5:]) <= 8, waited
     assert CALM_RATIO < HEAVY_RATIO
+
+
+async def test_a_held_party_stays_held_while_it_asks_for_more_than_a_held_job_takes() -> None:
+    """Held, a party's use is what the cap lets it have: calm use alone does not release
+    it while its waiting requests exceed what a held party adds to a job (released, its
+    next job held its whole queue)."""
+    log: list[tuple[str, list[str], int]] = []
+    device = batcher(max_batch_size=10, max_batch_wait_s=0)
+    device._held, device._heavy_budget = {"A"}, 10  # one request of A's per job
+    lanes = costly_lanes(device, log, 5)
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as clients:
+            for lane in lanes:
+                clients.start_soon(call, lane, "A", 10)
+            clients.start_soon(call, lanes[0], "B", 1)
+            await trio.testing.wait_all_tasks_blocked()
+            await nursery.start(device.serve)  # A's use is as calm as B's: none yet
+        device.close()
+    per_job: dict[int, int] = {}
+    for _, parties, job in log:
+        per_job[job] = per_job.get(job, 0) + parties.count("A")
+    assert sorted(per_job.values()) == [1, 1, 1, 1, 1], log

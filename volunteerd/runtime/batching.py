@@ -46,9 +46,10 @@ request, at most one batch budget: ``_adapt``), so a lighter party waits about t
 long for the device however much a heavy one asks for. Other requests are taken in
 turns: every party's first waiting request before any party's second, the least-used
 party's first within a round, so a queue of one party's holds another's request for
-at most one batch even before that party counts as heavy. A party found heavy stays *held* until its
-use comes down to ``CALM_RATIO`` times the lightest one's (or no other party is
-active): while it is merely held
+at most one batch even before that party counts as heavy. A party found heavy stays
+*held* until its use comes down to ``CALM_RATIO`` times the lightest one's and it asks
+for no more than a held party may add to a job (or no other party is active; held,
+its use is only what the cap lets it have): while it is merely held
 (under the bar, so its requests are not deferred) it adds at most that many samples
 to any job, so it never gets a whole job of its waiting requests by dipping under the
 bar now and then. The rule is work-conserving (a heavy party is served whenever no
@@ -468,7 +469,17 @@ class DeviceBatcher:
         bar = HEAVY_RATIO * lightest + HEAVY_SLACK_S
         heavy = {party for party in waiting if usage[party] > bar}
         calm = CALM_RATIO * lightest + HEAVY_SLACK_S
-        self._held = {p for p in self._held if p in active and usage[p] > calm} | heavy
+        # Held, a party's use is what the cap lets it have: it is released when that
+        # use is calm *and* it no longer asks for more than the cap (else it dipped
+        # under only because it was held, and its next job would take its whole queue).
+        asking: dict[Hashable, int] = {}
+        for task in self._queue:
+            asking[task.party] = asking.get(task.party, 0) + task.samples
+        self._held = {
+            p
+            for p in self._held
+            if p in active and (usage[p] > calm or asking.get(p, 0) > self._heavy_budget)
+        } | heavy
         return heavy
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
