@@ -691,7 +691,7 @@ def _in_turns(
     second, and so on; within a round the least-used party's first (by arrival where
     they used alike). A party with a queue of requests thus holds each lane's next
     batch for at most one of them against one that asks now and then, even before it
-    counts as heavy, and parties with one request each keep their order."""
+    counts as heavy; parties with one request each still merge, the least-used first."""
     taken: dict[Hashable, int] = {}
     turns: list[tuple[int, float, int]] = []
     for index, task in enumerate(tasks):
