@@ -163,3 +163,37 @@ def test_train_runs_an_experiment_file_against_a_swarm(spawn, tmp_path: Path) ->
     )  # fmt: skip
     assert bad.returncode == 3
     assert "model.k_worst: unknown key" in bad.stderr
+
+
+def test_a_swarm_process_runs_the_package_its_parent_imported(tmp_path: Path) -> None:
+    """A folder named ``volunteerd`` in the working folder (another checkout; a worktree
+    of an earlier commit) is what ``python -m volunteerd`` imports first; the swarm's
+    processes run the parent's package wherever they are started."""
+    from volunteerd.demo.local_swarm import VOLUNTEERD, child_env
+
+    decoy = tmp_path / "volunteerd"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise SystemExit('the decoy ran')\n")
+    (decoy / "__main__.py").write_text("raise SystemExit('the decoy ran')\n")
+    env = child_env(tmp_path / "home")
+
+    plain = subprocess.run(
+        [sys.executable, "-m", "volunteerd", "--version"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "the decoy ran" in plain.stderr  # the trap is real
+
+    run = subprocess.run(
+        [*VOLUNTEERD, "--version"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("volunteerd ")
+    code = "import volunteerd; print(volunteerd.__file__)"
+    where = subprocess.run(
+        [VOLUNTEERD[0], "-P", "-c", code],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    import volunteerd
+
+    assert Path(where.stdout.strip()) == Path(volunteerd.__file__).resolve()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from volunteerd.demo.local_swarm import child_env
+from volunteerd.demo.local_swarm import VOLUNTEERD, child_env
 from volunteerd.testing.wan import LinkSpec, Wan, WanHost, open_wan, wan_available
 
 # Three processes on three emulated hosts, each starting in several seconds on a busy
@@ -121,7 +121,7 @@ def _volunteerd(
     home.mkdir(parents=True)
     ready = home / "ready.json"
     command = [
-        sys.executable, "-m", "volunteerd", *args,
+        *VOLUNTEERD, *args,
         "--listen-host", listen_host or host.address, "--port", "0", "--ready-file", str(ready),
         "--set", 'logging.level="INFO"', "--set", "control.port=0",
     ]  # fmt: skip

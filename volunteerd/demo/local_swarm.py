@@ -10,6 +10,12 @@ stops every process it started: SIGTERM first (they withdraw their experts and e
 SIGKILL for any still running after a few seconds. On Linux the children are also told
 to die with their parent, should the parent itself be killed.
 
+Every process runs ``VOLUNTEERD``: this interpreter with ``-P``, and ``child_env`` puts
+the folder this process imported ``volunteerd`` from first on ``PYTHONPATH``, so a child
+runs the same code as its parent wherever it is started (``python -m`` alone takes a
+``volunteerd`` folder in the working folder first: a demo started from another checkout,
+or a benchmark comparing an earlier commit's worktree, ran the wrong code).
+
 ``start_trainer`` runs one more trainer of an experiment as a ``volunteerd train``
 process (``volunteerd demo --trainers N``, the trainers benchmark and tests): its output
 goes to a log file, its summary to a JSON file when it ends.
@@ -41,6 +47,7 @@ from volunteerd.train.experiment import Experiment
 
 __all__ = [
     "LOOPBACK",
+    "VOLUNTEERD",
     "LocalSwarm",
     "Placement",
     "SwarmNode",
@@ -54,6 +61,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# How a swarm process runs volunteerd (see the module's docstring).
+VOLUNTEERD = (sys.executable, "-P", "-m", "volunteerd")
+# The folder holding the package this process runs.
+_IMPORTED_FROM = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +114,13 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def child_env(home: Path) -> dict[str, str]:
-    """The environment of a swarm process whose files all live under ``home``."""
+    """The environment of a swarm process whose files all live under ``home``, which
+    imports the ``volunteerd`` this process imported (run it as ``VOLUNTEERD``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
     env.update(
+        PYTHONPATH=os.pathsep.join(
+            [_IMPORTED_FROM, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        ),
         VOLUNTEERD_DATA_DIR=str(home / "data"),
         VOLUNTEERD_CONFIG=str(home / "config.toml"),
         VOLUNTEERD_CACHE_DIR=str(home / "cache"),
@@ -261,7 +277,7 @@ class LocalSwarm:
         ready = home / "ready.json"
         log = home / "log.txt"
         command = [
-            *placement.prefix, sys.executable, "-m", "volunteerd", *args,
+            *placement.prefix, *VOLUNTEERD, *args,
             "--listen-host", placement.listen_host, "--port", "0", "--ready-file", str(ready),
             "--set", 'logging.level="WARNING"',
         ]  # fmt: skip
@@ -389,7 +405,7 @@ def start_trainer(
     summary = home / "summary.json"
     summary.unlink(missing_ok=True)
     command = [
-        *placement.prefix, sys.executable, "-m", "volunteerd", "train",
+        *placement.prefix, *VOLUNTEERD, "train",
         "--config", str(config), "--bootstrap", bootstrap, "--steps", str(steps),
         "--listen-host", placement.listen_host, "--summary-json", str(summary),
     ]  # fmt: skip

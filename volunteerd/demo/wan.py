@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from volunteerd.demo.local_swarm import (
+    VOLUNTEERD,
     LocalSwarm,
     Placement,
     child_env,
@@ -122,7 +123,7 @@ def train_in_host(
     write_experiment(experiment, config)
     summary_path = home / "summary.json"
     command = [
-        *placement.prefix, sys.executable, "-m", "volunteerd", "train",
+        *placement.prefix, *VOLUNTEERD, "train",
         "--config", str(config), "--bootstrap", bootstrap, "--steps", str(steps),
         "--listen-host", placement.listen_host, "--summary-json", str(summary_path),
     ]  # fmt: skip
