@@ -38,7 +38,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from volunteerd.experts.layers import FeedForwardExpert
-from volunteerd.runtime.memory import reuse_freed_memory
+from volunteerd.malloc import reuse_freed_memory
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -97,6 +97,7 @@ from hivemind_procs import steps_in_window  # the benchmarks folder: no hivemind
 from volunteerd.experts import build_module, make_optimizer
 from volunteerd.identity import Identity
 from volunteerd.logs import configure_logging
+from volunteerd.malloc import one_arena
 from volunteerd.testing import local_config, open_daemon
 
 logger = logging.getLogger("benchmarks.throughput")
@@ -433,6 +434,7 @@ def _vs(pairs: Sequence[tuple[dict[str, Any] | None, dict[str, Any] | None]], bo
 
 
 def main(argv: list[str] | None = None) -> int:
+    one_arena()  # the daemon serves in this process: its allocator as `volunteerd serve`'s
     args = parse_args(argv)
     configure_logging("INFO")
     logging.getLogger("volunteerd").setLevel(logging.WARNING)

@@ -27,6 +27,7 @@ from volunteerd.config import Config, Flag, dump_toml, load_config
 from volunteerd.detached import lower_priority
 from volunteerd.errors import ConfigError, ExitCode, UsageError, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
+from volunteerd.malloc import one_arena
 from volunteerd.paths import Paths
 
 __all__ = ["main"]
@@ -605,6 +606,9 @@ def _paths(args: argparse.Namespace) -> Paths:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before any thread exists: every thread's allocations from glibc's main arena, where
+    # the experts' freed gradients are reused instead of faulted in anew (volunteerd.malloc).
+    one_arena()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

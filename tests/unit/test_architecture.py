@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
 
-LEAVES = {"errors", "uids", "atomic", "detached", "bounded"}
+LEAVES = {"errors", "uids", "atomic", "detached", "bounded", "malloc"}
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -15,6 +15,7 @@ ALLOWED: dict[str, set[str]] = {
     "atomic": set(),
     "detached": set(),
     "bounded": set(),
+    "malloc": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),
@@ -108,6 +109,7 @@ ALLOWED: dict[str, set[str]] = {
 TORCH_FREE = {
     "atomic",
     "bounded",
+    "malloc",
     "detached",
     "errors",
     "uids",

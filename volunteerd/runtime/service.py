@@ -55,10 +55,10 @@ from volunteerd.experts import TORCH_DTYPES, ExpertBackend, Retained, from_wire,
 from volunteerd.experts.multistep import step_many
 from volunteerd.experts.registry import output_shapes
 from volunteerd.experts.stepcheck import StepCheck, StepOutcome
+from volunteerd.malloc import reuse_freed_memory
 from volunteerd.runtime.batching import BeforeJob, DeviceBatcher, Lane, QueueStats, Together
 from volunteerd.runtime.executor import DeviceExecutor
 from volunteerd.runtime.guard import RequestGuard, Sender
-from volunteerd.runtime.memory import reuse_freed_memory
 from volunteerd.runtime.retained import (
     RetainedStats,
     RetainedStore,
