@@ -7,7 +7,9 @@ connections on loopback; they assert outcomes, not timings.
 
 from __future__ import annotations
 
+import gc
 import resource
+import socket
 import time
 from contextlib import AsyncExitStack
 
@@ -16,6 +18,7 @@ import pytest
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from volunteerd.config import Config
 from volunteerd.errors import PeerUnreachable, RemoteError
@@ -23,7 +26,7 @@ from volunteerd.identity import Identity
 from volunteerd.net import Node, Verb
 from volunteerd.net.connections import slots_in_use
 from volunteerd.net.host import Libp2pStreamHost, open_host
-from volunteerd.net.peers import key_pair_for
+from volunteerd.net.peers import PeerAddress, key_pair_for, peer_id_for
 from volunteerd.net.records import FindRequest
 from volunteerd.testing import local_config, open_peer
 from volunteerd.testing.clients import open_bare_client
@@ -358,3 +361,59 @@ async def test_a_protocol_handler_that_raises_costs_its_stream_not_the_node() ->
             await stream.read(1)
         async with open_bare_client(config) as client:
             await client.call(node.address, Verb.DHT_FIND, FindRequest(keys=["ffn."]))
+
+
+async def test_a_node_that_dialled_many_peers_keeps_nothing_for_each_dial() -> None:
+    """The DHT names peers to dial for as long as a node runs: thousands over weeks, many
+    of them gone. A dial holds a per-peer lock (two callers do not dial one peer twice)
+    only while someone dials; it held one per peer ever dialled, for good."""
+    config = local_config()
+    with socket.socket() as closed:  # bound, never listening: every dial is refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"/ip4/127.0.0.1/tcp/{closed.getsockname()[1]}"
+        async with open_peer(config) as node:
+            strangers = [str(peer_id_for(Identity.generate())) for _ in range(100)]
+            failures = 0
+
+            async def dial(peer_id: str) -> None:
+                nonlocal failures
+                with pytest.raises(PeerUnreachable):
+                    await node.streams.open_stream(PeerAddress(peer_id, (address,)), "/none")
+                failures += 1
+
+            async with trio.open_nursery() as nursery:
+                for peer_id in strangers:
+                    nursery.start_soon(dial, peer_id)
+                    nursery.start_soon(dial, peer_id)  # the same peer twice at once
+            assert failures == 2 * len(strangers)
+            assert node.streams.dials_under_way() == 0
+
+
+def muxers_alive() -> int:
+    gc.collect()
+    return sum(type(o) is Yamux for o in gc.get_objects())  # isinstance runs proxies
+
+
+async def test_a_node_keeps_nothing_of_peers_it_called_once_after_they_left() -> None:
+    """A client pools a stream per peer and verb for reuse, and a pooled stream keeps its
+    whole connection in memory (muxer, secure session, buffers) after the connection
+    closed. Nodes call many peers over weeks, most of them once (DHT lookups): stale
+    pooled streams go after ``pool_idle_s`` whoever is called next."""
+    config = local_config(timeouts={"pool_idle_s": 0.5, "stream_idle_s": 5.0})
+    find = FindRequest(keys=["ffn."])
+    async with open_peer(config) as node, open_peer(config) as stays:
+        before = muxers_alive()
+        async with AsyncExitStack() as stack:
+            leaving = [await stack.enter_async_context(open_peer(config)) for _ in range(20)]
+            for peer in leaving:
+                await node.rpc.call(peer.address, Verb.DHT_FIND, find)
+            assert node.rpc.pooled_streams() == 20
+        with trio.fail_after(60):  # the node sees its connections to them close
+            while node.host.get_network().connections:  # noqa: ASYNC110 - polling
+                await trio.sleep(0.05)
+        await trio.sleep(0.6)
+        await node.rpc.call(stays.address, Verb.DHT_FIND, find)
+        assert node.rpc.pooled_streams() == 1
+        # The node's and the staying peer's, and one that py-libp2p's hole-punching loop
+        # holds as its last connection seen (of 20 gone peers, it kept all 20)
+        assert muxers_alive() <= before + 3

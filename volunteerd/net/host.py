@@ -20,6 +20,7 @@ import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import multiaddr
@@ -539,6 +540,14 @@ def _timed_out(exc: BaseException) -> bool:
     return False
 
 
+@dataclass(eq=False, slots=True)
+class _Dialing:
+    """The dial of one peer: its lock, and how many callers hold or await it."""
+
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    users: int = 0
+
+
 class Libp2pStreamHost:
     """py-libp2p's ``host`` as a ``transport.StreamHost``.
 
@@ -549,7 +558,9 @@ class Libp2pStreamHost:
         self._host = host
         self.peer_id = str(host.get_id())
         self.connect_circuit: Callable[[PeerAddress], Awaitable[None]] | None = None
-        self._connect_locks: dict[str, trio.Lock] = {}
+        # One dial at a time per peer, held only while someone dials it: a node that
+        # dials thousands of peers over weeks (the DHT names them) keeps none of these.
+        self._connecting: dict[str, _Dialing] = {}
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         async def on_stream(stream: INetStream) -> None:
@@ -602,16 +613,26 @@ class Libp2pStreamHost:
     async def _ensure_connected(self, peer: PeerAddress, peer_id: ID) -> None:
         if self._host.get_network().connections.get(peer_id):
             return
-        lock = self._connect_locks.setdefault(peer.peer_id, trio.Lock())
-        async with lock:
-            if self._host.get_network().connections.get(peer_id):
-                return
-            if self.connect_circuit is not None and any(is_circuit_addr(a) for a in peer.addrs):
-                await self.connect_circuit(peer)
-                return
-            info = peer.peer_info()
-            self._prefer_announced(peer_id, list(info.addrs))
-            await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
+        dialing = self._connecting.setdefault(peer.peer_id, _Dialing())
+        dialing.users += 1
+        try:
+            async with dialing.lock:
+                if self._host.get_network().connections.get(peer_id):
+                    return
+                if self.connect_circuit is not None and any(is_circuit_addr(a) for a in peer.addrs):
+                    await self.connect_circuit(peer)
+                    return
+                info = peer.peer_info()
+                self._prefer_announced(peer_id, list(info.addrs))
+                await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
+        finally:
+            dialing.users -= 1
+            if not dialing.users:
+                del self._connecting[peer.peer_id]
+
+    def dials_under_way(self) -> int:
+        """Peers being dialled now (for tests and diagnostics)."""
+        return len(self._connecting)
 
     def _prefer_announced(self, peer_id: ID, addrs: list[Any]) -> None:
         """Dial the addresses the peer announces now, not older ones.

@@ -460,6 +460,7 @@ class RpcClient:
         self._timeouts = timeouts
         self._max_idle = max_idle_per_peer
         self._idle: dict[tuple[str, Verb], list[_Pooled]] = {}
+        self._swept = 0.0  # when expired pooled streams were last dropped (trio time)
         self._reply_adapters: dict[Verb, TypeAdapter[Any]] = {}
         # peer -> calls in a row that timed out or opened no stream (see _silent)
         self._silences: OrderedDict[str, int] = OrderedDict()
@@ -669,14 +670,44 @@ class RpcClient:
         return adapter
 
     async def _acquire(self, peer: PeerAddress, spec: ProtocolSpec) -> tuple[Stream, bool]:
-        pool = self._idle.get((peer.peer_id, spec.verb))
+        await self._sweep()
+        key = (peer.peer_id, spec.verb)
+        pool = self._idle.get(key)
         now = trio.current_time()
         while pool:
             pooled = pool.pop()
+            if not pool and self._idle.get(key) is pool:
+                del self._idle[key]
             if now - pooled.idle_since < self._timeouts.pool_idle_s:
                 return pooled.stream, True
             await _close(pooled.stream)
         return await self._open(peer, spec), False
+
+    async def _sweep(self) -> None:
+        """Close the pooled streams idle for ``pool_idle_s``, every half of that at most.
+
+        A pooled stream keeps its whole connection alive in memory (muxer, secure
+        session, buffers) after the connection closed: a node calls many peers over
+        weeks, most never again (DHT lookups), and dropped only the stream it took
+        next, so every peer it ever called stayed with it."""
+        now = trio.current_time()
+        if now - self._swept < self._timeouts.pool_idle_s / 2:
+            return
+        self._swept = now
+        stale: list[Stream] = []
+        for key, pool in list(self._idle.items()):
+            fresh = [p for p in pool if now - p.idle_since < self._timeouts.pool_idle_s]
+            stale.extend(p.stream for p in pool if now - p.idle_since >= self._timeouts.pool_idle_s)
+            if fresh:
+                self._idle[key] = fresh
+            else:
+                del self._idle[key]
+        for stream in stale:
+            await _close(stream)
+
+    def pooled_streams(self) -> int:
+        """Idle streams kept for reuse, to every peer together."""
+        return sum(len(pool) for pool in self._idle.values())
 
     async def _open(self, peer: PeerAddress, spec: ProtocolSpec) -> Stream:
         try:
@@ -705,6 +736,7 @@ class RpcClient:
             pool.append(_Pooled(stream, trio.current_time()))
         else:
             await _close(stream)
+        await self._sweep()
 
     async def aclose(self) -> None:
         for pool in self._idle.values():
