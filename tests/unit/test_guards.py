@@ -316,6 +316,18 @@ def test_suspicion_names_the_peer_that_disagrees_with_two_others() -> None:
     assert s.record("a", "b") == []
 
 
+def test_suspicion_stays_bounded_under_a_flood_of_identities() -> None:
+    """Identities are free: disagreeing strangers cannot grow the table for good, and a
+    liar met among them is still named."""
+    s = Suspicion()
+    for n in range(Suspicion.REMEMBERED + 300):
+        s.record(f"stranger-{n}", "honest")
+    assert len(s) == Suspicion.REMEMBERED
+    assert len(s.disagreements) == Suspicion.REMEMBERED
+    assert s.record("liar", "a") == []
+    assert s.record("liar", "b") == ["liar"]
+
+
 def wire(t: torch.Tensor) -> WireTensor:
     meta, data = to_wire(t)
     return WireTensor(meta.dtype, meta.shape, memoryview(bytearray(data)))

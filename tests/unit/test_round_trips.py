@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from volunteerd.moe.timing import CAP_FACTOR, TIMEOUT_FACTOR, RoundTrips
+from volunteerd.moe.timing import CAP_FACTOR, REMEMBERED, TIMEOUT_FACTOR, RoundTrips
 
 
 def test_no_measurement_waits_the_configured_floors() -> None:
@@ -53,3 +53,17 @@ def test_estimates_are_per_peer_and_verb() -> None:
     assert trips.srtt("b", "forward") is None
     assert trips.limits(["b"], "forward", 1.0, 0.1).timeout_s == 1.0
     assert trips.limits(["a", "b"], "forward", 1.0, 0.1).timeout_s == CAP_FACTOR * 1.0
+
+
+def test_a_flood_of_peers_forgets_the_least_recently_measured_first() -> None:
+    """A trainer meets thousands of peers over weeks of churn (or a Sybil flood of
+    servers): the table stays bounded, and a peer measured again is kept."""
+    trips = RoundTrips()
+    trips.observe("regular", "forward", 0.2)
+    for n in range(REMEMBERED + 500):
+        trips.observe(f"stranger-{n}", "forward", 1.0)
+        if n % 1000 == 0:
+            trips.observe("regular", "forward", 0.2)
+    assert len(trips) == REMEMBERED
+    assert trips.srtt("regular", "forward") == pytest.approx(0.2)
+    assert trips.srtt("stranger-0", "forward") is None

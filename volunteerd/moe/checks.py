@@ -39,11 +39,13 @@ deliberately loose: it catches noise and lies, not small differences.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from volunteerd.bounded import remember
 
 __all__ = [
     "NON_FINITE",
@@ -240,20 +242,34 @@ def agree(a: torch.Tensor, b: torch.Tensor, checks: OutputChecks) -> bool:
 
 
 class Suspicion:
-    """Who disagreed with whom in spot checks without a third replica to decide."""
+    """Who disagreed with whom in spot checks without a third replica to decide.
+
+    Identities are free and any of them can disagree: the ``REMEMBERED`` peers that
+    disagreed most recently are kept, with at most ``_KEPT_PER_PEER`` of the peers each
+    disagreed with (two already make it the odd one out)."""
+
+    REMEMBERED = 4096
+    _KEPT_PER_PEER = 8
 
     def __init__(self) -> None:
-        self._against: dict[str, set[str]] = {}
+        self._against: OrderedDict[str, set[str]] = OrderedDict()
         self.disagreements: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._against)
 
     def record(self, a: str, b: str) -> list[str]:
         """Note that ``a`` and ``b`` disagreed; return the peers now judged the odd one
         out (each has disagreed with at least two different peers)."""
-        self._against.setdefault(a, set()).add(b)
-        self._against.setdefault(b, set()).add(a)
-        self.disagreements[a] += 1
-        self.disagreements[b] += 1
-        return [p for p in (a, b) if len(self._against[p]) >= 2]
+        for peer, other in ((a, b), (b, a)):
+            against = self._against.pop(peer, set())
+            if len(against) < self._KEPT_PER_PEER:
+                against.add(other)
+            remember(self._against, peer, against, self.REMEMBERED)
+            self.disagreements[peer] += 1
+        for gone in set(self.disagreements) - set(self._against):
+            del self.disagreements[gone]
+        return [p for p in (a, b) if len(self._against.get(p, ())) >= 2]
 
     def forget(self, peer: str) -> None:
         self._against.pop(peer, None)

@@ -23,15 +23,21 @@ round of only such peers waits the floors.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CAP_FACTOR", "TIMEOUT_FACTOR", "Limits", "RoundTrips"]
+from volunteerd.bounded import remember
+
+__all__ = ["CAP_FACTOR", "REMEMBERED", "TIMEOUT_FACTOR", "Limits", "RoundTrips"]
 
 TIMEOUT_FACTOR = 3.0
 CAP_FACTOR = 4.0
 _GAIN = 1 / 8  # RFC 6298's alpha
 _VAR_GAIN = 1 / 4  # RFC 6298's beta
+# (peer, key) pairs remembered, the least recently measured forgotten first: a trainer
+# meets thousands of peers over weeks of churn, and a forgotten one waits the floors.
+REMEMBERED = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +59,23 @@ class _Estimate:
 
 
 class RoundTrips:
-    """Per-(peer, key) call durations, smoothed. Used from one thread (the network loop)
-    or with lost updates being harmless: it is an estimate."""
+    """Per-(peer, key) call durations, smoothed (the ``REMEMBERED`` most recently
+    measured). Used from one thread (the network loop) or with lost updates being
+    harmless: it is an estimate."""
 
     def __init__(self) -> None:
-        self._estimates: dict[tuple[str, str], _Estimate] = {}
+        self._estimates: OrderedDict[tuple[str, str], _Estimate] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._estimates)
 
     def observe(self, peer_id: str, key: str, seconds: float) -> None:
         """An answered call to ``peer_id`` took ``seconds``."""
         estimate = self._estimates.get((peer_id, key))
         if estimate is None:
-            self._estimates[(peer_id, key)] = _Estimate(seconds, seconds / 2)
+            remember(self._estimates, (peer_id, key), _Estimate(seconds, seconds / 2), REMEMBERED)
             return
+        self._estimates.move_to_end((peer_id, key))
         estimate.rttvar += _VAR_GAIN * (abs(seconds - estimate.srtt) - estimate.rttvar)
         estimate.srtt += _GAIN * (seconds - estimate.srtt)
 
