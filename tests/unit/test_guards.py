@@ -43,6 +43,24 @@ def test_guard_accepts_everything_finite_while_warming_up() -> None:
     assert guard.by_peer() == {PEER: {"non_finite_gradient": 1, "non_finite_input": 1}}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_guard_bounds_inputs_by_their_largest_magnitude_either_sign(dtype: torch.dtype) -> None:
+    guard = RequestGuard(GuardConfig(max_input_abs=100.0))
+    x = torch.randn(64, 32).clamp(-3, 3).to(dtype)
+    guard.check_inputs("ffn.0", PEER, [x, torch.zeros(0, 32, dtype=dtype)])
+    for value, why in [
+        (-500.0, "above the bound"),  # the largest magnitude is a negative value
+        (500.0, "above the bound"),
+        (float("-inf"), "not all finite"),
+        (float("inf"), "not all finite"),
+        (float("nan"), "not all finite"),
+    ]:
+        bad = x.clone()
+        bad[17, 5] = value  # one value among ordinary ones
+        with pytest.raises(Rejected, match=why):
+            guard.check_inputs("ffn.0", PEER, [x, bad])
+
+
 def test_guard_clips_outlier_rows_to_the_threshold_and_keeps_the_rest() -> None:
     guard = warmed(GuardConfig(warmup=16))
     threshold = guard.threshold("ffn.0")

@@ -4,6 +4,7 @@ stream wrapper's pacing and splitting, and the monthly and daily ledger."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -175,8 +176,9 @@ def test_quota_is_exhausted_by_up_and_down_together() -> None:
     assert not throttle.quota_exhausted
 
 
-def local(year: int, month: int, day: int, hour: int, minute: int) -> float:
-    return time.mktime((year, month, day, hour, minute, 0, 0, 0, -1))
+def local(year: int, month: int, day: int, hour: int, minute: int, second: float = 0) -> float:
+    whole = int(second)
+    return time.mktime((year, month, day, hour, minute, whole, 0, 0, -1)) + (second - whole)
 
 
 def test_ledger_counts_the_day_and_starts_over_at_local_midnight(tmp_path: Path) -> None:
@@ -222,3 +224,36 @@ def test_the_daily_quota_is_used_up_until_midnight() -> None:
     throttle.apply(LimitsConfig(daily_quota_gb=1e-6, monthly_quota_gb=1e-6))
     throttle.ledger.add(up=1000)  # both used up: the month's is named (it lasts longer)
     assert throttle.exhausted_quota == "monthly"
+
+
+@pytest.mark.parametrize("zone", ["UTC", "America/Sao_Paulo", "Asia/Beirut"])
+def test_ledger_reads_the_day_right_at_every_instant(zone: str) -> None:
+    """The ledger reads the month and the day from the clock only when it leaves the
+    span it last read them for: still right at midnight, where a zone skips or repeats
+    an hour (Sao Paulo's clocks jumped from 00:00 to 01:00 on 2018-11-04; Beirut's go
+    back at midnight), and when the clock jumps back."""
+    if not Path(f"/usr/share/zoneinfo/{zone}").exists() and zone != "UTC":
+        pytest.skip(f"no time zone data for {zone}")
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = zone
+    time.tzset()
+    try:
+        start = local(2018, 11, 3, 22, 0)
+        instants = [start + 61.0 * i for i in range(200)]  # past midnight, a minute apart
+        instants += [local(2018, 10, 27, 23, 59) + s for s in (0.0, 59.9, 60.0, 60.1)]
+        instants += [local(2018, 10, 31, 23, 59, 59.5), local(2018, 11, 1, 0, 0)]  # a month
+        instants += [start, start - 86400.0, start + 40 * 86400.0]  # jumps, both ways
+        now = [instants[0]]
+        ledger = TransferLedger(None, clock=lambda: now[0])
+        for t in instants:
+            now[0] = t
+            ledger.add(up=1)
+            expected = time.localtime(t)
+            assert ledger.day == time.strftime("%Y-%m-%d", expected), t
+            assert ledger.month == time.strftime("%Y-%m", expected), t
+    finally:
+        if before is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = before
+        time.tzset()

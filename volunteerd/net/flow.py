@@ -74,6 +74,7 @@ async def _write(self: _yamux.YamuxStream, data: bytes) -> None:
     if self.send_closed:
         raise MuxedStreamError("Stream is closed for sending")
     total, sent = len(data), 0
+    view = memoryview(data)  # frames are cut from it without a copy each
     while sent < total:
         frame: bytes | None = None
         while frame is None:
@@ -94,7 +95,7 @@ async def _write(self: _yamux.YamuxStream, data: bytes) -> None:
                         header = struct.pack(
                             _yamux.YAMUX_HEADER_FORMAT, 0, _yamux.TYPE_DATA, 0, self.stream_id, size
                         )
-                        frame = header + data[sent : sent + size]
+                        frame = header + view[sent : sent + size]
                     else:
                         # set under the same lock as every change of the window
                         credit = self.__dict__["_vd_credit"] = trio.Event()

