@@ -454,8 +454,9 @@ class DeviceBatcher:
         for party, seconds in costs.items():
             self._usage[party] = self._usage.get(party, 0.0) + seconds
 
-    def _heavy(self) -> set[Hashable]:
-        """The parties that used far more of the device than the lightest active one."""
+    def _hold_heavy(self) -> set[Hashable]:
+        """The waiting parties that used far more of the device than the lightest active
+        one. Also updates who is held (``_held``): once per job formed, not a query."""
         if not self.fair:
             return set()
         self._decay(trio.current_time())
@@ -547,7 +548,7 @@ class DeviceBatcher:
         they get a job of ``_heavy_budget`` samples, the least-used party's first."""
         limit = self._limit()
         job_limit = limit * JOB_BATCHES
-        heavy = self._heavy()
+        heavy = self._hold_heavy()
         self._heavy_job = False
         held: dict[Hashable, int] = {}
         if heavy and all(task.party in heavy for task in self._queue):
