@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from volunteerd.demo.local_swarm import VOLUNTEERD, importing_this_package
 
 
 @dataclass
@@ -41,24 +42,23 @@ def volunteerd_process(*args: str) -> Iterator[DaemonProc]:
     """``volunteerd ARGS`` (serve, bootstrap) on 127.0.0.1, any free port, until ready."""
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
-        env = {
-            **os.environ,
-            "VOLUNTEERD_DATA_DIR": tmp,
-            "VOLUNTEERD_CONFIG": f"{tmp}/none.toml",
-            "VOLUNTEERD_CONTROL__PORT": "0",
-        }
+        # The code this process imported, wherever it is started from (a worktree of an
+        # earlier commit, for a comparison): see ``VOLUNTEERD``.
+        env = importing_this_package(
+            {
+                **os.environ,
+                "VOLUNTEERD_DATA_DIR": tmp,
+                "VOLUNTEERD_CONFIG": f"{tmp}/none.toml",
+                "VOLUNTEERD_CONTROL__PORT": "0",
+            }
+        )
         cmd = [
-            sys.executable, "-m", "volunteerd", *args,
+            *VOLUNTEERD, *args,
             "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
             "--set", 'logging.level="WARNING"',
         ]  # fmt: skip
         started = time.monotonic()
-        # In its data folder: ``-m`` puts the working folder first on sys.path, so a
-        # daemon started from a checkout would run that checkout's code, not the one
-        # PYTHONPATH names (a worktree of an earlier commit, for a comparison).
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             while not ready.exists():
                 if proc.poll() is not None:

@@ -53,6 +53,7 @@ __all__ = [
     "SwarmNode",
     "TrainerProcess",
     "child_env",
+    "importing_this_package",
     "start_child",
     "start_trainer",
     "stop_trainers",
@@ -113,14 +114,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
+def importing_this_package(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the folder this process imported ``volunteerd`` from first on
+    ``PYTHONPATH``: a child run as ``VOLUNTEERD`` imports the same code."""
+    rest = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    return {**env, "PYTHONPATH": os.pathsep.join([_IMPORTED_FROM, *rest])}
+
+
 def child_env(home: Path) -> dict[str, str]:
     """The environment of a swarm process whose files all live under ``home``, which
     imports the ``volunteerd`` this process imported (run it as ``VOLUNTEERD``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
+    env = importing_this_package(
+        {k: v for k, v in os.environ.items() if not k.startswith("VOLUNTEERD_")}
+    )
     env.update(
-        PYTHONPATH=os.pathsep.join(
-            [_IMPORTED_FROM, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
-        ),
         VOLUNTEERD_DATA_DIR=str(home / "data"),
         VOLUNTEERD_CONFIG=str(home / "config.toml"),
         VOLUNTEERD_CACHE_DIR=str(home / "cache"),
