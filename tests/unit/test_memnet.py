@@ -5,7 +5,7 @@ RpcServer and RpcClient. Every duration asserted here is trio's (mock) clock."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from volunteerd.net.protocols import Verb
 from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
 from volunteerd.net.throttle import BYTES_PER_MBIT
 from volunteerd.net.transport import Stream, StreamReset
-from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork
+from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork, MemoryStream
 from volunteerd.wire import ForwardRequest, TensorMeta, TensorReply
 
 CONFIG = Config()
@@ -265,3 +265,34 @@ async def test_tensors_survive_the_trip(autojump_clock: trio.abc.Clock) -> None:
         )
         assert torch.equal(from_wire(tensors[0]), x)
         await client.aclose()
+
+
+async def test_stale_pooled_streams_go_together_on_the_next_call_to_anyone(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client keeps a pooled stream per peer it called; those idle for
+    ``pool_idle_s`` are closed on its next call to any peer, all at once: twenty peers
+    whose close never completes cost that call about a second (each close's own limit),
+    not twenty."""
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        client_host = await stack.enter_async_context(network.open_host())
+        servers = [await stack.enter_async_context(network.open_host()) for _ in range(21)]
+        for host in servers:
+            RpcServer(
+                host, {Verb.FORWARD: answer_tiny}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+            ).install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        stack.push_async_callback(client.aclose)
+        for host in servers[:20]:
+            await forward(client, host)
+        assert client.pooled_streams() == 20
+
+        async def never(self: MemoryStream) -> None:
+            await trio.sleep_forever()
+
+        monkeypatch.setattr(MemoryStream, "close", never)
+        await trio.sleep(CONFIG.timeouts.pool_idle_s + 1)
+        took = await forward(client, servers[20])
+        assert client.pooled_streams() == 1
+        assert took < 3.0

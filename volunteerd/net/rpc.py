@@ -702,8 +702,10 @@ class RpcClient:
                 self._idle[key] = fresh
             else:
                 del self._idle[key]
-        for stream in stale:
-            await _close(stream)
+        if stale:  # together: each close waits up to a second for a stuck peer
+            async with trio.open_nursery() as nursery:
+                for stream in stale:
+                    nursery.start_soon(_close, stream)
 
     def pooled_streams(self) -> int:
         """Idle streams kept for reuse, to every peer together."""
@@ -739,10 +741,11 @@ class RpcClient:
         await self._sweep()
 
     async def aclose(self) -> None:
-        for pool in self._idle.values():
-            for pooled in pool:
-                await _close(pooled.stream)
-        self._idle.clear()
+        pools, self._idle = list(self._idle.values()), {}
+        async with trio.open_nursery() as nursery:  # together, as in _sweep
+            for pool in pools:
+                for pooled in pool:
+                    nursery.start_soon(_close, pooled.stream)
 
     def forget(self, peer_id: str) -> None:
         """Drop pooled streams to a peer we believe is gone."""
