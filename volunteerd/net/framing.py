@@ -26,12 +26,14 @@ async def read_exactly(stream: Stream, n: int, *, started: bool) -> bytearray | 
     """Exactly ``n`` bytes. If the stream ends before the first byte and ``started`` is
     False, returns None (a clean close); any other early end is a truncated frame.
 
-    What arrives is kept as it came and joined once at the end, instead of a buffer
-    allocated for ``n`` up front: a peer that declares a large frame and then trickles
-    holds only what it sent. (Appending to one buffer copied a 2 MiB frame several
-    times over as it grew.)
+    The bytes are kept as they arrive, not in a buffer allocated for ``n`` up front: a
+    peer that declares a large frame and then trickles holds only what it sent. Large
+    pieces are kept as they came and joined once at the end (appending them to one
+    buffer copied a 2 MiB frame several times over as it grew); small ones are appended
+    to a buffer (kept one by one, a byte trickled at a time would cost ~40 bytes each).
     """
-    chunks: list[bytes] = []
+    parts: list[bytes | bytearray] = []
+    small = bytearray()
     got = 0
     while got < n:
         chunk = await stream.read(n - got)
@@ -39,9 +41,22 @@ async def read_exactly(stream: Stream, n: int, *, started: bool) -> bytearray | 
             if not got and not started:
                 return None
             raise MalformedFrame(f"stream ended inside a frame ({got} of {n} bytes)")
-        chunks.append(chunk)
         got += len(chunk)
-    return bytearray(chunks[0]) if len(chunks) == 1 else bytearray().join(chunks)
+        if len(chunk) < _LARGE:
+            small += chunk
+            continue
+        if small:
+            parts.append(small)
+            small = bytearray()
+        parts.append(chunk)
+    if not parts:
+        return small
+    if small:
+        parts.append(small)
+    return bytearray().join(parts)
+
+
+_LARGE = 16 * 1024  # a piece kept as it came rather than appended
 
 
 async def read_prefix(stream: Stream) -> bytearray | None:
