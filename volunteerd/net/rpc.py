@@ -437,6 +437,14 @@ async def _close(stream: Stream) -> None:
             pass
 
 
+async def _close_all(streams: Sequence[Stream]) -> None:
+    """``_close`` of each, together: a stuck peer costs its second once, not per stream."""
+    if streams:
+        async with trio.open_nursery() as nursery:
+            for stream in streams:
+                nursery.start_soon(_close, stream)
+
+
 @dataclass(slots=True)
 class _Pooled:
     stream: Stream
@@ -674,14 +682,23 @@ class RpcClient:
         key = (peer.peer_id, spec.verb)
         pool = self._idle.get(key)
         now = trio.current_time()
-        while pool:
+        stale: list[Stream] = []
+        taken: Stream | None = None
+        while pool and taken is None:
             pooled = pool.pop()
             if not pool and self._idle.get(key) is pool:
                 del self._idle[key]
-            if now - pooled.idle_since < self._timeouts.pool_idle_s:
-                return pooled.stream, True
-            await _close(pooled.stream)
+            if self._fresh(pooled, now):
+                taken = pooled.stream
+            else:
+                stale.append(pooled.stream)
+        await _close_all(stale)
+        if taken is not None:
+            return taken, True
         return await self._open(peer, spec), False
+
+    def _fresh(self, pooled: _Pooled, now: float) -> bool:
+        return now - pooled.idle_since < self._timeouts.pool_idle_s
 
     async def _sweep(self) -> None:
         """Close the pooled streams idle for ``pool_idle_s``, every half of that at most.
@@ -696,16 +713,17 @@ class RpcClient:
         self._swept = now
         stale: list[Stream] = []
         for key, pool in list(self._idle.items()):
-            fresh = [p for p in pool if now - p.idle_since < self._timeouts.pool_idle_s]
-            stale.extend(p.stream for p in pool if now - p.idle_since >= self._timeouts.pool_idle_s)
+            fresh = []
+            for pooled in pool:
+                if self._fresh(pooled, now):
+                    fresh.append(pooled)
+                else:
+                    stale.append(pooled.stream)
             if fresh:
                 self._idle[key] = fresh
             else:
                 del self._idle[key]
-        if stale:  # together: each close waits up to a second for a stuck peer
-            async with trio.open_nursery() as nursery:
-                for stream in stale:
-                    nursery.start_soon(_close, stream)
+        await _close_all(stale)
 
     def pooled_streams(self) -> int:
         """Idle streams kept for reuse, to every peer together."""
@@ -742,10 +760,7 @@ class RpcClient:
 
     async def aclose(self) -> None:
         pools, self._idle = list(self._idle.values()), {}
-        async with trio.open_nursery() as nursery:  # together, as in _sweep
-            for pool in pools:
-                for pooled in pool:
-                    nursery.start_soon(_close, pooled.stream)
+        await _close_all([pooled.stream for pool in pools for pooled in pool])
 
     def forget(self, peer_id: str) -> None:
         """Drop pooled streams to a peer we believe is gone."""
