@@ -5,6 +5,7 @@ is undone exactly."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from volunteerd.config import ExpertsConfig
 from volunteerd.errors import BadShape
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts import backend as backend_module
-from volunteerd.experts.stepcheck import StepCheck
+from volunteerd.experts.stepcheck import CARRIED_STEPS, StepCheck
 
 
 def backend(optimizer: str = "sgd") -> ExpertBackend:
@@ -427,8 +428,11 @@ def test_an_audit_gives_the_full_check_and_still_undoes() -> None:
 
 
 def test_weights_broken_behind_the_bounds_are_reported_not_served_as_good() -> None:
-    # The bounds rule a broken weight out after a predicted step; the check after it
-    # still looks. Here a weight goes NaN outside any step (as a bit flip would).
+    # The bounds rule a broken weight out after a predicted step; the check still looks,
+    # at the latest after CARRIED_STEPS more steps (between its passes over the weights
+    # an Adam step carries a bound of their norm). Here a weight goes NaN outside any
+    # step (as a bit flip would), and finite gradients keep coming (a backward through
+    # the NaN would give NaN gradients, which are refused).
     check = StepCheck(max_ratio=1.0)
     b = cheap_backend("adam")
     generator = torch.Generator().manual_seed(10)
@@ -437,16 +441,70 @@ def test_weights_broken_behind_the_bounds_are_reported_not_served_as_good() -> N
     honest_gradients([b], generator)
     with torch.no_grad():
         next(b.module.parameters()).view(-1)[0] = float("nan")
-    outcome = b.step(check)
-    assert (outcome.judged, outcome.broken, outcome.undone) == (
+    outcomes = []
+    for _ in range(CARRIED_STEPS + 1):
+        outcomes.append(b.step(check))
+        if outcomes[-1].broken:
+            break
+        for p in b.module.parameters():
+            p.grad = torch.randn(p.shape, generator=generator) * 0.01
+    assert (outcomes[-1].judged, outcomes[-1].broken, outcomes[-1].undone) == (
         "predicted",
         "non_finite_weights",
         None,
     )
+    assert all(o.judged == "predicted" and o.undone is None for o in outcomes)
     # Weights written another way (a checkpoint, an average) are measured anew first.
     b.load_state(cheap_backend("adam").state())
     honest_gradients([b], generator)
     assert b.step(check).judged == "predicted"
+
+
+@pytest.mark.parametrize("audit", [False, True], ids=["predicted", "full"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_weights_broken_between_steps_are_reported_not_blamed_on_the_gradients(
+    optimizer: str, audit: bool
+) -> None:
+    # A weight goes NaN after a step that measured it (a bit flip): every backward
+    # through it gives NaN gradients, whoever sends them. The step is refused or undone
+    # and the weights reported broken (the runtime restores them and bans nobody).
+    check = StepCheck(max_ratio=1.0)
+    b = cheap_backend(optimizer)
+    generator = torch.Generator().manual_seed(11)
+    honest_gradients([b], generator)
+    b.step(check, audit=True)  # measured
+    with torch.no_grad():
+        next(b.module.parameters()).view(-1)[0] = float("nan")
+    honest_gradients([b], generator)
+    outcome = b.step(check, audit=audit)
+    assert outcome.broken == "non_finite_weights"
+    assert outcome.undone in ("non_finite_gradients", "non_finite_weights")
+    assert outcome.judged == ("full" if audit else "refused")
+    assert b.updates == 1  # not applied, or undone
+
+
+def test_an_adam_step_carries_a_lower_bound_of_the_weights_norm_between_passes() -> None:
+    # Gradients that pull every weight towards zero: the weights' norm shrinks with
+    # every step, so a bound carried without allowing for the step would be above it.
+    check = StepCheck(max_ratio=1.0)
+    b, plain = cheap_backend("adam"), cheap_backend("adam")
+    carried = []
+    for _ in range(3 * (CARRIED_STEPS + 1)):
+        for expert in (b, plain):
+            for p in expert.module.parameters():
+                p.grad = torch.sign(p.detach()) + 0.1
+        outcome = b.step(check)
+        assert plain.step().undone is None
+        assert (outcome.judged, outcome.undone, outcome.broken) == ("predicted", None, None)
+        memo = b._step_memo
+        weights = [p.detach().double() for p in b.module.parameters()]
+        norm = math.sqrt(sum(float(w.square().sum()) for w in weights))
+        assert math.sqrt(memo.weights_sq) <= norm * (1 + 1e-6), memo.carried
+        assert outcome.moved <= 1.0
+        carried.append(memo.carried)
+    # the weights measured once every CARRIED_STEPS + 1 steps, the steps as unchecked
+    assert carried == [*range(1, CARRIED_STEPS + 1), 0] * 3
+    assert_same_state(b, plain)
 
 
 @pytest.mark.parametrize(

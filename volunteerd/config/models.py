@@ -319,7 +319,7 @@ class GuardConfig(_Model):
         True,
         description="refuse or undo an optimizer step that makes a weight or optimizer "
         "state non-finite or moves the weights by more than max_step_ratio (a step its "
-        "bounds vouch for costs two norms; any other a copy of one expert's weights and "
+        "bounds vouch for costs one or two norms; any other a copy of one expert's weights and "
         "optimizer state)",
     )
     full_check_every: int = Field(

@@ -15,7 +15,8 @@ launches and a wait each). ``step_many`` does for a list of experts what
   every parameter's own state tensors, so each expert keeps its own update count and
   bias correction and a later ``optimizer.step()`` or ``state_dict()`` sees the state
   its own steps would have left;
-* one norm pass (and one sync) over the weights of every expert stepped that way.
+* one norm pass (and one sync) over the weights of every expert stepped that way whose
+  check does not carry a bound of their norm instead (``StepCheck``).
 
 The weights, optimizer states, update counts, outcomes and the check's counters are
 those of ``[b.step(check, audit=a) for b, a in zip(backends, audits)]``: the kernels
@@ -121,12 +122,22 @@ def _step_checked(
         else:
             vouched.append((i, verdict))
 
-    # The vouched steps together, then one pass over their weights.
+    # The vouched steps together, then one pass over the weights of those that cannot
+    # carry a bound of their norm instead.
     with torch.no_grad():
         _step_together([optimizers[i] for i, _ in vouched])
-    weights_sq = _sums_sq([params[i] for i, _ in vouched])
-    for (i, verdict), w_sq in zip(vouched, weights_sq, strict=True):
-        outcomes[i] = check._after_predicted(params[i], memos[i], versions[i], verdict, w_sq)
+    measured_after = [(i, verdict) for i, verdict in vouched if not verdict.carries]
+    weights_sq = dict(
+        zip(
+            [i for i, _ in measured_after],
+            _sums_sq([params[i] for i, _ in measured_after]),
+            strict=True,
+        )
+    )
+    for i, verdict in vouched:
+        outcomes[i] = check._after_predicted(
+            params[i], memos[i], versions[i], verdict, weights_sq.get(i)
+        )
 
     # The rest one by one against the check's shadow, which can undo them.
     for i in sorted(full):
