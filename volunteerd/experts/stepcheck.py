@@ -50,7 +50,10 @@ class StepOutcome:
     ``broken`` (``non_finite_weights``) is set when a predicted step left a weight
     non-finite after all: it cannot be undone (no copy was taken), and the caller must
     not serve these weights (the runtime restores the expert from its checkpoint). The
-    bounds make this impossible; it is the check of the check."""
+    bounds make this impossible; it is the check of the check. It is also set, beside
+    ``undone``, on a step refused for NaN gradients or undone by the full check when
+    the weights were already non-finite before it (broken behind a carried bound, or
+    by a bit flip): the gradients are then not the sender's fault."""
 
     undone: str | None
     moved: float
