@@ -9,9 +9,12 @@ What it measures
       the bound before the step, the weights' norm after it, and the momentum buffers'
       for SGD with momentum: no copy) and "full" (copy of weights and optimizer state
       into the preallocated shadow, the step, ‖Δw‖, ‖w‖ and the largest |state value|),
-      median of ``--steps`` steps of each after warm-up, taken in turns. The steady state
-      is the predicted path with one full check every ``guard.full_check_every`` (100)
-      steps: "steady" is that average. Undoing a refused step costs one more copy back;
+      over ``--steps`` rounds after warm-up: each a plain step, a full check and a run
+      of predicted steps, timed as their mean (at the default learning rate an Adam
+      step measures the weights' norm every second or third step of a run and carries
+      a bound of it in between, as in a server's run of steps). The steady state is the
+      predicted path with one full check every ``guard.full_check_every`` (100) steps:
+      "steady" is that average. Undoing a refused step costs one more copy back;
     * how far one step moves the weights (‖Δw‖ / ‖w‖), after ``--warmup`` honest steps
       (gradients of RMS 1e-2 on 64 samples), for: an honest step; one sample from a
       stranger with every gradient value at 9e5 (just under ``guard.max_gradient_abs``;
@@ -65,24 +68,37 @@ def sync(device: torch.device) -> None:
 
 
 MODES = ("plain", "predicted", "full")
+# Predicted steps run in a row, as a server takes them: after the first of a run (which
+# measures the weights the plain or full step before it changed) an Adam step carries a
+# bound of the weights' norm instead of measuring it, for at most CARRIED_STEPS steps.
+PREDICTED_RUN = 6
 
 
 def time_steps(b: ExpertBackend, check: StepCheck, steps: int) -> dict[str, float]:
-    """Median seconds of one step unchecked, on the check's cheap path and with its full
-    check, taken in turns so that other load on the machine weighs on all alike
-    (gradients refilled outside). Raises if a step did not take the path it times."""
+    """Seconds of one step unchecked, on the check's cheap path and with its full check,
+    in rounds (a plain step, a full check, then ``PREDICTED_RUN`` predicted steps after
+    one untimed) so that other load on the machine weighs on all alike (gradients
+    refilled outside). Plain and full: medians; predicted: the median of each run's mean
+    (steps that measure the weights and steps that carry a bound, as they come). Raises
+    if a step did not take the path it times."""
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for i in range(len(MODES) * steps):
-        mode = MODES[i % len(MODES)]
-        fill_gradients(b)
-        sync(b.device)
-        start = time.perf_counter()
-        outcome = b.step(None if mode == "plain" else check, audit=mode == "full")
-        sync(b.device)
-        times[mode].append(time.perf_counter() - start)
-        wanted = "unchecked" if mode == "plain" else mode
-        if outcome.judged != wanted or outcome.undone is not None:
-            raise RuntimeError(f"a {mode} step was judged {outcome}")
+    for _ in range(steps):
+        runs: list[float] = []
+        for mode in ("plain", "full", *["predicted"] * (PREDICTED_RUN + 1)):
+            fill_gradients(b)
+            sync(b.device)
+            start = time.perf_counter()
+            outcome = b.step(None if mode == "plain" else check, audit=mode == "full")
+            sync(b.device)
+            took = time.perf_counter() - start
+            wanted = "unchecked" if mode == "plain" else mode
+            if outcome.judged != wanted or outcome.undone is not None:
+                raise RuntimeError(f"a {mode} step was judged {outcome}")
+            if mode != "predicted":
+                times[mode].append(took)
+            else:
+                runs.append(took)
+        times["predicted"].append(statistics.mean(runs[1:]))
     return {mode: statistics.median(t) for mode, t in times.items()}
 
 
