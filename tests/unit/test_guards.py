@@ -330,7 +330,9 @@ def test_suspicion_names_the_peer_that_disagrees_with_two_others() -> None:
     s = Suspicion()
     assert s.record("liar", "a") == []
     assert s.record("liar", "b") == ["liar"]
+    assert s.disagreements["liar"] == 2
     s.forget("liar")
+    assert "liar" not in s.disagreements
     assert s.record("a", "b") == []
 
 
@@ -342,6 +344,8 @@ def test_suspicion_stays_bounded_under_a_flood_of_identities() -> None:
         s.record(f"stranger-{n}", "honest")
     assert len(s) == Suspicion.REMEMBERED
     assert len(s.disagreements) == Suspicion.REMEMBERED
+    assert "stranger-0" not in s.disagreements  # the oldest went, with its count
+    assert s.disagreements["honest"] == Suspicion.REMEMBERED + 300
     assert s.record("liar", "a") == []
     assert s.record("liar", "b") == ["liar"]
 

@@ -45,8 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-from volunteerd.bounded import remember
-
 __all__ = [
     "NON_FINITE",
     "OUT_OF_RANGE",
@@ -265,13 +263,15 @@ class Suspicion:
             against = self._against.pop(peer, set())
             if len(against) < self._KEPT_PER_PEER:
                 against.add(other)
-            remember(self._against, peer, against, self.REMEMBERED)
+            self._against[peer] = against  # the newest
             self.disagreements[peer] += 1
-        for gone in set(self.disagreements) - set(self._against):
-            del self.disagreements[gone]
+            while len(self._against) > self.REMEMBERED:  # the oldest go, counts and all
+                gone, _ = self._against.popitem(last=False)
+                self.disagreements.pop(gone, None)
         return [p for p in (a, b) if len(self._against.get(p, ())) >= 2]
 
     def forget(self, peer: str) -> None:
         self._against.pop(peer, None)
+        self.disagreements.pop(peer, None)
         for others in self._against.values():
             others.discard(peer)
