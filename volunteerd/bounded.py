@@ -14,9 +14,12 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 
-def remember(table: OrderedDict[K, V], key: K, value: V, limit: int) -> None:
-    """Set ``key`` as the newest entry of ``table``; forget the oldest beyond ``limit``."""
+def remember(table: OrderedDict[K, V], key: K, value: V, limit: int) -> list[K]:
+    """Set ``key`` as the newest entry of ``table``; forget the oldest beyond ``limit``
+    (returned, oldest first, for whatever else is kept about them)."""
     table[key] = value
     table.move_to_end(key)
+    forgotten = []
     while len(table) > limit:
-        table.popitem(last=False)
+        forgotten.append(table.popitem(last=False)[0])
+    return forgotten

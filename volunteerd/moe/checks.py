@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from volunteerd.bounded import remember
+
 __all__ = [
     "NON_FINITE",
     "OUT_OF_RANGE",
@@ -263,11 +265,9 @@ class Suspicion:
             against = self._against.pop(peer, set())
             if len(against) < self._KEPT_PER_PEER:
                 against.add(other)
-            self._against[peer] = against  # the newest
             self.disagreements[peer] += 1
-            while len(self._against) > self.REMEMBERED:  # the oldest go, counts and all
-                gone, _ = self._against.popitem(last=False)
-                self.disagreements.pop(gone, None)
+            for gone in remember(self._against, peer, against, self.REMEMBERED):
+                self.disagreements.pop(gone, None)  # the oldest go, counts and all
         return [p for p in (a, b) if len(self._against.get(p, ())) >= 2]
 
     def forget(self, peer: str) -> None:
