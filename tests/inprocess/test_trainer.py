@@ -22,7 +22,7 @@ from volunteerd.errors import Busy, ModelDiverging, NoExpertsAvailable
 from volunteerd.moe import LocalMixtureOfExperts, OutputChecks, RemoteMixtureOfExperts
 from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE
 from volunteerd.moe.client import TrainerClient
-from volunteerd.moe.layer import LATE_STREAK_BAN
+from volunteerd.moe.layer import LATE_STREAK_BAN, REFUSAL_STREAK_BAN
 from volunteerd.testing import local_config
 from volunteerd.testing.faulty import (
     Fault,
@@ -254,6 +254,31 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
     await with_a_slow_server(run)
 
 
+async def test_a_peer_that_refuses_every_call_is_banned_after_a_streak() -> None:
+    """A server that announces experts and answers every call ``busy`` held their grid
+    places for nothing (its rows fail over or go unanswered each step) and was never
+    banned: one refusal is no fault, but REFUSAL_STREAK_BAN rounds in a row with no
+    answer from it in between ban its peer; an answer in between starts the count again."""
+
+    def run(client: TrainerClient, squatter: InProcessServer) -> None:
+        torch.manual_seed(0)
+        moe = layer(client, k_best=4, k_min=2)
+        squatter.faults.fault = Fault(refuse=Busy("always"))
+        steps(moe, REFUSAL_STREAK_BAN - 1)  # one forward round a step refuses
+        squatter.faults.fault = Fault()  # it answers once: the streak starts again
+        steps(moe, 1)
+        squatter.faults.fault = Fault(refuse=Busy("always"))
+        steps(moe, REFUSAL_STREAK_BAN - 1)
+        assert client.directory.banned == {}
+        steps(moe, 1)
+        assert squatter.peer_id in client.directory.banned
+        refused = squatter.faults.faulty_replies
+        steps(moe, 2)
+        assert squatter.faults.faulty_replies == refused, "banned: not called again"
+
+    await with_a_slow_server(run)
+
+
 async def test_no_answer_at_all_is_the_typed_error() -> None:
     async with open_world(CONFIG) as world:
         servers = [await world.add_server(GRID) for _ in range(2)]
@@ -342,6 +367,35 @@ async def test_colluding_replicas_of_the_wrong_shape_cannot_replace_an_honest_an
                 assert moe.stats.rejected[BAD_SHAPE] >= 1, moe.stats
                 assert not any(s.peer_id in client.directory.banned for s in honest)
                 assert client.directory.ban_reasons[BAD_SHAPE] == 2
+
+            await in_thread(run)
+
+
+@pytest.mark.parametrize("lie", ["nan", "huge"])
+async def test_a_checkers_bad_answer_never_replaces_an_honest_one(lie: str) -> None:
+    """Every expert has two replicas, the honest server and one of two cheap identities
+    that answer every forward with NaN (or the honest answer times -1e12), and every
+    forward is spot-checked. Such a checker's answer fails the output checks the main
+    answer passed: its peer is banned for it, the honest main answer stays. (Before, it
+    counted as a disagreement: two made the honest server "the odd one out", banned,
+    and the checker's answer went into the step unchecked.)"""
+    fault = Fault(outputs=nan if lie == "nan" else scaled_by(-1e12))
+    async with open_world(CONFIG) as world:
+        honest = await world.add_server(GRID)
+        for column in range(2):
+            sybil = await world.add_server(f"ffn.[0:2].{column}")
+            sybil.faults.fault = fault
+        async with world.open_trainer() as client:
+            await offered(client, 2)
+
+            def run() -> None:
+                random.seed(0)
+                torch.manual_seed(0)
+                moe = layer(client, checks=OutputChecks(spot_check=1.0))
+                steps(moe, 8)  # each output finite
+                assert honest.peer_id not in client.directory.banned, client.directory.ban_reasons
+                assert moe.stats.rejected["disagreed"] == 0, moe.stats
+                assert len(client.directory.banned) == 2, client.directory.ban_reasons
 
             await in_thread(run)
 

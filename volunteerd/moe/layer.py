@@ -38,6 +38,8 @@ from volunteerd.errors import (
 from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
 from volunteerd.moe.checks import (
     BAD_SHAPE,
+    NON_FINITE,
+    OUT_OF_RANGE,
     OutputChecks,
     Suspicion,
     Verdict,
@@ -74,11 +76,18 @@ _LOOK_AGAIN_AFTER_S = 1.0
 # (and a ban ends); one that answers info and stalls every call does not.
 LATE_STREAK_BAN = 8
 _MAX_LATE_PEERS = 4096
+# Rounds in a row in which one peer refused every call it got (busy, paused, rejected,
+# ...: ``_REFUSALS``), no answer from it in between, before it is banned: a loaded server
+# answers now and then; one that announces experts and refuses every call holds their
+# places in the grid for nothing (and each refusal costs the rows a round).
+REFUSAL_STREAK_BAN = 8
 # Typed refusals from a live server: loaded, forgetful, or refusing what we sent (too
 # big, too often, values it will not train on) — the request's fault, not the peer's.
 _NOT_BANNED = frozenset(
     {"busy", "expired", "shutting_down", "paused", "rejected", "too_large", "rate_limited"}
 )
+# ... of which these refuse the call itself (``expired`` only sends a backward stateless).
+_REFUSALS = _NOT_BANNED - {"expired"}
 
 
 def grid_uids(name: str, grid_size: Sequence[int]) -> list[str]:
@@ -329,6 +338,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self.round_trips = RoundTrips()
         # peer -> calls in a row cut off late, with no answer from it in between
         self._late_streak: dict[str, int] = {}
+        # peer -> rounds in a row it refused, with no answer from it in between
+        self._refusal_streak: dict[str, int] = {}
         # Makes autograd call our backward even when the inputs need no gradient.
         self._dummy = torch.empty(0, requires_grad=True)
 
@@ -435,6 +446,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                 if outcome.ok:
                     self.round_trips.observe(call.peer.peer_id, verb.value, outcome.seconds)
                     self._late_streak.pop(call.peer.peer_id, None)
+                    self._refusal_streak.pop(call.peer.peer_id, None)
             return outcomes
 
         return self.client.run(run)
@@ -499,6 +511,20 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             # the ban ends. The next call dials afresh.
             self.client.hang_up(peer_id)
 
+    def _refused_again(self, call: Call, usable: set[str]) -> None:
+        """A round in which ``call``'s peer refused (each refusal alone is no fault):
+        ``REFUSAL_STREAK_BAN`` such rounds in a row with no answer from it in between,
+        and it is banned for the client's ``ban_s``."""
+        peer_id = call.peer.peer_id
+        streak = self._refusal_streak.pop(peer_id, 0) + 1  # re-inserted last: newest
+        if streak < REFUSAL_STREAK_BAN:
+            self._refusal_streak[peer_id] = streak
+            if len(self._refusal_streak) > _MAX_LATE_PEERS:
+                del self._refusal_streak[next(iter(self._refusal_streak))]
+            return
+        self.stats.failures["refused"] += 1
+        self._ban(peer_id, f"refused {streak} rounds in a row: {call.uid}", None, usable)
+
     def _misbehaved(self, peer: PeerAddress, uid: str, reason: str, usable: set[str]) -> None:
         """A peer sent what its peers did not: drop it for ``checks.ban_s``."""
         logger.warning("dropping %s's answer from %s: %s", uid, short(peer.peer_id), reason)
@@ -540,6 +566,13 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         late = {c.peer.peer_id: c for c, o in zip(calls, outcomes, strict=True) if o.late}
         for call in late.values():  # once a round, however many of its calls it had
             self._late_again(call, usable)
+        refused = {
+            c.peer.peer_id: c
+            for c, o in zip(calls, outcomes, strict=True)
+            if isinstance(o.error, RemoteError) and o.error.code in _REFUSALS
+        }
+        for call in refused.values():
+            self._refused_again(call, usable)
         for i, (call, outcome) in enumerate(zip(calls, outcomes, strict=True)):
             reason = verdict.reasons[i]
             if malformed[i]:
@@ -571,15 +604,39 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         )
 
     def _fits(
-        self, y: torch.Tensor | None, call: Call, peer: PeerAddress, route: Route
+        self,
+        y: torch.Tensor | None,
+        call: Call,
+        peer: PeerAddress,
+        route: Route,
+        y_main: torch.Tensor,
     ) -> torch.Tensor | None:
-        """A spot check's answer if it has the shape ``call``'s answer must have; else
-        None, and ``peer`` is banned for it (a checker or judge of the wrong shape
-        would otherwise outvote the main answer with a tensor the step cannot use)."""
-        if y is None or self._well_formed(y, call):
+        """A spot check's answer (a checker's or a judge's) if it passes what the main
+        answer ``y_main`` passed: the shape and dtype ``call``'s answer must have, every
+        value finite, none above ``max_abs`` unless the main answer's are too (a model
+        outgrowing it), and no louder than ``max_ratio`` times the layer's last accepted
+        forward round. Else None, and ``peer`` is banned for it: such an answer would
+        otherwise outvote the main one, or replace it in the step unchecked."""
+        if y is None:
+            return None
+        reason = None
+        if not self._well_formed(y, call):
+            reason = BAD_SHAPE
+        elif not bool(torch.isfinite(y).all()):
+            reason = NON_FINITE
+        else:
+            top = float(y.abs().max()) if y.numel() else 0.0
+            main_top = float(y_main.abs().max()) if y_main.numel() else 0.0
+            reference = self._scale.get(Verb.FORWARD)
+            if (top > self.checks.max_abs and top > main_top) or (
+                reference is not None
+                and float(y.float().pow(2).mean().sqrt()) > self.checks.max_ratio * reference
+            ):
+                reason = OUT_OF_RANGE
+        if reason is None:
             return y
-        self.stats.rejected[BAD_SHAPE] += 1
-        self._misbehaved(peer, call.uid, BAD_SHAPE, _usable(route))
+        self.stats.rejected[reason] += 1
+        self._misbehaved(peer, call.uid, reason, _usable(route))
         return None
 
     def _report_diverging(
@@ -647,9 +704,11 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             calls.append(Call(uid, peer, header, buffers, group.rows))
             others = [p for p in peers if p.peer_id != peer.peer_id]
             if others and random.random() < self.checks.spot_check:
-                check = header.model_copy(update={"retain": False})
+                # The very request the main call sends (``retain`` included): a server
+                # must not be able to tell a spot check from a call that trains, or it
+                # answers checks honestly and lies to the step (or the reverse).
                 checks.append(
-                    _Check(len(calls) - 1, Call(uid, random.choice(others), check, buffers, []))
+                    _Check(len(calls) - 1, Call(uid, random.choice(others), header, buffers, []))
                 )
         return calls, checks
 
@@ -666,9 +725,11 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         replica decide, or remember it. A main answer found wrong is replaced by the
         checker's (its backward is then stateless)."""
         call = calls[check.index]
-        y_main, y_check = ys[check.index], self._decode(outcome)
-        y_check = self._fits(y_check, call, check.call.peer, route)
-        if y_main is None or y_check is None:
+        y_main = ys[check.index]
+        if y_main is None:
+            return
+        y_check = self._fits(self._decode(outcome), call, check.call.peer, route, y_main)
+        if y_check is None:
             return
         self.stats.spot_checks += 1
         if agree(y_main, y_check, self.checks):
@@ -684,7 +745,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         if judges:
             third = Call(call.uid, random.choice(judges), check.call.header, call.buffers, [])
             [answer] = self._run_calls(Verb.FORWARD, [third], 1)
-            y_third = self._fits(self._decode(answer), call, third.peer, route)
+            y_third = self._fits(self._decode(answer), call, third.peer, route, y_main)
         if y_third is not None:
             liars = [
                 peer
