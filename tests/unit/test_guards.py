@@ -280,13 +280,40 @@ def test_blame_falls_on_the_lone_sender_or_on_the_outliers_only() -> None:
     assert guard.blame([Sender("", 1e9)]) == []  # a local caller
     honest = [Sender(p, n) for p, n in [("h1", 1.0), ("h2", 0.5), ("h3", 2.0)]]
     assert guard.blame([*honest, Sender("bad", 1e5)]) == ["bad"]
-    # Two attackers in one merged step are both blamed (each against the lower median).
+    # Two attackers in one merged step are both blamed (the loud few).
     assert sorted(guard.blame([*honest, Sender("bad", 1e5), Sender("worse", 1e6)])) == [
         "bad",
         "worse",
     ]
     # Nobody stands out: the model is to blame, not a peer.
     assert guard.blame([*honest, Sender("h4", 5.0)]) == []
+
+
+def test_quiet_extra_identities_do_not_make_an_honest_sender_stand_out() -> None:
+    """An outside probe: a loud attacker and three identities of near-zero gradients
+    beside one honest trainer in a merged step that was undone. Against the lower
+    median of the other identities (1e-7) the honest 1e-2 stood out too and was banned
+    with the attacker. One very quiet sender must not make everyone else stand out."""
+    guard = RequestGuard(GuardConfig(blame_ratio=10))
+    quiet = [Sender(f"q{i}", 1e-7) for i in range(3)]
+    assert guard.blame([Sender("honest", 1e-2), Sender("loud", 9e5), *quiet]) == ["loud"]
+    honest = [Sender(f"h{i}", 5.0) for i in range(4)]
+    assert guard.blame([*honest, Sender("q", 1e-9)]) == []
+
+
+def test_blame_judges_parties_and_bans_every_identity_of_a_blamed_one() -> None:
+    """Identities of one address are one party: many quiet ones are one vote, and a
+    loud party is blamed with all the identities it sent through."""
+    guard = RequestGuard(GuardConfig(blame_ratio=10))
+    sybils = [Sender(f"s{i}", 1e-7, "10.0.0.9") for i in range(5)]
+    loud = Sender("loud", 9e5, "10.0.0.9")
+    assert guard.blame([Sender("honest", 1e-2, "10.0.0.1"), loud, *sybils]) == sorted(
+        ["loud", *(s.peer_id for s in sybils)]
+    )
+    others = [Sender("a", 1.0, "10.0.0.2"), Sender("b", 2.0, "10.0.0.3")]
+    assert guard.blame([*others, *sybils]) == []  # a quiet party blames nobody
+    # Most parties loud: the expert is diverging, nobody is blamed.
+    assert guard.blame([Sender("x", 100.0), Sender("y", 100.0), Sender("z", 1.0)]) == []
 
 
 def test_an_undone_step_is_counted_and_bans_whom_it_blames() -> None:

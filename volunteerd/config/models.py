@@ -344,8 +344,9 @@ class GuardConfig(_Model):
     blame_ratio: float = Field(
         10.0,
         gt=1,
-        description="in a step merged from several trainers' requests, a trainer is blamed "
-        "only if its largest gradient row norm is this many times the median of the others'",
+        description="in an undone step merged from several trainers' requests, only the "
+        "loudest few (at most half, by address) are blamed, and only if their largest "
+        "gradient row norm is this many times the next trainer's",
     )
 
 

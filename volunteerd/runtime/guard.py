@@ -278,22 +278,34 @@ class RequestGuard:
         self.broken[(uid, reason)] += 1
 
     def blame(self, senders: Sequence[Sender]) -> list[str]:
-        """The peers to blame for an undone step that joined ``senders``' requests: the
-        only peer, or those whose largest row norm is ``blame_ratio`` times the median
-        of the other peers' (lower median); none when nobody stands out."""
+        """The peers to blame for an undone step that joined ``senders``' requests.
+
+        Parties (``Sender.party``: an address, where a peer has one) are judged, not
+        identities, which are free: the only party; else, going down from the loudest
+        party's largest row norm, those above the first drop of more than
+        ``blame_ratio`` times to the next, when they are at most half of the parties.
+        None when nobody stands out or most do (the expert diverging, not a peer). A
+        rule against the median of the others let quiet extra senders (near-zero
+        gradients from identities made for it) drag that median down until an honest
+        trainer beside a loud attacker stood out too. Every peer id of a blamed party
+        is returned."""
         loudest: dict[str, float] = {}
+        members: dict[str, set[str]] = {}
         for sender in senders:
             if sender.peer_id:  # "" is a local caller, not a peer
-                loudest[sender.peer_id] = max(loudest.get(sender.peer_id, 0.0), sender.grad_norm)
-        if len(loudest) <= 1:
-            return list(loudest)
-        blamed = []
-        for peer, norm in loudest.items():
-            others = sorted(v for p, v in loudest.items() if p != peer)
-            median = others[(len(others) - 1) // 2]
-            if norm > self.config.blame_ratio * median:
-                blamed.append(peer)
-        return blamed
+                party = sender.party or sender.peer_id
+                loudest[party] = max(loudest.get(party, 0.0), sender.grad_norm)
+                members.setdefault(party, set()).add(sender.peer_id)
+        blamed: list[str] = list(loudest) if len(loudest) <= 1 else []
+        if len(loudest) > 1:
+            ranked = sorted(loudest, key=loudest.__getitem__, reverse=True)
+            ratio = self.config.blame_ratio
+            for i in range(len(ranked) - 1):
+                if loudest[ranked[i]] > ratio * loudest[ranked[i + 1]]:
+                    if 2 * (i + 1) <= len(ranked):
+                        blamed = ranked[: i + 1]
+                    break
+        return sorted({peer for party in blamed for peer in members[party]})
 
     def step_undone(self, uid: str, reason: str, senders: Sequence[Sender]) -> list[str]:
         """Count an undone step of ``uid`` and ban the peers to blame; returns them."""
