@@ -5,9 +5,18 @@ reply carries a random handle. The backward names the handle instead of sending 
 inputs again. Entries are dropped after ``retain_s``, when the byte budget needs room
 (oldest first), or when used. The budget is taken before a kept forward is computed
 (``reserve``), so forwards in flight count too; a forward that does not fit is served
-without being kept. A handle that is gone, belongs to another expert or was
-issued to another peer is simply unknown, and the trainer falls back to the stateless
-backward (sending the inputs).
+without being kept (counted in ``refused``). A handle that is gone, belongs to another
+expert or was issued to another peer is simply unknown, and the trainer falls back to
+the stateless backward (sending the inputs).
+
+The reservation is an estimate: the input's bytes times what kept graphs of that expert
+were measured to hold per input byte, for inputs of about the same size per sample
+(``_size_class``: a sequence of 16 tokens and one of 4,096 are measured apart, so a
+stranger's long sequences say nothing about an honest trainer's short ones). Each kept
+forward's real size is measured after it ran (``put``): it replaces the reservation and
+becomes that size class's estimate (the latest measurement, not the largest ever). So
+a forward evicts older entries for what forwards of its size really hold, and its entry
+is charged what it really holds.
 
 Each entry also remembers the expert's update count when its forward ran: the backward
 that takes it is applied ``updates now - updates then`` optimizer steps later (the
@@ -19,6 +28,7 @@ weights the trainer's forward saw is unknown there, so those are counted apart.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -56,6 +66,11 @@ class Kept:
 
     retained: Retained
     version: int
+    # Where it came from, for ``RetainedStore.give_back``
+    handle: str = ""
+    uid: str = ""
+    peer_id: str = ""
+    expires_at: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +81,17 @@ class RetainedStats:
     misses: int
     evicted: int
     refused: int = 0  # forwards served without keeping them: no room in the budget
+
+
+# Until an expert's first kept graph is measured, a kept forward is estimated at this
+# many times its input's bytes.
+_DEFAULT_RATIO = 8.0
+
+
+def _size_class(samples: int, input_bytes: int) -> int:
+    """Inputs of about the same bytes per sample (within a factor of two) share an
+    estimate: a transformer's graph per token may grow with the sequence's length."""
+    return (input_bytes // samples).bit_length() if samples > 0 else 0
 
 
 class RetainedStore:
@@ -79,38 +105,53 @@ class RetainedStore:
         # Weight snapshots are shared by entries: charged once while any entry holds one.
         self._snapshot_refs: dict[int, int] = {}
         self._nbytes = 0  # kept entries and reservations of forwards in flight
-        self._per_row: dict[str, int] = {}  # uid -> largest graph bytes per row seen
+        self._reserved = 0  # of which reservations (which no eviction frees)
+        # uid -> size class -> graph bytes per input byte, as last measured (``put``)
+        self._ratios: dict[str, dict[int, float]] = {}
         self._hits = self._misses = self._evicted = self._refused = 0
 
     @property
     def enabled(self) -> bool:
         return self._budget > 0
 
+    def estimate(self, uid: str, samples: int, input_bytes: int) -> int:
+        """The bytes a kept forward of ``samples`` rows and ``input_bytes`` of input is
+        expected to hold: its input's bytes times what this expert's kept graphs of the
+        nearest size class were last measured to hold per input byte (of the larger of
+        two equally near; 8 times the input until one is measured)."""
+        ratios = self._ratios.get(uid)
+        if not ratios:
+            return math.ceil(_DEFAULT_RATIO * input_bytes)
+        size = _size_class(samples, input_bytes)
+        ratio = ratios.get(size)
+        if ratio is None:
+            ratio = ratios[min(ratios, key=lambda other: (abs(other - size), -other))]
+        return math.ceil(ratio * input_bytes)
+
     def reserve(self, uid: str, samples: int, input_bytes: int) -> int | None:
         """Room for the graph of a forward of ``samples`` rows, taken *before* it is
         computed: concurrent kept forwards must not overshoot the budget while they run.
 
-        The size is this expert's largest graph per row seen so far (8 times the input
-        until one is seen). Older entries are evicted to make room. Returns the bytes
+        The size is ``estimate``d from the graphs of this expert measured so far. Older
+        entries are evicted to make room (for that much, no more). Returns the bytes
         reserved (hand them to ``put``, or to ``release`` if the forward fails), or
         None when they cannot fit: then run the forward without keeping it."""
         self.expire()
-        per_row = self._per_row.get(uid)
-        estimate = samples * per_row if per_row is not None else 8 * input_bytes
-        if estimate > self._budget:
+        estimate = self.estimate(uid, samples, input_bytes)
+        if self._reserved + estimate > self._budget:  # evicting every entry would not do
+            self._refused += 1
             return None
         while self._nbytes + estimate > self._budget and self._entries:
             self._drop(next(iter(self._entries)))
             self._evicted += 1
-        if self._nbytes + estimate > self._budget:  # other reservations fill it
-            self._refused += 1
-            return None
         self._nbytes += estimate
+        self._reserved += estimate
         return estimate
 
     def release(self, reserved: int) -> None:
         """Give back a reservation whose forward was not kept."""
         self._nbytes -= reserved
+        self._reserved -= reserved
 
     def put(
         self,
@@ -120,30 +161,44 @@ class RetainedStore:
         reserved: int = 0,
         samples: int = 0,
         version: int = 0,
+        input_bytes: int = 0,
     ) -> str | None:
         """Keep ``retained`` in place of the ``reserved`` bytes; returns its handle, or
         None if it cannot fit. ``version``: the expert's ``updates`` when the forward
-        ran (``take`` returns it)."""
-        self._nbytes -= reserved
-        if samples:
-            per_row = -(-retained.nbytes // samples)
-            self._per_row[uid] = max(per_row, self._per_row.get(uid, 0))
+        ran (``take`` returns it). With ``samples`` and ``input_bytes`` (the forward's
+        input) its measured size becomes the estimate for inputs of its size class."""
+        self.release(reserved)
+        if samples > 0 and input_bytes > 0 and not retained.stacked:
+            # stacked forwards keep no graph: they say nothing of what a graph holds
+            ratios = self._ratios.setdefault(uid, {})
+            ratios[_size_class(samples, input_bytes)] = retained.nbytes / input_bytes
         self.expire()
-        cost = self._cost_of(retained)
-        if cost > self._budget:
+        # Forwards in flight hold their reservations: if it does not fit beside them
+        # alone (its snapshot charged), nothing is evicted for it.
+        if self._reserved + retained.nbytes + retained.weights.nbytes > self._budget:
+            self._refused += 1
             return None
+        cost = self._cost_of(retained)
         while self._nbytes + cost > self._budget and self._entries:
             self._drop(next(iter(self._entries)))
             self._evicted += 1
-        cost = self._cost_of(retained)  # evictions may have released its snapshot
-        if self._nbytes + cost > self._budget:  # forwards in flight hold the rest
-            self._refused += 1
-            return None
+            cost = self._cost_of(retained)  # evictions may have released its snapshot
         handle = secrets.token_hex(16)
         expires_at = self._clock() + self._ttl_s
         self._entries[handle] = _Entry(uid, peer_id, retained, expires_at, version)
         self._charge(retained, +1)
         return handle
+
+    def peek(self, handle: str, uid: str, peer_id: str) -> Retained | None:
+        """The kept forward of ``handle`` if it is alive and was issued to this peer for
+        this expert, left in the store: check a backward against it before ``take``.
+        A miss is counted when there is none (a hit only when it is taken)."""
+        self.expire()
+        entry = self._entries.get(handle)
+        if entry is None or entry.uid != uid or entry.peer_id != peer_id:
+            self._misses += 1
+            return None
+        return entry.retained
 
     def take(self, handle: str, uid: str, peer_id: str) -> Kept | None:
         """The entry for ``handle`` if it is alive and was issued to this peer for this
@@ -155,7 +210,30 @@ class RetainedStore:
             return None
         self._drop(handle)
         self._hits += 1
-        return Kept(entry.retained, entry.version)
+        return Kept(
+            entry.retained, entry.version, handle, entry.uid, entry.peer_id, entry.expires_at
+        )
+
+    def give_back(self, kept: Kept) -> bool:
+        """Keep again, under its handle and until its old expiry, an entry that ``take``
+        handed out and that was not used (its backward was refused before it ran): the
+        trainer may retry. Only into free room (nothing is evicted for it) and while it
+        has not expired; returns whether it is kept."""
+        self.expire()
+        if kept.retained.consumed or not kept.handle or kept.handle in self._entries:
+            return False
+        cost = self._cost_of(kept.retained)
+        if kept.expires_at <= self._clock() or self._nbytes + cost > self._budget:
+            self._evicted += 1  # gone as if it had stayed and expired or been evicted
+            return False
+        entry = _Entry(kept.uid, kept.peer_id, kept.retained, kept.expires_at, kept.version)
+        self._entries[kept.handle] = entry
+        # in the order of expiry, which ``expire`` relies on
+        for later in [h for h, e in self._entries.items() if e.expires_at > kept.expires_at]:
+            self._entries.move_to_end(later)
+        self._charge(kept.retained, +1)
+        self._hits -= 1  # taken, but not used
+        return True
 
     def clear(self) -> None:
         for handle in list(self._entries):

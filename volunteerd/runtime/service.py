@@ -387,7 +387,9 @@ class ExpertRuntime:
             except BaseException:
                 self.retained.release(reserved)
                 raise
-            handle = self.retained.put(uid, peer_id, kept, reserved, samples, version)
+            handle = self.retained.put(
+                uid, peer_id, kept, reserved, samples, version, input_bytes=input_bytes
+            )
             return _reply(outputs, compression, handle)
         outputs = await hosted.forward.submit(
             inputs, samples=samples, shape_key=shape, party=source or peer_id
@@ -422,19 +424,41 @@ class ExpertRuntime:
                 max_sequence=self._max_sequence,
                 compression=compression,
             )
-            kept = self.retained.take(handle, uid, peer_id)
-            if kept is None:
+            # Checked against the kept forward before it is taken: a backward refused for
+            # its gradients (bad_shape, rejected) leaves it for a corrected retry.
+            retained = self.retained.peek(handle, uid, peer_id)
+            if retained is None:
                 raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
-            if tuple(kept.retained.output.shape) != metas[0].shape:
-                raise ActivationsExpired(f"{uid}: gradients do not match the kept forward")
+            made = tuple(retained.output.shape)
+            if made != tuple(metas[0].shape):
+                raise BadShape(
+                    f"{uid}: output gradients of shape {tuple(metas[0].shape)} for a kept "
+                    f"forward whose output is {made}"
+                )
             grads, loudest = self.guard.filter_gradients(
                 uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs]), source=source
             )
-            result = await hosted.backward_retained.submit(
-                (kept.retained, grads, Sender(peer_id, loudest, source or peer_id), kept.version),
-                samples=samples,
-                party=source or peer_id,
-            )
+            # No await since peek: this backward alone takes it (a second one with the
+            # same handle finds it gone).
+            kept = self.retained.take(handle, uid, peer_id)
+            if kept is None:
+                raise ActivationsExpired(f"{uid}: the forward for this backward is gone")
+            try:
+                result = await hosted.backward_retained.submit(
+                    (
+                        kept.retained,
+                        grads,
+                        Sender(peer_id, loudest, source or peer_id),
+                        kept.version,
+                    ),
+                    samples=samples,
+                    party=source or peer_id,
+                )
+            except Busy:
+                # refused before it ran (a full lane, its place given to another party,
+                # the expert being restored): the trainer may retry with the handle
+                self.retained.give_back(kept)
+                raise
             self._step_soon(hosted, loudest)
             return _reply(result, compression)
         schemas = [*info.inputs, *info.outputs]
