@@ -250,7 +250,18 @@ class ExpertDHT:
         async def on_store(request: Request) -> Reply:
             records: list[R] = request.header.records
             source = self._source(request.peer_id)
-            stored = sum(store.put(record, source) for record in records)
+            # A record repeated within one request is offered once and its outcome
+            # counted for every copy (a second copy would be a repeat of the stored
+            # record, or refused again): a forged record sent 196 times in one request
+            # costs one signature check, not 196. The store budgets failed checks per
+            # source across requests (net/store.py).
+            outcomes: dict[R, bool] = {}
+            stored = 0
+            for record in records:
+                outcome = outcomes.get(record)
+                if outcome is None:
+                    outcome = outcomes[record] = store.put(record, source)
+                stored += outcome
             return Reply(StoreReply(stored=stored, rejected=len(records) - stored))
 
         async def on_find(request: Request) -> Reply:

@@ -23,6 +23,16 @@ A writer is forgotten once it has had no record here for ``forget_s``. So a floo
 fresh identities can fill free room but never displaces writers who were here before
 it, and a writer who keeps its records fresh keeps its place.
 
+Writers with no record left are remembered (for their rank) within a memory budget too:
+at most ``remembered_caps(limits)`` of them, in all and per IP prefix of the source that
+last stored for them; beyond, the least senior (first seen latest) are forgotten first,
+so churning fresh identities forgets fresh identities, not the servers seen long before.
+
+Signature checks that fail are budgeted per source (peer and IP prefix, token buckets):
+a source whose records keep failing the Ed25519 check has its further records refused
+unchecked (``verify_budget``) until its budget refills, so forged records cost a node a
+bounded number of verifications a second per source. Valid records are never charged.
+
 Sizes are estimates of the Python objects' memory (measured: an expert record with no
 children ~1.4 KiB, each child ~40 bytes more), so the budget bounds what a node spends.
 """
@@ -40,16 +50,42 @@ from typing import Any, Generic, TypeVar
 
 from volunteerd.config import DHTConfig
 from volunteerd.errors import InvalidRecord
-from volunteerd.net.envelope import RecordKind, SignedRecord
+from volunteerd.net.envelope import RecordKind, RecordLimits, SignedRecord
 
 __all__ = [
     "SignedRecordStore",
     "Source",
     "StoreStatistics",
     "ip_prefix",
+    "remembered_caps",
 ]
 
 R = TypeVar("R", bound=SignedRecord)
+
+# Failed signature checks a source may cost this node: per peer, a token bucket of this
+# rate and burst; per IP prefix, ``_PREFIX_SHARE`` peers' worth (the ratio of the default
+# prefix and peer quotas). ~80 us a check: a prefix costs at most ~2.6 ms a second.
+_FAILED_CHECKS_PER_S = 8.0
+_FAILED_CHECK_BURST = 64.0
+_PREFIX_SHARE = 4
+# Sources whose failures are remembered at once (least recently failed forgotten first;
+# a source is forgotten anyway once its bucket has refilled).
+_FAILURE_SOURCES = 4096
+# Estimated memory of one remembered writer with no record (its peer id, its ``_Writer``
+# and its places in two dicts; tracemalloc ~250 B), and the share of the kind's budget
+# such writers may take.
+_WRITER_BYTES = 256
+_WRITER_BUDGET_SHARE = 16
+
+
+def remembered_caps(limits: RecordLimits) -> tuple[int, int]:
+    """How many writers with no record a store remembers at most: in all, and per IP
+    prefix of the source that last stored for them. In all: 1/16 of the kind's budget
+    at ``_WRITER_BYTES`` each (expert records by default: 12,288, ~3 MiB; manifests:
+    4,096, ~1 MiB); per prefix: a peer quota's share of that (1,024 for both)."""
+    total = max(64, limits.budget_bytes // _WRITER_BUDGET_SHARE // _WRITER_BYTES)
+    per_prefix = max(16, total * limits.peer_bytes // max(1, limits.budget_bytes))
+    return total, min(total, per_prefix)
 
 
 def ip_prefix(host: str) -> str:
@@ -86,14 +122,27 @@ class StoreStatistics:
     refused: dict[str, int]
     evicted: int
     expired: int
+    forgotten_writers: int = 0  # writers with no record forgotten early, for the caps
 
 
 @dataclass(slots=True)
 class _Writer:
     first_seen: float
     records: int = 0
-    empty_since: float | None = None
+    empty_since: float | None = None  # set while it has no record here
     refreshes: int = 0
+    prefix: str = ""  # the IP prefix of the source that last stored for it ("": this node)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Failed signature checks a source may still cost (a token bucket)."""
+
+    tokens: float
+    at: float
+
+    def level(self, now: float, rate: float, burst: float) -> float:
+        return min(burst, self.tokens + max(0.0, now - self.at) * rate)
 
 
 @dataclass(eq=False, slots=True)
@@ -148,6 +197,14 @@ class SignedRecordStore(Generic[R]):
         self._refused: Counter[str] = Counter()
         self._evicted = 0
         self._expired = 0
+        # Writers with no record, per prefix of their last source (insertion ordered).
+        self._empty: dict[str, dict[str, None]] = {}
+        self._empty_count = 0
+        self._overfull: set[str] = set()
+        self._remember_all, self._remember_per_prefix = remembered_caps(self.limits)
+        self._forgotten = 0  # writers forgotten early for the caps above
+        # ("peer" | "prefix", name) -> what its failed signature checks may still cost
+        self._failures: dict[tuple[str, str], _Bucket] = {}
 
     def __len__(self) -> int:
         return self._all.count
@@ -164,6 +221,12 @@ class SignedRecordStore(Generic[R]):
 
     def offer(self, record: R, source: Source | None = None) -> str | None:
         """Like ``put``; returns why the record was refused, or None when stored."""
+        try:
+            return self._offer(record, source)
+        finally:
+            self._bound_remembered()
+
+    def _offer(self, record: R, source: Source | None) -> str | None:
         # Every refusal that needs no signature comes first: a flood that cannot get in
         # costs this node a dictionary lookup per record, not an Ed25519 verification.
         now = self._clock()
@@ -172,12 +235,14 @@ class SignedRecordStore(Generic[R]):
         key, writer_id = self._key_of(record), self._writer_of(record)
         per_key = self._keys.get(key)
         old = per_key.get(writer_id) if per_key else None
+        if old is not None and old.record.issued_at >= record.issued_at:
+            # a repeat is fine; an older one is not stored
+            return None if old.record == record else "stale"
+        if self._spent(source, now):
+            # Whatever else would refuse it, this record would need a check the source
+            # has no budget for: refused before planning room for it.
+            return "verify_budget"
         if old is not None:
-            if old.record.issued_at >= record.issued_at:
-                # a repeat is fine; an older one is not stored
-                return None if old.record == record else "stale"
-            if not self._valid(record, now):
-                return "invalid"
             return self._replace(old, record, source, now)
         writer = self._writers.get(writer_id)
         if writer is not None and writer.records >= self.limits.max_per_writer:
@@ -188,20 +253,52 @@ class SignedRecordStore(Generic[R]):
         reason, victims = self._plan_room(entry)
         if reason is not None:
             return reason
-        if not self._valid(record, now):
-            return "invalid"
+        reason = self._checked(record, source, now)
+        if reason is not None:
+            return reason
         for victim in victims:
             self._remove(victim)
             self._evicted += 1
         self._insert(entry, now)
         return None
 
-    def _valid(self, record: R, now: float) -> bool:
+    def _spent(self, source: Source | None, now: float) -> bool:
+        """Whether ``source`` (its peer or its prefix) has no failed check left."""
+        rate, burst = _FAILED_CHECKS_PER_S, _FAILED_CHECK_BURST
+        for name, share in self._buckets_of(source):
+            bucket = self._failures.get(name)
+            if bucket is not None and bucket.level(now, rate * share, burst * share) < 1:
+                return True
+        return False
+
+    def _checked(self, record: R, source: Source | None, now: float) -> str | None:
+        """Validate ``record`` (its signature too) unless ``source`` has spent its budget
+        of failed checks; None when valid. Only a failed check is charged."""
+        if self._spent(source, now):
+            return "verify_budget"
+        buckets = self._buckets_of(source)
+        rate, burst = _FAILED_CHECKS_PER_S, _FAILED_CHECK_BURST
         try:
             self.kind.validate(record, self._config, now=now)
         except InvalidRecord:
-            return False
-        return True
+            for name, share in buckets:
+                bucket = self._failures.pop(name, None)  # re-inserted last: recently failed
+                tokens = (
+                    burst * share
+                    if bucket is None
+                    else bucket.level(now, rate * share, burst * share)
+                )
+                self._failures[name] = _Bucket(tokens - 1, now)
+            while len(self._failures) > _FAILURE_SOURCES:
+                del self._failures[next(iter(self._failures))]
+            return "invalid"
+        return None
+
+    @staticmethod
+    def _buckets_of(source: Source | None) -> list[tuple[tuple[str, str], int]]:
+        if source is None:  # this node's own records
+            return []
+        return [(("peer", source.peer_id), 1), (("prefix", source.prefix), _PREFIX_SHARE)]
 
     def _replace(self, old: _Entry[R], record: R, source: Source | None, now: float) -> str | None:
         """A writer's newer record in its own slot: it keeps the slot's rank, and only
@@ -209,7 +306,12 @@ class SignedRecordStore(Generic[R]):
         entry = _Entry(record, old.key, old.writer, self._size_of(record), source, old.rank)
         # Planned as if the old record were gone, but it stays until the new one fits: a
         # refused refresh leaves the store (and every scope's heap) exactly as it was.
+        # The signature is checked after the quotas: a refresh that cannot fit is refused
+        # for the price of a plan, however often it is replayed.
         reason, victims = self._plan_room(entry, replacing=old)
+        if reason is not None:
+            return reason
+        reason = self._checked(record, source, now)
         if reason is not None:
             return reason
         self._remove(old)
@@ -317,9 +419,12 @@ class SignedRecordStore(Generic[R]):
         writer = self._writers.get(entry.writer)
         if writer is None:
             writer = self._writers[entry.writer] = _Writer(first_seen=now)
+        elif writer.empty_since is not None:
+            self._unmark_empty(entry.writer, writer)
         writer.records += 1
         writer.empty_since = None
         writer.refreshes += refresh
+        writer.prefix = entry.source.prefix if entry.source is not None else ""
         item = (entry.rank, next(self._seq), entry)
         for scope in [self._all, *(self._scope(n) for n in self._scope_names(entry))]:
             scope.count += 1
@@ -349,8 +454,13 @@ class SignedRecordStore(Generic[R]):
         writer = self._writers.get(entry.writer)
         if writer is not None:
             writer.records -= 1
-            if writer.records <= 0:
+            if writer.records <= 0 and writer.empty_since is None:
                 writer.empty_since = self._clock()
+                empty = self._empty.setdefault(writer.prefix, {})
+                empty[entry.writer] = None
+                self._empty_count += 1
+                if len(empty) > self._remember_per_prefix:
+                    self._overfull.add(writer.prefix)
         self._all.count -= 1
         self._all.bytes -= entry.size
         for name in self._scope_names(entry):
@@ -361,6 +471,47 @@ class SignedRecordStore(Generic[R]):
             scope.bytes -= entry.size
             if scope.count <= 0:
                 del self._scopes[name]
+
+    # -- writers with no record ---------------------------------------------------------
+
+    def _unmark_empty(self, writer_id: str, writer: _Writer) -> None:
+        empty = self._empty.get(writer.prefix)
+        if empty is not None and writer_id in empty:
+            del empty[writer_id]
+            self._empty_count -= 1
+            if not empty:
+                del self._empty[writer.prefix]
+
+    def _forget(self, writer_ids: Iterable[str]) -> None:
+        for writer_id in writer_ids:
+            writer = self._writers.pop(writer_id, None)
+            if writer is not None:
+                self._unmark_empty(writer_id, writer)
+
+    def _least_senior(self, writer_ids: Iterable[str], count: int) -> list[str]:
+        writers = self._writers
+        return heapq.nlargest(count, writer_ids, key=lambda w: writers[w].first_seen)
+
+    def _bound_remembered(self) -> None:
+        """Forget the least senior writers with no record beyond the caps (per prefix,
+        then in all), an eighth of a cap at a time so that the work is amortised."""
+        if self._overfull:
+            cap = self._remember_per_prefix
+            for prefix in list(self._overfull):
+                empty = self._empty.get(prefix, {})
+                if len(empty) > cap:
+                    excess = len(empty) - (cap - cap // 8)
+                    victims = self._least_senior(empty, excess)
+                    self._forget(victims)
+                    self._forgotten += len(victims)
+            self._overfull.clear()
+        if self._empty_count > self._remember_all:
+            cap = self._remember_all
+            excess = self._empty_count - (cap - cap // 8)
+            every = itertools.chain.from_iterable(self._empty.values())
+            victims = self._least_senior(every, excess)
+            self._forget(victims)
+            self._forgotten += len(victims)
 
     # -- reading ----------------------------------------------------------------------
 
@@ -374,6 +525,7 @@ class SignedRecordStore(Generic[R]):
         for entry in [e for e in per_key.values() if e.record.expires_at <= now]:
             self._remove(entry)
             self._expired += 1
+        self._bound_remembered()
         if writer is not None:
             entries = [per_key[writer]] if writer in per_key else []
         else:
@@ -395,14 +547,20 @@ class SignedRecordStore(Generic[R]):
                 dropped += 1
         self._expired += dropped
         forget_before = now - self.limits.forget_s
-        for writer_id in [
-            w
-            for w, writer in self._writers.items()
-            if writer.records <= 0
-            and writer.empty_since is not None
-            and writer.empty_since <= forget_before
-        ]:
-            del self._writers[writer_id]
+        self._forget(
+            [
+                w
+                for empty in self._empty.values()
+                for w in empty
+                if (since := self._writers[w].empty_since) is not None and since <= forget_before
+            ]
+        )
+        self._bound_remembered()
+        rate, burst = _FAILED_CHECKS_PER_S, _FAILED_CHECK_BURST
+        for (scope, name), bucket in list(self._failures.items()):
+            share = _PREFIX_SHARE if scope == "prefix" else 1
+            if bucket.level(now, rate * share, burst * share) >= burst * share:
+                del self._failures[(scope, name)]
         return dropped
 
     def statistics(self) -> StoreStatistics:
@@ -416,4 +574,5 @@ class SignedRecordStore(Generic[R]):
             refused=dict(self._refused),
             evicted=self._evicted,
             expired=self._expired,
+            forgotten_writers=self._forgotten,
         )
