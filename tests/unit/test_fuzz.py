@@ -499,6 +499,23 @@ def test_byte_flipped_records_are_rejected_unless_unchanged(
     assert parsed == record
 
 
+def test_a_signature_spelled_another_way_in_base64_is_refused() -> None:
+    """Found by the byte flips above: a 64-byte signature ends in "==", and its last
+    character's four unused bits can be anything: "...Bw==" and "...B/==" are the same
+    bytes, so one signed record passed as several different ones."""
+    record = sign_record(SIGNER, SIGNER_ID, key="ffn.1", addrs=(), ttl_s=60, now=NOW)
+    validate(record)
+    assert record.signature.endswith("==")
+    last = record.signature[-3]
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    index = alphabet.index(last)
+    other = alphabet[index ^ 0b1111]  # the same two significant bits, other unused ones
+    respelled = record.model_copy(update={"signature": record.signature[:-3] + other + "=="})
+    assert base64.b64decode(respelled.signature) == base64.b64decode(record.signature)
+    with pytest.raises(InvalidRecord, match="canonical base64"):
+        validate(respelled)
+
+
 @pytest.mark.parametrize(
     ("change", "why"),
     [

@@ -134,5 +134,9 @@ class RecordKind(Generic[R]):
             signature = base64.b64decode(record.signature, validate=True)
         except ValueError:
             raise InvalidRecord(f"{what}: the signature is not base64") from None
+        if base64.b64encode(signature).decode() != record.signature:
+            # The last character's unused bits (and such) spell the same bytes several
+            # ways: one signed record would pass as several different ones.
+            raise InvalidRecord(f"{what}: the signature is not in canonical base64")
         if not verify_signature(public_key, record.signing_bytes(), signature):
             raise InvalidRecord(f"bad signature on {what}")
