@@ -8,6 +8,7 @@ the control API refused), 3 invalid configuration, 5 a needed resource is unavai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,6 +25,7 @@ import trio
 
 from volunteerd import __version__
 from volunteerd.config import Config, Flag, dump_toml, load_config
+from volunteerd.config.loading import check_limits_overlay
 from volunteerd.detached import lower_priority
 from volunteerd.errors import ConfigError, ExitCode, UsageError, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
@@ -646,6 +648,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         return _control(args, _paths(args))
     if args.command in _PROJECT_VERBS:
         return _projects(args)
+    if args.command in {"serve", "bootstrap"} and args.ready_file:
+        _check_ready_file(Path(args.ready_file))  # before the start, not after it
     # limits.toml moved to the data folder: a daemon takes an old one along before loading
     notes = _adopt_old_limits(_paths(args)) if args.command == "serve" else []
     config, paths = _load(args)
@@ -682,7 +686,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     if args.command == "publish":
         return _publish(args, config, paths)
     if args.command == "serve":
-        daemon = Daemon(config, paths)
+        # a join or leave restarts (exec) into the configuration loaded as now: it must load
+        daemon = Daemon(config, paths, reload=lambda: _load(args)[0])
 
         async def start_serve(nursery: trio.Nursery) -> Any:
             return await nursery.start(_serve_reloading_limits, daemon, args)
@@ -704,9 +709,14 @@ def _adopt_old_limits(paths: Paths) -> list[str]:
     """Move ``limits.toml`` from the config folder into the data folder (once); what
     happened, for the log once it is set up."""
     try:
-        moved = paths.adopt_old_limits_file()
+        moved = paths.adopt_old_limits_file(check_limits_overlay)
     except OSError as exc:
         return [f"{paths.old_limits_file} not moved to {paths.limits_file} ({exc}): not read"]
+    except ConfigError as exc:  # another program's file beside the config file
+        return [
+            f"{paths.old_limits_file} left where it is, not read: not limits volunteerd "
+            f"wrote ({exc})"
+        ]
     if not moved:
         return []
     return [f"moved {paths.old_limits_file} to {paths.limits_file}: limits are per data folder"]
@@ -941,6 +951,19 @@ async def _run_service(
     return ExitCode.INTERRUPTED if signalled else ExitCode.OK
 
 
+def _check_ready_file(path: Path) -> None:
+    """Raises UsageError when ``--ready-file`` cannot be written once serving: a folder,
+    or in a folder that does not exist or cannot be written to. Found only after the
+    whole start, it stopped the daemon again (exit 5), a ``.tmp`` file left behind."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"--ready-file {path}: is a folder; name a file in it")
+    if not folder.is_dir():
+        raise UsageError(f"--ready-file {path}: there is no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--ready-file {path}: cannot write to the folder {folder}")
+
+
 def _write_ready_file(path: Path, running: Any) -> None:
     node = getattr(running, "node", running)
     data = {
@@ -950,5 +973,10 @@ def _write_ready_file(path: Path, running: Any) -> None:
         "control_url": getattr(running, "control_url", None),
     }
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):  # nothing left behind by a failed write
+            tmp.unlink(missing_ok=True)
+        raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -146,21 +147,44 @@ class Daemon:
     second signal). After ``serve`` returns, ``restart_requested`` says whether it
     stopped to be started again (the projects changed)."""
 
-    def __init__(self, config: Config, paths: Paths, identity: Identity | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        paths: Paths,
+        identity: Identity | None = None,
+        *,
+        reload: Callable[[], Config] | None = None,
+    ) -> None:
         self.config = config
         self.paths = paths
         self._identity = identity
+        # the configuration as a restart loads it (the CLI's: file, limits.toml,
+        # schedule.toml, environment and flags); None: ``config`` as it is
+        self._reload = reload
         self._stop = trio.Event()
         self.restart_requested = False
         self._control_socket: socket.socket | None = None  # bound while serving
 
     def request_stop(self) -> None:
+        """Stop gracefully, for good: also when a restart was asked for just before (a
+        ``POST /shutdown`` a moment after a join), which this one takes the place of."""
+        self.restart_requested = False
         self._stop.set()
 
     def request_restart(self) -> None:
-        """Stop gracefully, to be started again (with the projects file as it is then)."""
+        """Stop gracefully, to be started again (with the projects file as it is then);
+        nothing more when a stop was asked for already (a stop stays a stop)."""
+        if self._stop.is_set() and not self.restart_requested:
+            return
         self.restart_requested = True
         self._stop.set()
+
+    def check_restart(self) -> None:
+        """Raises ConfigError (or OSError) when the daemon, started again now, would not
+        start: the configuration (``reload``) or the projects file does not load. A join
+        or leave asks this before it is answered with a restart."""
+        config = self._reload() if self._reload is not None else self.config
+        running_projects(config, self.paths)
 
     async def serve(self, *, task_status: TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
         self._stop = trio.Event()
@@ -258,6 +282,7 @@ class Daemon:
                     projects_file=paths.projects_file,
                     request_stop=self.request_stop,
                     request_restart=self.request_restart,
+                    check_restart=self.check_restart,
                     events=events,
                     scheduler=scheduler,
                     unheard=partial(_unheard, hosting),

@@ -30,6 +30,7 @@ name                   default                         override
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,14 +76,22 @@ class Paths:
         """Where ``limits_file`` lived before it moved to the data folder."""
         return self.config_file.parent / "limits.toml"
 
-    def adopt_old_limits_file(self) -> bool:
-        """Move ``old_limits_file`` into the data folder, once: when it exists and the
-        data folder has none. The first daemon to start after the move takes it (the
-        one whose limits it most likely holds: the installed one starts first). Returns
-        whether it moved. Raises OSError."""
+    def adopt_old_limits_file(self, check: Callable[[Path], object] | None = None) -> bool:
+        """Move ``old_limits_file`` into the data folder, once: when it exists, passes
+        ``check`` (the CLI's: it holds limits as volunteerd wrote them), and the data
+        folder has none. The first daemon to start after the move takes it (the one
+        whose limits it most likely holds: the installed one starts first). Returns
+        whether it moved. Raises OSError, and whatever ``check`` raises for a file that
+        is no ``limits.toml`` of volunteerd's (another program's, beside a ``--config``
+        file): it stays where it is, unread."""
         old, new = self.old_limits_file, self.limits_file
         if old == new or not old.exists() or new.exists():
             return False
+        if check is not None:
+            try:
+                check(old)
+            except FileNotFoundError:  # gone since exists()
+                return False
         new.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(old, new)  # atomic: of two daemons starting at once, one takes it

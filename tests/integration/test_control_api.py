@@ -467,6 +467,11 @@ def announce_huge_body(url: str, headers: dict[str, str]) -> tuple[int, Any]:
         return reply.status, strict_json(reply.read())
 
 
+_ID = "12D3KooWN2cK7Wt448ipDy2ZHnA1dhJcHcwcL4T48AvWZFauku7K"
+_UNIX_INVITATION = json.dumps(
+    {"invitation": f"volunteerd://join/abc?owner={_ID}&peer=%2Funix%2Fa%2Fp2p%2F{_ID}"}
+).encode()
+
 # The attack of issue 12: each body once answered 500 (and Infinity made every later
 # status and limits reply a 500), 1e300 applied half of its change, the deep body
 # overflowed the parser's recursion. Each is now refused whole, naming the field.
@@ -496,6 +501,8 @@ BAD_BODIES: list[tuple[str, bytes, int, str]] = [
     ("/limits", b'{"download_mbit": "7"}', 422, "download_mbit"),
     ("/snooze", b'{"seconds": true}', 422, "seconds"),
     ("/schedule", b'{"on_battery": "yes"}', 422, "on_battery"),
+    # a socket path takes in the /p2p/ part: multiaddr's own error was a bare 500
+    ("/projects", _UNIX_INVITATION, 400, "invitation"),
     ("/limits", b"[" * 30_000 + b"]" * 30_000, 422, "body"),
     ("/limits", b'{"upload_mbit": ' + b"[" * 40 + b"]" * 40 + b"}", 422, "body"),
     ("/limits", b'{"x": "' + b"[{" * 100 + b'\\""}', 422, "x"),  # brackets in a string

@@ -94,3 +94,38 @@ def test_limit_and_schedule_flags_are_read_from_text_as_the_api_reads_json() -> 
         "on_battery": False,
         "compute_hours": ["22:00-07:00"],
     }
+
+
+@pytest.mark.parametrize("command", ["serve", "bootstrap"])
+def test_a_ready_file_that_cannot_be_written_is_a_usage_error_before_starting(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    # found only once the daemon was up: it stopped again (exit 5), a .tmp file left
+    monkeypatch.setenv("VOLUNTEERD_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("VOLUNTEERD_CACHE_DIR", str(tmp_path / "cache"))
+    for ready, says in (
+        (tmp_path, "is a folder; name a file in it"),
+        (tmp_path / "nowhere" / "ready.json", f"there is no folder {tmp_path / 'nowhere'}"),
+    ):
+        assert main([command, "--port", "0", "--ready-file", str(ready)]) == ExitCode.USAGE
+        assert capsys.readouterr().err == f"volunteerd: --ready-file {ready}: {says}\n"
+    assert not (tmp_path / "data").exists()  # nothing started
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_ready_file_that_fails_to_be_written_leaves_no_tmp_file(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from volunteerd.cli import _write_ready_file
+
+    node = SimpleNamespace(peer_id="p", multiaddrs=[])
+    (tmp_path / "ready.json").mkdir()  # made a folder after the check
+    with pytest.raises(OSError):
+        _write_ready_file(tmp_path / "ready.json", SimpleNamespace(node=node, control_url=None))
+    assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
+    _write_ready_file(tmp_path / "ok.json", SimpleNamespace(node=node, control_url=None))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json", "ready.json"]

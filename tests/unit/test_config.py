@@ -442,3 +442,56 @@ def test_adam_betas_outside_zero_to_one_are_refused_when_the_config_is_read(
     path.write_text(f"[experts.optimizer]\nbetas = {betas}\n")
     with pytest.raises(ConfigError, match=r"experts\.optimizer\.betas"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "5\n[network]\nport = 1",  # the port was set by the second line, silently
+        "5\r\nfoo = 1",
+        "4001\nthis is not toml at all = = =",  # the second line was dropped unread
+        "[1,\n2]",
+    ],
+)
+def test_a_value_of_more_than_one_line_is_refused_naming_its_source(raw: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"VOLUNTEERD_LIMITS__UPLOAD_MBIT": raw})
+    assert str(info.value).startswith("environment VOLUNTEERD_LIMITS__UPLOAD_MBIT: ")
+    assert "one line" in str(info.value)
+    with pytest.raises(ConfigError, match=r"^flag --set 'limits.upload_mbit=.*one line"):
+        load_config(None, env={}, overrides=[f"limits.upload_mbit={raw}"])
+
+
+def test_a_line_break_around_a_value_is_no_line_break_in_it() -> None:
+    config = load_config(None, env={"VOLUNTEERD_LIMITS__UPLOAD_MBIT": "5\n"})
+    assert config.limits.upload_mbit == 5
+    config = load_config(None, env={}, overrides=["limits.upload_mbit=6\n"])
+    assert config.limits.upload_mbit == 6
+
+
+def test_trusted_owners_are_peer_ids_as_an_invitation_checks_them() -> None:
+    from volunteerd.config.addrs import is_ed25519_peer_id
+    from volunteerd.identity import Identity
+    from volunteerd.net.peers import public_key_of
+
+    owner = "12D3KooWN2cK7Wt448ipDy2ZHnA1dhJcHcwcL4T48AvWZFauku7K"
+    config = load_config(None, env={}, overrides=[f'experiments.trusted_owners=["{owner}"]'])
+    assert config.experiments.trusted_owners == [owner]
+    for bad in (
+        "someone",
+        owner[:-4],  # cut short
+        owner + "1",
+        "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",  # not an Ed25519 key's
+        f"/ip4/1.2.3.4/tcp/1/p2p/{owner}",
+        "",
+        "1" * 5000,
+    ):
+        with pytest.raises(ConfigError, match=r"experiments\.trusted_owners.*not a peer id"):
+            load_config(None, env={}, overrides=[f'experiments.trusted_owners=["{bad}"]'])
+    # the same answer as the network layer's (libp2p's) for ids and near misses
+    from volunteerd.net.peers import peer_id_for
+
+    ids = [str(peer_id_for(Identity(bytes([n]) * 32))) for n in range(20)]
+    near = [i[:k] + c + i[k + 1 :] for i in ids[:5] for k in (0, 1, 8, 30, -1) for c in "1zA"]
+    for text in [*ids, *near, *(i[:-1] for i in ids), "1", "11111", "2" * 52]:
+        assert is_ed25519_peer_id(text) == (public_key_of(text) is not None), text

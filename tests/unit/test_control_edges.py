@@ -397,6 +397,39 @@ async def test_a_file_error_in_a_handler_is_a_json_500_naming_it(
     assert logged[0].exc_info is not None  # with its traceback
 
 
+async def test_any_other_failure_in_a_handler_is_a_json_500_with_the_traceback_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Failing(_Controls):
+        async def set_limits(self, change: LimitsChange) -> Any:
+            raise LookupError("a bug")
+
+    with caplog.at_level(logging.ERROR, logger="volunteerd.control.api"):
+        code, headers, error = await ask(
+            app_of(Failing()), "PATCH", "/api/v1/limits", body={"upload_mbit": 3}
+        )
+    assert code == 500
+    assert headers["content-type"] == "application/json"
+    assert "its log says why" in error["error"]
+    assert "a bug" not in error["error"]
+    logged = [r for r in caplog.records if r.name == "volunteerd.control.api"]
+    assert [r.getMessage() for r in logged] == ["PATCH /api/v1/limits failed"]
+    assert logged[0].exc_info is not None
+
+
+def test_joining_through_a_unix_socket_address_is_a_one_line_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /unix/ takes all that follows as a file path: multiaddr's own error escaped
+    peer = "12D3KooWN2cK7Wt448ipDy2ZHnA1dhJcHcwcL4T48AvWZFauku7K"
+    invitation = f"volunteerd://join/abc?owner={peer}&peer=%2Funix%2Fa%2Fp2p%2F{peer}"
+    assert cli(monkeypatch, tmp_path, "join", invitation, "--yes") == 3
+    err = capsys.readouterr().err
+    assert err.startswith("volunteerd: not a valid invitation: the peer '/unix/a/p2p/")
+    assert err.count("\n") == 1
+    assert not (tmp_path / "data" / "projects.toml").exists()
+
+
 class _Controls:
     """The part of ``Controls`` these tests reach."""
 

@@ -11,7 +11,7 @@ import pytest
 
 from volunteerd.errors import ConfigError
 from volunteerd.identity import Identity
-from volunteerd.net.peers import peer_id_for
+from volunteerd.net.peers import parse_peer_multiaddr, peer_id_for
 from volunteerd.swarm.invitation import (
     MAX_INVITATION_LENGTH,
     MAX_PEERS,
@@ -116,6 +116,9 @@ def test_eight_peers_are_accepted_and_nine_refused() -> None:
         (f"{PREFIX}x?owner={OWNER}&peer=/ip4/1.2.3.999/tcp/1/p2p/{BOOT}", ("valid multiaddr",)),
         (f"{PREFIX}x?owner={OWNER}&peer=/ip4/1.2.3.4/tcp/1/p2p/{BOOT[:-3]}", ("valid multiaddr",)),
         (f"{PREFIX}x?owner={OWNER}&peer=/p2p/{BOOT}", ("transport address",)),
+        # a socket path takes in the /p2p/ part: it escaped as multiaddr's own error
+        (f"{PREFIX}x?owner={OWNER}&peer=/unix/a/p2p/{BOOT}", ("valid multiaddr",)),
+        (f"{PREFIX}x?owner={OWNER}&peer=%2Funix%2Fa%2Fp2p%2F{BOOT}", ("valid multiaddr",)),
         (f"{PREFIX}x?owner={OWNER}&peer={PEER[:-40]}", ("cut short",)),
         (
             f"{PREFIX}x?owner={OWNER}&peer=/ip4/1.2.3.4/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
@@ -222,3 +225,27 @@ def test_publish_invites_through_the_first_eight_usable_bootstrap_peers() -> Non
 def test_publish_with_no_peer_fit_for_an_invitation_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="no bootstrap peer can go in the invitation"):
         make_invitation(manifest_of(), [f"{PEER}/p2p-circuit"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"/unix/a/p2p/{BOOT}",
+        f"/unix/p2p/{BOOT}",
+        f"/foo/bar/p2p/{BOOT}",
+        f"{PEER}/tcp/1",
+        "/ip4/1.2.3.4/tcp/1",
+        "",
+        "/",
+        "p2p",
+    ],
+)
+def test_a_peer_multiaddr_that_does_not_parse_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="multiaddr"):
+        parse_peer_multiaddr(text)
+
+
+def test_a_peer_multiaddr_parses_into_its_transport_and_peer_id() -> None:
+    address = parse_peer_multiaddr(PEER)
+    assert (address.peer_id, address.addrs) == (BOOT, ("/ip4/203.0.113.7/tcp/38400",))
+    assert parse_peer_multiaddr(f"/p2p/{BOOT}").addrs == ()

@@ -8,15 +8,23 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 
-from volunteerd.config import ExperimentsConfig, load_config
-from volunteerd.control.models import MAX_PROJECT_SHARE
-from volunteerd.errors import ConfigError
+from volunteerd.config import Config, ExperimentsConfig, load_config
+from volunteerd.control.events import EventLog
+from volunteerd.control.models import MAX_PROJECT_SHARE, ProjectJoin
+from volunteerd.daemon import Daemon
+from volunteerd.errors import ConfigError, ControlError
 from volunteerd.identity import Identity
 from volunteerd.net.peers import peer_id_for
+from volunteerd.paths import Paths
+from volunteerd.server.control_view import ControlView
 from volunteerd.swarm.invitation import Invitation
 from volunteerd.swarm.manifest import load_manifest_file
 from volunteerd.swarm.projects import (
@@ -75,8 +83,22 @@ def test_join_leave_round_trip(tmp_path: Path) -> None:
         (f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\nfoo = 1\n', "foo"),
         (f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\n' * 2, "twice"),
         ('something = "else"\n', "something"),
+        (
+            f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["/unix/a{PEER[-57:]}"]\n',
+            "not a valid multiaddr",
+        ),
     ],
-    ids=["toml", "no-owner", "no-peer", "bad-owner", "bad-share", "unknown-key", "twice", "table"],
+    ids=[
+        "toml",
+        "no-owner",
+        "no-peer",
+        "bad-owner",
+        "bad-share",
+        "unknown-key",
+        "twice",
+        "table",
+        "unix-peer",
+    ],
 )
 def test_a_bad_file_is_an_error_naming_it(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "projects.toml"
@@ -179,3 +201,106 @@ def test_bytes_that_are_not_utf8_are_an_error_naming_the_file(tmp_path: Path) ->
         with pytest.raises(ConfigError, match="not valid TOML") as error:
             load()
         assert str(path) in str(error.value)
+
+
+# -- restarting for a join or leave ------------------------------------------------------
+
+
+def a_daemon(tmp_path: Path, reload: Any = None) -> Daemon:
+    paths = Paths(tmp_path / "config.toml", tmp_path / "data", tmp_path / "cache")
+    return Daemon(Config(), paths, reload=reload)
+
+
+def a_view(daemon: Daemon, projects: Sequence[Project] = ()) -> ControlView:
+    """The projects part of the control view, over ``daemon``'s stop and restart."""
+    return ControlView(
+        node=None,  # type: ignore[arg-type]  # not reached by joins and leaves
+        runtime=None,
+        volunteer=None,  # type: ignore[arg-type]
+        checkpointer=None,
+        accountant=None,  # type: ignore[arg-type]
+        projects=projects,
+        joiners=[],
+        projects_file=daemon.paths.projects_file,
+        request_stop=daemon.request_stop,
+        request_restart=daemon.request_restart,
+        check_restart=daemon.check_restart,
+        events=EventLog(),
+    )
+
+
+def test_a_stop_asked_for_after_a_restart_is_a_stop_and_before_one_too(tmp_path: Path) -> None:
+    daemon = a_daemon(tmp_path)
+    daemon.request_restart()
+    daemon.request_stop()
+    assert not daemon.restart_requested
+    daemon = a_daemon(tmp_path)
+    daemon.request_stop()
+    daemon.request_restart()
+    assert not daemon.restart_requested
+    daemon = a_daemon(tmp_path)
+    daemon.request_restart()
+    assert daemon.restart_requested
+
+
+@pytest.mark.parametrize("restart_began", [False, True])
+async def test_a_shutdown_just_after_a_join_stops_the_daemon_for_good(
+    tmp_path: Path, restart_began: bool
+) -> None:
+    # The tray's "Quit and stop" a moment after a join: the daemon restarted instead.
+    daemon = a_daemon(tmp_path)
+    view = a_view(daemon)
+    invited = Invitation("tiny", OWNER, (PEER,)).url()
+    async with trio.open_nursery() as nursery:
+        view._nursery = nursery  # as its serve() sets it: stops wait for the reply to leave
+        joined = await view.join_project(ProjectJoin(invitation=invited))
+        assert joined.restarting
+        if restart_began:
+            await trio.sleep(0.5)
+            assert daemon.restart_requested
+        view.shutdown()
+        await trio.sleep(0.5)
+    assert not daemon.restart_requested
+
+
+async def test_no_join_or_leave_restarts_into_a_configuration_that_does_not_load(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.toml").write_text('[limits]\nupload_mbit = "ten"\n')
+    daemon = a_daemon(tmp_path, reload=lambda: load_config(tmp_path / "config.toml"))
+    view = a_view(daemon, [project("running")])
+    invited = Invitation("tiny", OWNER, (PEER,)).url()
+    with pytest.raises(ControlError) as refused:
+        await view.join_project(ProjectJoin(invitation=invited))
+    assert refused.value.status == 409
+    assert "cannot join 'tiny' now" in str(refused.value)
+    assert "limits.upload_mbit = 'ten'" in str(refused.value)
+    assert not daemon.paths.projects_file.exists()  # nothing recorded
+    with pytest.raises(ControlError, match="cannot leave 'running' now") as refused:
+        await view.leave_project("running")
+    assert refused.value.status == 409
+    # a dry run restarts nothing: still answered
+    dry = await view.join_project(ProjectJoin(invitation=invited, dry_run=True))
+    assert not dry.restarting
+    assert not daemon.restart_requested
+
+    # a damaged limits.toml (or schedule.toml, projects.toml) is refused the same way
+    (tmp_path / "config.toml").write_text("")
+    daemon.paths.data_dir.mkdir()
+    daemon.paths.limits_file.write_text("[limits]\nupload_mbit = -1\n")
+    reload = partial(load_config, tmp_path / "config.toml", run_time_dir=daemon.paths.data_dir)
+    daemon = a_daemon(tmp_path, reload=reload)
+    view = a_view(daemon, [project("running")])
+    with pytest.raises(ControlError, match=r"limits\.toml"):
+        await view.leave_project("running")
+    daemon.paths.limits_file.unlink()
+    daemon.paths.projects_file.write_text("[[project]\n")
+    with pytest.raises(ControlError, match=r"projects\.toml"):
+        await view.leave_project("running")
+    daemon.paths.projects_file.unlink()
+
+    # once it loads again, the change is made and the daemon restarts for it
+    joined = await view.join_project(ProjectJoin(invitation=invited))
+    assert joined.restarting
+    assert daemon.restart_requested
+    assert [p.name for p in load_projects(daemon.paths.projects_file)] == ["tiny"]

@@ -95,6 +95,35 @@ def test_a_data_folders_limits_are_not_replaced_by_an_old_file(tmp_path: Path) -
     assert paths.limits_file.read_text() == "[limits]\nupload_mbit = 2.0\n"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# some other tool\n[limits]\nmax_open_files = 1024\n",
+        "[limits]\nupload_mbit = -1\n",
+        "[limits]\nupload_mbit = 1\n[network]\nport = 1\n",
+        "limits = [",
+        "",
+    ],
+    ids=["unknown-key", "bad-value", "other-section", "not-toml", "empty"],
+)
+def test_a_limits_file_that_is_not_volunteerds_stays_where_it_is(tmp_path: Path, text: str) -> None:
+    # beside a --config file of another project: moved, then the daemon refused to start
+    from volunteerd.cli import _adopt_old_limits
+    from volunteerd.config.loading import check_limits_overlay
+
+    paths = Paths(config_file=tmp_path / "config.toml", data_dir=tmp_path / "d", cache_dir=tmp_path)
+    paths.old_limits_file.write_text(text)
+    with pytest.raises(ConfigError):
+        paths.adopt_old_limits_file(check_limits_overlay)
+    (note,) = _adopt_old_limits(paths)
+    assert note.startswith(f"{paths.old_limits_file} left where it is, not read: ")
+    assert "\n" not in note
+    assert paths.old_limits_file.read_text() == text
+    assert not paths.limits_file.exists()
+    config = load_config(paths.config_file, env={}, run_time_dir=paths.data_dir)
+    assert config.limits.upload_mbit == 0
+
+
 def test_errors_name_the_flag_the_user_typed() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, env={}, flags=[Flag("experts.uids", "ffn.[0:x]", "--experts ffn.[0:x]")])
@@ -107,6 +136,9 @@ def test_errors_name_the_flag_the_user_typed() -> None:
     assert config.network.port == 2
 
 
+_ID = "12D3KooWQvG1AFqZsbTjZxfLvS5oqHZHUJmBNRsPTVQ3MmWLKrnD"
+
+
 @pytest.mark.parametrize(
     "peer",
     [
@@ -114,11 +146,20 @@ def test_errors_name_the_flag_the_user_typed() -> None:
         "1.2.3.4:38400",
         "/ip4/1.2.3.4/tcp/1/p2p/",
         "/ip4/1.2.3.4/tcp/1/p2p/not-a-peer-id",
+        # what the shape allowed but the network layer cannot use: a socket path takes
+        # in the /p2p/ part, an unknown protocol, an IP out of range, not a peer id
+        f"/unix/a/p2p/{_ID}",
+        f"/foo/bar/p2p/{_ID}",
+        f"/ip4/1.2.3.999/tcp/1/p2p/{_ID}",
+        f"/ip4/1.2.3.4/tcp/1/p2p/{'1' * 44}",
+        f"/ip4/1.2.3.4/tcp/1/ipfs/{_ID}",
     ],
 )
 def test_a_bootstrap_peer_must_end_in_its_peer_id(peer: str) -> None:
     with pytest.raises(ConfigError, match=r"/p2p/<peer id>"):
         load_config(None, env={}, flags=[Flag("network.bootstrap_peers", [peer], "--bootstrap")])
+    with pytest.raises(ConfigError, match=r"reachability.relays = .*/p2p/<peer id>"):
+        load_config(None, env={}, overrides=[f"reachability.relays=[{peer!r}]"])
 
 
 def test_bootstrap_peers_as_peers_print_them_are_accepted() -> None:
@@ -127,6 +168,8 @@ def test_bootstrap_peers_as_peers_print_them_are_accepted() -> None:
         "/dns4/boot.example.org/tcp/38400/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
     ]
     assert Config.model_validate({"network": {"bootstrap_peers": peers}}).network.bootstrap_peers
+    config = Config.model_validate({"reachability": {"relays": peers}})
+    assert config.reachability.relays == peers
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -170,3 +170,35 @@ def test_the_schedule_file_overlays_the_config(tmp_path: Any) -> None:
     (tmp_path / "data" / "schedule.toml").write_text("[limits]\nupload_mbit = 1\n")
     with pytest.raises(ConfigError, match=r"only a \[schedule\] section"):
         load_config(tmp_path / "config.toml", run_time_dir=tmp_path / "data")
+
+
+async def test_a_schedule_change_keeps_only_what_was_changed_at_run_time(tmp_path: Any) -> None:
+    """As for the limits: a rule of the environment or a flag, for one run, was written
+    to ``schedule.toml`` with any change of another."""
+    import tomllib
+
+    from volunteerd.config import load_config
+    from volunteerd.schedule import FakeIdle, FakePower, Scheduler
+
+    class Target:
+        async def follow_schedule(self, decision: Decision) -> None:
+            pass
+
+    rules = load_config(None, env={"VOLUNTEERD_SCHEDULE__ON_BATTERY": "true"}).schedule
+    schedule_file = tmp_path / "schedule.toml"
+    scheduler = Scheduler(
+        rules,
+        Target(),
+        on_gpu=False,
+        idle=FakeIdle(),
+        power=FakePower(),
+        schedule_file=schedule_file,
+    )
+    await scheduler.set_rules(idle_minutes=7)
+    assert tomllib.loads(schedule_file.read_text()) == {"schedule": {"idle_minutes": 7}}
+    await scheduler.set_rules(compute_hours=["08:00-09:00"])
+    assert tomllib.loads(schedule_file.read_text()) == {
+        "schedule": {"idle_minutes": 7, "compute_hours": ["08:00-09:00"]}
+    }
+    assert scheduler.rules.on_battery  # still applied, for this run
+    assert not load_config(None, env={}, run_time_dir=tmp_path).schedule.on_battery

@@ -161,7 +161,20 @@ def test_ledger_counts_the_month_and_survives_a_restart(tmp_path: Path) -> None:
 def test_a_damaged_ledger_counts_from_zero(tmp_path: Path, text: str) -> None:
     path = tmp_path / "transfer.json"
     path.write_text(text)
-    assert TransferLedger(path).total == 0
+    ledger = TransferLedger(path)
+    assert ledger.total == 0
+    # moved aside for a look, not written over by the next save
+    assert not path.exists()
+    assert (tmp_path / "transfer.json.damaged").read_text() == text
+    ledger.add(up=5)
+    ledger.save()
+    assert TransferLedger(path).total == 5
+
+
+def test_a_ledger_that_is_a_folder_counts_from_zero_and_stays(tmp_path: Path) -> None:
+    (tmp_path / "transfer.json").mkdir()
+    assert TransferLedger(tmp_path / "transfer.json").total == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["transfer.json"]
 
 
 def test_quota_is_exhausted_by_up_and_down_together() -> None:

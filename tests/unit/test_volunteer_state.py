@@ -49,6 +49,9 @@ def test_a_state_the_daemon_never_writes_starts_it_unpaused(
     v.restore()
     assert not v.gate.closed
     assert "starting unpaused" in caplog.text
+    # moved aside for a look, not written over by the next save
+    assert not (tmp_path / "state.json").exists()
+    assert json.loads((tmp_path / "state.json.damaged").read_text()).keys() == state.keys()
 
 
 def test_a_week_long_snooze_is_restored(tmp_path: Path) -> None:
@@ -90,8 +93,54 @@ async def test_a_limit_change_that_cannot_be_saved_is_refused_whole(tmp_path: Pa
         limits_file=not_a_folder / "limits.toml",
         grace_s=0,
     )
-    with pytest.raises(ConfigError, match=r"cannot save the limits .* nothing changed"):
+    with pytest.raises(ConfigError, match=r"cannot save the limits.* nothing changed"):
         await v.set_limits(upload_mbit=5.0)
     assert v.limits == LimitsConfig()
     assert await v.set_limits(persist=False, upload_mbit=5.0) == v.limits
     assert v.limits.upload_mbit == 5.0
+
+
+async def test_a_limit_change_keeps_only_what_was_changed_at_run_time(tmp_path: Path) -> None:
+    """The daemon runs with a limit of the environment or a flag (``--set
+    limits.upload_mbit=3`` for one run); changing another limit wrote all of them to
+    ``limits.toml``, the temporary one with them, for good."""
+    from volunteerd.config import load_config
+
+    (tmp_path / "limits.toml").write_text("[limits]\ndaily_quota_gb = 4.0\n")
+    started = load_config(
+        None,
+        env={"VOLUNTEERD_LIMITS__MONTHLY_QUOTA_GB": "7"},
+        overrides=["limits.upload_mbit=3"],
+        run_time_dir=tmp_path,
+    ).limits
+    v = Volunteer(
+        None,
+        Throttle(started),
+        started,
+        state_file=None,
+        limits_file=tmp_path / "limits.toml",
+        grace_s=0,
+    )
+    await v.set_limits(download_mbit=10.0)
+    saved = tomllib.loads((tmp_path / "limits.toml").read_text())
+    assert saved == {"limits": {"daily_quota_gb": 4.0, "download_mbit": 10.0}}
+    # named again at its current value: kept (the volunteer chose it)
+    await v.set_limits(upload_mbit=3.0)
+    saved = tomllib.loads((tmp_path / "limits.toml").read_text())
+    assert saved["limits"] == {"daily_quota_gb": 4.0, "download_mbit": 10.0, "upload_mbit": 3.0}
+    # a whole new set of limits keeps what differs from the current ones
+    await v.set_limits(v.limits.model_copy(update={"cpu_threads": 2}))
+    saved = tomllib.loads((tmp_path / "limits.toml").read_text())
+    assert saved["limits"]["cpu_threads"] == 2
+    assert "monthly_quota_gb" not in saved["limits"]
+    # the next start without the environment variable: the config's monthly quota
+    assert load_config(None, env={}, run_time_dir=tmp_path).limits.monthly_quota_gb == 0
+
+
+async def test_a_limits_file_damaged_since_the_start_is_not_written_over(tmp_path: Path) -> None:
+    v = volunteer(tmp_path)
+    (tmp_path / "limits.toml").write_text("[network]\nport = 1\n")
+    with pytest.raises(ConfigError, match=r"may hold only a \[limits\] section"):
+        await v.set_limits(upload_mbit=5.0)
+    assert (tmp_path / "limits.toml").read_text() == "[network]\nport = 1\n"
+    assert v.limits == LimitsConfig()

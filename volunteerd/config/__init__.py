@@ -10,7 +10,9 @@ from volunteerd.config.loading import (
     limits_overlay_toml,
     load_config,
     parse_override,
+    run_time_changes,
     schedule_overlay_toml,
+    updated_overlay_toml,
 )
 from volunteerd.config.models import (
     CONFIG_VERSION,
@@ -65,5 +67,7 @@ __all__ = [
     "limits_overlay_toml",
     "load_config",
     "parse_override",
+    "run_time_changes",
     "schedule_overlay_toml",
+    "updated_overlay_toml",
 ]

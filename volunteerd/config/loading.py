@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from volunteerd.config.migrations import migrate
 from volunteerd.config.models import Config, LimitsConfig, ScheduleConfig
@@ -37,11 +37,14 @@ __all__ = [
     "LIMITS_FILE",
     "SCHEDULE_FILE",
     "Flag",
+    "check_limits_overlay",
     "dump_toml",
     "limits_overlay_toml",
     "load_config",
     "parse_override",
+    "run_time_changes",
     "schedule_overlay_toml",
+    "updated_overlay_toml",
 ]
 
 ENV_PREFIX = "VOLUNTEERD_"
@@ -95,7 +98,8 @@ def load_config(
         if not name.startswith(ENV_PREFIX) or "__" not in name[len(ENV_PREFIX) :]:
             continue
         keys = tuple(k.lower() for k in name[len(ENV_PREFIX) :].split("__"))
-        _set_path(data, keys, _parse_value(raw), f"environment {name}", sources)
+        source = f"environment {name}"
+        _set_path(data, keys, _parse_value(raw, source), source, sources)
 
     for item in overrides:
         keys, value = parse_override(item)
@@ -116,8 +120,8 @@ def parse_override(item: str) -> tuple[tuple[str, ...], Any]:
     name, sep, raw = item.partition("=")
     keys = tuple(k.strip() for k in name.split("."))
     if not sep or not all(keys):
-        raise ConfigError(f"bad override {item!r}: expected section.key=value")
-    return keys, _parse_value(raw.strip())
+        raise ConfigError(f"bad override {_shown(item)}: expected section.key=value")
+    return keys, _parse_value(raw.strip(), f"flag --set {_shown(item)}")
 
 
 def dump_toml(config: Config) -> str:
@@ -125,9 +129,10 @@ def dump_toml(config: Config) -> str:
 
 
 _OVERLAY_HEADER = """\
-# Written by volunteerd when its limits are changed while it runs (tray, control API).
-# These keys take the place of the [limits] section of the config file next to this one.
-# Delete this file to go back to the config file's limits.
+# Written by volunteerd when its limits are changed while it runs (tray, control API),
+# with the limits changed then. These keys take the place of the config file's [limits]
+# (environment variables and flags still win). Delete this file to go back to the
+# config file's limits.
 """
 
 
@@ -148,6 +153,49 @@ def schedule_overlay_toml(schedule: ScheduleConfig) -> str:
     return _SCHEDULE_HEADER + tomli_w.dumps({"schedule": schedule.model_dump(mode="json")})
 
 
+def run_time_changes(old: BaseModel, new: BaseModel, named: Iterable[str]) -> dict[str, Any]:
+    """What a change at run time sets (for ``updated_overlay_toml``): the keys it
+    ``named`` and any other whose value it changed (a whole new section), with their
+    new values as TOML takes them."""
+    before, after = old.model_dump(mode="json"), new.model_dump(mode="json")
+    named = set(named)
+    return {k: v for k, v in after.items() if k in named or before.get(k) != v}
+
+
+def updated_overlay_toml(path: Path, section: str, changed: Mapping[str, Any]) -> str:
+    """The new text of ``path`` (``limits.toml`` or ``schedule.toml``, holding only
+    ``[section]``): what it holds, with the ``changed`` keys set over it. Only what was
+    changed at run time is kept there: a value from the config file, the environment
+    or a flag (``--set limits.upload_mbit=3`` for one run) is not made permanent by an
+    unrelated change (all the limits were written, the temporary one with them).
+    Raises ConfigError for a file that holds something else (then it is left alone)."""
+    try:
+        overlay = read_toml(path)
+    except FileNotFoundError:
+        overlay = {}
+    values = overlay.get(section, {})
+    if set(overlay) - {section} or not isinstance(values, dict):
+        raise ConfigError(f"{path}: may hold only a [{section}] section; fix or delete it")
+    header = _OVERLAY_HEADER if section == "limits" else _SCHEDULE_HEADER
+    return header + tomli_w.dumps({section: {**values, **changed}})
+
+
+def check_limits_overlay(path: Path) -> None:
+    """Raises ConfigError, in one line, unless ``path`` holds what a ``limits.toml`` of
+    volunteerd's holds: a ``[limits]`` section only, of valid limits (FileNotFoundError
+    when there is none)."""
+    data: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    if not path.exists():
+        raise FileNotFoundError(path)
+    _apply_overlay(path, "limits", data, sources)
+    try:
+        Config.model_validate(data)
+    except ValidationError as exc:
+        details = _describe(exc, sources).splitlines()[1:]
+        raise ConfigError("; ".join(line.strip() for line in details)) from None
+
+
 def _apply_overlay(
     path: Path, section: str, data: dict[str, Any], sources: dict[tuple[str, ...], str]
 ) -> None:
@@ -164,11 +212,27 @@ def _apply_overlay(
         _set_path(data, (section, key), value, f"file {path}", sources)
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, source: str) -> Any:
+    """The TOML value ``raw`` (a bare word: the text itself). Raises ConfigError, naming
+    ``source``, for a value of more than one line: read as the document ``v = <raw>``,
+    its other lines set keys of their own, silently dropped (``"5\\n[network]..."``)."""
+    if any(c in raw.strip() for c in "\r\n"):
+        raise ConfigError(f"{source}: a value must be one line, without line breaks: {_shown(raw)}")
     try:
-        return parse_toml(f"v = {raw}", "value")["v"]
+        document = parse_toml(f"v = {raw}", "value")
     except ConfigError:  # a bare word; or past TOML's limits, then refused as a string
         return raw
+    if set(document) != {"v"}:  # one line holds one key, but never take more than it
+        raise ConfigError(f"{source}: not a single value: {_shown(raw)}")
+    return document["v"]
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted (line breaks escaped) for an error message, its start if long."""
+    shown = repr(text)
+    if len(shown) <= _SHOWN_CHARS:
+        return shown
+    return f"{shown[:_SHOWN_CHARS]}… ({len(text)} characters)"
 
 
 def _set_path(

@@ -15,7 +15,7 @@ from typing import Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from volunteerd import uids
-from volunteerd.config.addrs import is_dialable_addr
+from volunteerd.config.addrs import is_dialable_addr, is_ed25519_peer_id, peer_multiaddr_problem
 
 __all__ = [
     "CONFIG_VERSION",
@@ -54,8 +54,28 @@ class _Model(BaseModel):
 
 
 # A peer to dial: protocol/value pairs (/ip4/1.2.3.4/tcp/38400, /dns/host/tcp/1...),
-# ending in /p2p/ and its peer id (base58: 12D3KooW... or Qm...).
+# ending in /p2p/ and its peer id (base58: 12D3KooW... or Qm...), that multiaddr reads
+# so too (``_check_peer_multiaddrs``).
 _PEER_MULTIADDR = r"(/[a-z0-9-]+/[^/\s]+)+/p2p/[1-9A-HJ-NP-Za-km-z]{40,60}"
+
+
+def _check_peer_multiaddrs(values: list[str], what: str) -> list[str]:
+    """Each of ``values`` a peer's multiaddr as the network layer will parse it
+    (``net.peers.parse_peer_multiaddr``): a shape that only looked right (``/unix/a/p2p/
+    <id>``, where the socket path takes in the /p2p/ part; an unknown protocol; an IP
+    out of range) started a daemon that then stopped with a traceback."""
+    for value in values:
+        problem = None
+        if not re.fullmatch(_PEER_MULTIADDR, value):
+            problem = "it does not end in /p2p/<peer id>"
+        else:
+            problem = peer_multiaddr_problem(value)
+        if problem is not None:
+            raise ValueError(
+                f"not a {what} multiaddr: {value!r}: {problem} (expected "
+                "/ip4/<address>/tcp/<port>/p2p/<peer id>, as the peer prints it)"
+            )
+    return values
 
 
 class NetworkConfig(_Model):
@@ -112,13 +132,7 @@ class NetworkConfig(_Model):
     def _peer_multiaddrs(cls, values: list[str]) -> list[str]:
         # Checked here, before anything starts: a peer without its id is only refused
         # by libp2p after the node is up (and its identity created).
-        for value in values:
-            if not re.fullmatch(_PEER_MULTIADDR, value):
-                raise ValueError(
-                    f"not a peer's multiaddr: {value!r} (expected "
-                    "/ip4/<address>/tcp/<port>/p2p/<peer id>, as the peer prints it)"
-                )
-        return values
+        return _check_peer_multiaddrs(values, "peer's")
 
 
 class DHTConfig(_Model):
@@ -531,6 +545,20 @@ class ExperimentsConfig(_Model):
         60.0, gt=0, description="how long to look for the manifest before giving up"
     )
 
+    @field_validator("trusted_owners")
+    @classmethod
+    def _peer_ids(cls, values: list[str]) -> list[str]:
+        # as an invitation's owner is checked: anything else (a name, a multiaddr, a
+        # peer id cut short) trusted nobody, and the join waited for a manifest in vain
+        for value in values:
+            if not is_ed25519_peer_id(value):
+                shown = value if len(value) <= 80 else f"{value[:80]}…"
+                raise ValueError(
+                    f"not a peer id: {shown!r} (expected the owner's peer id, 12D3KooW... "
+                    "of an Ed25519 key, as `volunteerd publish` prints it)"
+                )
+        return values
+
 
 class PeerLimitsConfig(_Model):
     """Per-peer limits on what one peer may ask of this node; beyond them: rate_limited."""
@@ -641,10 +669,7 @@ class ReachabilityConfig(_Model):
     @field_validator("relays")
     @classmethod
     def _relay_multiaddrs(cls, values: list[str]) -> list[str]:
-        for value in values:
-            if not value.startswith("/") or "/p2p/" not in value:
-                raise ValueError(f"not a relay multiaddr: {value!r} (expected .../p2p/<id>)")
-        return values
+        return _check_peer_multiaddrs(values, "relay")
 
     @model_validator(mode="after")
     def _listen_needs_relay(self) -> Self:

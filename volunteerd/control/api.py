@@ -14,6 +14,7 @@ daemon. Errors are JSON, ``{"error": "...", "field": "..."}``:
 * 409 a change the daemon refused (e.g. limits it cannot apply),
 * 500 a file the daemon could not read or write while answering (``OSError``: a full
   disk, a read-only data folder); the message names it, the log has the traceback.
+  Any other failure while answering (a bug) is a JSON 500 too, the traceback logged.
 
 Bodies are validated completely before anything changes, and replies are always
 valid JSON: a non-finite number in a snapshot is sent as ``null`` (and logged) rather
@@ -406,6 +407,13 @@ class _Endpoint:
             # the volunteer must read which and why, not a bare 500 from the framework.
             logger.exception("%s %s failed", request.method, self._path)
             return _error(500, f"the daemon could not read or write a file: {exc}")
+        except ClientDisconnect:
+            raise  # nobody to answer (``__call__``)
+        except Exception:
+            # A bug of the daemon's: still JSON, as every reply (clients parse it), and
+            # the traceback in the log; not the framework's bare text 500.
+            logger.exception("%s %s failed", request.method, self._path)
+            return _error(500, "the daemon failed to answer this request (its log says why)")
 
 
 # On every reply: the page loads only its own files and talks only to this server; no

@@ -14,7 +14,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from volunteerd.config.addrs import CIRCUIT_SUFFIX, circuit_parts
+from volunteerd.config.addrs import CIRCUIT_SUFFIX, circuit_parts, peer_multiaddr_problem
 from volunteerd.errors import ConfigError
 from volunteerd.identity import Identity
 
@@ -102,17 +102,16 @@ def dialable_part(text: str) -> str:
 
 
 def parse_peer_multiaddr(text: str) -> PeerAddress:
-    """``/ip4/1.2.3.4/tcp/38400/p2p/12D3...`` -> PeerAddress; raises ConfigError."""
+    """``/ip4/1.2.3.4/tcp/38400/p2p/12D3...`` -> PeerAddress; raises ConfigError for
+    anything ``config.addrs.peer_multiaddr_problem`` refuses, what multiaddr cannot
+    parse, or an undecodable peer id."""
+    problem = peer_multiaddr_problem(text)
+    if problem is not None:
+        raise ConfigError(f"not a peer's multiaddr: {text!r}: {problem}")
     try:
-        addr = multiaddr.Multiaddr(text)
-    except Exception as exc:
-        raise ConfigError(f"not a valid multiaddr: {text!r} ({exc})") from None
-    if "/p2p/" not in text:
-        raise ConfigError(f"multiaddr {text!r} has no /p2p/<peer id> part")
-    peer_id = addr.value_for_protocol("p2p")
-    try:
+        multiaddr.Multiaddr(text)
+        transport, _, peer_id = text.rpartition("/p2p/")
         ID.from_base58(peer_id)
-    except Exception:
-        raise ConfigError(f"multiaddr {text!r} has an invalid peer id") from None
-    transport = text.split("/p2p/")[0]
+    except Exception as exc:  # multiaddr and base58 raise several kinds
+        raise ConfigError(f"not a peer's multiaddr: {text!r} ({exc})") from None
     return PeerAddress(peer_id=peer_id, addrs=(transport,) if transport else ())

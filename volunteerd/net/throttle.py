@@ -156,8 +156,10 @@ class TransferLedger:
             day, day_bytes = data.get("day"), int(data.get("day_bytes", 0))
         except FileNotFoundError:
             return
+        except OSError as exc:  # a folder, no permission: nothing to keep a copy of
+            logger.warning("%s is unreadable (%s); counting this month from zero", path, exc)
+            return
         except (
-            OSError,
             ValueError,
             KeyError,
             TypeError,
@@ -165,7 +167,18 @@ class TransferLedger:
             ArithmeticError,
             RecursionError,
         ) as exc:
-            logger.warning("%s is unreadable (%s); counting this month from zero", path, exc)
+            # kept for a look (the next save would write over it), as the stats file is
+            aside = path.with_name(f"{path.name}.damaged")
+            try:
+                path.replace(aside)
+            except OSError:
+                aside = path
+            logger.warning(
+                "%s is unreadable (%s); counting this month from zero (the file: %s)",
+                path,
+                exc,
+                aside,
+            )
             return
         if month == self.month:
             self.bytes_up, self.bytes_down = max(0, up), max(0, down)

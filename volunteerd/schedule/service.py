@@ -26,7 +26,7 @@ import trio
 from pydantic import ValidationError
 
 from volunteerd.atomic import write_atomic
-from volunteerd.config import ScheduleConfig, schedule_overlay_toml
+from volunteerd.config import ScheduleConfig, run_time_changes, updated_overlay_toml
 from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.errors import ConfigError
@@ -187,14 +187,21 @@ class Scheduler:
             raise ConfigError(f"schedule.{where}: {first['msg']}") from None
         if persist and self._schedule_file is not None:
             # Saved first: rules that cannot be saved are refused whole, instead of
-            # answered "done" and lost at the next start.
+            # answered "done" and lost at the next start. Only what changed at run time:
+            # not a rule of the environment or a flag, for one run.
+            overlay = run_time_changes(self.rules, new, changes)
             try:
-                write_atomic(self._schedule_file, schedule_overlay_toml(new))
+                write_atomic(
+                    self._schedule_file,
+                    updated_overlay_toml(self._schedule_file, "schedule", overlay),
+                )
             except OSError as exc:
                 raise ConfigError(
                     f"cannot save the schedule to {self._schedule_file}: "
                     f"{exc.strerror or exc}; nothing changed"
                 ) from None
+            except ConfigError as exc:  # what it holds now is unreadable: left alone
+                raise ConfigError(f"cannot save the schedule: {exc}; nothing changed") from None
         old, self.rules = self.rules, new
         before, after = old.model_dump(), new.model_dump()
         changed = changes_in_words(before, after)

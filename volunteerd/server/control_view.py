@@ -5,7 +5,9 @@ leaving projects).
 A daemon may host nothing (no project: ``runtime`` is None); then it shows no experts
 and device "none". Joining or leaving a project records it in ``projects.toml``
 (``swarm.projects``) and, when that changes what the daemon runs, restarts it (a
-moment after the reply left: ``Daemon.request_restart``).
+moment after the reply left: ``Daemon.request_restart``), unless the configuration it
+would restart with does not load (``check_restart``: a change refused with 409, and the
+daemon goes on as it is).
 
 ``ControlView`` implements ``control.api.Controls``. The events it serves are posted
 by the services themselves (``server.events``); its ``serve`` task looks up every
@@ -51,7 +53,7 @@ from volunteerd.control.models import (
     Status,
     Totals,
 )
-from volunteerd.errors import ConfigError, ResourceUnavailable
+from volunteerd.errors import ConfigError, ControlError, ResourceUnavailable
 from volunteerd.net import Node
 from volunteerd.schedule import Scheduler
 from volunteerd.server.activity import Signals, decide_activity
@@ -118,6 +120,7 @@ class ControlView:
         request_stop: Callable[[], None],
         request_restart: Callable[[], None],
         events: EventLog,
+        check_restart: Callable[[], None] = lambda: None,
         scheduler: Scheduler | None = None,
         unheard: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -132,6 +135,9 @@ class ControlView:
         self._projects_file = projects_file
         self._request_stop = request_stop
         self._request_restart = request_restart
+        self._check_restart = check_restart  # raises ConfigError: a restart would not start
+        self._stopping = False  # shutdown() was asked for
+        self._restarting = False  # a join or leave's restart began
         self.events = events
         self._scheduler = scheduler
         self.started_at = time.time()
@@ -499,9 +505,22 @@ class ControlView:
         return self.limits()
 
     def shutdown(self) -> None:
-        """Stop the daemon gracefully, a moment after the reply to this request left."""
+        """Stop the daemon gracefully, a moment after the reply to this request left;
+        for good, also when a join or leave asked for a restart just before (the tray's
+        "Quit" a moment after a join restarted the daemon instead)."""
         self.events.post("state", "stopping (asked through the control API)")
-        self._after_reply(self._request_stop)
+        self._stopping = True
+        if self._restarting:  # stopping already, to start again: for good instead
+            self._request_stop()
+        else:
+            self._after_reply(self._request_stop)
+
+    def _restart(self) -> None:
+        """The restart a join or leave asked for, unless a stop was asked since."""
+        if self._stopping:
+            return
+        self._restarting = True
+        self._request_restart()
 
     def _after_reply(self, stop: Callable[[], None]) -> None:
         if self._nursery is None:
@@ -524,7 +543,8 @@ class ControlView:
         """Record the project ``body.invitation`` names (in place of one of the same
         name) and restart into it, unless a dry run or already running it as recorded.
         Raises ConfigError: a bad invitation (what is wrong), the config's project's
-        name, a bad projects file or too many projects."""
+        name, a bad projects file or too many projects; ControlError (409) when the
+        restart would not start (``_restart_would_start``), before anything is recorded."""
         project = Project.invited(
             parse_invitation(body.invitation), share=body.share, joined_at=time.time()
         )
@@ -536,6 +556,8 @@ class ControlView:
         # joined already as asked: record it again (in case the file was edited since),
         # but nothing to restart for
         running = next((p for p in self._projects if p.same_entry(project)), None)
+        if not body.dry_run and running is None:
+            await self._restart_would_start(f"join {project.name!r}")
         if not body.dry_run:
             await trio.to_thread.run_sync(join_project, self._projects_file, project)
         if body.dry_run or running is not None:
@@ -544,26 +566,44 @@ class ControlView:
             return ProjectJoined(project=view, restarting=False)
         logger.info("joined project %r of %s; restarting to host it", project.name, project.owner)
         self.events.post("projects", f"joined project {project.name}: restarting to host it")
-        self._after_reply(self._request_restart)
+        self._after_reply(self._restart)
         return ProjectJoined(project=_project_view(project, None), restarting=True)
 
     async def leave_project(self, name: str) -> ProjectLeft | None:
         """Forget project ``name`` and restart without it; None when there is no such
-        project. Raises ConfigError for the config's project (edit the file)."""
+        project. Raises ConfigError for the config's project (edit the file); ControlError
+        (409) when the restart would not start, before anything is changed."""
         if any(p.from_config and p.name == name for p in self._projects):
             raise ConfigError(
                 f"project {name!r} comes from the config file (experiments.join): "
                 "remove it there, then restart volunteerd"
             )
-        removed = await trio.to_thread.run_sync(leave_project, self._projects_file, name)
         running = any(p.name == name for p in self._projects)
+        if running:
+            await self._restart_would_start(f"leave {name!r}")
+        removed = await trio.to_thread.run_sync(leave_project, self._projects_file, name)
         if not removed and not running:
             return None
         if running:
             logger.info("left project %r; restarting without it", name)
             self.events.post("projects", f"left project {name}: restarting without it")
-            self._after_reply(self._request_restart)
+            self._after_reply(self._restart)
         return ProjectLeft(left=name, restarting=running)
+
+    async def _restart_would_start(self, change: str) -> None:
+        """Raises ControlError (409) when the daemon, restarted now, would not start: the
+        config file, limits.toml, schedule.toml or projects.toml was edited badly since
+        it started (read only at a start). It would have answered "restarting" and
+        been gone, its exit status in a log."""
+        try:
+            await trio.to_thread.run_sync(self._check_restart)
+        except (ConfigError, OSError) as exc:
+            raise ControlError(
+                f"cannot {change} now: volunteerd would restart for it into a configuration "
+                f"that does not load, and stop. Fix it first; this daemon goes on as it is.\n"
+                f"{exc}",
+                status=409,
+            ) from None
 
     # -- replicas --------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ import trio
 from pydantic import ValidationError
 
 from volunteerd.atomic import write_atomic
-from volunteerd.config import LimitsConfig, limits_overlay_toml
+from volunteerd.config import LimitsConfig, run_time_changes, updated_overlay_toml
 from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.control.models import MAX_SNOOZE_S
@@ -227,8 +227,22 @@ class Volunteer:
                 raise ValueError(f"a snooze until {until!r}")
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError, ArithmeticError, RecursionError) as exc:
+        except OSError as exc:  # a folder, no permission: nothing to keep a copy of
             logger.warning("%s is unreadable (%s); starting unpaused", self._state_file, exc)
+            return
+        except (ValueError, KeyError, TypeError, ArithmeticError, RecursionError) as exc:
+            # kept for a look (the next save would write over it)
+            aside = self._state_file.with_name(f"{self._state_file.name}.damaged")
+            try:
+                self._state_file.replace(aside)
+            except OSError:
+                aside = self._state_file
+            logger.warning(
+                "%s is unreadable (%s); starting unpaused (the file: %s)",
+                self._state_file,
+                exc,
+                aside,
+            )
             return
         if paused and until is not None and until <= self._clock():
             paused, until = False, None
@@ -360,7 +374,7 @@ class Volunteer:
         saving = persist and self._limits_file is not None
         saved_before = self._saved_limits() if saving else None
         if saving:
-            self._save_limits(new)
+            self._save_limits(run_time_changes(old, new, changes))
         try:
             self._throttle.apply(new)
             self._apply_compute_limits(new)
@@ -544,16 +558,21 @@ class Volunteer:
             else:
                 write_atomic(self._limits_file, content)
 
-    def _save_limits(self, limits: LimitsConfig) -> None:
+    def _save_limits(self, changed: dict[str, Any]) -> None:
+        """Write the ``changed`` limits into ``limits.toml``, over what it holds: only
+        what was changed at run time is kept there, not a limit of the environment or a
+        flag. Raises ConfigError."""
         limits_file = self._limits_file
         if limits_file is None:  # pragma: no cover - callers check
             return
         try:
-            write_atomic(limits_file, limits_overlay_toml(limits))
+            write_atomic(limits_file, updated_overlay_toml(limits_file, "limits", changed))
         except OSError as exc:
             raise ConfigError(
                 f"cannot save the limits to {limits_file}: {exc.strerror or exc}; nothing changed"
             ) from None
+        except ConfigError as exc:  # what it holds now is unreadable: left alone
+            raise ConfigError(f"cannot save the limits: {exc}; nothing changed") from None
 
     def _apply_compute_limits(self, limits: LimitsConfig) -> None:
         if self._runtime is None:
