@@ -136,22 +136,29 @@ def admit_after_identify(host: IHost, kad: KadDHT) -> None:
 
 
 def fit_reply(
-    per_key: Sequence[Sequence[R]], budget_bytes: int, wire_size_of: Callable[[R], int]
+    per_key: Sequence[Iterable[R]], budget_bytes: int, wire_size_of: Callable[[R], int]
 ) -> list[R]:
     """Records of several keys within ``budget_bytes`` of JSON: round-robin over the
     keys, each key's best-ranked records first (the store lists writers seen longest
-    first), so every key keeps its best writers when a flooded key would fill it."""
+    first), so every key keeps its best writers when a flooded key would fill it. Each
+    key's records are taken one by one (``SignedRecordStore.ranked``): no more are read
+    than the reply holds, and one more per key."""
+    keys = [iter(records) for records in per_key]
     out: list[R] = []
     used = 0
-    for position in range(max((len(records) for records in per_key), default=0)):
-        for records in per_key:
-            if position >= len(records):
+    while keys:
+        going = []
+        for records in keys:
+            record = next(records, None)
+            if record is None:
                 continue
-            size = wire_size_of(records[position])
+            size = wire_size_of(record)
             if used + size > budget_bytes:
                 return out
             used += size
-            out.append(records[position])
+            out.append(record)
+            going.append(records)
+        keys = going
     return out
 
 
@@ -266,7 +273,7 @@ class ExpertDHT:
 
         async def on_find(request: Request) -> Reply:
             keys, writer = request.header.query()
-            per_key = [store.get(key, writer) for key in dict.fromkeys(keys)]
+            per_key = [store.ranked(key, writer) for key in dict.fromkeys(keys)]
             fitted = fit_reply(per_key, _FIND_REPLY_BYTES, verbs.kind.wire_size_of)
             return Reply(fit_reply_header(PROTOCOLS[verbs.find].reply, fitted))
 
