@@ -32,12 +32,14 @@ the queue, and hears about every optimizer step that had to be undone:
   warmed up (``warmed_up``), its steps get the full check; after that the check's cheap
   prediction, with a full check every ``full_check_every`` steps. One step may join
   several trainers' requests (the batcher merges them, and backwards that finish before
-  the step runs share it). A trainer that had the step to itself is blamed. Of several,
-  only those whose largest gradient row norm is ``blame_ratio`` (10) times the median of
-  the others' are: the gradient is what moves the weights (the built-in experts
-  normalise their inputs first), and a step that breaks with nobody standing out says
-  more about the model (e.g. a learning rate too high) than about a peer: it is undone
-  and counted, and no one is banned. Honest requests merged into an undone step lose
+  the step runs share it). A trainer that had the step to itself is blamed. Of several
+  (judged by party: the address, as above), only the loudest few are: those above the
+  first drop of more than ``blame_ratio`` (10) times from one largest gradient row norm
+  to the next, going down from the loudest, when they are at most half (``blame``).
+  The gradient is what moves the weights (the built-in experts normalise their inputs
+  first), and a step that breaks with nobody standing out, or with most standing out,
+  says more about the model (e.g. a learning rate too high) than about a peer: it is
+  undone and counted, and no one is banned. Honest requests merged into an undone step lose
   their update.
 * a blamed trainer is banned for ``ban_s`` (600 s): every later request of that peer,
   for any expert of this daemon, is refused with ``rejected`` before it is decoded
