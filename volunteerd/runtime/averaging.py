@@ -31,6 +31,19 @@ refused is not asked again for a while, twice as long after each failure in a ro
 once keeps being averaged with however many fakes are listed. What is remembered, and
 the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
 
+How long a round takes: a replica must send its parameters within ``FIRST_REPLY_S``
+(5 s, as trainers' fetches must begin within) plus their size at ``MIN_REPLY_RATE``
+(256 kbit/s), or it is dropped for the round as "timeout" and backs off as a failure; the
+RPC client's ``request_s`` still bounds any one call. The hosted experts are gathered
+concurrently (``CONCURRENT_EXPERTS``, fewer when their replies would hold more than
+``GATHER_BUDGET_BYTES`` together), those averaged longest ago first, and a round ends
+after ``average_every_s`` or the largest expert's fetch bound, whichever is longer: a
+fetch still running then is cut without counting against its peer, replies already
+checked are still averaged, and experts not begun wait for the next round, first in
+line. A record whose address accepts and never answers used to hold each expert for
+all of ``request_s`` in turn: with a fresh such identity per expert, a round of four
+experts took 240 s; now about the fetch bound of the slowest expert.
+
 The network is behind ``ReplicaSource`` (the daemon gives the DHT and the RPC client),
 so this module needs no libp2p and its tests can fake the swarm.
 """
@@ -41,7 +54,7 @@ import logging
 import math
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -68,6 +81,16 @@ logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED = 4096  # peers remembered as good, as failed, and in each per-peer counter
 _MAX_BACKOFF_S = 3600.0  # the longest a failed peer goes unasked
+# A replica must begin to answer within this (trainers' ``FIRST_REPLY_S``)...
+FIRST_REPLY_S = 5.0
+# ...and send its parameters at this rate at least (bytes a second: 256 kbit/s, below
+# what a volunteer who throttled their upload hard still sends). The averager sees a
+# fetch only whole (``ReplicaSource.fetch``), so the two make one bound.
+MIN_REPLY_RATE = 32 << 10
+# experts whose replicas are fetched at once in a round...
+CONCURRENT_EXPERTS = 4
+# ...fewer while max_peers replies of each would hold more bytes than this (one at least)
+GATHER_BUDGET_BYTES = 512 << 20
 
 
 class ReplicaSource(Protocol):
@@ -125,6 +148,8 @@ class ReplicaAverager:
         self._counts = _Counters()
         self._good: OrderedDict[str, float] = OrderedDict()  # peer -> when last used
         self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
+        self._rounds_run = 0
+        self._turns: dict[str, int] = {}  # hosted uid -> the round it was last gathered in
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Average every expert every ``average_every_s`` (jittered) until cancelled."""
@@ -134,59 +159,108 @@ class ReplicaAverager:
             await self.run_round()
 
     async def run_round(self) -> int:
-        """One averaging round for every hosted expert; returns the replicas used."""
+        """One averaging round for every hosted expert; returns the replicas used.
+
+        Up to ``CONCURRENT_EXPERTS`` experts at once (fewer for large ones), those
+        gathered longest ago first; fetches end by the round's deadline (see ``round_s``),
+        and an expert whose turn has not come by then waits for the next round."""
+        self._rounds_run += 1
+        sizes = {uid: self._param_bytes(uid) for uid in self.runtime.uids}
+        if not sizes:
+            return 0
+        self._turns = {uid: n for uid, n in self._turns.items() if uid in sizes}
+        in_turn = sorted(sizes, key=lambda uid: self._turns.get(uid, 0))
+        deadline = trio.current_time() + self.round_s(max(sizes.values()))
+        per_round = self._config.max_peers * max(max(sizes.values()), 1)
+        at_once = max(1, min(CONCURRENT_EXPERTS, GATHER_BUDGET_BYTES // per_round))
+        waiting = deque(in_turn)
         used = 0
-        for uid in self.runtime.uids:
-            try:
-                used += await self.average(uid)
-            except VolunteerdError as exc:
-                logger.info("averaging %s failed: %s", uid, exc)
-            except Exception as exc:
-                # Peers come and go under the lookup (py-libp2p raises its own errors,
-                # e.g. PeerStoreError for one that left): never a reason to stop serving.
-                logger.warning("averaging %s failed: %r", uid, exc)
-        return used
 
-    async def average(self, uid: str) -> int:
-        """Average ``uid`` with its replicas once; returns how many replicas went in."""
-        return await self.combine(uid, await self.gather(uid))
-
-    async def gather(self, uid: str) -> list[tuple[str, Params]]:
-        """The parameters of up to ``max_peers`` other replicas of ``uid`` that fit, by
-        peer id; the others are counted as rejected."""
-        peers = self.choose(await self.source.replicas(uid))
-        if not peers:
-            return []
-        backend = self.runtime.backend(uid)
-        expected = {
-            name: (p.dtype, tuple(p.shape)) for name, p in backend.module.named_parameters()
-        }
-        # A reply that fits has exactly these bytes: one over them is refused from its
-        # prefix, or a replica could make this node read ~256 MiB (wire.max_body_bytes).
-        max_bytes = sum(p.numel() * p.element_size() for p in backend.module.parameters())
-        replies: list[tuple[str, Params]] = []
-
-        async def fetch(peer_id: str) -> None:
-            try:
-                reply, tensors = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
-            except FrameTooLarge as exc:
-                self._reject(peer_id, "too_large", str(exc))
-                return
-            except VolunteerdError as exc:
-                self._reject(peer_id, "unreachable", str(exc))
-                return
-            params = await trio.to_thread.run_sync(_check_reply, uid, expected, reply, tensors)
-            if isinstance(params, str):
-                self._reject(peer_id, params, f"{uid}: {params}")
-                return
-            self._failed.pop(peer_id, None)
-            remember(self._good, peer_id, self._clock(), _MAX_REMEMBERED)
-            replies.append((peer_id, params))
+        async def worker() -> None:
+            nonlocal used
+            while waiting and trio.current_time() < deadline:
+                uid = waiting.popleft()
+                self._turns[uid] = self._rounds_run
+                try:
+                    n = await self.average(uid, deadline=deadline)
+                    used += n  # not `used += await ...`: that reads `used` before awaiting
+                except VolunteerdError as exc:
+                    logger.info("averaging %s failed: %s", uid, exc)
+                except Exception as exc:
+                    # Peers come and go under the lookup (py-libp2p raises its own errors,
+                    # e.g. PeerStoreError for one that left): never a reason to stop serving.
+                    logger.warning("averaging %s failed: %r", uid, exc)
 
         async with trio.open_nursery() as nursery:
-            for peer_id in peers:
-                nursery.start_soon(fetch, peer_id)
+            for _ in range(min(at_once, len(waiting))):
+                nursery.start_soon(worker)
+        if waiting:  # they keep their place in line: first next round
+            logger.info("averaging round out of time; left for the next: %s", ", ".join(waiting))
+        return used
+
+    def round_s(self, largest_bytes: int) -> float:
+        """How long a round may take at most, with experts of ``largest_bytes``
+        parameter bytes at most: ``average_every_s``, or one fetch of the largest."""
+        return max(self._config.average_every_s, fetch_bound_s(largest_bytes))
+
+    async def average(self, uid: str, *, deadline: float = math.inf) -> int:
+        """Average ``uid`` with its replicas once; returns how many replicas went in.
+        Fetches end at ``deadline`` (trio's clock) at the latest; the replies checked by
+        then are averaged."""
+        return await self.combine(uid, await self.gather(uid, deadline=deadline))
+
+    async def gather(self, uid: str, *, deadline: float = math.inf) -> list[tuple[str, Params]]:
+        """The parameters of up to ``max_peers`` other replicas of ``uid`` that fit, by
+        peer id; the others are counted as rejected. A replica that has not sent them
+        within ``fetch_bound_s`` is dropped as "timeout"; one still being fetched or
+        checked at ``deadline`` (trio's clock) is left out uncounted."""
+        replies: list[tuple[str, Params]] = []
+        with trio.move_on_at(deadline):
+            peers = self.choose(await self.source.replicas(uid))
+            if not peers:
+                return replies
+            backend = self.runtime.backend(uid)
+            expected = {
+                name: (p.dtype, tuple(p.shape)) for name, p in backend.module.named_parameters()
+            }
+            # A reply that fits has exactly these bytes: one over them is refused from its
+            # prefix, or a replica could make this node read ~256 MiB (wire.max_body_bytes).
+            max_bytes = self._param_bytes(uid)
+            bound_s = fetch_bound_s(max_bytes)
+
+            async def fetch(peer_id: str) -> None:
+                got: tuple[ParamsReply, list[WireTensor]] | None = None
+                # Only this peer's own bound counts against it: a cut at the round's
+                # deadline (an outer scope) propagates past this one, uncounted.
+                with trio.move_on_after(bound_s):
+                    try:
+                        got = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
+                    except FrameTooLarge as exc:
+                        self._reject(peer_id, "too_large", str(exc))
+                        return
+                    except VolunteerdError as exc:
+                        self._reject(peer_id, "unreachable", str(exc))
+                        return
+                if got is None:
+                    self._reject(peer_id, "timeout", f"{uid}: no reply within {bound_s:.3g} s")
+                    return
+                reply, tensors = got
+                params = await trio.to_thread.run_sync(_check_reply, uid, expected, reply, tensors)
+                if isinstance(params, str):
+                    self._reject(peer_id, params, f"{uid}: {params}")
+                    return
+                self._failed.pop(peer_id, None)
+                remember(self._good, peer_id, self._clock(), _MAX_REMEMBERED)
+                replies.append((peer_id, params))
+
+            async with trio.open_nursery() as nursery:
+                for peer_id in peers:
+                    nursery.start_soon(fetch, peer_id)
         return replies
+
+    def _param_bytes(self, uid: str) -> int:
+        module = self.runtime.backend(uid).module
+        return sum(p.numel() * p.element_size() for p in module.parameters())
 
     def choose(self, listed: list[str]) -> list[str]:
         """Up to ``max_peers`` of the peers the DHT lists for a uid (in its order): not
@@ -239,9 +313,16 @@ class ReplicaAverager:
         counts.rejected[reason] = counts.rejected.get(reason, 0) + 1
         _add(counts.rejected_by_peer, peer_id, 1)
         self._good.pop(peer_id, None)
-        failures = self._failed.get(peer_id, (0.0, 0))[1] + 1
+        now = self._clock()
+        retry_at, failures = self._failed.get(peer_id, (0.0, 0))
+        if retry_at > now:
+            # Already backing off: it failed for another expert of the same round (the
+            # experts are gathered at once), which counts as one failure, as in turn.
+            logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
+            return
+        failures += 1
         backoff = min(_MAX_BACKOFF_S, self._config.average_every_s * 2 ** min(failures - 1, 20))
-        remember(self._failed, peer_id, (self._clock() + backoff, failures), _MAX_REMEMBERED)
+        remember(self._failed, peer_id, (now + backoff, failures), _MAX_REMEMBERED)
         logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
 
     def statistics(self) -> AveragingStats:
@@ -254,6 +335,12 @@ class ReplicaAverager:
             clipped_by_peer=dict(c.clipped_by_peer),
             last_shift=dict(c.last_shift),
         )
+
+
+def fetch_bound_s(param_bytes: int) -> float:
+    """How long a replica may take to send parameters of ``param_bytes``: it must begin
+    within ``FIRST_REPLY_S`` and go on at ``MIN_REPLY_RATE`` at least."""
+    return FIRST_REPLY_S + param_bytes / MIN_REPLY_RATE
 
 
 def _add(counter: dict[str, int], peer_id: str, n: int) -> None:

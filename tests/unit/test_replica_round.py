@@ -1,0 +1,225 @@
+"""How long a replica averaging round takes (``runtime.averaging.ReplicaAverager``): a
+replica that never answers is dropped after the fetch bound, the hosted experts are
+gathered at once (a few at a time), and a round ends by its deadline.
+
+In virtual time (``autojump_clock``), with the replies' checks and the weights' updates
+run inline rather than in worker threads: virtual time jumps whenever every task waits,
+a thread's work included, so with threads the clock could run past a deadline while a
+check runs. Inline, every time below is exact."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
+from volunteerd.config.models import ReplicasConfig
+from volunteerd.errors import PeerUnreachable, RequestTimeout
+from volunteerd.experts import to_wire
+from volunteerd.runtime import ExpertRuntime, averaging
+from volunteerd.runtime.averaging import ReplicaAverager
+from volunteerd.wire import WireTensor
+from volunteerd.wire.messages import ParamsReply
+
+REQUEST_S = 60.0  # the RPC client's bound on one call (timeouts.request_s)
+SHIFT = 1e-4  # the honest replica's weights: its own plus this
+
+Params = dict[str, torch.Tensor]
+Reply = tuple[ParamsReply, list[WireTensor]]
+
+
+@pytest.fixture(autouse=True)
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def run_sync(fn: Callable[..., Any], *args: Any, **_: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+
+
+def runtime_of(n: int) -> ExpertRuntime:
+    uids = [f"ffn.0.{i}" for i in range(n)]
+    experts = ExpertsConfig(hidden_dim=16)
+    return ExpertRuntime(
+        uids, experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+
+
+def reply_for(params: Params, uid: str) -> Reply:
+    encoded = [to_wire(t) for t in params.values()]
+    header = ParamsReply(uid=uid, updates=0, names=list(params), tensors=[m for m, _ in encoded])
+    return header, [WireTensor(m.dtype, m.shape, memoryview(bytearray(d))) for m, d in encoded]
+
+
+class Swarm:
+    """Every uid is hosted by "honest" (the expert's own weights + SHIFT, after
+    ``honest_s``) and by ``silent`` fresh identities a round that never answer: the RPC
+    client's RequestTimeout after ``REQUEST_S``."""
+
+    def __init__(self, runtime: ExpertRuntime, silent: int = 1, honest_s: float = 0.0) -> None:
+        self.runtime = runtime
+        self.silent = silent
+        self.honest_s = honest_s
+        self.fresh = itertools.count()
+        self.listed: dict[str, list[str]] = {}  # uid -> the silent peers last listed
+        self.gone: set[str] = set()  # peers that are unreachable at once
+        self.fetched: list[str] = []  # uids, in the order their first fetch began
+        self.calls: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # uid -> fetches under way
+        self.most_uids_at_once = 0
+        self.silent_cut = 0  # silent fetches cancelled before REQUEST_S
+
+    async def replicas(self, uid: str) -> list[str]:
+        self.listed[uid] = [f"silent-{next(self.fresh)}" for _ in range(self.silent)]
+        return ["honest", *self.listed[uid], *sorted(self.gone)]
+
+    async def fetch(self, peer_id: str, uid: str, *, max_bytes: int) -> Reply:
+        self.calls[peer_id] += 1
+        if uid not in self.fetched:
+            self.fetched.append(uid)
+        if peer_id in self.gone:
+            raise PeerUnreachable(f"{peer_id}: gone")
+        self.in_flight[uid] += 1
+        self.most_uids_at_once = max(self.most_uids_at_once, len(+self.in_flight))
+        try:
+            if peer_id.startswith("silent"):
+                try:
+                    await trio.sleep(REQUEST_S)  # the stream opened, never answered
+                except trio.Cancelled:
+                    self.silent_cut += 1
+                    raise
+                raise RequestTimeout(f"{peer_id}: no reply within {REQUEST_S}s")
+            await trio.sleep(self.honest_s)
+            own = self.runtime.backend(uid).parameter_copies()
+            return reply_for({k: v + SHIFT for k, v in own.items()}, uid)
+        finally:
+            self.in_flight[uid] -= 1
+
+
+def expert_bytes(runtime: ExpertRuntime) -> int:
+    uid = runtime.uids[0]
+    return sum(p.numel() * 4 for p in runtime.backend(uid).module.parameters())
+
+
+async def timed_round(averager: ReplicaAverager) -> tuple[float, int]:
+    """How long a round took (to the ms: virtual time is exact) and the replicas used."""
+    start = trio.current_time()
+    used = await averager.run_round()
+    return round(trio.current_time() - start, 3), used
+
+
+async def test_a_silent_replica_per_expert_holds_a_round_for_one_fetch_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Four hosted experts, each listed with a fresh identity a round that accepts and
+    never answers (a never-asked peer always gets a place): a round used to ask the
+    experts in turn and wait out the RPC's 60 s for each, 240 s. Now the silent peers
+    are dropped after the fetch bound (5 s + the expert's bytes at 256 kbit/s), all four
+    at once, and the honest replica is averaged with in every round."""
+    runtime = runtime_of(4)
+    before = {uid: runtime.backend(uid).parameter_copies() for uid in runtime.uids}
+    swarm = Swarm(runtime)
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(), clock=trio.current_time)
+    rounds = [await timed_round(averager) for _ in range(3)]
+    assert all(took < 6 for took, _ in rounds), rounds  # were 240 s each
+    bound = averaging.fetch_bound_s(expert_bytes(runtime))  # of a 8.5 KB expert
+    assert rounds == [(round(bound, 3), 4)] * 3
+    stats = averager.statistics()
+    assert stats.rejected == {"timeout": 12}
+    assert stats.averaged == 12
+    assert swarm.calls["honest"] == 12
+    for uid, own in before.items():  # three rounds, each the mean of own and own + SHIFT
+        after = runtime.backend(uid).parameter_copies()
+        for k in own:
+            torch.testing.assert_close(after[k], own[k] + 3 * SHIFT / 2)
+    # each silent identity backs off as a failure; the honest replica is known
+    assert all(averager._failed[p][1] == 1 for ps in swarm.listed.values() for p in ps)
+    assert "honest" in averager._good
+
+
+async def test_experts_are_gathered_a_few_at_a_time(autojump_clock: trio.abc.Clock) -> None:
+    """Ten experts whose replica takes 1 s to answer: four at a time, three batches,
+    3 s (one after another: 10 s)."""
+    runtime = runtime_of(10)
+    swarm = Swarm(runtime, silent=0, honest_s=1.0)
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(), clock=trio.current_time)
+    assert await timed_round(averager) == (3.0, 10)
+    assert swarm.most_uids_at_once == averaging.CONCURRENT_EXPERTS == 4
+
+
+async def test_large_experts_are_gathered_fewer_at_a_time(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replies are held in memory until averaged: no more experts at once than
+    ``max_peers`` replies of each fit ``GATHER_BUDGET_BYTES``, one at least."""
+    runtime = runtime_of(4)
+    size = expert_bytes(runtime)
+    swarm = Swarm(runtime, silent=0, honest_s=1.0)
+    averager = ReplicaAverager(runtime, swarm, ReplicasConfig(max_peers=2), clock=trio.current_time)
+    monkeypatch.setattr(averaging, "GATHER_BUDGET_BYTES", 2 * 2 * size)  # two experts' worth
+    assert await timed_round(averager) == (2.0, 4)
+    assert swarm.most_uids_at_once == 2
+    monkeypatch.setattr(averaging, "GATHER_BUDGET_BYTES", 1)
+    swarm.most_uids_at_once = 0
+    assert await timed_round(averager) == (4.0, 4)
+    assert swarm.most_uids_at_once == 1
+
+
+async def test_a_round_ends_by_its_deadline_and_experts_left_out_go_first_next(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Twelve experts, each with a silent replica; rounds every 10 s, so a round ends
+    10 s after it began (longer than one fetch bound). The first four experts take a
+    fetch bound, the next four are cut at 10 s: their honest replies, checked by then,
+    are averaged, and their silent peers, cut by the round rather than by their own
+    bound, are not counted. The last four are not begun: next round they go first, then
+    the others in the order they were last gathered."""
+    runtime = runtime_of(12)
+    uids = list(runtime.uids)
+    swarm = Swarm(runtime)
+    averager = ReplicaAverager(
+        runtime, swarm, ReplicasConfig(average_every_s=10.0), clock=trio.current_time
+    )
+    bound = averaging.fetch_bound_s(expert_bytes(runtime))
+    assert 2 * bound > 10.0 > bound
+    assert await timed_round(averager) == (10.0, 8)
+    assert set(swarm.fetched[:4]) == set(uids[:4])  # in line (trio starts tasks in any order)
+    assert set(swarm.fetched[4:]) == set(uids[4:8])
+    stats = averager.statistics()
+    assert stats.rejected == {"timeout": 4}
+    assert swarm.silent_cut == 8
+    cut = [p for uid in uids[4:8] for p in swarm.listed[uid]]
+    assert not any(p in averager._failed for p in cut)
+    assert stats.rounds == 8
+
+    swarm.fetched.clear()
+    assert await timed_round(averager) == (10.0, 8)
+    assert set(swarm.fetched[:4]) == set(uids[8:])
+    assert set(swarm.fetched[4:]) == set(uids[:4])
+    assert averager.statistics().rejected == {"timeout": 8}
+
+
+async def test_a_peer_that_fails_for_several_experts_of_a_round_backs_off_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The experts of a round are gathered at once, so a peer hosting three of them
+    fails three times in the same instant: one failure, as when they were asked in
+    turn (the peer was not asked for the second once the first had failed)."""
+    runtime = runtime_of(3)
+    swarm = Swarm(runtime, silent=0)
+    swarm.gone.add("gone")
+    averager = ReplicaAverager(
+        runtime, swarm, ReplicasConfig(average_every_s=10.0), clock=trio.current_time
+    )
+    assert await averager.run_round() == 3
+    assert averager._failed["gone"] == (trio.current_time() + 10.0, 1)
+    await trio.sleep(10.0)
+    assert await averager.run_round() == 3
+    assert averager._failed["gone"] == (trio.current_time() + 20.0, 2)
+    assert swarm.calls["gone"] == 6
