@@ -36,7 +36,7 @@ from torch.func import functional_call
 
 from volunteerd.config import ExpertsConfig, OptimizerConfig
 from volunteerd.errors import BadShape, ConfigError
-from volunteerd.experts.checkpoint_file import CheckpointError, ExpertState
+from volunteerd.experts.checkpoint_file import MAX_UPDATES, CheckpointError, ExpertState
 from volunteerd.experts.registry import build_module, schemas_for
 from volunteerd.experts.stepcheck import StepCheck, StepMemo, StepOutcome
 from volunteerd.experts.tensor_codec import TORCH_DTYPES
@@ -77,9 +77,9 @@ _OPTIMIZER_KEYS = {
 }
 # A running mean of squares: a negative one makes Adam's step the square root of one.
 _NOT_NEGATIVE = frozenset({"exp_avg_sq"})
-# More updates than any expert makes (a billion a second for 285 years), and still exact
-# as a float and in JSON: a replica's 10**40 was taken and served on as it was.
-MAX_UPDATES = 2**53
+# The dtypes of an optimizer's step count (torch's ``_get_scalar_dtype``: float32, or
+# float64 under a float64 default dtype); its other buffers are their parameter's dtype.
+_STEP_DTYPES = (torch.float32, torch.float64)
 
 
 def make_optimizer(
@@ -557,7 +557,9 @@ class ExpertBackend:
 
     def check_state(self, state: ExpertState) -> None:
         """Raise CheckpointError unless ``state`` fits this expert (type, sizes, names,
-        shapes, finite values)."""
+        shapes, dtypes, finite values). Each tensor must have its parameter's own dtype
+        (a step count: float32 or float64): a value finite in float64 can be an
+        infinity in a float32 weight or moment, so nothing is converted."""
         if state.experiment and state.experiment != self.experiment:
             # Another project's expert of the same name, type and width (checkpoints are
             # kept by uid): a volunteer who left one project and joined another started
@@ -596,14 +598,21 @@ class ExpertBackend:
                     f"where {self.optimizer_name} keeps {sorted(keys.whole)}"
                 )
             for key, value in entry.items():
-                if not value.is_floating_point():
-                    raise CheckpointError(f"optimizer {key} of parameter {index}: {value.dtype}")
+                # A buffer is the parameter's own dtype (a step count: a float32 or
+                # float64 scalar, as torch makes it): torch converts on load, and a
+                # float64 1e300 that passed the check became an inf in float32.
+                wanted = _STEP_DTYPES if key == "step" else (params[index].dtype,)
+                if value.dtype not in wanted:
+                    raise CheckpointError(
+                        f"optimizer {key} of parameter {index}: {value.dtype}, "
+                        f"not {' or '.join(str(d) for d in wanted)}"
+                    )
                 if not torch.isfinite(value).all():
                     raise CheckpointError(f"optimizer {key} of parameter {index}: not finite")
                 if key == "step":
-                    if value.shape != () or float(value) < 0:
+                    if value.shape != () or not 0 <= float(value) <= MAX_UPDATES:
                         raise CheckpointError(
-                            f"optimizer step of parameter {index}: not one count ≥ 0"
+                            f"optimizer step of parameter {index}: not one count from 0 to 2**53"
                         )
                 elif value.shape != params[index].shape:
                     raise CheckpointError(f"optimizer {key} of parameter {index}: wrong shape")
@@ -615,8 +624,15 @@ class ExpertBackend:
         if list(params) != list(own):
             raise CheckpointError(f"parameters {sorted(params)}, expected {sorted(own)}")
         for name, value in params.items():
-            if value.shape != own[name].shape or not value.is_floating_point():
-                raise CheckpointError(f"{name}: {value.dtype}{list(value.shape)} does not fit")
+            # The weight's own dtype, nothing else: a float64 1e300 is finite, and the
+            # copy into a float32 weight made it an inf (a replica's state served NaN
+            # from its newcomer). Every honest state has it: ``state()`` copies the
+            # weights as they are, whatever the wire dtype (``experts.dtype``).
+            if value.shape != own[name].shape or value.dtype != own[name].dtype:
+                raise CheckpointError(
+                    f"{name}: {value.dtype}{list(value.shape)} does not fit "
+                    f"{own[name].dtype}{list(own[name].shape)}"
+                )
             if not torch.isfinite(value).all():
                 raise CheckpointError(f"{name}: not finite")
 
@@ -649,7 +665,7 @@ class ExpertBackend:
 
     def set_parameters(self, params: dict[str, torch.Tensor]) -> None:
         """Overwrite the weights (a replica average). Raises CheckpointError when the
-        names or shapes do not fit."""
+        names, shapes or dtypes do not fit or a value is not finite."""
         self._check_params(params)
         self._write_parameters(params)
 

@@ -17,24 +17,36 @@ SGD: ``momentum_buffer``). The optimizer's hyperparameters are not stored: they 
 from the configuration.
 
 Files live in ``<checkpoints dir>/<uid>/<sequence>.ckpt``. A save writes a temporary
-file in the same folder, flushes and fsyncs it, renames it into place and fsyncs the
-folder, so a crash at any moment leaves either the previous set of files or the new
-one, plus at most a temporary file that ``remove_temporaries`` deletes on the next
-start. The newest ``keep`` files per expert are kept. ``CheckpointStore.save`` refuses
-a state with a non-finite value (it could only replace a good file with one that is
-refused on load), so the last good files stay.
+file of its own in the same folder (``<name>.<random>.tmp``), flushes and fsyncs it,
+reads it back and compares it with what it meant to write, renames it into place and
+fsyncs the folder, so a crash at any moment leaves either the previous set of files or
+the new one, plus temporary files that ``remove_temporaries`` deletes on the next
+start. Only then are older files deleted (the newest ``keep`` per expert are kept): a
+save that fails deletes nothing. Saves of one expert are serialized (a lock per uid:
+two at once, a periodic one and one of an expert being dropped, shared one temporary
+file and one sequence number, mixed their bytes and pruned the good files).
+``CheckpointStore.save`` refuses a state with a non-finite value (it could only replace
+a good file with one that is refused on load), so the last good files stay.
+
+Only regular files count: a folder, a FIFO or a symlink named like a checkpoint is
+neither read (a FIFO blocked the start, a link to ``/dev/zero`` filled the memory) nor
+deleted, and no save writes over it (the new file takes the next free number).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import struct
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -46,6 +58,7 @@ from volunteerd.atomic import fsync_dir
 from volunteerd.errors import CheckpointError
 
 __all__ = [
+    "MAX_UPDATES",
     "CheckpointError",
     "CheckpointHeader",
     "CheckpointStore",
@@ -79,6 +92,12 @@ class _Header(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# More updates than any expert makes (a billion a second for 285 years), and still exact
+# as a float and in JSON: a replica's 10**40 was taken and served on as it was. A file or
+# a replica's state counting more is refused when it is decoded, so no reader (the
+# joiner, a trainer, a tool) gets a count it could not publish.
+MAX_UPDATES = 2**53
+
 # A dimension of a stored tensor: a dimension of 2**64 next to one of 0 takes no bytes,
 # passed every size check, and overflowed torch.empty (a replica's state raised
 # TypeError out of the joiner).
@@ -105,7 +124,7 @@ class CheckpointHeader(_Header):
     expert_type: Annotated[str, Field(max_length=32)]
     hidden_dim: Annotated[int, Field(ge=1)]
     optimizer: Annotated[str, Field(max_length=32)]
-    updates: Annotated[int, Field(ge=0)]
+    updates: Annotated[int, Field(ge=0, le=MAX_UPDATES)]
     saved_at: float
     tensors: Annotated[list[TensorEntry], Field(max_length=4096)]
     payload_bytes: Annotated[int, Field(ge=0)]
@@ -173,49 +192,99 @@ def encode_checkpoint(
         digest.update(data)
         pieces.append(data)
         total += data.nbytes
-    header = CheckpointHeader(
-        uid=state.uid,
-        expert_type=state.expert_type,
-        hidden_dim=state.hidden_dim,
-        optimizer=state.optimizer,
-        updates=state.updates,
-        saved_at=time.time() if saved_at is None else saved_at,
-        tensors=entries,
-        payload_bytes=total,
-        payload_sha256=digest.hexdigest(),
-        experiment=state.experiment,
-    )
+    try:
+        header = CheckpointHeader(
+            uid=state.uid,
+            expert_type=state.expert_type,
+            hidden_dim=state.hidden_dim,
+            optimizer=state.optimizer,
+            updates=state.updates,
+            saved_at=time.time() if saved_at is None else saved_at,
+            tensors=entries,
+            payload_bytes=total,
+            payload_sha256=digest.hexdigest(),
+            experiment=state.experiment,
+        )
+    except ValidationError as exc:  # what decode would refuse: never written
+        raise CheckpointError(f"{state.uid}: cannot store it: {_first_error(exc)}") from None
     raw = header.model_dump_json(exclude=None if state.experiment else {"experiment"}).encode()
     prefix = _PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
     return [prefix, raw, *pieces]
 
 
+_READ_CHUNK = 1 << 20
+
+
 def write_checkpoint(path: Path, state: ExpertState) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file next to it, fsync,
-    rename, fsync of the folder. A crash leaves ``path`` as it was (or absent) and at
-    most a ``*.tmp`` file."""
+    """Write ``state`` to ``path`` atomically: a temporary file of this write's own next
+    to it, fsync, read back and compared, rename, fsync of the folder. A crash leaves
+    ``path`` as it was (or absent) and at most a ``*.tmp`` file; a failure (OSError, or
+    CheckpointError when the bytes read back are not those written) leaves ``path`` as
+    it was and no temporary file."""
     pieces = encode_checkpoint(state)
-    tmp = path.with_name(path.name + _TEMP_SUFFIX)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=_TEMP_SUFFIX)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb", closefd=False) as f:
+        digest = hashlib.sha256()
+        size = 0
+        with os.fdopen(fd, "wb") as f:
             for piece in pieces:
                 f.write(piece)
+                digest.update(piece)
+                size += memoryview(piece).nbytes
             f.flush()
-            os.fsync(fd)
+            os.fsync(f.fileno())
+        _verify_written(tmp, size, digest.digest())
+        os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise
-    os.close(fd)
-    os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
-def read_checkpoint(path: Path) -> ExpertState:
+def _verify_written(path: Path, size: int, sha256: bytes) -> None:
+    """Raise CheckpointError unless ``path`` holds exactly ``size`` bytes of digest
+    ``sha256`` (what was written: another writer's bytes, or a write that went short,
+    must never replace a good file)."""
+    digest = hashlib.sha256()
+    got = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+            got += len(chunk)
+    if got != size or digest.digest() != sha256:
+        raise CheckpointError(
+            f"{path.name}: read back {got} bytes that differ from the {size} written"
+        )
+
+
+def read_checkpoint(path: Path, max_bytes: int | None = None) -> ExpertState:
     """Read and verify one checkpoint file. Raises CheckpointError saying what is wrong
-    (truncated, checksum mismatch, unknown format); OSError when it cannot be read."""
-    return decode_checkpoint(path.read_bytes(), path.name)
+    (truncated, checksum mismatch, unknown format, not a regular file, larger than
+    ``max_bytes``); OSError when it cannot be read (a symlink is not followed)."""
+    return decode_checkpoint(_read_regular(path, max_bytes), path.name)
+
+
+def _read_regular(path: Path, max_bytes: int | None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them (and at most
+    its size when opened). Neither a symlink (its target could be ``/dev/zero``) nor a
+    FIFO or a device is read: opening does not follow the link nor wait for a writer."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags |= getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path.name}: not a regular file")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise CheckpointError(
+                f"{path.name}: {info.st_size} bytes, more than this expert's {max_bytes}"
+            )
+        # its size now: a file that grows meanwhile is read no further (and then fails
+        # its checks); the memory taken is what the file takes
+        data = f.read(info.st_size)
+    return data
 
 
 def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> ExpertState:
@@ -237,9 +306,7 @@ def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> Expe
     try:
         header = CheckpointHeader.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise CheckpointError(f"{name}: bad header: {where}: {first['msg']}") from None
+        raise CheckpointError(f"{name}: bad header: {_first_error(exc)}") from None
     payload = memoryview(data)[start + header_len :]
     if payload.nbytes != header.payload_bytes:
         raise CheckpointError(
@@ -250,6 +317,12 @@ def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> Expe
     if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
         raise CheckpointError(f"{name}: payload checksum mismatch")
     return _state_from(header, payload, name)
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "header"
+    return f"{where}: {first['msg']}"
 
 
 def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> ExpertState:
@@ -297,27 +370,56 @@ def _safe_dir_name(uid: str) -> str:
 
 class CheckpointStore:
     """The checkpoints of every expert under ``directory``. Blocking file I/O: call it
-    from a worker thread, never on the event loop. One process per data folder (the
-    daemon's lock) is assumed."""
+    from a worker thread, never on the event loop. Saves of one uid from several threads
+    run one at a time. One process per data folder (the daemon's lock) is assumed."""
 
     def __init__(self, directory: Path, keep: int = 2) -> None:
         self.directory = directory
         self.keep = keep
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, list[int]]] = {}  # uid -> lock, users
 
     def _dir(self, uid: str) -> Path:
         return self.directory / _safe_dir_name(uid)
 
-    def files(self, uid: str) -> list[Path]:
-        """Complete checkpoint files of ``uid``, newest first."""
+    @contextlib.contextmanager
+    def _saving(self, uid: str) -> Iterator[None]:
+        """Hold ``uid``'s save lock (kept only while someone holds or awaits it)."""
+        with self._guard:
+            lock, users = self._locks.setdefault(uid, (threading.Lock(), [0]))
+            users[0] += 1
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                users[0] -= 1
+                if not users[0]:
+                    del self._locks[uid]
+
+    def _numbered(self, uid: str) -> list[tuple[int, Path, bool]]:
+        """(sequence, path, whether a regular file) of every entry of ``uid``'s folder
+        named like a checkpoint, newest first."""
         folder = self._dir(uid)
-        if not folder.is_dir():
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
             return []
         numbered = []
-        for path in folder.iterdir():
-            match = _NAME.match(path.name)
+        for entry in entries:
+            match = _NAME.match(entry.name)
             if match:
-                numbered.append((int(match.group(1)), path))
-        return [path for _, path in sorted(numbered, reverse=True)]
+                try:
+                    regular = entry.is_file(follow_symlinks=False)
+                except OSError:
+                    regular = False
+                numbered.append((int(match.group(1)), folder / entry.name, regular))
+        return sorted(numbered, reverse=True)
+
+    def files(self, uid: str) -> list[Path]:
+        """Complete checkpoint files of ``uid``, newest first: regular files only (a
+        folder, a FIFO or a symlink of the name is not a checkpoint of ours)."""
+        return [path for _, path, regular in self._numbered(uid) if regular]
 
     def remove_temporaries(self) -> int:
         """Delete temporary files a crash left behind; returns how many."""
@@ -325,9 +427,11 @@ class CheckpointStore:
         if not self.directory.is_dir():
             return 0
         for folder in self.directory.iterdir():
-            if not folder.is_dir():
+            if not folder.is_dir() or folder.is_symlink():
                 continue
             for path in folder.glob(f"*{_TEMP_SUFFIX}"):
+                if path.is_dir() and not path.is_symlink():
+                    continue  # not one of ours
                 logger.warning("removing %s, left by an interrupted checkpoint", path)
                 path.unlink(missing_ok=True)
                 removed += 1
@@ -336,7 +440,11 @@ class CheckpointStore:
     def save(self, state: ExpertState) -> Path:
         """Write a new checkpoint for ``state.uid`` atomically, then delete all but the
         newest ``keep``. Returns the new file's path. Raises CheckpointError, writing and
-        deleting nothing, when a value of ``state`` is not finite."""
+        deleting nothing, when a value of ``state`` is not finite (or its update count
+        is not one a file may hold); a write that fails (OSError, CheckpointError when
+        the file reads back wrong) deletes nothing either. Saves of one uid run one at
+        a time: the new file is numbered past the newest (and past any folder or other
+        entry that took a name), and holds the state of the save that finished last."""
         broken = state.non_finite()
         if broken:
             raise CheckpointError(
@@ -344,26 +452,37 @@ class CheckpointStore:
                 f"{' and more' if len(broken) > 3 else ''} not finite"
             )
         folder = self._dir(state.uid)
-        if not folder.is_dir():
-            folder.mkdir(parents=True, exist_ok=True)
-            fsync_dir(folder.parent)
-        existing = self.files(state.uid)
-        sequence = int(existing[0].name.removesuffix(_SUFFIX)) + 1 if existing else 1
-        path = folder / f"{sequence:012d}{_SUFFIX}"
-        write_checkpoint(path, state)
-        for old in existing[self.keep - 1 :]:
-            old.unlink(missing_ok=True)
+        with self._saving(state.uid):
+            if not folder.is_dir():
+                folder.mkdir(parents=True, exist_ok=True)
+                fsync_dir(folder.parent)
+            numbered = self._numbered(state.uid)
+            existing = [old for _, old, regular in numbered if regular]
+            taken = {n for n, _, _ in numbered}
+            sequence = next((n for n, _, regular in numbered if regular), 0) + 1
+            while sequence in taken:  # a folder or a FIFO of that name: not ours
+                sequence += 1
+            path = folder / f"{sequence:012d}{_SUFFIX}"
+            # written, fsynced and read back before anything is deleted
+            write_checkpoint(path, state)
+            for old in existing[max(self.keep - 1, 0) :]:
+                old.unlink(missing_ok=True)
         return path
 
     def load_newest(
-        self, uid: str, accept: Callable[[ExpertState], None] | None = None
+        self,
+        uid: str,
+        accept: Callable[[ExpertState], None] | None = None,
+        *,
+        max_bytes: int | None = None,
     ) -> tuple[ExpertState, Path] | None:
-        """The newest checkpoint of ``uid`` that reads back intact and that ``accept``
-        does not refuse (it raises CheckpointError saying why). Each file skipped is
-        logged with its reason. None when there is no good one."""
+        """The newest checkpoint of ``uid`` that reads back intact, of at most
+        ``max_bytes`` (None: any size), and that ``accept`` does not refuse (it raises
+        CheckpointError saying why). Each file skipped is logged with its reason. None
+        when there is no good one."""
         for path in self.files(uid):
             try:
-                state = read_checkpoint(path)
+                state = read_checkpoint(path, max_bytes)
                 if state.uid != uid:
                     raise CheckpointError(f"{path.name}: holds {state.uid!r}, not {uid!r}")
                 if accept is not None:

@@ -8,6 +8,12 @@ save on a graceful stop. A save copies the tensors on the device's worker in its
 (between optimizer steps, so the copy is consistent) and writes the file in another
 thread, never on the event loop. See ``experts.checkpoint`` for the file format.
 
+Saves of one expert run one at a time, from the copy of its state to the written file
+(a lock per uid): a dropped expert's final save waits for a periodic save of it still
+writing, then writes a newer file, so its newest file always holds its newest state
+saved. Two at once shared a file name and mixed their bytes, and the older state could
+be written last.
+
 A state with a NaN or an infinity is never written (the store refuses it): the last good
 files stay, the refusal is logged and counted, and the same state is not tried again.
 Steps that the runtime undid never reach a checkpoint: a step, its check and its undoing
@@ -25,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -98,6 +104,21 @@ class Checkpointer:
         self._failures = 0
         self._refused_count = 0
         self._last_round_s = 0.0
+        self._locks: dict[str, tuple[trio.Lock, list[int]]] = {}  # uid -> lock, users
+
+    @contextlib.asynccontextmanager
+    async def _saving(self, uid: str) -> AsyncIterator[None]:
+        """Hold ``uid``'s save lock: the copy of its state and its write, one save of
+        an expert at a time (kept only while someone holds or awaits it)."""
+        lock, users = self._locks.setdefault(uid, (trio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[uid]
 
     async def restore(self) -> dict[str, Path]:
         """Load each expert's newest good checkpoint; experts without one keep their
@@ -119,7 +140,14 @@ class Checkpointer:
         or hosted: the load runs in the worker's turn). Returns the file, or None when
         there is none and the backend keeps what it has."""
         uid = backend.uid
-        found = await trio.to_thread.run_sync(self.store.load_newest, uid, backend.check_state)
+        found = await trio.to_thread.run_sync(
+            partial(
+                self.store.load_newest,
+                uid,
+                backend.check_state,
+                max_bytes=backend.largest_state_bytes(),
+            )
+        )
         if found is None:
             # The seeded weights are a function of the config: nothing to save yet.
             self._saved[uid] = (backend.updates, backend.revision)
@@ -139,23 +167,24 @@ class Checkpointer:
 
     async def save(self, backend: ExpertBackend) -> None:
         """Save ``backend`` now if it changed (one that is being removed, for a later
-        rejoin). A failed write is logged."""
-        if not self._wants(backend):
-            return
-        state, version = await self.runtime.executor.run(partial(_state_and_version, backend))
-        try:
-            if await self._write(state) is None:
+        rejoin); after a save of it in progress, if any. A failed write is logged."""
+        async with self._saving(backend.uid):
+            if not self._wants(backend):
                 return
-        except CheckpointError as exc:
-            self._refuse(backend.uid, version, exc)
-            return
-        except OSError as exc:
-            self._failures += 1
-            logger.error("could not save a checkpoint of %s: %s", backend.uid, exc)
-            return
-        self._saved[backend.uid] = version
-        self.saved_at[backend.uid] = time.time()
-        self._saves += 1
+            state, version = await self.runtime.executor.run(partial(_state_and_version, backend))
+            try:
+                if await self._write(state) is None:
+                    return
+            except CheckpointError as exc:
+                self._refuse(backend.uid, version, exc)
+                return
+            except OSError as exc:
+                self._failures += 1
+                logger.error("could not save a checkpoint of %s: %s", backend.uid, exc)
+                return
+            self._saved[backend.uid] = version
+            self.saved_at[backend.uid] = time.time()
+            self._saves += 1
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Save changed experts every ``every_s`` until cancelled. A save in progress
@@ -172,29 +201,30 @@ class Checkpointer:
         start = time.perf_counter()
         saved = 0
         for uid in self.runtime.uids:
-            try:
-                backend = self.runtime.backend(uid)
-                if not self._wants(backend):
+            async with self._saving(uid):
+                try:
+                    backend = self.runtime.backend(uid)
+                    if not self._wants(backend):
+                        continue
+                    state, version = await self.runtime.with_expert(uid, _state_and_version)
+                except UnknownExpert:
+                    continue  # removed meanwhile (its last state was saved when it left)
+                try:
+                    path = await self._write(state)
+                except CheckpointError as exc:
+                    self._refuse(uid, version, exc)
                     continue
-                state, version = await self.runtime.with_expert(uid, _state_and_version)
-            except UnknownExpert:
-                continue  # removed meanwhile (its last state was saved when it left)
-            try:
-                path = await self._write(state)
-            except CheckpointError as exc:
-                self._refuse(uid, version, exc)
-                continue
-            except OSError as exc:
-                self._failures += 1
-                logger.error("could not save a checkpoint of %s: %s", uid, exc)
-                continue
-            if path is None:
-                continue  # no room: tried again next round
-            self._saved[uid] = version
-            self.saved_at[uid] = time.time()
-            self._saves += 1
-            saved += 1
-            logger.debug("saved %s (%d updates) to %s", uid, state.updates, path)
+                except OSError as exc:
+                    self._failures += 1
+                    logger.error("could not save a checkpoint of %s: %s", uid, exc)
+                    continue
+                if path is None:
+                    continue  # no room: tried again next round
+                self._saved[uid] = version
+                self.saved_at[uid] = time.time()
+                self._saves += 1
+                saved += 1
+                logger.debug("saved %s (%d updates) to %s", uid, state.updates, path)
         if saved:
             self._last_round_s = time.perf_counter() - start
             logger.info("saved %d checkpoints in %.2f s", saved, self._last_round_s)
