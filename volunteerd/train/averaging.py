@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,7 +58,7 @@ from volunteerd.errors import (
     VolunteerdError,
 )
 from volunteerd.experts.checkpoint_file import ExpertState
-from volunteerd.experts.clipping import Params, centered_clip, clip_bound
+from volunteerd.experts.clipping import Params, centered_clip
 from volunteerd.moe import SwarmClient
 from volunteerd.swarm.trainers import (
     TRAINER_STATE_UID,
@@ -82,6 +82,7 @@ __all__ = [
     "data_shard_of",
     "params_bytes_bound",
     "start_averaging",
+    "state_bytes_bound",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,23 @@ JOIN_ATTEMPTS = 3
 JOIN_TIMEOUT_FACTOR = 4
 # publish a fresh snapshot at most this often (or 10x as long as a copy takes)
 PUBLISH_EVERY_S = 2.0
-# a late joiner refuses a state farther than this many clipping bounds from a witness's
-JOIN_AGREEMENT = 4.0
+# A late joiner takes a state only if a witness's weights agree with it: all the tensors
+# together within JOIN_DISTANCE of the smaller norm and at a cosine of JOIN_COSINE or
+# more, and each tensor within JOIN_TENSOR_DISTANCE of its smaller norm (at least
+# 0.01*sqrt(numel), as clip_bound). Measured between two honest trainers averaging
+# (tests/inprocess/test_trainer_averaging_inprocess.py; lr 1e-2, snapshots up to 72
+# updates apart): all tensors within 0.035 (cosine >= 0.9994), each within 0.31 after
+# the first 3 updates and 1.0 before (a bias near zero, at the floor); trained apart for
+# 150 updates from one seed, never averaged: 0.19 (cosine 0.983), each within 0.94. A
+# liar's noise of 1.9x the norm, or negated weights, passed the old bound of 2x.
+JOIN_DISTANCE = 0.5
+JOIN_COSINE = 0.9
+JOIN_TENSOR_DISTANCE = 1.5
+# More updates than any trainer makes (a thousand a second for 8,900 years): a peer that
+# claims more is lying (its info is not ranked, its state refused), and a trainer never
+# publishes more, so its count stays within the wire's (2**62) and the checkpoint
+# format's bounds whatever it adopted.
+MAX_VERSION = 2**48
 # rounds kept in the summary's log
 ROUNDS_LOGGED = 100
 # a round gives a place whose peer failed to another, up to this many peers per place
@@ -115,6 +131,13 @@ EXPLORE_ONE_PLACE = 0.25
 # a peer must begin to answer a fetch within this (a quarter of timeout_s if less):
 # a record whose address accepts and never answers held its place for all of timeout_s
 FIRST_REPLY_S = 5.0
+# and then send all of its parameters within this much more than they take at
+# SLOW_LINK_BYTES_PER_S (1 Mbit/s): one that answered its first chunk and then stalled
+# held its place, and the round, for all of timeout_s
+STALL_S = 2.0
+SLOW_LINK_BYTES_PER_S = 125_000
+# TrainerInfo's counts (wire.messages.Count)
+_MAX_COUNT = 1 << 62
 _ADAM_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 
@@ -197,6 +220,19 @@ def params_bytes_bound(layout: Layout) -> int:
     payload = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
     header = sum(len(name.encode()) + 32 * len(shape) + 256 for name, (shape, _) in layout.items())
     return payload + header + 64 * 1024
+
+
+def state_bytes_bound(layout: Layout) -> int:
+    """The most bytes a trainer's whole state (``trainer.1``) with ``layout`` can hold:
+    its parameters (``params_bytes_bound``) and Adam's moments, two tensors of each
+    parameter's shape and dtype and a step count, each with its header entry. A late
+    joiner refuses a state declared larger before it is read (not ``max_state_mb``: a
+    liar's 48 MiB state for a 0.07 MiB model was downloaded and decoded 3 times)."""
+    moments = sum(
+        2 * math.prod(shape) * dtype.itemsize + 8 + 3 * (32 * len(shape) + 320)
+        for shape, dtype in layout.values()
+    )
+    return params_bytes_bound(layout) + moments
 
 
 def data_shard_of(peer_id: str) -> int:
@@ -400,9 +436,10 @@ class TrainerAverager:
         self, peer: TrainerPeer, layout: Layout, timeout_s: float | None = None
     ) -> Params | None:
         """``peer``'s parameters if they fit ``layout``, fetched within ``timeout_s``
-        (the config's when None); else None (counted, and the peer tried last for a
-        few rounds)."""
+        (the config's when None) and within the peer's own deadline (``_peer_s``);
+        else None (counted, and the peer tried last for a few rounds)."""
         timeout_s = self.config.timeout_s if timeout_s is None else max(0.0, timeout_s)
+        timeout_s = min(timeout_s, self._peer_s(layout))
         state: ExpertState | None = None
         with trio.move_on_after(timeout_s):
             try:
@@ -428,6 +465,17 @@ class TrainerAverager:
         with self._lock:
             self._avoid.pop(peer.peer_id, None)
         return checked
+
+    def _peer_s(self, layout: Layout) -> float:
+        """How long one peer may take to send its parameters: to begin, as long as
+        ``fetch_params``'s ``first_reply_s`` allows, then their bytes at 1 Mbit/s and
+        ``STALL_S`` more (quarters of ``timeout_s`` where it is shorter). A peer that
+        answers its first chunk and then stalls (or trickles) costs a round that long,
+        not all of ``timeout_s``: an identity is free, and one a round held every
+        round for 30 s."""
+        quarter = self.config.timeout_s / 4
+        transfer = params_bytes_bound(layout) / SLOW_LINK_BYTES_PER_S
+        return min(FIRST_REPLY_S, quarter) + min(STALL_S, quarter) + transfer
 
     async def _info(self, peer: TrainerPeer) -> TrainerInfo | None:
         timeout_s = self.config.timeout_s
@@ -467,6 +515,8 @@ class TrainerAverager:
         whether it published."""
         now = self._clock()
         self._tokens_per_s = tokens_per_s if math.isfinite(tokens_per_s) else 0.0
+        # whatever count the trainer holds, what it publishes fits the wire and the file
+        version = min(max(0, version), MAX_VERSION)
         if not force and now - self._published_at < self._publish_every_s:
             return False
         started = time.perf_counter()
@@ -492,10 +542,10 @@ class TrainerAverager:
         info = TrainerInfo(
             experiment=self.experiment_name,
             version=version,
-            tokens=tokens,
-            tokens_per_s=self._tokens_per_s,
-            rounds=self._rounds,
-            data_shard=self.data_shard,
+            tokens=min(max(0, tokens), _MAX_COUNT),
+            tokens_per_s=min(max(0.0, self._tokens_per_s), 1e12),
+            rounds=min(self._rounds, _MAX_COUNT),
+            data_shard=min(max(0, self.data_shard), _MAX_COUNT),
         )
         self.network.publish(state, info)
         self._published_at = now
@@ -545,19 +595,27 @@ class TrainerAverager:
         """Start from another trainer's state instead of the seed: the state of the
         peer with the most updates (by its info) is downloaded to ``dest_dir`` (a
         temporary folder when None; downloads resume), each attempt within 4 x
-        ``timeout_s``, checked against ``named_params`` and ``optimizer`` and loaded
-        into them. Tries up to 3 downloads; returns
-        ``(peer id, its update count)``, or ``("seed", 0)`` when no peer has trained
-        yet or none could give a usable state (then nothing is changed)."""
+        ``timeout_s`` and no larger than a state of ``named_params``' layout can be
+        (``state_bytes_bound``), checked against ``named_params`` and ``optimizer`` and
+        loaded into them. Tries up to 3 downloads; returns ``(peer id, update count)``,
+        or ``("seed", 0)`` when no peer has trained yet or none could give a usable
+        state (then nothing is changed).
+
+        The update count is the smaller of the peer's info and its state's: a liar
+        advertising 2**62 was chosen first and then handed the joiner a count it could
+        not publish. A count over ``MAX_VERSION`` marks a liar (``_join_candidates``
+        does not rank it, a state claiming it is refused)."""
         if not self.config.join_from_peers:
             return "seed", 0
+        layout = {n: (tuple(p.shape), p.dtype) for n, p in named_params.items()}
+        max_bytes = min(self.config.max_state_bytes, state_bytes_bound(layout))
         with contextlib.ExitStack() as stack:
             if dest_dir is None:
                 dest_dir = Path(
                     stack.enter_context(tempfile.TemporaryDirectory(prefix="volunteerd-join-"))
                 )
             dest_dir.mkdir(parents=True, exist_ok=True)
-            candidates = list(self._join_candidates())
+            candidates, trained = self._join_candidates()
             for peer, version in candidates:
                 dest = dest_dir / f"{_safe(peer.peer_id)}.trainer-state"
                 try:
@@ -566,7 +624,7 @@ class TrainerAverager:
                         peer,
                         dest,
                         JOIN_TIMEOUT_FACTOR * self.config.timeout_s,
-                        self.config.max_state_bytes,
+                        max_bytes,
                     )
                 except VolunteerdError as exc:
                     self._reject(peer.peer_id, f"join_{_reason(exc)}", str(exc))
@@ -574,39 +632,45 @@ class TrainerAverager:
                 except Exception as exc:
                     self._reject(peer.peer_id, "join_unreachable", repr(exc))
                     continue
-                problem = self._witnessed(state, peer, candidates, named_params)
+                if not 0 <= state.updates <= MAX_VERSION:
+                    self._reject(peer.peer_id, "join_version", f"{state.updates} updates")
+                    continue
+                problem = self._witnessed(state, peer, trained, named_params)
                 problem = problem or _load_state(state, named_params, optimizer)
                 if problem is not None:
                     self._reject(peer.peer_id, f"join_{problem}", "state refused")
                     continue
                 with contextlib.suppress(OSError):
                     dest.unlink()
+                updates = min(state.updates, version)
                 self.started_from = peer.peer_id
-                self.started_from_version = state.updates
+                self.started_from_version = updates
                 logger.info(
-                    "started from trainer %s's state (update %d, it said %d)",
+                    "started from trainer %s's state (update %d; it said %d, its state %d)",
                     peer.peer_id[-8:],
-                    state.updates,
+                    updates,
                     version,
+                    state.updates,
                 )
-                return peer.peer_id, state.updates
+                return peer.peer_id, updates
         return "seed", 0
 
     def _witnessed(
         self,
         state: ExpertState,
         source: TrainerPeer,
-        candidates: list[tuple[TrainerPeer, int]],
+        trained: list[tuple[TrainerPeer, int]],
         named_params: Mapping[str, torch.Tensor],
     ) -> str | None:
         """A downloaded state is taken only if another trainer's parameters agree with
-        it: every tensor within ``JOIN_AGREEMENT`` clipping bounds of that witness's.
-        Up to two other candidates are asked; one agreeing is enough, and with none to
+        it (``_agrees``). Up to two other trained peers, drawn from all that answered
+        (not only the best ranked: identities that claim the most updates would be
+        each other's witnesses), are asked; one agreeing is enough, and with none to
         ask (or none answering) the state is taken as it is. So a peer that lies about
-        its progress to be chosen and then serves far-off weights (x1e3, noise) is
-        refused ("disagrees") while an honest trainer is vouched for by any honest
-        other; honest trainers that average are well within the bound."""
-        others = {p.peer_id: p for p, _ in candidates if p.peer_id != source.peer_id}
+        its progress to be chosen and then serves far-off weights (x1e3, noise of the
+        weights' size, negated weights) is refused ("disagrees") while an honest
+        trainer is vouched for by any honest other."""
+        others = {p.peer_id: p for p, _ in trained if p.peer_id != source.peer_id}
         witnesses = self._rng.sample(list(others.values()), min(2, len(others)))
         if not witnesses:
             return None
@@ -625,7 +689,7 @@ class TrainerAverager:
 
         answers: list[Params | None] = self._run(fetch_all)
         heard = [theirs for theirs in answers if theirs is not None]
-        if not heard or any(self._agrees(state.params, theirs) for theirs in heard):
+        if not heard or any(_agrees(state.params, theirs) for theirs in heard):
             return None
         logger.info(
             "trainer %s's state disagrees with %d other trainers' weights",
@@ -634,24 +698,15 @@ class TrainerAverager:
         )
         return "disagrees"
 
-    def _agrees(self, params: Mapping[str, torch.Tensor], theirs: Params) -> bool:
-        ratio = JOIN_AGREEMENT * self.config.clip_ratio
-        for name, tensor in theirs.items():
-            mine = params.get(name)
-            if mine is None or mine.shape != tensor.shape:
-                return True  # not a question of distance: _load_state says what is wrong
-            # measured against the smaller of the two: a liar's x1000 weights must not
-            # widen the bound that judges an honest state
-            bound = min(clip_bound(mine.float(), ratio), clip_bound(tensor.float(), ratio))
-            if float((mine.float() - tensor.float()).norm()) > bound:
-                return False
-        return True
-
-    def _join_candidates(self) -> Iterator[tuple[TrainerPeer, int]]:
-        """Peers to download from, most updates first, cycled up to 3 attempts."""
+    def _join_candidates(
+        self,
+    ) -> tuple[list[tuple[TrainerPeer, int]], list[tuple[TrainerPeer, int]]]:
+        """(peers to download from, most updates first, cycled up to 3 attempts; all
+        peers that answered with a count of updates, the witnesses' pool). A count over
+        ``MAX_VERSION`` is a lie, not ranked (it would be chosen first by every joiner)."""
         peers: list[TrainerPeer] = self._run(self._peers)
         if not peers:
-            return
+            return [], []
         asked = self._rng.sample(peers, min(len(peers), INFO_PEERS))
 
         async def infos() -> list[TrainerInfo | None]:
@@ -666,19 +721,18 @@ class TrainerAverager:
             return out
 
         answers: list[TrainerInfo | None] = self._run(infos)
-        ranked = sorted(
-            (
-                (info.version, peer)
-                for peer, info in zip(asked, answers, strict=True)
-                if info is not None and info.version > 0
-            ),
-            key=lambda pair: -pair[0],
-        )
+        trained: list[tuple[TrainerPeer, int]] = []
+        for peer, info in zip(asked, answers, strict=True):
+            if info is None or info.version <= 0:
+                continue
+            if info.version > MAX_VERSION:
+                self._reject(peer.peer_id, "join_version", f"it says {info.version} updates")
+                continue
+            trained.append((peer, info.version))
+        ranked = sorted(trained, key=lambda pair: -pair[1])
         if not ranked:
-            return
-        for attempt in range(JOIN_ATTEMPTS):
-            version, peer = ranked[attempt % len(ranked)]
-            yield peer, version
+            return [], []
+        return [ranked[attempt % len(ranked)] for attempt in range(JOIN_ATTEMPTS)], trained
 
     # --- the researcher's view ------------------------------------------------------
 
@@ -749,6 +803,34 @@ def _reason(exc: VolunteerdError) -> str:
 
 def _safe(peer_id: str) -> str:
     return "".join(c for c in peer_id if c.isalnum())[-32:] or "peer"
+
+
+def _agrees(params: Mapping[str, torch.Tensor], theirs: Params) -> bool:
+    """Whether a witness's parameters ``theirs`` vouch for a state's ``params``: all the
+    tensors together within ``JOIN_DISTANCE`` of the smaller of the two norms and at a
+    cosine of at least ``JOIN_COSINE``, and each tensor within ``JOIN_TENSOR_DISTANCE``
+    of its smaller norm (at least 0.01*sqrt(numel), as ``clip_bound``). Measured on the
+    smaller norm: a liar's x1000 weights must not widen the bound that judges an honest
+    state. Tensors whose names or shapes differ are not a question of distance
+    (``_load_state`` says what is wrong)."""
+    dot = mine_sq = theirs_sq = diff_sq = 0.0
+    for name, tensor in theirs.items():
+        mine = params.get(name)
+        if mine is None or mine.shape != tensor.shape:
+            continue
+        a, b = mine.double(), tensor.double()
+        a_norm, b_norm, diff = float(a.norm()), float(b.norm()), float((a - b).norm())
+        floor = 0.01 * math.sqrt(max(1, a.numel()))
+        if not diff <= JOIN_TENSOR_DISTANCE * max(min(a_norm, b_norm), floor):
+            return False
+        dot += float(a.flatten() @ b.flatten())
+        mine_sq, theirs_sq, diff_sq = mine_sq + a_norm**2, theirs_sq + b_norm**2, diff_sq + diff**2
+    if mine_sq == 0.0 and theirs_sq == 0.0:
+        return True
+    smaller = math.sqrt(min(mine_sq, theirs_sq))
+    if not math.sqrt(diff_sq) <= JOIN_DISTANCE * smaller:
+        return False
+    return dot >= JOIN_COSINE * math.sqrt(mine_sq) * math.sqrt(theirs_sq)
 
 
 def _check_params(state: ExpertState, layout: Layout) -> Params | str:
