@@ -49,10 +49,12 @@ def make(identity: Identity, key: str = "ffn.", **kw: Any) -> ExpertRecord:
 # -- a refused refresh ---------------------------------------------------------------------
 
 
-def test_a_replayed_refused_refresh_leaves_the_store_as_it_was() -> None:
-    """One writer fills a connection's quota with its own records, then replays a larger
-    refresh of its first record, which that quota refuses every time: the store's heaps
-    stay one item per live record, however often the refresh is replayed."""
+def quota_filled_by_its_writer() -> tuple[
+    SignedRecordStore[ExpertRecord], ExpertRecord, Identity, Source, Source
+]:
+    """A store whose writer filled a connection's (``filler``'s) quota with its own
+    records after a first one stored from ``first``, and a larger refresh of that first
+    record, which the quota refuses: (store, refresh, writer, first, filler)."""
     config = DHTConfig(max_record_ttl_s=600, peer_quota_mb=0.05)
     s = SignedRecordStore(EXPERT_RECORDS, config, clock=lambda: NOW)
     writer = Identity.generate()
@@ -62,7 +64,14 @@ def test_a_replayed_refused_refresh_leaves_the_store_as_it_was() -> None:
     k = 0
     while s.offer(make(writer, key=f"ffn.{k}.", children=fat), filler) is None:
         k += 1
-    refresh = make(writer, key="ffn.9999.", children=fat, now=NOW + 1)
+    return s, make(writer, key="ffn.9999.", children=fat, now=NOW + 1), writer, first, filler
+
+
+def test_a_replayed_refused_refresh_leaves_the_store_as_it_was() -> None:
+    """One writer fills a connection's quota with its own records, then replays a larger
+    refresh of its first record, which that quota refuses every time: the store's heaps
+    stay one item per live record, however often the refresh is replayed."""
+    s, refresh, writer, first, filler = quota_filled_by_its_writer()
     assert s.offer(refresh, filler) == "peer_quota"
     before = s.statistics()
     for _ in range(500):

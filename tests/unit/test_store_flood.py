@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import volunteerd.net.envelope as envelope
+from tests.unit.test_dht_hardening import quota_filled_by_its_writer
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.identity import Identity
 from volunteerd.net.dht import ExpertDHT
@@ -145,16 +146,7 @@ def test_a_refresh_that_cannot_fit_is_refused_before_its_signature_is_checked(
 ) -> None:
     """A valid refresh refused by a quota, replayed: the quota is decided first, so a
     replay costs no verification (before: one each)."""
-    config = DHTConfig(max_record_ttl_s=600, peer_quota_mb=0.05)
-    s = SignedRecordStore(EXPERT_RECORDS, config, clock=lambda: NOW)
-    writer = Identity.generate()
-    first, filler = Source("first", ip_prefix("10.0.0.1")), Source("filler", ip_prefix("10.0.1.1"))
-    assert s.put(make(writer, key="ffn.9999."), first)
-    fat = list(range(256))
-    k = 0
-    while s.offer(make(writer, key=f"ffn.{k}.", children=fat), filler) is None:
-        k += 1
-    refresh = make(writer, key="ffn.9999.", children=fat, now=NOW + 1)
+    s, refresh, writer, first, filler = quota_filled_by_its_writer()
     checks.clear()
     for _ in range(100):
         assert s.offer(refresh, filler) == "peer_quota"

@@ -497,11 +497,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         good, and was never banned. ``LATE_STREAK_BAN`` such rounds in a row with no
         answer from it in between: banned for the client's ``ban_s``."""
         peer_id = call.peer.peer_id
-        streak = self._late_streak.pop(peer_id, 0) + 1  # re-inserted last: newest
-        if streak < LATE_STREAK_BAN:
-            self._late_streak[peer_id] = streak
-            if len(self._late_streak) > _MAX_LATE_PEERS:
-                del self._late_streak[next(iter(self._late_streak))]
+        streak = _one_more(self._late_streak, peer_id, LATE_STREAK_BAN)
+        if streak is None:
             return
         self.stats.failures["late"] += 1
         if self._ban(peer_id, f"late {streak} times in a row: {call.uid}", None, usable):
@@ -516,11 +513,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         ``REFUSAL_STREAK_BAN`` such rounds in a row with no answer from it in between,
         and it is banned for the client's ``ban_s``."""
         peer_id = call.peer.peer_id
-        streak = self._refusal_streak.pop(peer_id, 0) + 1  # re-inserted last: newest
-        if streak < REFUSAL_STREAK_BAN:
-            self._refusal_streak[peer_id] = streak
-            if len(self._refusal_streak) > _MAX_LATE_PEERS:
-                del self._refusal_streak[next(iter(self._refusal_streak))]
+        streak = _one_more(self._refusal_streak, peer_id, REFUSAL_STREAK_BAN)
+        if streak is None:
             return
         self.stats.failures["refused"] += 1
         self._ban(peer_id, f"refused {streak} rounds in a row: {call.uid}", None, usable)
@@ -764,6 +758,19 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             calls[check.index] = Call(call.uid, checker, check.call.header, call.buffers, call.rows)
             outcomes[check.index] = outcome
             ys[check.index] = y_check
+
+
+def _one_more(streaks: dict[str, int], peer_id: str, ban_at: int) -> int | None:
+    """Count one more round in ``peer_id``'s streak: its length once it reaches
+    ``ban_at`` (and it is forgotten), else None. The ``_MAX_LATE_PEERS`` peers counted
+    most recently are kept."""
+    streak = streaks.pop(peer_id, 0) + 1  # re-inserted last: newest
+    if streak >= ban_at:
+        return streak
+    streaks[peer_id] = streak
+    if len(streaks) > _MAX_LATE_PEERS:
+        del streaks[next(iter(streaks))]
+    return None
 
 
 def _usable(route: Route) -> set[str]:
