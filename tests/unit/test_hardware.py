@@ -103,3 +103,30 @@ def test_an_expert_larger_than_the_whole_memory_is_a_clear_error_not_one_anyway(
         width *= 2
     with pytest.raises(ConfigError, match="more than all of this computer's memory"):
         experts_that_fit(ExpertsConfig(hidden_dim=width))
+
+
+def test_max_experts_caps_what_fits_and_never_skips_the_memory_check() -> None:
+    """``experiments.max_experts`` ("experts to host at most") replaced the memory check:
+    with it set to 4, a manifest of 960 GiB experts had a 24 GiB machine allocate four
+    (an outside probe). It now caps what fits; the whole-memory refusal always holds."""
+    from volunteerd.config import Config
+    from volunteerd.errors import ConfigError
+    from volunteerd.swarm.joiner import capacity_for
+
+    budget = {"memory_budget_mb": 3000}  # the kept forwards' 2 GiB, then experts
+    small, large = ExpertsConfig(hidden_dim=64), ExpertsConfig(hidden_dim=2048)
+    fits = capacity_for(Config.model_validate({"hardware": budget}), torch.device("cpu"))
+    assert fits(small) > 4
+    assert fits(large) < 4
+    capped = capacity_for(
+        Config.model_validate({"hardware": budget, "experiments": {"max_experts": 4}}),
+        torch.device("cpu"),
+    )
+    assert capped(small) == 4  # at most four
+    assert capped(large) == fits(large)  # no more than fit
+    whole = detect().memory_bytes
+    width = 1024
+    while expert_footprint(ExpertsConfig(hidden_dim=width)) <= whole:
+        width *= 2
+    with pytest.raises(ConfigError, match="more than all of this computer's memory"):
+        capped(ExpertsConfig(hidden_dim=width))
