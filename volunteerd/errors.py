@@ -259,10 +259,17 @@ class RequestTimeout(PeerError):
     code = "timeout"
 
 
+# How much of a peer's error message is kept: the wire allows 1,000 characters of any
+# text, and it goes on into the log and a project's error (the tray, the dashboard).
+REMOTE_MESSAGE_CHARS = 300
+
+
 class RemoteError(PeerError):
-    """The peer answered with a typed error reply."""
+    """The peer answered with a typed error reply (its message's start, if long)."""
 
     def __init__(self, code: str, message: str) -> None:
+        if len(message) > REMOTE_MESSAGE_CHARS:
+            message = f"{message[:REMOTE_MESSAGE_CHARS]}... ({len(message)} characters)"
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message

@@ -21,6 +21,11 @@ daemon's, the command line's), are summarised the same way (``_OwnRepeats``, 10 
 kind rather than by text: a peer must not be able to fill a volunteer's disk with the log of
 a failure it can repeat.
 
+What a line shows is escaped (``_escaped``): a message can carry a peer's text (an error
+reply, a manifest's fault), and an ESC, a line break or a bidi override in it would act on
+the terminal or forge a line of the log rather than be read. A traceback keeps its own
+line breaks; its exceptions' messages are escaped like the rest.
+
 ``volunteerd.net`` calls ``tame_third_party()`` as soon as it has imported py-libp2p
 (every entry point and every library use goes through it); ``configure_logging`` calls
 it again with the level it sets. Setting ``LIBP2P_DEBUG`` leaves py-libp2p's own
@@ -34,7 +39,9 @@ import os
 import sys
 import threading
 import time
+import unicodedata
 from collections.abc import Callable
+from types import TracebackType
 
 __all__ = ["configure_logging", "tame_third_party"]
 
@@ -43,6 +50,20 @@ _BURST = 3
 _OWN_BURST = 10  # volunteerd's own: kinds are coarser (a message before its arguments)
 _WINDOW_S = 60.0
 _MAX_KEYS = 512
+# What a terminal acts on rather than shows: escape sequences, line breaks, bidi overrides
+# (as control.verbs shows the daemon's status on the command line).
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
+
+def _escaped(text: str, keep: str = "") -> str:
+    """``text`` with every control or invisible character (but those in ``keep``) written
+    as its escape: ``\\x1b``, ``\\n``, ``\\u202e``."""
+    if text.isprintable():  # the usual case, at C speed (it is False for more than _UNSHOWN)
+        return text
+    return "".join(
+        c if c in keep or unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
+    )
 
 
 class _Repeats:
@@ -152,12 +173,32 @@ class _OwnRepeats(logging.Filter):
 
 class _NotingFormatter(logging.Formatter):
     """Adds ``_OwnRepeats``' note, if the record has one, to the end of its line (before
-    a traceback)."""
+    a traceback), and escapes what the line shows (``_escaped``): one record, one line."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         note = getattr(record, "volunteerd_repeats", None)
-        return f"{line} ({note})" if note else line
+        return _escaped(f"{line} ({note})" if note else line)
+
+    def formatException(self, ei: _ExcInfo) -> str:
+        """The traceback with its own line breaks, but each exception's message (which
+        can quote a peer) escaped whole, line breaks included."""
+        text = super().formatException(ei)
+        seen: set[int] = set()
+        error = ei[1]
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            try:
+                message = str(error)
+            except Exception:  # traceback shows "<exception str() failed>"
+                message = ""
+            if message and _escaped(message) != message:
+                text = text.replace(message, _escaped(message))
+            error = error.__cause__ or error.__context__
+        return _escaped(text, keep="\n")
+
+    def formatStack(self, stack_info: str) -> str:
+        return _escaped(stack_info, keep="\n")
 
 
 _ROUTED = _Routed()

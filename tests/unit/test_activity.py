@@ -71,6 +71,19 @@ def test_a_failed_join_says_why_and_how_to_forget_it() -> None:
     assert "volunteerd leave tinylm" in activity.hint
 
 
+def test_a_failed_joins_error_is_one_line_escaped_and_bounded() -> None:
+    """The error can quote a peer or an owner (an error reply, a manifest's key): the
+    message is the dashboard's header and the tray's first line."""
+    error = "manifest 'x': \x1b]0;PWNED\x07\n\n  forged\u2028line \u202eright" + "A" * 10_000
+    activity = decide_activity(signals(experts=0, projects=(Project("tinylm", "failed", error),)))
+    assert activity.message.startswith(
+        "could not join tinylm: manifest 'x': \\x1b]0;PWNED\\x07 forged line \\u202eright"
+    )
+    assert activity.message.endswith("AAA...")
+    assert len(activity.message) == len("could not join tinylm: ") + 400
+    assert activity.message.isprintable()
+
+
 def test_paused_by_hand_says_who_and_how_to_resume() -> None:
     activity = decide_activity(signals(mode="paused", serving=False, reason="paused"))
     assert activity.state == "paused"

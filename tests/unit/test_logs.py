@@ -177,3 +177,62 @@ def test_the_daemons_log_handler_summarises_our_repeated_failures() -> None:
     assert stderr.count("RuntimeError: a bug") == 10
     assert stderr.count("are counted, not shown)\nTraceback") == 1
     assert "and life goes on" in stderr
+
+
+FORGED = "\x1b]0;PWNED\x07\x1b[2J\n12:00:00 INFO    volunteerd.daemon: forged \u202edaolnwod"
+
+
+def test_a_peers_text_in_a_message_is_escaped_not_acted_on() -> None:
+    """A peer's error reply or an owner's manifest fault, logged with %s: its ESC, line
+    break and bidi override are shown as escapes, on the one line of its record."""
+    formatter = logs._NotingFormatter("%(levelname)s %(name)s: %(message)s")
+    record = logging.LogRecord(
+        "volunteerd.swarm.joiner", logging.WARNING, __file__, 1, "from peer: %s", (FORGED,), None
+    )
+    line = formatter.format(record)
+    assert line == (
+        "WARNING volunteerd.swarm.joiner: from peer: \\x1b]0;PWNED\\x07\\x1b[2J"
+        "\\n12:00:00 INFO    volunteerd.daemon: forged \\u202edaolnwod"
+    )
+    # Tabs, DEL, C1 controls too; printable text (any script) is left as it is.
+    record = logging.LogRecord(
+        "volunteerd.x", logging.INFO, __file__, 1, "a\tb\x7fc\x9bd é 日本", None, None
+    )
+    assert formatter.format(record) == "INFO volunteerd.x: a\\tb\\x7fc\\x9bd é 日本"
+
+
+def test_a_traceback_keeps_its_lines_but_its_message_is_escaped() -> None:
+    formatter = logs._NotingFormatter("%(message)s")
+    try:
+        try:
+            raise KeyError("inner \x1b[2J")
+        except KeyError as inner:
+            raise RuntimeError(f"internal: {FORGED}") from inner
+    except RuntimeError as error:
+        exc_info = (type(error), error, error.__traceback__)
+    record = logging.LogRecord("volunteerd.x", logging.ERROR, __file__, 1, "failed", None, exc_info)
+    text = formatter.format(record)
+    assert text.startswith("failed\nTraceback (most recent call last):\n  File ")
+    assert not {"\x1b", "\x07", "\u202e"} & set(text)
+    assert "\n12:00:00" not in text  # the message's line break is not a line of the log
+    assert "RuntimeError: internal: \\x1b]0;PWNED\\x07\\x1b[2J\\n12:00:00 INFO" in text
+    assert "KeyError: 'inner \\x1b[2J'" in text  # the cause's message too
+    assert "direct cause of the following exception:\n\nTraceback" in text
+
+
+def test_the_daemons_log_shows_one_line_per_record_whatever_it_quotes() -> None:
+    code = f"""
+        from volunteerd.logs import configure_logging
+        configure_logging("INFO")
+        logging.getLogger("volunteerd.net.shard").warning("peer said: %s", {FORGED!r})
+        logging.getLogger("libp2p.x").critical("third party: %s", {FORGED!r})
+    """
+    stderr = run_python(code)
+    assert not {"\x1b", "\u202e"} & set(stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith(
+        "peer said: \\x1b]0;PWNED\\x07\\x1b[2J\\n12:00:00 INFO    "
+        "volunteerd.daemon: forged \\u202edaolnwod"
+    )
+    assert "third party: \\x1b]0;PWNED" in lines[1]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,6 +159,45 @@ def test_a_trusted_manifest_this_version_cannot_read_says_why() -> None:
     reasons: list[str] = []
     assert choose_trusted("stdlib-chars", [unreadable], [OWNER_ID], reasons) is None
     assert reasons == ["manifest 'stdlib-chars': sparsity: Extra inputs are not permitted"]
+
+
+def unknown_key_error(change: Callable[[dict[str, Any]], None]) -> str:
+    m = manifest()
+    body = json.loads(sign_manifest(m, OWNER).body)
+    change(body)
+    record = ManifestRecord(
+        name=m.name, owner=OWNER_ID, body=json.dumps(body), issued_at=NOW, expires_at=NOW + DAY
+    ).signed(OWNER)
+    with pytest.raises(InvalidRecord) as refused:
+        parse_manifest(record)
+    return str(refused.value)
+
+
+def test_an_unknown_keys_name_is_quoted_short_and_escaped() -> None:
+    """The name of a key this version does not know is the owner's text: it went whole
+    (10 KB, with ESC and line breaks) into the join's error, the log, the tray and the
+    dashboard."""
+    evil = "\x1b]0;PWNED\x07\x1b[2J\n12:00:00 INFO forged <img src=x>" + "A" * 10_000 + "end"
+    assert unknown_key_error(lambda body: body.update({evil: 1})) == (
+        "manifest 'stdlib-chars': '\\x1b]0;PWNED\\x07\\x1b[2J\\n12:00:00 INFO for"
+        "...AAAAAAAAAAend': Extra inputs are not permitted"
+    )
+    assert unknown_key_error(lambda body: body["optimizer"].update({"beta\u202e": 1})) == (
+        "manifest 'stdlib-chars': 'optimizer.beta\\u202e': Extra inputs are not permitted"
+    )
+    # A key of the schema's own kind is named as it was.
+    assert unknown_key_error(lambda body: body["optimizer"].update({"beta_3": 1})) == (
+        "manifest 'stdlib-chars': optimizer.beta_3: Extra inputs are not permitted"
+    )
+
+
+def test_an_unknown_key_in_a_manifest_file_is_quoted_too(tmp_path: Path) -> None:
+    path = tmp_path / "experiment.toml"
+    path.write_text('name = "x"\ngrid = [2]\n"bad\\u001b[2Jkey" = 1\n')
+    with pytest.raises(ConfigError) as refused:
+        load_manifest_file(path, owner=OWNER_ID)
+    assert "  'bad\\x1b[2Jkey': unknown key" in str(refused.value)
+    assert "\x1b" not in str(refused.value)
 
 
 def test_trusted_owner_chosen_and_untrusted_refused_with_a_clear_error() -> None:

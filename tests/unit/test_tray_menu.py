@@ -180,7 +180,8 @@ def test_contributing_to_a_project_says_whose_it_is() -> None:
     wordy = project(description="w" * 280, owner_name="o" * 64)
     long = view(connected(projects=[wordy]))
     assert long.status_line == f"Helping: {'w' * 63}… by {'o' * 31}… · 0 samples today"
-    assert long.title == "volunteerd — " + long.status_line
+    # the tooltip: at most 127 characters (pystray's Windows backend raises on more)
+    assert long.title == ("volunteerd — " + long.status_line)[:126] + "…"
 
 
 def test_running_for_nobody_says_so_with_what_to_do_and_the_waiting_icon() -> None:
@@ -201,6 +202,32 @@ def test_running_for_nobody_says_so_with_what_to_do_and_the_waiting_icon() -> No
     scheduled = view(connected(state="scheduled", activity="paused", message=outside))
     assert scheduled.state == "paused"
     assert scheduled.status_line == "Paused: outside the hours set to compute"
+
+
+def test_a_failed_joins_long_error_is_one_short_line_and_the_tooltip_fits_windows() -> None:
+    """The ordinary "not found" failure made a first line of 183 characters and a
+    tooltip of 302; a manifest's key, one of 10 KB with line breaks."""
+    found = (
+        "could not join tiny-lm: experiment 'tiny-lm' was not found in the DHT from a trusted "
+        "owner (experiments.trusted_owners) within 60s: is it published, and are the "
+        "bootstrap peers right?"
+    )
+    hint = "check the internet connection; it tries again by itself. " * 3
+    shown = view(connected(activity="joining", message=found, hint=hint))
+    assert shown.status_line == "Could not join tiny-lm: experiment 'tiny-lm' was not found in t…"
+    assert len(shown.status_line) == menu._MAX_LINE
+    assert shown.items[0].text == shown.status_line
+    assert len(shown.title) == menu.MAX_TITLE
+    assert shown.title.startswith(f"volunteerd — {shown.status_line} — check the internet")
+    broken = "could not join x: '\x1b[2J\n\n12:00:00 INFO  forged\u2028\u202eright'"
+    shown = view(connected(activity="joining", message=broken + "A" * 10_000, hint="h\ni"))
+    assert shown.status_line == (
+        "Could not join x: '\\x1b[2J 12:00:00 INFO forged \\u202eright'AAA…"
+    )
+    assert shown.title == f"volunteerd — {shown.status_line} — h i"  # one line
+    # paused by the schedule: the activity's message too
+    scheduled = view(connected(state="scheduled", activity="paused", message="paused: " + "z" * 99))
+    assert scheduled.status_line == "Paused: " + "z" * 55 + "…"
 
 
 def test_a_failed_action_shows_as_a_second_line() -> None:
@@ -541,6 +568,57 @@ def test_app_maps_the_model_to_pystray_items_and_clicks_only_queue(
     absent(None)  # a click on the icon: the default item, "Start volunteerd"
     assert app._jobs.get_nowait() == Action("start")
     assert app._jobs.empty()
+
+
+class Win32LikeIcon:
+    """pystray's Windows backend, as far as ``TrayApp._show`` reaches it: the title is
+    copied into NOTIFYICONDATAW.szTip, a WCHAR[128], after pystray stored it."""
+
+    def __init__(self, *, refuse_titles: bool = False) -> None:
+        self.visible = True
+        self.icon: Any = None
+        self._title = ""
+        self.refuse_titles = refuse_titles
+        self.menus: list[str] = []  # the first item of each menu built
+        self.app: TrayApp | None = None
+
+    @property
+    def title(self) -> str:
+        return self._title
+
+    @title.setter
+    def title(self, value: str) -> None:
+        if value != self._title:
+            self._title = value
+            if self.refuse_titles or len(value) >= 128:
+                raise ValueError(f"string too long ({len(value)}, maximum length 128)")
+
+    def update_menu(self) -> None:
+        assert self.app is not None
+        self.menus.append(self.app.view.items[0].text)
+
+
+def test_a_tooltip_too_long_for_windows_is_cut_and_the_menu_still_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A title over 127 characters raised in pystray's Windows backend, before the menu
+    was rebuilt, and the new view counted as shown: the menu kept offering Resume beside
+    a daemon that ran, poll after poll."""
+    monkeypatch.setattr("volunteerd.tray.app.icon_image", lambda state: None)
+    no_peers = "check the internet connection; if it works, the peers to join through may be "
+    running = connected(activity="no_peers", message="no peers", hint=no_peers * 2)
+    for refuse_titles in (False, True):  # whatever else a backend refuses, the menu follows
+        app = TrayApp(paths_in(tmp_path), start_daemon=False)
+        app.icon = icon = Win32LikeIcon(refuse_titles=refuse_titles)
+        icon.app = app
+        app._show(connected(state="paused", activity="paused", message="paused by you"))
+        for _ in range(3):
+            app._show(running)
+        assert icon.menus == ["Paused", "No peers"]
+        assert find(app.view.items, "Pause").action == Action("pause")
+        if not refuse_titles:
+            assert len(icon.title) == menu.MAX_TITLE
+            assert icon.title.startswith("volunteerd — No peers — check the internet")
 
 
 def test_join_a_project_opens_the_dashboard_at_its_join_field(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ passes them in. The first rule that holds decides::
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +33,11 @@ __all__ = ["WAITING_AFTER_S", "ProjectSignal", "Signals", "decide_activity"]
 # A trainer calls every expert it routes to many times a minute; two quiet minutes mean
 # no training runs that uses this node (or none reaches it).
 WAITING_AFTER_S = 120.0
+
+# A failed join's error in the message: any exception's text, which can quote a peer or
+# an owner (an error reply, a manifest's fault). One line, its start if long.
+_ERROR_CHARS = 400
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, bidi, line separators
 
 _JOIN_HINT = "join one with `volunteerd join <invitation>` or the dashboard's Join a project"
 
@@ -119,7 +125,7 @@ def _joining(projects: Sequence[ProjectSignal]) -> Activity:
             "once they are ready",
         )
     failed = projects[0]
-    why = f": {failed.error}" if failed.error else ""
+    why = f": {_one_line(failed.error)}" if failed.error else ""
     return _activity(
         "joining",
         f"could not join {failed.name}{why}",
@@ -157,6 +163,19 @@ def _paused(s: Signals) -> Activity:
             "(the [schedule] settings)",
         )
     return _activity("paused", f"paused: {s.reason or s.mode}", "")
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line (runs of white space, line breaks included, as one space),
+    any other control or invisible character as its escape, cut to ``_ERROR_CHARS``."""
+    text = " ".join(text.split())
+    if not text.isprintable():
+        text = "".join(
+            c if unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
+        )
+    if len(text) > _ERROR_CHARS:
+        text = f"{text[: _ERROR_CHARS - 3]}..."
+    return text
 
 
 def _experts(n: int) -> str:

@@ -40,6 +40,7 @@ of the signed body, so daemons that predate the field still accept the manifest.
 from __future__ import annotations
 
 import json
+import re
 import time
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -117,6 +118,23 @@ def _homepage(value: str) -> str:
 
 
 _DisplayText = AfterValidator(_displayable)
+# A field's path as this schema names them ("optimizer.lr", "grid.0"): shown as it is.
+_FIELD_PATH = re.compile(r"[A-Za-z0-9_.]{1,64}")
+_QUOTE_LIMIT = 48
+
+
+def _where(loc: tuple[int | str, ...], empty: str) -> str:
+    """Where a validation error is, for its message. A key the schema does not know is
+    named by whoever wrote the manifest (a signed one reaches every joining volunteer's
+    log, tray and dashboard): such a name is quoted short and escaped."""
+    where = ".".join(str(part) for part in loc)
+    if not where:
+        return empty
+    if _FIELD_PATH.fullmatch(where):
+        return where
+    if len(where) > _QUOTE_LIMIT:  # both ends, as swarm/invitation.py quotes
+        where = f"{where[: _QUOTE_LIMIT - 16]}...{where[-13:]}"
+    return ascii(where)
 
 
 class ExperimentManifest(BaseModel):
@@ -224,7 +242,7 @@ def load_manifest_file(path: Path, *, owner: str, now: float | None = None) -> E
             raise ConfigError(f"{path}: lifetime_days: {exc}") from None
         lines = [f"invalid manifest {path}:"]
         for error in exc.errors():
-            key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+            key = _where(error["loc"], "(top level)")
             message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
             lines.append(f"  {key}: {message}")
         raise ConfigError("\n".join(lines)) from None
@@ -258,7 +276,7 @@ def parse_manifest(record: ManifestRecord) -> ExperimentManifest:
         manifest = ExperimentManifest.model_validate_json(record.body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
+        where = _where(first["loc"], "body")
         raise InvalidRecord(f"manifest {record.name!r}: {where}: {first['msg']}") from None
     envelope = (record.name, record.owner, record.issued_at, record.expires_at)
     if (manifest.name, manifest.owner, manifest.issued_at, manifest.expires_at) != envelope:

@@ -120,6 +120,7 @@ class TrayApp:
         self._exit_code = ExitCode.OK
         self._latin1_titles = False
         self._drawn_state: menu.IconState | None = None  # the image the icon shows
+        self._menu_shown: View | None = None  # the view the menu was last built from
 
     # -- what the tray shows --------------------------------------------------------------
 
@@ -145,6 +146,7 @@ class TrayApp:
             icon_class, pystray_menu = _load_pystray(self.backend)
             self._latin1_titles = _backend_of(icon_class) == "xorg"
             self._drawn_state = first.state
+            self._menu_shown = first
             self.icon = icon_class(
                 "volunteerd",
                 icon=icon_image(first.state),
@@ -279,6 +281,11 @@ class TrayApp:
         return Seen("failed", error=error, notice=notice)
 
     def _show(self, seen: Seen) -> None:
+        """Make ``seen`` the model (the menu pystray builds reads it) and show it: the
+        image, the tooltip and the menu, each on its own, so that one the backend refuses
+        keeps none of the others from changing (a tooltip Windows found too long kept the
+        paused menu, Resume and all, beside a running daemon). What was not shown is
+        tried again at the next poll."""
         new = menu.view(seen)
         with self._lock:
             old, self._seen, self._view = self._view, seen, new
@@ -288,19 +295,34 @@ class TrayApp:
             if self._stopping.is_set() or self.icon is None:
                 return
             try:
-                if not self.icon.visible:  # showing it failed at the start
-                    self.icon.visible = True
-                if new.state != self._drawn_state:
-                    self._drawn_state = None  # until it is drawn: the next poll retries
-                    self.icon.icon = icon_image(new.state)
-                    self._drawn_state = new.state
-                self.icon.title = self._title(new)
-                if new != old:
-                    self.icon.update_menu()
-            except Exception:  # whatever the backend raises: keep polling
-                logger.exception("could not update the tray icon")
+                for part, show in (
+                    ("image", self._show_image),
+                    ("tooltip", self._show_title),
+                    ("menu", self._show_menu),
+                ):
+                    try:
+                        show(new)
+                    except Exception:  # whatever the backend raises: keep polling
+                        logger.exception("could not update the tray icon's %s", part)
             finally:
                 self._flush_x()
+
+    def _show_image(self, new: View) -> None:
+        if not self.icon.visible:  # showing it failed at the start
+            self.icon.visible = True
+        if new.state != self._drawn_state:
+            self._drawn_state = None  # until it is drawn: the next poll retries
+            self.icon.icon = icon_image(new.state)
+            self._drawn_state = new.state
+
+    def _show_title(self, new: View) -> None:
+        self.icon.title = self._title(new)
+
+    def _show_menu(self, new: View) -> None:
+        if new != self._menu_shown:
+            self._menu_shown = None  # until it is rebuilt: the next poll retries
+            self.icon.update_menu()
+            self._menu_shown = new
 
     # -- the worker thread ----------------------------------------------------------------
 
@@ -412,11 +434,14 @@ class TrayApp:
             self._flush_x()
 
     def _title(self, shown: View) -> str:
+        """The tooltip, at most ``menu.MAX_TITLE`` characters whatever the backend (the
+        Windows one raises on more)."""
+        title = shown.title
         # pystray's X backend sets the title as a Latin-1 window name
-        if not self._latin1_titles:
-            return shown.title
-        plain = shown.title.translate(_LATIN1)
-        return plain.encode("latin-1", errors="replace").decode("latin-1")
+        if self._latin1_titles:
+            plain = title.translate(_LATIN1)
+            title = plain.encode("latin-1", errors="replace").decode("latin-1")
+        return title[: menu.MAX_TITLE]
 
 
 def pystray_items(

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -51,6 +52,7 @@ from volunteerd.control.models import LimitsView, Status
 __all__ = [
     "DOWNLOAD_PRESETS_MBIT",
     "ICON_STATES",
+    "MAX_TITLE",
     "SEPARATOR",
     "SNOOZE_S",
     "UPLOAD_PRESETS_MBIT",
@@ -102,6 +104,10 @@ DOWNLOAD_PRESETS_MBIT: tuple[float, ...] = (0.0, 5.0, 10.0, 50.0, 100.0)
 
 _MAX_LINE = 64  # characters of an error or a project's description in a menu line
 _MAX_OWNER = 32  # characters of a project owner's name there
+# characters of the tooltip: pystray's Windows backend copies it into a WCHAR[128]
+# (NOTIFYICONDATAW.szTip, its end included) and raises on a longer one
+MAX_TITLE = 127
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, bidi, line separators
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +189,8 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
     status = seen.status
     if seen.link == "connected" and status is not None:
         if status.state == "running":
-            if status.activity.state in _WAITING:
-                return _sentence(status.activity.message)
+            if status.activity.state in _WAITING:  # a failed join's error, for one
+                return _sentence(_shorten(status.activity.message))
             if not status.serving:
                 return "Starting to contribute…"
             samples = status.today.samples
@@ -193,7 +199,7 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
         if status.state == "paused":
             return "Paused"
         if status.state == "scheduled":  # "paused: outside the hours set to compute"
-            return _sentence(status.activity.message)
+            return _sentence(_shorten(status.activity.message))
         if status.state == "snoozed":
             if status.snoozed_until is None:
                 return "Snoozed"
@@ -213,9 +219,10 @@ def view(seen: Seen, *, now: float | None = None) -> View:
     """The icon state, tooltip and menu for ``seen``; ``now`` (Unix seconds) for tests."""
     line = status_line(seen, now=now)
     hint = _hint(seen)
+    title = f"volunteerd — {line}" + (f" — {hint}" if hint else "")
     return View(
         state=icon_state(seen),
-        title=f"volunteerd — {line}" + (f" — {hint}" if hint else ""),
+        title=_shorten(title, MAX_TITLE),  # the hint can be longer than one line
         status_line=line,
         items=_items(seen, line, hint),
     )
@@ -326,7 +333,13 @@ def _short_id(peer_id: str) -> str:
 
 
 def _shorten(text: str, limit: int = _MAX_LINE) -> str:
+    """``text`` on one line of at most ``limit`` characters: runs of white space (line
+    breaks too) as one space, other control or invisible characters as escapes."""
     text = " ".join(text.split())
+    if not text.isprintable():
+        text = "".join(
+            c if unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
+        )
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
