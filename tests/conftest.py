@@ -3,10 +3,11 @@ from __future__ import annotations
 import faulthandler
 import logging
 import traceback
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
+import trio
 from _pytest.faulthandler import fault_handler_stderr_fd_key
 
 from volunteerd.logs import tame_third_party
@@ -19,6 +20,20 @@ def _quiet_libp2p() -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
+@pytest.fixture
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trio.to_thread.run_sync`` runs its function inline. For tests in virtual time
+    (``autojump_clock``), which jumps whenever every task waits, a worker thread's work
+    included: with threads, a busy machine let the clock run past a deadline while a
+    check ran in one (a round measured 30 s where its peer's deadline was 7.5 s)."""
+
+    async def run_sync(fn: Callable[..., Any], *args: Any, **_: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``faulthandler_timeout`` dumps every thread's stack a little before the default
     per-test ``timeout``; a test marked with a longer timeout gets its dump as long

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -34,13 +32,7 @@ Params = dict[str, torch.Tensor]
 Reply = tuple[ParamsReply, list[WireTensor]]
 
 
-@pytest.fixture(autouse=True)
-def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def run_sync(fn: Callable[..., Any], *args: Any, **_: Any) -> Any:
-        await trio.lowlevel.checkpoint()
-        return fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+pytestmark = pytest.mark.usefixtures("inline_threads")
 
 
 def runtime_of(n: int) -> ExpertRuntime:

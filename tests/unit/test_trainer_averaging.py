@@ -175,6 +175,15 @@ def _near(own: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, to
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in own.items()}
 
 
+@pytest.fixture(autouse=True)
+def _inline_threads_in_virtual_time(request: pytest.FixtureRequest) -> None:
+    """Tests that time rounds in virtual time run the averager's worker-thread work
+    inline (``inline_threads``): under load the clock jumped past a peer's deadline
+    while a check ran in a thread."""
+    if "autojump_clock" in request.fixturenames:
+        request.getfixturevalue("inline_threads")
+
+
 def _averager(
     network: FakeNetwork,
     group_size: int = 3,
