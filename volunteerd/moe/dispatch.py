@@ -13,6 +13,7 @@ comes first. Requests still running then are cancelled: their experts were too s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import trio
 from pydantic import BaseModel
 
 from volunteerd.errors import RemoteError, RequestTimeout, VolunteerdError
-from volunteerd.net import PeerAddress, RpcClient, Verb
+from volunteerd.net import PeerAddress, RpcClient, Verb, short
 from volunteerd.wire import (
     BackwardBatchRequest,
     ErrorReply,
@@ -31,6 +32,8 @@ from volunteerd.wire import (
 from volunteerd.wire.messages import MAX_BATCH_ITEMS
 
 __all__ = ["Call", "Outcome", "call_many"]
+
+logger = logging.getLogger(__name__)
 
 # Experts per request: one message per server. (With one worker job per expert, 4 had
 # measured best: a server answered a batch only when every item was done; now the
@@ -139,6 +142,18 @@ async def call_many(
             try:
                 answers = await _send(rpc, verb, [calls[i] for i in indices])
             except (VolunteerdError, OSError) as exc:
+                answers = [exc] * len(indices)
+            except Exception as exc:
+                # Not a failure any layer below names: a bug, or a peer's reply that broke
+                # something it should not have. It is this request's failure, never the
+                # round's (the round's other experts answered; a trainer's run goes on).
+                logger.warning(
+                    "%s to %s failed unexpectedly: %r",
+                    verb,
+                    short(calls[indices[0]].peer.peer_id),
+                    exc,
+                    exc_info=exc,
+                )
                 answers = [exc] * len(indices)
             seconds = trio.current_time() - start
             for i, answer in zip(indices, answers, strict=True):

@@ -20,10 +20,39 @@ them. Those bytes would otherwise wait in the kernel's socket buffer; a reader t
 stops (a peer's small frames being paced) keeps what it holds, so what all connections
 hold together is bounded too: over ``READ_AHEAD_BUDGET`` a read takes only what it asks
 for, as the library's did.
+
+The rest bounds what a peer can make this node hold or wait for (docs/security.md):
+
+*Data past the receive window is a protocol violation.* The library buffered whatever
+a peer sent on a stream, logging "peer exceeded receive window": a server that answered
+a call and then streamed on the pooled stream grew a trainer's memory at line rate.
+Now the stream is reset, what it held is dropped, and the connection is closed
+(``counts()["window_overruns"]``).
+
+*A TCP write that cannot progress closes the connection.* A peer that stops reading
+its socket (frozen, or hostile after granting a large window) held every writer of the
+connection, and so every shielded cleanup that writes (a stream's RST or FIN, the
+connection's GO_AWAY), forever. A write that moves no byte for ``WRITE_STALL_S`` closes
+the socket, so blocked writers and the reader fail at once. A write cancelled half-way
+(its bytes are a Noise message the peer expects whole) is finished, shielded, for at
+most ``CANCELLED_WRITE_GRACE_S``, or the connection is closed: it is never left out of
+step.
+
+*Pings are answered off the reader.* The reader wrote each ping's answer itself, so a
+peer sending pings into a socket it never read blocked it for good. An answer is now
+written by a task of its own, one at a time; pings that come while one is pending go
+unanswered, as go-yamux does.
+
+*A stream's reset and close take at most ``STREAM_CLEANUP_S``.* The library (and
+py-libp2p's ``new_stream`` cleanup) awaits them in shielded scopes; past the bound the
+stream is given up locally without its RST or FIN.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import logging
 import struct
 import threading
 import weakref
@@ -32,14 +61,34 @@ from typing import Any
 
 import trio
 from libp2p.io import trio as _io
+from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.stream_muxer.exceptions import MuxedStreamError
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
-__all__ = ["READ_AHEAD", "READ_AHEAD_BUDGET", "ZERO_WINDOW_TIMEOUT_S", "held_ahead"]
+__all__ = [
+    "CANCELLED_WRITE_GRACE_S",
+    "READ_AHEAD",
+    "READ_AHEAD_BUDGET",
+    "STREAM_CLEANUP_S",
+    "WRITE_STALL_S",
+    "ZERO_WINDOW_TIMEOUT_S",
+    "abort",
+    "counts",
+    "held_ahead",
+]
+
+logger = logging.getLogger(__name__)
 
 READ_AHEAD = 128 * 1024  # per connection
 READ_AHEAD_BUDGET = 16 * 1024 * 1024  # all connections together
 ZERO_WINDOW_TIMEOUT_S = 5.0  # the library's: a peer that gives no credit for 5 s
+# A TCP write that moves no byte for this long: the peer stopped reading its socket.
+WRITE_STALL_S = 20.0
+# A write cancelled half-way may finish, shielded, for this long (its bytes are a Noise
+# message the peer expects whole); after that the connection is closed.
+CANCELLED_WRITE_GRACE_S = 1.0
+# The most a stream's reset or close waits to write its RST or FIN.
+STREAM_CLEANUP_S = 1.0
 
 
 class _Waking:
@@ -218,3 +267,286 @@ def held_ahead() -> int:
 
 _io.TrioTCPStream.read = _read_ahead  # type: ignore[method-assign]
 _io.TrioTCPStream.close = _close_dropping_what_is_held  # type: ignore[method-assign]
+
+
+# --- what a peer can make a connection hold or wait for ---------------------------
+
+_counts = {"window_overruns": 0, "stalled_writes": 0, "cut_writes": 0, "pings_unanswered": 0}
+
+
+def _tally(name: str) -> None:
+    with _counting:
+        _counts[name] += 1
+
+
+def counts() -> dict[str, int]:
+    """Connections closed for data past a stream's receive window
+    (``window_overruns``), for a write that moved nothing for ``WRITE_STALL_S``
+    (``stalled_writes``) or one cancelled half-way and not finished in its grace
+    (``cut_writes``), and pings left unanswered while an answer was pending: since the
+    process started, all connections together."""
+    with _counting:
+        return dict(_counts)
+
+
+def _tcp_of(conn: Any) -> _io.TrioTCPStream | None:
+    """The TCP stream under a Yamux connection (its secured connection, Noise, the raw
+    connection: py-libp2p 0.8.1's attribute names); None over a relay."""
+    seen = conn
+    for _ in range(8):
+        if isinstance(seen, _io.TrioTCPStream):
+            return seen
+        state = getattr(seen, "__dict__", {})
+        for name in ("secured_conn", "_conn", "conn", "read_writer", "read_write_closer", "stream"):
+            if name in state and state[name] is not seen:
+                seen = state[name]
+                break
+        else:
+            return None
+    return None
+
+
+def _cut(tcp: _io.TrioTCPStream) -> None:
+    """Close ``tcp``'s socket now: tasks blocked writing or reading it fail at once
+    (trio wakes them), and bytes received ahead are dropped."""
+    ahead: _Ahead | None = tcp.__dict__.get("_vd_ahead")
+    if ahead is not None and ahead.left:
+        _count(-ahead.left)
+        ahead.data, ahead.at, ahead.left = b"", 0, 0
+    try:
+        tcp.stream.socket.close()
+    except Exception:  # closed already, or not a socket stream
+        logger.debug("closing a socket failed", exc_info=True)
+
+
+def abort(conn: Any) -> None:
+    """Close a Yamux connection at once, without its GO_AWAY: its TCP socket is
+    closed, so every task blocked on it fails, and its reader, at the end of the
+    stream, closes the connection as when a peer goes away. Over a relay (no socket of
+    its own) the connection is closed by a task of its own, within ``STREAM_CLEANUP_S``."""
+    tcp = _tcp_of(conn)
+    if tcp is not None:
+        _cut(tcp)
+        return
+    nursery: trio.Nursery | None = getattr(conn, "_nursery", None)
+    if nursery is None:
+        return
+
+    async def close_secured() -> None:
+        with trio.move_on_after(STREAM_CLEANUP_S):
+            try:
+                await conn.secured_conn.close()
+            except Exception:
+                logger.debug("closing a relayed connection failed", exc_info=True)
+
+    try:
+        nursery.start_soon(close_secured)
+    except RuntimeError:  # the connection's tasks are ending: it is closing already
+        pass
+
+
+class _ReceiveWindow:
+    """``YamuxStream.recv_window``: what the peer may still send on the stream. The
+    library subtracts each data frame after buffering it, and where that goes below
+    zero only logs; here the stream is reset, its buffered bytes dropped and the
+    connection closed (``abort``) — what a peer sends past the window is never kept."""
+
+    def __get__(self, stream: Any, owner: type | None = None) -> Any:
+        if stream is None:
+            return self
+        try:
+            return stream.__dict__["_vd_recv_window"]
+        except KeyError:
+            raise AttributeError("recv_window") from None
+
+    def __set__(self, stream: Any, value: int) -> None:
+        state = stream.__dict__
+        if value < 0 and "_vd_recv_window" in state:
+            _overrun(stream, -value)
+            value = 0
+        state["_vd_recv_window"] = value
+
+
+def _overrun(stream: Any, excess: int) -> None:
+    conn = stream.conn
+    _tally("window_overruns")
+    logger.warning(
+        "peer %s sent %d bytes past stream %d's receive window: closing the connection",
+        getattr(conn, "peer_id", "?"),
+        excess,
+        stream.stream_id,
+    )
+    buffered = conn.stream_buffers.get(stream.stream_id)
+    if buffered is not None:
+        del buffered[:]
+    stream.reset_received = True
+    stream.recv_closed = True
+    stream.send_closed = True
+    stream.closed = True
+    event = conn.stream_events.get(stream.stream_id)
+    if event is not None:
+        event.set()
+    abort(conn)
+
+
+_yamux.YamuxStream.recv_window = _ReceiveWindow()  # type: ignore[assignment]
+
+
+class _Closed(Exception):
+    """The socket was closed here (``abort``, or the connection's close)."""
+
+
+async def _send_some(tcp: _io.TrioTCPStream, data: memoryview) -> int:
+    """Send a first part of ``data`` on ``tcp``'s socket: how many bytes went. Raises
+    _Closed, or ConnectionClosedError when the peer reset the connection or took
+    nothing for ``WRITE_STALL_S`` (then the socket is closed here)."""
+    with trio.move_on_after(WRITE_STALL_S):
+        try:
+            sent: int = await tcp.stream.socket.send(data)
+            return sent
+        except trio.ClosedResourceError:
+            raise _Closed from None
+        except OSError as error:
+            if error.errno == errno.EBADF:
+                raise _Closed from None
+            raise ConnectionClosedError(
+                f"TCP connection reset by remote peer: {error}", transport="tcp"
+            ) from error
+    _tally("stalled_writes")
+    logger.info(
+        "a peer (%s) took nothing for %g s: closing the connection",
+        tcp.get_remote_address(),
+        WRITE_STALL_S,
+    )
+    _cut(tcp)
+    raise ConnectionClosedError(
+        f"the peer took nothing for {WRITE_STALL_S:g} s; connection closed", transport="tcp"
+    )
+
+
+async def _write_or_close(self: _io.TrioTCPStream, data: bytes) -> None:
+    """The library's ``TrioTCPStream.write`` (nothing happens once closed here;
+    ``ConnectionClosedError`` when reset), but a write that moves nothing for
+    ``WRITE_STALL_S`` closes the connection, and one cancelled half-way finishes or
+    closes it (``CANCELLED_WRITE_GRACE_S``)."""
+    if not hasattr(self.stream, "socket"):  # not a socket stream: the library's own
+        await _library_write(self, data)
+        return
+    view = memoryview(data).cast("B")
+    total, sent, locked = len(view), 0, False
+    try:
+        await self.write_lock.acquire()
+        locked = True
+        while sent < total:
+            sent += await _send_some(self, view[sent:])
+    except _Closed:
+        return
+    except trio.Cancelled:
+        # Noise counted the message already: the peer must get it whole, or nothing
+        # more on this connection.
+        with trio.CancelScope(shield=True), trio.move_on_after(CANCELLED_WRITE_GRACE_S):
+            try:
+                if not locked:
+                    await self.write_lock.acquire()
+                    locked = True
+                while sent < total:
+                    sent += await _send_some(self, view[sent:])
+            except (_Closed, ConnectionClosedError):
+                pass
+        if sent < total:
+            _tally("cut_writes")
+            _cut(self)
+        raise
+    finally:
+        if locked:
+            self.write_lock.release()
+
+
+_library_write = _io.TrioTCPStream.write
+_io.TrioTCPStream.write = _write_or_close  # type: ignore[method-assign]
+
+
+_PONG = struct.pack("!BBH", 0, _yamux.TYPE_PING, _yamux.FLAG_ACK)
+_library_write_frame = _yamux.Yamux._write_frame
+
+
+async def _write_frame(self: _yamux.Yamux, data: bytes) -> None:
+    """The library's ``Yamux._write_frame``, but the answer to a ping (written by the
+    connection's reader) goes out from a task of its own, at most one at a time."""
+    if len(data) == _yamux.HEADER_SIZE and data[:4] == _PONG:
+        _answer_ping(self, bytes(data))
+        await trio.lowlevel.checkpoint()
+        return
+    await _library_write_frame(self, data)
+
+
+def _answer_ping(conn: _yamux.Yamux, pong: bytes) -> None:
+    state = conn.__dict__
+    nursery: trio.Nursery | None = conn._nursery
+    if state.get("_vd_answering") or nursery is None:
+        _tally("pings_unanswered")
+        return
+
+    async def answer() -> None:
+        try:
+            await _library_write_frame(conn, pong)
+        except Exception:  # the connection is going: its reader sees to it
+            logger.debug("answering a ping failed", exc_info=True)
+        finally:
+            state["_vd_answering"] = False
+
+    state["_vd_answering"] = True
+    try:
+        nursery.start_soon(answer)
+    except RuntimeError:  # the connection's tasks are ending
+        state["_vd_answering"] = False
+
+
+_yamux.Yamux._write_frame = _write_frame  # type: ignore[method-assign]
+
+
+_library_reset = _yamux.YamuxStream.reset
+_library_stream_close = _yamux.YamuxStream.close
+
+
+async def _reset_within(self: _yamux.YamuxStream) -> None:
+    """The library's ``YamuxStream.reset`` within ``STREAM_CLEANUP_S``; past it the
+    stream is reset here without its RST."""
+    with trio.move_on_after(STREAM_CLEANUP_S) as waited:
+        await _library_reset(self)
+    if waited.cancelled_caught:
+        self.reset_received = True
+        _given_up(self, fully=True)
+
+
+async def _close_within(self: _yamux.YamuxStream) -> None:
+    """The library's ``YamuxStream.close`` within ``STREAM_CLEANUP_S``; past it the
+    stream is closed for sending here without its FIN."""
+    with trio.move_on_after(STREAM_CLEANUP_S) as waited:
+        await _library_stream_close(self)
+    if waited.cancelled_caught:
+        _given_up(self, fully=self.recv_closed)
+
+
+def _given_up(stream: _yamux.YamuxStream, *, fully: bool) -> None:
+    """A stream whose RST or FIN could not be written in time: closed here all the
+    same, and its bookkeeping released by the connection's tasks (which need its lock)."""
+    stream.send_closed = True
+    if fully:
+        stream.recv_closed = True
+        stream.closed = True
+    conn = stream.conn
+    event = conn.stream_events.get(stream.stream_id)
+    if event is not None:
+        event.set()
+    nursery: trio.Nursery | None = conn._nursery
+    if nursery is None:
+        return
+    try:
+        nursery.start_soon(functools.partial(conn._finalize_stream, stream, fully_closed=fully))
+    except RuntimeError:  # the connection's tasks are ending: nothing left to release
+        pass
+
+
+_yamux.YamuxStream.reset = _reset_within  # type: ignore[method-assign]
+_yamux.YamuxStream.close = _close_within  # type: ignore[method-assign]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import socket
 import struct
@@ -51,7 +52,7 @@ from multiaddr.utils import get_thin_waist_addresses
 from volunteerd.errors import PeerUnreachable, ResourceUnavailable, StreamTimedOut
 from volunteerd.identity import Identity
 from volunteerd.net import connections
-from volunteerd.net import flow as _flow  # noqa: F401 - patches Yamux's writes and TCP's reads
+from volunteerd.net import flow as _flow  # patches Yamux's flow and TCP's reads and writes
 from volunteerd.net.dialback import tcp_endpoint
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
@@ -124,30 +125,54 @@ _yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consume
 # hook around it ends the close there. Its multistream selector builds the library's
 # class itself (not the one given in muxer_opt), hence a patch rather than a subclass.
 # tests/unit/test_yamux_close.py checks the library's close still ends as assumed.
+#
+# The close is also bounded: until its callback starts (the GO_AWAY written, the socket
+# closed) it may take _CLOSE_STUCK_S. A peer that stopped reading its socket held the
+# GO_AWAY's write, and so every close and hang-up of the connection, all of them in
+# shielded scopes, forever. Past the bound the socket is closed under it (flow.abort:
+# what was blocked fails at once) and the close runs again, to its end.
 _library_yamux_close = Yamux.close
+_CLOSE_STUCK_S = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class _Closing:
+    """One task's close of a connection: the scope its trailing nap is cut with, and
+    the bound on the steps before its callback."""
+
+    nap: trio.CancelScope
+    stuck: trio.CancelScope
 
 
 async def _close_without_nap(self: Yamux, error_code: int = _yamux.GO_AWAY_NORMAL) -> None:
-    closing: dict[Any, trio.CancelScope] | None = getattr(self, "_volunteerd_closing", None)
+    closing: dict[Any, _Closing] | None = getattr(self, "_volunteerd_closing", None)
     if closing is None:
         closing = self._volunteerd_closing = {}  # type: ignore[attr-defined]
         callback = self.on_close
 
         async def then_stop() -> None:
+            entry = closing.get(trio.lowlevel.current_task())
+            if entry is not None:
+                entry.stuck.deadline = math.inf  # the callback takes what it takes
             try:
                 if callback is not None:
                     await callback()
             finally:
-                scope = closing.get(trio.lowlevel.current_task())
-                if scope is not None:
-                    scope.cancel()  # only the trailing sleep is left
+                if entry is not None:
+                    entry.nap.cancel()  # only the trailing sleep is left
 
         self.on_close = then_stop
     task = trio.lowlevel.current_task()
-    with trio.CancelScope() as scope:
-        closing[task] = scope
+    with trio.CancelScope() as nap:
         try:
-            await _library_yamux_close(self, error_code)
+            with trio.move_on_after(_CLOSE_STUCK_S) as stuck:
+                closing[task] = _Closing(nap, stuck)
+                await _library_yamux_close(self, error_code)
+            if stuck.cancelled_caught:
+                logger.info("%s: its connection's close is stuck; cut", short(str(self.peer_id)))
+                _flow.abort(self)
+                closing[task] = _Closing(nap, trio.CancelScope())
+                await _library_yamux_close(self, error_code)
         finally:
             closing.pop(task, None)
 

@@ -28,7 +28,6 @@ host in a node, an in-memory one in tests. Times are trio's clock throughout.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,6 +36,7 @@ from typing import Annotated, Any
 
 import trio
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from volunteerd.bounded import remember
 from volunteerd.config import PeerLimitsConfig, TimeoutsConfig, WireLimits
@@ -120,6 +120,8 @@ _MAX_REFUSED_KEYS = 4096
 # out, or opened no stream in time (``RpcClient._silent``); peers counted at once.
 SILENCES_BEFORE_HANG_UP = 2
 _MAX_SILENT_PEERS = 4096
+# The most ``RpcClient.hang_up`` waits for the connection's close.
+_HANG_UP_S = 5.0
 
 
 @dataclass(slots=True)
@@ -558,8 +560,13 @@ class RpcClient:
         self._silences.pop(peer_id, None)
         self.forget(peer_id)
         self.hung_up += 1
-        with trio.CancelScope(shield=True):
+        # Shielded (a caller cut off by its deadline still closes it), and bounded: a
+        # close whose writes could not go (the peer stopped reading) held the call past
+        # every deadline. The host cuts such a connection itself well within this.
+        with trio.CancelScope(shield=True), trio.move_on_after(_HANG_UP_S) as waited:
             await self._host.hang_up(peer_id)
+        if waited.cancelled_caught:
+            logger.warning("%s: closing its connection took over %gs", short(peer_id), _HANG_UP_S)
 
     async def _call_raw(
         self, peer: PeerAddress, spec: ProtocolSpec, frame: bytes, body_cap: int
@@ -779,10 +786,13 @@ def _says_ok(header: bytes | memoryview) -> bool:
     the write still in progress is let finish (its last bytes may be acknowledged
     after the reply arrived)."""
     try:
-        status = json.loads(bytes(header)).get("status")
-    except (ValueError, AttributeError):
+        # pydantic's parser, not json.loads: it refuses JSON nested deeper than 200
+        # levels (ValueError), where the stdlib's recursed until RecursionError, which
+        # escaped the call and ended a trainer's round (a header of 60,000 "[").
+        parsed = from_json(bytes(header))
+    except (ValueError, RecursionError):
         return False
-    return status == "ok"
+    return isinstance(parsed, dict) and parsed.get("status") == "ok"
 
 
 class _StaleStream(Exception):
