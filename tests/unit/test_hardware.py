@@ -86,6 +86,15 @@ def test_hardware_command_prints_json(
     assert (tmp_path / "cache" / "speed.json").exists()
 
 
+def wider_than_memory() -> ExpertsConfig:
+    """Experts of which one needs more than this computer's whole memory."""
+    whole = detect().memory_bytes
+    width = 1024
+    while expert_footprint(ExpertsConfig(hidden_dim=width)) <= whole:
+        width *= 2
+    return ExpertsConfig(hidden_dim=width)
+
+
 def test_an_expert_larger_than_the_whole_memory_is_a_clear_error_not_one_anyway() -> None:
     """ "At least one expert" tried to allocate a width-65536 expert (64 GiB) every
     minute and failed with the allocator's words; an expert that fits the budget
@@ -97,12 +106,8 @@ def test_an_expert_larger_than_the_whole_memory_is_a_clear_error_not_one_anyway(
     config = Config.model_validate({"hardware": {"memory_budget_mb": 1}})
     experts_that_fit = capacity_for(config, torch.device("cpu"))
     assert experts_that_fit(ExpertsConfig(hidden_dim=256)) == 1  # over the budget: one
-    whole = detect().memory_bytes
-    width = 1024
-    while expert_footprint(ExpertsConfig(hidden_dim=width)) <= whole:
-        width *= 2
     with pytest.raises(ConfigError, match="more than all of this computer's memory"):
-        experts_that_fit(ExpertsConfig(hidden_dim=width))
+        experts_that_fit(wider_than_memory())
 
 
 def test_max_experts_caps_what_fits_and_never_skips_the_memory_check() -> None:
@@ -124,9 +129,5 @@ def test_max_experts_caps_what_fits_and_never_skips_the_memory_check() -> None:
     )
     assert capped(small) == 4  # at most four
     assert capped(large) == fits(large)  # no more than fit
-    whole = detect().memory_bytes
-    width = 1024
-    while expert_footprint(ExpertsConfig(hidden_dim=width)) <= whole:
-        width *= 2
     with pytest.raises(ConfigError, match="more than all of this computer's memory"):
-        capped(ExpertsConfig(hidden_dim=width))
+        capped(wider_than_memory())
