@@ -39,9 +39,10 @@ import os
 import sys
 import threading
 import time
-import unicodedata
 from collections.abc import Callable
 from types import TracebackType
+
+from volunteerd.shown import escaped
 
 __all__ = ["configure_logging", "tame_third_party"]
 
@@ -50,20 +51,7 @@ _BURST = 3
 _OWN_BURST = 10  # volunteerd's own: kinds are coarser (a message before its arguments)
 _WINDOW_S = 60.0
 _MAX_KEYS = 512
-# What a terminal acts on rather than shows: escape sequences, line breaks, bidi overrides
-# (as control.verbs shows the daemon's status on the command line).
-_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
-
-
-def _escaped(text: str, keep: str = "") -> str:
-    """``text`` with every control or invisible character (but those in ``keep``) written
-    as its escape: ``\\x1b``, ``\\n``, ``\\u202e``."""
-    if text.isprintable():  # the usual case, at C speed (it is False for more than _UNSHOWN)
-        return text
-    return "".join(
-        c if c in keep or unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
-    )
 
 
 class _Repeats:
@@ -178,7 +166,7 @@ class _NotingFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         note = getattr(record, "volunteerd_repeats", None)
-        return _escaped(f"{line} ({note})" if note else line)
+        return escaped(f"{line} ({note})" if note else line)
 
     def formatException(self, ei: _ExcInfo) -> str:
         """The traceback with its own line breaks, but each exception's message (which
@@ -192,13 +180,13 @@ class _NotingFormatter(logging.Formatter):
                 message = str(error)
             except Exception:  # traceback shows "<exception str() failed>"
                 message = ""
-            if message and _escaped(message) != message:
-                text = text.replace(message, _escaped(message))
+            if message and escaped(message) != message:
+                text = text.replace(message, escaped(message))
             error = error.__cause__ or error.__context__
-        return _escaped(text, keep="\n")
+        return escaped(text, keep="\n")
 
     def formatStack(self, stack_info: str) -> str:
-        return _escaped(stack_info, keep="\n")
+        return escaped(stack_info, keep="\n")
 
 
 _ROUTED = _Routed()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
 
-LEAVES = {"errors", "uids", "atomic", "detached", "bounded", "malloc"}
+LEAVES = {"errors", "uids", "atomic", "detached", "bounded", "malloc", "shown"}
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -16,6 +16,7 @@ ALLOWED: dict[str, set[str]] = {
     "detached": set(),
     "bounded": set(),
     "malloc": set(),
+    "shown": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),

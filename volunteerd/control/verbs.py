@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import time
-import unicodedata
 from collections.abc import Sequence
 
 from volunteerd.control.models import (
@@ -17,6 +16,7 @@ from volunteerd.control.models import (
     ScheduleView,
     Status,
 )
+from volunteerd.shown import escaped
 
 __all__ = [
     "describe_change",
@@ -33,7 +33,6 @@ __all__ = [
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # What a terminal acts on rather than shows: escape sequences, line breaks, bidi overrides.
-_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 def _shown(text: str) -> str:
@@ -41,9 +40,7 @@ def _shown(text: str) -> str:
     printed from the daemon's status can carry text that came from peers (an error, an
     address), and an ESC, a newline or U+202E would act on the terminal (a forged line,
     colours, reversed text) instead of being read."""
-    if all(unicodedata.category(c) not in _UNSHOWN for c in text):
-        return text
-    return "".join(c if unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text)
+    return escaped(text)
 
 
 def _lines(lines: Sequence[str]) -> str:

@@ -21,12 +21,12 @@ passes them in. The first rule that holds decides::
 from __future__ import annotations
 
 import time
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from volunteerd.control.models import Activity, ActivityState
+from volunteerd.shown import one_line
 
 __all__ = ["WAITING_AFTER_S", "ProjectSignal", "Signals", "decide_activity"]
 
@@ -37,7 +37,6 @@ WAITING_AFTER_S = 120.0
 # A failed join's error in the message: any exception's text, which can quote a peer or
 # an owner (an error reply, a manifest's fault). One line, its start if long.
 _ERROR_CHARS = 400
-_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, bidi, line separators
 
 _JOIN_HINT = "join one with `volunteerd join <invitation>` or the dashboard's Join a project"
 
@@ -168,11 +167,7 @@ def _paused(s: Signals) -> Activity:
 def _one_line(text: str) -> str:
     """``text`` on one line (runs of white space, line breaks included, as one space),
     any other control or invisible character as its escape, cut to ``_ERROR_CHARS``."""
-    text = " ".join(text.split())
-    if not text.isprintable():
-        text = "".join(
-            c if unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
-        )
+    text = one_line(text)
     if len(text) > _ERROR_CHARS:
         text = f"{text[: _ERROR_CHARS - 3]}..."
     return text

@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import math
 import time
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from volunteerd.control.models import LimitsView, Status
+from volunteerd.shown import one_line
 
 __all__ = [
     "DOWNLOAD_PRESETS_MBIT",
@@ -107,7 +107,6 @@ _MAX_OWNER = 32  # characters of a project owner's name there
 # characters of the tooltip: pystray's Windows backend copies it into a WCHAR[128]
 # (NOTIFYICONDATAW.szTip, its end included) and raises on a longer one
 MAX_TITLE = 127
-_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, bidi, line separators
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,11 +334,7 @@ def _short_id(peer_id: str) -> str:
 def _shorten(text: str, limit: int = _MAX_LINE) -> str:
     """``text`` on one line of at most ``limit`` characters: runs of white space (line
     breaks too) as one space, other control or invisible characters as escapes."""
-    text = " ".join(text.split())
-    if not text.isprintable():
-        text = "".join(
-            c if unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
-        )
+    text = one_line(text)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -1,0 +1,30 @@
+"""Text from peers and project owners, made safe to show: ``escaped`` writes every
+character a terminal, a tray or a log would act on rather than show (escape sequences,
+line breaks, bidi overrides, zero-width and line/paragraph separators) as its escape
+(``\\x1b``, ``\\n``, ``\\u202e``). The log, the command line's status, the tray and the
+dashboard's activity line all show such text."""
+
+from __future__ import annotations
+
+import unicodedata
+
+__all__ = ["escaped", "one_line"]
+
+# What is acted on rather than shown: control, format (bidi, zero-width), surrogates,
+# line and paragraph separators.
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def escaped(text: str, keep: str = "") -> str:
+    """``text`` with every unshown character (but those in ``keep``) as its escape."""
+    if text.isprintable():  # the usual case, at C speed (it is False for more than _UNSHOWN)
+        return text
+    return "".join(
+        c if c in keep or unicodedata.category(c) not in _UNSHOWN else ascii(c)[1:-1] for c in text
+    )
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: runs of white space (line breaks too) as one space, other
+    unshown characters as escapes."""
+    return escaped(" ".join(text.split()))
