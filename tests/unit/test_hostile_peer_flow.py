@@ -159,8 +159,61 @@ async def test_a_write_that_moves_nothing_closes_the_connection_after_the_stall_
             await ended.wait()
             await muxed.event_closed.wait()  # the reader saw the socket closed
         assert failed, "the blocked write must fail, not return"
-        assert trio.current_time() - started <= flow.WRITE_STALL_S + 1
+        # the watchdog looks every WATCH_PERIOD_S; the write started after 0.5 s
+        assert trio.current_time() - started <= flow.WRITE_STALL_S + flow.WATCH_PERIOD_S + 0.5
         assert flow.counts()["stalled_writes"] == before + 1
+
+
+async def test_a_process_that_did_not_run_does_not_blame_its_peers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Time that passed while this process was stopped (a laptop's SIGSTOP, a paused
+    VM: the clock jumps past every deadline at once) is not a peer's stall: the count
+    starts again, and a peer that still reads nothing is cut WRITE_STALL_S later."""
+    before = flow.counts()["stalled_writes"]
+    async with yamux_and_raw_peer(small_buffers=True) as (muxed, peer, nursery):
+        _, failed, ended = await stuck_writer(muxed, peer, nursery)
+        autojump_clock.jump(flow.WRITE_STALL_S * 3)  # stopped for a minute
+        await trio.sleep(flow.WATCH_PERIOD_S * 2)
+        assert not ended.is_set()
+        assert flow.counts()["stalled_writes"] == before
+        resumed = trio.current_time()
+        with trio.fail_after(flow.WRITE_STALL_S * 3):
+            await ended.wait()
+        assert failed
+        assert trio.current_time() - resumed <= flow.WRITE_STALL_S + flow.WATCH_PERIOD_S
+        assert flow.counts()["stalled_writes"] == before + 1
+
+
+async def test_a_slow_reader_is_not_cut_off_while_bytes_move(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The stall bound is on progress, not on the whole write: a peer that takes a few
+    KiB every WRITE_STALL_S * 0.75 gets a message ten bound-times long to send. The
+    run's watchdog ends once no write is pending."""
+    tcp, peer = small_socket_pair()
+    message = os.urandom(256 * 1024)
+    stalled_before = flow.counts()["stalled_writes"]
+    got = bytearray()
+
+    async def read_slowly() -> None:
+        while len(got) < len(message):
+            await trio.sleep(flow.WRITE_STALL_S * 0.75)
+            got.extend(await peer.receive_some(16 * 1024))
+
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_slowly)
+        await tcp.write(message)
+    assert bytes(got) == message
+    assert trio.current_time() - started > flow.WRITE_STALL_S * 10
+    assert flow.counts()["stalled_writes"] == stalled_before
+    assert tcp.stream.socket.fileno() >= 0
+    await trio.sleep(flow.WATCH_PERIOD_S * 2)
+    assert not flow._watch().running
+    assert not flow._watch().pending
+    await tcp.close()
+    await peer.aclose()
 
 
 async def within_its_bound(cleanup: Callable[[], Awaitable[None]]) -> float:

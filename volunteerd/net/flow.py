@@ -33,7 +33,10 @@ Now the stream is reset, what it held is dropped, and the connection is closed
 its socket (frozen, or hostile after granting a large window) held every writer of the
 connection, and so every shielded cleanup that writes (a stream's RST or FIN, the
 connection's GO_AWAY), forever. A write that moves no byte for ``WRITE_STALL_S`` closes
-the socket, so blocked writers and the reader fail at once. A write cancelled half-way
+the socket, so blocked writers and the reader fail at once; a watchdog task per trio
+run looks at pending writes every ``WATCH_PERIOD_S`` (cheaper than a deadline per
+write), and a process that was not running (stopped, its loop blocked) restarts the
+count rather than blame its peers. A write cancelled half-way
 (its bytes are a Noise message the peer expects whole) is finished, shielded, for at
 most ``CANCELLED_WRITE_GRACE_S``, or the connection is closed: it is never left out of
 step.
@@ -67,9 +70,11 @@ from libp2p.stream_muxer.yamux import yamux as _yamux
 
 __all__ = [
     "CANCELLED_WRITE_GRACE_S",
+    "FROZEN_S",
     "READ_AHEAD",
     "READ_AHEAD_BUDGET",
     "STREAM_CLEANUP_S",
+    "WATCH_PERIOD_S",
     "WRITE_STALL_S",
     "ZERO_WINDOW_TIMEOUT_S",
     "abort",
@@ -396,32 +401,105 @@ class _Closed(Exception):
     """The socket was closed here (``abort``, or the connection's close)."""
 
 
+# A write's progress is watched, not bounded by a deadline of its own (a cancel scope
+# per write cost ~5 µs). A write notes when it last moved bytes; one task per trio run
+# (while writes are pending) looks every ``WATCH_PERIOD_S`` and closes the socket of a
+# write stuck for ``WRITE_STALL_S``. A look later than ``FROZEN_S`` means this process
+# did not run (SIGSTOP, a paused VM, an event loop held): the writes had no chance to
+# move, so their count starts again.
+WATCH_PERIOD_S = 1.0
+FROZEN_S = 5.0
+
+
+class _Watch:
+    """A trio run's pending TCP writes: when each last moved a byte."""
+
+    __slots__ = ("pending", "running")
+
+    def __init__(self) -> None:
+        self.pending: dict[_io.TrioTCPStream, float] = {}
+        self.running = False
+
+
+_WATCH: trio.lowlevel.RunVar[_Watch] = trio.lowlevel.RunVar("volunteerd_flow_watch")
+
+
+def _watch() -> _Watch:
+    try:
+        return _WATCH.get()
+    except LookupError:
+        watch = _Watch()
+        _WATCH.set(watch)
+        return watch
+
+
+async def _watchdog(watch: _Watch) -> None:
+    """Close the socket of every write that moved nothing for ``WRITE_STALL_S``; end
+    once no write is pending (the next write starts another)."""
+    try:
+        while watch.pending:
+            due = trio.current_time() + WATCH_PERIOD_S
+            await trio.sleep_until(due)
+            now = trio.current_time()
+            if now - due > FROZEN_S:
+                logger.info("this process did not run for %.0f s: stalls counted anew", now - due)
+                for tcp in watch.pending:
+                    watch.pending[tcp] = now
+                continue
+            for tcp, since in list(watch.pending.items()):
+                if now - since < WRITE_STALL_S:
+                    continue
+                del watch.pending[tcp]
+                tcp.__dict__["_vd_stalled"] = True
+                _tally("stalled_writes")
+                try:
+                    remote = tcp.get_remote_address()
+                except Exception:
+                    remote = None
+                logger.info(
+                    "a peer (%s) took nothing for %g s: closing the connection",
+                    remote,
+                    WRITE_STALL_S,
+                )
+                _cut(tcp)
+    except Exception:  # a system task's error would end the whole run
+        logger.exception("the TCP write watchdog failed")
+    finally:
+        watch.running = False
+
+
+def _watching(tcp: _io.TrioTCPStream) -> _Watch:
+    """Note ``tcp``'s write as pending from now; start the run's watchdog if none runs."""
+    watch = _watch()
+    watch.pending[tcp] = trio.current_time()
+    if not watch.running:
+        try:
+            trio.lowlevel.spawn_system_task(_watchdog, watch, name="volunteerd TCP write watchdog")
+            watch.running = True
+        except RuntimeError:  # the run is ending: its writes are not watched
+            logger.debug("no watchdog for a write at the end of a run", exc_info=True)
+    return watch
+
+
 async def _send_some(tcp: _io.TrioTCPStream, data: memoryview) -> int:
     """Send a first part of ``data`` on ``tcp``'s socket: how many bytes went. Raises
-    _Closed, or ConnectionClosedError when the peer reset the connection or took
-    nothing for ``WRITE_STALL_S`` (then the socket is closed here)."""
-    with trio.move_on_after(WRITE_STALL_S):
-        try:
-            sent: int = await tcp.stream.socket.send(data)
-            return sent
-        except trio.ClosedResourceError:
-            raise _Closed from None
-        except OSError as error:
-            if error.errno == errno.EBADF:
-                raise _Closed from None
+    _Closed, or ConnectionClosedError when the peer reset the connection or the
+    watchdog closed it (nothing moved for ``WRITE_STALL_S``)."""
+    try:
+        sent: int = await tcp.stream.socket.send(data)
+        return sent
+    except trio.ClosedResourceError:
+        pass
+    except OSError as error:
+        if error.errno != errno.EBADF:
             raise ConnectionClosedError(
                 f"TCP connection reset by remote peer: {error}", transport="tcp"
             ) from error
-    _tally("stalled_writes")
-    logger.info(
-        "a peer (%s) took nothing for %g s: closing the connection",
-        tcp.get_remote_address(),
-        WRITE_STALL_S,
-    )
-    _cut(tcp)
-    raise ConnectionClosedError(
-        f"the peer took nothing for {WRITE_STALL_S:g} s; connection closed", transport="tcp"
-    )
+    if tcp.__dict__.get("_vd_stalled"):
+        raise ConnectionClosedError(
+            f"the peer took nothing for {WRITE_STALL_S:g} s; connection closed", transport="tcp"
+        )
+    raise _Closed
 
 
 async def _write_or_close(self: _io.TrioTCPStream, data: bytes) -> None:
@@ -434,10 +512,14 @@ async def _write_or_close(self: _io.TrioTCPStream, data: bytes) -> None:
         return
     view = memoryview(data).cast("B")
     total, sent, locked = len(view), 0, False
+    watch: _Watch | None = None
     try:
         await self.write_lock.acquire()
         locked = True
-        while sent < total:
+        watch = _watching(self)
+        sent = await _send_some(self, view)
+        while sent < total:  # the socket's buffer was full: progress, noted
+            watch.pending[self] = trio.current_time()
             sent += await _send_some(self, view[sent:])
     except _Closed:
         return
@@ -458,6 +540,8 @@ async def _write_or_close(self: _io.TrioTCPStream, data: bytes) -> None:
             _cut(self)
         raise
     finally:
+        if watch is not None:
+            watch.pending.pop(self, None)
         if locked:
             self.write_lock.release()
 
