@@ -6,6 +6,7 @@ process."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -15,10 +16,11 @@ import stat
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import pytest
@@ -488,3 +490,46 @@ def test_a_client_gone_mid_reply_is_not_logged_as_the_daemons_error(
     assert len(shown) == 1
     assert shown[0].exc_info is not None
     assert isinstance(shown[0].exc_info[1], ValueError)
+
+
+# -- a control.json that cannot be written -----------------------------------------
+
+
+async def test_a_daemon_whose_control_json_cannot_be_written_serves_on_and_writes_it_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk at start: the ~50-byte control.json failed and the whole daemon
+    exited (and systemd's restarts did the same, each time). The API serves on, says
+    why the CLI cannot find it, and names itself once the file can be written."""
+    import trio
+
+    from volunteerd.control import server as control_server
+
+    monkeypatch.setattr(control_server, "CONTROL_FILE_RETRY_S", 0.05)
+    blocked = tmp_path / "data"
+    blocked.write_text("a file where the folder should be: nothing can be written in it")
+    control_file = blocked / "control.json"
+    sock = control_server.bind_control(0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(
+                functools.partial(
+                    control_server.serve_control,
+                    cast(Any, None),
+                    sock=sock,
+                    token_file=tmp_path / "api-token",
+                    control_file=control_file,
+                )
+            )
+            assert "cannot find this daemon until it can" in caplog.text
+            health = await trio.to_thread.run_sync(
+                lambda: urllib.request.urlopen(f"{url}/api/v1/health", timeout=10).status
+            )
+            assert health == 200
+            blocked.unlink()
+            blocked.mkdir()  # space again
+            while not control_file.exists():  # noqa: ASYNC110 - the daemon's retry
+                await trio.sleep(0.02)
+            assert json.loads(control_file.read_text()) == {"url": url, "pid": os.getpid()}
+            nursery.cancel_scope.cancel()
+    assert not control_file.exists()  # removed on the way out, as before

@@ -168,3 +168,39 @@ async def test_a_full_disk_at_the_last_write_still_lets_the_daemon_stop(
     assert "the last statistics could not be written: database or disk is full" in caplog.text
     with pytest.raises(sqlite3.ProgrammingError, match="closed"):
         store._db.execute("SELECT 1")
+
+
+def test_a_stats_file_that_cannot_be_written_for_now_is_kept_not_moved_aside(
+    tmp_path: Path,
+) -> None:
+    """A start on a full disk moved a healthy stats file aside as "unreadable" (the
+    all-time totals read 0 from then on). A real write failure here: the process may
+    write no byte to a file (RLIMIT_FSIZE 0), so SQLite cannot make its WAL files."""
+    path = tmp_path / "stats.sqlite3"
+    store = StatsStore.open(path, keep_hourly_days=7)
+    store.record("ffn.0.0", forward=3, samples=12)
+    store.close()
+    for extra in ("-wal", "-shm"):  # a clean close leaves only the database
+        path.with_name(path.name + extra).unlink(missing_ok=True)
+    script = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from volunteerd.server.contribution import open_stats\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+        "store = open_stats(Path(sys.argv[1]), keep_hourly_days=7)\n"
+        "store.record('ffn.0.0', forward=1)\n"
+        "print(store.current().work.forward)\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert ran.stdout.split() == ["1"], ran.stderr  # this run counted in memory
+    assert "kept as it is" in ran.stderr
+    assert not list(tmp_path.glob("stats.sqlite3.unreadable-*"))
+    again = StatsStore.open(path, keep_hourly_days=7)
+    assert again.totals().work.forward == 3
+    again.close()

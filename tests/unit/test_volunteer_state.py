@@ -144,3 +144,20 @@ async def test_a_limits_file_damaged_since_the_start_is_not_written_over(tmp_pat
         await v.set_limits(upload_mbit=5.0)
     assert (tmp_path / "limits.toml").read_text() == "[network]\nport = 1\n"
     assert v.limits == LimitsConfig()
+
+
+async def test_a_pause_that_cannot_be_saved_pauses_and_says_a_restart_forgets_it(
+    tmp_path: Path,
+) -> None:
+    """A full disk or a read-only folder: the pause answered 200 and was lost at the
+    next start. It still pauses (at once: a pause must pause), and the caller gets the
+    error (the control API's 500) saying that a restart forgets it."""
+    folder = tmp_path / "data"
+    folder.write_text("a file where the data folder should be: nothing can be written")
+    v = volunteer(folder)
+    with pytest.raises(OSError, match="a restart forgets it"):
+        await v.pause()
+    assert v.gate.closed
+    with pytest.raises(OSError, match="running, but"):
+        await v.resume()
+    assert not v.gate.closed

@@ -36,6 +36,8 @@ __all__ = ["bind_control", "serve_control"]
 logger = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
+# How often a control.json that could not be written (a full disk) is tried again.
+CONTROL_FILE_RETRY_S = 10.0
 # What hypercorn's error log gets when a client left while its reply was being written:
 # its own task and the app's both wrote to the socket (BusyResourceError: seen when a
 # client that announced 1 GiB of body read the 413 and hung up), or the socket was gone.
@@ -133,13 +135,40 @@ async def serve_control(
     config.errorlog = _HTTP_LOG
     config.graceful_timeout = 1.0
     config.keep_alive_timeout = 30.0
+    endpoint = json.dumps({"url": url, "pid": os.getpid()}) + "\n"
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, app, config)
-        write_atomic(control_file, json.dumps({"url": url, "pid": os.getpid()}) + "\n")
+        written = _name_endpoint(control_file, endpoint, first=True)
         logger.info("control API and dashboard on %s", url)
         try:
             task_status.started(url)
+            while not written:  # a full disk or a read-only folder: serve on, retry
+                await trio.sleep(CONTROL_FILE_RETRY_S)
+                written = _name_endpoint(control_file, endpoint, first=False)
             await trio.sleep_forever()
         finally:
             # on the way out, even when cancelled: a tiny local file, no await
-            control_file.unlink(missing_ok=True)  # noqa: ASYNC240
+            try:
+                control_file.unlink(missing_ok=True)  # noqa: ASYNC240
+            except OSError as exc:  # a read-only folder: the stop goes on
+                logger.warning("%s could not be removed: %s", control_file, exc)
+
+
+def _name_endpoint(control_file: Path, endpoint: str, *, first: bool) -> bool:
+    """Write ``control_file``; False (logged on the first try) where it cannot be: the
+    daemon serves on, and the CLI and tray find it once a later try succeeds."""
+    try:
+        write_atomic(control_file, endpoint)
+    except OSError as exc:
+        if first:
+            logger.error(
+                "%s cannot be written (%s): `volunteerd` commands and the tray cannot "
+                "find this daemon until it can (retrying every %g s)",
+                control_file,
+                exc,
+                CONTROL_FILE_RETRY_S,
+            )
+        return False
+    if not first:
+        logger.info("%s written: the control API can be found again", control_file)
+    return True

@@ -242,11 +242,20 @@ class Accountant:
 
 def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
     """The contribution store at ``path``. A damaged file (or one from a newer version)
-    is moved aside, never deleted, and counting starts afresh: statistics must not stop
-    a volunteer from contributing."""
+    is moved aside, never deleted, and counting starts afresh; one that cannot be opened
+    for the moment (a full disk) is left alone and this run counts in memory:
+    statistics must not stop a volunteer from contributing."""
     try:
         return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
     except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
+        if not _damaged(path, exc):  # a full disk, a read-only folder: the file is kept
+            logger.error(
+                "%s cannot be opened (%s): it is kept as it is, and this run's "
+                "statistics are kept in memory only",
+                path,
+                exc,
+            )
+            return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
         aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
         for suffix in ("", "-wal", "-shm"):
             part = path.with_name(path.name + suffix)
@@ -265,6 +274,22 @@ def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
             exc,
         )
         return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
+
+
+# SQLite's primary result codes for a file that is not (or no longer) a database.
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _damaged(path: Path, exc: BaseException) -> bool:
+    """Whether opening ``path`` failed for the file itself (not a database, damaged,
+    from a newer version, a link to nothing), not for the moment (a full disk, a
+    read-only or missing folder, a lock): only a damaged file is moved aside."""
+    if isinstance(exc, RuntimeError):  # a newer schema
+        return True
+    if path.is_symlink() and not path.is_file():
+        return True
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
 
 
 @asynccontextmanager

@@ -449,12 +449,26 @@ class Volunteer:
     # -- the machinery -------------------------------------------------------------
 
     async def _choose(self, choice: _Choice) -> None:
+        """Apply ``choice`` and save it; where it cannot be saved (a full disk) it is
+        applied all the same (a pause must pause), and OSError raised afterwards: the
+        caller learns it will not survive a restart."""
         self._choice = choice
-        self._save_choice()
+        unsaved = self._save_choice()
         logger.info("volunteer: %s", self._describe())
         self._wake.set()
         await self._reconcile()
         self._post_state()
+        if unsaved is not None:
+            self._post(
+                "error",
+                f"{self._describe()}, but not saved ({unsaved.strerror or unsaved}): "
+                "a restart forgets it",
+            )
+            raise OSError(
+                unsaved.errno,
+                f"{self._describe()}, but {self._state_file} could not be written "
+                f"({unsaved.strerror or unsaved}): a restart forgets it",
+            )
 
     def _post_state(self) -> None:
         if (described := self.described) != self._posted:
@@ -596,14 +610,17 @@ class Volunteer:
         self._threads = threads
         logger.info("computing with %d CPU threads", count)
 
-    def _save_choice(self) -> None:
+    def _save_choice(self) -> OSError | None:
+        """Write the choice to the state file; the error where it cannot be (logged)."""
         if self._state_file is None:
-            return
+            return None
         data = {"paused": self._choice.paused, "until": self._choice.until}
         try:
             write_atomic(self._state_file, json.dumps(data) + "\n")
         except OSError as exc:
             logger.warning("cannot save the pause state to %s: %s", self._state_file, exc)
+            return exc
+        return None
 
 
 async def _announce(announcer: Announcer) -> None:
