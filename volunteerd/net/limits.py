@@ -76,9 +76,12 @@ class TokenBucket:
         return True
 
     def shortfall_s(self, now: float, amount: float = 1.0) -> float:
-        """Seconds until the bucket holds ``amount`` tokens (0.0 if it does now)."""
+        """Seconds until the bucket holds ``amount`` tokens (0.0 if it does now, or
+        within a nanosecond: asked again after the wait it named, the refill's rounding
+        left it 1e-17 s short, and the caller slept again for that)."""
         self._refill(now)
-        return max(0.0, (amount - self.tokens) / self.rate)
+        wait = (amount - self.tokens) / self.rate
+        return wait if wait > 1e-9 else 0.0
 
     def is_full(self, now: float) -> bool:
         self._refill(now)
