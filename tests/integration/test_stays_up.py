@@ -110,3 +110,17 @@ async def test_library_errors_from_every_dht_call_do_not_end_a_daemon(tmp_path: 
                 while calls["get"] < 3 or calls["put"] < 2:  # noqa: ASYNC110 - polling state
                     await trio.sleep(0.05)
             assert await forward_status(boot, a.node) == "ok"
+
+
+async def test_strangers_that_come_and_go_leave_no_note_behind() -> None:
+    """py-libp2p's swarm noted every peer that ever disconnected (for a back-off of an
+    auto-connector this node never runs, whose rounds alone pruned it): one entry per
+    stranger, for as long as the node ran."""
+    async with open_peer(local_config()) as node:
+        for _ in range(STRANGERS):
+            await stranger(local_config(), node)
+        network = node.host.get_network()
+        with trio.fail_after(30):
+            while network.connections:  # noqa: ASYNC110 - the strangers hang up
+                await trio.sleep(0.05)
+        assert not network.auto_connector._recent_disconnects  # type: ignore[attr-defined]

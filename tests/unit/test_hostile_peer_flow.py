@@ -317,3 +317,30 @@ async def test_a_hang_up_whose_close_never_ends_gives_up(autojump_clock: trio.ab
         await client.hang_up("peer")
     assert 0 < trio.current_time() - started <= 10
     assert client.hung_up == 1
+
+
+async def test_streams_a_peer_opens_and_resets_leave_nothing_behind_on_the_connection() -> None:
+    """The library's stream reader put a fresh wake-up event back after the stream was
+    finalized: one event per refused or reset stream stayed until the connection
+    closed (an outside probe: 2,000 refused requests, 2,000 events, 0 streams)."""
+    async with yamux_and_raw_peer() as (muxed, peer, nursery):
+        for n in range(50):
+            stream_id = 2 * (n + 1)  # the listener's side opens even ids
+            await peer.send_all(frame(_yamux.TYPE_DATA, _yamux.FLAG_SYN, stream_id, 2, b"hi"))
+            stream = await muxed.accept_stream()
+            assert await stream.read(2) == b"hi"
+            failed = trio.Event()
+
+            async def read_on(stream: YamuxStream = stream, failed: trio.Event = failed) -> None:
+                with pytest.raises((MuxedStreamError, EOFError)):
+                    await stream.read(2)
+                failed.set()
+
+            nursery.start_soon(read_on)
+            await trio.sleep(0.001)  # the reader waits for data
+            await peer.send_all(frame(_yamux.TYPE_DATA, _yamux.FLAG_RST, stream_id, 0))
+            with trio.fail_after(5):
+                await failed.wait()
+        await trio.sleep(0.01)
+        assert len(muxed.streams) == 0
+        assert len(muxed.stream_events) == 0

@@ -141,8 +141,8 @@ def test_our_own_failures_are_summarised_by_kind_whatever_their_arguments() -> N
     for i in range(500):  # 10 shown
         log(logging.ERROR, "%s handler failed for %s", "backward", f"peer{i}", error=KeyError())
     log(logging.ERROR, "%s handler failed for %s", "backward", "peer", error=ValueError())
-    for i in range(10):
-        log(logging.INFO, "served %s", i)  # below WARNING: every one
+    for i in range(15):
+        log(logging.DEBUG, "debug %s", i)  # below INFO: every one
     now[0] += 61
     log(logging.ERROR, "%s handler failed for %s", "backward", "late", error=KeyError())
     formatter = logs._NotingFormatter("%(message)s")
@@ -152,13 +152,27 @@ def test_our_own_failures_are_summarised_by_kind_whatever_their_arguments() -> N
         "backward handler failed for peer9 (more like this within a minute are counted, not shown)"
     )
     assert texts[10] == "backward handler failed for peer"  # another exception: its own kind
-    assert texts[11:21] == [f"served {i}" for i in range(10)]
-    assert texts[21:] == [
+    assert texts[11:26] == [f"debug {i}" for i in range(15)]
+    assert texts[26:] == [
         "backward handler failed for late (490 more like this in the last minute not shown)"
     ]
-    assert shown[21].exc_info is not None  # still with its traceback
+    assert shown[26].exc_info is not None  # still with its traceback
     # The note is the formatter's: any other handler sees the message as it was logged.
-    assert shown[21].getMessage() == "backward handler failed for late"
+    assert shown[26].getMessage() == "backward handler failed for late"
+
+
+def test_a_refusal_logged_at_info_is_summarised_too() -> None:
+    """INFO is the default level, and a bad request's refusal is logged at INFO: one
+    identity's bad headers wrote 132 bytes each, unbounded (an outside probe)."""
+    now = [1000.0]
+    own = logs._OwnRepeats(lambda: now[0])
+    shown = 0
+    for i in range(3000):
+        record = logging.LogRecord(
+            "volunteerd.net.rpc", logging.INFO, __file__, 1, "refused %s: bad header", (i,), None
+        )
+        shown += own.filter(record)
+    assert shown == logs._OWN_BURST
 
 
 def test_the_daemons_log_handler_summarises_our_repeated_failures() -> None:
