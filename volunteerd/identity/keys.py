@@ -18,6 +18,7 @@ import nacl.exceptions
 import nacl.signing
 from nacl.bindings import crypto_core_ed25519_is_valid_point
 
+from volunteerd.atomic import fsync_dir
 from volunteerd.errors import IdentityError
 
 __all__ = ["SEED_BYTES", "Identity", "load_or_create_identity", "verify_signature"]
@@ -116,5 +117,8 @@ def _create(path: Path) -> Identity:
         os.replace(tmp, path)  # filesystems without hard links
     else:
         os.unlink(tmp)
+    # The link itself on disk: a power cut right after the first start must not leave
+    # the folder without the key that peers and the trainers' ledgers already know.
+    fsync_dir(path.parent)
     logger.info("created a new node key at %s", path)
     return identity
