@@ -212,6 +212,24 @@ def test_ledger_counts_the_day_and_starts_over_at_local_midnight(tmp_path: Path)
     assert (saved["day"], saved["day_bytes"]) == ("2026-03-11", 10)
 
 
+def test_a_clock_set_back_across_midnight_does_not_start_the_counts_again() -> None:
+    """Set back an hour across a midnight (and forward again), the day's and the
+    month's counts were zero: the quotas could be passed by setting the clock back (an
+    outside probe). A clock set back days, from a wrong date, starts afresh."""
+    now = [local(2026, 12, 1, 0, 30)]
+    ledger = TransferLedger(None, clock=lambda: now[0])
+    ledger.add(up=40_000)
+    now[0] = local(2026, 11, 30, 23, 30)  # NTP sets it back an hour
+    assert (ledger.today, ledger.total) == (40_000, 40_000)
+    ledger.add(down=5)
+    now[0] = local(2026, 12, 1, 0, 40)
+    assert (ledger.today, ledger.total) == (40_005, 40_005)
+    now[0] = local(2026, 12, 2, 0, 1)  # the next midnight still starts a new day
+    assert (ledger.today, ledger.total) == (0, 40_005)
+    now[0] = local(2026, 10, 2, 12, 0)  # two months back: it was wrong before
+    assert (ledger.today, ledger.total) == (0, 0)
+
+
 def test_a_ledger_written_before_the_daily_count_starts_today_from_zero(tmp_path: Path) -> None:
     path = tmp_path / "transfer.json"
     now = local(2026, 3, 10, 12, 0)
@@ -255,7 +273,9 @@ def test_ledger_reads_the_day_right_at_every_instant(zone: str) -> None:
         instants = [start + 61.0 * i for i in range(200)]  # past midnight, a minute apart
         instants += [local(2018, 10, 27, 23, 59) + s for s in (0.0, 59.9, 60.0, 60.1)]
         instants += [local(2018, 10, 31, 23, 59, 59.5), local(2018, 11, 1, 0, 0)]  # a month
-        instants += [start, start - 86400.0, start + 40 * 86400.0]  # jumps, both ways
+        # jumps, both ways (back by days: a set-back of less than two days keeps the
+        # later day, test_a_clock_set_back_across_midnight_does_not_start_the_counts_again)
+        instants += [start, start - 3 * 86400.0, start + 40 * 86400.0]
         now = [instants[0]]
         ledger = TransferLedger(None, clock=lambda: now[0])
         for t in instants:

@@ -161,3 +161,37 @@ async def test_a_pause_that_cannot_be_saved_pauses_and_says_a_restart_forgets_it
     with pytest.raises(OSError, match="running, but"):
         await v.resume()
     assert not v.gate.closed
+
+
+@pytest.mark.parametrize("wall_step_s", [65 * 60, -3600])
+async def test_a_snooze_lasts_the_time_asked_whatever_the_wall_clock_does(
+    tmp_path: Path, wall_step_s: float
+) -> None:
+    """The snooze's end was compared with the wall clock: set right by NTP (+65 min) a
+    one-hour snooze ended at once; set back an hour, a 20 s snooze lasted an hour more
+    (an outside probe). The wall time is what is saved and shown; the monotonic clock
+    decides."""
+    wall, ticking = [1_700_000_000.0], [500.0]
+    v = Volunteer(
+        None,
+        Throttle(LimitsConfig()),
+        LimitsConfig(),
+        state_file=tmp_path / "state.json",
+        limits_file=tmp_path / "limits.toml",
+        grace_s=0,
+        clock=lambda: wall[0],
+    )
+    v._ticking = lambda: ticking[0]
+    await v.snooze(3600)
+    wall[0] += wall_step_s
+    ticking[0] += 60
+    assert not v._snooze_over()
+    ticking[0] += 3600 - 60
+    assert v._snooze_over()
+    # restored after a restart: what was left of it, on the new process's clock
+    restarted = volunteer(tmp_path)
+    restarted._clock = lambda: 1_700_000_000.0 + 1800
+    restarted._ticking = lambda: 7.0
+    restarted.restore()
+    assert restarted.gate.closed
+    assert restarted._choice.ends == pytest.approx(7.0 + 1800)

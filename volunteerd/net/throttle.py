@@ -128,6 +128,12 @@ def _same_day(now: float) -> tuple[float, float]:
     return start, min(end, now + 3600.0)
 
 
+# A clock set back by less than this is a correction within the day or month counted:
+# they are not started again. Further back, the clock was wrong before (a year ahead),
+# and counting starts afresh rather than wait for the wrong date.
+_SET_BACK_S = 2 * 86400.0
+
+
 class TransferLedger:
     """Bytes sent and received in the current calendar month, and today, kept in
     ``path`` (no file: counted in memory only). A new month, or day, starts from zero."""
@@ -190,8 +196,13 @@ class TransferLedger:
         start, end = self._within
         if start <= now < end:
             return
-        self._within = _same_day(now)
         month, day = _month(now), _day(now)
+        if (month, day) < (self.month, self.day) and start - now < _SET_BACK_S:
+            # The clock was set back (NTP, by hand) across a midnight: the later day and
+            # month still count. Starting them afresh let the quotas be passed by
+            # setting the clock back an hour and forward again.
+            return
+        self._within = _same_day(now)
         if month != self.month:
             logger.info("a new month (%s): the transfer count starts from zero", month)
             self.month, self.bytes_up, self.bytes_down = month, 0, 0

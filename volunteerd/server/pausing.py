@@ -159,7 +159,10 @@ _COUNTED_VERBS = frozenset({Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Ver
 @dataclass(slots=True)
 class _Choice:
     paused: bool = False
-    until: float | None = None  # a snooze's deadline (time.time())
+    until: float | None = None  # a snooze's deadline (time.time(): saved, shown)
+    # The same deadline on the monotonic clock, which decides: a wall clock set right
+    # (NTP) or by hand must not end a snooze early or make it last an hour longer.
+    ends: float | None = None
 
 
 class Volunteer:
@@ -190,6 +193,7 @@ class Volunteer:
         self._events = events
         self._posted = ""  # the state last posted (serve starts from the current one)
         self._clock = clock
+        self._ticking: Callable[[], float] = time.monotonic
         self.gate = RequestGate()
         self.limits = limits
         self._changing_limits = trio.Lock()
@@ -244,9 +248,10 @@ class Volunteer:
                 aside,
             )
             return
-        if paused and until is not None and until <= self._clock():
-            paused, until = False, None
-        self._choice = _Choice(paused, until)
+        left = None if until is None else until - self._clock()
+        if paused and left is not None and left <= 0:
+            paused, until, left = False, None, None
+        self._choice = _Choice(paused, until, None if left is None else self._ticking() + left)
         if paused:
             self.gate.closed = True
             self.gate.reason = self._reason()
@@ -270,8 +275,7 @@ class Volunteer:
             with trio.move_on_after(_CHECK_EVERY_S):
                 await self._wake.wait()
             self._wake = trio.Event()
-            until = self._choice.until
-            if self._choice.paused and until is not None and until <= self._clock():
+            if self._snooze_over():
                 logger.info("the snooze is over: serving again")
                 self._choice = _Choice()
                 self._save_choice()
@@ -290,7 +294,13 @@ class Volunteer:
         """Pause for ``seconds``, then serve again by itself."""
         if not seconds > 0:
             raise ValueError(f"snooze for a positive number of seconds, not {seconds}")
-        await self._choose(_Choice(paused=True, until=self._clock() + seconds))
+        await self._choose(
+            _Choice(paused=True, until=self._clock() + seconds, ends=self._ticking() + seconds)
+        )
+
+    def _snooze_over(self) -> bool:
+        ends = self._choice.ends
+        return self._choice.paused and ends is not None and ends <= self._ticking()
 
     async def resume(self) -> None:
         """Serve again (unless a quota is used up or the schedule holds the daemon
