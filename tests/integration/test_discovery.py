@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,29 @@ async def test_joining_peers_enter_the_bootstrap_peers_routing_table_and_find_ea
                 with trio.fail_after(10):
                     while third.dht.routing_table_size() < 3:  # noqa: ASYNC110 - polling
                         await trio.sleep(0.05)
+
+
+async def test_a_server_whose_clock_is_hours_off_is_found_on_the_swarms_time(
+    tmp_path: Path,
+) -> None:
+    """A home PC two hours ahead (a dual boot keeping local time in the hardware clock):
+    every record it signed was refused as issued in the future, and it refused its
+    peers' as expired, so no trainer ever found it (an outside probe). Its peers'
+    records outvote its clock (net/swarm_clock.py) and it is found."""
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs, uids="ffn.0.0")
+        async with (
+            open_daemon(config, tmp_path / "a"),
+            open_daemon(config, tmp_path / "b"),
+            open_daemon(
+                local_config(bootstrap=boot.multiaddrs, uids="ffn.0.1"), tmp_path / "off"
+            ) as off,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as client,
+        ):
+            off.node.dht.clock._wall = lambda: time.time() + 7200
+            # what it announced before its clock went wrong has expired by then
+            await trio.sleep(config.dht.record_ttl_s + config.dht.announce_period_s)
+            with trio.fail_after(30):
+                while not await client.dht.find_expert("ffn.0.1"):  # noqa: ASYNC110 - a lookup
+                    await trio.sleep(0.5)
+            assert off.node.dht.clock.offset == pytest.approx(-7200, abs=30)

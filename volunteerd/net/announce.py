@@ -90,6 +90,7 @@ class Announcer:
     def records(self, *, withdraw: Iterable[str] = ()) -> list[ExpertRecord]:
         active = children_by_key(self._live())
         gone = children_by_key(withdraw)
+        now = self._dht.clock.now()  # the swarm's time, where this clock is off
         out = [
             sign_record(
                 self._identity,
@@ -98,6 +99,7 @@ class Announcer:
                 addrs=self._addrs,
                 children=children,
                 ttl_s=self._config.record_ttl_s,
+                now=now,
             )
             for key, children in active.items()
         ]
@@ -108,6 +110,7 @@ class Announcer:
                 key=key,
                 addrs=self._addrs,
                 ttl_s=self._config.record_ttl_s,
+                now=now,
                 active=False,
             )
             for key in gone

@@ -18,6 +18,7 @@ revive another peer's record.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,6 +50,7 @@ from volunteerd.net.records import (
 )
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.net.store import SignedRecordStore, Source, StoreStatistics, ip_prefix
+from volunteerd.net.swarm_clock import SwarmClock
 
 __all__ = ["DHTStatistics", "ExpertDHT", "StoreOutcome", "admit_after_identify"]
 
@@ -229,8 +231,12 @@ class ExpertDHT:
         self._config = config
         self._timeouts = timeouts
         self._self_id = host.get_id()
-        self.records = SignedRecordStore(EXPERT_RECORDS, config)
-        self.manifests = SignedRecordStore(MANIFESTS, config, trusted_writers=trusted_owners)
+        # records' times are read on the swarm's clock (net/swarm_clock.py)
+        self.clock = SwarmClock()
+        self.records = SignedRecordStore(EXPERT_RECORDS, config, record_clock=self.clock.now)
+        self.manifests = SignedRecordStore(
+            MANIFESTS, config, trusted_writers=trusted_owners, record_clock=self.clock.now
+        )
         self._dead_until: dict[ID, float] = {}
         # key -> (routing table size then, valid until, closest peers)
         self._closest_cache: dict[str, tuple[int, float, list[ID]]] = {}
@@ -257,6 +263,12 @@ class ExpertDHT:
         async def on_store(request: Request) -> Reply:
             records: list[R] = request.header.records
             source = self._source(request.peer_id)
+            # a peer storing its own records sends them as it signs them: its clock
+            writer_of = verbs.kind.writer_of
+            self.clock.observe(
+                _voter(source),
+                (r.issued_at for r in records if writer_of(r) == request.peer_id),
+            )
             # A record repeated within one request is offered once and its outcome
             # counted for every copy (a second copy would be a repeat of the stored
             # record, or refused again): a forged record sent 196 times in one request
@@ -540,6 +552,9 @@ class ExpertDHT:
                 )
                 if reply is None:
                     return
+                self.clock.observe(
+                    _voter(self._source(str(peer_id))), (r.issued_at for r in reply.records)
+                )
                 wanted = set(chunk)
                 take(
                     r
@@ -559,7 +574,7 @@ class ExpertDHT:
 
     def _valid(self, kind: RecordKind[R], record: R) -> bool:
         try:
-            kind.validate(record, self._config, now=time.time())
+            kind.validate(record, self._config, now=self.clock.now())
         except InvalidRecord as exc:
             logger.debug("dropped a %s from the DHT: %s", kind.name, exc)
             return False
@@ -604,3 +619,17 @@ class ExpertDHT:
                     PeerAddress(record.peer_id, tuple(dict.fromkeys(record.addrs)))
                 )
         return out
+
+
+def _voter(source: Source) -> str:
+    """Whose clock a record shows, for ``SwarmClock``: on a public network the prefix a
+    peer connects from (a thousand identities behind one address are one voter), on a
+    private or loopback one (a LAN, a test's swarm) the peer itself."""
+    try:
+        network = ipaddress.ip_network(source.prefix)
+    except ValueError:  # "peer:<id>": reached through a relay
+        return f"peer:{source.peer_id}"
+    address = network.network_address
+    if network.is_private or address.is_loopback or address.is_unspecified or network.is_link_local:
+        return f"peer:{source.peer_id}"
+    return source.prefix

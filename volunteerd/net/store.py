@@ -180,7 +180,11 @@ class SignedRecordStore(Generic[R]):
         *,
         trusted_writers: Iterable[str] = (),
         clock: Callable[[], float] = time.time,
+        record_clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock`` paces the store's own budgets and memory; ``record_clock`` (the
+        node's ``SwarmClock.now``; ``clock`` unless given) is what records' times are
+        checked against."""
         self.kind = kind
         self.limits = kind.limits(config)
         self._config = config
@@ -189,6 +193,7 @@ class SignedRecordStore(Generic[R]):
         self._size_of = kind.size_of
         self._trusted = frozenset(trusted_writers)
         self._clock = clock
+        self._record_clock = clock if record_clock is None else record_clock
         self._keys: dict[str, dict[str, _Entry[R]]] = {}
         # key -> its entries best-ranked first, built by ``ranked`` when read and dropped
         # when the key's entries change: a find reads a flooded key for the price of the
@@ -283,7 +288,7 @@ class SignedRecordStore(Generic[R]):
         buckets = self._buckets_of(source)
         rate, burst = _FAILED_CHECKS_PER_S, _FAILED_CHECK_BURST
         try:
-            self.kind.validate(record, self._config, now=now)
+            self.kind.validate(record, self._config, now=self._record_clock())
         except InvalidRecord:
             for name, share in buckets:
                 bucket = self._failures.pop(name, None)  # re-inserted last: recently failed
@@ -527,7 +532,7 @@ class SignedRecordStore(Generic[R]):
         per_key = self._keys.get(key)
         if not per_key:
             return []
-        now = self._clock()
+        now = self._record_clock()
         for entry in [e for e in per_key.values() if e.record.expires_at <= now]:
             self._remove(entry)
             self._expired += 1
@@ -556,7 +561,7 @@ class SignedRecordStore(Generic[R]):
         else:
             entries = sorted(per_key.values(), key=lambda e: e.rank, reverse=True)
             self._ranked[key] = entries
-        now = self._clock()
+        now = self._record_clock()
         return (e.record for e in entries if e.record.expires_at > now)
 
     def keys(self) -> Iterable[str]:
@@ -565,10 +570,10 @@ class SignedRecordStore(Generic[R]):
     def expire(self) -> int:
         """Drop expired records, and writers gone for ``forget_s``; returns how many
         records were dropped."""
-        now = self._clock()
+        now, records_now = self._clock(), self._record_clock()
         dropped = 0
         for per_key in list(self._keys.values()):
-            for entry in [e for e in per_key.values() if e.record.expires_at <= now]:
+            for entry in [e for e in per_key.values() if e.record.expires_at <= records_now]:
                 self._remove(entry)
                 dropped += 1
         self._expired += dropped
