@@ -363,6 +363,18 @@ def test_suspicion_names_the_peer_that_disagrees_with_two_others() -> None:
     assert s.record("a", "b") == []
 
 
+def test_suspicion_forgets_disagreements_older_than_its_memory() -> None:
+    """Replicas drift between averaging rounds: an honest peer's disagreements of weeks
+    added up until its next one banned it. Two within MEMORY_S make the odd one out."""
+    now = [0.0]
+    s = Suspicion(clock=lambda: now[0])
+    assert s.record("honest", "drifted") == []
+    now[0] += Suspicion.MEMORY_S
+    assert s.record("stale", "honest") == []  # the first is forgotten by now
+    now[0] += 60
+    assert s.record("stale", "other") == ["stale"]
+
+
 def test_suspicion_stays_bounded_under_a_flood_of_identities() -> None:
     """Identities are free: disagreeing strangers cannot grow the table for good, and a
     liar met among them is still named."""

@@ -39,8 +39,9 @@ deliberately loose: it catches noise and lies, not small differences.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -246,25 +247,37 @@ class Suspicion:
 
     Identities are free and any of them can disagree: the ``REMEMBERED`` peers that
     disagreed most recently are kept, with at most ``_KEPT_PER_PEER`` of the peers each
-    disagreed with (two already make it the odd one out)."""
+    disagreed with (two already make it the odd one out), each for ``MEMORY_S``.
+    Remembered for good, the disagreements of weeks (replicas drift between averaging
+    rounds; a replica back from a laptop's suspend is behind for a round) added up until
+    an honest peer disagreed with two and was banned on its next one (an outside probe
+    saw the up-to-date replica banned beside a stale one)."""
 
     REMEMBERED = 4096
+    MEMORY_S = 1800.0
     _KEPT_PER_PEER = 8
 
-    def __init__(self) -> None:
-        self._against: OrderedDict[str, set[str]] = OrderedDict()
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        # peer -> the peers it disagreed with, and when (the latest time)
+        self._against: OrderedDict[str, dict[str, float]] = OrderedDict()
         self.disagreements: Counter[str] = Counter()
+        self._clock = clock
 
     def __len__(self) -> int:
         return len(self._against)
 
     def record(self, a: str, b: str) -> list[str]:
         """Note that ``a`` and ``b`` disagreed; return the peers now judged the odd one
-        out (each has disagreed with at least two different peers)."""
+        out (each has disagreed with at least two different peers within ``MEMORY_S``)."""
+        now = self._clock()
         for peer, other in ((a, b), (b, a)):
-            against = self._against.pop(peer, set())
-            if len(against) < self._KEPT_PER_PEER:
-                against.add(other)
+            against = {
+                p: when
+                for p, when in self._against.pop(peer, {}).items()
+                if now - when < self.MEMORY_S
+            }
+            if other in against or len(against) < self._KEPT_PER_PEER:
+                against[other] = now
             self.disagreements[peer] += 1
             for gone in remember(self._against, peer, against, self.REMEMBERED):
                 self.disagreements.pop(gone, None)  # the oldest go, counts and all
@@ -274,4 +287,4 @@ class Suspicion:
         self._against.pop(peer, None)
         self.disagreements.pop(peer, None)
         for others in self._against.values():
-            others.discard(peer)
+            others.pop(peer, None)
