@@ -413,3 +413,40 @@ async def test_a_lone_peers_word_puts_no_stranger_address_in_the_nodes_records()
             assert report.direct_addrs == tuple(node.addrs), lie
             assert report.announce_addrs == tuple(node.addrs), lie
             assert not any("6.6.6.6" in a or "evil" in a for a in report.announce_addrs)
+
+
+async def test_a_node_whose_address_changes_stops_announcing_the_old_one_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Moved to another network (a laptop, a new DHCP lease), a node kept its dialled-
+    back address first in its records until the next check, ten minutes later, and
+    trainers that dialled it failed and banned it (an outside probe re-addressed a
+    daemon's veth). Its own addresses are watched: the old one is dropped at once and
+    reachability checked again. (The addresses the machine reports are stood in for:
+    test traffic stays on 127.0.0.1.)"""
+    monkeypatch.setattr(reachability, "_WATCH_ADDRS_S", 0.2, raising=False)
+    async with (
+        open_peer(local_config()) as boot,
+        open_peer(local_config(bootstrap=boot.multiaddrs)) as node,
+    ):
+        assert node.reachability is not None
+        before = node.reachability.report()
+        old = node.addrs[0]
+        assert before.announce_addrs[0] == old
+        port = old.rsplit("/", 1)[1]
+        moved = f"/ip4/127.0.0.2/tcp/{port}"  # the new network's address
+        await trio.sleep(0.5)  # the watch has read the addresses it starts from
+        ours = node.host.get_id()
+        real = reachability.transport_addrs
+        monkeypatch.setattr(
+            reachability,
+            "transport_addrs",
+            lambda host: [moved] if host.get_id() == ours else real(host),
+        )
+        with trio.fail_after(30):
+            while node.reachability.report().checked_at == before.checked_at:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        after = node.reachability.report()
+        assert old not in after.direct_addrs
+        assert old not in after.announce_addrs
+        assert node.addrs == [moved]

@@ -93,6 +93,8 @@ RELAY_LIMITS = RelayLimits(
 _ASK_PEERS = 3
 _DIAL_S = 5.0  # one dial-back attempt (TCP connect + Noise handshake)
 _DIALBACKS_AT_ONCE = 2  # a server dials back for at most this many requests at once
+# How often this computer's own addresses are compared with the last ones seen.
+_WATCH_ADDRS_S = 10.0
 _WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is connected
 _RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to live
 
@@ -566,6 +568,22 @@ class Reachability:
         self._notify_if_changed(announced)
         return self._mode
 
+    def _addrs_changed(self, before: set[str], now: set[str]) -> None:
+        """This computer's own addresses changed (another network, a new DHCP lease):
+        addresses verified at an IP it no longer has are dropped from what it announces
+        at once, and the caller checks again. Before, the dead address stayed first in
+        its records until the next check (``check_every_s``, 10 minutes), and trainers
+        that dialled it failed and banned the node."""
+        logger.info(
+            "this computer's addresses changed (%s): checking reachability again",
+            ", ".join(sorted(now)) or "none",
+        )
+        gone = {e[0] for e in map(tcp_endpoint, before - now) if e is not None}
+        kept = {e[0] for e in map(tcp_endpoint, now) if e is not None}
+        announced = self.announce_addrs
+        self._direct = tuple(a for a in self._direct if _ip_of(a) not in gone - kept)
+        self._notify_if_changed(announced)
+
     def _peers_to_ask(self) -> list[str]:
         """Connected peers, bootstrap peers first, at most three."""
         me = str(self._host.get_id())
@@ -638,12 +656,18 @@ class Reachability:
         restarted relay forgot us) or the reservation is about to expire."""
         task_status.started()
         next_check = time.monotonic() + self._config.check_every_s
+        addrs = set(transport_addrs(self._host))
         while True:
-            nap = next_check - time.monotonic()
+            nap = min(next_check - time.monotonic(), _WATCH_ADDRS_S)
             if self._mode == "relayed":
                 nap = min(nap, _WATCH_RELAY_S)
             await trio.sleep(max(0.0, nap))
             try:
+                now_addrs = set(transport_addrs(self._host))
+                if now_addrs != addrs:
+                    self._addrs_changed(addrs, now_addrs)
+                    addrs = now_addrs
+                    next_check = time.monotonic()  # checked again now
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + self._config.check_every_s
                     if self._config.mode == "relay":
