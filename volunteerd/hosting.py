@@ -12,6 +12,10 @@ announced is every joiner's experts together. The config's project
 (``experiments.join``) is joined before the daemon reports itself started, and a
 failure ends it (exit 3 or 5, as before); a project from ``projects.toml`` is joined
 in the background, and a failure is shown in its state and tried again.
+
+After a freeze the averager holds back the experts with replicas until it has averaged
+them (``runtime.averaging``, ``stale``): their calls are refused (``RequestGate.held``)
+and their records withdrawn meanwhile.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from volunteerd.runtime import ExpertRuntime, choose_device
 from volunteerd.runtime.averaging import ReplicaAverager
 from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.server.contribution import Accountant
-from volunteerd.server.pausing import RequestGate, Volunteer
+from volunteerd.server.pausing import RequestGate, Volunteer, hold_back
 from volunteerd.server.pipeline import expert_handlers, shard_snapshot
 from volunteerd.server.replicas import SwarmReplicas, WindowedDownloader
 from volunteerd.swarm.download import ShardDownloader
@@ -62,10 +66,15 @@ class Hosting:
     announcer: Announcer | None = None  # set by start
     averager: ReplicaAverager | None = None  # set by start
     joiners: list[Joiner] = field(default_factory=list)  # one per project, in order
+    hosted: set[str] = field(default_factory=set)  # what to announce, but held-back experts
 
     def handlers(self, gate: RequestGate, accountant: Accountant) -> dict[Verb, Handler]:
-        """The expert verbs through the request pipeline (pause gate, accounting)."""
-        return expert_handlers(self.runtime, gate=gate, accountant=accountant, shards=self.shards)
+        """The expert verbs through the request pipeline (pause gate, accounting), those
+        of experts held back after a freeze refused (``RequestGate.held``)."""
+        handlers = expert_handlers(
+            self.runtime, gate=gate, accountant=accountant, shards=self.shards
+        )
+        return hold_back(handlers, gate, accountant)
 
     @asynccontextmanager
     async def computing(self) -> AsyncIterator[None]:
@@ -104,13 +113,23 @@ class Hosting:
         replicas = SwarmReplicas(
             node, config.timeouts.dht_lookup_s, allowed=lambda: volunteer.network_allowed
         )
-        self.averager = ReplicaAverager(self.runtime, replicas, config.replicas)
-        self.checkpointer.budget_bytes = lambda: round(volunteer.limits.disk_budget_gb * 1e9)
         announcer = Announcer(
             node.dht, node.identity, node.peer_id, node.addrs, config.dht, config.timeouts
         )
         self.announcer = announcer
-        announcer.set_uids(self.runtime.uids)  # experts.uids (none while in a project)
+
+        def set_uids(uids: set[str]) -> None:
+            self.hosted = uids
+            announcer.set_uids(uids - volunteer.gate.held)
+
+        def hold(stale: frozenset[str]) -> None:
+            """Refuse and withdraw ``stale`` experts (serve the others again)."""
+            volunteer.gate.held = stale
+            set_uids(self.hosted)
+
+        self.averager = ReplicaAverager(self.runtime, replicas, config.replicas, on_stale=hold)
+        self.checkpointer.budget_bytes = lambda: round(volunteer.limits.disk_budget_gb * 1e9)
+        set_uids(set(self.runtime.uids))  # experts.uids (none while in a project)
         if node.reachability is not None:  # moved to or from a relay: re-announce
             node.reachability.watch_addrs(announcer.set_addrs)
         volunteer.attach(announcer)
@@ -123,7 +142,7 @@ class Hosting:
             await serving.start(self.averager.serve)
 
         def announce() -> None:
-            announcer.set_uids(set().union(*(j.hosted for j in self.joiners)))
+            set_uids(set().union(*(j.hosted for j in self.joiners)))
 
         room = capacity_for(config, self.device)
         downloader = WindowedDownloader(

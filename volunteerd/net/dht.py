@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.errors import InvalidRecord, PeerError, PeerUnreachable, RequestTimeout
 from volunteerd.net.envelope import RecordKind, SignedRecord
+from volunteerd.net.lookup import LookupMemory, PeerLookup
 from volunteerd.net.peers import PeerAddress, dialable_part, short
 from volunteerd.net.protocols import PROTOCOLS, Verb
 from volunteerd.net.reachability import observed_ips
@@ -238,6 +239,13 @@ class ExpertDHT:
             MANIFESTS, config, trusted_writers=trusted_owners, record_clock=self.clock.now
         )
         self._dead_until: dict[ID, float] = {}
+        # What the node's lookups (net/lookup.py, installed by open_node) found silent:
+        # one record of silence for both, so a peer one found out the other skips too.
+        routing = getattr(getattr(kad, "peer_routing", None), "find_closest_peers_network", None)
+        lookup = getattr(routing, "__self__", None)
+        self._lookup_memory: LookupMemory | None = (
+            lookup.memory if isinstance(lookup, PeerLookup) else None
+        )
         # key -> (routing table size then, valid until, closest peers)
         self._closest_cache: dict[str, tuple[int, float, list[ID]]] = {}
         # record key -> the closest peers that accepted this node's last record for it
@@ -357,6 +365,8 @@ class ExpertDHT:
         try:
             pid = ID.from_base58(peer_id)
             self._dead_until[pid] = time.monotonic() + _DEAD_PEER_S
+            if self._lookup_memory is not None:
+                self._lookup_memory.mark_silent(pid, _DEAD_PEER_S)
             self._kad.routing_table.remove_peer(pid)
             # Kademlia falls back to every peerstore address while the routing table
             # is small; a dead peer's addresses would be dialled on every lookup.
@@ -365,6 +375,12 @@ class ExpertDHT:
             pass
         self._rpc.forget(peer_id)
         self._closest_cache.clear()
+
+    def _gone(self, peer_id: ID) -> bool:
+        """Whether ``peer_id`` failed to answer this node lately (``forget_peer``, or a
+        lookup that found it silent): it is asked nothing meanwhile."""
+        memory = self._lookup_memory
+        return peer_id in self._dead_until or (memory is not None and memory.silent(peer_id))
 
     async def _closest(self, key: str) -> list[ID]:
         """The ``replication`` closest peers to ``key``, this node included.
@@ -405,7 +421,7 @@ class ExpertDHT:
         candidates = [
             p
             for p in dict.fromkeys([*found, *local, *connections, self._self_id])
-            if p not in self._dead_until and (p == self._self_id or connections.get(p))
+            if p == self._self_id or (connections.get(p) and not self._gone(p))
         ]
         closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
             : self._config.replication
@@ -448,8 +464,11 @@ class ExpertDHT:
 
     # -- storing and finding, for every kind --------------------------------------------
 
-    async def _ask(self, peer_id: ID, verb: Verb, request: BaseModel) -> Any:
-        """``peer_id``'s reply to ``request``; None when it failed to answer.
+    async def _ask(
+        self, peer_id: ID, verb: Verb, request: BaseModel, timeout_s: float | None = None
+    ) -> Any:
+        """``peer_id``'s reply to ``request`` within ``timeout_s`` (default
+        ``dht_rpc_s``); None when it failed to answer.
 
         A peer that could not be reached or did not answer in time is forgotten (it is
         gone, or as good as gone). One that answered, but with a typed error or a reply
@@ -457,7 +476,7 @@ class ExpertDHT:
         routing table: what made its answer unreadable may be what others stored on it,
         so forgetting it would let them empty a reader's table of honest peers."""
         try:
-            with trio.fail_after(self._timeouts.dht_rpc_s):
+            with trio.fail_after(timeout_s or self._timeouts.dht_rpc_s):
                 reply, _ = await self._rpc.call(self._address(peer_id), verb, request)
         except (PeerUnreachable, RequestTimeout, trio.TooSlowError) as exc:
             logger.debug("%s on %s failed: %s", verb, short(peer_id), exc)
@@ -504,7 +523,7 @@ class ExpertDHT:
         holding: dict[ID, list[str]] = {}
         for key in by_key:
             for peer_id in self._holders.get(key, ()):
-                if peer_id not in self._dead_until:
+                if not self._gone(peer_id):
                     holding.setdefault(peer_id, []).append(key)
         async with trio.open_nursery() as nursery:
             for peer_id, keys in holding.items():
@@ -528,8 +547,17 @@ class ExpertDHT:
     ) -> dict[str, list[R]]:
         """Valid, unexpired records per key (only ``writer``'s when given) from the
         closest peers: the newest per writer, in the storing peers' order (they list the
-        writers they have seen longest first)."""
+        writers they have seen longest first).
+
+        Answers are kept as they come, and the find returns what the peers that
+        answered gave: each storing peer has half of ``dht_rpc_s`` per request (a
+        find is a small read) and all of them together ``dht_rpc_s``. A reader bounds
+        a find by a few seconds (the trainer's directory refresh, 5 s at least): one
+        silent peer among the closest, connected but answering nothing, must be found
+        out (``_ask`` forgets it) before that bound ends the whole find, so that this
+        find returns the others' answers and the next ones skip it."""
         kind, store = verbs.kind, self._store_of(verbs.kind)
+        peer_s = self._timeouts.dht_rpc_s / 2
         by_peer = await self._group_by_peer(verbs, keys)
         # (position in the storing peer's answer for its key, record)
         found: list[tuple[int, R]] = []
@@ -548,7 +576,7 @@ class ExpertDHT:
             for start in range(0, len(peer_keys), verbs.find_batch):
                 chunk = peer_keys[start : start + verbs.find_batch]
                 reply = await self._ask(
-                    peer_id, verbs.find, verbs.find_request.asking(chunk, writer)
+                    peer_id, verbs.find, verbs.find_request.asking(chunk, writer), peer_s
                 )
                 if reply is None:
                     return
@@ -564,9 +592,10 @@ class ExpertDHT:
                     and self._valid(kind, r)
                 )
 
-        async with trio.open_nursery() as nursery:
-            for peer_id, peer_keys in by_peer.items():
-                nursery.start_soon(find_on, peer_id, peer_keys)
+        with trio.move_on_after(self._timeouts.dht_rpc_s):
+            async with trio.open_nursery() as nursery:
+                for peer_id, peer_keys in by_peer.items():
+                    nursery.start_soon(find_on, peer_id, peer_keys)
         result: dict[str, list[R]] = {key: [] for key in keys}
         for record in merge_answers(kind, found):
             result[kind.key_of(record)].append(record)

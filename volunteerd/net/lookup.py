@@ -30,6 +30,11 @@ What differs is what it believes:
 * **One dial per address.** Two candidates this node knows nothing about that share an
   address are not dialled in the same round (honest peers never share ip:port), and an
   address that could not be dialled is not dialled again for ``SUSPECT_S``.
+* **A silent peer is skipped.** A peer this node holds a connection to needs no dial:
+  one that does not answer within half the query's time (frozen, or its connection
+  dead without a close) is held silent for ``SUSPECT_S`` and asked by no walk
+  meanwhile (``ExpertDHT`` holds the peers it finds silent here too), so one silent
+  peer costs a reader one such wait, not one per lookup.
 * **Referrers answer for their referrals.** A peer whose named peers cannot be reached
   (``_STRIKES`` more failures than successes within ``SUSPECT_S``) is distrusted for
   that long: what it names is ignored, though it may still answer for itself.
@@ -83,7 +88,8 @@ logger = logging.getLogger(__name__)
 
 MAX_LOOKUP_ROUNDS = MAX_PEER_LOOKUP_ROUNDS
 SUSPECT_S = 60.0
-"""How long an address that could not be dialled, or a distrusted referrer, is held."""
+"""How long an address that could not be dialled, a silent peer, or a distrusted
+referrer, is held."""
 # A real answer names 20 peers with a few addresses and signed records each (~5.5 KB).
 _MAX_ANSWER_BYTES = 64 * 1024
 _ADDRS_PER_PEER = 8
@@ -132,11 +138,13 @@ class LookupResult:
 
 class LookupMemory:
     """What lookups remember between them for ``SUSPECT_S``: addresses that could not be
-    dialled, and how the peers each referrer named fared."""
+    dialled, peers that held a connection but did not answer, and how the peers each
+    referrer named fared."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._dead: dict[str, float] = {}
+        self._silent: dict[ID, float] = {}
         # referrer -> (failures, successes, forgotten at)
         self._record: dict[ID, tuple[int, int, float]] = {}
 
@@ -154,6 +162,20 @@ class LookupMemory:
             self._dead.pop(addr, None)
             self._dead[addr] = self._clock() + SUSPECT_S
         _trim(self._dead)
+
+    def silent(self, peer: ID) -> bool:
+        until = self._silent.get(peer)
+        if until is None:
+            return False
+        if until <= self._clock():
+            del self._silent[peer]
+            return False
+        return True
+
+    def mark_silent(self, peer: ID, seconds: float = SUSPECT_S) -> None:
+        self._silent.pop(peer, None)
+        self._silent[peer] = self._clock() + seconds
+        _trim(self._silent)
 
     def distrusted(self, referrer: ID) -> bool:
         failures, successes, until = self._record.get(referrer, (0, 0, 0.0))
@@ -249,6 +271,9 @@ async def walk(
                 break
             if peer in queried:
                 ranked += 1
+                continue
+            if memory.silent(peer):
+                pool.discard(peer)  # it held a connection and answered nothing
                 continue
             if not known(peer):
                 named_by = referrers.get(peer, [])
@@ -401,7 +426,23 @@ class PeerLookup:
     async def _ask(self, peer: ID, addrs: tuple[str, ...], key: bytes) -> Answer:
         """FIND_NODE ``key`` of ``peer``, dialling ``addrs`` if this node knows nothing
         about it. Answered: the peer joins the routing table. Unreachable: it leaves it,
-        and addresses only a referrer vouched for are forgotten."""
+        and addresses only a referrer vouched for are forgotten.
+
+        A peer already connected needs no dial: it opens the stream and answers within
+        half the query's time, or it is silent (module docstring) and leaves the
+        routing table. The caller's own deadline (a trainer's refresh is bounded by a
+        few seconds) must not end the wait first, or the silent peer would never be
+        found out and would cost every lookup the whole wait again."""
+        if not self._connected(peer):
+            return await self._query(peer, addrs, key)
+        with trio.move_on_after(self._timeout_s / 2):
+            return await self._query(peer, addrs, key)
+        logger.debug("lookup: %s is connected but silent", short(peer))
+        self.memory.mark_silent(peer)
+        self._table.remove_peer(peer)
+        return Answer(True, None)
+
+    async def _query(self, peer: ID, addrs: tuple[str, ...], key: bytes) -> Answer:
         peerstore = self._host.get_peerstore()
         vouched = bool(addrs) and not self._known(peer)
         if vouched:

@@ -44,6 +44,16 @@ line. A record whose address accepts and never answers used to hold each expert 
 all of ``request_s`` in turn: with a fresh such identity per expert, a round of four
 experts took 240 s; now about the fetch bound of the slowest expert.
 
+After a freeze: a daemon that did not run for ``FROZEN_S`` or more (a laptop's suspend,
+SIGSTOP: a 1 s sleep that took that long on the clock that counts suspended time) wakes
+with weights that many seconds behind its replicas, which kept training; served at once,
+trainers' spot checks see the replicas disagree and may ban the up-to-date one. So the
+experts whose last lookup listed replicas are held back (``stale``; ``on_stale`` hears of
+each change: the daemon refuses their calls with ``paused`` and withdraws their records)
+until they are averaged with at least one replica, this daemon's own stale weights left
+out of the mean (``catch_up``). One whose lookup now lists no replica serves at once;
+after ``CATCH_UP_S`` every expert serves again, caught up or not.
+
 The network is behind ``ReplicaSource`` (the daemon gives the DHT and the RPC client),
 so this module needs no libp2p and its tests can fake the swarm.
 """
@@ -91,6 +101,26 @@ MIN_REPLY_RATE = 32 << 10
 CONCURRENT_EXPERTS = 4
 # ...fewer while max_peers replies of each would hold more bytes than this (one at least)
 GATHER_BUDGET_BYTES = 512 << 20
+# A daemon that did not run for this long (its 1 s ticks, ``TICK_S``) holds back its
+# replicated experts until caught up. Twice the default ``average_every_s``: replicas are
+# always up to a round apart, and the round due at waking handles a freeze that short.
+# Far above the event loop's stalls under heavy CPU load (seconds: the experts compute
+# in worker threads), which must not hold experts back.
+FROZEN_S = 60.0
+TICK_S = 1.0
+# The longest experts are held back after a freeze: time for a few tries (a fetch bound,
+# connections dialled again, a peer's backoff of ``average_every_s``); a daemon whose
+# replicas are gone or silent serves again after it.
+CATCH_UP_S = 120.0
+_CATCH_UP_RETRY_S = 5.0
+
+
+def awake_time() -> float:
+    """Seconds on a clock that counts time suspended (Linux's CLOCK_BOOTTIME; elsewhere
+    ``time.monotonic``, which on Linux stops while the machine sleeps)."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.monotonic()
 
 
 class ReplicaSource(Protocol):
@@ -139,6 +169,9 @@ class ReplicaAverager:
         config: ReplicasConfig,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        awake_clock: Callable[[], float] = awake_time,
+        on_stale: Callable[[frozenset[str]], None] = lambda stale: None,
     ) -> None:
         self.runtime = runtime
         self.source = source
@@ -150,13 +183,84 @@ class ReplicaAverager:
         self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
         self._rounds_run = 0
         self._turns: dict[str, int] = {}  # hosted uid -> the round it was last gathered in
+        self._awake_clock = awake_clock
+        self._on_stale = on_stale
+        self._replicated: set[str] = set()  # uids whose latest lookup listed replicas
+        self.stale: frozenset[str] = frozenset()  # held back until caught up (a freeze)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Average every expert every ``average_every_s`` (jittered) until cancelled."""
-        task_status.started()
+        """Average every expert every ``average_every_s`` (jittered), and catch up after
+        a freeze (``watch_freezes``), until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watch_freezes)
+            task_status.started()
+            while True:
+                await trio.sleep(self._config.average_every_s * self._rng.uniform(0.8, 1.2))
+                await self.run_round()
+
+    async def watch_freezes(self) -> None:
+        """Tick every ``TICK_S``; a tick that took ``FROZEN_S`` or more (the process did
+        not run) starts ``catch_up``. Until cancelled."""
         while True:
-            await trio.sleep(self._config.average_every_s * self._rng.uniform(0.8, 1.2))
-            await self.run_round()
+            before = self._awake_clock()
+            await trio.sleep(TICK_S)
+            away_s = self._awake_clock() - before
+            if away_s >= FROZEN_S:
+                await self.catch_up(away_s)
+
+    async def catch_up(self, away_s: float) -> None:
+        """Hold back the experts whose latest lookup listed replicas (``stale``) and
+        average each with its replicas, its own weights left out of the mean, until one
+        replica went in, its lookup lists none, or ``CATCH_UP_S`` passed; then serve
+        them again. Returns when none is held back."""
+        stale = self._replicated.intersection(self.runtime.uids)
+        if not stale:
+            logger.info("did not run for %.0f s; no expert has replicas to catch up with", away_s)
+            return
+        logger.warning(
+            "did not run for %.0f s: not serving %d experts with replicas (%s) until "
+            "averaged with them (%.0f s at most)",
+            away_s,
+            len(stale),
+            ", ".join(sorted(stale)),
+            CATCH_UP_S,
+        )
+        self._hold(frozenset(stale))
+        caught_up: list[str] = []
+
+        async def catch_up_one(uid: str) -> None:
+            while True:
+                replies = await self.gather(uid)
+                if uid not in self._replicated or uid not in self.runtime.uids:
+                    break
+                if replies:
+                    await self.combine(uid, replies, own_weight=False)
+                    caught_up.append(uid)
+                    break
+                await trio.sleep(_CATCH_UP_RETRY_S)
+            self._hold(self.stale - {uid})
+
+        with trio.move_on_after(CATCH_UP_S):
+            async with trio.open_nursery() as nursery:
+                for uid in sorted(stale):
+                    nursery.start_soon(catch_up_one, uid)
+        late = sorted(self.stale)
+        self._hold(frozenset())
+        logger.info(
+            "serving %d experts again: %d caught up with their replicas, %d without "
+            "replicas now, %d not caught up within %.0f s%s",
+            len(stale),
+            len(caught_up),
+            len(stale) - len(caught_up) - len(late),
+            len(late),
+            CATCH_UP_S,
+            f" ({', '.join(late)})" if late else "",
+        )
+
+    def _hold(self, stale: frozenset[str]) -> None:
+        if stale != self.stale:
+            self.stale = stale
+            self._on_stale(stale)
 
     async def run_round(self) -> int:
         """One averaging round for every hosted expert; returns the replicas used.
@@ -216,7 +320,12 @@ class ReplicaAverager:
         checked at ``deadline`` (trio's clock) is left out uncounted."""
         replies: list[tuple[str, Params]] = []
         with trio.move_on_at(deadline):
-            peers = self.choose(await self.source.replicas(uid))
+            listed = await self.source.replicas(uid)
+            if listed:
+                self._replicated.add(uid)
+            else:
+                self._replicated.discard(uid)
+            peers = self.choose(listed)
             if not peers:
                 return replies
             backend = self.runtime.backend(uid)
@@ -279,9 +388,13 @@ class ReplicaAverager:
         spare = [p for p in good if p not in known]
         return chosen + spare[: limit - len(chosen)]
 
-    async def combine(self, uid: str, replies: list[tuple[str, Params]]) -> int:
+    async def combine(
+        self, uid: str, replies: list[tuple[str, Params]], *, own_weight: bool = True
+    ) -> int:
         """Centered clipping of ``uid``'s weights with ``replies`` (from ``gather``),
-        applied in the worker's turn; returns how many replicas went in."""
+        applied in the worker's turn; returns how many replicas went in. Without
+        ``own_weight`` (weights known to be stale), the mean leaves them out: they move
+        by the replicas' clipped mean, by tau at most, instead of tau*n/(n+1)."""
         if not replies:
             return 0
         others = [params for _, params in replies]
@@ -290,6 +403,9 @@ class ReplicaAverager:
         def apply(b: ExpertBackend) -> tuple[list[int], float]:
             own = b.live_parameters()
             new, clipped = centered_clip(own, others, ratio)
+            if not own_weight:  # own + sum/(n+1) -> own + sum/n
+                scale = (len(others) + 1) / len(others)
+                new = {k: own[k] + (new[k] - own[k]) * scale for k in own}
             moved = math.sqrt(sum(float((new[k] - own[k]).norm()) ** 2 for k in own))
             size = math.sqrt(sum(float(own[k].norm()) ** 2 for k in own))
             b.set_parameters(new)

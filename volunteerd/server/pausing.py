@@ -20,6 +20,10 @@ computer in use, on battery, outside the hours to compute or use the network)::
 The state shown is the first of those that holds it back: the person's pause hides
 the schedule's hold (and the daemon still waits for the schedule once resumed).
 
+Experts held back (``RequestGate.held``: the replica averager's ``stale`` experts, after
+the daemon did not run for a while) are refused the same way, each on its own, while
+the rest serve on (``hold_back``).
+
 Stopping to serve: expert requests (forward, backward, their batches, params, shard)
 are refused at once with ``Paused``, which trainers treat as "choose another expert";
 the announcer withdraws this node's records so lookups stop returning it; requests
@@ -42,7 +46,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +61,7 @@ from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.control.models import MAX_SNOOZE_S
 from volunteerd.errors import ConfigError, Paused, VolunteerdError
-from volunteerd.net import Announcer, Throttle, Verb
+from volunteerd.net import Announcer, Handler, Reply, Request, Throttle, Verb
 from volunteerd.schedule import ALLOWED, Decision
 
 if TYPE_CHECKING:
@@ -73,6 +77,7 @@ __all__ = [
     "RequestGate",
     "Volunteer",
     "VolunteerState",
+    "hold_back",
     "refusal_before_reading",
 ]
 
@@ -106,6 +111,8 @@ class RequestGate:
         self.closed = False
         self.reason = "paused by the volunteer"
         self.in_flight = 0
+        # experts refused while the gate is open: stale after a freeze, until averaged
+        self.held: frozenset[str] = frozenset()
         self._idle = trio.Event()
         self._idle.set()
 
@@ -113,6 +120,17 @@ class RequestGate:
         """What to refuse a request with now: None while open."""
         if self.closed:
             return Paused(f"this volunteer is not serving: {self.reason}")
+        return None
+
+    def refusal_of(self, uids: Iterable[str]) -> Paused | None:
+        """What to refuse a request for ``uids`` with while the gate is open: None
+        unless one of them is held back."""
+        held = sorted(self.held.intersection(uids))
+        if held:
+            return Paused(
+                f"{held[0]} is catching up with its replicas (this volunteer did not run "
+                "for a while)"
+            )
         return None
 
     @asynccontextmanager
@@ -150,6 +168,34 @@ def refusal_before_reading(
         return refusal
 
     return refuse
+
+
+def hold_back(
+    handlers: dict[Verb, Handler], gate: RequestGate, accountant: Accountant | None
+) -> dict[Verb, Handler]:
+    """``handlers`` with their ``GATED_VERBS`` refusing a request for an expert in
+    ``gate.held`` (a batch: for any of its experts) with ``Paused``, counted as refused
+    calls as the pipeline's gate counts them."""
+
+    def held_back(verb: Verb, handler: Handler) -> Handler:
+        async def refuse_held(request: Request) -> Reply:
+            if gate.held:
+                header = request.header
+                uids = [str(item.uid) for item in getattr(header, "items", None) or [header]]
+                refusal = gate.refusal_of(uids)
+                if refusal is not None:
+                    if accountant is not None and verb in _COUNTED_VERBS:
+                        for uid in uids:
+                            accountant.refused(uid, request.peer_id, refusal)
+                    raise refusal
+            return await handler(request)
+
+        return refuse_held
+
+    return {
+        verb: held_back(verb, handler) if verb in GATED_VERBS else handler
+        for verb, handler in handlers.items()
+    }
 
 
 # The gated verbs whose refusals are counted as refused expert calls (``gated``).
