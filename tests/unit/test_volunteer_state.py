@@ -172,15 +172,8 @@ async def test_a_snooze_lasts_the_time_asked_whatever_the_wall_clock_does(
     (an outside probe). The wall time is what is saved and shown; the monotonic clock
     decides."""
     wall, ticking = [1_700_000_000.0], [500.0]
-    v = Volunteer(
-        None,
-        Throttle(LimitsConfig()),
-        LimitsConfig(),
-        state_file=tmp_path / "state.json",
-        limits_file=tmp_path / "limits.toml",
-        grace_s=0,
-        clock=lambda: wall[0],
-    )
+    v = volunteer(tmp_path)
+    v._clock = lambda: wall[0]
     v._ticking = lambda: ticking[0]
     await v.snooze(3600)
     wall[0] += wall_step_s
