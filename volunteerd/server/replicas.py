@@ -42,8 +42,11 @@ class SwarmReplicas:
         self._addresses: dict[str, dict[str, PeerAddress]] = {}
 
     async def replicas(self, uid: str) -> list[str]:
-        """The other peers announcing ``uid`` (none if the lookup takes too long, or
-        outside the network hours)."""
+        """The other peers announcing ``uid`` (none outside the network hours). A lookup
+        that takes too long gives the last one's answer: "no replica" would end a
+        catch-up after a freeze at once (its first lookups, connections gone stale,
+        are the likeliest to time out), and the averager backs off from replicas
+        that have gone."""
         if not self._allowed():
             return []
         with trio.move_on_after(self._lookup_s):
@@ -55,7 +58,7 @@ class SwarmReplicas:
             }
             self._addresses[uid] = found
             return list(found)
-        return []
+        return list(self._addresses.get(uid, {}))
 
     async def fetch(
         self, peer_id: str, uid: str, *, max_bytes: int

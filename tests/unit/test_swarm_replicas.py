@@ -1,0 +1,60 @@
+"""``server.replicas.SwarmReplicas``: who else hosts an expert, as the replica averager
+sees it, when a DHT lookup does not answer in time."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import trio
+
+from volunteerd.net.records import ExpertRecord
+from volunteerd.server.replicas import SwarmReplicas
+
+UID = "ffn.0.0"
+
+
+class SlowDHT:
+    """Answers lookups at once until ``hang`` is set; then never (a stale connection
+    after a freeze, a silent peer)."""
+
+    def __init__(self, records: list[ExpertRecord]) -> None:
+        self.records, self.hang = records, False
+
+    async def get(self, keys: list[str]) -> dict[str, list[ExpertRecord]]:
+        if self.hang:
+            await trio.sleep_forever()
+        return {key: [r for r in self.records if r.key == key] for key in keys}
+
+
+def record(peer_id: str) -> ExpertRecord:
+    return ExpertRecord.model_construct(
+        key=UID, peer_id=peer_id, addrs=("/ip4/127.0.0.1/tcp/1",), issued_at=0.0
+    )
+
+
+async def test_a_lookup_that_times_out_gives_the_last_answer_not_none(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A timed-out lookup read as "no replicas": after a freeze the averager then
+    served its stale expert at once instead of catching up with its replicas."""
+    dht = SlowDHT([record("me"), record("other")])
+    node = SimpleNamespace(dht=dht, peer_id="me")
+    replicas = SwarmReplicas(cast(Any, node), lookup_s=5.0)
+    assert await replicas.replicas(UID) == ["other"]
+    dht.hang = True
+    started = trio.current_time()
+    assert await replicas.replicas(UID) == ["other"]
+    assert trio.current_time() - started == 5.0
+    assert await replicas.replicas("ffn.9.9") == []  # never looked up: none known
+
+
+async def test_outside_the_network_hours_no_replica_is_looked_up() -> None:
+    dht = SlowDHT([record("other")])
+    allowed = [True]
+    replicas = SwarmReplicas(
+        cast(Any, SimpleNamespace(dht=dht, peer_id="me")), lookup_s=5.0, allowed=lambda: allowed[0]
+    )
+    assert await replicas.replicas(UID) == ["other"]
+    allowed[0] = False
+    assert await replicas.replicas(UID) == []
