@@ -136,6 +136,18 @@ class LookupResult:
     """Queried peers that could not be reached."""
 
 
+def _held(table: dict[Any, float], key: Any, now: float) -> bool:
+    """Whether ``key`` is held in ``table`` (until a time) at ``now``; forgotten once
+    its time is over."""
+    until = table.get(key)
+    if until is None:
+        return False
+    if until <= now:
+        del table[key]
+        return False
+    return True
+
+
 class LookupMemory:
     """What lookups remember between them for ``SUSPECT_S``: addresses that could not be
     dialled, peers that held a connection but did not answer, and how the peers each
@@ -149,13 +161,7 @@ class LookupMemory:
         self._record: dict[ID, tuple[int, int, float]] = {}
 
     def address_dead(self, addr: str) -> bool:
-        until = self._dead.get(addr)
-        if until is None:
-            return False
-        if until <= self._clock():
-            del self._dead[addr]
-            return False
-        return True
+        return _held(self._dead, addr, self._clock())
 
     def mark_dead(self, addrs: Iterable[str]) -> None:
         for addr in addrs:
@@ -164,13 +170,7 @@ class LookupMemory:
         _trim(self._dead)
 
     def silent(self, peer: ID) -> bool:
-        until = self._silent.get(peer)
-        if until is None:
-            return False
-        if until <= self._clock():
-            del self._silent[peer]
-            return False
-        return True
+        return _held(self._silent, peer, self._clock())
 
     def mark_silent(self, peer: ID, seconds: float = SUSPECT_S) -> None:
         self._silent.pop(peer, None)
