@@ -14,6 +14,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.identity.identify.identify import ID as IDENTIFY
 from libp2p.identity.identify.identify import _mk_identify_protobuf
+from libp2p.identity.identify_push.identify_push import push_identify_to_peer
 from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
 from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
@@ -206,3 +207,28 @@ async def test_a_kademlia_answer_stays_within_what_readers_take() -> None:
         for peer in answer.closerPeers:
             assert len(peer.addrs) <= MAX_ADDRS_PER_PEER
             assert all(usable_addr(multiaddr.Multiaddr(raw)) for raw in peer.addrs)
+
+
+async def test_strangers_pushing_an_identify_without_addresses_leave_bounded_entries() -> None:
+    """A stranger listening nowhere that pushes an identify (key and protocols, no
+    address) left an entry in the node's peer store for good: py-libp2p checked its
+    bound only when an address was stored (200 such strangers, 201 entries against a
+    bound of 50). Entries now stay within ``max_peers``; the node's own and a connected
+    peer's are kept."""
+    async with open_host(Identity.generate(), "/ip4/127.0.0.1/tcp/0") as node:
+        peerstore = node.get_peerstore()
+        peerstore.max_peers = 10
+        node_info = PeerInfo(node.get_id(), node.get_addrs())
+        async with open_host(Identity.generate(), None) as staying:
+            await staying.connect(node_info)
+            await push_identify_to_peer(staying, node.get_id())
+            for _ in range(25):
+                async with open_host(Identity.generate(), None) as stranger:
+                    await stranger.connect(node_info)
+                    assert await push_identify_to_peer(stranger, node.get_id())
+                    with trio.fail_after(30):
+                        while not peerstore.has_peer(stranger.get_id()):  # noqa: ASYNC110 - polling
+                            await trio.sleep(0.02)
+                assert len(peerstore.peer_data_map) <= 10
+            assert peerstore.get_protocols(staying.get_id())
+        assert peerstore.pubkey(node.get_id()) == node.get_public_key()

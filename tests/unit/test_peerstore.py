@@ -6,6 +6,8 @@ import os
 import time
 
 import pytest
+from libp2p.identity.identify.pb.identify_pb2 import Identify
+from libp2p.identity.update import update_peerstore_from_identify
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import create_signed_peer_record
@@ -161,3 +163,71 @@ def test_this_nodes_own_entry_is_never_evicted() -> None:
     for _ in range(store.max_peers + 5):
         store.add_addrs(ID(_ED25519_ID + os.urandom(32)), _addrs(1), 7200)
     assert store.has_peer(OWN)
+
+
+def _stranger() -> ID:
+    return ID(_ED25519_ID + os.urandom(32))
+
+
+async def _identified(store: NodePeerStore, identity: Identity, listen: list[Multiaddr]) -> ID:
+    """What py-libp2p's identify (and identify-push) handler stores of ``identity``
+    claiming ``listen``: its key, addresses and protocols."""
+    key_pair = key_pair_for(identity)
+    peer = ID.from_pubkey(key_pair.public_key)
+    message = Identify(
+        public_key=key_pair.public_key.serialize(),
+        listen_addrs=[addr.to_bytes() for addr in listen],
+        protocols=["/volunteerd/rpc/1", "/ipfs/id/1.0.0"],
+        agent_version="stranger",
+    )
+    await update_peerstore_from_identify(store, peer, message)
+    return peer
+
+
+async def test_strangers_naming_no_usable_address_leave_at_most_max_peers_entries() -> None:
+    """An identify that names no usable address stored the stranger's key and protocols
+    and py-libp2p checked its bound only when an address was stored: every such
+    stranger's entry stayed for good."""
+    store = NodePeerStore(OWN)
+    store.max_peers = 20
+    store.add_key_pair(OWN, key_pair_for(ME))
+    quic = [Multiaddr("/ip4/127.0.0.1/udp/1/quic-v1")]
+    for _ in range(60):
+        await _identified(store, Identity.generate(), quic if _ % 2 else [])
+    assert len(store.peer_data_map) <= 20
+    assert store.has_peer(OWN)
+    assert store.pubkey(OWN) == key_pair_for(ME).public_key
+
+
+def test_past_the_bound_expired_entries_go_first_then_those_without_addresses() -> None:
+    store = NodePeerStore(OWN)
+    store.max_peers = 10
+    store.add_key_pair(OWN, key_pair_for(ME))
+    expired = _stranger()
+    store.add_addrs(expired, _addrs(1), 60)
+    store.peer_data_map[expired].last_identified = int(time.time()) - 120
+    with_addrs = [_stranger() for _ in range(4)]
+    for peer in with_addrs:
+        store.add_addrs(peer, _addrs(1), 7200)
+    bare = [_stranger() for _ in range(5)]
+    for peer in bare:
+        store.add_protocols(peer, ["/volunteerd/rpc/1"])
+    # the eleventh entry took the store past its bound: down to nine tenths of it
+    assert len(store.peer_data_map) == 9
+    assert not store.has_peer(expired)
+    assert not store.has_peer(bare[0])  # the oldest of those without addresses
+    assert all(store.has_peer(peer) for peer in [OWN, *with_addrs, *bare[1:]])
+
+
+def test_connected_peers_and_this_node_keep_their_entries() -> None:
+    store = NodePeerStore(OWN)
+    store.max_peers = 10
+    store.add_key_pair(OWN, key_pair_for(ME))
+    connected = [_stranger() for _ in range(3)]
+    store.connected = lambda peer_id: peer_id in connected
+    for peer in connected:
+        store.add_protocols(peer, ["/volunteerd/rpc/1"])
+    for _ in range(40):
+        store.add_addrs(_stranger(), _addrs(1), 7200)
+        assert len(store.peer_data_map) <= 10
+    assert all(store.has_peer(peer) for peer in [OWN, *connected])

@@ -275,6 +275,7 @@ def build_host(
     swarm = host.get_network()
     if not isinstance(swarm, Swarm):  # new_host always builds a Swarm
         raise TypeError(f"unexpected network {type(swarm).__name__}")
+    peerstore.connected = lambda peer_id: bool(swarm.connections.get(peer_id))
     connections.install(swarm, per_address)
     if small_frames is not None:
         _pace_small_frames(swarm, small_frames, unpaced)

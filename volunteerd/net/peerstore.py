@@ -21,16 +21,25 @@ answer. So here:
   ``host.connect``, from the configuration, records or lookups) may also be a DNS name
   (a bootstrap peer's ``/dns4/...``), still at most ``MAX_ADDRS_PER_PEER``: a name a
   stranger claims is never resolved.
-* **This node's own entry** is never evicted (``_enforce_peer_limit``).
+* **Entries** are at most ``max_peers`` (1,000), however they came. py-libp2p checks
+  its bound only when an address is stored, and an identify (or identify-push) from a
+  peer that names no usable address stores its key and protocols without one: every
+  stranger that pushed an identify from a host listening nowhere left an entry for good
+  (200 of them, 201 entries past a bound of 50). Here any new entry checks the bound
+  (``_Entries``); past it, entries go down to nine tenths of it: expired ones first,
+  then those without addresses, then the oldest; never this node's own (its key pair:
+  without it identify fails and stops the node) nor a connected peer's (``connected``,
+  which the host sets; connections are bounded on their own).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from libp2p.peer.envelope import Envelope
 from libp2p.peer.id import ID
+from libp2p.peer.peerdata import PeerData
 from libp2p.peer.peerstore import PeerStore
 from multiaddr import Multiaddr
 
@@ -66,13 +75,33 @@ def usable_addr(addr: Multiaddr | str) -> bool:
     )
 
 
+class _Entries(dict[ID, PeerData]):
+    """The store's ``peer_data_map``: every py-libp2p method that makes an entry does it
+    with ``setdefault``, which here calls ``made`` once the new entry is in."""
+
+    def __init__(self, made: Callable[[ID], None]) -> None:
+        super().__init__()
+        self._made = made
+
+    def setdefault(self, key: ID, default: PeerData | None = None) -> PeerData:
+        if key in self:
+            return self[key]
+        entry = PeerData() if default is None else default
+        self[key] = entry
+        self._made(key)
+        return entry
+
+
 class NodePeerStore(PeerStore):
     """py-libp2p's ``PeerStore`` with the bounds of this module; ``own`` is this node's
-    peer id."""
+    peer id; ``max_peers`` (py-libp2p's attribute) is the most entries kept."""
 
     def __init__(self, own: ID) -> None:
         super().__init__()
         self._own = own
+        self.peer_data_map = _Entries(self._made)
+        self.connected: Callable[[ID], bool] = lambda peer_id: False
+        """Whether the node holds a connection to the peer: its entry is kept."""
 
     def add_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr], ttl: int = 0) -> None:
         """py-libp2p's ``add_addrs`` of those of ``addrs`` that are usable and fit in
@@ -114,16 +143,31 @@ class NodePeerStore(PeerStore):
         if kept:
             super().add_addrs(peer_id, kept, ttl)
 
-    def _enforce_peer_limit(self) -> None:
-        """py-libp2p's eviction, never of this node's own entry.
+    def _made(self, peer_id: ID) -> None:
+        if len(self.peer_data_map) > self.max_peers:
+            self._enforce_peer_limit()
 
-        Past ``max_peers`` (1,000) entries it evicts those without addresses first, and
-        this node's own entry (its key pair) has none: once a node had learnt of 1,000
-        peers, identify could no longer read its own public key, and the exception of
-        the next peer's identify stream stopped the whole node."""
-        own = self.peer_data_map.pop(self._own, None)
-        try:
-            super()._enforce_peer_limit()
-        finally:
-            if own is not None:
-                self.peer_data_map[self._own] = own
+    def _enforce_peer_limit(self) -> None:
+        """Down to nine tenths of ``max_peers`` entries (one pass serves the next tenth
+        of new ones): expired entries first, then those without addresses, then the
+        oldest; never this node's own nor a connected peer's.
+
+        py-libp2p's own eviction took entries without addresses first, and this node's
+        own entry (its key pair) has none: once a node had learnt of 1,000 peers,
+        identify could no longer read its own public key, and the exception of the next
+        peer's identify stream stopped the whole node."""
+        if len(self.peer_data_map) <= self.max_peers:
+            return
+        keep = self.max_peers - self.max_peers // 10
+        # dicts keep insertion order and sorted() is stable: the oldest first in each kind
+        candidates = sorted(
+            (
+                (peer_id, data)
+                for peer_id, data in self.peer_data_map.items()
+                if peer_id != self._own and not self.connected(peer_id)
+            ),
+            key=lambda item: (not item[1].is_expired(), bool(item[1].get_addrs())),
+        )
+        for peer_id, _ in candidates[: len(self.peer_data_map) - keep]:
+            self.peer_record_map.pop(peer_id, None)
+            del self.peer_data_map[peer_id]
