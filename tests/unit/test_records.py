@@ -152,6 +152,29 @@ def test_store_keeps_newest_record_per_peer_and_drops_expired() -> None:
     assert s.get("ffn.") == []
 
 
+def test_a_record_issued_past_the_tolerance_does_not_hold_its_slot_once_the_clock_is_set() -> None:
+    """A node two hours ahead stored its own records on its own clock; once the swarm's
+    time corrects it (net/swarm_clock.py), they are issued in the future and invalid:
+    no longer served, and its next records, issued earlier than them, replace them
+    (they were refused as stale until the future ones expired). A valid newer record
+    still wins over an older one."""
+    records_now = [NOW + 7200]
+    s = SignedRecordStore(
+        EXPERT_RECORDS, CONFIG, clock=lambda: NOW, record_clock=lambda: records_now[0]
+    )
+    me = Identity.generate()
+    assert s.put(make(me, children=[1], now=NOW + 7200))
+    records_now[0] = NOW  # the swarm's time, read from peers' records
+    assert s.get("ffn.") == []  # invalid now: not served
+    assert list(s.ranked("ffn.")) == []
+    assert s.put(make(me, children=[2], now=NOW))
+    assert [r.children for r in s.get("ffn.")] == [(2,)]
+    assert not s.put(make(me, children=[3], now=NOW - 1)), "older record must not win"
+    assert s.put(make(me, children=[4], now=NOW + 20))  # ahead, within the tolerance
+    assert not s.put(make(me, children=[5], now=NOW + 10)), "nor older than a tolerated one"
+    assert [r.children for r in s.get("ffn.")] == [(4,)]
+
+
 def test_store_refuses_forged_records() -> None:
     s = store([NOW])
     record = make(Identity.generate())

@@ -245,8 +245,13 @@ class SignedRecordStore(Generic[R]):
         per_key = self._keys.get(key)
         old = per_key.get(writer_id) if per_key else None
         if old is not None and old.record.issued_at >= record.issued_at:
-            # a repeat is fine; an older one is not stored
-            return None if old.record == record else "stale"
+            if old.record == record:
+                return None  # a repeat is fine
+            if not self._from_the_future(old.record):
+                return "stale"  # an older one is not stored
+            # The stored one is issued past the clock's tolerance: its writer's clock (or
+            # this node's, corrected since by net/swarm_clock.py) was ahead. It is no
+            # longer valid and does not hold the slot against the writer's next record.
         if self._spent(source, now):
             # Whatever else would refuse it, this record would need a check the source
             # has no budget for: refused before planning room for it.
@@ -270,6 +275,9 @@ class SignedRecordStore(Generic[R]):
             self._evicted += 1
         self._insert(entry, now)
         return None
+
+    def _from_the_future(self, record: R) -> bool:
+        return record.issued_at > self._record_clock() + self._config.max_clock_skew_s
 
     def _spent(self, source: Source | None, now: float) -> bool:
         """Whether ``source`` (its peer or its prefix) has no failed check left."""
@@ -528,7 +536,8 @@ class SignedRecordStore(Generic[R]):
 
     def get(self, key: str, writer: str | None = None) -> list[R]:
         """Unexpired records for ``key`` (only ``writer``'s when given), best-ranked
-        writers first: readers verify in this order."""
+        writers first: readers verify in this order. Records issued past the clock's
+        tolerance (stored before this node's clock was corrected) are left out."""
         per_key = self._keys.get(key)
         if not per_key:
             return []
@@ -542,12 +551,14 @@ class SignedRecordStore(Generic[R]):
         else:
             entries = list(per_key.values())
         entries.sort(key=lambda e: e.rank, reverse=True)
-        return [e.record for e in entries]
+        latest = now + self._config.max_clock_skew_s
+        return [e.record for e in entries if e.record.issued_at <= latest]
 
     def ranked(self, key: str, writer: str | None = None) -> Iterator[R]:
         """Like ``get``, lazily: unexpired records for ``key`` (only ``writer``'s when
-        given), best-ranked writers first, read one by one as the caller takes them
-        (expired ones are skipped, and left to ``expire``). A ``dht-find`` naming 64 keys
+        given; none issued past the clock's tolerance), best-ranked writers first, read
+        one by one as the caller takes them (expired ones are skipped, and left to
+        ``expire``). A ``dht-find`` naming 64 keys
         of 400 writers each cost ~14-25 ms of the event loop when every key was swept and
         sorted in full for a reply that holds ~120 records."""
         per_key = self._keys.get(key)
@@ -562,7 +573,10 @@ class SignedRecordStore(Generic[R]):
             entries = sorted(per_key.values(), key=lambda e: e.rank, reverse=True)
             self._ranked[key] = entries
         now = self._record_clock()
-        return (e.record for e in entries if e.record.expires_at > now)
+        latest = now + self._config.max_clock_skew_s
+        return (
+            e.record for e in entries if e.record.expires_at > now and e.record.issued_at <= latest
+        )
 
     def keys(self) -> Iterable[str]:
         return list(self._keys)
