@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import trio
 from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2 import transport as circuit_transport
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import StopMessage
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
@@ -23,11 +25,13 @@ from volunteerd.errors import RemoteError
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
 from volunteerd.net import Node, PeerAddress, Verb, open_node, reachability
+from volunteerd.net import dht as dht_module
 from volunteerd.net.background import BackgroundNode
 from volunteerd.net.dialback import DialBackReply, DialBackRequest
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.reachability import UpgradeStats
 from volunteerd.net.rpc import Reply, Request
+from volunteerd.net.swarm_clock import SwarmClock
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import TensorMeta
 from volunteerd.wire.messages import ForwardRequest, TensorReply
@@ -273,6 +277,57 @@ async def test_relayed_node_reserves_again_after_losing_its_relay_connection(
                     )
                 # Through the relay the requester's IP is not observed: nothing dialled.
                 assert reply == DialBackReply(reachable=None, dialled=0)
+
+
+class _SkewedTime:
+    """The ``time`` module as a computer whose wall clock is ``off`` seconds wrong sees it."""
+
+    def __init__(self, off: float) -> None:
+        self.off = off
+
+    def time(self) -> float:
+        return time.time() + self.off
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+@pytest.mark.parametrize("off", [2 * 3600.0, -2 * 3600.0], ids=["ahead", "behind"])
+async def test_a_relayed_node_whose_clock_is_hours_off_keeps_its_reservation(
+    off: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relay says when a reservation ends on its own wall clock. py-libp2p judged that on
+    the node's clock: 2 h ahead, it dropped the reservation as soon as it was made and
+    the node refused every circuit (an outside probe: 0 of 6 calls through the relay); 2
+    h behind, it would renew an hour after the relay had dropped it. The node now keeps
+    the reservation on the monotonic clock, and one whose end reads implausible is
+    renewed within 10 minutes."""
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.2)
+    caplog.set_level(logging.INFO, logger=reachability.__name__)
+    async with (
+        open_node(Identity.generate(), local_config(), relay=True) as boot,
+        open_peer(local_config(bootstrap=boot.multiaddrs)) as client,
+    ):
+        # only the relayed node's clock is off (py-libp2p's client side reads it too)
+        skewed = _SkewedTime(off)
+        monkeypatch.setattr(circuit_transport, "time", skewed)
+        monkeypatch.setattr(dht_module, "SwarmClock", lambda: SwarmClock(wall=skewed.time))
+        config = local_config(
+            bootstrap=boot.multiaddrs, reachability={"mode": "relay", "listen": False}
+        )
+        async with open_peer(config) as hidden:
+            assert hidden.reachability is not None
+            assert hidden.reachability.mode == "relayed"
+            for _ in range(3):
+                await trio.sleep(0.5)  # the node's checks of its relay run meanwhile
+                assert hidden.reachability.relaying.reserved_with(boot.host.get_id())
+                # through the relay (later perhaps over the direct connection that
+                # hole punching opens from there)
+                with trio.fail_after(10):
+                    await client.rpc.call(
+                        hidden.address, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
+                    )
+    assert "renewed in 600 s" in caplog.text
 
 
 async def _echo(request: Request) -> Reply:

@@ -197,6 +197,7 @@ async def open_node(
                     config.timeouts.connection_idle_s, 1.5 * config.timeouts.request_s
                 ),
                 limit_loopback=config.peer_limits.limit_loopback,
+                clock=dht.clock.now,
             )
             await nursery.start(relaying.serve)
             streams.connect_circuit = relaying.connect

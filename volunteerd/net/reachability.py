@@ -97,6 +97,11 @@ _DIALBACKS_AT_ONCE = 2  # a server dials back for at most this many requests at 
 _WATCH_ADDRS_S = 10.0
 _WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is connected
 _RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to live
+# A relay's reservation says when it ends on the relay's wall clock. A lifetime read on
+# this node's clock past this (or none left) means one of the clocks is wrong: the
+# reservation is then renewed after _UNSURE_RESERVATION_S.
+_LONGEST_RESERVATION_S = 2 * 3600.0
+_UNSURE_RESERVATION_S = 600.0
 
 Mode = Literal["direct", "relayed", "unreachable", "unknown"]
 
@@ -249,9 +254,13 @@ class Relaying:
         throttle: Throttle | None = None,
         circuit_idle_s: float = 30.0,
         limit_loopback: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._host = host
         self.hop = hop
+        self._clock = clock
+        # relay -> when this node's reservation on it ends, on the monotonic clock
+        self._reserved: dict[ID, float] = {}
         # The hop service's bounds, and relayed bytes through ``throttle``: net/relay.py.
         self._protocol = BoundedRelay(
             host,
@@ -268,9 +277,7 @@ class Relaying:
             host, self._protocol, RelayConfig(roles=RelayRole.STOP, limits=RELAY_LIMITS)
         )
         self._hole_punching = (
-            HolePunching(host, lambda: tuple(self._transport._reservations))
-            if hole_punching
-            else None
+            HolePunching(host, lambda: tuple(self._reserved)) if hole_punching else None
         )
         self._nursery: trio.Nursery | None = None
         # STOP streams refused: from a peer this node holds no reservation with.
@@ -298,7 +305,7 @@ class Relaying:
 
     async def _on_stop(self, stream: INetStream) -> None:
         relay = stream.muxed_conn.peer_id
-        if relay not in self._transport._reservations:
+        if not self.reserved_with(relay):
             self.refused_circuits += 1
             logger.debug("circuit from %s refused: no reservation with it", short(str(relay)))
             with contextlib.suppress(Exception):
@@ -314,15 +321,23 @@ class Relaying:
 
     def reserved_with(self, peer_id: ID) -> bool:
         """Whether this node holds a reservation on relay ``peer_id``."""
-        return peer_id in self._transport._reservations
+        return self._reserved.get(peer_id, 0.0) > time.monotonic()
 
     def upgrades(self) -> UpgradeStats:
         if self._hole_punching is None:
             return UpgradeStats(0, 0, None, None)
         return self._hole_punching.statistics()
 
-    async def reserve(self, relay: PeerAddress) -> int:
-        """Reserve a slot on ``relay``; returns the reservation's expiry (unix time).
+    async def reserve(self, relay: PeerAddress) -> float:
+        """Reserve a slot on ``relay``; returns the seconds the reservation lasts.
+
+        The relay says when it ends on its own wall clock. py-libp2p's reserve judged
+        that on this computer's and dropped the reservation at once when this clock was
+        ahead by more than its lifetime (an hour): every circuit to the node was refused
+        (an outside probe, a clock 2 h ahead: 0 of 6 calls through the relay), and
+        renewed it hours late when this clock was behind. Here the lifetime is read once
+        on ``clock`` (the swarm's time) and kept on the monotonic clock; one that reads
+        implausible (none, or over 2 h) counts as 10 min.
 
         Raises PeerUnreachable when the relay cannot be reached or refuses."""
         if self._nursery is None:
@@ -335,7 +350,7 @@ class Relaying:
         except Exception as exc:
             raise PeerUnreachable(f"relay {short(relay.peer_id)}: {exc}") from None
         try:
-            ok = await self._transport.reserve(stream, relay_id, self._nursery)
+            ok = await self._transport._make_reservation(stream, relay_id)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 try:
@@ -344,7 +359,21 @@ class Relaying:
                     pass
         if not ok:
             raise PeerUnreachable(f"relay {short(relay.peer_id)} refused a reservation")
-        return int(self._transport._reservations.get(relay_id, 0))
+        lasts = self._transport._reservations.pop(relay_id, 0) - self._clock()
+        if not 0 < lasts <= _LONGEST_RESERVATION_S:
+            logger.info(
+                "relay %s: its reservation ends %+.0f s from now by this computer's clock;"
+                " renewed in %.0f s",
+                short(relay.peer_id),
+                lasts,
+                _UNSURE_RESERVATION_S,
+            )
+            lasts = _UNSURE_RESERVATION_S
+        now = time.monotonic()
+        for other in [r for r, ends in self._reserved.items() if ends <= now]:
+            del self._reserved[other]
+        self._reserved[relay_id] = now + lasts
+        return lasts
 
     async def connect(self, peer: PeerAddress) -> None:
         """Connect to ``peer`` through the first of its circuit addresses that works,
@@ -414,7 +443,7 @@ class Reachability:
         self._direct: tuple[str, ...] = ()
         self._circuit: tuple[str, ...] = ()
         self._relay: PeerAddress | None = None
-        self._reserved_until = 0.0
+        self._renew_at = 0.0  # on the monotonic clock
         self._checked_at: float | None = None
         self._asked = 0
         self._observed: tuple[str, ...] = ()
@@ -620,12 +649,12 @@ class Reachability:
                 continue
             try:
                 with trio.fail_after(self._timeouts.connect_s * 2):
-                    expires = await self._relaying.reserve(relay)
+                    lasts = await self._relaying.reserve(relay)
             except (PeerUnreachable, trio.TooSlowError) as exc:
                 logger.info("relay %s: %s", short(relay.peer_id), exc or "timed out")
                 continue
             self._relay = relay
-            self._reserved_until = float(expires)
+            self._renew_at = time.monotonic() + lasts - _RENEW_BEFORE_S
             self._circuit = tuple(
                 f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}"
                 for a in relay.addrs
@@ -675,8 +704,7 @@ class Reachability:
                     else:
                         await self.check()
                 elif self._mode == "relayed" and (
-                    not self._relay_connected()
-                    or self._reserved_until - time.time() < _RENEW_BEFORE_S
+                    not self._relay_connected() or time.monotonic() >= self._renew_at
                 ):
                     await self._set_mode("relayed")
             except Exception:  # a failed round must not end the node: the next one retries
