@@ -486,7 +486,7 @@ class CheckpointConfig(_Model):
 
     enabled: bool = Field(True, description="load checkpoints on start and save them")
     every_s: float = Field(
-        60.0, gt=0, le=86400, description="how often experts whose weights changed are saved"
+        300.0, gt=0, le=86400, description="how often experts whose weights changed are saved"
     )
     keep: int = Field(
         2, ge=1, le=100, description="checkpoints kept per expert (older ones are deleted)"
