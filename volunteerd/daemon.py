@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from volunteerd import __version__
+from volunteerd.checkpoint_folders import OTHERS_KEPT, trim_others
 from volunteerd.config import Config
 from volunteerd.control.events import EventLog
 from volunteerd.control.server import bind_control, serve_control
@@ -209,6 +210,8 @@ class Daemon:
         # what downloads cut short long ago left (also after leaving the last project)
         await trio.to_thread.run_sync(sweep_downloads, paths.downloads_dir)
         hosting: Hosting | None = None
+        if not (projects or uids):  # what experts hosted before left (a project left)
+            await trio.to_thread.run_sync(trim_others, paths.checkpoints_dir, (), OTHERS_KEPT)
         if projects or uids:
             from volunteerd.hosting import prepare_hosting  # imports torch
 

@@ -5,6 +5,7 @@ joining or leaving through the control API restarting the daemon into the new se
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -231,3 +232,28 @@ async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path:
             with pytest.raises(ConfigError, match="config file"):
                 await running.controls.leave_project("tiny")
             assert not daemon.restart_requested
+
+
+async def test_a_daemon_that_left_its_projects_trims_the_checkpoints_they_left(
+    tmp_path: Path,
+) -> None:
+    """A daemon hosting nothing (its projects left) runs no checkpointer: at its start it
+    keeps the newest checkpoint of the experts saved last and deletes the rest."""
+    import torch
+
+    from volunteerd.checkpoint_folders import OTHERS_KEPT
+    from volunteerd.config import ExpertsConfig
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.experts.checkpoint_file import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "checkpoints")
+    gone = [f"ffn.9.{n}" for n in range(OTHERS_KEPT + 2)]
+    for n, uid in enumerate(gone):
+        state = ExpertBackend(uid, ExpertsConfig(hidden_dim=8), torch.device("cpu"), 64).state()
+        for _ in range(2):
+            path = store.save(state)
+            os.utime(path, (time.time() - 3600 + n,) * 2)
+    async with serving(daemon_config(), tmp_path, Identity.generate()) as (_, running, _):
+        assert running.hosting is None
+        kept = [len(store.files(uid)) for uid in gone]
+    assert kept == [0, 0] + [1] * OTHERS_KEPT

@@ -7,12 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import trio
 
+from volunteerd.checkpoint_folders import OTHERS_KEPT, trim_others
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import CheckpointConfig
 from volunteerd.experts import ExpertBackend, checkpoint_file, to_wire
@@ -525,3 +528,84 @@ def test_a_state_of_no_project_is_written_as_before_and_taken_by_any() -> None:
     b = backend()
     b.experiment = "12D3KooWownerB/proj-b"
     b.load_state(decode_checkpoint(b"".join(bytes(p) for p in encode_checkpoint(plain))))
+
+
+def _leave_checkpoints(store: CheckpointStore, uids: list[str], first_mtime: float) -> None:
+    """Two checkpoint files of each of ``uids`` (experts dropped since), the later
+    ones saved later: as a daemon whose experts moved away one after another left."""
+    for n, uid in enumerate(uids):
+        b = backend(uid=uid)
+        for _ in range(2):
+            path = store.save(b.state())
+            os.utime(path, (first_mtime + n, first_mtime + n))
+
+
+async def test_experts_no_longer_hosted_keep_their_newest_and_only_the_last_saved(
+    tmp_path: Path,
+) -> None:
+    """Nothing deleted the checkpoints of experts a daemon no longer hosts (moved to
+    another volunteer, of a project left): two files of every expert it ever hosted
+    stayed for good. After each round but the first (when the experts are added), those
+    keep their newest file, and only the ``OTHERS_KEPT`` saved last keep any; the hosted
+    experts keep ``keep``."""
+    experts = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "adam", "lr": 0.01})
+    runtime = ExpertRuntime(
+        [UID], experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+    saver = Checkpointer(runtime, tmp_path, CheckpointConfig(every_s=0.05, keep=2))
+    gone = [f"ffn.9.{n}" for n in range(OTHERS_KEPT + 3)]
+    _leave_checkpoints(saver.store, gone, first_mtime=time.time() - 3600)
+    for seed in range(2):
+        await runtime.with_expert(UID, lambda b, seed=seed: train(b, 1, seed=seed))
+        await saver.save_changed()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(saver.serve)
+        with trio.fail_after(10):
+            while saver.store.files(gone[0]):  # noqa: ASYNC110 - polling the disk
+                await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    assert len(saver.store.files(UID)) == 2
+    assert [len(saver.store.files(uid)) for uid in gone] == [0] * 3 + [1] * OTHERS_KEPT
+    folders = await trio.to_thread.run_sync(lambda: sorted(p.name for p in tmp_path.iterdir()))
+    assert folders == sorted([UID, *gone[3:]])  # the emptied ones removed
+
+
+def test_a_daemon_hosting_nothing_trims_what_its_experts_left(tmp_path: Path) -> None:
+    """A daemon that left its project hosts nothing and runs no checkpointer: it trims
+    at its start (``trim_others`` with nothing hosted), without torch."""
+    store = CheckpointStore(tmp_path)
+    gone = [f"ffn.9.{n}" for n in range(OTHERS_KEPT + 1)]
+    _leave_checkpoints(store, gone, first_mtime=time.time() - 3600)
+    deleted = trim_others(tmp_path, (), OTHERS_KEPT)
+    assert len(deleted) == 2 + OTHERS_KEPT
+    assert [len(store.files(uid)) for uid in gone] == [0] + [1] * OTHERS_KEPT
+
+
+async def test_the_disk_budget_takes_experts_no_longer_hosted_before_skipping_a_save(
+    tmp_path: Path,
+) -> None:
+    """Within a disk budget, only files that were not an expert's newest could go: the
+    newest checkpoints of experts dropped long ago filled it, and the hosted experts'
+    saves were skipped (an outside probe: 81 of 200). They go first now, the oldest
+    first."""
+    # large enough that a first save's estimate (its tensors and 64 KiB) is its size
+    experts = ExpertsConfig(hidden_dim=128, optimizer={"name": "adam", "lr": 0.01})
+    runtime = ExpertRuntime(
+        [UID], experts, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+    budget = [0]
+    saver = Checkpointer(
+        runtime, tmp_path, CheckpointConfig(keep=1), budget_bytes=lambda: budget[0]
+    )
+    gone = ["ffn.9.0", "ffn.9.1"]
+    for n, uid in enumerate(gone):
+        dropped = backend(hidden=128, uid=uid)
+        train(dropped, 1, seed=n)  # as large as the hosted one's: Adam's moments too
+        path = saver.store.save(dropped.state())
+        os.utime(path, (time.time() - 3600 + n, time.time() - 3600 + n))
+    size = saver.store.files(gone[0])[0].stat().st_size
+    budget[0] = 2 * size + size // 2  # the hosted expert's file and one other
+    await runtime.with_expert(UID, lambda b: train(b, 1, seed=0))
+    assert await saver.save_changed() == 1
+    assert [len(saver.store.files(uid)) for uid in [UID, *gone]] == [1, 0, 1]
+    assert saver.statistics().over_budget == 0

@@ -40,13 +40,12 @@ import hashlib
 import json
 import logging
 import os
-import re
 import stat
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -55,6 +54,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from volunteerd.atomic import fsync_dir
+from volunteerd.checkpoint_folders import SUFFIX, numbered, trim_others
 from volunteerd.errors import CheckpointError
 
 __all__ = [
@@ -73,9 +73,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"VCKPT\x00\x01\n"
 _PREFIX = struct.Struct("<8sI32s")
 _MAX_HEADER_BYTES = 4 << 20
-_SUFFIX = ".ckpt"
 _TEMP_SUFFIX = ".tmp"
-_NAME = re.compile(r"^(\d{1,12})\.ckpt$")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -400,26 +398,16 @@ class CheckpointStore:
     def _numbered(self, uid: str) -> list[tuple[int, Path, bool]]:
         """(sequence, path, whether a regular file) of every entry of ``uid``'s folder
         named like a checkpoint, newest first."""
-        folder = self._dir(uid)
-        try:
-            entries = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        numbered = []
-        for entry in entries:
-            match = _NAME.match(entry.name)
-            if match:
-                try:
-                    regular = entry.is_file(follow_symlinks=False)
-                except OSError:
-                    regular = False
-                numbered.append((int(match.group(1)), folder / entry.name, regular))
-        return sorted(numbered, reverse=True)
+        return numbered(self._dir(uid))
 
     def files(self, uid: str) -> list[Path]:
         """Complete checkpoint files of ``uid``, newest first: regular files only (a
         folder, a FIFO or a symlink of the name is not a checkpoint of ours)."""
         return [path for _, path, regular in self._numbered(uid) if regular]
+
+    def trim_others(self, hosted: Collection[str], keep_experts: int) -> list[Path]:
+        """``checkpoint_folders.trim_others`` here, each folder under its save lock."""
+        return trim_others(self.directory, hosted, keep_experts, locked=self._saving)
 
     def remove_temporaries(self) -> int:
         """Delete temporary files a crash left behind; returns how many."""
@@ -462,7 +450,7 @@ class CheckpointStore:
             sequence = next((n for n, _, regular in numbered if regular), 0) + 1
             while sequence in taken:  # a folder or a FIFO of that name: not ours
                 sequence += 1
-            path = folder / f"{sequence:012d}{_SUFFIX}"
+            path = folder / f"{sequence:012d}{SUFFIX}"
             # written, fsynced and read back before anything is deleted
             write_checkpoint(path, state)
             for old in existing[max(self.keep - 1, 0) :]:

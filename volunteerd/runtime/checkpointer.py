@@ -19,11 +19,18 @@ files stay, the refusal is logged and counted, and the same state is not tried a
 Steps that the runtime undid never reach a checkpoint: a step, its check and its undoing
 run in one turn of the worker, and the copy for a save is taken in another.
 
+The checkpoints of experts no longer hosted (dropped for a later rejoin, moved to
+another volunteer, of a project left) keep only their newest file, and only the
+``OTHERS_KEPT`` saved last keep any (``checkpoint_folders.trim_others``, after each
+round but the first, when whoever adds experts has added them; the daemon does it at a
+start that hosts nothing).
+
 The disk budget (``limits.disk_budget_gb``, read at every save) bounds what the
 checkpoints and the downloaded shards in the data folder take together. A save that
-would pass it first deletes older checkpoints (down to each expert's newest, the oldest
-first); one that still would not fit is skipped, with a warning (``on_warning``) and a
-count, and tried again at the next round: the disk never fills up with checkpoints.
+would pass it first deletes older checkpoints (the oldest first: every file but a
+hosted expert's newest, so those of experts no longer hosted too); one that still would
+not fit is skipped, with a warning (``on_warning``) and a count, and tried again at the
+next round: the disk never fills up with checkpoints.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from volunteerd.checkpoint_folders import OTHERS_KEPT
 from volunteerd.config import CheckpointConfig
 from volunteerd.errors import CheckpointError, UnknownExpert
 from volunteerd.experts import ExpertBackend
@@ -193,6 +201,8 @@ class Checkpointer:
         while True:
             await self.save_changed()
             await trio.sleep(self._config.every_s)
+            hosted = frozenset(self.runtime.uids)
+            await trio.to_thread.run_sync(self.store.trim_others, hosted, OTHERS_KEPT)
 
     async def save_changed(self) -> int:
         """Save every expert whose weights changed since its last save (or since it was
@@ -236,7 +246,8 @@ class Checkpointer:
         budget = self.budget_bytes()
         if budget <= 0:
             return await trio.to_thread.run_sync(self.store.save, state)
-        path = await trio.to_thread.run_sync(self._save_within, state, budget)
+        hosted = frozenset([*self.runtime.uids, state.uid])
+        path = await trio.to_thread.run_sync(self._save_within, state, budget, hosted)
         if path is None:
             self._over_budget += 1
             message = (
@@ -257,16 +268,17 @@ class Checkpointer:
             logger.info("checkpoints fit the disk budget again")
         return path
 
-    def _save_within(self, state: ExpertState, budget: int) -> Path | None:
+    def _save_within(self, state: ExpertState, budget: int, hosted: frozenset[str]) -> Path | None:
         """(Worker thread.) Save ``state`` within ``budget``, deleting older checkpoints
-        (the oldest first, never an expert's newest) before the save as far as needed,
-        and after it too (this expert's previous file, which is kept until the new one
-        is written). Returns None, deleting nothing, when even that would not fit."""
+        (the oldest first, never the newest of an expert in ``hosted``) before the save
+        as far as needed, and after it too (this expert's previous file, which is kept
+        until the new one is written). Returns None, deleting nothing, when even that
+        would not fit."""
         sizes = self._disk_usage()
         mine = self.store.files(state.uid)
         # the new file is about as large as the last one (first save: its tensors)
         size = sizes.get(mine[0], 0) if mine else _HEADER_SLACK + _tensor_bytes(state)
-        spare = self._spare_files()
+        spare = self._spare_files(hosted)
         total = sum(sizes.values())
         self._disk_bytes = total
         # what stays whatever is deleted: downloads, the other experts' newest, the new file
@@ -277,7 +289,7 @@ class Checkpointer:
         self._delete_spare(spare, sizes, total + size - budget)
         path = self.store.save(state)
         sizes = self._disk_usage()
-        self._delete_spare(self._spare_files(), sizes, sum(sizes.values()) - budget)
+        self._delete_spare(self._spare_files(hosted), sizes, sum(sizes.values()) - budget)
         self._disk_bytes = sum(self._disk_usage().values())
         return path
 
@@ -294,15 +306,17 @@ class Checkpointer:
         """(Worker thread.) The files the budget counts, with their sizes."""
         return _sizes(path for directory in self._counted for path in _files_under(directory))
 
-    def _spare_files(self) -> list[Path]:
-        """(Worker thread.) Checkpoints that are not their expert's newest, oldest first."""
+    def _spare_files(self, hosted: frozenset[str]) -> list[Path]:
+        """(Worker thread.) Checkpoints that are not the newest of an expert in
+        ``hosted``, oldest first."""
         directory = self.store.directory
         if not directory.is_dir():
             return []
         spare: list[tuple[float, Path]] = []
         for folder in directory.iterdir():
             if folder.is_dir():
-                for old in self.store.files(folder.name)[1:]:
+                files = self.store.files(folder.name)
+                for old in files[1:] if folder.name in hosted else files:
                     with contextlib.suppress(OSError):
                         spare.append((old.stat().st_mtime, old))
         return [path for _, path in sorted(spare)]

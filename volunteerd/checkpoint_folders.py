@@ -1,0 +1,98 @@
+"""The checkpoint folders on disk, without torch (a daemon hosting nothing tidies them
+too): ``<checkpoints>/<uid>/<sequence>.ckpt``, newest the highest sequence.
+
+``trim_others`` bounds what experts no longer hosted keep: dropped for a later rejoin,
+moved to another volunteer, or of a project left, each keeps only its newest file, and
+only the ``keep_experts`` saved last keep any. Nothing deleted them before: a daemon
+whose experts moved every few minutes gathered two files of every expert it ever hosted
+(an outside probe: 43 folders, 134 MB after 40 moves at hidden 128, ~200 MB a move at
+hidden 1024).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+__all__ = ["OTHERS_KEPT", "SUFFIX", "numbered", "trim_others"]
+
+logger = logging.getLogger(__name__)
+
+OTHERS_KEPT = 16
+"""Experts no longer hosted whose newest checkpoint is kept (the ones saved last)."""
+
+SUFFIX = ".ckpt"
+_NAME = re.compile(r"^(\d{1,12})\.ckpt$")
+
+
+def numbered(folder: Path) -> list[tuple[int, Path, bool]]:
+    """(sequence, path, whether a regular file) of every entry of ``folder`` named like a
+    checkpoint, newest first."""
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        match = _NAME.match(entry.name)
+        if match:
+            try:
+                regular = entry.is_file(follow_symlinks=False)
+            except OSError:
+                regular = False
+            found.append((int(match.group(1)), folder / entry.name, regular))
+    return sorted(found, reverse=True)
+
+
+def _files(folder: Path) -> list[Path]:
+    return [path for _, path, regular in numbered(folder) if regular]
+
+
+def trim_others(
+    directory: Path,
+    hosted: Collection[str],
+    keep_experts: int,
+    locked: Callable[[str], AbstractContextManager[object]] = lambda uid: contextlib.nullcontext(),
+) -> list[Path]:
+    """(Blocking.) Delete what the checkpoints of experts not in ``hosted`` hold beyond
+    each one's newest file, and all of those beyond the ``keep_experts`` saved last (by
+    their newest file); ``locked(uid)`` is held while a folder is trimmed (the store's
+    save lock). Returns the files deleted."""
+    if not directory.is_dir():
+        return []
+    others: list[tuple[float, str]] = []
+    for folder in directory.iterdir():
+        if folder.name in hosted or not folder.is_dir() or folder.is_symlink():
+            continue
+        files = _files(folder)
+        with contextlib.suppress(OSError):
+            if files:
+                others.append((files[0].stat().st_mtime, folder.name))
+    deleted: list[Path] = []
+    for rank, (_, uid) in enumerate(sorted(others, reverse=True)):
+        folder = directory / uid
+        with locked(uid):  # listed again: a save of it may have finished since
+            files = _files(folder)
+            for path in files[1:] if rank < keep_experts else files:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    logger.warning("%s: not deleted (%s)", path, exc)
+                    continue
+                deleted.append(path)
+            if rank >= keep_experts:
+                with contextlib.suppress(OSError):  # not empty: not only ours in it
+                    folder.rmdir()
+    if deleted:
+        logger.info(
+            "deleted %d checkpoint files of experts no longer hosted (the %d saved last "
+            "keep their newest)",
+            len(deleted),
+            keep_experts,
+        )
+    return deleted
