@@ -36,6 +36,7 @@ from volunteerd.checkpoint_folders import OTHERS_KEPT, trim_others
 from volunteerd.config import Config
 from volunteerd.control.events import EventLog
 from volunteerd.control.server import bind_control, serve_control
+from volunteerd.detached import OwnLogFile
 from volunteerd.identity import Identity, load_or_create_identity
 from volunteerd.net import Node, open_node
 from volunteerd.net.shard import sweep_downloads
@@ -264,6 +265,9 @@ class Daemon:
                         lambda: gate.reason if gate.closed else None
                     )
                 await serving.start(accountant.serve)
+                own_log = OwnLogFile.named()
+                if own_log is not None:  # started detached, or by launchd: bounded here
+                    serving.start_soon(_keep_bounded, own_log)
                 await serving.start(scheduler.serve)  # decides before the volunteer serves
                 if hosting is not None:
                     await hosting.start(serving, node, volunteer, projects)
@@ -353,3 +357,13 @@ def _unheard(hosting: Hosting | None) -> bool:
     """Whether the experts' last announcements reached no other peer."""
     announcer = hosting.announcer if hosting is not None else None
     return announcer is not None and announcer.unheard
+
+
+# How often the daemon's own log file is measured (``OwnLogFile``).
+_LOG_CHECK_S = 60.0
+
+
+async def _keep_bounded(log: OwnLogFile) -> None:
+    while True:
+        await trio.to_thread.run_sync(log.bound)
+        await trio.sleep(_LOG_CHECK_S)

@@ -25,6 +25,15 @@ Windows    below normal priority class     follows the priority class
 
 Linux keeps both per thread, and a thread inherits them from the thread that starts
 it: the daemon lowers them before it starts any.
+
+Its log stays bounded: a program started here (and the daemon's macOS LaunchAgent) is
+told which file its output goes to (``VOLUNTEERD_LOG_FILE``), and ``OwnLogFile`` keeps
+that file under ``LOG_MAX_BYTES`` (10 MiB) by copying it to ``<name>.1`` (the one older
+file kept) and emptying it, as logrotate's ``copytruncate`` does: whoever writes to it
+(the daemon's output, a tray) keeps its open file. Nothing rotated it: a stranger
+repeating a handful of bad requests grew it ~7 MB a day even with repeated lines
+summarised. Only a file opened for appending is emptied (POSIX; not on Windows, where
+the daemon runs under the Task Scheduler).
 """
 
 from __future__ import annotations
@@ -42,7 +51,10 @@ from pathlib import Path
 __all__ = [
     "IO_CLASS_BEST_EFFORT",
     "IO_LEVEL",
+    "LOG_FILE_VARIABLE",
+    "LOG_MAX_BYTES",
     "NICE",
+    "OwnLogFile",
     "config_variables",
     "io_priority",
     "lower_priority",
@@ -75,6 +87,9 @@ _IOPRIO_SYSCALLS = {
 _IOPRIO_WHO_PROCESS = 1
 _IOPRIO_CLASS_SHIFT = 13
 
+LOG_FILE_VARIABLE = "VOLUNTEERD_LOG_FILE"
+LOG_MAX_BYTES = 10 << 20
+
 # The prefix of the configuration's environment variables (volunteerd.config.loading
 # reads the same names; tests/unit/test_service_process.py checks that they agree).
 _PREFIX = "VOLUNTEERD_"
@@ -91,10 +106,11 @@ def start_detached(
     command: Sequence[str], log_file: Path, environment: Mapping[str, str]
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` in its own session with no terminal, its output appended to
-    ``log_file``, and this process's environment less its configuration variables plus
-    ``environment``. It outlives this process."""
+    ``log_file`` (named in its ``VOLUNTEERD_LOG_FILE``), and this process's environment
+    less its configuration variables plus ``environment``. It outlives this process."""
     env = {k: v for k, v in os.environ.items() if k not in config_variables(os.environ)}
     env.update(environment)
+    env[LOG_FILE_VARIABLE] = str(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     detach: dict[str, object] = {"start_new_session": True}
     if sys.platform == "win32":  # pragma: no cover - Windows uses Task Scheduler
@@ -181,3 +197,55 @@ def _darwin_io_policy() -> list[str]:  # pragma: no cover - macOS
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+class OwnLogFile:
+    """The file this process's output (descriptors 1 and 2) is appended to, kept under
+    ``max_bytes`` (see the module's docstring)."""
+
+    def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.older = path.with_name(path.name + ".1")
+
+    @classmethod
+    def named(cls, environ: Mapping[str, str] = os.environ) -> OwnLogFile | None:
+        """The file ``VOLUNTEERD_LOG_FILE`` names, if this process's error output is
+        appended to it; else None (a terminal, a journal, a file opened otherwise)."""
+        name = environ.get(LOG_FILE_VARIABLE)
+        if not name or sys.platform == "win32":
+            return None
+        try:
+            import fcntl
+
+            same = os.path.samestat(os.fstat(2), os.stat(name))
+            appending = bool(fcntl.fcntl(2, fcntl.F_GETFL) & os.O_APPEND)
+        except (OSError, ValueError):
+            return None
+        if not (same and appending):
+            logger.debug("%s is not where this process appends its output", name)
+            return None
+        return cls(Path(name))
+
+    def bound(self) -> bool:
+        """(Blocking.) Past ``max_bytes``, copy the file to ``<name>.1`` and empty it;
+        True when it did. A failure is logged and tried again at the next call."""
+        try:
+            if os.fstat(2).st_size <= self.max_bytes:
+                return False
+            sys.stdout.flush()
+            sys.stderr.flush()
+            copy = self.older.with_name(self.older.name + ".tmp")
+            shutil.copyfile(self.path, copy)
+            os.replace(copy, self.older)
+            os.ftruncate(2, 0)
+        except OSError as exc:
+            logger.warning("could not start %s afresh: %s", self.path, exc)
+            return False
+        logger.info(
+            "%s passed %d MiB: its lines so far are in %s",
+            self.path,
+            self.max_bytes >> 20,
+            self.older,
+        )
+        return True

@@ -201,19 +201,23 @@ def test_launch_agents_restart_the_daemon_after_a_crash_only(tmp_path: Path) -> 
     assert daemon["StandardOutPath"] == daemon["StandardErrorPath"] == str(logs / "daemon.log")
     assert daemon["ExitTimeOut"] == launch.stop_timeout_s
     assert daemon["ProcessType"] == "Standard"
-    assert "EnvironmentVariables" not in daemon
+    # the one file it appends its output to, which it keeps bounded (detached.OwnLogFile)
+    assert daemon["EnvironmentVariables"] == {"VOLUNTEERD_LOG_FILE": str(logs / "daemon.log")}
     tray = plistlib.loads(agents["org.volunteerd.tray.plist"])
     assert tray["Label"] == "org.volunteerd.tray"
     assert tray["ProgramArguments"][-2:] == ["tray", "--no-start"]  # launchd runs the daemon
     assert tray["ProcessType"] == "Interactive"
     assert tray["LimitLoadToSessionType"] == "Aqua"
     assert tray["StandardErrorPath"] == str(logs / "tray.log")
+    assert "EnvironmentVariables" not in tray
 
 
 def test_launch_agents_carry_the_chosen_locations() -> None:
     launch = Launch(argv=("/x",), config_file=AWKWARD, data_dir=Path("/d"), cache_dir=Path("/c"))
     for content in files("macos", launch).values():
-        assert plistlib.loads(content)["EnvironmentVariables"] == {
+        env = plistlib.loads(content)["EnvironmentVariables"]
+        env.pop("VOLUNTEERD_LOG_FILE", None)  # the daemon's
+        assert env == {
             "VOLUNTEERD_CONFIG": str(AWKWARD),
             "VOLUNTEERD_DATA_DIR": "/d",
             "VOLUNTEERD_CACHE_DIR": "/c",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from volunteerd.config import load_config
-from volunteerd.detached import config_variables, start_detached
+from volunteerd.detached import OwnLogFile, config_variables, start_detached
 from volunteerd.paths import Paths
 from volunteerd.service import process
 from volunteerd.service.install import Chosen, status
@@ -98,7 +98,38 @@ def test_a_detached_command_has_its_own_session_and_no_config_variables(
     assert earlier == "earlier"  # appended, not overwritten
     session, names = shown.split(" ", 1)
     assert int(session) == child.pid  # its own session: a Ctrl-C here does not reach it
-    assert names == "['VOLUNTEERD_CONFIG', 'VOLUNTEERD_DATA_DIR']"
+    # the file it appends to, which a daemon keeps bounded (OwnLogFile)
+    assert names == "['VOLUNTEERD_CONFIG', 'VOLUNTEERD_DATA_DIR', 'VOLUNTEERD_LOG_FILE']"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="appended files (POSIX)")
+def test_a_detached_daemons_log_file_is_kept_bounded_one_older_file_beside_it(
+    tmp_path: Path,
+) -> None:
+    """Nothing rotated a detached daemon's log: a stranger repeating a handful of bad
+    requests grew it ~7 MB a day. Past its bound the file is copied to ``<name>.1`` and
+    emptied; the process's output goes on into it."""
+    log = tmp_path / "daemon.log"
+    log.write_text("earlier\n")
+    script = (
+        "from volunteerd.detached import OwnLogFile\n"
+        "log = OwnLogFile.named()\n"
+        "log.max_bytes = 1000\n"
+        "print('x' * 2000, flush=True)\n"
+        "print('bounded', log.bound(), log.bound(), flush=True)\n"
+    )
+    child = start_detached([sys.executable, "-c", script], log, {})
+    assert child.wait(30) == 0
+    assert (tmp_path / "daemon.log.1").read_text() == "earlier\n" + "x" * 2000 + "\n"
+    assert log.read_text() == "bounded True False\n"  # appended at its new start
+
+
+def test_output_not_appended_to_the_named_file_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VOLUNTEERD_LOG_FILE", str(tmp_path / "daemon.log"))
+    (tmp_path / "daemon.log").write_text("not where this process writes\n")
+    assert OwnLogFile.named() is None
 
 
 def test_tray_pid_is_written_read_and_removed_only_by_its_owner(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Literal
 from xml.sax.saxutils import escape
 
 from volunteerd.config import TimeoutsConfig
-from volunteerd.detached import IO_LEVEL, NICE
+from volunteerd.detached import IO_LEVEL, LOG_FILE_VARIABLE, NICE
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR
 
 __all__ = [
@@ -268,6 +268,7 @@ def _desktop_quote(arg: str) -> str:
 def _launch_agent(launch: Launch, verb: str) -> bytes:
     daemon = verb == "serve"
     label = DAEMON_LABEL if daemon else TRAY_LABEL
+    log = launch.log_dir / ("daemon.log" if daemon else "tray.log")
     agent: dict[str, object] = {
         "Label": label,
         "ProgramArguments": launch.command(verb),
@@ -277,8 +278,8 @@ def _launch_agent(launch: Launch, verb: str) -> bytes:
         # spaces out the retries of a daemon whose configuration is invalid.
         "KeepAlive": {"SuccessfulExit": False},
         "ThrottleInterval": 60 if daemon else 10,
-        "StandardOutPath": str(launch.log_dir / ("daemon.log" if daemon else "tray.log")),
-        "StandardErrorPath": str(launch.log_dir / ("daemon.log" if daemon else "tray.log")),
+        "StandardOutPath": str(log),
+        "StandardErrorPath": str(log),
         # "Background" would confine the daemon to the efficiency cores and throttle its
         # I/O; the volunteer chose to give this compute, Nice keeps the desktop snappy.
         "ProcessType": "Standard" if daemon else "Interactive",
@@ -290,7 +291,8 @@ def _launch_agent(launch: Launch, verb: str) -> bytes:
         agent["ExitTimeOut"] = launch.stop_timeout_s
     else:
         agent["LimitLoadToSessionType"] = "Aqua"  # a logged-in desktop only
-    env = launch.environment()
+    # the daemon keeps the file launchd appends its output to bounded (detached.py)
+    env = {**launch.environment(), **({LOG_FILE_VARIABLE: str(log)} if daemon else {})}
     if env:
         agent["EnvironmentVariables"] = env
     text = plistlib.dumps(agent, sort_keys=True).decode()
