@@ -261,7 +261,9 @@ class Trainer:
         self._replicas = [_replica(model) for _ in range(self.in_flight)]
         self.version = 0  # updates made
         self.stale_dropped = 0
-        self._staleness: list[int] = []
+        # applied updates' staleness: how many, their sum and the largest (a list of them
+        # grew by one int a step for as long as a trainer ran)
+        self._stale_count = self._stale_sum = self._stale_max = 0
         # during run: replicas not in use, and each micro-batch's (step, index, replica)
         self._free: list[MoETransformerLM] = []
         self._futures: dict[Future[_Gradients], tuple[_Step, int, MoETransformerLM]] = {}
@@ -388,10 +390,8 @@ class Trainer:
             in_flight=self.in_flight,
             max_staleness=self.max_staleness,
             stale_dropped=self.stale_dropped,
-            mean_staleness=(
-                sum(self._staleness) / len(self._staleness) if self._staleness else 0.0
-            ),
-            max_staleness_seen=max(self._staleness, default=0),
+            mean_staleness=self._stale_sum / self._stale_count if self._stale_count else 0.0,
+            max_staleness_seen=self._stale_max,
             swarm_tokens_per_s=done * tokens_per_step / max(seconds, 1e-9),
             data_shard=self.data_shard,
             peer_id=self.peer_id,
@@ -452,7 +452,9 @@ class Trainer:
         if too_stale(self.version, step.version, self.max_staleness):
             self.stale_dropped += 1
             return None
-        self._staleness.append(staleness)
+        self._stale_count += 1
+        self._stale_sum += staleness
+        self._stale_max = max(self._stale_max, staleness)
         results = [r for r in step.results if r is not None]
         for i, p in enumerate(self._trained.values()):
             grads = [(w, g[i]) for w, (g, _) in zip(step.weights, results, strict=True)]
