@@ -7,7 +7,16 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "volunteerd"
 
-LEAVES = {"errors", "uids", "atomic", "detached", "bounded", "malloc", "shown"}
+LEAVES = {
+    "errors",
+    "uids",
+    "atomic",
+    "detached",
+    "bounded",
+    "malloc",
+    "shown",
+    "checkpoint_folders",
+}
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -17,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "bounded": set(),
     "malloc": set(),
     "shown": set(),
+    "checkpoint_folders": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),
@@ -109,6 +119,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 TORCH_FREE = {
     "atomic",
+    "checkpoint_folders",
     "bounded",
     "malloc",
     "detached",

@@ -536,6 +536,8 @@ def test_the_daemon_the_tray_starts_gets_its_locations_and_not_the_shells_settin
             ("VOLUNTEERD_CACHE_DIR", str(paths.cache_dir)),
             ("VOLUNTEERD_CONFIG", str(paths.config_file)),
             ("VOLUNTEERD_DATA_DIR", str(paths.data_dir)),
+            # the file it appends to, which it keeps bounded (detached.OwnLogFile)
+            ("VOLUNTEERD_LOG_FILE", str(paths.daemon_log_file)),
         ]
     )
 
