@@ -243,7 +243,11 @@ class Interrupted(VolunteerdError):
 
 
 class PeerError(VolunteerdError):
-    """A request to a peer failed; the peer may be fine for other requests."""
+    """A request to a peer failed; the peer may be fine for other requests. Its code
+    (``broken``: the stream closed or the reply was unusable) is this side's, never
+    sent; a ``RemoteError`` carries the peer's ("internal": a bug on its side)."""
+
+    code = "broken"
 
 
 class PeerUnreachable(PeerError):

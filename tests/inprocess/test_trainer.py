@@ -18,7 +18,7 @@ import torch
 import trio
 from torch import nn
 
-from volunteerd.errors import Busy, ModelDiverging, NoExpertsAvailable
+from volunteerd.errors import Busy, ModelDiverging, NoExpertsAvailable, VolunteerdError
 from volunteerd.moe import LocalMixtureOfExperts, OutputChecks, RemoteMixtureOfExperts
 from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE
 from volunteerd.moe.client import TrainerClient
@@ -491,3 +491,29 @@ async def test_a_trainer_whose_own_gradients_are_not_finite_is_told_it_diverged(
                 assert client.directory.banned == {}
 
             await in_thread(run)
+
+
+async def test_a_call_cut_off_by_a_crash_is_broken_and_a_servers_own_failure_internal() -> None:
+    """A call whose stream closed under it (its daemon killed mid-call) was counted as
+    "internal", the code a server sends for a bug of its own: a trainer churning through
+    killed daemons reported dozens of server bugs there were not. It is "broken"; a
+    server's own failure stays "internal"."""
+    async with open_world(CONFIG) as world:
+        a = await world.add_server(GRID)
+        b = await world.add_server(GRID)
+        async with world.open_trainer() as client:
+            await offered(client, 2)
+            moe = layer(client, k_best=4, k_min=4)  # every row calls all four experts
+            b.faults.fault = Fault(delay_s=60.0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(in_thread, lambda: steps(moe, 1))
+                with trio.fail_after(30):
+                    while not b.faults.faulty_replies:  # noqa: ASYNC110 - polling
+                        await trio.sleep(0.01)
+                await b.stop()  # crashes with calls under way
+            assert moe.stats.failures["broken"] >= 1
+            assert "internal" not in moe.stats.failures
+            a.faults.fault = Fault(refuse=VolunteerdError("a bug on the server"))
+            with pytest.raises(NoExpertsAvailable):
+                await in_thread(lambda: steps(moe, 1))
+            assert moe.stats.failures["internal"] >= 1

@@ -117,7 +117,8 @@ class MoEStats:
     bans_held_back: int = 0
     # routes that found no expert alive in the cache and looked the DHT up again
     lookups_again: int = 0
-    # calls that got no answer, by error code (busy, timeout, rejected, ...)
+    # calls that got no answer, by error code: the peer's (busy, rejected, internal, ...)
+    # or this side's (unreachable, timeout, broken: its stream closed mid-call, ...)
     failures: Counter[str] = field(default_factory=Counter)
     unanswered_tokens: int = 0
     by_uid: dict[str, list[int]] = field(default_factory=dict)
