@@ -296,3 +296,31 @@ async def test_stale_pooled_streams_go_together_on_the_next_call_to_anyone(
         took = await forward(client, servers[20])
         assert client.pooled_streams() == 1
         assert took < 3.0
+
+
+async def test_pooled_streams_a_client_forgets_are_closed_by_its_next_call(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``forget`` (a peer believed gone, or now reached directly) dropped its pooled
+    streams unclosed: they stayed open on both sides for as long as the connection lived
+    on. The next call, to anyone, closes them."""
+    network = MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        client_host = await stack.enter_async_context(network.open_host())
+        servers = [await stack.enter_async_context(network.open_host()) for _ in range(2)]
+        for host in servers:
+            RpcServer(
+                host, {Verb.FORWARD: answer_tiny}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+            ).install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        stack.push_async_callback(client.aclose)
+
+        def open_to(host: MemoryHost) -> int:
+            return sum(s.remote_peer_id == host.peer_id for s in client_host._streams)
+
+        await forward(client, servers[0])
+        assert open_to(servers[0]) == 1  # pooled
+        client.forget(servers[0].peer_id)
+        assert client.pooled_streams() == 0
+        await forward(client, servers[1])
+        assert open_to(servers[0]) == 0

@@ -471,6 +471,8 @@ class RpcClient:
         self._max_idle = max_idle_per_peer
         self._idle: dict[tuple[str, Verb], list[_Pooled]] = {}
         self._swept = 0.0  # when expired pooled streams were last dropped (trio time)
+        # pooled streams ``forget`` dropped, closed by the next call's sweep
+        self._forgotten: list[Stream] = []
         self._reply_adapters: dict[Verb, TypeAdapter[Any]] = {}
         # peer -> calls in a row that timed out or opened no stream (see _silent)
         self._silences: OrderedDict[str, int] = OrderedDict()
@@ -714,6 +716,9 @@ class RpcClient:
         session, buffers) after the connection closed: a node calls many peers over
         weeks, most never again (DHT lookups), and dropped only the stream it took
         next, so every peer it ever called stayed with it."""
+        if self._forgotten:
+            forgotten, self._forgotten = self._forgotten, []
+            await _close_all(forgotten)
         now = trio.current_time()
         if now - self._swept < self._timeouts.pool_idle_s / 2:
             return
@@ -767,12 +772,16 @@ class RpcClient:
 
     async def aclose(self) -> None:
         pools, self._idle = list(self._idle.values()), {}
-        await _close_all([pooled.stream for pool in pools for pooled in pool])
+        forgotten, self._forgotten = self._forgotten, []
+        await _close_all([*forgotten, *(pooled.stream for pool in pools for pooled in pool)])
 
     def forget(self, peer_id: str) -> None:
-        """Drop pooled streams to a peer we believe is gone."""
+        """Drop pooled streams to a peer we believe is gone (or now reach directly);
+        the next call closes them. Dropped unclosed, they stayed open on a connection
+        that lived on (a peer slow, not gone; a relayed one after a direct one opened)
+        until it closed, on both sides."""
         for key in [k for k in self._idle if k[0] == peer_id]:
-            del self._idle[key]
+            self._forgotten.extend(pooled.stream for pooled in self._idle.pop(key))
 
 
 # Error codes after which the server closes the stream: do not pool it.
