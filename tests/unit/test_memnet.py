@@ -267,6 +267,23 @@ async def test_tensors_survive_the_trip(autojump_clock: trio.abc.Clock) -> None:
         await client.aclose()
 
 
+async def _client_and_servers(
+    stack: AsyncExitStack, count: int
+) -> tuple[MemoryHost, RpcClient, list[MemoryHost]]:
+    """A client's host and RpcClient, and ``count`` hosts answering forwards, on one
+    memory network, closed with ``stack``."""
+    network = MemoryNetwork()
+    client_host = await stack.enter_async_context(network.open_host())
+    servers = [await stack.enter_async_context(network.open_host()) for _ in range(count)]
+    for host in servers:
+        RpcServer(
+            host, {Verb.FORWARD: answer_tiny}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+        ).install()
+    client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+    stack.push_async_callback(client.aclose)
+    return client_host, client, servers
+
+
 async def test_stale_pooled_streams_go_together_on_the_next_call_to_anyone(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,16 +291,8 @@ async def test_stale_pooled_streams_go_together_on_the_next_call_to_anyone(
     ``pool_idle_s`` are closed on its next call to any peer, all at once: twenty peers
     whose close never completes cost that call about a second (each close's own limit),
     not twenty."""
-    network = MemoryNetwork()
     async with AsyncExitStack() as stack:
-        client_host = await stack.enter_async_context(network.open_host())
-        servers = [await stack.enter_async_context(network.open_host()) for _ in range(21)]
-        for host in servers:
-            RpcServer(
-                host, {Verb.FORWARD: answer_tiny}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
-            ).install()
-        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
-        stack.push_async_callback(client.aclose)
+        _, client, servers = await _client_and_servers(stack, 21)
         for host in servers[:20]:
             await forward(client, host)
         assert client.pooled_streams() == 20
@@ -304,16 +313,8 @@ async def test_pooled_streams_a_client_forgets_are_closed_by_its_next_call(
     """``forget`` (a peer believed gone, or now reached directly) dropped its pooled
     streams unclosed: they stayed open on both sides for as long as the connection lived
     on. The next call, to anyone, closes them."""
-    network = MemoryNetwork()
     async with AsyncExitStack() as stack:
-        client_host = await stack.enter_async_context(network.open_host())
-        servers = [await stack.enter_async_context(network.open_host()) for _ in range(2)]
-        for host in servers:
-            RpcServer(
-                host, {Verb.FORWARD: answer_tiny}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
-            ).install()
-        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
-        stack.push_async_callback(client.aclose)
+        client_host, client, servers = await _client_and_servers(stack, 2)
 
         def open_to(host: MemoryHost) -> int:
             return sum(s.remote_peer_id == host.peer_id for s in client_host._streams)
