@@ -257,3 +257,31 @@ async def test_a_daemon_that_left_its_projects_trims_the_checkpoints_they_left(
         assert running.hosting is None
         kept = [len(store.files(uid)) for uid in gone]
     assert kept == [0, 0] + [1] * OTHERS_KEPT
+
+
+async def test_publishing_from_a_computer_whose_clock_is_fast_says_to_check_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every peer refuses a manifest issued more than 30 s ahead of its clock: an owner
+    whose clock was 2 h fast read only "no peer stored the manifest", as if the network
+    had failed."""
+    import types
+
+    from volunteerd.errors import ResourceUnavailable
+    from volunteerd.swarm import manifest as manifest_module
+    from volunteerd.swarm.publish import publish_manifest
+
+    path = tmp_path / "experiment.toml"
+    path.write_text(
+        'name = "fast"\ndescription = "a test"\nowner_name = "a lab"\nhidden_dim = 16\n'
+        'uid_prefix = "ffn"\ngrid = [2, 2]\nreplication = 1\nlifetime_days = 1\n'
+    )
+    async with open_peer(local_config()) as boot:
+        config = local_config(bootstrap=boot.multiaddrs)
+        fast = types.SimpleNamespace(time=lambda: time.time() + 7200)
+        monkeypatch.setattr(manifest_module, "time", fast)
+        with pytest.raises(ResourceUnavailable, match="is this computer's clock right"):
+            await publish_manifest(config, Identity.generate(), path)
+        monkeypatch.setattr(manifest_module, "time", time)
+        published = await publish_manifest(config, Identity.generate(), path)
+        assert published.acks >= 1

@@ -78,6 +78,12 @@ async def publish_manifest(config: Config, owner: Identity, path: Path) -> Publi
         # This node is about to leave: only the copies on other peers count.
         acks -= int(bool(node.dht.manifests.get(manifest.name)))
     if acks < 1:
-        raise ResourceUnavailable(f"no peer stored the manifest of {manifest.name!r}")
+        # The likeliest cause this side can name: peers check a manifest's times on their
+        # own clocks, and this one would read only that nobody stored it.
+        raise ResourceUnavailable(
+            f"no peer stored the manifest of {manifest.name!r}; peers refuse a manifest "
+            f"issued more than {config.dht.max_clock_skew_s:g} s ahead of their clocks: "
+            "is this computer's clock right?"
+        )
     logger.info("stored manifest %r on %d peers", manifest.name, acks)
     return Published(manifest, acks, invitation, left_out)
