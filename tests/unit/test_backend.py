@@ -558,3 +558,22 @@ def test_a_state_of_more_updates_than_any_expert_makes_is_refused() -> None:
             b.load_state(state)
     state.updates = backend_module.MAX_UPDATES
     b.load_state(state)
+
+
+def test_a_count_of_the_most_a_state_may_say_stays_storable_after_steps() -> None:
+    # A replica may say 2**53 updates; the newcomer's next step made 2**53 + 1, and
+    # every checkpoint of the expert (and every download from it) was refused after.
+    from volunteerd.experts.checkpoint_file import decode_checkpoint, encode_checkpoint
+
+    state = cheap_backend("adam").state()
+    state.updates = backend_module.MAX_UPDATES
+    b = cheap_backend("adam")
+    b.load_state(state, moments=False)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        honest_gradients([b], generator)
+        assert b.step().undone is None
+    assert b.updates == backend_module.MAX_UPDATES
+    again = decode_checkpoint(b"".join(encode_checkpoint(b.state())))
+    assert again.updates == backend_module.MAX_UPDATES
+    assert all(torch.equal(again.params[n], v) for n, v in b.state().params.items())

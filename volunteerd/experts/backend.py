@@ -512,7 +512,10 @@ class ExpertBackend:
         # None, not zeros: the next backward writes its gradients into fresh buffers
         # instead of adding to zeroed ones (one pass over the weights fewer per step).
         self.optimizer.zero_grad(set_to_none=True)
-        if outcome.undone is None:
+        # The count stops at the most a checkpoint or a replica's state may say: a
+        # replica's 2**53, taken as it was, made the next step's 2**53 + 1, which no save
+        # and no download could carry any more (every save refused, the expert lost).
+        if outcome.undone is None and self.updates < MAX_UPDATES:
             self.updates += 1
 
     # State for checkpoints and replicas. Like the compute calls, these run on the
