@@ -127,7 +127,13 @@ class Hosting:
             volunteer.gate.held = stale
             set_uids(self.hosted)
 
-        self.averager = ReplicaAverager(self.runtime, replicas, config.replicas, on_stale=hold)
+        self.averager = ReplicaAverager(
+            self.runtime,
+            replicas,
+            config.replicas,
+            on_stale=hold,
+            lookup_s=config.timeouts.dht_lookup_s,
+        )
         self.checkpointer.budget_bytes = lambda: round(volunteer.limits.disk_budget_gb * 1e9)
         set_uids(set(self.runtime.uids))  # experts.uids (none while in a project)
         if node.reachability is not None:  # moved to or from a relay: re-announce

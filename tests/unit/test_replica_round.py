@@ -197,6 +197,43 @@ async def test_a_round_ends_by_its_deadline_and_experts_left_out_go_first_next(
     assert averager.statistics().rejected == {"timeout": 8}
 
 
+class SlowLookups(Swarm):
+    """A DHT lookup that takes ``LOOKUP_TAKES_S`` (a real one takes up to
+    ``timeouts.dht_lookup_s``)."""
+
+    async def replicas(self, uid: str) -> list[str]:
+        await trio.sleep(LOOKUP_TAKES_S)
+        return await super().replicas(uid)
+
+
+LOOKUP_TAKES_S = 1.0
+
+
+async def test_a_silent_replica_is_dropped_when_rounds_come_faster_than_a_fetch_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Rounds every second, an expert whose fetch bound is longer: a round lasts one
+    fetch bound, and its fetches began after the lookup, so the silent replica was cut
+    by the round's deadline, never by its own bound: never counted nor backed off, it
+    held every round for its whole length. The round now leaves room for the lookup."""
+    runtime = runtime_of(1)
+    swarm = SlowLookups(runtime)
+    averager = ReplicaAverager(
+        runtime,
+        swarm,
+        ReplicasConfig(average_every_s=1.0),
+        clock=trio.current_time,
+        lookup_s=2 * LOOKUP_TAKES_S,
+    )
+    bound = averaging.fetch_bound_s(expert_bytes(runtime))
+    assert bound > 1.0
+    assert await timed_round(averager) == (round(LOOKUP_TAKES_S + bound, 3), 1)
+    stats = averager.statistics()
+    assert stats.rejected == {"timeout": 1}
+    assert all(averager._failed[p][1] == 1 for p in swarm.listed[runtime.uids[0]])
+    assert averager.round_s(expert_bytes(runtime)) == 2 * LOOKUP_TAKES_S + bound
+
+
 async def test_a_peer_that_fails_for_several_experts_of_a_round_backs_off_once(
     autojump_clock: trio.abc.Clock,
 ) -> None:

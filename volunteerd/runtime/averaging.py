@@ -172,10 +172,12 @@ class ReplicaAverager:
         *,
         awake_clock: Callable[[], float] = awake_time,
         on_stale: Callable[[frozenset[str]], None] = lambda stale: None,
+        lookup_s: float = 0.0,
     ) -> None:
         self.runtime = runtime
         self.source = source
         self._config = config
+        self._lookup_s = lookup_s  # the most ``source.replicas`` takes
         self._rng = rng or random.Random()
         self._clock = clock
         self._counts = _Counters()
@@ -304,8 +306,12 @@ class ReplicaAverager:
 
     def round_s(self, largest_bytes: int) -> float:
         """How long a round may take at most, with experts of ``largest_bytes``
-        parameter bytes at most: ``average_every_s``, or one fetch of the largest."""
-        return max(self._config.average_every_s, fetch_bound_s(largest_bytes))
+        parameter bytes at most: ``average_every_s``, or one lookup and one fetch of the
+        largest. The lookup counts: a fetch begins after it, and one still under way at
+        the round's deadline is cut uncounted, so with a round of one fetch bound a
+        replica that stalled mid-reply was never dropped as "timeout" nor backed off,
+        and held every round for its whole length (an outside probe)."""
+        return max(self._config.average_every_s, self._lookup_s + fetch_bound_s(largest_bytes))
 
     async def average(self, uid: str, *, deadline: float = math.inf) -> int:
         """Average ``uid`` with its replicas once; returns how many replicas went in.
