@@ -26,6 +26,7 @@ from volunteerd.moe.layer import LATE_STREAK_BAN, REFUSAL_STREAK_BAN
 from volunteerd.testing import local_config
 from volunteerd.testing.faulty import (
     Fault,
+    empty_but_vast,
     int64_min,
     nan,
     noise,
@@ -311,6 +312,37 @@ LIES: dict[str, tuple[Fault, str]] = {
     "int64_outputs": (Fault(outputs=int64_min), BAD_SHAPE),
     "int64_gradients": (Fault(gradients=int64_min), BAD_SHAPE),
 }
+
+
+@pytest.mark.parametrize("answer", ["outputs", "gradients"])
+async def test_an_answer_no_tensor_can_have_is_a_failed_call_never_a_broken_step(
+    answer: str,
+) -> None:
+    """A server answers with a tensor of no bytes whose shape is (0, 2**31, ..., 2**31):
+    every size check passed, and torch.empty's RuntimeError (its strides overflow)
+    escaped every step of the trainer, the honest replica beside it unused (an outside
+    probe). Such a reply header is malformed: one failed call, the liar left alone for a
+    while, the step done with the honest replica."""
+    async with open_world(CONFIG) as world:
+        honest = await world.add_server(GRID)
+        liar = await world.add_server(GRID)
+        liar.faults.fault = Fault(**{answer: empty_but_vast})
+        async with world.open_trainer() as client:
+            await offered(client, 2)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client)
+                steps(moe, 4)
+                assert liar.faults.faulty_replies >= 1
+                failed = moe.stats.forward_failed + moe.stats.backward_failed
+                assert failed == liar.faults.faulty_replies, moe.stats
+                lied = liar.faults.faulty_replies
+                steps(moe, 3)
+                assert liar.faults.faulty_replies == lied  # not chosen again meanwhile
+                assert served(honest) > 0
+
+            await in_thread(run)
 
 
 @pytest.mark.parametrize("lie", list(LIES))

@@ -338,8 +338,9 @@ def test_more_tensors_than_the_cap_are_refused_before_the_body_is_split() -> Non
 
 
 def test_huge_declared_tensor_shapes_allocate_nothing() -> None:
-    meta = TensorMeta(dtype="int64", shape=(1 << 31,) * 8)  # 2**251 bytes, on paper
-    frame = encode_frame(ForwardRequest(uid="ffn.0.0", tensors=[meta]), [b"\0" * 8])
+    # 2**251 bytes on paper: a sender writes it; no TensorMeta here would hold it
+    meta = TensorMeta.model_construct(dtype="int64", shape=(1 << 31,) * 8)
+    frame = encode_frame(ForwardRequest.model_construct(uid="ffn.0.0", tensors=[meta]), [b"\0" * 8])
     (reply,) = assert_typed(serve(frame).written)
     assert reply["code"] == "malformed"
 

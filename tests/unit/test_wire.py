@@ -201,3 +201,21 @@ def test_headers_are_strict_about_types(header: dict[str, object]) -> None:
         decode_header(ForwardRequest, json.dumps(header).encode())
     good = {"uid": "ffn.0.0", "tensors": [{"dtype": "float32", "shape": [2, 64]}], "retain": True}
     assert decode_header(ForwardRequest, json.dumps(good).encode()).retain is True
+
+
+VAST_EMPTY = (0, *(2**31,) * 7)  # no values; strides past int64
+
+
+def test_a_shape_torch_cannot_make_is_malformed_even_of_no_bytes() -> None:
+    """(0, 2**31, ..., 2**31) takes no bytes and passed every size check; torch.empty
+    then raised its own RuntimeError (strides overflow) out of a trainer's step."""
+    lie = TensorMeta.model_construct(dtype="float32", shape=VAST_EMPTY)
+    frame = encode_frame(ForwardRequest.model_construct(uid="ffn.0.0", tensors=[lie]))
+    with pytest.raises(MalformedFrame, match="more values than any tensor"):
+        decode(frame)
+    # an empty batch of an honest width stays a tensor
+    empty = split_body([TensorMeta(dtype="float32", shape=(0, 512))], memoryview(b""))[0]
+    assert from_wire(empty).shape == (0, 512)
+    # a descriptor made without the wire's checks: MalformedFrame, never torch's error
+    with pytest.raises(MalformedFrame, match="shape"):
+        from_wire(split_body([lie], memoryview(b""))[0])

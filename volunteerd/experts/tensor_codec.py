@@ -62,13 +62,18 @@ def from_wire(tensor: WireTensor, device: torch.device | str = "cpu") -> torch.T
             f"a {tensor.dtype} tensor of shape {tensor.shape} takes {expected} bytes, "
             f"not {tensor.data.nbytes}"
         )
-    if tensor.dtype == "q8":
-        out = _dequantize(tensor)
-    elif tensor.data.nbytes == 0:
-        out = torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype])
-    else:
-        out = torch.frombuffer(_writable(tensor.data), dtype=TORCH_DTYPES[tensor.dtype])
-        out = out.reshape(tensor.shape)
+    try:
+        if tensor.dtype == "q8":
+            out = _dequantize(tensor)
+        elif tensor.data.nbytes == 0:
+            out = torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype])
+        else:
+            out = torch.frombuffer(_writable(tensor.data), dtype=TORCH_DTYPES[tensor.dtype])
+            out = out.reshape(tensor.shape)
+    except (RuntimeError, ValueError, OverflowError) as exc:
+        # A shape torch cannot make, even of no bytes (its strides overflow): a
+        # descriptor checked on the wire (TensorMeta) never is one; one made here may be.
+        raise MalformedFrame(f"a {tensor.dtype} tensor of shape {tensor.shape}: {exc}") from exc
     return out.to(device) if torch.device(device).type != "cpu" else out
 
 

@@ -39,9 +39,11 @@ from volunteerd.wire import (
 
 __all__ = [
     "HONEST",
+    "Described",
     "Fault",
     "Faults",
     "TensorFault",
+    "empty_but_vast",
     "int64_min",
     "nan",
     "noise",
@@ -50,9 +52,20 @@ __all__ = [
     "wider",
 ]
 
-TensorFault = Callable[[torch.Tensor], torch.Tensor]
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """An answer's tensor as a hostile server writes it: a descriptor sent as it is,
+    unchecked (``TensorMeta.model_construct``), and its bytes."""
+
+    meta: TensorMeta
+    data: bytes
+
+
+TensorFault = Callable[[torch.Tensor], "torch.Tensor | Described"]
 """Turns an honest floating-point tensor (as float32) into the answer sent; the header
-describes what it returns (another shape makes a malformed answer)."""
+describes what it returns (another shape makes a malformed answer), or the fault
+describes it itself (``Described``)."""
 
 
 def nan(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,6 +87,13 @@ def one_row_short(tensor: torch.Tensor) -> torch.Tensor:
 def wider(tensor: torch.Tensor) -> torch.Tensor:
     """The honest answer with its last column repeated once (another hidden size)."""
     return torch.cat([tensor, tensor[..., -1:]], dim=-1)
+
+
+def empty_but_vast(tensor: torch.Tensor) -> Described:
+    """No bytes, described as a shape of (0, 2**31, ..., 2**31): zero values, and a
+    shape whose strides overflow torch's int64 (torch.empty raised its own error)."""
+    shape = (0, *(2**31,) * 7)
+    return Described(TensorMeta.model_construct(dtype="float32", shape=shape), b"")
 
 
 def scaled_by(factor: float) -> TensorFault:
@@ -195,6 +215,10 @@ def _apply_all(
         if tensor.dtype in FLOAT_DTYPES:
             honest = from_wire(tensor)
             attacked = attack(honest.float())
+            if isinstance(attacked, Described):
+                metas.append(attacked.meta)
+                datas.append(attacked.data)
+                continue
             # a floating-point answer goes back in the honest dtype; another as it is
             meta, data = to_wire(
                 attacked.to(honest.dtype) if attacked.is_floating_point() else attacked

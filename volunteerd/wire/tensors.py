@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from volunteerd.errors import BadDtype, BadShape, FrameTooLarge, MalformedFrame
 
@@ -59,6 +59,11 @@ FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}
 MAX_NDIM = 8
 MAX_DIM = 1 << 31
+# The most values the dimensions of a shape may make, its zero dimensions left out:
+# far more than any frame carries, and torch's strides (int64) still exact. A tensor of
+# (0, 2**31, ..., 2**31) takes no bytes and passed every size check, then torch.empty
+# overflowed computing its strides (a RuntimeError out of a trainer's step).
+MAX_SPAN = 1 << 48
 # Values per q8 block: a 4-byte scale per 64 values is 6 % on top of the codes, and a
 # block small enough that one outlier coarsens only its 63 neighbours.
 Q8_BLOCK = 64
@@ -82,6 +87,12 @@ class TensorMeta(BaseModel):
 
     dtype: WireDType
     shape: Annotated[tuple[Dim, ...], Field(max_length=MAX_NDIM)]
+
+    @model_validator(mode="after")
+    def _spans_what_torch_can_make(self) -> TensorMeta:
+        if math.prod(d for d in self.shape if d) > MAX_SPAN:
+            raise ValueError(f"shape {list(self.shape)}: more values than any tensor has")
+        return self
 
     @property
     def numel(self) -> int:
