@@ -24,7 +24,8 @@ a failure it can repeat.
 What a line shows is escaped (``_escaped``): a message can carry a peer's text (an error
 reply, a manifest's fault), and an ESC, a line break or a bidi override in it would act on
 the terminal or forge a line of the log rather than be read. A traceback keeps its own
-line breaks; its exceptions' messages are escaped like the rest.
+line breaks; its exceptions' messages are escaped like the rest. A line, and an
+exception's message, shows at most ``_MAX_LINE`` characters and says how many more.
 
 ``volunteerd.net`` calls ``tame_third_party()`` as soon as it has imported py-libp2p
 (every entry point and every library use goes through it); ``configure_logging`` calls
@@ -51,6 +52,11 @@ _BURST = 3
 _OWN_BURST = 10  # volunteerd's own: kinds are coarser (a message before its arguments)
 _WINDOW_S = 60.0
 _MAX_KEYS = 512
+# The most characters of one line (and of an exception's message in a traceback), after
+# escaping: a stranger's text in a refusal (a header key of 65,000 characters, six times
+# longer once escaped) made lines of 130 KB, 1.1 GB of log a day from one request every
+# 5 s, past any limit on the number of lines (an outside probe).
+_MAX_LINE = 2000
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
 
 
@@ -165,9 +171,9 @@ class _NotingFormatter(logging.Formatter):
     a traceback), and escapes what the line shows (``_escaped``): one record, one line."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
+        line = _capped(escaped(super().formatMessage(record)))
         note = getattr(record, "volunteerd_repeats", None)
-        return escaped(f"{line} ({note})" if note else line)
+        return f"{line} ({escaped(note)})" if note else line
 
     def formatException(self, ei: _ExcInfo) -> str:
         """The traceback with its own line breaks, but each exception's message (which
@@ -181,13 +187,21 @@ class _NotingFormatter(logging.Formatter):
                 message = str(error)
             except Exception:  # traceback shows "<exception str() failed>"
                 message = ""
-            if message and escaped(message) != message:
-                text = text.replace(message, escaped(message))
+            shown = _capped(escaped(message))
+            if message and shown != message:
+                text = text.replace(message, shown)
             error = error.__cause__ or error.__context__
         return escaped(text, keep="\n")
 
     def formatStack(self, stack_info: str) -> str:
         return escaped(stack_info, keep="\n")
+
+
+def _capped(text: str) -> str:
+    """``text``, or its first ``_MAX_LINE`` characters and how many more there were."""
+    if len(text) <= _MAX_LINE:
+        return text
+    return f"{text[:_MAX_LINE]}… ({len(text) - _MAX_LINE} more characters not shown)"
 
 
 _ROUTED = _Routed()

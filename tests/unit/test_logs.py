@@ -4,6 +4,7 @@ DEBUG, in a program that never configures logging too; repeated lines are summar
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from volunteerd import logs
+from volunteerd.errors import MalformedFrame
+from volunteerd.shown import escaped
+from volunteerd.wire import InfoRequest, decode_header
 
 DHT_LOGGER = "libp2p.kad_dht.kad_dht"
 MESSAGE = "Failed to read DHT message from stream: %s"
@@ -250,3 +254,37 @@ def test_the_daemons_log_shows_one_line_per_record_whatever_it_quotes() -> None:
         "volunteerd.daemon: forged \\u202edaolnwod"
     )
     assert "third party: \\x1b]0;PWNED" in lines[1]
+
+
+@pytest.mark.parametrize("key", ["k" * 65_000, "\u200b" * 21_700])
+def test_a_strangers_long_text_makes_one_bounded_line(key: str) -> None:
+    """An unknown header key of 65,000 characters (or 21,700 zero-width spaces, six
+    times longer escaped) went into the log whole, 130 KB a line: 1.1 GB a day from one
+    request every 5 s (an outside probe). A line shows 2,000 characters and how many
+    more there were; an exception's message in a traceback too."""
+    formatter = logs._NotingFormatter("%(levelname)s %(name)s: %(message)s")
+    record = logging.LogRecord(
+        "volunteerd.net.rpc", logging.INFO, __file__, 1, "refused: %s", (key,), None
+    )
+    record.volunteerd_repeats = "3 more like this in the last minute not shown"
+    line = formatter.format(record)
+    assert len(line) < 2200
+    assert line.startswith("INFO volunteerd.net.rpc: refused: " + escaped(key)[:100])
+    assert line.endswith(
+        " more characters not shown) (3 more like this in the last minute not shown)"
+    )
+    try:
+        raise RuntimeError(key)
+    except RuntimeError as error:
+        exc_info = (type(error), error, error.__traceback__)
+    record = logging.LogRecord("volunteerd.x", logging.ERROR, __file__, 1, "failed", None, exc_info)
+    text = formatter.format(record)
+    assert len(text) < 3000
+    assert text.splitlines()[-1].startswith("RuntimeError: " + escaped(key)[:100])
+
+
+def test_a_header_refusal_quotes_a_strangers_key_briefly() -> None:
+    with pytest.raises(MalformedFrame) as refused:
+        decode_header(InfoRequest, json.dumps({"uid": "ffn.0.0", "k" * 65_000: 1}).encode())
+    assert len(str(refused.value)) < 500
+    assert "kkkk" in str(refused.value)

@@ -89,7 +89,18 @@ def decode_header(model: type[M], raw: bytes | bytearray | memoryview) -> M:
         return model.model_validate_json(bytes(raw), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise MalformedFrame(f"bad {model.__name__} header: {where}: {first['msg']}") from None
+        # A key is the sender's text (an unknown one of 65,000 characters went into the
+        # log whole): its start says which well enough.
+        where = ".".join(_cut(str(p), _SHOWN_KEY) for p in first["loc"]) or "header"
+        message = f"bad {model.__name__} header: {where}: {first['msg']}"
+        raise MalformedFrame(_cut(message, _SHOWN_MESSAGE)) from None
     except ValueError as exc:  # e.g. undecodable text, should pydantic not wrap it
-        raise MalformedFrame(f"bad {model.__name__} header: {exc}") from None
+        raise MalformedFrame(_cut(f"bad {model.__name__} header: {exc}", _SHOWN_MESSAGE)) from None
+
+
+_SHOWN_KEY = 64  # characters of a header key a refusal quotes
+_SHOWN_MESSAGE = 400  # characters of a refusal of a header
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else f"{text[:most]}…"
