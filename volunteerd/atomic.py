@@ -6,16 +6,72 @@ disk. Used for the pause state, run-time limits, the transfer count and checkpoi
 Each write has its own temporary file: two writers of one target (two requests of the
 control API at once) used to share one name, so their bytes mixed in one file and the
 second rename failed. The last rename wins; a write that fails leaves no temporary file.
+
+And reading such small files back (``read_small``): whatever stands at their name, a
+FIFO, a link to ``/dev/zero`` or to a drive not mounted. Read plainly, a FIFO at
+``state.json`` or ``identity.key`` held the daemon at start for good, a link to
+``/dev/zero`` read until memory ran out, and a link to nothing read as "no file": a
+daemon silently out of its projects, on default settings (an outside probe).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_atomic"]
+__all__ = ["STATE_MAX_BYTES", "DanglingLink", "fsync_dir", "read_small", "write_atomic"]
+
+# The most read of a small JSON file of ours (the pause state, the transfer count, the
+# control file, a download's sidecar): each is well under 1 KiB; a damaged one of up to
+# a MiB is still read, found damaged and moved aside for a look.
+STATE_MAX_BYTES = 1 << 20
+
+
+class DanglingLink(OSError):
+    """A link to nothing where a file should be: not "no file" (FileNotFoundError), which
+    would start afresh behind it (a drive not mounted yet)."""
+
+
+def read_small(path: Path, max_bytes: int, *, links: bool = True) -> bytes:
+    """The bytes of the regular file at ``path``. Raises FileNotFoundError when there is
+    none, DanglingLink for a link to nothing, and OSError, with a ``strerror`` to show,
+    for anything else: a folder, a FIFO or a device (opened without waiting and never
+    read), more than ``max_bytes``, a link when ``links`` is false, no permission."""
+    if not links and path.is_symlink():
+        raise OSError(errno.ELOOP, f"a link to {os.readlink(path)}, not a file", str(path))
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    if not links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise DanglingLink(
+                errno.ENOENT, f"a link to {os.readlink(path)}, which does not exist", str(path)
+            ) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = b""
+        while len(data) <= max_bytes and (chunk := os.read(fd, max_bytes + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than {_size(max_bytes)}", str(path))
+    return data
+
+
+def _size(n: int) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} bytes"
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import appdirs
 
-from volunteerd.atomic import write_atomic
+from volunteerd.atomic import read_small, write_atomic
 
 APP_NAME = "volunteerd"
 ENV_CONFIG = "VOLUNTEERD_CONFIG"
@@ -148,7 +148,7 @@ class Paths:
     def read_tray_pid(self) -> int | None:
         """The pid ``tray_pid_file`` names, or None (no file, or not a pid)."""
         try:
-            return int(self.tray_pid_file.read_text().strip())
+            return int(read_small(self.tray_pid_file, 4096).strip())
         except (OSError, ValueError):
             return None
 

@@ -81,10 +81,12 @@ def load_config(
     """
     data: dict[str, Any] = {}
     sources: dict[tuple[str, ...], str] = {}
-    if path is not None and path.exists():
+    # A link to nothing is no missing file: read, it is an error naming the link (it
+    # meant default settings, silently, for a config on a drive not mounted).
+    if path is not None and (path.exists() or path.is_symlink()):
         try:
             data = read_toml(path)
-        except FileNotFoundError:  # gone since exists(): a dangling link, say
+        except FileNotFoundError:  # gone since exists()
             raise ConfigError(f"{path}: cannot read: it is gone") from None
         data = migrate(data, f"file {path}")
         _record_sources(data, (), f"file {path}", sources)
@@ -207,7 +209,10 @@ def _apply_overlay(
         return
     values = overlay.get(section)
     if set(overlay) - {section} or not isinstance(values, dict):
-        raise ConfigError(f"{path}: may hold only a [{section}] section")
+        raise ConfigError(
+            f"{path}: may hold only a [{section}] section: fix it, or delete it to use "
+            "the config file's settings"
+        )
     for key, value in values.items():
         _set_path(data, (section, key), value, f"file {path}", sources)
 

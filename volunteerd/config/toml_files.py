@@ -10,12 +10,11 @@ tracebacks: a damaged ``limits.toml`` reloaded on SIGHUP stopped the daemon.
 
 from __future__ import annotations
 
-import os
-import stat
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from volunteerd.atomic import read_small
 from volunteerd.errors import ConfigError
 
 __all__ = ["parse_toml", "read_toml"]
@@ -32,24 +31,15 @@ def read_toml(path: Path) -> dict[str, Any]:
     """The TOML file at ``path``. Raises FileNotFoundError when there is none (the
     caller decides what that means) and ConfigError, naming the file, for anything
     else: text that is not TOML or not UTF-8, a folder, a FIFO or device (opened
-    without waiting, never read: a FIFO nobody writes to would block forever), more
-    than ``MAX_BYTES``, no permission."""
+    without waiting, never read: a FIFO nobody writes to would block forever), a link
+    to nothing (read as "no file", a daemon left its projects silently), more than
+    ``MAX_BYTES``, no permission."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        data = read_small(path, MAX_BYTES)
     except FileNotFoundError:
         raise
-    except OSError as exc:
+    except OSError as exc:  # a link to nothing too: not "no file" (a drive not mounted)
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ConfigError(f"{path}: not a regular file")
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(data) > MAX_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_BYTES // 2**20} MiB: not a TOML file of ours")
     try:
         return tomllib.loads(data.decode())
     except _NOT_TOML as exc:

@@ -16,12 +16,15 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 from pathlib import Path
+
+from volunteerd.atomic import read_small
 
 __all__ = [
     "MAX_CHALLENGE_CHARS",
@@ -35,17 +38,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_CHALLENGE_CHARS = 128
+_MAX_TOKEN_FILE = 4096  # a token file holds ~44 characters
 
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
 def load_or_create_token(path: Path) -> str:
     """The API token in ``path``; created (0600) if missing, empty or not a token (bytes
-    that are not visible ASCII: a damaged file, logged). Raises OSError if ``path``
-    cannot be read or written (e.g. it is a folder)."""
+    that are not visible ASCII, a link, a FIFO or a device: logged). Raises OSError if
+    ``path`` cannot be read or written (e.g. it is a folder)."""
     try:
-        raw = path.read_bytes().strip()
+        # Not through a link: one to another file gave that file's text as the token
+        # and tightened that file's mode (an outside probe: /etc/hostname made 0600).
+        raw = read_small(path, _MAX_TOKEN_FILE, links=False).strip()
     except FileNotFoundError:
+        raw = b""
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EINVAL, errno.EFBIG):
+            raise  # no permission: nothing to replace
+        # a link, a FIFO, a device, a huge file: replaced by a file with a new token
+        # (a folder is refused by the rename below)
+        logger.warning("%s is not a token file (%s): making a new one", path, exc.strerror)
         raw = b""
     if raw:
         token = raw.decode("ascii", errors="replace")

@@ -33,6 +33,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
+from volunteerd.atomic import STATE_MAX_BYTES, read_small
 from volunteerd.control.auth import is_token_text, prove
 from volunteerd.control.models import (
     API_PREFIX,
@@ -72,7 +73,7 @@ def read_endpoint(control_file: Path, token_file: Path) -> Endpoint:
         f"volunteerd is not running (no {control_file}); start it with `volunteerd serve`"
     )
     try:
-        data: Any = json.loads(control_file.read_text())
+        data: Any = json.loads(read_small(control_file, STATE_MAX_BYTES))
         url, pid = str(data["url"]), data.get("pid")
         _address(url)  # a damaged address is a damaged file
     except FileNotFoundError:
@@ -88,7 +89,7 @@ def read_endpoint(control_file: Path, token_file: Path) -> Endpoint:
             "start it with `volunteerd serve`"
         )
     try:
-        token = token_file.read_bytes().strip().decode("ascii")
+        token = read_small(token_file, 4096).strip().decode("ascii")
     except OSError as exc:
         raise ControlError(f"cannot read the API token in {token_file}: {exc}") from None
     except UnicodeDecodeError:

@@ -18,7 +18,7 @@ import nacl.exceptions
 import nacl.signing
 from nacl.bindings import crypto_core_ed25519_is_valid_point
 
-from volunteerd.atomic import fsync_dir
+from volunteerd.atomic import DanglingLink, fsync_dir, read_small
 from volunteerd.errors import IdentityError
 
 __all__ = ["SEED_BYTES", "Identity", "load_or_create_identity", "verify_signature"]
@@ -73,14 +73,24 @@ def load_or_create_identity(path: Path) -> Identity:
     file that is not a key.
     """
     try:
-        raw = path.read_bytes()
+        raw = read_small(path, _MAX_KEY_FILE)
     except FileNotFoundError:
         return _create(path)
-    except OSError as exc:
-        raise IdentityError(f"cannot read key file {path}: {exc.strerror}") from None
+    except DanglingLink:
+        raise _dangling(path) from None
+    except OSError as exc:  # a folder, a FIFO, a device, a huge file, no permission
+        raise IdentityError(f"cannot read key file {path}: {exc.strerror}{_WHAT_TO_DO}") from None
     if len(raw) not in (SEED_BYTES, 2 * SEED_BYTES):
         raise IdentityError(
-            f"{path} is not a volunteerd key file ({len(raw)} bytes; expected {SEED_BYTES})"
+            f"{path} is not a volunteerd key file ({len(raw)} bytes; expected "
+            f"{SEED_BYTES}){_WHAT_TO_DO}"
+        )
+    # The 64-byte form is the seed and its public key: one whose second half is not
+    # (64 random bytes) started silently as another peer.
+    if len(raw) == 2 * SEED_BYTES and Identity(raw[:SEED_BYTES]).public_key != raw[SEED_BYTES:]:
+        raise IdentityError(
+            f"{path} is not a volunteerd key file (its public key does not match its "
+            f"seed){_WHAT_TO_DO}"
         )
     if os.name == "posix":
         mode = stat.S_IMODE(path.stat().st_mode)
@@ -88,6 +98,20 @@ def load_or_create_identity(path: Path) -> Identity:
             logger.warning("key file %s had mode %o; setting it to 600", path, mode)
             path.chmod(0o600)
     return Identity(raw[:SEED_BYTES])
+
+
+_MAX_KEY_FILE = 4096  # a key file holds 32 or 64 bytes
+_WHAT_TO_DO = (
+    ": restore it from a copy, or move it away to start as a new peer (a new identity, "
+    "unknown to the swarm)"
+)
+
+
+def _dangling(path: Path) -> IdentityError:
+    return IdentityError(
+        f"key file {path} links to {os.readlink(path)}, which does not exist: "
+        "restore it, or remove the link to start a new identity"
+    )
 
 
 def _create(path: Path) -> Identity:
@@ -108,10 +132,7 @@ def _create(path: Path) -> Identity:
         if path.is_symlink() and not path.exists():
             # Not a race but a link to nothing (a key on a drive not mounted?): making a
             # new identity behind it would be wrong, and trying again looped for ever.
-            raise IdentityError(
-                f"key file {path} links to {os.readlink(path)}, which does not exist: "
-                "restore it, or remove the link to start a new identity"
-            ) from None
+            raise _dangling(path) from None
         return load_or_create_identity(path)
     except OSError:
         os.replace(tmp, path)  # filesystems without hard links

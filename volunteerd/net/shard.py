@@ -42,7 +42,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from volunteerd.atomic import fsync_dir, write_atomic
+from volunteerd.atomic import STATE_MAX_BYTES, fsync_dir, read_small, write_atomic
 from volunteerd.errors import (
     Busy,
     MalformedFrame,
@@ -711,7 +711,7 @@ class _Partial:
     def resume(self) -> None:
         """Take up the bytes an earlier call left, if the sidecar vouches for them."""
         try:
-            side = _Sidecar.model_validate_json(self.sidecar.read_bytes())
+            side = _Sidecar.model_validate_json(read_small(self.sidecar, STATE_MAX_BYTES))
             size = self.path.stat().st_size
         except (OSError, ValidationError, ValueError):
             self.reset()

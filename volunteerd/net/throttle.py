@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
-from volunteerd.atomic import write_atomic
+from volunteerd.atomic import STATE_MAX_BYTES, read_small, write_atomic
 from volunteerd.config import LimitsConfig
 from volunteerd.net.transport import Stream
 
@@ -156,13 +156,13 @@ class TransferLedger:
 
     def _load(self, path: Path) -> None:
         try:
-            data: Any = json.loads(path.read_text())
+            data: Any = json.loads(read_small(path, STATE_MAX_BYTES))
             month, up, down = data["month"], int(data["bytes_up"]), int(data["bytes_down"])
             # files written before the daily count have no day: today counts from zero
             day, day_bytes = data.get("day"), int(data.get("day_bytes", 0))
         except FileNotFoundError:
             return
-        except OSError as exc:  # a folder, no permission: nothing to keep a copy of
+        except OSError as exc:  # a folder, a FIFO, a link to nothing: nothing to keep
             logger.warning("%s is unreadable (%s); counting this month from zero", path, exc)
             return
         except (

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from volunteerd import __version__
+from volunteerd.atomic import read_small
 from volunteerd.config import ExpertsConfig, HardwareConfig, RuntimeConfig
 from volunteerd.experts.backend import make_optimizer
 from volunteerd.experts.registry import EXPERT_TYPES, build_module
@@ -256,7 +257,7 @@ def _sync(device: torch.device) -> None:
 
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_small(path, 2**20))
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}

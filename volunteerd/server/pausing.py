@@ -55,8 +55,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 from pydantic import ValidationError
 
-from volunteerd.atomic import write_atomic
+from volunteerd.atomic import STATE_MAX_BYTES, read_small, write_atomic
 from volunteerd.config import LimitsConfig, run_time_changes, updated_overlay_toml
+from volunteerd.config.toml_files import MAX_BYTES as TOML_MAX_BYTES
 from volunteerd.config.words import changes_in_words
 from volunteerd.control.events import EventSink
 from volunteerd.control.models import MAX_SNOOZE_S
@@ -263,7 +264,7 @@ class Volunteer:
         if self._state_file is None:
             return
         try:
-            data: Any = json.loads(self._state_file.read_text())
+            data: Any = json.loads(read_small(self._state_file, STATE_MAX_BYTES))
             paused, until = data["paused"], data.get("until")
             if not isinstance(paused, bool):  # bool("no") is True
                 raise ValueError(f"paused is {paused!r}, not true or false")
@@ -277,7 +278,7 @@ class Volunteer:
                 raise ValueError(f"a snooze until {until!r}")
         except FileNotFoundError:
             return
-        except OSError as exc:  # a folder, no permission: nothing to keep a copy of
+        except OSError as exc:  # a folder, a FIFO, a link to nothing: nothing to keep
             logger.warning("%s is unreadable (%s); starting unpaused", self._state_file, exc)
             return
         except (ValueError, KeyError, TypeError, ArithmeticError, RecursionError) as exc:
@@ -614,7 +615,7 @@ class Volunteer:
         if self._limits_file is None:
             return None
         try:
-            return self._limits_file.read_bytes()
+            return read_small(self._limits_file, TOML_MAX_BYTES)
         except OSError:
             return None
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from volunteerd.atomic import STATE_MAX_BYTES, read_small
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import (
     ControlError,
@@ -161,7 +162,7 @@ def _wait_gone(control_file: Path, pid: int | None, timeout_s: float) -> bool:
 
 def _recorded_pid(control_file: Path) -> int | None:
     try:
-        pid = json.loads(control_file.read_text()).get("pid")
+        pid = json.loads(read_small(control_file, STATE_MAX_BYTES)).get("pid")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return pid if isinstance(pid, int) else None
