@@ -422,6 +422,33 @@ async def test_a_damaged_stats_file_is_moved_aside(tmp_path: Path) -> None:
     assert kept, os.listdir(data)
 
 
+async def test_status_answers_while_the_stats_file_cannot_be_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A query of the stats file failing (here a disk error) made every status a 500:
+    ``volunteerd status``, the dashboard and the tray got nothing for the whole run."""
+    import sqlite3
+
+    def disk_error(*args: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    async with (
+        open_peer(local_config()) as boot,
+        open_daemon(config_for(boot), tmp_path / "a") as daemon,
+    ):
+        assert daemon.controls is not None
+        store = daemon.controls._accountant.store
+        store.record("ffn.0.0", forward=1, samples=3)  # counted, not written yet
+        store.totals = disk_error  # type: ignore[method-assign]
+        client = client_of(daemon, tmp_path / "a")
+        for _ in range(2):
+            assert (await call(client.status)).today.samples == 3
+        del store.totals
+    failed = [r for r in caplog.records if "could not read the statistics" in r.getMessage()]
+    assert [r.exc_info for r in failed] == [None, None]
+    assert "GET /api/v1/status failed" not in caplog.text
+
+
 def strict_json(text: str | bytes) -> Any:
     """Parse as a browser would: Infinity and NaN are not JSON."""
 

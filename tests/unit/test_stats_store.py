@@ -204,3 +204,128 @@ def test_a_stats_file_that_cannot_be_written_for_now_is_kept_not_moved_aside(
     again = StatsStore.open(path, keep_hourly_days=7)
     assert again.totals().work.forward == 3
     again.close()
+
+
+def test_a_stats_file_whose_tables_have_other_columns_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real SQLite file with ``work(x)`` and ``uptime(x)`` was kept: every flush and
+    every status request failed for the whole run, and nothing was written."""
+    import sqlite3
+
+    from volunteerd.server.contribution import open_stats
+
+    path = tmp_path / "stats.sqlite3"
+    other = sqlite3.connect(path)
+    other.executescript(
+        "CREATE TABLE work (x); CREATE TABLE uptime (x); INSERT INTO work VALUES (7)"
+    )
+    other.close()
+    store = open_stats(path, keep_hourly_days=7)
+    store.record("ffn.0.0", forward=2, samples=4)
+    store.tick(1.5, paused=False)
+    store.flush()
+    assert store.roll_up() == 0
+    assert store.current().work.forward == 2
+    store.close()
+    [aside] = tmp_path.glob("stats.sqlite3.unreadable-*[0-9]")
+    assert "table work has the columns (x)" in caplog.text
+    assert f"moved to {aside}" in caplog.text
+    kept = sqlite3.connect(aside)  # moved, not deleted
+    assert kept.execute("SELECT x FROM work").fetchall() == [(7,)]
+    kept.close()
+
+
+def test_a_stats_file_with_our_tables_and_others_besides_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "stats.sqlite3"
+    store = StatsStore.open(path, keep_hourly_days=7)
+    store.record("ffn.0.0", forward=3)
+    store._db.execute("CREATE TABLE notes (text)")  # a curious volunteer's
+    store.close()
+    again = StatsStore.open(path, keep_hourly_days=7)
+    assert again.totals().work.forward == 3
+    again.close()
+
+
+def test_a_stats_file_emptied_to_0_bytes_is_moved_aside_with_its_wal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite takes an empty file for a new database and deletes its WAL: an audit
+    truncated the file and the totals restarted from zero with no log line."""
+    import shutil
+
+    from volunteerd.server.contribution import open_stats
+
+    running = StatsStore.open(tmp_path / "running.sqlite3", keep_hourly_days=7)
+    running.record("ffn.0.0", forward=5)
+    running.flush()  # in the WAL: a running daemon's files, copied as they are
+    path = tmp_path / "stats.sqlite3"
+    for extra in ("", "-wal", "-shm"):
+        shutil.copyfile(tmp_path / f"running.sqlite3{extra}", tmp_path / f"stats.sqlite3{extra}")
+    running.close()
+    wal = (tmp_path / "stats.sqlite3-wal").read_bytes()
+    path.write_bytes(b"")
+    store = open_stats(path, keep_hourly_days=7)
+    assert store.current().work.forward == 0
+    store.close()
+    [aside] = tmp_path.glob("stats.sqlite3.unreadable-*[0-9]")
+    assert aside.with_name(aside.name + "-wal").read_bytes() == wal
+    assert "is unreadable (it is empty: 0 bytes)" in caplog.text
+
+
+def test_a_failed_flush_logs_one_line_not_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk logged a 13-line traceback at every flush (every 5 s), where every
+    other failed write of the daemon logs one line."""
+    import sqlite3
+
+    from volunteerd.config import Config, LimitsConfig
+    from volunteerd.net import Throttle
+    from volunteerd.server.contribution import Accountant
+
+    def full(*args: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7)
+    counts = Accountant(store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True)
+    store._write = full  # type: ignore[method-assign]
+    for _ in range(2):
+        store.record("ffn.0.0", forward=1)
+        counts._flush()
+    failed = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.exc_info for r in failed] == [None, None]
+    assert "could not write the statistics (database or disk is full)" in failed[0].getMessage()
+    assert store.totals().work.forward == 0  # not written: the counts wait in memory
+    assert store.pending().work.forward == 2
+    del store._write
+    store.close()
+
+
+def test_status_counts_what_is_in_memory_when_the_file_cannot_be_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A query of the file failing made every ``GET /status`` a 500: ``volunteerd
+    status``, the dashboard and the tray saw nothing for the whole run."""
+    import sqlite3
+
+    from volunteerd.config import Config, LimitsConfig
+    from volunteerd.net import Throttle
+    from volunteerd.server.contribution import Accountant
+
+    def broken(*args: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7)
+    counts = Accountant(store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True)
+    store.record("ffn.0.0", forward=4, samples=8)
+    store.flush()
+    store.record("ffn.0.0", forward=1, samples=2)
+    assert counts.counted_since(0.0).work.forward == 5
+    store.totals = broken  # type: ignore[method-assign]
+    assert counts.counted_since(0.0).work.samples == 2
+    [line] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert line.exc_info is None
+    assert "could not read the statistics (disk I/O error)" in line.getMessage()
+    del store.totals
+    store.close()

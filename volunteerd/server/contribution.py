@@ -32,7 +32,7 @@ from volunteerd.config import StatsConfig
 from volunteerd.control.events import EventSink
 from volunteerd.errors import VolunteerdError, wire_code
 from volunteerd.net import Throttle, short
-from volunteerd.stats import StatsStore
+from volunteerd.stats import StatsStore, Totals
 from volunteerd.wire import TensorReply, WireTensor
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class Accountant:
         try:
             self.store.flush()
         except Exception as exc:  # a full disk must not stop the daemon; counts wait in memory
-            logger.exception("could not write the statistics; retrying at the next flush")
+            _log_failure(exc, "could not write the statistics (%s); retrying at the next flush")
             if not self._failing:  # one event until a write works again, not one a flush
                 self._failing = True
                 self._post_error(f"could not write the statistics ({exc}); retrying")
@@ -211,11 +211,25 @@ class Accountant:
         try:
             folded = self.store.roll_up()
         except Exception as exc:
-            logger.exception("could not roll up old statistics")
+            _log_failure(exc, "could not roll up old statistics (%s)")
             self._post_error(f"could not roll up old statistics ({exc})")
             return
         if folded:
             logger.info("statistics: folded %d hourly rows into daily rows", folded)
+
+    def counted_since(self, since: float) -> Totals:
+        """``store.current(since)``; if the file cannot be read (a disk error), only
+        what is counted and not written yet, with one line logged: the control API's
+        status must keep answering (the statistics failing made every ``/status`` a
+        500, so ``volunteerd status``, the dashboard and the tray saw nothing)."""
+        try:
+            return self.store.current(since)
+        except sqlite3.Error as exc:
+            logger.error(
+                "could not read the statistics (%s); showing only the counts not written yet",
+                exc,
+            )
+            return self.store.pending(since)
 
     def _sample(self) -> None:
         throttle = self._throttle.statistics()
@@ -276,6 +290,18 @@ def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
         return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
 
 
+def _log_failure(exc: Exception, message: str) -> None:
+    """Log a failed write or read of the statistics file as one line (``message`` with
+    ``exc``), like every other failed write of the daemon: a full disk logged a 13-line
+    traceback at every flush. Any other error is a bug of ours and keeps its traceback.
+    ``message`` is fixed, ``exc`` an argument, so ``logs._OwnRepeats`` counts them as
+    one kind."""
+    if isinstance(exc, sqlite3.Error | OSError):
+        logger.error(message, exc)
+    else:
+        logger.exception(message, exc)
+
+
 # SQLite's primary result codes for a file that is not (or no longer) a database.
 _SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
 
@@ -284,7 +310,7 @@ def _damaged(path: Path, exc: BaseException) -> bool:
     """Whether opening ``path`` failed for the file itself (not a database, damaged,
     from a newer version, a link to nothing), not for the moment (a full disk, a
     read-only or missing folder, a lock): only a damaged file is moved aside."""
-    if isinstance(exc, RuntimeError):  # a newer schema
+    if isinstance(exc, RuntimeError):  # empty, a newer schema, tables with other columns
         return True
     if path.is_symlink() and not path.is_file():
         return True

@@ -167,7 +167,6 @@ class ControlView:
                 last_upgrade_at=report.upgrades.last_upgrade_at,
             )
         rates = self._accountant.rates()
-        store = self._accountant.store
         # a dict first: the activity is decided from the rest of the status
         fields: dict[str, Any] = dict(
             version=__version__,
@@ -191,7 +190,7 @@ class ControlView:
                 upload_bytes_per_s=rates.upload_bytes_per_s,
                 download_bytes_per_s=rates.download_bytes_per_s,
             ),
-            today=_totals(store.current(_local_midnight(now))),
+            today=_totals(self._accountant.counted_since(_local_midnight(now))),
             schedule=self._schedule_status(),
             staleness=self._staleness(),
         )

@@ -18,6 +18,7 @@ Tables (times are UTC; ``hour`` and ``day`` are Unix seconds at the start of the
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import threading
 import time
@@ -32,6 +33,7 @@ __all__ = ["HOUR", "StatsStore", "Totals", "Work"]
 HOUR = 3600
 DAY = 86400
 _SCHEMA_VERSION = 1
+_TABLES = ("work", "rejected", "uptime")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS work (
@@ -52,6 +54,30 @@ CREATE TABLE IF NOT EXISTS uptime (
     PRIMARY KEY (bucket, size)
 );
 """
+
+
+@functools.cache
+def _columns() -> dict[str, list[str]]:
+    """The column names of each table, in order, as ``_SCHEMA`` makes them."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(_SCHEMA)
+        return {t: [row[1] for row in db.execute(f"PRAGMA table_info({t})")] for t in _TABLES}
+    finally:
+        db.close()
+
+
+def _check_columns(db: sqlite3.Connection) -> None:
+    """Raise ``RuntimeError`` if a table of ours has columns other than ours (a table
+    that is missing is made). ``CREATE TABLE IF NOT EXISTS`` keeps a table of the same
+    name whatever its columns, and the writes insert by position: a file whose ``work``
+    was ``work(x)`` failed every flush and every status request for the whole run."""
+    for table, names in _columns().items():
+        found = [row[1] for row in db.execute(f"PRAGMA table_info({table})")]
+        if found and found != names:
+            raise RuntimeError(
+                f"its table {table} has the columns ({', '.join(found)}), not ({', '.join(names)})"
+            )
 
 
 @dataclass(slots=True)
@@ -108,16 +134,30 @@ class StatsStore:
 
     @classmethod
     def open(cls, path: Path, **kwargs: object) -> StatsStore:
+        """Open (or make) the store at ``path``. Raises ``RuntimeError`` for a file that
+        is not one this version can use (emptied, from a newer version, tables with
+        other columns), ``sqlite3.DatabaseError`` for one that is not a database, and
+        ``OSError`` or ``sqlite3.Error`` for one that cannot be opened for now."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        if str(path) != ":memory:" and path.is_file() and path.stat().st_size == 0:
+            # SQLite takes an empty file for a new database and deletes its WAL, where
+            # the counts since the last checkpoint are: an audit truncated the file to
+            # 0 bytes and the totals restarted from zero, without a word in the log. A
+            # file this store made has its first page from the next line on (WAL mode).
+            raise RuntimeError("it is empty: 0 bytes")
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > _SCHEMA_VERSION:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > _SCHEMA_VERSION:
+                raise RuntimeError(f"{path} was written by a newer volunteerd (schema {version})")
+            _check_columns(db)
+            db.executescript(_SCHEMA)
+            db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        except BaseException:
             db.close()
-            raise RuntimeError(f"{path} was written by a newer volunteerd (schema {version})")
-        db.executescript(_SCHEMA)
-        db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+            raise
         return cls(db, **kwargs)  # type: ignore[arg-type]
 
     def close(self) -> None:
@@ -263,7 +303,7 @@ class StatsStore:
                 "paused_s = paused_s + excluded.paused_s",
                 (cutoff,),
             )
-            for table in ("work", "rejected", "uptime"):
+            for table in _TABLES:
                 db.execute(f"DELETE FROM {table} WHERE size = ? AND bucket < ?", (HOUR, cutoff))
         return int(folded)
 
@@ -351,7 +391,4 @@ class StatsStore:
 
     def file_rows(self) -> int:
         with self._lock:
-            return sum(
-                self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
-                for t in ("work", "rejected", "uptime")
-            )
+            return sum(self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in _TABLES)
