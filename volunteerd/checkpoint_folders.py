@@ -7,6 +7,12 @@ only the ``keep_experts`` saved last keep any. Nothing deleted them before: a da
 whose experts moved every few minutes gathered two files of every expert it ever hosted
 (an outside probe: 43 folders, 134 MB after 40 moves at hidden 128, ~200 MB a move at
 hidden 1024).
+
+``unreachable`` tells a checkpoints folder that is missing because nothing was saved
+yet (a first start) from one that cannot be reached: a link to a drive not mounted, or
+to a file. ``numbered`` sees no checkpoint in either, and a daemon started on such a
+link served every expert from its initial weights without a word, then logged
+"File exists" at every save.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ import contextlib
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-__all__ = ["OTHERS_KEPT", "SUFFIX", "numbered", "trim_others"]
+__all__ = ["OTHERS_KEPT", "SUFFIX", "numbered", "trim_others", "unreachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,38 @@ def numbered(folder: Path) -> list[tuple[int, Path, bool]]:
                 regular = False
             found.append((int(match.group(1)), folder / entry.name, regular))
     return sorted(found, reverse=True)
+
+
+def unreachable(directory: Path) -> str | None:
+    """(Blocking.) Why the checkpoints folder ``directory`` cannot be used, in a sentence
+    that names it and says what to do; None when it is a folder, or when there is nothing
+    at all of that name yet (the first save makes it)."""
+    try:
+        info = os.stat(directory)  # through a link
+    except FileNotFoundError:
+        if not directory.is_symlink():
+            return None
+        return (
+            f"checkpoints folder {directory} is a link to {_target(directory)}, which is "
+            "missing: mount the drive it is on, or remove the link"
+        )
+    except OSError as exc:
+        return f"checkpoints folder {directory} cannot be reached: {exc.strerror or exc}"
+    if stat.S_ISDIR(info.st_mode):
+        return None
+    if directory.is_symlink():
+        return (
+            f"checkpoints folder {directory} is a link to {_target(directory)}, which is "
+            "not a folder: link it to a folder, or remove the link"
+        )
+    return f"checkpoints folder {directory} is not a folder: move it away"
+
+
+def _target(link: Path) -> str:
+    try:
+        return os.readlink(link)
+    except OSError:  # replaced meanwhile
+        return "?"
 
 
 def _files(folder: Path) -> list[Path]:

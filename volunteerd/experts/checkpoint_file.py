@@ -54,7 +54,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from volunteerd.atomic import fsync_dir
-from volunteerd.checkpoint_folders import SUFFIX, numbered, trim_others
+from volunteerd.checkpoint_folders import SUFFIX, numbered, trim_others, unreachable
 from volunteerd.errors import CheckpointError
 
 __all__ = [
@@ -442,6 +442,10 @@ class CheckpointStore:
         folder = self._dir(state.uid)
         with self._saving(state.uid):
             if not folder.is_dir():
+                # a link to a drive not mounted: say so ("File exists" said nothing)
+                reason = unreachable(self.directory)
+                if reason is not None:
+                    raise OSError(reason)
                 folder.mkdir(parents=True, exist_ok=True)
                 fsync_dir(folder.parent)
             numbered = self._numbered(state.uid)

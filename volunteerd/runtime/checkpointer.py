@@ -1,8 +1,10 @@
 """Checkpointer: the hosted experts' state saved to disk, and restored on start.
 
-``restore`` runs once before the daemon takes requests: it deletes the temporary files
+``restore`` runs once before the daemon takes requests: it refuses a checkpoints folder
+that cannot be reached (``checkpoint_folders.unreachable``), deletes the temporary files
 an interrupted save left, then loads each expert's newest good checkpoint (damaged or
-foreign files are skipped and logged). ``serve`` then saves, every ``every_s``, each
+foreign files are skipped and logged; an expert with none says that it starts from its
+initial weights). ``serve`` then saves, every ``every_s``, each
 expert whose weights changed since its last save; ``save_changed`` is also the final
 save on a graceful stop. A save copies the tensors on the device's worker in its turn
 (between optimizer steps, so the copy is consistent) and writes the file in another
@@ -46,9 +48,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from volunteerd.checkpoint_folders import OTHERS_KEPT
+from volunteerd.checkpoint_folders import OTHERS_KEPT, unreachable
 from volunteerd.config import CheckpointConfig
-from volunteerd.errors import CheckpointError, UnknownExpert
+from volunteerd.errors import CheckpointError, ResourceUnavailable, UnknownExpert
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import CheckpointStore, ExpertState
 from volunteerd.runtime.service import ExpertRuntime
@@ -130,13 +132,22 @@ class Checkpointer:
 
     async def restore(self) -> dict[str, Path]:
         """Load each expert's newest good checkpoint; experts without one keep their
-        seeded initial weights. Returns the files loaded, by uid."""
+        seeded initial weights (logged, one line each). Returns the files loaded, by uid.
+        Raises ResourceUnavailable, loading nothing, when the checkpoints folder exists
+        but cannot be reached (a link to a drive not mounted, or to a file): every
+        expert would start again from its initial weights, and its next save would bury
+        the checkpoints on that drive."""
+        reason = await trio.to_thread.run_sync(unreachable, self.store.directory)
+        if reason is not None:
+            raise ResourceUnavailable(reason)
         await trio.to_thread.run_sync(self.store.remove_temporaries)
         loaded: dict[str, Path] = {}
         for uid in self.runtime.uids:
             path = await self.restore_into(self.runtime.backend(uid))
             if path is not None:
                 loaded[uid] = path
+            else:
+                logger.info("no checkpoint of %s to load: it starts from its initial weights", uid)
         if loaded:
             logger.info(
                 "restored %d of %d experts from checkpoints", len(loaded), len(self.runtime.uids)
