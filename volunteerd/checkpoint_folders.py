@@ -13,6 +13,12 @@ yet (a first start) from one that cannot be reached: a link to a drive not mount
 to a file. ``numbered`` sees no checkpoint in either, and a daemon started on such a
 link served every expert from its initial weights without a word, then logged
 "File exists" at every save.
+
+A file that fails its checks when loaded is set aside (``set_aside``): renamed
+``<sequence>.ckpt.damaged``, a name that neither loading nor pruning sees, the newest
+``DAMAGED_KEPT`` of an expert kept. Counted among the checkpoints, pruning deleted them
+within two save rounds (one with ``checkpoints.keep = 1``), and with them what was left
+of an expert whose every file was damaged.
 """
 
 from __future__ import annotations
@@ -26,7 +32,19 @@ from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-__all__ = ["OTHERS_KEPT", "SUFFIX", "numbered", "trim_others", "unreachable"]
+from volunteerd.atomic import fsync_dir
+
+__all__ = [
+    "DAMAGED_KEPT",
+    "DAMAGED_SUFFIX",
+    "OTHERS_KEPT",
+    "SUFFIX",
+    "damaged",
+    "numbered",
+    "set_aside",
+    "trim_others",
+    "unreachable",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +53,12 @@ OTHERS_KEPT = 16
 
 SUFFIX = ".ckpt"
 _NAME = re.compile(r"^(\d{1,12})\.ckpt$")
+
+DAMAGED_SUFFIX = ".damaged"
+DAMAGED_KEPT = 2
+"""Files set aside as damaged that each expert keeps (its newest): for a person to look
+at, bounded so that a disk that keeps damaging them cannot fill up."""
+_DAMAGED_NAME = re.compile(r"^(\d{1,12})\.ckpt\.damaged$")
 
 
 def numbered(folder: Path) -> list[tuple[int, Path, bool]]:
@@ -54,6 +78,38 @@ def numbered(folder: Path) -> list[tuple[int, Path, bool]]:
                 regular = False
             found.append((int(match.group(1)), folder / entry.name, regular))
     return sorted(found, reverse=True)
+
+
+def damaged(folder: Path) -> list[tuple[int, Path]]:
+    """(sequence, path) of the regular files of ``folder`` set aside as damaged, newest
+    first."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        match = _DAMAGED_NAME.match(entry.name)
+        with contextlib.suppress(OSError):
+            if match and entry.is_file(follow_symlinks=False):
+                found.append((int(match.group(1)), folder / entry.name))
+    return sorted(found, reverse=True)
+
+
+def set_aside(path: Path) -> Path:
+    """(Blocking.) Rename the damaged checkpoint ``path`` to ``<name>.damaged``, out of
+    what is loaded and pruned, and delete its folder's damaged files beyond the newest
+    ``DAMAGED_KEPT``. Returns the new path; raises OSError (nothing renamed)."""
+    moved = path.with_name(path.name + DAMAGED_SUFFIX)
+    os.replace(path, moved)
+    with contextlib.suppress(OSError):  # not durable: found damaged again, set aside again
+        fsync_dir(path.parent)
+    for _, old in damaged(path.parent)[DAMAGED_KEPT:]:
+        try:
+            old.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("%s: not deleted (%s)", old, exc)
+    return moved
 
 
 def unreachable(directory: Path) -> str | None:
@@ -117,6 +173,8 @@ def trim_others(
         folder = directory / uid
         with locked(uid):  # listed again: a save of it may have finished since
             files = _files(folder)
+            if rank >= keep_experts:  # those set aside go with the folder
+                files += [path for _, path in damaged(folder)]
             for path in files[1:] if rank < keep_experts else files:
                 try:
                     path.unlink(missing_ok=True)

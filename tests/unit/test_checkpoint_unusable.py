@@ -1,6 +1,7 @@
-"""Checkpoints the daemon cannot use, said out loud: a checkpoints folder out of reach
-(a link to a drive not mounted, or to a file) stops the start with one line naming it,
-and an expert that starts from its initial weights says so."""
+"""Checkpoints the daemon cannot use, said out loud and kept: a checkpoints folder out of
+reach (a link to a drive not mounted, or to a file) stops the start with one line naming
+it; an expert that starts from its initial weights says so; a damaged file is set aside
+as ``<name>.damaged``, where no save prunes it (the newest two of an expert kept)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from volunteerd.checkpoint_folders import DAMAGED_KEPT, damaged, trim_others
 from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import CheckpointConfig
 from volunteerd.errors import ExitCode, ResourceUnavailable, exit_code
@@ -113,3 +115,112 @@ async def test_no_checkpoints_folder_yet_is_a_first_start_and_each_expert_says_i
         assert afresh() == [
             f"no checkpoint of {UIDS[0]} to load: it starts from its initial weights"
         ]
+
+
+def damage(path: Path) -> bytes:
+    """Flip a bit of ``path``'s payload (its checksum no longer matches); its bytes."""
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+async def test_an_expert_whose_every_checkpoint_is_damaged_says_so_and_its_files_outlive_the_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep: int
+) -> None:
+    """It was re-initialised with two warnings and "restored 2 of 3 experts" (49 updates
+    to 0), and pruning then deleted the damaged files within two save rounds (one with
+    ``keep = 1``)."""
+    store = CheckpointStore(tmp_path, keep=keep)
+    for steps in (2, 3):
+        store.save(trained(UIDS[0], steps).state())
+    store.save(trained(UIDS[1], 2).state())
+    kept = {path.name + ".damaged": damage(path) for path in store.files(UIDS[0])}
+    assert len(kept) == keep
+
+    host = runtime()
+    saver = Checkpointer(host, tmp_path, CheckpointConfig(keep=keep))
+    with caplog.at_level(logging.INFO):
+        loaded = await saver.restore()
+    assert list(loaded) == [UIDS[1]]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [
+        f"{UIDS[0]} starts from its initial weights: every checkpoint of it that could be "
+        f"read is damaged; the damaged files are kept in {tmp_path / UIDS[0]} (*.damaged)"
+    ]
+    assert saver.store.files(UIDS[0]) == []
+
+    for seed in range(3):  # save rounds: pruning leaves the damaged files alone
+        await host.with_expert(
+            UIDS[0], lambda b, seed=seed: b.load_state(trained(UIDS[0], seed + 1).state())
+        )
+        assert await saver.save_changed() == 1
+    folder = tmp_path / UIDS[0]
+    assert {p.name: p.read_bytes() for _, p in damaged(folder)} == kept
+    assert len(saver.store.files(UIDS[0])) == keep
+    newest = saver.store.files(UIDS[0])[0].name  # numbered past the damaged ones
+    assert newest == f"{2 + 3:012d}.ckpt"
+
+
+async def test_a_damaged_newest_file_is_set_aside_and_the_older_one_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    older = store.save(trained(UIDS[0], 2).state())
+    newer = store.save(trained(UIDS[0], 4).state())
+    damage(newer)
+    host = runtime()
+    saver = Checkpointer(host, tmp_path, CheckpointConfig(keep=2))
+    with caplog.at_level(logging.WARNING):
+        loaded = await saver.restore()
+    assert loaded == {UIDS[0]: older}
+    assert host.backend(UIDS[0]).updates == 2
+    assert f"skipping checkpoint {newer}: {newer.name}: payload checksum mismatch; kept as " in (
+        caplog.text
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    aside = newer.with_name(newer.name + ".damaged")
+    for seed in range(3):
+        await host.with_expert(
+            UIDS[0], lambda b, seed=seed: b.load_state(trained(UIDS[0], seed + 5).state())
+        )
+        assert await saver.save_changed() == 1
+    assert [p for _, p in damaged(tmp_path / UIDS[0])] == [aside]
+
+
+def test_only_the_newest_damaged_files_of_an_expert_are_kept(tmp_path: Path) -> None:
+    """A disk that damages every file cannot fill up with them."""
+    store = CheckpointStore(tmp_path, keep=1)
+    for n in range(DAMAGED_KEPT + 3):
+        damage(store.save(trained(UIDS[0], n).state()))
+        assert store.load_newest(UIDS[0]) is None
+    folder = tmp_path / UIDS[0]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        f"{n:012d}.ckpt.damaged" for n in range(4, 4 + DAMAGED_KEPT)
+    ]
+
+
+def test_damaged_files_go_with_the_folder_of_an_expert_no_longer_kept(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    damage(store.save(trained(UIDS[0], 1).state()))
+    assert store.load_newest(UIDS[0]) is None
+    store.save(trained(UIDS[0], 2).state())
+    trim_others(tmp_path, (), 0)
+    assert not (tmp_path / UIDS[0]).exists()
+
+
+async def test_the_disk_budget_deletes_damaged_files_before_good_ones(tmp_path: Path) -> None:
+    budget = [0]
+    host = runtime()
+    saver = Checkpointer(host, tmp_path, CheckpointConfig(keep=2), budget_bytes=lambda: budget[0])
+    good = saver.store.save(trained(UIDS[0], 1).state())
+    bad = saver.store.save(trained(UIDS[0], 2).state())
+    damage(bad)
+    assert (await saver.restore())[UIDS[0]] == good
+    size = good.stat().st_size
+    budget[0] = 2 * size + size // 2  # the new file and one more
+    await host.with_expert(UIDS[0], lambda b: b.load_state(trained(UIDS[0], 3).state()))
+    assert await saver.save_changed() == 1
+    assert damaged(tmp_path / UIDS[0]) == []
+    assert saver.store.files(UIDS[0])[1] == good

@@ -25,8 +25,12 @@ start. Only then are older files deleted (the newest ``keep`` per expert are kep
 save that fails deletes nothing. Saves of one expert are serialized (a lock per uid:
 two at once, a periodic one and one of an expert being dropped, shared one temporary
 file and one sequence number, mixed their bytes and pruned the good files).
-``CheckpointStore.save`` refuses a state with a non-finite value (it could only replace
-a good file with one that is refused on load), so the last good files stay.
+A file that fails its checks when loaded is set aside as ``<name>.damaged`` (the newest
+two of an expert kept), where neither loading nor pruning sees it: pruning deleted the
+damaged files like good ones, so an expert whose every file was damaged lost them within
+two save rounds. ``CheckpointStore.save`` refuses a state with a non-finite value (it
+could only replace a good file with one that is refused on load), so the last good files
+stay.
 
 Only regular files count: a folder, a FIFO or a symlink named like a checkpoint is
 neither read (a FIFO blocked the start, a link to ``/dev/zero`` filled the memory) nor
@@ -54,7 +58,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from volunteerd.atomic import fsync_dir
-from volunteerd.checkpoint_folders import SUFFIX, numbered, trim_others, unreachable
+from volunteerd.checkpoint_folders import (
+    SUFFIX,
+    damaged,
+    numbered,
+    set_aside,
+    trim_others,
+    unreachable,
+)
 from volunteerd.errors import CheckpointError
 
 __all__ = [
@@ -451,7 +462,9 @@ class CheckpointStore:
             numbered = self._numbered(state.uid)
             existing = [old for _, old, regular in numbered if regular]
             taken = {n for n, _, _ in numbered}
-            sequence = next((n for n, _, regular in numbered if regular), 0) + 1
+            # past the files set aside too: the names keep the order of the writes
+            newest = next((n for n, _, regular in numbered if regular), 0)
+            sequence = max([newest, *(n for n, _ in damaged(folder)[:1])]) + 1
             while sequence in taken:  # a folder or a FIFO of that name: not ours
                 sequence += 1
             path = folder / f"{sequence:012d}{SUFFIX}"
@@ -467,14 +480,36 @@ class CheckpointStore:
         accept: Callable[[ExpertState], None] | None = None,
         *,
         max_bytes: int | None = None,
+        moved_aside: list[Path] | None = None,
     ) -> tuple[ExpertState, Path] | None:
         """The newest checkpoint of ``uid`` that reads back intact, of at most
         ``max_bytes`` (None: any size), and that ``accept`` does not refuse (it raises
         CheckpointError saying why). Each file skipped is logged with its reason. None
-        when there is no good one."""
+        when there is no good one.
+
+        A file that fails its checks (truncated, a checksum that does not match, not a
+        checkpoint) is set aside (``checkpoint_folders.set_aside``) and its new path
+        appended to ``moved_aside``: no save prunes it. A sound file that does not fit
+        (another expert's, another size's) stays, and the saves prune it as before."""
         for path in self.files(uid):
             try:
-                state = read_checkpoint(path, max_bytes)
+                data = _read_regular(path, max_bytes)
+            except CheckpointError as exc:
+                logger.warning("skipping checkpoint %s: %s", path, exc)
+                continue
+            except OSError as exc:
+                logger.warning("skipping checkpoint %s: cannot read it: %s", path, exc)
+                continue
+            try:
+                state = decode_checkpoint(data, path.name)
+            except CheckpointError as exc:
+                moved = self._set_aside(uid, path)
+                if moved is not None and moved_aside is not None:
+                    moved_aside.append(moved)
+                kept = f"; kept as {moved.name}" if moved is not None else ""
+                logger.warning("skipping checkpoint %s: %s%s", path, exc, kept)
+                continue
+            try:
                 if state.uid != uid:
                     raise CheckpointError(f"{path.name}: holds {state.uid!r}, not {uid!r}")
                 if accept is not None:
@@ -482,11 +517,18 @@ class CheckpointStore:
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", path, exc)
                 continue
-            except OSError as exc:
-                logger.warning("skipping checkpoint %s: cannot read it: %s", path, exc)
-                continue
             return state, path
         return None
+
+    def _set_aside(self, uid: str, path: Path) -> Path | None:
+        """``checkpoint_folders.set_aside(path)`` under ``uid``'s save lock; None (logged)
+        when it cannot be renamed (it is then pruned as before)."""
+        with self._saving(uid):
+            try:
+                return set_aside(path)
+            except OSError as exc:
+                logger.warning("could not set %s aside: %s", path, exc)
+                return None
 
 
 def header_json(path: Path) -> dict[str, object]:

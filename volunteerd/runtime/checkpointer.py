@@ -3,8 +3,9 @@
 ``restore`` runs once before the daemon takes requests: it refuses a checkpoints folder
 that cannot be reached (``checkpoint_folders.unreachable``), deletes the temporary files
 an interrupted save left, then loads each expert's newest good checkpoint (damaged or
-foreign files are skipped and logged; an expert with none says that it starts from its
-initial weights). ``serve`` then saves, every ``every_s``, each
+foreign files are skipped and logged, the damaged ones set aside where no pruning
+deletes them; an expert with none says that it starts from its initial weights, with an
+error when its files were damaged). ``serve`` then saves, every ``every_s``, each
 expert whose weights changed since its last save; ``save_changed`` is also the final
 save on a graceful stop. A save copies the tensors on the device's worker in its turn
 (between optimizer steps, so the copy is consistent) and writes the file in another
@@ -29,8 +30,9 @@ start that hosts nothing).
 
 The disk budget (``limits.disk_budget_gb``, read at every save) bounds what the
 checkpoints and the downloaded shards in the data folder take together. A save that
-would pass it first deletes older checkpoints (the oldest first: every file but a
-hosted expert's newest, so those of experts no longer hosted too); one that still would
+would pass it first deletes the files set aside as damaged, then older checkpoints (the
+oldest first: every file but a hosted expert's newest, so those of experts no longer
+hosted too); one that still would
 not fit is skipped, with a warning (``on_warning``) and a count, and tried again at the
 next round: the disk never fills up with checkpoints.
 """
@@ -48,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from volunteerd.checkpoint_folders import OTHERS_KEPT, unreachable
+from volunteerd.checkpoint_folders import OTHERS_KEPT, damaged, unreachable
 from volunteerd.config import CheckpointConfig
 from volunteerd.errors import CheckpointError, ResourceUnavailable, UnknownExpert
 from volunteerd.experts import ExpertBackend
@@ -143,9 +145,17 @@ class Checkpointer:
         await trio.to_thread.run_sync(self.store.remove_temporaries)
         loaded: dict[str, Path] = {}
         for uid in self.runtime.uids:
-            path = await self.restore_into(self.runtime.backend(uid))
+            moved: list[Path] = []
+            path = await self._restore(self.runtime.backend(uid), moved)
             if path is not None:
                 loaded[uid] = path
+            elif moved:
+                logger.error(
+                    "%s starts from its initial weights: every checkpoint of it that could "
+                    "be read is damaged; the damaged files are kept in %s (*.damaged)",
+                    uid,
+                    moved[0].parent,
+                )
             else:
                 logger.info("no checkpoint of %s to load: it starts from its initial weights", uid)
         if loaded:
@@ -157,7 +167,11 @@ class Checkpointer:
     async def restore_into(self, backend: ExpertBackend) -> Path | None:
         """Load ``backend.uid``'s newest good checkpoint into ``backend`` (not yet hosted,
         or hosted: the load runs in the worker's turn). Returns the file, or None when
-        there is none and the backend keeps what it has."""
+        there is none and the backend keeps what it has. Damaged files are set aside."""
+        return await self._restore(backend, [])
+
+    async def _restore(self, backend: ExpertBackend, moved_aside: list[Path]) -> Path | None:
+        """``restore_into``, appending the damaged files set aside to ``moved_aside``."""
         uid = backend.uid
         found = await trio.to_thread.run_sync(
             partial(
@@ -165,6 +179,7 @@ class Checkpointer:
                 uid,
                 backend.check_state,
                 max_bytes=backend.largest_state_bytes(),
+                moved_aside=moved_aside,
             )
         )
         if found is None:
@@ -318,19 +333,22 @@ class Checkpointer:
         return _sizes(path for directory in self._counted for path in _files_under(directory))
 
     def _spare_files(self, hosted: frozenset[str]) -> list[Path]:
-        """(Worker thread.) Checkpoints that are not the newest of an expert in
-        ``hosted``, oldest first."""
+        """(Worker thread.) Files set aside as damaged (they count, and are of use to no
+        expert), then checkpoints that are not the newest of an expert in ``hosted``;
+        each oldest first."""
         directory = self.store.directory
         if not directory.is_dir():
             return []
-        spare: list[tuple[float, Path]] = []
+        spare: list[tuple[int, float, Path]] = []
         for folder in directory.iterdir():
             if folder.is_dir():
                 files = self.store.files(folder.name)
-                for old in files[1:] if folder.name in hosted else files:
-                    with contextlib.suppress(OSError):
-                        spare.append((old.stat().st_mtime, old))
-        return [path for _, path in sorted(spare)]
+                older = files[1:] if folder.name in hosted else files
+                for rank, paths in enumerate(([p for _, p in damaged(folder)], older)):
+                    for old in paths:
+                        with contextlib.suppress(OSError):
+                            spare.append((rank, old.stat().st_mtime, old))
+        return [path for _, _, path in sorted(spare)]
 
     def _wants(self, backend: ExpertBackend) -> bool:
         """Whether ``backend`` changed since it was last saved, or last refused."""
