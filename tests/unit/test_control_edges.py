@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -381,6 +382,20 @@ def test_leaving_a_name_no_project_can_have_says_so_with_a_daemon(
 # -- a failing handler ------------------------------------------------------------------
 
 
+async def test_a_statistics_file_failing_is_a_json_500_naming_it_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="volunteerd.control.api"):
+        code, _, error = await ask(app_of(_Controls()), "GET", "/api/v1/stats")
+    assert code == 500
+    assert error == {"error": "the daemon could not read its statistics file: disk I/O error"}
+    logged = [r for r in caplog.records if r.name == "volunteerd.control.api"]
+    assert [r.getMessage() for r in logged] == [
+        "GET /api/v1/stats failed: the statistics file: disk I/O error"
+    ]
+    assert logged[0].exc_info is None
+
+
 async def test_a_file_error_in_a_handler_is_a_json_500_naming_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -442,6 +457,9 @@ class _Controls:
 
     async def set_limits(self, change: LimitsChange) -> Any:
         raise OSError(28, "No space left on device", "limits.toml")
+
+    async def stats(self, since: float) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
 
     async def set_schedule(self, change: ScheduleChange) -> ScheduleView:
         self.schedule_changes.append(change)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -407,6 +408,11 @@ class _Endpoint:
             # the volunteer must read which and why, not a bare 500 from the framework.
             logger.exception("%s %s failed", request.method, self._path)
             return _error(500, f"the daemon could not read or write a file: {exc}")
+        except sqlite3.Error as exc:
+            # The statistics file failing under the daemon (a disk error): which and
+            # why, in one line (it is no bug of ours: "failed to answer" said nothing).
+            logger.error("%s %s failed: the statistics file: %s", request.method, self._path, exc)
+            return _error(500, f"the daemon could not read its statistics file: {exc}")
         except ClientDisconnect:
             raise  # nobody to answer (``__call__``)
         except Exception:
