@@ -243,6 +243,9 @@ async def test_compute_and_network_hours_follow_the_clock() -> None:
                 downloads.append(backend)
                 return "state"
 
+            async def discard(self, uid: str) -> None:
+                pass
+
         windowed = WindowedDownloader(Recorder(), s.volunteer.wait_for_network)
         result: list[Any] = []
 

@@ -176,11 +176,12 @@ async def test_a_real_replica_that_is_busy_counts_and_one_without_the_expert_doe
         assert await check(peers("p")[0], uid) is expected, (answer, uid)
 
 
-async def test_a_newcomer_downloads_only_from_replicas_that_answered_and_few() -> None:
+async def test_a_newcomer_downloads_only_from_replicas_that_answered() -> None:
     """Fake records cost nothing; each fake tried for a download held a newcomer's start
     ~30 s (five of them at an address that accepts and never speaks: 169 s). Only
-    replicas that answered for the uid are tried, at most three, and a replica's
-    state brings its weights, never its optimizer's moments."""
+    replicas that answered for the uid are tried (all of them, up to 16, before it
+    seeds: three sampled missed the honest one among cheap identities), and a
+    replica's state brings its weights, never its optimizer's moments."""
     import types
 
     import torch
@@ -206,6 +207,7 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered_and_few() -
     replica.backward([torch.randn(2, 8)], [torch.randn(2, 8)])
     replica.step()
     asked: list[str] = []
+    discarded: list[str] = []
 
     class Downloads:
         answering = False
@@ -215,6 +217,9 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered_and_few() -
             if not self.answering:
                 raise Busy("try later")
             return replica.state()
+
+        async def discard(self, uid: str) -> None:
+            discarded.append(uid)
 
     async def run(fn: object) -> object:
         return fn()  # type: ignore[operator]
@@ -232,8 +237,10 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered_and_few() -
         rng=random.Random(3),
     )
     assert await joiner._initial_state(make(), listed) == "seed"
-    assert len(asked) == 3
+    # every replica that answered for the uid is tried before it seeds; no fake is
+    assert sorted(asked) == sorted(p.peer_id for p in listed if checks.verified(p.peer_id, uid))
     assert set(asked) <= set(real), asked
+    assert discarded == [uid]  # what those downloads left is deleted
     asked.clear()
     downloads.answering = True
     newcomer = make()
@@ -246,3 +253,61 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered_and_few() -
         for n, p in newcomer.parameter_copies().items()
     )
     assert newcomer.state().optimizer_state == {}  # Adam starts afresh
+
+
+async def test_each_expert_is_announced_as_soon_as_it_is_ready(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A newcomer adds its experts one after another, each after its replicas'
+    downloads: it announced them only once the last was ready, so with room for many
+    it served none for as long as they all took (an outside probe: ~30 min an expert
+    under replicas that trickle)."""
+    import types
+
+    import torch
+
+    from volunteerd.config import ExperimentsConfig, ExpertsConfig
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.swarm.joiner import Joiner
+
+    config = ExpertsConfig(hidden_dim=8)
+    announced: list[list[str]] = []
+    added: list[str] = []
+
+    async def add_expert(backend: ExpertBackend) -> None:
+        added.append(backend.uid)
+
+    runtime = types.SimpleNamespace(
+        make_backend=lambda uid, experts: ExpertBackend(uid, experts, torch.device("cpu"), 1024),
+        add_expert=add_expert,
+    )
+    joiner: Joiner
+
+    def announce() -> None:
+        announced.append(sorted(joiner.hosted))
+
+    class NoDownloads:
+        async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
+            raise AssertionError("no replica to download from")
+
+        async def discard(self, uid: str) -> None:
+            pass
+
+    joiner = Joiner(
+        None,  # type: ignore[arg-type]
+        runtime,  # type: ignore[arg-type]
+        announce,
+        None,
+        NoDownloads(),
+        ExperimentsConfig(),
+        lambda experts: 3,
+    )
+
+    async def no_replicas(uids: list[str]) -> dict[str, list[PeerAddress]]:
+        return {uid: [] for uid in uids}
+
+    joiner.live_replicas = no_replicas  # type: ignore[method-assign]
+    uids = ["ffn.0.0", "ffn.0.1", "ffn.0.2"]
+    await joiner._add(uids, {}, config)
+    assert added == uids
+    assert announced[:3] == [uids[:1], uids[:2], uids]

@@ -581,3 +581,32 @@ async def test_a_replica_announcing_more_than_the_expert_can_take_is_refused_at_
     with pytest.raises(ShardError, match=f"more than {bound}"):
         await ShardDownloader(rpc, tmp_path, 60).download(PEER, backend)  # type: ignore[arg-type]
     assert rpc.calls == 1  # the first reply's total was enough
+
+
+class Trickling(FakeRpc):
+    """Answers every request with one byte, just before the RPC client's ``request_s``
+    would give up on it (an outside probe's replica: 13 bytes in 600 s)."""
+
+    async def call_raw(
+        self, peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
+    ) -> tuple[Any, memoryview]:
+        await trio.sleep(59.0)
+        one = header.model_copy(update={"length": 1})
+        return await super().call_raw(peer, verb, one, max_body_bytes=max_body_bytes)
+
+
+async def test_a_replica_that_falls_behind_the_rate_is_dropped_after_the_grace(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """In virtual time, the file's writes inline (``inline_threads``): exact times."""
+    rpc = Trickling(server(Experts(ffn_0_0=DATA)))
+    start = trio.current_time()
+    with pytest.raises(ShardError, match="slower than 32768 bytes a second") as failed:
+        await download(rpc, tmp_path / "x", min_rate=32 << 10, grace_s=5.0)
+    assert trio.current_time() - start == pytest.approx(5.0)  # was 600 s: 10 x request_s
+    assert failed.value.resumable
+    assert not (tmp_path / "x").exists()
+    # a replica that keeps up is not cut, however many requests it takes
+    honest = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    await download(honest, tmp_path / "y", min_rate=32 << 10, grace_s=5.0, chunk_bytes=64)
+    assert (tmp_path / "y").read_bytes() == DATA

@@ -166,6 +166,9 @@ async def test_a_joiner_refused_a_replicas_state_tries_the_next_then_seeds() -> 
                 _huge_float64_weights(state)
             return through_the_wire(state)
 
+        async def discard(self, uid: str) -> None:
+            pass
+
     async def run(fn: object) -> object:
         return fn()  # type: ignore[operator]
 

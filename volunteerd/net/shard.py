@@ -413,6 +413,8 @@ async def download_shard(
     retries: int = 4,
     backoff_s: float = 0.5,
     on_chunk: Callable[[int, int], None] | None = None,
+    min_rate: float | None = None,
+    grace_s: float = 5.0,
 ) -> ShardResult:
     """Download the state of expert ``uid`` from ``peer`` into ``dest``.
 
@@ -430,7 +432,11 @@ async def download_shard(
     ``busy``/``rate_limited`` answer is retried ``retries`` times in a row, waiting
     ``backoff_s``, then twice that, and so on. Bound the whole download with
     ``trio.fail_after`` at the call site; on cancellation the partial files stay for a
-    later call to resume.
+    later call to resume. With ``min_rate`` (bytes a second), the bytes received must
+    keep up with it after ``grace_s``, whatever the replies and retries in between, or
+    ShardError (``resumable``): a replica that answered each request with one byte just
+    before the RPC's ``request_s`` held a newcomer's start ten of those, 600 s, for 13
+    bytes (an outside probe), whatever the expert's size.
 
     Raises RemoteError (``unknown_expert``: the peer does not host ``uid``;
     ``shutting_down``), and ShardError when the peer keeps failing (``resumable``: the
@@ -446,70 +452,84 @@ async def download_shard(
     failures = 0
     restarts = 0
     fetched = 0
+    started = trio.current_time()
+    pace = trio.CancelScope()  # the deadline ``min_rate`` sets, moved on by each chunk
     try:
         await trio.to_thread.run_sync(partial.resume)
         if partial.kept:
             logger.info("%s: resuming at %d of %d bytes", where, partial.kept, partial.total)
-        while True:
-            if partial.sha256 is not None and partial.offset == partial.total:
-                from_disk = partial.kept
-                if await trio.to_thread.run_sync(partial.finish, dest):
-                    logger.info("%s: %d bytes, sha256 %.12s", where, partial.total, partial.sha256)
-                    return ShardResult(
-                        uid,
-                        partial.sha256,
-                        partial.offset,
-                        dest,
-                        resumed_from=partial.kept,
-                        fetched=fetched,
-                        restarts=restarts,
-                    )
-                if not from_disk:
-                    raise ShardError(
-                        f"{where}: the bytes received do not match their sha256", resumable=False
-                    )
-                # Bytes left on disk by an earlier call were wrong: fetch everything.
-                logger.warning("%s: the partial file was damaged; downloading it again", where)
-                restarts = _restart(restarts, where)
-                continue
-            request = ShardRequest(
-                uid=uid,
-                sha256=partial.sha256,
-                offset=partial.offset,
-                # Before the size is known, never ask for more than max_bytes.
-                length=min(chunk_bytes, partial.remaining(max_bytes)),
-            )
-            try:
-                reply, body = await rpc.call_raw(
-                    peer, Verb.SHARD, request, max_body_bytes=request.length
-                )
-            except ReplyTooLarge as exc:  # more than asked for: a peer not to retry
-                raise ShardError(f"{where}: {exc}", resumable=True) from exc
-            except RemoteError as exc:
-                if exc.code == "expired" and partial.sha256 is not None:
-                    logger.info("%s: snapshot expired on the peer; starting again", where)
-                    await trio.to_thread.run_sync(partial.reset)
+        with pace:
+            while True:
+                if min_rate is not None:
+                    pace.deadline = started + grace_s + fetched / min_rate
+                if partial.sha256 is not None and partial.offset == partial.total:
+                    pace.deadline = math.inf  # all there: the check is not the peer's time
+                    from_disk = partial.kept
+                    if await trio.to_thread.run_sync(partial.finish, dest):
+                        logger.info(
+                            "%s: %d bytes, sha256 %.12s", where, partial.total, partial.sha256
+                        )
+                        return ShardResult(
+                            uid,
+                            partial.sha256,
+                            partial.offset,
+                            dest,
+                            resumed_from=partial.kept,
+                            fetched=fetched,
+                            restarts=restarts,
+                        )
+                    if not from_disk:
+                        raise ShardError(
+                            f"{where}: the bytes received do not match their sha256",
+                            resumable=False,
+                        )
+                    # Bytes left on disk by an earlier call were wrong: fetch everything.
+                    logger.warning("%s: the partial file was damaged; downloading it again", where)
                     restarts = _restart(restarts, where)
                     continue
-                if exc.code not in _RETRY_CODES:
-                    raise
-                failures = await _backoff(failures, retries, backoff_s, where, exc)
-                continue
-            except (PeerError, BaseLibp2pError) as exc:  # a dropped stream or connection
-                failures = await _backoff(failures, retries, backoff_s, where, exc)
-                continue
-            _check_reply(reply, body, request, partial, where)
-            if partial.sha256 is None:
-                if reply.total > max_bytes:
-                    raise ShardError(
-                        f"{where}: {reply.total} bytes, more than {max_bytes}", resumable=False
+                request = ShardRequest(
+                    uid=uid,
+                    sha256=partial.sha256,
+                    offset=partial.offset,
+                    # Before the size is known, never ask for more than max_bytes.
+                    length=min(chunk_bytes, partial.remaining(max_bytes)),
+                )
+                try:
+                    reply, body = await rpc.call_raw(
+                        peer, Verb.SHARD, request, max_body_bytes=request.length
                     )
-                await trio.to_thread.run_sync(partial.start, reply.sha256, reply.total)
-            await trio.to_thread.run_sync(partial.write, body)
-            fetched += body.nbytes
-            failures = 0
-            if on_chunk is not None:
-                on_chunk(partial.offset, reply.total)
+                except ReplyTooLarge as exc:  # more than asked for: a peer not to retry
+                    raise ShardError(f"{where}: {exc}", resumable=True) from exc
+                except RemoteError as exc:
+                    if exc.code == "expired" and partial.sha256 is not None:
+                        logger.info("%s: snapshot expired on the peer; starting again", where)
+                        await trio.to_thread.run_sync(partial.reset)
+                        restarts = _restart(restarts, where)
+                        continue
+                    if exc.code not in _RETRY_CODES:
+                        raise
+                    failures = await _backoff(failures, retries, backoff_s, where, exc)
+                    continue
+                except (PeerError, BaseLibp2pError) as exc:  # a dropped stream or connection
+                    failures = await _backoff(failures, retries, backoff_s, where, exc)
+                    continue
+                _check_reply(reply, body, request, partial, where)
+                if partial.sha256 is None:
+                    if reply.total > max_bytes:
+                        raise ShardError(
+                            f"{where}: {reply.total} bytes, more than {max_bytes}", resumable=False
+                        )
+                    await trio.to_thread.run_sync(partial.start, reply.sha256, reply.total)
+                await trio.to_thread.run_sync(partial.write, body)
+                fetched += body.nbytes
+                failures = 0
+                if on_chunk is not None:
+                    on_chunk(partial.offset, reply.total)
+        raise ShardError(
+            f"{where}: {fetched} bytes in {trio.current_time() - started:.1f} s, slower than "
+            f"{min_rate:.0f} bytes a second",
+            resumable=True,
+        )
     finally:
         partial.close()
 

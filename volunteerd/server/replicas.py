@@ -78,6 +78,8 @@ class SwarmReplicas:
 class _Downloader(Protocol):
     async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState: ...
 
+    async def discard(self, uid: str) -> None: ...
+
 
 class WindowedDownloader:
     """``downloader`` (``swarm.download.ShardDownloader``), each download started only
@@ -91,3 +93,6 @@ class WindowedDownloader:
     async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState:
         await self._wait()
         return await self._downloader.download(peer, backend)
+
+    async def discard(self, uid: str) -> None:
+        await self._downloader.discard(uid)

@@ -7,7 +7,14 @@ and is deleted once loaded. The SHA-256 of every file downloaded is kept by uid 
 logs and tests.
 
 Before each download, and when the daemon starts, what earlier downloads left behind
-long ago is deleted (``net.shard.sweep_downloads``).
+long ago is deleted (``net.shard.sweep_downloads``), and a joiner that gives up on an
+expert's replicas deletes what their downloads left (``discard``): partial files of up
+to four times the weights, kept for an hour, took the disk budget from the checkpoints
+(an outside probe: every save skipped).
+
+A replica must keep sending: its bytes at ``MIN_REPLY_RATE`` at least after
+``FIRST_REPLY_S`` (as for replica averaging), else the download fails at once
+(``download_shard``'s ``min_rate``); the whole is still bounded by ``download_s``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from volunteerd.errors import CheckpointError
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import ExpertState, read_checkpoint
 from volunteerd.net import PeerAddress, RpcClient
-from volunteerd.net.shard import ShardResult, download_shard, sweep_downloads
+from volunteerd.net.shard import ShardResult, download_shard, partial_paths, sweep_downloads
+from volunteerd.runtime.averaging import FIRST_REPLY_S, MIN_REPLY_RATE
 
 __all__ = ["ShardDownloader"]
 
@@ -51,7 +59,13 @@ class ShardDownloader:
         dest = self._directory / f"{uid}.ckpt"
         with trio.fail_after(self._download_s):
             result = await download_shard(
-                self._rpc, peer, uid, dest, max_bytes=backend.largest_state_bytes()
+                self._rpc,
+                peer,
+                uid,
+                dest,
+                max_bytes=backend.largest_state_bytes(),
+                min_rate=MIN_REPLY_RATE,
+                grace_s=FIRST_REPLY_S,
             )
         try:
             state = await trio.to_thread.run_sync(read_checkpoint, dest)
@@ -62,3 +76,15 @@ class ShardDownloader:
         self.results[uid] = result
         logger.debug("%s: %d bytes from %s, sha256 %.12s", uid, result.size, peer, result.sha256)
         return state
+
+    async def discard(self, uid: str) -> None:
+        """Delete what downloads of ``uid`` left unfinished (no replica will finish it)."""
+
+        def delete() -> None:
+            for path in partial_paths(self._directory / f"{uid}.ckpt"):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    logger.warning("%s: not deleted (%s)", path, exc)
+
+        await trio.to_thread.run_sync(delete)

@@ -61,9 +61,12 @@ _RETRY_S = 1.0
 # lookups that must all find no replica (that answers for the uid) before an expert
 # starts from the seed
 _SEED_LOOKUPS = 3
-# Replicas a newcomer downloads an expert from before it gives up and seeds it: each
-# download may take timeouts.request_s x 10 (a replica that trickles its bytes).
-_MAX_DOWNLOADS = 3
+# Replicas a newcomer downloads an expert from before it gives up and seeds it (each
+# must keep sending at swarm.download's rate: a stalling one costs seconds). Three,
+# sampled among the verified, missed the one honest replica beside six cheap identities
+# that answered `info` and sent bad bytes in 3 of 12 experts (an outside probe): seeded,
+# their weights forked from the trained ones.
+_MAX_DOWNLOADS = 16
 
 JoinState = Literal["joining", "joined", "failed"]
 
@@ -107,6 +110,10 @@ class ReplicaDownloader(Protocol):
     async def download(self, peer: PeerAddress, backend: ExpertBackend) -> ExpertState:
         """``peer``'s current state of ``backend.uid`` (not loaded yet). Raises
         VolunteerdError (or a PeerError) when it fails."""
+        ...
+
+    async def discard(self, uid: str) -> None:
+        """Delete what unfinished downloads of ``uid`` left (none will be resumed)."""
         ...
 
 
@@ -373,6 +380,9 @@ class Joiner:
             self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
             await self._runtime.add_expert(backend)
             self.hosted[uid] = self._clock()
+            # Served as soon as it is ready, not after the others: each may take its
+            # replicas' downloads (a newcomer with room for many served none meanwhile).
+            self._announce()
         self._announce()
 
     def _download_order(self, uid: str, replicas: Sequence[PeerAddress]) -> list[PeerAddress]:
@@ -389,6 +399,7 @@ class Joiner:
         """Load ``backend``'s starting state; returns where it came from."""
         uid = backend.uid
         if self._checkpointer is not None and await self._checkpointer.restore_into(backend):
+            await self._downloader.discard(uid)  # what an earlier run left: no use now
             return "checkpoint"  # replica averaging catches it up with the others
         for attempt in range(_SEED_LOOKUPS):
             if replicas:
@@ -401,7 +412,8 @@ class Joiner:
             replicas = (await self.live_replicas([uid]))[uid]
             if replicas and self._checks is not None:
                 replicas = (await self._checks.real({uid: replicas}))[uid]
-        for peer in self._download_order(uid, replicas):
+        tried = self._download_order(uid, replicas)
+        for peer in tried:
             try:
                 state = await self._downloader.download(peer, backend)
                 await self._runtime.executor.run(partial(backend.load_state, state, moments=False))
@@ -418,4 +430,12 @@ class Joiner:
                 continue
             logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
             return f"replica {peer.peer_id}"
+        await self._downloader.discard(uid)
+        if tried:
+            logger.warning(
+                "seeding %s: its %d replicas tried all failed; its weights differ from "
+                "theirs until replica averaging brings them together",
+                uid,
+                len(tried),
+            )
         return "seed"
