@@ -1138,3 +1138,28 @@ async def test_a_peer_that_stalls_after_its_first_chunk_costs_seconds_not_the_ro
         assert took <= peer_s + INFO_GRACE_S + 0.5, took
     assert sum(p.fetched for p in stalling) == 6  # one a round, each cut at its deadline
     assert averager.statistics().rejected == {"timeout": 6}
+
+
+async def test_join_refuses_a_liar_vouched_for_by_a_second_identity(tmp_path: Path) -> None:
+    """A liar claims the most updates and serves far-off weights; a second identity of
+    its own serves the same and vouches for it. One agreeing witness was enough: the
+    joiner took the liar's state (an outside probe: a validation loss of 8.5 where the
+    seed's was 5.8). No fewer witnesses heard may agree than disagree: the two honest
+    ones outvote it (and, two against two, nobody is believed over the seed)."""
+    honest = _published_state(*_trained_tiny(5), version=5)
+    other = _published_state(*_trained_tiny(6), version=6)
+    lie = _published_state(*_trained_tiny(5), version=500)
+    lie.params = _lie(lie.params, "negated")
+    accomplice = _published_state(*_trained_tiny(5), version=1)
+    accomplice.params = lie.params
+    network = FakeNetwork(
+        FakePeer("liar", lie.params, version=500, state=lie),
+        FakePeer("accomplice", accomplice.params, version=1, state=accomplice),
+        FakePeer("honest", honest.params, version=5, state=honest),
+        FakePeer("other", other.params, version=6, state=other),
+    )
+    joiner, _, averager, (peer_id, _) = await _join_a_fresh_tiny(network, tmp_path)
+    assert peer_id not in {"liar", "accomplice"}
+    assert averager.statistics().rejected.get("join_disagrees", 0) >= 1
+    for name, p in joiner.named_parameters():
+        assert not torch.equal(p, lie.params[name]), name

@@ -97,6 +97,9 @@ INFO_PEERS = 16
 JOIN_ATTEMPTS = 3
 # a whole state (weights and Adam's moments) takes longer than a round's weights
 JOIN_TIMEOUT_FACTOR = 4
+# Other trainers asked whether a state to join from agrees with their weights; more
+# than half of those that answer must (``_witnessed``).
+WITNESSES = 3
 # publish a fresh snapshot at most this often (or 10x as long as a copy takes)
 PUBLISH_EVERY_S = 2.0
 # A late joiner takes a state only if a witness's weights agree with it: all the tensors
@@ -662,16 +665,20 @@ class TrainerAverager:
         trained: list[tuple[TrainerPeer, int]],
         named_params: Mapping[str, torch.Tensor],
     ) -> str | None:
-        """A downloaded state is taken only if another trainer's parameters agree with
-        it (``_agrees``). Up to two other trained peers, drawn from all that answered
+        """A downloaded state is taken only if other trainers' parameters agree with it
+        (``_agrees``): at least one of those asked that answer, and no fewer than
+        disagree. Up to ``WITNESSES`` other trained peers, drawn from all that answered
         (not only the best ranked: identities that claim the most updates would be
-        each other's witnesses), are asked; one agreeing is enough, and with none to
-        ask (or none answering) the state is taken as it is. So a peer that lies about
-        its progress to be chosen and then serves far-off weights (x1e3, noise of the
-        weights' size, negated weights) is refused ("disagrees") while an honest
-        trainer is vouched for by any honest other."""
+        each other's witnesses), are asked; with none to ask (or none answering) the
+        state is taken as it is. So a peer that lies about its progress to be chosen
+        and then serves far-off weights (x1e3, noise of the weights' size, negated
+        weights) is refused ("disagrees"), an honest trainer is vouched for by an
+        honest other whatever one liar says, and a liar vouched for by a second
+        identity of its own is refused where honest witnesses outnumber it: one
+        agreeing witness of two was enough, and such a pair gave a joiner weights worse
+        than the seed's (an outside probe: its loss 8.5 where the seed's was 5.8)."""
         others = {p.peer_id: p for p, _ in trained if p.peer_id != source.peer_id}
-        witnesses = self._rng.sample(list(others.values()), min(2, len(others)))
+        witnesses = self._rng.sample(list(others.values()), min(WITNESSES, len(others)))
         if not witnesses:
             return None
         layout = {n: (tuple(p.shape), p.dtype) for n, p in named_params.items()}
@@ -689,11 +696,13 @@ class TrainerAverager:
 
         answers: list[Params | None] = self._run(fetch_all)
         heard = [theirs for theirs in answers if theirs is not None]
-        if not heard or any(_agrees(state.params, theirs) for theirs in heard):
+        agreeing = sum(_agrees(state.params, theirs) for theirs in heard)
+        if not heard or (agreeing and 2 * agreeing >= len(heard)):
             return None
         logger.info(
-            "trainer %s's state disagrees with %d other trainers' weights",
+            "trainer %s's state disagrees with %d of %d other trainers' weights",
             source.peer_id[-8:],
+            len(heard) - agreeing,
             len(heard),
         )
         return "disagrees"
