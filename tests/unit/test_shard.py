@@ -584,15 +584,19 @@ async def test_a_replica_announcing_more_than_the_expert_can_take_is_refused_at_
 
 
 class Trickling(FakeRpc):
-    """Answers every request with one byte, just before the RPC client's ``request_s``
-    would give up on it (an outside probe's replica: 13 bytes in 600 s)."""
+    """Answers every request just before the RPC client's ``request_s`` would give up
+    on it (an outside probe's replica: 13 bytes in 600 s); with ``short``, with one
+    byte whatever was asked for."""
+
+    short = False
 
     async def call_raw(
         self, peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
     ) -> tuple[Any, memoryview]:
         await trio.sleep(59.0)
-        one = header.model_copy(update={"length": 1})
-        return await super().call_raw(peer, verb, one, max_body_bytes=max_body_bytes)
+        if self.short:
+            header = header.model_copy(update={"length": 1})
+        return await super().call_raw(peer, verb, header, max_body_bytes=max_body_bytes)
 
 
 async def test_a_replica_that_falls_behind_the_rate_is_dropped_after_the_grace(
@@ -610,3 +614,20 @@ async def test_a_replica_that_falls_behind_the_rate_is_dropped_after_the_grace(
     honest = FakeRpc(server(Experts(ffn_0_0=DATA)))
     await download(honest, tmp_path / "y", min_rate=32 << 10, grace_s=5.0, chunk_bytes=64)
     assert (tmp_path / "y").read_bytes() == DATA
+
+
+async def test_a_chunk_shorter_than_asked_before_the_end_is_refused(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """One byte a request: each cost the requester a whole RPC (a trainer fetching from
+    such a peer trained at half its speed). A server sends what was asked for, up to
+    its cap and the end."""
+    rpc = Trickling(server(Experts(ffn_0_0=DATA)))
+    rpc.short = True
+    with pytest.raises(ShardError, match="1 bytes before the end, asked for 1024"):
+        await download(rpc, tmp_path / "x")
+    assert rpc.calls == 1
+    # the last chunk is shorter than asked: the end
+    honest = FakeRpc(server(Experts(ffn_0_0=DATA[:1500])))
+    await download(honest, tmp_path / "y")
+    assert (tmp_path / "y").read_bytes() == DATA[:1500]
