@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -43,6 +44,7 @@ from volunteerd.net.reachability import observed_ips
 from volunteerd.net.records import (
     EXPERT_RECORDS,
     MANIFESTS,
+    REFUSAL_CODES,
     ExpertRecord,
     FindRequest,
     ManifestFindRequest,
@@ -53,7 +55,14 @@ from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.net.store import SignedRecordStore, Source, StoreStatistics, ip_prefix
 from volunteerd.net.swarm_clock import SwarmClock
 
-__all__ = ["DHTStatistics", "ExpertDHT", "StoreOutcome", "admit_after_identify"]
+__all__ = [
+    "UNEXPLAINED",
+    "DHTStatistics",
+    "ExpertDHT",
+    "ManifestStoreOutcome",
+    "StoreOutcome",
+    "admit_after_identify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +91,20 @@ class _Verbs(Generic[R]):
     find_request: type[FindRequest] | type[ManifestFindRequest]
     store_batch: int
     find_batch: int
+    explains: bool = False  # store replies say why records were refused (``refused``)
 
 
 _EXPERT_VERBS = _Verbs(EXPERT_RECORDS, Verb.DHT_STORE, Verb.DHT_FIND, FindRequest, 256, 64)
 _MANIFEST_VERBS = _Verbs(
-    MANIFESTS, Verb.MANIFEST_STORE, Verb.MANIFEST_FIND, ManifestFindRequest, 4, 1
+    MANIFESTS, Verb.MANIFEST_STORE, Verb.MANIFEST_FIND, ManifestFindRequest, 4, 1, True
 )
+
+# The store's refusal reasons (net/store.py) as ``StoreReply.refused`` names them; every
+# other reason is "other". The wire keeps its own few names so that renaming a quota
+# inside the store changes nothing a peer reads.
+_WIRE_REASONS = {"key_full": "name_full", "future": "future", "stale": "stale"}
+# A peer that answered but kept nothing without saying why (older than the field).
+UNEXPLAINED = "unexplained"
 
 
 def admit_after_identify(host: IHost, kad: KadDHT) -> None:
@@ -205,6 +222,16 @@ class StoreOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ManifestStoreOutcome:
+    """``ExpertDHT.store_manifest``: how many of the closest peers (this node included)
+    stored the manifest, and of the other peers that answered without storing it, how
+    many gave each reason (``REFUSAL_CODES``; ``UNEXPLAINED`` when they gave none)."""
+
+    acks: int
+    refused: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class DHTStatistics:
     """``ExpertDHT.statistics()``: the expert record store and the manifest store."""
 
@@ -282,14 +309,22 @@ class ExpertDHT:
             # record, or refused again): a forged record sent 196 times in one request
             # costs one signature check, not 196. The store budgets failed checks per
             # source across requests (net/store.py).
-            outcomes: dict[R, bool] = {}
-            stored = 0
+            outcomes: dict[R, str | None] = {}
+            refused: Counter[str] = Counter()
             for record in records:
-                outcome = outcomes.get(record)
-                if outcome is None:
-                    outcome = outcomes[record] = store.put(record, source)
-                stored += outcome
-            return Reply(StoreReply(stored=stored, rejected=len(records) - stored))
+                if record not in outcomes:
+                    outcomes[record] = store.keep(record, source)
+                reason = outcomes[record]
+                if reason is not None:
+                    refused[_WIRE_REASONS.get(reason, "other")] += 1
+            stored = len(records) - refused.total()
+            return Reply(
+                StoreReply(
+                    stored=stored,
+                    rejected=len(records) - stored,
+                    refused=dict(refused) if verbs.explains else {},
+                )
+            )
 
         async def on_find(request: Request) -> Reply:
             keys, writer = request.header.query()
@@ -487,9 +522,16 @@ class ExpertDHT:
             return None
         return reply
 
-    async def _put(self, verbs: _Verbs[R], records: Sequence[R]) -> dict[str, int]:
+    async def _put(
+        self,
+        verbs: _Verbs[R],
+        records: Sequence[R],
+        refused: dict[str, Counter[str]] | None = None,
+    ) -> dict[str, int]:
         """Store each record on the closest peers to its key; returns, per key, how many
-        of them (this node included) accepted all of that key's records.
+        of them (this node included) accepted all of that key's records. ``refused``,
+        when given, gets per key how many other peers refused it for each reason their
+        replies gave (a reply's reasons count for every key of its request it refused).
 
         The peers holding this node's previous record for a key get the new one at
         once, while the closest peers are looked up: after any change of membership
@@ -516,6 +558,10 @@ class ExpertDHT:
                         return
                     if isinstance(reply, StoreReply) and reply.stored == len(chunk):
                         accepted.update(kind.key_of(r) for r in chunk)
+                    elif isinstance(reply, StoreReply) and refused is not None:
+                        codes = {c if c in REFUSAL_CODES else "other" for c in reply.refused}
+                        for key in {kind.key_of(r) for r in chunk}:
+                            refused.setdefault(key, Counter()).update(codes or {UNEXPLAINED})
             for key in keys:
                 if key in accepted:
                     accepted_by[key].add(peer_id)
@@ -625,7 +671,13 @@ class ExpertDHT:
 
     async def put_manifest(self, record: ManifestRecord) -> int:
         """Store ``record`` on the closest peers to its name; returns how many accepted."""
-        return (await self._put(_MANIFEST_VERBS, [record]))[record.name]
+        return (await self.store_manifest(record)).acks
+
+    async def store_manifest(self, record: ManifestRecord) -> ManifestStoreOutcome:
+        """Like ``put_manifest``, with why the peers that refused it did."""
+        refused: dict[str, Counter[str]] = {}
+        acks = (await self._put(_MANIFEST_VERBS, [record], refused))[record.name]
+        return ManifestStoreOutcome(acks, dict(refused.get(record.name, Counter())))
 
     async def get_manifests(self, name: str, owner: str | None = None) -> list[ManifestRecord]:
         """Every owner's newest valid manifest for experiment ``name``; only ``owner``'s

@@ -41,9 +41,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
 )
 
 from volunteerd import uids
@@ -61,6 +63,7 @@ __all__ = [
     "MAX_MANIFEST_BODY",
     "MAX_OWNERS_PER_NAME",
     "NAME_PATTERN",
+    "REFUSAL_CODES",
     "ExpertRecord",
     "FindReply",
     "FindRequest",
@@ -261,13 +264,33 @@ class StoreRequest(BaseModel):
     records: Annotated[list[ExpertRecord], Field(max_length=256)]
 
 
+# Why a storing peer did not keep records (``StoreReply.refused``, manifest-store only):
+# the other owners fill the name, issued ahead of the peer's clock, older than the one it
+# holds, anything else. Readers take a code they do not know for "other".
+REFUSAL_CODES = ("name_full", "future", "stale", "other")
+RefusalCode = Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
+
+
 class StoreReply(BaseModel):
-    """The reply to ``dht-store`` and to ``manifest-store``."""
+    """The reply to ``dht-store`` and to ``manifest-store``.
+
+    ``refused`` counts the records not kept by reason (``REFUSAL_CODES``); only
+    ``manifest-store`` replies set it, and it is left out of the JSON when empty: peers
+    older than the field refuse a header with it (extra fields forbidden), so a reply
+    that stored everything reads the same to every version."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     status: Literal["ok"] = "ok"
     stored: int = 0
     rejected: int = 0
+    refused: Annotated[dict[RefusalCode, int], Field(max_length=8)] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_empty_refused(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("refused"):
+            data.pop("refused", None)
+        return data
 
 
 class FindRequest(BaseModel):

@@ -223,10 +223,15 @@ class SignedRecordStore(Generic[R]):
     def put(self, record: R, source: Source | None = None) -> bool:
         """Keep ``record`` (stored by ``source``; None: this node's own); False when
         refused (the reason is counted in ``statistics().refused``)."""
+        return self.keep(record, source) is None
+
+    def keep(self, record: R, source: Source | None = None) -> str | None:
+        """Like ``put``; returns why the record was refused (counted as by ``put``), or
+        None when stored."""
         reason = self.offer(record, source)
         if reason is not None:
             self._refused[reason] += 1
-        return reason is None
+        return reason
 
     def offer(self, record: R, source: Source | None = None) -> str | None:
         """Like ``put``; returns why the record was refused, or None when stored."""
@@ -252,6 +257,11 @@ class SignedRecordStore(Generic[R]):
             # The stored one is issued past the clock's tolerance: its writer's clock (or
             # this node's, corrected since by net/swarm_clock.py) was ahead. It is no
             # longer valid and does not hold the slot against the writer's next record.
+        if self._from_the_future(record):
+            # Named apart from "invalid" (and before the quotas) for its writer's sake:
+            # an owner whose clock ran ahead was told nothing but a guess (audit-join).
+            # It needs no signature check, so it is not charged to the source either.
+            return "future"
         if self._spent(source, now):
             # Whatever else would refuse it, this record would need a check the source
             # has no budget for: refused before planning room for it.

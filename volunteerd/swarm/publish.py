@@ -18,10 +18,11 @@ from volunteerd.config import Config
 from volunteerd.errors import ConfigError, ResourceUnavailable
 from volunteerd.identity import Identity
 from volunteerd.net import open_node, peer_id_for
+from volunteerd.net.dht import UNEXPLAINED
 from volunteerd.swarm.invitation import MAX_PEERS, Invitation
 from volunteerd.swarm.manifest import ExperimentManifest, load_manifest_file, sign_manifest
 
-__all__ = ["Published", "make_invitation", "publish_manifest"]
+__all__ = ["Published", "make_invitation", "publish_manifest", "refusal_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +75,60 @@ async def publish_manifest(config: Config, owner: Identity, path: Path) -> Publi
         update={"network": config.network.model_copy(update={"port": 0})}
     )
     async with open_node(Identity.generate(), node_config) as node:
-        acks = await node.dht.put_manifest(record)
+        outcome = await node.dht.store_manifest(record)
         # This node is about to leave: only the copies on other peers count.
-        acks -= int(bool(node.dht.manifests.get(manifest.name)))
+        acks = outcome.acks - int(bool(node.dht.manifests.get(manifest.name)))
     if acks < 1:
-        # The likeliest cause this side can name: peers check a manifest's times on their
-        # own clocks, and this one would read only that nobody stored it.
-        raise ResourceUnavailable(
-            f"no peer stored the manifest of {manifest.name!r}; peers refuse a manifest "
-            f"issued more than {config.dht.max_clock_skew_s:g} s ahead of their clocks: "
-            "is this computer's clock right?"
-        )
+        raise ResourceUnavailable(refusal_message(manifest, outcome.refused, config))
+    if outcome.refused:
+        logger.warning("%s", refusal_message(manifest, outcome.refused, config, stored=acks))
     logger.info("stored manifest %r on %d peers", manifest.name, acks)
     return Published(manifest, acks, invitation, left_out)
+
+
+def refusal_message(
+    manifest: ExperimentManifest, refused: dict[str, int], config: Config, *, stored: int = 0
+) -> str:
+    """What the owner is told when peers refused ``manifest``: each reason the peers gave
+    (``refused``: peers by ``StoreReply.refused`` code), and nothing they did not give.
+
+    Before, "no peer stored it" was always blamed on this computer's clock, and an owner
+    whose name 16 strangers had filled first was told to check a clock that was right
+    (audit-join)."""
+    name, owner = manifest.name, manifest.owner
+    head = (
+        f"the manifest of {name!r} was stored on {stored} peers, but not on all"
+        if stored
+        else f"no peer stored the manifest of {name!r}"
+    )
+    lines = []
+    for code, count in sorted(refused.items(), key=lambda item: -item[1]):
+        peers = f"{count} peer{'s' if count != 1 else ''}"
+        if code == "name_full":
+            lines.append(
+                f"{peers} refused it: the name {name!r} already has the most owners a peer "
+                f"keeps ({config.dht.max_owners_per_name}), others who stored theirs first; "
+                "publish under another name, or have the storing peers trust your owner id "
+                f"{owner} (experiments.trusted_owners) so that they keep yours first"
+            )
+        elif code == "future":
+            lines.append(
+                f"{peers} refused it as issued more than {config.dht.max_clock_skew_s:g} s "
+                "ahead of their clocks: is this computer's clock right?"
+            )
+        elif code == "stale":
+            lines.append(
+                f"{peers} hold a manifest of {name!r} by this owner issued later than this "
+                "one: was it published since from another computer, or is this one's "
+                "clock behind?"
+            )
+        elif code == UNEXPLAINED:
+            lines.append(f"{peers} refused it without saying why (older versions do not)")
+        else:
+            lines.append(
+                f"{peers} refused it for another reason (a full store, or this owner's "
+                "most names a peer keeps)"
+            )
+    if not lines:
+        lines.append("no peer that it was sent to answered")
+    return head + ":\n  " + "\n  ".join(lines)
