@@ -5,11 +5,13 @@ records, and quotas of callers who come through a relay."""
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
 import multiaddr
 import pytest
+import trio
 from libp2p.peer.id import ID
 from pydantic import ValidationError
 
@@ -299,3 +301,39 @@ def test_a_caller_through_a_relay_is_not_charged_to_the_relays_prefix() -> None:
     assert dht._source(relayed) == Source(relayed, f"peer:{relayed}")
     assert dht._source(direct) == Source(direct, "203.0.113.0/24")
     assert dht._source(both) == Source(both, "192.0.2.0/24")
+
+
+class _SilentHost(_Host):
+    """A host whose dials hang (``hang``) or fail with an exception of no text."""
+
+    def __init__(self, hang: bool) -> None:
+        super().__init__()
+        self.hang = hang
+
+    async def connect(self, peer_info: Any) -> None:
+        if self.hang:
+            await trio.sleep_forever()
+        raise ConnectionError()
+
+
+@pytest.mark.parametrize(
+    ("hang", "reason"), [(True, "did not answer within 0.05 s"), (False, "ConnectionError")]
+)
+async def test_a_bootstrap_peer_that_does_not_answer_is_named_with_a_reason(
+    caplog: pytest.LogCaptureFixture, hang: bool, reason: str
+) -> None:
+    """A timeout's text is empty: the warning ended at "did not answer: " (audit-join)."""
+    kad = _Kad()
+    dht = ExpertDHT(
+        _SilentHost(hang),  # type: ignore[arg-type]
+        kad,  # type: ignore[arg-type]
+        _Rpc(PeerError("unused")),  # type: ignore[arg-type]
+        DHTConfig(),
+        TimeoutsConfig(connect_s=0.05),
+    )
+    peer = PeerAddress(str(peer_id_for(Identity.generate())), ("/ip4/127.0.0.1/tcp/1",))
+    with caplog.at_level(logging.WARNING, logger="volunteerd.net.dht"):
+        assert await dht.bootstrap([peer]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "bootstrap peer" in r.getMessage()]
+    assert reason in warning
+    assert not warning.endswith(": ")

@@ -373,8 +373,16 @@ class ExpertDHT:
                     await self._host.connect(peer.peer_info())
                     if await self._kad.routing_table.add_peer(ID.from_base58(peer.peer_id)):
                         joined += 1
-            except (trio.TooSlowError, Exception) as exc:
-                logger.warning("bootstrap peer %s did not answer: %s", peer, exc or type(exc))
+            except trio.TooSlowError:
+                # its text is empty: the warning ended at "did not answer: " (audit-join)
+                logger.warning(
+                    "bootstrap peer %s did not answer within %g s", peer, self._timeouts.connect_s
+                )
+            except Exception as exc:
+                # An exception is always true, so "exc or its type" was the exception, and
+                # printed nothing when its text was empty.
+                reason = str(exc) or type(exc).__name__
+                logger.warning("bootstrap peer %s did not answer: %s", peer, reason)
 
         async with trio.open_nursery() as nursery:
             for peer in peers:

@@ -622,7 +622,7 @@ class Libp2pStreamHost:
             raise
         except Exception as exc:
             kind = StreamTimedOut if _timed_out(exc) else PeerUnreachable
-            raise kind(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+            raise kind(f"{short(peer.peer_id)}: {str(exc) or type(exc).__name__}") from None
         return Libp2pStream(stream)
 
     async def connect(self, peer: PeerAddress) -> None:
@@ -631,7 +631,9 @@ class Libp2pStreamHost:
         except (trio.Cancelled, KeyboardInterrupt, PeerUnreachable):
             raise
         except Exception as exc:
-            raise PeerUnreachable(f"{short(peer.peer_id)}: {exc or type(exc).__name__}") from None
+            raise PeerUnreachable(
+                f"{short(peer.peer_id)}: {str(exc) or type(exc).__name__}"
+            ) from None
 
     async def hang_up(self, peer_id: str) -> None:
         try:

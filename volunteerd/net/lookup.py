@@ -455,7 +455,9 @@ class PeerLookup:
                 with trio.fail_after(self._timeout_s):
                     stream = await self._host.new_stream(peer, [PROTOCOL_ID])
             except Exception as exc:  # refused, timed out, no address: not reached
-                logger.debug("lookup: %s unreachable: %s", short(peer), exc or type(exc).__name__)
+                logger.debug(
+                    "lookup: %s unreachable: %s", short(peer), str(exc) or type(exc).__name__
+                )
                 self._table.remove_peer(peer)
                 if vouched or not self._connected(peer):
                     with contextlib.suppress(PeerStoreError, KeyError):
@@ -473,7 +475,7 @@ class PeerLookup:
                 referrals = referrals_of(answer, key)
             except Exception as exc:  # reset, too large, malformed, too slow: no answer
                 logger.debug(
-                    "lookup: %s gave no answer: %s", short(peer), exc or type(exc).__name__
+                    "lookup: %s gave no answer: %s", short(peer), str(exc) or type(exc).__name__
                 )
                 return Answer(True, None)
         finally:

@@ -651,7 +651,7 @@ class Reachability:
                 with trio.fail_after(self._timeouts.connect_s * 2):
                     lasts = await self._relaying.reserve(relay)
             except (PeerUnreachable, trio.TooSlowError) as exc:
-                logger.info("relay %s: %s", short(relay.peer_id), exc or "timed out")
+                logger.info("relay %s: %s", short(relay.peer_id), str(exc) or "timed out")
                 continue
             self._relay = relay
             self._renew_at = time.monotonic() + lasts - _RENEW_BEFORE_S
