@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -322,3 +323,31 @@ async def test_fetch_before_anything_is_published_is_refused_at_once() -> None:
             with pytest.raises(RequestTimeout):
                 # An impossible deadline is a timeout, not a hang or another error.
                 await b.swarm.fetch_params(a.peer, timeout_s=1e-6, max_bytes=1 << 20)
+
+
+async def test_a_trainer_that_stalls_after_its_first_chunk_fails_a_join_in_seconds(
+    tmp_path: Path,
+) -> None:
+    """It sent a chunk and then nothing: a late joiner waited the whole ``timeout_s``
+    x 4 for each attempt (an outside probe: 40 s at a timeout_s of 10, 120 s by
+    default). A state must keep coming at 256 kbit/s after 5 s, as a replica's must."""
+    async with trainers(2) as (_, (a, b)):
+        a.swarm.publish(trainer_state(hidden=256), trainer_info())  # ~1 MiB with Adam state
+        served = a.swarm._shards.chunk
+        calls = 0
+
+        async def stalling(header: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                await trio.sleep_forever()
+            return await served(header, **kwargs)
+
+        a.swarm._shards.chunk = stalling  # type: ignore[method-assign]
+        b.swarm._chunk_bytes = 64 << 10  # what the first chunk credits it: 2 s at the rate
+        dest = tmp_path / "state.ckpt"
+        start = trio.current_time()
+        with trio.fail_after(DEADLINE_S):
+            with pytest.raises(ShardError, match="slower than"):
+                await b.swarm.download_state(a.peer, dest, timeout_s=60, max_bytes=64 << 20)
+        assert trio.current_time() - start < 20  # 5 s + 2 s; was 60 s (timeout_s)

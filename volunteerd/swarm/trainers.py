@@ -57,6 +57,7 @@ from volunteerd.net.peers import PeerAddress, short
 from volunteerd.net.protocols import Verb
 from volunteerd.net.rpc import Handler, Reply, Request
 from volunteerd.net.shard import ShardServer, download_shard, fetch_shard
+from volunteerd.runtime.averaging import FIRST_REPLY_S, MIN_REPLY_RATE
 from volunteerd.uids import is_valid_uid
 from volunteerd.wire import TrainerInfo, TrainerInfoRequest
 
@@ -376,6 +377,11 @@ class TrainerSwarm:
                 chunk_bytes=self._chunk_bytes,
                 max_bytes=max_bytes,
                 on_chunk=on_chunk,
+                # it must keep sending, as a replica must: one that sent 100 bytes and
+                # stalled held a late joiner's start for the whole timeout_s x 4, each
+                # attempt (an outside probe: 40 s at timeout_s 10; 120 s by default)
+                min_rate=MIN_REPLY_RATE,
+                grace_s=FIRST_REPLY_S,
             )
             try:
                 state = await trio.to_thread.run_sync(read_checkpoint, dest)
