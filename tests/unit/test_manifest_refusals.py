@@ -24,7 +24,9 @@ from volunteerd.swarm.manifest import ExperimentManifest
 from volunteerd.swarm.publish import refusal_message
 from volunteerd.wire.frames import decode_header
 
-NOW = time.time()  # the storing peer checks times on the real clock
+# The storing peer checks times on the real clock: each record is dated when it is made
+# (a time read at import was 27 minutes old by this test's turn in a one-process run,
+# and a record "120 s ahead" was in the past).
 
 
 def storing_peer() -> ExpertDHT:
@@ -36,7 +38,8 @@ def storing_peer() -> ExpertDHT:
     return ExpertDHT(host, kad, None, DHTConfig(), TimeoutsConfig())  # type: ignore[arg-type]
 
 
-def signed(owner: Identity, issued: float = NOW, name: str = "exp") -> ManifestRecord:
+def signed(owner: Identity, ahead_s: float = 0.0, name: str = "exp") -> ManifestRecord:
+    issued = time.time() + ahead_s
     return ManifestRecord(
         name=name,
         owner=str(peer_id_for(owner)),
@@ -67,11 +70,11 @@ async def test_a_manifest_store_reply_says_the_name_is_full_of_other_owners() ->
 async def test_a_manifest_store_reply_tells_a_clock_ahead_from_a_newer_manifest_held() -> None:
     dht = storing_peer()
     owner = Identity.generate()
-    reply = await store(dht, signed(owner, issued=NOW + 120))
+    reply = await store(dht, signed(owner, ahead_s=120))
     assert reply == StoreReply(stored=0, rejected=1, refused={"future": 1})
     assert dht.manifests.statistics().refused == {"future": 1}
     assert (await store(dht, signed(owner))).stored == 1
-    reply = await store(dht, signed(owner, issued=NOW - 60))
+    reply = await store(dht, signed(owner, ahead_s=-60))
     assert reply == StoreReply(stored=0, rejected=1, refused={"stale": 1})
 
 
@@ -93,7 +96,7 @@ async def test_a_store_reply_that_kept_everything_reads_as_older_versions_wrote_
 def manifest_of(owner: Identity) -> ExperimentManifest:
     return ExperimentManifest(
         name="exp", grid=(2, 2), hidden_dim=16, owner=str(peer_id_for(owner)),
-        issued_at=NOW, expires_at=NOW + 3600,
+        issued_at=time.time(), expires_at=time.time() + 3600,
     )  # fmt: skip
 
 
