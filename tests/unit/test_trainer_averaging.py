@@ -1140,6 +1140,26 @@ async def test_a_peer_that_stalls_after_its_first_chunk_costs_seconds_not_the_ro
     assert averager.statistics().rejected == {"timeout": 6}
 
 
+async def test_a_joiner_waits_for_a_silent_peers_info_no_longer_than_a_grace(
+    tmp_path: Path, slow_clock: trio.abc.Clock
+) -> None:
+    """One record whose address accepts and never answers its ``trainer-info`` held
+    every join for all of ``timeout_s`` (30 s by default) after the others had answered
+    (an outside probe): once one has answered, the rest get ``INFO_GRACE_S`` more."""
+    honest = _published_state(*_trained_tiny(5), version=5)
+    other = _published_state(*_trained_tiny(6), version=6)
+    network = FakeNetwork(
+        FakePeer("silent", kind="hang", version=9),
+        FakePeer("honest", honest.params, version=5, state=honest),
+        FakePeer("other", other.params, version=6, state=other),
+    )
+    started = trio.current_time()
+    _, _, averager, (peer_id, _) = await _join_a_fresh_tiny(network, tmp_path)
+    assert peer_id in {"honest", "other"}
+    assert averager.config.timeout_s == 5.0
+    assert trio.current_time() - started <= INFO_GRACE_S + 1.0
+
+
 async def test_join_refuses_a_liar_vouched_for_by_a_second_identity(tmp_path: Path) -> None:
     """A liar claims the most updates and serves far-off weights; a second identity of
     its own serves the same and vouches for it. One agreeing witness was enough: the

@@ -721,12 +721,17 @@ class TrainerAverager:
         async def infos() -> list[TrainerInfo | None]:
             out: list[TrainerInfo | None] = [None] * len(asked)
 
-            async def one(i: int) -> None:
+            async def one(i: int, scope: trio.CancelScope) -> None:
                 out[i] = await self._info(asked[i])
+                if out[i] is not None:
+                    # the others get a short while more, as in a round: one record
+                    # that accepted and never answered held every join for all of
+                    # timeout_s (30 s by default) after the others had answered
+                    scope.deadline = min(scope.deadline, trio.current_time() + INFO_GRACE_S)
 
             async with trio.open_nursery() as nursery:
                 for i in range(len(asked)):
-                    nursery.start_soon(one, i)
+                    nursery.start_soon(one, i, nursery.cancel_scope)
             return out
 
         answers: list[TrainerInfo | None] = self._run(infos)
