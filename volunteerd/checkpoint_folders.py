@@ -112,29 +112,30 @@ def set_aside(path: Path) -> Path:
     return moved
 
 
-def unreachable(directory: Path) -> str | None:
-    """(Blocking.) Why the checkpoints folder ``directory`` cannot be used, in a sentence
-    that names it and says what to do; None when it is a folder, or when there is nothing
-    at all of that name yet (the first save makes it)."""
+def unreachable(directory: Path, what: str = "checkpoints folder") -> str | None:
+    """(Blocking.) Why the checkpoints folder ``directory`` (``what`` names it: an
+    expert's own folder too) cannot be used, in a sentence that names it and says what
+    to do; None when it is a folder, or when there is nothing at all of that name yet
+    (the first save makes it)."""
     try:
         info = os.stat(directory)  # through a link
     except FileNotFoundError:
         if not directory.is_symlink():
             return None
         return (
-            f"checkpoints folder {directory} is a link to {_target(directory)}, which is "
+            f"{what} {directory} is a link to {_target(directory)}, which is "
             "missing: mount the drive it is on, or remove the link"
         )
     except OSError as exc:
-        return f"checkpoints folder {directory} cannot be reached: {exc.strerror or exc}"
+        return f"{what} {directory} cannot be reached: {exc.strerror or exc}"
     if stat.S_ISDIR(info.st_mode):
         return None
     if directory.is_symlink():
         return (
-            f"checkpoints folder {directory} is a link to {_target(directory)}, which is "
+            f"{what} {directory} is a link to {_target(directory)}, which is "
             "not a folder: link it to a folder, or remove the link"
         )
-    return f"checkpoints folder {directory} is not a folder: move it away"
+    return f"{what} {directory} is not a folder: move it away"
 
 
 def _target(link: Path) -> str:

@@ -224,3 +224,33 @@ async def test_the_disk_budget_deletes_damaged_files_before_good_ones(tmp_path: 
     assert await saver.save_changed() == 1
     assert damaged(tmp_path / UIDS[0]) == []
     assert saver.store.files(UIDS[0])[1] == good
+
+
+async def test_an_experts_own_folder_linked_to_a_drive_not_mounted_stops_the_start(
+    tmp_path: Path,
+) -> None:
+    """The check looked only at the checkpoints folder: one expert's folder that was a
+    link to a drive not mounted read as "no checkpoints" (the expert started from its
+    initial weights) and each save of it failed with ``[Errno 17] File exists``."""
+    drive = tmp_path / "usb"
+    CheckpointStore(drive).save(trained(UIDS[0], 3).state())
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    link = checkpoints / UIDS[0]
+    link.symlink_to(drive / UIDS[0])
+    drive.rename(tmp_path / "usb.unmounted")
+    host = runtime()
+    with pytest.raises(ResourceUnavailable) as raised:
+        await Checkpointer(host, checkpoints, CheckpointConfig()).restore()
+    assert str(raised.value) == (
+        f"checkpoints folder of {UIDS[0]} {link} is a link to {drive / UIDS[0]}, which is "
+        "missing: mount the drive it is on, or remove the link"
+    )
+    assert host.backend(UIDS[0]).updates == 0
+    with pytest.raises(OSError, match=r"checkpoints folder of ffn\.0\.0 .*, which is missing"):
+        CheckpointStore(checkpoints).save(trained(UIDS[0], 1).state())
+
+    (tmp_path / "usb.unmounted").rename(drive)  # mounted: the start goes on
+    loaded = await Checkpointer(host, checkpoints, CheckpointConfig()).restore()
+    assert list(loaded) == [UIDS[0]]
+    assert host.backend(UIDS[0]).updates == 3

@@ -411,6 +411,11 @@ class CheckpointStore:
         named like a checkpoint, newest first."""
         return numbered(self._dir(uid))
 
+    def unreachable(self, uid: str) -> str | None:
+        """Why ``uid``'s own folder cannot be used (``checkpoint_folders.unreachable``);
+        None when it is a folder or not there yet."""
+        return unreachable(self._dir(uid), f"checkpoints folder of {uid}")
+
     def files(self, uid: str) -> list[Path]:
         """Complete checkpoint files of ``uid``, newest first: regular files only (a
         folder, a FIFO or a symlink of the name is not a checkpoint of ours)."""
@@ -454,7 +459,7 @@ class CheckpointStore:
         with self._saving(state.uid):
             if not folder.is_dir():
                 # a link to a drive not mounted: say so ("File exists" said nothing)
-                reason = unreachable(self.directory)
+                reason = unreachable(self.directory) or self.unreachable(state.uid)
                 if reason is not None:
                     raise OSError(reason)
                 folder.mkdir(parents=True, exist_ok=True)

@@ -135,13 +135,20 @@ class Checkpointer:
     async def restore(self) -> dict[str, Path]:
         """Load each expert's newest good checkpoint; experts without one keep their
         seeded initial weights (logged, one line each). Returns the files loaded, by uid.
-        Raises ResourceUnavailable, loading nothing, when the checkpoints folder exists
-        but cannot be reached (a link to a drive not mounted, or to a file): every
+        Raises ResourceUnavailable, loading nothing, when the checkpoints folder (or a
+        hosted expert's own folder in it) exists but cannot be reached (a link to a
+        drive not mounted, or to a file): every
         expert would start again from its initial weights, and its next save would bury
         the checkpoints on that drive."""
-        reason = await trio.to_thread.run_sync(unreachable, self.store.directory)
-        if reason is not None:
-            raise ResourceUnavailable(reason)
+
+        def reason() -> str | None:
+            return unreachable(self.store.directory) or next(
+                filter(None, map(self.store.unreachable, self.runtime.uids)), None
+            )
+
+        problem = await trio.to_thread.run_sync(reason)
+        if problem is not None:
+            raise ResourceUnavailable(problem)
         await trio.to_thread.run_sync(self.store.remove_temporaries)
         loaded: dict[str, Path] = {}
         for uid in self.runtime.uids:
