@@ -12,6 +12,7 @@ import torch
 import trio
 
 from volunteerd.config import LimitsConfig, RuntimeConfig, limits_overlay_toml, load_config
+from volunteerd.config.loading import check_limits_overlay
 from volunteerd.errors import ConfigError
 from volunteerd.runtime import DeviceBatcher, DeviceExecutor
 
@@ -106,3 +107,16 @@ def test_a_bad_limits_overlay_is_named(tmp_path: Path) -> None:
     (tmp_path / "limits.toml").write_text("[limits]\nduty_cycle = 2\n")
     with pytest.raises(ConfigError, match=r"limits\.duty_cycle = 2.*limits\.toml"):
         load_config(tmp_path / "config.toml", run_time_dir=tmp_path)
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# nothing set here\n"])
+@pytest.mark.parametrize("name", ["limits.toml", "schedule.toml"])
+def test_an_empty_overlay_sets_nothing(tmp_path: Path, name: str, text: str) -> None:
+    """An empty ``limits.toml`` or ``schedule.toml`` stopped the start: it "may hold only
+    a [limits] section" (an outside probe). It is valid TOML that sets nothing."""
+    (tmp_path / name).write_text(text)
+    assert load_config(tmp_path / "config.toml", run_time_dir=tmp_path) == load_config(
+        tmp_path / "config.toml", run_time_dir=tmp_path / "other"
+    )
+    if name == "limits.toml":  # what a start checks before taking an old one along
+        check_limits_overlay(tmp_path / name)

@@ -207,7 +207,9 @@ def _apply_overlay(
         overlay = read_toml(path)
     except FileNotFoundError:
         return
-    values = overlay.get(section)
+    # an empty file (or one of comments only) sets nothing: it stopped the start,
+    # saying it "may hold only a [limits] section"
+    values = overlay.get(section, {})
     if set(overlay) - {section} or not isinstance(values, dict):
         raise ConfigError(
             f"{path}: may hold only a [{section}] section: fix it, or delete it to use "
