@@ -269,12 +269,12 @@ class Daemon:
                 if own_log is not None:  # started detached, or by launchd: bounded here
                     serving.start_soon(_keep_bounded, own_log)
                 await serving.start(scheduler.serve)  # decides before the volunteer serves
+                configured: list[Joiner] = []  # experiments.join: joined below
                 if hosting is not None:
-                    await hosting.start(serving, node, volunteer, projects)
+                    configured = await hosting.start(serving, node, volunteer, projects)
                 else:
                     await serving.start(volunteer.serve)
                 running = Running(node, volunteer, hosting, projects, scheduler)
-                self._log_started(running)
                 open_events(events, node, runtime, volunteer.described)
                 running.controls = ControlView(
                     node=node,
@@ -305,6 +305,9 @@ class Daemon:
                             control_file=paths.control_file,
                         )
                     )
+                for joiner in configured:  # the control API answers meanwhile
+                    await serving.start(joiner.serve)
+                self._log_started(running)
                 task_status.started(running)
                 await self._stop.wait()
                 serving.cancel_scope.cancel()  # withdraws the announcements

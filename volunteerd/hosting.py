@@ -104,10 +104,13 @@ class Hosting:
         node: Node,
         volunteer: Volunteer,
         projects: Sequence[Project],
-    ) -> None:
+    ) -> list[Joiner]:
         """Start the announcer, the shard server, the checkpointer and the averager (as
-        configured) and a joiner for each of ``projects`` in ``serving``; returns once
-        the config's project (if any) hosts its first experts."""
+        configured) in ``serving``, and a joiner for each of ``projects`` but the
+        config's (``experiments.join``): its joiner is returned, not started, for the
+        caller to start (``await serving.start(joiner.serve)`` returns once it hosts its
+        first experts, and raises if it cannot join) once the control API answers: a
+        long join showed "not running" in `volunteerd status`."""
         config = self.config
         # Bulk transfers (averaging, downloads) only within the schedule's network hours.
         replicas = SwarmReplicas(
@@ -183,11 +186,13 @@ class Hosting:
                     checks=checks,
                 )
             )
+        configured: list[Joiner] = []
         for project, joiner in zip(projects, self.joiners, strict=True):
             if project.from_config:
-                await serving.start(joiner.serve)
+                configured.append(joiner)
             else:
                 serving.start_soon(joiner.keep_joining, REJOIN_AFTER_S)
+        return configured
 
 
 async def prepare_hosting(config: Config, paths: Paths, uids: Sequence[str]) -> Hosting:

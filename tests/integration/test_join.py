@@ -14,8 +14,9 @@ import torch
 import trio
 
 from volunteerd.config import Config
+from volunteerd.control.client import ControlClient
 from volunteerd.daemon import Running
-from volunteerd.errors import ResourceUnavailable, UntrustedManifest
+from volunteerd.errors import DaemonNotRunning, ResourceUnavailable, UntrustedManifest
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import CheckpointHeader, ExpertState, encode_checkpoint
 from volunteerd.identity import Identity
@@ -257,6 +258,48 @@ async def test_daemon_refuses_a_manifest_signed_by_an_untrusted_key(tmp_path: Pa
         assert unavailable is not None, info.value
         assert "trusted owner" in str(unavailable)
         assert manifest.owner not in str(unavailable)
+
+
+async def test_the_control_api_answers_while_the_configs_experiment_is_joined(
+    tmp_path: Path,
+) -> None:
+    """With ``experiments.join`` in the config the control API started only once the
+    join was done: during a long join (the manifest not found yet, up to
+    ``join_timeout_s``) `volunteerd status` said the daemon was not running. It answers
+    now, the project "joining"; the start completes once the manifest is found."""
+    owner = Identity.generate()
+    data_dir = tmp_path / "d"
+    async with open_peer(local_config()) as boot:
+        config = joining_config(boot.multiaddrs, [str(peer_id_for(owner))], join_timeout_s=60.0)
+        started = trio.Event()
+        hosting: list[set[str]] = []
+
+        async def run_daemon() -> None:
+            async with open_daemon(config, data_dir) as running:
+                hosting.append(hosted(running))
+                started.set()
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_daemon)
+            status = None
+            with trio.fail_after(60):
+                while status is None:
+                    await trio.sleep(0.2)
+                    try:
+                        client = ControlClient.for_data_dir(data_dir)
+                        status = await trio.to_thread.run_sync(client.status)
+                    except DaemonNotRunning:
+                        continue
+            assert [(p.name, p.state) for p in status.projects] == [(NAME, "joining")]
+            assert not started.is_set()
+            assert await boot.dht.put_manifest(sign_manifest(make_manifest(owner), owner)) >= 1
+            with trio.fail_after(60):
+                await started.wait()
+            assert hosting[0]  # it hosts its first experts before it says it started
+            status = await trio.to_thread.run_sync(client.status)
+            assert [(p.name, p.state) for p in status.projects] == [(NAME, "joined")]
+            nursery.cancel_scope.cancel()
 
 
 def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
