@@ -391,3 +391,39 @@ async def test_two_backwards_with_one_handle_use_it_once() -> None:
             calls.start_soon(backward)
         nursery.cancel_scope.cancel()
     assert sorted(outcomes) == ["expired", "ok"]
+
+
+def test_room_is_made_from_the_party_that_holds_the_most() -> None:
+    """One stranger keeping forwards it never takes back (9 requests a second, inside its
+    limits) evicted every other trainer's: their backwards came back ``expired`` (an
+    outside probe: 10 of 11). Room now comes from the party holding the most bytes."""
+    store = RetainedStore(1000, 60)
+    shared = WeightsSnapshot({}, 0)
+    honest = [store.put("e.0", "trainer", kept(100, shared), party="10.0.0.1") for _ in range(2)]
+    flood = [store.put("e.1", "stranger", kept(100, shared), party="10.0.0.9") for _ in range(8)]
+    assert None not in honest
+    assert None not in flood
+    for _ in range(20):  # the stranger goes on: it makes room from its own oldest
+        flood.append(store.put("e.1", "stranger", kept(100, shared), party="10.0.0.9"))
+    assert store.statistics().entries == 10
+    # the trainer's newer forward too takes the stranger's place, not its own older one
+    honest.append(store.put("e.0", "trainer", kept(100, shared), party="10.0.0.1"))
+    for handle in honest:
+        assert store.take(handle or "", "e.0", "trainer") is not None
+    # two identities at one address are one party; the peer id is the party by default
+    other = store.put("e.1", "sybil", kept(100, shared), party="10.0.0.9")
+    lone = store.put("e.0", "loopback", kept(100, shared))
+    assert store.take(other or "", "e.1", "sybil") is not None
+    assert store.take(lone or "", "e.0", "loopback") is not None
+    assert store.statistics().entries == 7  # the stranger's newest, where room was made
+
+
+def test_a_party_that_holds_the_most_loses_its_oldest_first_even_if_honest() -> None:
+    store = RetainedStore(500, 60)
+    shared = WeightsSnapshot({}, 0)
+    big = [store.put("e.0", "a", kept(100, shared), party="A") for _ in range(4)]
+    small = store.put("e.0", "b", kept(100, shared), party="B")
+    late = store.put("e.0", "c", kept(200, shared), party="C")  # room: A's oldest two
+    assert late is not None
+    assert [store.take(h or "", "e.0", "a") is not None for h in big] == [False, False, True, True]
+    assert store.take(small or "", "e.0", "b") is not None

@@ -2,8 +2,12 @@
 
 A trainer that will call backward asks the server to keep the forward's graph; the
 reply carries a random handle. The backward names the handle instead of sending the
-inputs again. Entries are dropped after ``retain_s``, when the byte budget needs room
-(oldest first), or when used. The budget is taken before a kept forward is computed
+inputs again. Entries are dropped after ``retain_s``, when the byte budget needs room,
+or when used. Room is made from the party that holds the most bytes, its oldest entry
+first (a party: the requester's address, as the device's lanes count it): one stranger
+keeping forwards it never takes back (9 requests a second, far inside its limits) evicted
+every other trainer's, whose backwards then came back ``expired`` (an outside probe: 10
+of 11 at 3 s between forward and backward). The budget is taken before a kept forward is computed
 (``reserve``), so forwards in flight count too; a forward that does not fit is served
 without being kept (counted in ``refused``). A handle that is gone, belongs to another
 expert or was issued to another peer is simply unknown, and the trainer falls back to
@@ -57,6 +61,7 @@ class _Entry:
     retained: Retained
     expires_at: float
     version: int  # the expert's ``updates`` when the forward ran
+    party: str  # whose share of the budget it takes (the address; the peer on loopback)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,7 @@ class Kept:
     uid: str = ""
     peer_id: str = ""
     expires_at: float = math.inf
+    party: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,9 @@ class RetainedStore:
         self._ttl_s = ttl_s
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        # party -> its entries' handles (in the order of ``_entries``) and their bytes
+        self._parties: dict[str, OrderedDict[str, None]] = {}
+        self._party_bytes: dict[str, int] = {}
         # Weight snapshots are shared by entries: charged once while any entry holds one.
         self._snapshot_refs: dict[int, int] = {}
         self._nbytes = 0  # kept entries and reservations of forwards in flight
@@ -142,7 +151,7 @@ class RetainedStore:
             self._refused += 1
             return None
         while self._nbytes + estimate > self._budget and self._entries:
-            self._drop(next(iter(self._entries)))
+            self._drop(self._victim())
             self._evicted += 1
         self._nbytes += estimate
         self._reserved += estimate
@@ -162,11 +171,13 @@ class RetainedStore:
         samples: int = 0,
         version: int = 0,
         input_bytes: int = 0,
+        party: str = "",
     ) -> str | None:
         """Keep ``retained`` in place of the ``reserved`` bytes; returns its handle, or
         None if it cannot fit. ``version``: the expert's ``updates`` when the forward
         ran (``take`` returns it). With ``samples`` and ``input_bytes`` (the forward's
-        input) its measured size becomes the estimate for inputs of its size class."""
+        input) its measured size becomes the estimate for inputs of its size class.
+        ``party`` (``peer_id`` when empty) is whose share of the budget it is charged to."""
         self.release(reserved)
         if samples > 0 and input_bytes > 0 and not retained.stacked:
             # stacked forwards keep no graph: they say nothing of what a graph holds
@@ -180,13 +191,12 @@ class RetainedStore:
             return None
         cost = self._cost_of(retained)
         while self._nbytes + cost > self._budget and self._entries:
-            self._drop(next(iter(self._entries)))
+            self._drop(self._victim())
             self._evicted += 1
             cost = self._cost_of(retained)  # evictions may have released its snapshot
         handle = secrets.token_hex(16)
         expires_at = self._clock() + self._ttl_s
-        self._entries[handle] = _Entry(uid, peer_id, retained, expires_at, version)
-        self._charge(retained, +1)
+        self._add(handle, _Entry(uid, peer_id, retained, expires_at, version, party or peer_id))
         return handle
 
     def peek(self, handle: str, uid: str, peer_id: str) -> Retained | None:
@@ -211,7 +221,13 @@ class RetainedStore:
         self._drop(handle)
         self._hits += 1
         return Kept(
-            entry.retained, entry.version, handle, entry.uid, entry.peer_id, entry.expires_at
+            entry.retained,
+            entry.version,
+            handle,
+            entry.uid,
+            entry.peer_id,
+            entry.expires_at,
+            entry.party,
         )
 
     def give_back(self, kept: Kept) -> bool:
@@ -226,12 +242,19 @@ class RetainedStore:
         if kept.expires_at <= self._clock() or self._nbytes + cost > self._budget:
             self._evicted += 1  # gone as if it had stayed and expired or been evicted
             return False
-        entry = _Entry(kept.uid, kept.peer_id, kept.retained, kept.expires_at, kept.version)
-        self._entries[kept.handle] = entry
-        # in the order of expiry, which ``expire`` relies on
+        entry = _Entry(
+            kept.uid,
+            kept.peer_id,
+            kept.retained,
+            kept.expires_at,
+            kept.version,
+            kept.party or kept.peer_id,
+        )
+        self._add(kept.handle, entry)
+        # in the order of expiry, which ``expire`` relies on (and a party's eviction)
         for later in [h for h, e in self._entries.items() if e.expires_at > kept.expires_at]:
             self._entries.move_to_end(later)
-        self._charge(kept.retained, +1)
+            self._parties[self._entries[later].party].move_to_end(later)
         self._hits -= 1  # taken, but not used
         return True
 
@@ -266,9 +289,30 @@ class RetainedStore:
             else:
                 self._snapshot_refs[key] = refs - 1
 
+    def _add(self, handle: str, entry: _Entry) -> None:
+        self._entries[handle] = entry
+        self._parties.setdefault(entry.party, OrderedDict())[handle] = None
+        self._party_bytes[entry.party] = self._party_bytes.get(entry.party, 0) + (
+            entry.retained.nbytes
+        )
+        self._charge(entry.retained, +1)
+
     def _drop(self, handle: str) -> None:
         entry = self._entries.pop(handle)
+        handles = self._parties[entry.party]
+        del handles[handle]
+        if handles:
+            self._party_bytes[entry.party] -= entry.retained.nbytes
+        else:
+            del self._parties[entry.party], self._party_bytes[entry.party]
         self._charge(entry.retained, -1)
+
+    def _victim(self) -> str:
+        """The entry to evict for room: the oldest of the party holding the most bytes
+        (of the parties holding as much, the one whose oldest entry is oldest)."""
+        most = max(self._party_bytes.values())
+        oldest = [next(iter(h)) for p, h in self._parties.items() if self._party_bytes[p] == most]
+        return min(oldest, key=lambda handle: self._entries[handle].expires_at)
 
     def expire(self) -> None:
         """Drop entries older than ``retain_s`` (also called once a second by the

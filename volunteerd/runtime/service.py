@@ -388,7 +388,14 @@ class ExpertRuntime:
                 self.retained.release(reserved)
                 raise
             handle = self.retained.put(
-                uid, peer_id, kept, reserved, samples, version, input_bytes=input_bytes
+                uid,
+                peer_id,
+                kept,
+                reserved,
+                samples,
+                version,
+                input_bytes=input_bytes,
+                party=source or peer_id,
             )
             return _reply(outputs, compression, handle)
         outputs = await hosted.forward.submit(
