@@ -236,30 +236,64 @@ async def test_compute_and_network_hours_follow_the_clock() -> None:
         assert s.volunteer.state.reason == "outside network hours 21:00-08:00: waiting until 21:00"
 
         # a download waits for the network hours instead of failing
-        downloads: list[str] = []
+        recorder = Recorder()
+        async with trio.open_nursery() as nursery:
+            result = recorder.start(nursery, s.volunteer)
+            await trio.sleep(0.3)
+            assert recorder.downloads == []
+            s.clock[0] = 0  # midnight: both windows open
+            await eventually(lambda: s.volunteer.state.serving)
+        assert result == ["state"]
+        assert torch.isfinite(await s.forward()).all()
 
-        class Recorder:
-            async def download(self, peer: Any, backend: Any) -> Any:
-                downloads.append(backend)
-                return "state"
 
-            async def discard(self, uid: str) -> None:
-                pass
+class Recorder:
+    """An expert downloader that records what it was asked for, behind the volunteer's
+    ``wait_for_network`` (``WindowedDownloader``)."""
 
-        windowed = WindowedDownloader(Recorder(), s.volunteer.wait_for_network)
+    def __init__(self) -> None:
+        self.downloads: list[str] = []
+
+    async def download(self, peer: Any, backend: Any) -> Any:
+        self.downloads.append(backend)
+        return "state"
+
+    async def discard(self, uid: str) -> None:
+        pass
+
+    def start(self, nursery: trio.Nursery, volunteer: Volunteer) -> list[Any]:
+        """Start one download in ``nursery``; the list its result is put in."""
+        windowed = WindowedDownloader(self, volunteer.wait_for_network)
         result: list[Any] = []
 
         async def download() -> None:
             result.append(await windowed.download(None, "backend"))  # type: ignore[arg-type]
 
+        nursery.start_soon(download)
+        return result
+
+
+async def test_a_pause_holds_bulk_transfers_until_resumed() -> None:
+    """Replica averaging and expert downloads went on while the volunteer had paused (an
+    outside probe: ~1 MB/s of averaging, a joiner downloading its experts after
+    "starting paused")."""
+    async with (
+        open_world(world_config()) as world,
+        scheduled(world, ScheduleConfig()) as s,
+    ):
+        assert s.volunteer.network_allowed
+        await s.volunteer.pause()
+        assert not s.volunteer.network_allowed
+        recorder = Recorder()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(download)
+            result = recorder.start(nursery, s.volunteer)
             await trio.sleep(0.3)
-            assert downloads == []
-            s.clock[0] = 0  # midnight: both windows open
-            await eventually(lambda: s.volunteer.state.serving)
-        assert result == ["state"]
-        assert torch.isfinite(await s.forward()).all()
+            assert recorder.downloads == []
+            await s.volunteer.resume()
+            await eventually(lambda: result == ["state"], within_s=5.0)
+        assert s.volunteer.network_allowed
+        await s.volunteer.snooze(3600)
+        assert not s.volunteer.network_allowed
 
 
 async def test_gpu_when_idle_applies_only_to_experts_on_a_gpu() -> None:
@@ -469,10 +503,18 @@ async def test_a_used_up_daily_quota_pauses_until_local_midnight() -> None:
         assert not state.serving
         assert state.reason == "daily transfer quota used (0.001 GB): waiting until midnight"
         assert volunteer.gate.refusal() is not None
+        # nor do bulk transfers spend it (replica averaging spent a used-up 10 MB
+        # quota 6.5 times over in an outside probe)
+        assert not volunteer.network_allowed
+        recorder = Recorder()
+        result = recorder.start(nursery, volunteer)
+        await trio.sleep(0.3)
+        assert recorder.downloads == []
 
         now[0] = local(11, 0, 0)  # midnight: today's count starts from zero
         await eventually(lambda: volunteer.state.serving)
         assert volunteer.state.mode == "running"
+        await eventually(lambda: result == ["state"], within_s=5.0)
         nursery.cancel_scope.cancel()
 
 

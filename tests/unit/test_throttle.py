@@ -290,3 +290,21 @@ def test_ledger_reads_the_day_right_at_every_instant(zone: str) -> None:
         else:
             os.environ["TZ"] = before
         time.tzset()
+
+
+async def test_a_crash_loses_at_most_a_few_seconds_of_the_count(
+    tmp_path: Path, inline_threads: None, autojump_clock: trio.abc.Clock
+) -> None:
+    """The count was saved every 30 s: a daemon killed 20 s after its start under replica
+    averaging came back with 2.1 MB used where it had counted 40 MB (an outside probe)."""
+    path = tmp_path / "transfer.json"
+    throttle = Throttle(LimitsConfig(), TransferLedger(path))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(throttle.serve)
+        throttle.ledger.add(up=40_000_000)
+        await trio.sleep(5.5)
+        assert json.loads(path.read_text())["bytes_up"] == 40_000_000  # no kill -9 loses it
+        saved = path.stat().st_mtime_ns
+        await trio.sleep(30)  # nothing changed: nothing written
+        assert path.stat().st_mtime_ns == saved
+        nursery.cancel_scope.cancel()

@@ -325,6 +325,7 @@ class Volunteer:
             if self._snooze_over():
                 logger.info("the snooze is over: serving again")
                 self._choice = _Choice()
+                self._recheck_network()
                 self._save_choice()
             await self._reconcile()
             self._post_state()  # a snooze that ended, a quota used up or renewed
@@ -362,8 +363,7 @@ class Volunteer:
         if decision == self._schedule:
             return
         if decision.network != self._schedule.network:
-            self._network_changed.set()
-            self._network_changed = trio.Event()
+            self._recheck_network()
         self._schedule = decision
         if not self._started:
             self.gate.closed = not self._wanted()
@@ -383,13 +383,29 @@ class Volunteer:
     @property
     def network_allowed(self) -> bool:
         """Whether bulk transfers (downloading experts, averaging replicas) may run now:
-        false outside the schedule's network hours."""
-        return self._schedule.network
+        not while paused or snoozed by the volunteer, nor while a quota is used up (they
+        went on: an outside probe saw a used-up daily quota of 10 MB spent 6.5 times
+        over by replica averaging, and a paused daemon download its experts), nor
+        outside the schedule's network hours. The schedule's other holds (the computer
+        in use, on battery, outside compute hours) stop computing only."""
+        return (
+            self._schedule.network
+            and not self._choice.paused
+            and not self._throttle.quota_exhausted
+        )
 
     async def wait_for_network(self) -> None:
-        """Return once bulk transfers may run (at once within the network hours)."""
-        while not self._schedule.network:
-            await self._network_changed.wait()
+        """Return once bulk transfers may run (at once when ``network_allowed``)."""
+        while not self.network_allowed:
+            # woken by a resume or the network hours; a quota renewed is seen by the
+            # next check (the quota's day or month turning over is not announced)
+            with trio.move_on_after(_CHECK_EVERY_S):
+                await self._network_changed.wait()
+
+    def _recheck_network(self) -> None:
+        """Wake ``wait_for_network``'s waiters to look again."""
+        self._network_changed.set()
+        self._network_changed = trio.Event()
 
     async def set_limits(
         self,
@@ -510,6 +526,7 @@ class Volunteer:
         applied all the same (a pause must pause), and OSError raised afterwards: the
         caller learns it will not survive a restart."""
         self._choice = choice
+        self._recheck_network()
         unsaved = self._save_choice()
         logger.info("volunteer: %s", self._describe())
         self._wake.set()
