@@ -3,6 +3,7 @@ midnight, which reason wins, unknown observations, and the config's checks."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -137,6 +138,17 @@ def test_a_malformed_window_is_refused_by_the_config_and_the_api(bad: str) -> No
 def test_an_empty_window_is_refused() -> None:
     with pytest.raises(ValueError, match="empty time window"):
         rules(network_hours=["10:00-10:00"])
+
+
+@pytest.mark.parametrize("window", ["7:00-8:00", "00:00-24:00", "12:00 - 13:00", "noon"])
+def test_a_window_in_another_form_is_named_as_the_config_names_it(window: str) -> None:
+    """The API's message was pydantic's, with the regular expression in it."""
+    expected = f'not a time window: {window!r} (expected "HH:MM-HH:MM")'
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        rules(compute_hours=[window])
+    with pytest.raises(ValueError, match=re.escape(expected)) as refused:
+        ScheduleChange.model_validate({"compute_hours": [window]})
+    assert "pattern" not in str(refused.value)
 
 
 def test_the_api_checks_what_the_config_checks() -> None:

@@ -8,6 +8,7 @@ Times are Unix seconds (UTC); rates are per second over the last few seconds.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -134,17 +135,20 @@ TIME_WINDOW = r"^([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]$"
 MAX_IDLE_MINUTES = 1440.0
 
 
-def _not_empty(window: str) -> str:
+def _a_window(window: str) -> str:
     # ``config.ScheduleConfig``'s rule, word for word: a change accepted here must also
     # be one the config accepts, or the daemon refuses it late (409, and in the CLI
-    # only after asking the daemon)
+    # only after asking the daemon). Its message too: pydantic's own for a pattern
+    # showed the regular expression (`volunteerd schedule --compute-hours 7:00-8:00`).
+    if not re.match(TIME_WINDOW, window):
+        raise ValueError(f'not a time window: {window!r} (expected "HH:MM-HH:MM")')
     start, end = window.split("-")
     if start == end:
         raise ValueError(f"an empty time window: {window!r} (leave the list empty for any time)")
     return window
 
 
-_Window = Annotated[str, Field(pattern=TIME_WINDOW), AfterValidator(_not_empty)]
+_Window = Annotated[str, AfterValidator(_a_window)]
 
 
 class ScheduleChange(_Body):
