@@ -118,5 +118,6 @@ def test_an_empty_overlay_sets_nothing(tmp_path: Path, name: str, text: str) -> 
     assert load_config(tmp_path / "config.toml", run_time_dir=tmp_path) == load_config(
         tmp_path / "config.toml", run_time_dir=tmp_path / "other"
     )
-    if name == "limits.toml":  # what a start checks before taking an old one along
-        check_limits_overlay(tmp_path / name)
+    if name == "limits.toml":  # but one beside a config file is not taken along as ours
+        with pytest.raises(ConfigError, match=r"holds no \[limits\] section"):
+            check_limits_overlay(tmp_path / name)

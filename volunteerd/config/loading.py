@@ -190,6 +190,8 @@ def check_limits_overlay(path: Path) -> None:
     sources: dict[tuple[str, ...], str] = {}
     if not path.exists():
         raise FileNotFoundError(path)
+    if "limits" not in read_toml(path):  # empty: loaded as nothing set, but not ours
+        raise ConfigError(f"{path}: holds no [limits] section")
     _apply_overlay(path, "limits", data, sources)
     try:
         Config.model_validate(data)
