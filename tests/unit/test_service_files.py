@@ -84,7 +84,9 @@ def test_systemd_unit_quotes_paths_so_systemd_reads_them_back() -> None:
     keys = unit_lines(launch)
     # systemd: "..." with C escapes (as shlex reads them), %% for %, $$ for $ in commands
     (exec_start,) = keys["ExecStart"]
+    # (through /usr/bin/env: systemd takes none of these characters in a program's name)
     assert shlex.split(exec_start.replace("%%", "%").replace("$$", "$")) == [
+        "/usr/bin/env",
         str(AWKWARD / "python"),
         "-m",
         "volunteerd",
@@ -109,6 +111,32 @@ def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
     complaints = [line for line in (done.stdout + done.stderr).splitlines() if "volunteerd" in line]
     assert done.returncode == 0, done.stderr
     assert complaints == []  # unknown keys are only warned about
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+@pytest.mark.parametrize("name", ["dollar$x", "quote's", 'dq"x', "back\\slash", "100% sure"])
+def test_systemd_takes_a_program_whose_path_has_characters_it_does_not_allow(
+    tmp_path: Path, name: str
+) -> None:
+    """systemd refuses a quote or a backslash in the program's name, and reads ``$$``
+    there as two dollars ("is not executable"): an environment under such a folder got
+    a unit that never started (an outside probe)."""
+    program = tmp_path / name / "bin" / "python"
+    program.parent.mkdir(parents=True)
+    program.symlink_to(sys.executable)
+    unit = tmp_path / "volunteerd.service"
+    unit.write_bytes(files("linux", Launch(argv=(str(program), "-m", "volunteerd")))[unit.name])
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (exec_start,) = unit_lines(Launch(argv=(str(program), "-m", "volunteerd")))["ExecStart"]
+    words = shlex.split(exec_start.replace("%%", "%").replace("$$", "$"))
+    assert words[words.index(str(program)) :] == [str(program), "-m", "volunteerd", "serve"]
 
 
 # -- XDG autostart ---------------------------------------------------------------------------

@@ -180,7 +180,7 @@ StartLimitBurst=5
 
 [Service]
 Type=simple
-ExecStart={" ".join(_systemd_quote(arg, command=True) for arg in launch.command("serve"))}
+ExecStart={" ".join(_systemd_quote(arg, command=True) for arg in _systemd_argv(launch))}
 {env}WorkingDirectory=%h
 Restart=on-failure
 RestartSec={RESTART_DELAY_S}
@@ -204,6 +204,17 @@ Nice={NICE}
 IOSchedulingClass=best-effort
 IOSchedulingPriority={IO_LEVEL}
 """
+
+
+def _systemd_argv(launch: Launch) -> list[str]:
+    """``serve``'s command line as ExecStart can hold it. systemd takes no quote or
+    backslash in the program's name at all, and does not turn ``$$`` back into ``$``
+    there ("is not executable"): a program whose path has one is started through
+    ``/usr/bin/env``, as an argument, where the usual quoting holds."""
+    argv = launch.command("serve")
+    if any(c in argv[0] for c in "$\"'\\"):
+        return ["/usr/bin/env", *argv]
+    return argv
 
 
 def _systemd_quote(word: str, *, command: bool = False) -> str:
