@@ -329,3 +329,32 @@ def test_status_counts_what_is_in_memory_when_the_file_cannot_be_read(
     assert "could not read the statistics (disk I/O error)" in line.getMessage()
     del store.totals
     store.close()
+
+
+def test_a_stats_file_from_a_newer_version_is_left_as_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was moved aside as damaged and counting restarted in a new file: back on the
+    newer version (a downgrade and an upgrade again), its totals were gone (an outside
+    probe)."""
+    import sqlite3
+
+    from volunteerd.server.contribution import open_stats
+
+    path = tmp_path / "stats.sqlite3"
+    newer = StatsStore.open(path, keep_hourly_days=7)
+    newer.record("ffn.0.0", forward=5, samples=10)
+    newer.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=99")
+    db.close()
+    before = path.read_bytes()
+    store = open_stats(path, keep_hourly_days=7)
+    store.record("ffn.0.0", forward=2, samples=4)
+    store.flush()
+    assert store.current().work.forward == 2  # this run, in memory
+    store.close()
+    assert path.read_bytes() == before
+    assert list(tmp_path.glob("stats.sqlite3.unreadable-*")) == []
+    assert "written by a newer volunteerd (schema 99)" in caplog.text
+    assert "upgrade volunteerd" in caplog.text

@@ -33,6 +33,7 @@ from volunteerd.control.events import EventSink
 from volunteerd.errors import VolunteerdError, wire_code
 from volunteerd.net import Throttle, short
 from volunteerd.stats import StatsStore, Totals
+from volunteerd.stats.store import NewerStats
 from volunteerd.wire import TensorReply, WireTensor
 
 if TYPE_CHECKING:
@@ -255,12 +256,20 @@ class Accountant:
 
 
 def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
-    """The contribution store at ``path``. A damaged file (or one from a newer version)
-    is moved aside, never deleted, and counting starts afresh; one that cannot be opened
-    for the moment (a full disk) is left alone and this run counts in memory:
-    statistics must not stop a volunteer from contributing."""
+    """The contribution store at ``path``. A damaged file is moved aside, never
+    deleted, and counting starts afresh; one that cannot be opened for the moment (a
+    full disk) or that a newer volunteerd wrote is left alone and this run counts in
+    memory: statistics must not stop a volunteer from contributing. (A newer version's
+    file was moved aside as damaged: back on that version, its totals were gone.)"""
     try:
         return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
+    except NewerStats as exc:
+        logger.error(
+            "%s: it is kept as it is, and this run's statistics are kept in memory only "
+            "(upgrade volunteerd to count there again)",
+            exc,
+        )
+        return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
     except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
         if not _damaged(path, exc):  # a full disk, a read-only folder: the file is kept
             logger.error(

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-__all__ = ["HOUR", "StatsStore", "Totals", "Work"]
+__all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Work"]
 
 HOUR = 3600
 DAY = 86400
@@ -78,6 +78,11 @@ def _check_columns(db: sqlite3.Connection) -> None:
             raise RuntimeError(
                 f"its table {table} has the columns ({', '.join(found)}), not ({', '.join(names)})"
             )
+
+
+class NewerStats(RuntimeError):
+    """The file was written by a newer volunteerd (a higher schema): not damaged, not
+    ours to change."""
 
 
 @dataclass(slots=True)
@@ -151,7 +156,7 @@ class StatsStore:
             db.execute("PRAGMA synchronous=NORMAL")
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > _SCHEMA_VERSION:
-                raise RuntimeError(f"{path} was written by a newer volunteerd (schema {version})")
+                raise NewerStats(f"{path} was written by a newer volunteerd (schema {version})")
             _check_columns(db)
             db.executescript(_SCHEMA)
             db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
