@@ -121,9 +121,13 @@ auto | cpu | cuda | rocm) ;;
 esac
 [ -n "${HOME:-}" ] || die "HOME is not set"
 
+# An XDG base directory as volunteerd/paths.py finds it: $1 if it is an absolute path,
+# else $2 (the spec: an empty or relative value is invalid, and must be ignored).
+xdg() { case ${1:-} in /*) printf '%s' "$1" ;; *) printf '%s' "$2" ;; esac; }
+
 os=$(uname -s)
 case $os in
-Linux) data_dir=${XDG_DATA_HOME:-$HOME/.local/share}/volunteerd ;;
+Linux) data_dir=$(xdg "${XDG_DATA_HOME:-}" "$HOME/.local/share")/volunteerd ;;
 Darwin) data_dir=$HOME/Library/Application\ Support/volunteerd ;;
 *) die "this installer is for Linux and macOS (on Windows use install.ps1); found $os" ;;
 esac

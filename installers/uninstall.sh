@@ -37,13 +37,19 @@ while [ $# -gt 0 ]; do
 done
 [ -n "${HOME:-}" ] || die "HOME is not set"
 
-# The platform's folders, as volunteerd/paths.py finds them (appdirs).
+# An XDG base directory as volunteerd/paths.py finds it: $1 if it is an absolute path,
+# else $2 (the spec: an empty or relative value is invalid, and must be ignored).
+xdg() { case ${1:-} in /*) printf '%s' "$1" ;; *) printf '%s' "$2" ;; esac; }
+
+# The platform's folders, as volunteerd/paths.py finds them.
 os=$(uname -s)
 case $os in
 Linux)
-    data_dir=${XDG_DATA_HOME:-$HOME/.local/share}/volunteerd
-    config_dir=${XDG_CONFIG_HOME:-$HOME/.config}/volunteerd
-    cache_dir=${XDG_CACHE_HOME:-$HOME/.cache}/volunteerd
+    data_home=$(xdg "${XDG_DATA_HOME:-}" "$HOME/.local/share")
+    config_home=$(xdg "${XDG_CONFIG_HOME:-}" "$HOME/.config")
+    data_dir=$data_home/volunteerd
+    config_dir=$config_home/volunteerd
+    cache_dir=$(xdg "${XDG_CACHE_HOME:-}" "$HOME/.cache")/volunteerd
     log_dir=
     ;;
 Darwin)
@@ -86,11 +92,10 @@ else
         done
     else
         systemctl --user disable --now volunteerd.service >/dev/null 2>&1 || true
-        config_home=${XDG_CONFIG_HOME:-$HOME/.config}
         rm -f "$config_home/systemd/user/volunteerd.service" \
             "$config_home/systemd/user/default.target.wants/volunteerd.service" \
             "$config_home/autostart/volunteerd-tray.desktop" \
-            "${XDG_DATA_HOME:-$HOME/.local/share}/icons/hicolor/scalable/apps/volunteerd.svg"
+            "$data_home/icons/hicolor/scalable/apps/volunteerd.svg"
         systemctl --user daemon-reload >/dev/null 2>&1 || true
     fi
 fi

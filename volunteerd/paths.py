@@ -4,6 +4,15 @@ A location comes from, in order: an explicit argument (a command-line flag), an
 environment variable, then the platform's per-user directory (XDG on Linux,
 ``~/Library/Application Support`` on macOS, ``%LOCALAPPDATA%`` on Windows).
 
+On Linux the per-user directories are the XDG base directories (``xdg_home``):
+``$XDG_CONFIG_HOME``, ``$XDG_DATA_HOME`` and ``$XDG_CACHE_HOME`` where they hold an
+absolute path, else ``~/.config``, ``~/.local/share`` and ``~/.cache``. The spec says
+an empty or relative value is invalid and must be ignored; appdirs took it as it was,
+so ``XDG_DATA_HOME=`` (empty) put the data folder, the identity key with it, in the
+current folder: a daemon started from another folder made a new identity. The service
+files (``service/managers.py``) follow the same rule, so the unit, the tray's entry and
+its icon land beside the data they belong to.
+
 =====================  ==============================  ======================
 name                   default                         override
 =====================  ==============================  ======================
@@ -30,7 +39,7 @@ name                   default                         override
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +51,29 @@ APP_NAME = "volunteerd"
 ENV_CONFIG = "VOLUNTEERD_CONFIG"
 ENV_DATA_DIR = "VOLUNTEERD_DATA_DIR"
 ENV_CACHE_DIR = "VOLUNTEERD_CACHE_DIR"
+
+# appdirs' name for each per-user directory -> the XDG variable and its default
+_XDG_HOMES = {
+    "config": ("XDG_CONFIG_HOME", ".config"),
+    "data": ("XDG_DATA_HOME", ".local/share"),
+    "cache": ("XDG_CACHE_HOME", ".cache"),
+}
+
+
+def xdg_home(variable: str, default: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The XDG base directory ``variable`` names (``XDG_DATA_HOME``...) if it holds an
+    absolute path, else ``~/<default>``: the spec says an empty or relative value is
+    invalid and must be ignored."""
+    value = (os.environ if environ is None else environ).get(variable, "")
+    return Path(value) if value and Path(value).is_absolute() else Path.home() / default
+
+
+def _user_dir(kind: str) -> Path:
+    """This platform's per-user ``kind`` ("config", "data", "cache") folder of ours."""
+    if appdirs.system in ("win32", "darwin"):
+        user_dir: Callable[[str], str] = getattr(appdirs, f"user_{kind}_dir")
+        return Path(user_dir(APP_NAME))
+    return xdg_home(*_XDG_HOMES[kind]) / APP_NAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +201,9 @@ class Paths:
         return cls(
             config_file=Path(config).expanduser()
             if config
-            else Path(appdirs.user_config_dir(APP_NAME)) / "config.toml",
-            data_dir=Path(data).expanduser() if data else Path(appdirs.user_data_dir(APP_NAME)),
-            cache_dir=Path(cache).expanduser() if cache else Path(appdirs.user_cache_dir(APP_NAME)),
+            else _user_dir("config") / "config.toml",
+            data_dir=Path(data).expanduser() if data else _user_dir("data"),
+            cache_dir=Path(cache).expanduser() if cache else _user_dir("cache"),
         )
 
     def as_dict(self) -> dict[str, str]:

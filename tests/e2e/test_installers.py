@@ -387,6 +387,12 @@ def test_install_follows_xdg_data_home_and_an_explicit_torch(tmp_path: Path) -> 
     assert f"would install torch: {CPU_LINE}\n" in plan
     # by default, the checkout the script is in (volunteerd is not on the package index)
     assert f"would install volunteerd from the checkout {ROOT}\n" in plan
+    # empty or relative: invalid (the XDG spec), as volunteerd/paths.py reads it
+    for invalid in ("", "relative"):
+        env["XDG_DATA_HOME"] = invalid
+        plan = run_script(INSTALL, "--dry-run", "--torch", "cpu", env=env).stdout
+        default = tmp_path / "home/.local/share/volunteerd/env"
+        assert f"would create the environment {default} " in plan
 
 
 def test_install_offers_amd_gpus_the_rocm_build(tmp_path: Path) -> None:

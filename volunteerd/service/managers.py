@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from volunteerd.paths import Paths
+from volunteerd.paths import Paths, xdg_home
 from volunteerd.service.files import (
     DAEMON_LABEL,
     SYSTEMD_UNIT,
@@ -165,9 +165,8 @@ class Systemd(Manager):
         return self._xdg("XDG_CONFIG_HOME", ".config"), self._xdg("XDG_DATA_HOME", ".local/share")
 
     def _xdg(self, name: str, default: str) -> Path:
-        value = self._environ.get(name, "")
-        # The XDG Base Directory spec: a relative path is invalid and must be ignored.
-        return Path(value) if value and Path(value).is_absolute() else Path.home() / default
+        # the rule Paths.resolve follows for the data folder: the icon lands beside it
+        return xdg_home(name, default, self._environ)
 
 
 class Launchd(Manager):
