@@ -4,7 +4,9 @@ and run the daemon politely.
 The tray (starting the daemon when none answers) and ``volunteerd service install``
 (starting the daemon or the tray where no service manager does) both start programs
 that must outlive them: no terminal, their own session (so a Ctrl-C or the end of the
-starter does not stop them), output appended to a log file, and the starter's
+starter does not stop them), the home folder as their current folder (the systemd
+unit's ``WorkingDirectory=%h``: they kept the starter's, even once it was deleted, and
+``python -m`` imports from it first), output appended to a log file, and the starter's
 environment without its ``VOLUNTEERD_<SECTION>__<KEY>`` settings (the daemon a service
 manager starts does not see a shell's variables either; the file locations are passed
 explicitly). A leaf: the tray may import nothing else of the daemon's.
@@ -105,9 +107,10 @@ def config_variables(environ: Mapping[str, str]) -> list[str]:
 def start_detached(
     command: Sequence[str], log_file: Path, environment: Mapping[str, str]
 ) -> subprocess.Popen[bytes]:
-    """Start ``command`` in its own session with no terminal, its output appended to
-    ``log_file`` (named in its ``VOLUNTEERD_LOG_FILE``), and this process's environment
-    less its configuration variables plus ``environment``. It outlives this process."""
+    """Start ``command`` in its own session with no terminal, in the home folder, its
+    output appended to ``log_file`` (named in its ``VOLUNTEERD_LOG_FILE``), and this
+    process's environment less its configuration variables plus ``environment``. It
+    outlives this process. Paths in ``command`` and ``environment`` must be absolute."""
     env = {k: v for k, v in os.environ.items() if k not in config_variables(os.environ)}
     env.update(environment)
     env[LOG_FILE_VARIABLE] = str(log_file)
@@ -116,9 +119,11 @@ def start_detached(
     if sys.platform == "win32":  # pragma: no cover - Windows uses Task Scheduler
         flags = subprocess.DETACHED_PROCESS | subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined,unused-ignore]
         detach = {"creationflags": flags}
+    home = Path.home()
     with log_file.open("ab") as out:
         return subprocess.Popen(  # type: ignore[call-overload,no-any-return,unused-ignore]
             list(command),
+            cwd=home if home.is_dir() else Path("/"),  # "/": a service manager's default
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -102,6 +102,23 @@ def test_a_detached_command_has_its_own_session_and_no_config_variables(
     assert names == "['VOLUNTEERD_CONFIG', 'VOLUNTEERD_DATA_DIR', 'VOLUNTEERD_LOG_FILE']"
 
 
+@pytest.mark.parametrize("home_exists", [True, False])
+def test_a_detached_program_starts_in_the_home_folder_not_the_starters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home_exists: bool
+) -> None:
+    """As the systemd unit's WorkingDirectory=%h: it kept the folder `service install`
+    ran in, even once that was deleted (an outside probe). Without a home: the root."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if home_exists:
+        (tmp_path / "home").mkdir()
+    (tmp_path / "checkout").mkdir()
+    monkeypatch.chdir(tmp_path / "checkout")
+    log = tmp_path / "daemon.log"
+    child = start_detached([sys.executable, "-c", "import os; print(os.getcwd())"], log, {})
+    assert child.wait(30) == 0
+    assert log.read_text().strip() == str(tmp_path / "home" if home_exists else Path("/"))
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="appended files (POSIX)")
 def test_a_detached_daemons_log_file_is_kept_bounded_one_older_file_beside_it(
     tmp_path: Path,
@@ -118,7 +135,9 @@ def test_a_detached_daemons_log_file_is_kept_bounded_one_older_file_beside_it(
         "print('x' * 2000, flush=True)\n"
         "print('bounded', log.bound(), log.bound(), flush=True)\n"
     )
-    child = start_detached([sys.executable, "-c", script], log, {})
+    # this checkout's volunteerd, from the home folder the child starts in
+    checkout = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = start_detached([sys.executable, "-c", script], log, checkout)
     assert child.wait(30) == 0
     assert (tmp_path / "daemon.log.1").read_text() == "earlier\n" + "x" * 2000 + "\n"
     assert log.read_text() == "bounded True False\n"  # appended at its new start

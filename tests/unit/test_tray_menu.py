@@ -542,6 +542,23 @@ def test_the_daemon_the_tray_starts_gets_its_locations_and_not_the_shells_settin
     )
 
 
+def test_the_daemon_the_tray_starts_gets_absolute_locations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tray started with a relative --data-dir: the daemon, which starts in the home
+    folder, is told where that is from the tray's current folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    relative = Paths(config_file=Path("c.toml"), data_dir=Path("d"), cache_dir=Path("k"))
+    show = "import os; print(os.environ['VOLUNTEERD_DATA_DIR'], os.environ['VOLUNTEERD_CONFIG'])"
+    app = TrayApp(relative, serve_command=[sys.executable, "-c", show])
+    app._start_if_absent()
+    assert app._child is not None
+    assert app._child.wait(30) == 0
+    shown = (tmp_path / "d" / "daemon.log").read_text().split()
+    assert shown == [str(tmp_path / "d"), str(tmp_path / "c.toml")]
+
+
 def test_app_maps_the_model_to_pystray_items_and_clicks_only_queue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -393,11 +393,12 @@ class TrayApp:
                 return
         log = self.paths.daemon_log_file
         # The tray's file locations, not only its environment's: a tray started with
-        # --config or --data-dir drives the daemon of those.
+        # --config or --data-dir drives the daemon of those (absolute: the daemon starts
+        # in the home folder).
         locations = {
-            ENV_CONFIG: str(self.paths.config_file),
-            ENV_DATA_DIR: str(self.paths.data_dir),
-            ENV_CACHE_DIR: str(self.paths.cache_dir),
+            ENV_CONFIG: str(self.paths.config_file.absolute()),
+            ENV_DATA_DIR: str(self.paths.data_dir.absolute()),
+            ENV_CACHE_DIR: str(self.paths.cache_dir.absolute()),
         }
         child = start_detached(self.serve_command, log, locations)
         logger.info("started volunteerd (pid %d); its output goes to %s", child.pid, log)
