@@ -287,7 +287,7 @@ if [ "$action" = create ]; then
         rm -rf "$env_dir"
     fi
     say "creating the environment $env_dir ($("$base_python" --version 2>&1))"
-    mkdir -p "$data_dir"
+    (umask 077 && mkdir -p "$data_dir") # the data folder is private (docs/configuration.md)
     "$base_python" -m venv "$env_dir" ||
         die "could not create the environment (on Debian or Ubuntu: sudo apt install python3-venv)"
 else

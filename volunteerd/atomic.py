@@ -7,6 +7,10 @@ Each write has its own temporary file: two writers of one target (two requests o
 control API at once) used to share one name, so their bytes mixed in one file and the
 second rename failed. The last rename wins; a write that fails leaves no temporary file.
 
+Folders these files need are made private (``make_private_dirs``: 0700, missing parents
+too, as the XDG spec asks of its base folders): under a umask of 000 they were made
+0777, and another local user could move a key of theirs over ``identity.key``.
+
 And reading such small files back (``read_small``): whatever stands at their name, a
 FIFO, a link to ``/dev/zero`` or to a drive not mounted. Read plainly, a FIFO at
 ``state.json`` or ``identity.key`` held the daemon at start for good, a link to
@@ -23,7 +27,14 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["STATE_MAX_BYTES", "DanglingLink", "fsync_dir", "read_small", "write_atomic"]
+__all__ = [
+    "STATE_MAX_BYTES",
+    "DanglingLink",
+    "fsync_dir",
+    "make_private_dirs",
+    "read_small",
+    "write_atomic",
+]
 
 # The most read of a small JSON file of ours (the pause state, the transfer count, the
 # control file, a download's sidecar): each is well under 1 KiB; a damaged one of up to
@@ -74,10 +85,21 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def make_private_dirs(path: Path) -> None:
+    """Make the folder ``path`` and each missing parent with mode 0700 (less what the
+    umask takes away): ``Path.mkdir(mode=..., parents=True)`` gives the mode to the
+    last folder only. Folders that exist are left as they are. Raises OSError (a file
+    in the way, no permission)."""
+    if path.parent != path and not path.parent.is_dir():
+        make_private_dirs(path.parent)
+    path.mkdir(mode=0o700, exist_ok=True)
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (see the module docstring). Raises
-    OSError (a full disk, a folder that cannot be written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Replace ``path`` with ``data`` atomically (see the module docstring), making its
+    folder if need be (``make_private_dirs``). Raises OSError (a full disk, a folder
+    that cannot be written)."""
+    make_private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

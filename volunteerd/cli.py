@@ -307,6 +307,7 @@ def _service(args: argparse.Namespace) -> ExitCode:
     paths = _paths(args)
     chosen = service.Chosen(args.config is not None, args.data_dir is not None)
     if args.service_command == "install":
+        _private_files()
         return service.install(
             paths, chosen, start=not args.no_start, tray=not args.no_tray, overrides=args.overrides
         )
@@ -650,8 +651,14 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         return _projects(args)
     if args.command in {"serve", "bootstrap"} and args.ready_file:
         _check_ready_file(Path(args.ready_file))  # before the start, not after it
-    # limits.toml moved to the data folder: a daemon takes an old one along before loading
-    notes = _adopt_old_limits(_paths(args)) if args.command == "serve" else []
+    notes: list[str] = []
+    if args.command in {"serve", "bootstrap"}:
+        _private_files()
+        made = _paths(args).make_data_dir()
+        notes += [made] if made else []
+    if args.command == "serve":
+        # limits.toml moved to the data folder: a daemon takes an old one along first
+        notes += _adopt_old_limits(_paths(args))
     config, paths = _load(args)
     if args.command == "serve" and config.runtime.priority == "low":
         # first thing, before any thread (Linux keeps priorities per thread) or import
@@ -703,6 +710,13 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
 
         return trio.run(_run_service, start_boot, None, args.ready_file)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
+
+
+def _private_files() -> None:
+    """What this process creates is its user's only (umask 077, or a stricter one kept):
+    the daemon's database, checkpoints and logs, the folders of the autostart files.
+    Under a umask of 000 they were made writable by every local user."""
+    os.umask(os.umask(0o077) | 0o077)
 
 
 def _adopt_old_limits(paths: Paths) -> list[str]:

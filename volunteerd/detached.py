@@ -6,10 +6,12 @@ The tray (starting the daemon when none answers) and ``volunteerd service instal
 that must outlive them: no terminal, their own session (so a Ctrl-C or the end of the
 starter does not stop them), the home folder as their current folder (the systemd
 unit's ``WorkingDirectory=%h``: they kept the starter's, even once it was deleted, and
-``python -m`` imports from it first), output appended to a log file, and the starter's
-environment without its ``VOLUNTEERD_<SECTION>__<KEY>`` settings (the daemon a service
-manager starts does not see a shell's variables either; the file locations are passed
-explicitly). A leaf: the tray may import nothing else of the daemon's.
+``python -m`` imports from it first), output appended to a log file (made 0600, in a
+folder made 0700: it was 0666 under a umask of 000), and the starter's environment
+without its ``VOLUNTEERD_<SECTION>__<KEY>`` settings (the daemon a service manager
+starts does not see a shell's variables either; the file locations are passed
+explicitly). A leaf (of the others it imports ``atomic`` only): the tray may import
+nothing else of the daemon's.
 
 Polite by default: ``volunteerd serve`` lowers its own CPU and I/O priority first thing
 (``lower_priority``, unless ``runtime.priority = "normal"``), however it was started —
@@ -49,6 +51,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from volunteerd.atomic import make_private_dirs
 
 __all__ = [
     "IO_CLASS_BEST_EFFORT",
@@ -114,13 +118,15 @@ def start_detached(
     env = {k: v for k, v in os.environ.items() if k not in config_variables(os.environ)}
     env.update(environment)
     env[LOG_FILE_VARIABLE] = str(log_file)
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(log_file.parent)
     detach: dict[str, object] = {"start_new_session": True}
     if sys.platform == "win32":  # pragma: no cover - Windows uses Task Scheduler
         flags = subprocess.DETACHED_PROCESS | subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined,unused-ignore]
         detach = {"creationflags": flags}
     home = Path.home()
-    with log_file.open("ab") as out:
+    # 0600 whatever the umask: it holds the daemon's log (0666 under a umask of 000)
+    fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with open(fd, "ab") as out:
         return subprocess.Popen(  # type: ignore[call-overload,no-any-return,unused-ignore]
             list(command),
             cwd=home if home.is_dir() else Path("/"),  # "/": a service manager's default

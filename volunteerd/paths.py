@@ -13,6 +13,14 @@ current folder: a daemon started from another folder made a new identity. The se
 files (``service/managers.py``) follow the same rule, so the unit, the tray's entry and
 its icon land beside the data they belong to.
 
+The data folder is private (``Paths.make_data_dir``): made 0700, and made 0700 again
+where group or others may write to it. In a folder anyone may write to, anyone may
+replace ``identity.key`` or ``api-token`` by a file of theirs (a rename needs the right
+to write to the folder, not to the file); under a umask of 000 volunteerd made its data
+folder so itself (an outside audit). Other folders of ours are made 0700 when they are
+made (``atomic.make_private_dirs``); folders that exist, the data folder aside, are left
+as their owner set them.
+
 =====================  ==============================  ======================
 name                   default                         override
 =====================  ==============================  ======================
@@ -39,13 +47,14 @@ name                   default                         override
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import appdirs
 
-from volunteerd.atomic import read_small, write_atomic
+from volunteerd.atomic import make_private_dirs, read_small, write_atomic
 
 APP_NAME = "volunteerd"
 ENV_CONFIG = "VOLUNTEERD_CONFIG"
@@ -124,12 +133,33 @@ class Paths:
                 check(old)
             except FileNotFoundError:  # gone since exists()
                 return False
-        new.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(new.parent)
         try:
             os.rename(old, new)  # atomic: of two daemons starting at once, one takes it
         except FileNotFoundError:
             return False
         return True
+
+    def make_data_dir(self) -> str | None:
+        """Make the data folder (and its missing parents) 0700, or make an existing one
+        that group or others may write to 0700 (see the module docstring). Returns what
+        it changed or could not, for the log, else None: a folder made private says so
+        once, it stays so. Raises OSError (the folder cannot be made)."""
+        make_private_dirs(self.data_dir)
+        mode = stat.S_IMODE(self.data_dir.stat().st_mode)
+        if os.name != "posix" or not mode & 0o022:
+            return None
+        try:
+            self.data_dir.chmod(0o700)
+        except OSError as exc:
+            return (
+                f"the data folder {self.data_dir} (mode {mode:04o}) may be written by "
+                f"others, who could replace its identity.key; it cannot be changed: {exc}"
+            )
+        return (
+            f"made the data folder {self.data_dir} private (mode {mode:04o} -> 0700): "
+            "others could write to it, and replace its identity.key"
+        )
 
     @property
     def schedule_file(self) -> Path:
@@ -244,7 +274,7 @@ class DataDirLock:
     def __enter__(self) -> None:
         from volunteerd.errors import ResourceUnavailable
 
-        self._path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self._path.parent)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:

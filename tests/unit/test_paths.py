@@ -1,13 +1,28 @@
-"""Where volunteerd's files go (volunteerd/paths.py), from the environment it runs in."""
+"""Where volunteerd's files go (volunteerd/paths.py), from the environment it runs in,
+and who may touch them."""
 
 from __future__ import annotations
 
+import os
+import stat
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import appdirs
 import pytest
 
-from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths, xdg_home
+from volunteerd import cli
+from volunteerd.atomic import write_atomic
+from volunteerd.detached import start_detached
+from volunteerd.paths import (
+    ENV_CACHE_DIR,
+    ENV_CONFIG,
+    ENV_DATA_DIR,
+    DataDirLock,
+    Paths,
+    xdg_home,
+)
 from volunteerd.service.managers import Systemd
 
 XDG = ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME")
@@ -74,3 +89,84 @@ def test_macos_keeps_its_own_folders(home: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(appdirs, "system", "darwin")
     monkeypatch.setenv("XDG_DATA_HOME", "/x")
     assert Paths.resolve().data_dir == home / "Library/Application Support/volunteerd"
+
+
+# -- private files ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def umask_000() -> Iterator[None]:
+    """The loosest umask: what volunteerd makes is as private as it makes it itself."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX modes")
+
+
+@posix_only
+@pytest.mark.usefixtures("umask_000")
+def test_the_data_folder_and_its_missing_parents_are_made_private(tmp_path: Path) -> None:
+    # under a umask of 000 they were 0777: another user could move a key over identity.key
+    (tmp_path / "home").mkdir(mode=0o755)
+    paths = Paths(tmp_path / "c.toml", tmp_path / "home/.local/share/volunteerd", tmp_path)
+    assert paths.make_data_dir() is None
+    assert mode(paths.data_dir) == 0o700
+    assert mode(tmp_path / "home/.local/share") == 0o700
+    assert mode(tmp_path / "home/.local") == 0o700
+    assert mode(tmp_path / "home") == 0o755  # there already: the user's, left as it was
+
+
+@posix_only
+@pytest.mark.usefixtures("umask_000")
+def test_a_data_folder_others_may_write_to_is_made_private_and_said_once(tmp_path: Path) -> None:
+    paths = Paths(tmp_path / "c.toml", tmp_path / "data", tmp_path)
+    paths.data_dir.mkdir(mode=0o777)
+    note = paths.make_data_dir()
+    assert note is not None
+    assert f"{paths.data_dir} private (mode 0777 -> 0700)" in note
+    assert mode(paths.data_dir) == 0o700
+    assert paths.make_data_dir() is None
+    paths.data_dir.chmod(0o755)  # readable by others, as the user set it: not ours to change
+    assert paths.make_data_dir() is None
+    assert mode(paths.data_dir) == 0o755
+
+
+@posix_only
+@pytest.mark.usefixtures("umask_000")
+def test_folders_made_for_our_files_are_private(tmp_path: Path) -> None:
+    # e.g. ~/.config/systemd/user for the unit: 0777 let another user replace it
+    unit = tmp_path / "config/systemd/user/volunteerd.service"
+    write_atomic(unit, "[Service]\n")
+    assert [mode(p) for p in (unit, unit.parent, unit.parent.parent)] == [0o600, 0o700, 0o700]
+    with DataDirLock(tmp_path / "data/volunteerd.lock"):
+        assert mode(tmp_path / "data") == 0o700
+        assert mode(tmp_path / "data/volunteerd.lock") == 0o600
+
+
+@posix_only
+@pytest.mark.usefixtures("umask_000")
+def test_a_detached_daemons_log_is_its_users_only(tmp_path: Path) -> None:
+    log = tmp_path / "data/daemon.log"
+    child = start_detached([sys.executable, "-c", "print('started')"], log, {})
+    assert child.wait(30) == 0
+    assert log.read_text() == "started\n"
+    assert (mode(log), mode(log.parent)) == (0o600, 0o700)
+
+
+@posix_only
+@pytest.mark.parametrize(("before", "after"), [(0o000, 0o077), (0o022, 0o077), (0o277, 0o277)])
+def test_serve_and_service_install_make_private_files(before: int, after: int) -> None:
+    old = os.umask(before)
+    try:
+        cli._private_files()
+        assert os.umask(old) == after
+    finally:
+        os.umask(old)

@@ -24,7 +24,7 @@ import os
 import secrets
 from pathlib import Path
 
-from volunteerd.atomic import read_small
+from volunteerd.atomic import make_private_dirs, read_small
 
 __all__ = [
     "MAX_CHALLENGE_CHARS",
@@ -69,7 +69,7 @@ def load_or_create_token(path: Path) -> str:
         # Such bytes cannot travel in an HTTP header (clients failed on them), and the
         # file holds nothing anyone could use: a new token is all that is lost.
         logger.warning("%s does not hold a token (damaged?): making a new one", path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     token = secrets.token_urlsafe(32)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

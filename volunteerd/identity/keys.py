@@ -18,7 +18,7 @@ import nacl.exceptions
 import nacl.signing
 from nacl.bindings import crypto_core_ed25519_is_valid_point
 
-from volunteerd.atomic import DanglingLink, fsync_dir, read_small
+from volunteerd.atomic import DanglingLink, fsync_dir, make_private_dirs, read_small
 from volunteerd.errors import IdentityError
 
 __all__ = ["SEED_BYTES", "Identity", "load_or_create_identity", "verify_signature"]
@@ -116,7 +116,7 @@ def _dangling(path: Path) -> IdentityError:
 
 def _create(path: Path) -> Identity:
     identity = Identity.generate()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

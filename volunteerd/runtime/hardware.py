@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from volunteerd import __version__
-from volunteerd.atomic import read_small
+from volunteerd.atomic import make_private_dirs, read_small
 from volunteerd.config import ExpertsConfig, HardwareConfig, RuntimeConfig
 from volunteerd.experts.backend import make_optimizer
 from volunteerd.experts.registry import EXPERT_TYPES, build_module
@@ -264,7 +264,7 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def _write_cache(path: Path, cache: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(cache, indent=2))
     os.replace(tmp, path)

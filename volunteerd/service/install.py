@@ -117,6 +117,9 @@ def install(
             f"note: {', '.join(ignored)} apply to this shell only; the autostarted daemon "
             f"reads {paths.config_file}"
         )
+    made = paths.make_data_dir()  # 0700, before the daemon or `volunteerd id` fills it
+    if made:
+        out(made)
     manager = manager_for(platform)
     launch = _launch(platform, paths, chosen, config, manager)
     where = manager.locations(paths)

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from volunteerd.atomic import make_private_dirs
+
 __all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Work"]
 
 HOUR = 3600
@@ -143,7 +145,7 @@ class StatsStore:
         is not one this version can use (emptied, from a newer version, tables with
         other columns), ``sqlite3.DatabaseError`` for one that is not a database, and
         ``OSError`` or ``sqlite3.Error`` for one that cannot be opened for now."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         if str(path) != ":memory:" and path.is_file() and path.stat().st_size == 0:
             # SQLite takes an empty file for a new database and deletes its WAL, where
             # the counts since the last checkpoint are: an audit truncated the file to

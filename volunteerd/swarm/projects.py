@@ -33,7 +33,7 @@ from pathlib import Path
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from volunteerd.atomic import write_atomic
+from volunteerd.atomic import make_private_dirs, write_atomic
 from volunteerd.config import ExperimentsConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
@@ -187,7 +187,7 @@ def _one_change_at_a_time(path: Path) -> Iterator[None]:
         except ImportError:  # pragma: no cover - Windows: one process changes it, the daemon
             yield
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         with open(path.with_name(f".{path.name}.lock"), "a") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
