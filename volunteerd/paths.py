@@ -29,7 +29,7 @@ name                   default                         override
 ``schedule_file``      <data dir>/schedule.toml        (the schedule set at run time)
 ``data_dir``           <user data dir>                 ``--data-dir``, ``VOLUNTEERD_DATA_DIR``
 ``identity_file``      <data dir>/identity.key
-``lock_file``          <data dir>/volunteerd.lock      (held while a node runs)
+``lock_file``          <data dir>/volunteerd.lock      (held while a node runs; names its pid)
 ``checkpoints_dir``    <data dir>/checkpoints
 ``downloads_dir``      <data dir>/downloads            (expert state from replicas)
 ``state_file``         <data dir>/state.json           (paused or snoozed, kept on restart)
@@ -297,14 +297,59 @@ class DataDirLock:
             self._fd = None
 
 
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """The process holding a data folder's lock: a volunteerd using that folder.
+    ``pid`` is the one it wrote into the lock file; None where that cannot be read
+    (Windows keeps a locked byte from other processes) or is not written yet."""
+
+    pid: int | None
+
+
+def lock_holder(path: Path) -> LockHolder | None:
+    """Who holds the lock of ``DataDirLock(path)``, or None when nobody does. Found by
+    trying to take the lock without blocking and letting it go at once, so it holds
+    whatever started a daemon, with the control API on or off; unlike a pid or a
+    command line, a lock cannot outlive its process. Creates nothing. A lock file that
+    cannot be opened (but is there) counts as held by an unknown process: too little
+    is known to say that no daemon runs."""
+    try:
+        # for writing, as DataDirLock: over NFS an exclusive lock needs it
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return LockHolder(None)
+    try:
+        _lock(fd)
+    except OSError:
+        pass  # held
+    else:
+        _unlock(fd)
+        return None
+    finally:
+        os.close(fd)
+    try:
+        pid = int(read_small(path, 64).strip())
+    except (OSError, ValueError):
+        return LockHolder(None)
+    return LockHolder(pid if pid > 0 else None)
+
+
 if os.name == "posix":
     import fcntl
 
     def _lock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
 else:  # pragma: no cover - Windows
     import msvcrt
 
     def _lock(fd: int) -> None:
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
+
+    def _unlock(fd: int) -> None:
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from volunteerd.control.client import ControlClient
+from volunteerd.paths import lock_holder
 
 SMALL_DAEMON = """\
 [network]
@@ -55,6 +56,10 @@ def home(tmp_path: Path) -> Iterator[Path]:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         pid = json.loads((home / DATA / "control.json").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
+    holder = lock_holder(home / DATA / "volunteerd.lock")  # one with its control API off
+    if holder is not None and holder.pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(holder.pid, signal.SIGKILL)
 
 
 def service(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -175,3 +180,39 @@ def test_install_refuses_set_because_the_service_would_not_keep_it(home: Path) -
     assert refused.returncode == 2
     assert "put the value in" in refused.stderr
     assert not (home / UNIT).exists()
+
+
+def test_a_daemon_with_its_control_api_off_is_seen_kept_single_and_stopped(home: Path) -> None:
+    """With ``control.enabled = false`` there is no control.json: ``status`` said "not
+    running" while the daemon ran, a second ``install`` started another (which died:
+    the data folder in use) and said all was well, and ``uninstall`` left it running
+    under an environment uninstall.sh then deletes. The data folder's lock says it
+    runs, and names its pid."""
+    config = home / ".config" / "volunteerd" / "config.toml"
+    config.write_text(SMALL_DAEMON.replace("[control]\nport = 0\n", "[control]\nenabled = false\n"))
+    installed = service(home, "install", "--no-tray")
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    holder = lock_holder(home / DATA / "volunteerd.lock")
+    assert holder is not None
+    assert holder.pid is not None
+    pid = holder.pid
+    assert f"volunteerd is running (pid {pid}); the control API is off" in installed.stdout
+    assert not (home / DATA / "control.json").exists()
+
+    again = service(home, "install", "--no-tray")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "started volunteerd in the background" not in again.stdout  # no second daemon
+    assert f"volunteerd is running (pid {pid}); the control API is off" in again.stdout
+
+    shown = service(home, "status")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert f"daemon      running (control API off), pid {pid}\n" in shown.stdout
+    report = json.loads(service(home, "status", "--json").stdout)
+    assert (report["running"], report["pid"], report["dashboard"]) == (True, pid, None)
+
+    removed = service(home, "uninstall")
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert f"stopped the daemon (pid {pid}) with SIGTERM" in removed.stdout
+    assert not alive(pid)
+    assert "another volunteerd is using" not in (home / DATA / "daemon.log").read_text()
+    assert "daemon      not running" in service(home, "status").stdout

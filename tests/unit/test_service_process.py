@@ -14,11 +14,18 @@ import pytest
 
 from volunteerd.config import load_config
 from volunteerd.detached import OwnLogFile, config_variables, start_detached
-from volunteerd.paths import Paths
+from volunteerd.paths import DataDirLock, LockHolder, Paths, lock_holder
 from volunteerd.service import process
 from volunteerd.service.install import Chosen, status
 from volunteerd.service.managers import Systemd
-from volunteerd.service.process import probe, stop_daemon, stop_tray, tray_pid, wait_until_answering
+from volunteerd.service.process import (
+    Answer,
+    probe,
+    stop_daemon,
+    stop_tray,
+    tray_pid,
+    wait_until_answering,
+)
 
 
 def paths_in(tmp_path: Path) -> Paths:
@@ -45,6 +52,49 @@ def test_a_stale_address_file_never_gets_another_program_signalled(tmp_path: Pat
     finally:
         other.kill()
         other.wait(10)
+
+
+def test_the_lock_holder_is_found_without_taking_or_creating_anything(tmp_path: Path) -> None:
+    lock = tmp_path / "data" / "volunteerd.lock"
+    assert lock_holder(lock) is None
+    assert not lock.parent.exists()  # nothing created
+    lock.parent.mkdir()
+    lock.write_text("1234\n")  # left by a daemon that ended: not held
+    assert lock_holder(lock) is None
+    with DataDirLock(lock):
+        assert lock_holder(lock) == LockHolder(os.getpid())
+    assert lock_holder(lock) is None  # the probe did not keep it
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_a_daemon_without_its_control_api_is_found_by_its_lock_and_stopped(
+    tmp_path: Path,
+) -> None:
+    """With ``control.enabled = false`` there is no control.json: ``service status``
+    said "not running" and ``uninstall`` "no daemon was running" while it ran on. The
+    data folder's lock it holds says it runs, and names the pid to stop."""
+    paths = paths_in(tmp_path)
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", LOCKED_DAEMON, str(paths.lock_file)], stdout=subprocess.PIPE
+    )
+    try:
+        assert daemon.stdout is not None
+        assert daemon.stdout.readline() == b"locked\n"
+        assert probe(tmp_path) == Answer("", daemon.pid, unreachable=True)
+        paths.config_file.write_text("[control]\nenabled = false\n")
+        said: list[str] = []
+        status(paths, Chosen(), out=said.append)
+        assert said[-1] == f"daemon      running (control API off), pid {daemon.pid}"
+        assert (
+            stop_daemon(paths, timeout_s=5) == f"stopped the daemon (pid {daemon.pid}) with SIGTERM"
+        )
+        assert daemon.wait(10) == 143
+        assert probe(tmp_path) is None
+    finally:
+        daemon.kill()
+        daemon.wait(10)
+        if daemon.stdout is not None:
+            daemon.stdout.close()
 
 
 def test_systemd_files_follow_the_xdg_variables(
@@ -257,4 +307,14 @@ signal.signal(signal.SIGTERM, stop)
 server = socket.create_server(("127.0.0.1", 0))
 print(server.getsockname()[1], flush=True)
 time.sleep(60)
+"""
+
+LOCKED_DAEMON = """
+import os, signal, sys, time
+from pathlib import Path
+from volunteerd.paths import DataDirLock
+signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+with DataDirLock(Path(sys.argv[1])):  # as the daemon does, first thing
+    print("locked", flush=True)
+    time.sleep(60)
 """

@@ -6,14 +6,16 @@ daemon and waits until its control API answers. Where no service manager runs th
 daemon (Linux without a user systemd: containers, some SSH sessions) it starts
 ``volunteerd serve`` detached itself, and the tray's autostart entry starts it at
 login. ``uninstall`` stops the daemon and removes exactly the files install writes.
-``status`` says what is installed, whether it is current and whether a daemon answers.
+``status`` says what is installed, whether it is current and whether a daemon answers
+(or runs without its control API: the data folder's lock says so).
 
 Exit codes (packaging/README.md): install 0 (installed, and answering unless
-``--no-start``), 2 (``--set``: the service would not keep it), 3 (the configuration is
-invalid: nothing written), 5 (installed, but the daemon did not answer or the service
-manager refused). uninstall 0 (nothing of volunteerd's autostart is left), 5 (the
-daemon would not stop; the files are removed all the same). status 0 (installed,
-current, and a daemon answers), 5 (anything else; the output says which).
+``--no-start``; with ``control.enabled = false``, holding its data folder's lock), 2
+(``--set``: the service would not keep it), 3 (the configuration is invalid: nothing
+written), 5 (installed, but the daemon did not answer or the service manager refused).
+uninstall 0 (nothing of volunteerd's autostart is left), 5 (the daemon would not stop;
+the files are removed all the same). status 0 (installed, current, and a daemon
+answers or, with the control API off, runs), 5 (anything else; the output says which).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from volunteerd.service.process import (
     stop_tray,
     tray_pid,
     wait_until_answering,
+    wait_until_running,
 )
 
 __all__ = ["Chosen", "current_platform", "install", "render_reference", "status", "uninstall"]
@@ -224,12 +227,15 @@ def status(paths: Paths, chosen: Chosen, *, as_json: bool = False, out: Out = pr
     installed = any(f["role"] == "daemon" and f["installed"] for f in files)
     current = installed and all(f["current"] for f in files if f["installed"])
     answer = probe(paths.data_dir)
+    api_off = config is not None and not config.control.enabled
     state = (
-        "busy (does not answer in time)"
-        if answer is not None and answer.busy
+        None
+        if answer is None or answer.refused
+        else "busy (does not answer in time)"
+        if answer.busy
+        else ("running (control API off)" if api_off else "running (no control API: starting?)")
+        if answer.unreachable
         else _daemon_state(paths)
-        if answer is not None and not answer.refused
-        else None
     )
     report = {
         "platform": platform,
@@ -263,6 +269,8 @@ def status(paths: Paths, chosen: Chosen, *, as_json: bool = False, out: Out = pr
         out(f"daemon      something answers at {answer.url} but refuses: {answer.refused}")
     elif answer.busy:
         out(f"daemon      running (pid {answer.pid}) but its API did not answer in time (busy?)")
+    elif answer.unreachable:
+        out(f"daemon      {state}, pid {answer.pid or 'unknown'}")
     else:
         out(f"daemon      {state}, pid {answer.pid}, dashboard at {answer.url}/")
         out("            (`volunteerd dashboard` opens it, signed in)")
@@ -408,17 +416,21 @@ def _start(
     if changed and child is None:
         running = None  # restarted with the new file: wait for the new daemon
     if not config.control.enabled:
-        out("the control API is off (control.enabled = false): cannot tell whether it runs")
-        return ExitCode.OK
-    answer = (
-        running
-        if running is not None and not running.busy
-        else wait_until_answering(paths.data_dir, START_TIMEOUT_S, alive)
-    )
+        # No API to wait for: the data folder's lock says it runs, held a moment on.
+        answer = (
+            running
+            if running is not None
+            else wait_until_running(paths.data_dir, START_TIMEOUT_S, alive)
+        )
+    elif running is not None and not running.busy and not running.unreachable:
+        answer = running
+    else:
+        answer = wait_until_answering(paths.data_dir, START_TIMEOUT_S, alive)
     if answer is None:
         code = child.poll() if child is not None else None
         if code is None:
-            out(f"volunteerd did not answer within {START_TIMEOUT_S:.0f} s; {log_hint}")
+            what = "answer" if config.control.enabled else "start"
+            out(f"volunteerd did not {what} within {START_TIMEOUT_S:.0f} s; {log_hint}")
         else:
             out(f"volunteerd exited with status {code}; {log_hint}:")
             out(_tail(paths.daemon_log_file))
@@ -430,6 +442,18 @@ def _start(
         out(
             f"volunteerd is running (pid {answer.pid}) but did not answer within "
             f"{START_TIMEOUT_S:.0f} s (busy?); `volunteerd service status` asks again"
+        )
+        return ExitCode.UNAVAILABLE
+    if answer.unreachable and not config.control.enabled:
+        out(
+            f"volunteerd is running (pid {answer.pid or 'unknown'}); the control API is off "
+            "(control.enabled = false): no dashboard"
+        )
+        return ExitCode.OK
+    if answer.unreachable:
+        out(
+            f"volunteerd is running (pid {answer.pid or 'unknown'}) but its control API did "
+            f"not come up within {START_TIMEOUT_S:.0f} s; {log_hint}"
         )
         return ExitCode.UNAVAILABLE
     out(f"volunteerd is running (pid {answer.pid}): dashboard at {answer.url}/")

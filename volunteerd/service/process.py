@@ -2,9 +2,12 @@
 to stop (then SIGTERM it) and wait until it is gone; the same for the tray. Starting
 either detached is ``volunteerd.detached``'s.
 
-The daemon is found through its data folder only (``control.json`` and ``api-token``,
-as every client of the control API finds it), so these work whoever started it: a
+The daemon is found through its data folder only, so these work whoever started it: a
 service manager, the tray, ``volunteerd service install`` or the user in a terminal.
+Its control API is found as every client finds it (``control.json`` and
+``api-token``). Where no control API is found (``control.enabled =
+false``, or not up yet) the data folder's lock (``volunteerd.lock``, held by the daemon
+and naming its pid) says whether it runs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from volunteerd.errors import (
     DaemonNotRunning,
     ResourceUnavailable,
 )
-from volunteerd.paths import Paths
+from volunteerd.paths import Paths, lock_holder
 
 __all__ = [
     "Answer",
@@ -37,6 +40,7 @@ __all__ = [
     "stop_tray",
     "tray_pid",
     "wait_until_answering",
+    "wait_until_running",
 ]
 
 POLL_S = 0.25
@@ -49,29 +53,34 @@ class Answer:
     and ``pid`` from ``control.json``; ``refused`` when something answers but refuses
     us (another token: not a daemon these commands may drive); ``busy`` when the
     recorded process runs but its API did not answer in time (a daemon at nice 10 on a
-    loaded computer: it is there, and must not get a second one started beside it)."""
+    loaded computer: it is there, and must not get a second one started beside it).
+    ``unreachable`` when no control API is found but a daemon holds the data folder's
+    lock (``control.enabled = false``, or still starting): ``url`` is "" and ``pid``
+    the lock's."""
 
     url: str
     pid: int | None
     refused: str = ""
     busy: str = ""
+    unreachable: bool = False
 
 
 def probe(data_dir: Path) -> Answer | None:
     """The daemon answering for ``data_dir`` (or running there without answering in
-    time: ``busy``), or None when none runs."""
+    time: ``busy``; or holding its lock with no control API found: ``unreachable``),
+    or None when none runs."""
     try:
         client = ControlClient.for_data_dir(data_dir, timeout_s=REQUEST_TIMEOUT_S)
     except DaemonNotRunning:
-        return None
+        return _locked(data_dir)
     except ControlError as exc:  # the token is unreadable
         return Answer("", None, refused=str(exc))
     try:
         client.health()
     except DaemonNotAnswering as exc:
         return Answer(client.endpoint.url, client.endpoint.pid, busy=str(exc))
-    except DaemonNotRunning:
-        return None
+    except DaemonNotRunning:  # a stale control.json: nothing listens at its address
+        return _locked(data_dir)
     except ControlError as exc:
         return Answer(client.endpoint.url, client.endpoint.pid, refused=str(exc))
     return Answer(client.endpoint.url, client.endpoint.pid)
@@ -82,11 +91,12 @@ def wait_until_answering(
 ) -> Answer | None:
     """Poll the control API until it answers (the Answer) or ``timeout_s`` passes, or
     ``alive`` says the daemon has ended (None). A daemon that runs without answering in
-    time is waited for too; at the deadline its ``busy`` Answer is returned."""
+    time (or holds its lock before its API is up) is waited for too; at the deadline
+    its ``busy`` (``unreachable``) Answer is returned."""
     deadline = time.monotonic() + timeout_s
     while True:
         answer = probe(data_dir)
-        if answer is not None and not answer.busy:
+        if answer is not None and not answer.busy and not answer.unreachable:
             return answer
         if time.monotonic() >= deadline:
             return answer
@@ -95,29 +105,57 @@ def wait_until_answering(
         time.sleep(POLL_S)
 
 
+def wait_until_running(
+    data_dir: Path,
+    timeout_s: float,
+    alive: Callable[[], bool] | None = None,
+    settle_s: float = 5.0,
+) -> Answer | None:
+    """For a daemon started with its control API off: poll until it holds the data
+    folder's lock (or answers) and still does ``settle_s`` later (the Answer), or
+    ``timeout_s`` passes or ``alive`` says it has ended (None). The lock is its first
+    step; ``settle_s`` covers what may still end it early (loading its experts, binding
+    its port), so that a daemon that exits at once is not taken for a running one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = probe(data_dir)
+        if answer is not None:
+            time.sleep(settle_s)
+            if alive is None or alive():
+                return probe(data_dir)
+            return None
+        if time.monotonic() >= deadline or (alive is not None and not alive()):
+            return None
+        time.sleep(POLL_S)
+
+
 def stop_daemon(paths: Paths, timeout_s: float) -> str:
     """Stop the daemon of ``paths.data_dir``: ask it through the control API and wait up
-    to ``timeout_s`` for it to be gone; else SIGTERM the pid in ``control.json`` (only if
-    that process runs volunteerd) and wait again. Returns what happened, in words.
-    Raises ResourceUnavailable if it is still there."""
+    to ``timeout_s`` for it to be gone; else SIGTERM the pid in ``control.json`` (only
+    if that process runs volunteerd) or, with no control API, the pid named by the data
+    folder's held lock, and wait again. Returns what happened, in words. Raises
+    ResourceUnavailable if it is still there."""
     answer = probe(paths.data_dir)
     pid = answer.pid if answer is not None else _recorded_pid(paths.control_file)
     if answer is None and not (pid is not None and _alive(pid) and _is_volunteerd(pid)):
         paths.control_file.unlink(missing_ok=True)  # left by a daemon that was killed
         return "no daemon was running"
-    if answer is not None and not answer.refused and not answer.busy:
+    if answer is not None and answer.url and not answer.refused and not answer.busy:
         try:
             ControlClient.for_data_dir(paths.data_dir, timeout_s=REQUEST_TIMEOUT_S).shutdown()
         except ControlError:
             pass
         else:
-            if _wait_gone(paths.control_file, pid, timeout_s):
+            if _wait_gone(paths, pid, timeout_s):
                 return "stopped the daemon" + (f" (pid {pid})" if pid else "")
-    if pid is not None and _alive(pid) and _is_volunteerd(pid):
+    locked = answer is not None and answer.unreachable  # the pid is the held lock's
+    if pid is not None and _alive(pid) and (locked or _is_volunteerd(pid)):
         os.kill(pid, signal.SIGTERM)
-        if _wait_gone(paths.control_file, pid, timeout_s):
+        if _wait_gone(paths, pid, timeout_s):
             return f"stopped the daemon (pid {pid}) with SIGTERM"
         raise ResourceUnavailable(f"the daemon (pid {pid}) did not stop; stop it by hand")
+    if locked:
+        raise ResourceUnavailable(f"the volunteerd using {paths.data_dir} did not stop")
     where = answer.url if answer is not None else paths.control_file
     raise ResourceUnavailable(f"something answers at {where} and did not stop")
 
@@ -151,10 +189,19 @@ def stop_tray(paths: Paths, timeout_s: float = 10.0) -> str | None:
     return f"stopped the tray (pid {pid})"
 
 
-def _wait_gone(control_file: Path, pid: int | None, timeout_s: float) -> bool:
+def _locked(data_dir: Path) -> Answer | None:
+    """An ``unreachable`` Answer when a daemon holds ``data_dir``'s lock, else None."""
+    holder = lock_holder(data_dir / "volunteerd.lock")
+    return None if holder is None else Answer("", holder.pid, unreachable=True)
+
+
+def _wait_gone(paths: Paths, pid: int | None, timeout_s: float) -> bool:
+    """Whether the daemon let go of the data folder's lock and its process ``pid`` has
+    ended, within ``timeout_s``. A ``control.json`` it left (killed) is removed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not control_file.exists() and (pid is None or not _alive(pid)):
+        if lock_holder(paths.lock_file) is None and (pid is None or not _alive(pid)):
+            paths.control_file.unlink(missing_ok=True)
             return True
         time.sleep(POLL_S)
     return False
