@@ -54,6 +54,34 @@ def test_a_stale_address_file_never_gets_another_program_signalled(tmp_path: Pat
         other.wait(10)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_a_stale_pid_reused_by_a_program_named_like_volunteerd_is_not_signalled(
+    tmp_path: Path,
+) -> None:
+    """A daemon that was killed left control.json; its pid now runs ``tail -f
+    .../volunteerd/daemon.log``, "volunteerd" in its command line. That process got
+    SIGTERM from ``service uninstall``, which then waited for it and said "did not
+    stop". Nothing holds the data folder's lock: no daemon runs, nothing is signalled."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", SLEEP, "tail", "-f", str(tmp_path / "volunteerd" / "daemon.log")]
+    )
+    try:
+        paths = paths_in(tmp_path)
+        paths.control_file.write_text(json.dumps({"url": "http://127.0.0.1:9", "pid": other.pid}))
+        (tmp_path / "api-token").write_text("t")
+        paths.lock_file.write_text(f"{other.pid}\n")  # not held: the lock died with its daemon
+        assert probe(tmp_path) is None
+        said: list[str] = []
+        status(paths, Chosen(), out=said.append)
+        assert said[-1] == "daemon      not running"
+        assert stop_daemon(paths, timeout_s=1) == "no daemon was running"
+        assert other.poll() is None
+        assert not paths.control_file.exists()
+    finally:
+        other.kill()
+        other.wait(10)
+
+
 def test_the_lock_holder_is_found_without_taking_or_creating_anything(tmp_path: Path) -> None:
     lock = tmp_path / "data" / "volunteerd.lock"
     assert lock_holder(lock) is None
@@ -300,14 +328,19 @@ def test_a_daemon_too_busy_to_answer_is_running_and_is_stopped_by_signal(
 
 BUSY_DAEMON = """
 import os, signal, socket, sys, time
+from pathlib import Path
+from volunteerd.paths import DataDirLock
 def stop(*_):  # as the daemon does: its control.json goes with it
     os.remove(sys.argv[3])
     os._exit(143)
 signal.signal(signal.SIGTERM, stop)
+DataDirLock(Path(sys.argv[3]).with_name("volunteerd.lock")).__enter__()  # as the daemon
 server = socket.create_server(("127.0.0.1", 0))
 print(server.getsockname()[1], flush=True)
 time.sleep(60)
 """
+
+SLEEP = "import time; time.sleep(30)"
 
 LOCKED_DAEMON = """
 import os, signal, sys, time

@@ -5,15 +5,16 @@ either detached is ``volunteerd.detached``'s.
 The daemon is found through its data folder only, so these work whoever started it: a
 service manager, the tray, ``volunteerd service install`` or the user in a terminal.
 Its control API is found as every client finds it (``control.json`` and
-``api-token``). Where no control API is found (``control.enabled =
-false``, or not up yet) the data folder's lock (``volunteerd.lock``, held by the daemon
-and naming its pid) says whether it runs.
+``api-token``). Whether it runs at all is the data folder's lock (``volunteerd.lock``,
+held by the daemon and naming its pid): it is there with the control API off too, and
+it cannot outlive its process, where a pid in a stale ``control.json`` may have been
+reused by any program (a ``tail -f`` of the daemon's log has "volunteerd" in its
+command line). Only the pid named by the held lock is ever sent a signal.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from volunteerd.atomic import STATE_MAX_BYTES, read_small
 from volunteerd.control.client import ControlClient
 from volunteerd.errors import (
     ControlError,
@@ -31,7 +31,7 @@ from volunteerd.errors import (
     DaemonNotRunning,
     ResourceUnavailable,
 )
-from volunteerd.paths import Paths, lock_holder
+from volunteerd.paths import LockHolder, Paths, lock_holder
 
 __all__ = [
     "Answer",
@@ -131,16 +131,16 @@ def wait_until_running(
 
 def stop_daemon(paths: Paths, timeout_s: float) -> str:
     """Stop the daemon of ``paths.data_dir``: ask it through the control API and wait up
-    to ``timeout_s`` for it to be gone; else SIGTERM the pid in ``control.json`` (only
-    if that process runs volunteerd) or, with no control API, the pid named by the data
-    folder's held lock, and wait again. Returns what happened, in words. Raises
+    to ``timeout_s`` for it to be gone; else (no API: ``control.enabled = false``;
+    busy; refusing us) SIGTERM the pid named by the data folder's lock, while the lock
+    is held, and wait again. Returns what happened, in words. Raises
     ResourceUnavailable if it is still there."""
     answer = probe(paths.data_dir)
-    pid = answer.pid if answer is not None else _recorded_pid(paths.control_file)
-    if answer is None and not (pid is not None and _alive(pid) and _is_volunteerd(pid)):
+    if answer is None:
         paths.control_file.unlink(missing_ok=True)  # left by a daemon that was killed
         return "no daemon was running"
-    if answer is not None and answer.url and not answer.refused and not answer.busy:
+    pid = answer.pid
+    if answer.url and not answer.refused and not answer.busy:
         try:
             ControlClient.for_data_dir(paths.data_dir, timeout_s=REQUEST_TIMEOUT_S).shutdown()
         except ControlError:
@@ -148,16 +148,23 @@ def stop_daemon(paths: Paths, timeout_s: float) -> str:
         else:
             if _wait_gone(paths, pid, timeout_s):
                 return "stopped the daemon" + (f" (pid {pid})" if pid else "")
-    locked = answer is not None and answer.unreachable  # the pid is the held lock's
-    if pid is not None and _alive(pid) and (locked or _is_volunteerd(pid)):
-        os.kill(pid, signal.SIGTERM)
-        if _wait_gone(paths, pid, timeout_s):
-            return f"stopped the daemon (pid {pid}) with SIGTERM"
-        raise ResourceUnavailable(f"the daemon (pid {pid}) did not stop; stop it by hand")
-    if locked:
-        raise ResourceUnavailable(f"the volunteerd using {paths.data_dir} did not stop")
-    where = answer.url if answer is not None else paths.control_file
-    raise ResourceUnavailable(f"something answers at {where} and did not stop")
+    holder = _settled_holder(paths)
+    if holder is None:
+        if answer.refused or answer.busy or answer.unreachable:
+            # No volunteerd holds the folder: the control.json found is stale, and
+            # whatever has its pid or port now is not ours to stop.
+            paths.control_file.unlink(missing_ok=True)
+            return "no daemon was running"
+        raise ResourceUnavailable(f"something answers at {answer.url} and did not stop")
+    if holder.pid is not None and _alive(holder.pid):
+        os.kill(holder.pid, signal.SIGTERM)
+        if _wait_gone(paths, holder.pid, timeout_s):
+            return f"stopped the daemon (pid {holder.pid}) with SIGTERM"
+        raise ResourceUnavailable(f"the daemon (pid {holder.pid}) did not stop; stop it by hand")
+    shown = f"pid {holder.pid}" if holder.pid is not None else "its pid unknown"
+    raise ResourceUnavailable(
+        f"the volunteerd using {paths.data_dir} ({shown}) did not stop; stop it by hand"
+    )
 
 
 def tray_pid(paths: Paths) -> int | None:
@@ -195,6 +202,23 @@ def _locked(data_dir: Path) -> Answer | None:
     return None if holder is None else Answer("", holder.pid, unreachable=True)
 
 
+def _settled_holder(paths: Paths) -> LockHolder | None:
+    """The data folder's lock holder, its pid read twice ``POLL_S`` apart, the lock held
+    both times: a daemon takes the lock a moment before it writes its pid over the last
+    one's, which must not be signalled. Its pid is None if it did not settle in 2 s."""
+    deadline = time.monotonic() + 2.0
+    holder = lock_holder(paths.lock_file)
+    while holder is not None:
+        time.sleep(POLL_S)
+        again = lock_holder(paths.lock_file)
+        if again is None or (again == holder and again.pid is not None):
+            return again
+        if time.monotonic() >= deadline:
+            return LockHolder(None)
+        holder = again
+    return None
+
+
 def _wait_gone(paths: Paths, pid: int | None, timeout_s: float) -> bool:
     """Whether the daemon let go of the data folder's lock and its process ``pid`` has
     ended, within ``timeout_s``. A ``control.json`` it left (killed) is removed."""
@@ -205,14 +229,6 @@ def _wait_gone(paths: Paths, pid: int | None, timeout_s: float) -> bool:
             return True
         time.sleep(POLL_S)
     return False
-
-
-def _recorded_pid(control_file: Path) -> int | None:
-    try:
-        pid = json.loads(read_small(control_file, STATE_MAX_BYTES)).get("pid")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None
-    return pid if isinstance(pid, int) else None
 
 
 def _alive(pid: int) -> bool:
@@ -233,8 +249,9 @@ def _alive(pid: int) -> bool:
 
 
 def _is_volunteerd(pid: int) -> bool:
-    """Whether ``pid`` runs volunteerd (a pid in a stale ``control.json`` may have been
-    reused by another program, which must not be signalled)."""
+    """Whether ``pid``'s command line names volunteerd: for the tray, which holds no
+    lock (a pid in a stale ``tray.pid`` may have been reused by another program, which
+    must not be signalled). Not for the daemon: a ``tail -f`` of its log passes this."""
     return "volunteerd" in _command_line(pid)
 
 
