@@ -432,6 +432,33 @@ def test_install_refuses_what_it_cannot_install(tmp_path: Path) -> None:
     assert not (tmp_path / "home").exists()
 
 
+def test_relative_xdg_folders_are_ignored(tmp_path: Path) -> None:
+    """The XDG Base Directory spec: a relative value is not a folder, it is ignored."""
+    tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=False)
+    (tools / "systemctl").write_text("#!/bin/sh\nexit 1\n")
+    (tools / "systemctl").chmod(0o755)
+    home = tmp_path / "home"
+    env = user_environment(home, path_prefix=tools)
+    env.update(XDG_DATA_HOME="data", XDG_CONFIG_HOME="config", XDG_CACHE_HOME="cache")
+    cwd = tmp_path / "cwd"
+    kept = [cwd / folder / "volunteerd" for folder in ("data", "config", "cache")]
+    purged = [home / folder / "volunteerd" for folder in (".local/share", ".config", ".cache")]
+    for folder in kept + purged:
+        folder.mkdir(parents=True)
+
+    done = subprocess.run(
+        ["sh", str(INSTALL), "--dry-run"], cwd=cwd, env=env, capture_output=True, text=True
+    )
+    env_dir = home / ".local" / "share" / "volunteerd" / "env"
+    assert f"would create the environment {env_dir} " in done.stdout, done.stdout + done.stderr
+    done = subprocess.run(
+        ["sh", str(UNINSTALL), "--purge"], cwd=cwd, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [folder for folder in purged if folder.exists()] == []
+    assert [folder for folder in kept if folder.exists()] == kept
+
+
 def test_shell_scripts_pass_shellcheck() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is missing (apt install shellcheck)")
