@@ -13,7 +13,10 @@
 #
 # Run it again to upgrade: the environment is kept (torch too, while it is the pinned
 # version), volunteerd is reinstalled, the daemon restarted. Identity, configuration,
-# checkpoints and statistics live outside the environment and are never touched.
+# checkpoints and statistics live outside the environment and are never touched. What
+# can fail without touching the installed volunteerd (pip's upgrade, building the wheel)
+# is done before the daemon is stopped; if a later step fails, the installed volunteerd's
+# `service install` is run again, and the script says what state it leaves.
 #
 # Where things go:
 #   environment  $XDG_DATA_HOME/volunteerd/env (~/.local/share/volunteerd/env) on Linux,
@@ -121,13 +124,15 @@ auto | cpu | cuda | rocm) ;;
 esac
 [ -n "${HOME:-}" ] || die "HOME is not set"
 
-# An XDG base directory as volunteerd/paths.py finds it: $1 if it is an absolute path,
-# else $2 (the spec: an empty or relative value is invalid, and must be ignored).
-xdg() { case ${1:-} in /*) printf '%s' "$1" ;; *) printf '%s' "$2" ;; esac; }
-
 os=$(uname -s)
 case $os in
-Linux) data_dir=$(xdg "${XDG_DATA_HOME:-}" "$HOME/.local/share")/volunteerd ;;
+Linux)
+    # The XDG Base Directory spec: a value that is not an absolute path is ignored.
+    case ${XDG_DATA_HOME:-} in
+    /*) data_dir=$XDG_DATA_HOME/volunteerd ;;
+    *) data_dir=$HOME/.local/share/volunteerd ;;
+    esac
+    ;;
 Darwin) data_dir=$HOME/Library/Application\ Support/volunteerd ;;
 *) die "this installer is for Linux and macOS (on Windows use install.ps1); found $os" ;;
 esac
@@ -272,40 +277,51 @@ if [ "$dry_run" = yes ]; then
     exit 0
 fi
 
-# -- the environment ---------------------------------------------------------------------
+# -- on the way out -----------------------------------------------------------------------
 
-if [ "$action" = upgrade ] && [ -x "$env_dir/bin/volunteerd" ]; then
-    # The daemon and its autostart files are put back by `service install` below; the
-    # daemon must not run while its files are replaced.
-    say "stopping the installed volunteerd for the upgrade"
-    "$env_dir/bin/volunteerd" service uninstall ||
-        say "(could not stop it cleanly; carrying on)"
-fi
-if [ "$action" = create ]; then
-    if [ -e "$env_dir" ]; then
-        say "removing the old environment $env_dir"
-        rm -rf "$env_dir"
+warn() { printf 'install: %s\n' "$*" >&2; }
+
+# How far this script got with the installed volunteerd, for what to say (and put back)
+# if it fails: untouched, stopped (by its own `service uninstall`), gone
+# (its environment removed), registering (the new volunteerd is in place), finished.
+stage=untouched
+build_dir=
+[ -e "$env_dir" ] && installed=yes || installed=no
+on_exit() {
+    status=$?
+    set +e
+    [ -z "$build_dir" ] || rm -rf "$build_dir"
+    if [ "$status" != 0 ] && [ "$installed" = yes ]; then
+        put_back
     fi
-    say "creating the environment $env_dir ($("$base_python" --version 2>&1))"
-    (umask 077 && mkdir -p "$data_dir") # the data folder is private (docs/configuration.md)
-    "$base_python" -m venv "$env_dir" ||
-        die "could not create the environment (on Debian or Ubuntu: sudo apt install python3-venv)"
-else
-    say "upgrading the environment $env_dir"
-fi
-pip install --quiet --upgrade pip
+    exit "$status"
+}
+put_back() {
+    case $stage in
+    untouched) warn "the installed volunteerd was not touched" ;;
+    stopped)
+        if "$env_dir/bin/volunteerd" --version >/dev/null 2>&1; then
+            warn "the upgrade failed; putting the installed volunteerd back: volunteerd service install$service_flags"
+            # shellcheck disable=SC2086 # the flags are words on purpose
+            if "$env_dir/bin/volunteerd" service install $service_flags; then
+                warn "volunteerd is back as it was before; run this script again once the problem above is solved"
+                return
+            fi
+        fi
+        warn "the upgrade failed, and volunteerd is stopped; it does not start at login until this script succeeds"
+        ;;
+    gone) warn "volunteerd is stopped, and its environment $env_dir is incomplete: run this script again once the problem above is solved" ;;
+    registering) ;; # said by the die below
+    esac
+}
+trap on_exit EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
-case $torch_plan in
-keep) say "keeping torch $torch_installed" ;;
-*) say "installing $(describe_torch "$torch_plan")" ;;
-esac
-install_torch "$torch_plan"
+# -- what can fail without touching the installed volunteerd --------------------------------
 
-# -- volunteerd --------------------------------------------------------------------------
-
-if [ "$source_kind" = source ]; then
+build_wheel() {
     build_dir=$(mktemp -d)
-    trap 'rm -rf "$build_dir"' EXIT
     say "building a wheel from $source_path"
     # From a copy: setuptools' build/ folder in a checkout can hold files since deleted.
     mkdir "$build_dir/src"
@@ -315,7 +331,53 @@ if [ "$source_kind" = source ]; then
     pip wheel --quiet --no-deps --wheel-dir "$build_dir" "$build_dir/src"
     for built in "$build_dir"/volunteerd-*.whl; do source_path=$built; done
     source_kind=wheel
+}
+
+if [ "$action" = upgrade ]; then
+    pip install --quiet --upgrade pip
 fi
+# With the environment's pip, where it has one that works (not when new or broken).
+if [ "$source_kind" = source ] && [ -x "$env_dir/bin/python" ] && pip --version >/dev/null 2>&1; then
+    build_wheel
+fi
+
+# -- stop the installed volunteerd ----------------------------------------------------------
+
+if [ "$action" = upgrade ] && [ -x "$env_dir/bin/volunteerd" ]; then
+    # The daemon and its autostart files are put back by `service install` below; the
+    # daemon must not run while its files are replaced.
+    say "stopping the installed volunteerd for the upgrade"
+    stage=stopped
+    "$env_dir/bin/volunteerd" service uninstall ||
+        say "(could not stop it cleanly; carrying on)"
+fi
+
+# -- the environment ---------------------------------------------------------------------
+
+if [ "$action" = create ]; then
+    if [ -e "$env_dir" ]; then
+        say "removing the old environment $env_dir"
+        stage=gone
+        rm -rf "$env_dir"
+    fi
+    say "creating the environment $env_dir ($("$base_python" --version 2>&1))"
+    (umask 077 && mkdir -p "$data_dir") # the data folder is private (docs/configuration.md)
+    "$base_python" -m venv "$env_dir" ||
+        die "could not create the environment (on Debian or Ubuntu: sudo apt install python3-venv)"
+    pip install --quiet --upgrade pip
+else
+    say "upgrading the environment $env_dir"
+fi
+
+case $torch_plan in
+keep) say "keeping torch $torch_installed" ;;
+*) say "installing $(describe_torch "$torch_plan")" ;;
+esac
+install_torch "$torch_plan"
+
+# -- volunteerd --------------------------------------------------------------------------
+
+[ "$source_kind" = wheel ] || build_wheel
 say "installing $source_text"
 # --upgrade installs what the wheel needs (torch stays: it is in range); the second
 # step replaces volunteerd even when the wheel has the installed version number.
@@ -334,9 +396,11 @@ fi
 # -- autostart, start ---------------------------------------------------------------------
 
 say "registering the autostart: volunteerd service install$service_flags"
+stage=registering
 # shellcheck disable=SC2086 # the flags are words on purpose
 "$env_dir/bin/volunteerd" service install $service_flags ||
-    die "volunteerd is installed, but 'volunteerd service install' failed (see above)"
+    die "$version is installed, but 'volunteerd service install' failed (see above): volunteerd is stopped and does not start at login; solve the problem it names, then run 'volunteerd service install$service_flags'"
+stage=finished
 
 echo
 echo "$version is installed in $env_dir"

@@ -432,6 +432,91 @@ def test_install_refuses_what_it_cannot_install(tmp_path: Path) -> None:
     assert not (tmp_path / "home").exists()
 
 
+FAKE_PYTHON = r"""#!/bin/sh
+[ "$1" = -m ] || exec "REAL" "$@"
+printf 'python %s\n' "$*" >>"$FAKE_LOG"
+case "python $*" in $FAKE_FAIL) exit 1 ;; esac
+if [ "$2" = venv ]; then
+    mkdir -p "$3/bin" && cp "$FAKES/python" "$FAKES/volunteerd" "$3/bin/"
+fi
+"""
+FAKE_VOLUNTEERD = r"""#!/bin/sh
+printf 'volunteerd %s\n' "$*" >>"$FAKE_LOG"
+case "volunteerd $*" in $FAKE_FAIL) exit 3 ;; esac
+case $1 in --version) echo "volunteerd 0.0.0" ;; dashboard) exit 1 ;; esac
+"""
+
+
+def stand_ins(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A new user's environment with stand-ins for Python and volunteerd, which note
+    each call (but ``python -c``, run by the real Python) in the returned log: ``-m venv
+    DIR`` makes an environment of stand-ins, ``-m pip`` does nothing. A call matching
+    the shell pattern ``FAKE_FAIL`` fails (python with 1, volunteerd with 3)."""
+    tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=False)
+    log = tmp_path / "calls.log"
+    (tools / "python").write_text(FAKE_PYTHON.replace("REAL", sys.executable))
+    (tools / "volunteerd").write_text(FAKE_VOLUNTEERD)
+    for tool in ("python", "volunteerd"):
+        (tools / tool).chmod(0o755)
+    env = user_environment(tmp_path / "home", path_prefix=tools)
+    env.update(FAKES=str(tools), FAKE_LOG=str(log), FAKE_FAIL="")
+    return env, log
+
+
+def installed_stand_in(env: dict[str, str]) -> Path:
+    """An installed environment of stand-ins; its folder."""
+    env_dir = Path(env["HOME"]) / ".local" / "share" / "volunteerd" / "env"
+    (env_dir / "bin").mkdir(parents=True)
+    for tool in ("python", "volunteerd"):
+        shutil.copy(Path(env["FAKES"]) / tool, env_dir / "bin" / tool)
+    return env_dir
+
+
+def calls(log: Path) -> list[str]:
+    """The calls noted, without pip's options."""
+    return [line.replace(" --quiet", "").strip() for line in log.read_text().splitlines()]
+
+
+def test_a_failed_upgrade_puts_the_installed_volunteerd_back(tmp_path: Path) -> None:
+    env, log = stand_ins(tmp_path)
+    installed_stand_in(env)
+    wheel = tmp_path / "volunteerd-9.0-py3-none-any.whl"
+    wheel.touch()
+
+    # pip cannot reach the index: the daemon is not even stopped
+    env["FAKE_FAIL"] = "python -m pip * install --quiet --upgrade pip"
+    said = refused(INSTALL, "--wheel", str(wheel), env=env)
+    assert "the installed volunteerd was not touched" in said
+    assert not any("volunteerd service" in call for call in calls(log))
+
+    # nor when the checkout's wheel cannot be built
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text('[project]\nname = "volunteerd"\n')
+    env["FAKE_FAIL"] = "python -m pip * wheel *"
+    log.unlink()
+    assert "not touched" in refused(INSTALL, "--source", str(checkout), env=env)
+    assert not any("volunteerd service" in call for call in calls(log))
+
+    # installing the wheel fails once the daemon is stopped: its autostart is put back
+    env["FAKE_FAIL"] = f"python -m pip * install --quiet --upgrade {wheel}"
+    log.unlink()
+    said = refused(INSTALL, "--wheel", str(wheel), "--no-tray", env=env)
+    assert calls(log)[-3:] == [
+        f"python -m pip --disable-pip-version-check install --upgrade {wheel}",
+        "volunteerd --version",
+        "volunteerd service install --no-tray",
+    ]
+    assert "volunteerd service uninstall" in calls(log)
+    assert "volunteerd is back as it was before" in said
+
+    # the new volunteerd's `service install` refuses (an invalid configuration): said so
+    env["FAKE_FAIL"] = "volunteerd service install*"
+    said = refused(INSTALL, "--wheel", str(wheel), env=env)
+    assert "volunteerd is stopped and does not start at login" in said
+    assert calls(log)[-1] == "volunteerd service install"
+
+
 def test_relative_xdg_folders_are_ignored(tmp_path: Path) -> None:
     """The XDG Base Directory spec: a relative value is not a folder, it is ignored."""
     tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=False)
