@@ -282,7 +282,7 @@ fi
 warn() { printf 'install: %s\n' "$*" >&2; }
 
 # How far this script got with the installed volunteerd, for what to say (and put back)
-# if it fails: untouched, stopped (by its own `service uninstall`), gone
+# if it fails: untouched, stopped (by its own `service uninstall`, or by its pid), gone
 # (its environment removed), registering (the new volunteerd is in place), finished.
 stage=untouched
 build_dir=
@@ -300,7 +300,7 @@ put_back() {
     case $stage in
     untouched) warn "the installed volunteerd was not touched" ;;
     stopped)
-        if "$env_dir/bin/volunteerd" --version >/dev/null 2>&1; then
+        if [ "$stopped_by" = service ] && "$env_dir/bin/volunteerd" --version >/dev/null 2>&1; then
             warn "the upgrade failed; putting the installed volunteerd back: volunteerd service install$service_flags"
             # shellcheck disable=SC2086 # the flags are words on purpose
             if "$env_dir/bin/volunteerd" service install $service_flags; then
@@ -343,13 +343,60 @@ fi
 
 # -- stop the installed volunteerd ----------------------------------------------------------
 
-if [ "$action" = upgrade ] && [ -x "$env_dir/bin/volunteerd" ]; then
-    # The daemon and its autostart files are put back by `service install` below; the
-    # daemon must not run while its files are replaced.
-    say "stopping the installed volunteerd for the upgrade"
-    stage=stopped
+# Whether $1 runs (a zombie that no one reaps, in some containers, does not).
+is_alive() {
+    kill -0 "$1" 2>/dev/null || return 1
+    if [ -r "/proc/$1/stat" ]; then
+        case $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) in Z*) return 1 ;; esac
+    fi
+}
+
+command_of() {
+    if [ -r "/proc/$1/cmdline" ]; then
+        tr '\0' ' ' <"/proc/$1/cmdline"
+    else
+        ps -o command= -p "$1" 2>/dev/null || true
+    fi
+}
+
+# Stop the process whose pid is in the file $1 (what $2 is, in words), if it runs
+# volunteerd: a stale pid may have been reused by another program.
+stop_by_pid() {
+    pid=$(head -n 1 "$1" 2>/dev/null | tr -cd 0-9)
+    [ -n "$pid" ] && is_alive "$pid" || return 0
+    case $(command_of "$pid") in *volunteerd*) ;; *) return 0 ;; esac
+    say "stopping the running volunteerd $2 (pid $pid): its environment is to be replaced"
+    kill -TERM "$pid" 2>/dev/null || return 0
+    waited=0
+    while is_alive "$pid"; do
+        if [ "$waited" -ge 60 ]; then
+            say "the $2 (pid $pid) did not stop in 60 s: killing it"
+            kill -KILL "$pid" 2>/dev/null || true
+            break
+        fi
+        sleep 1
+        waited=$((waited + 1))
+    done
+}
+
+# The daemon must not run while its files are replaced or removed: it would go on
+# running from deleted files, and the new one would not start beside it. Its autostart
+# is put back by `service install` below.
+stopped_by=
+if [ -x "$env_dir/bin/volunteerd" ] && "$env_dir/bin/volunteerd" --version >/dev/null 2>&1; then
+    say "stopping the installed volunteerd: volunteerd service uninstall"
+    stage=stopped stopped_by=service
     "$env_dir/bin/volunteerd" service uninstall ||
         say "(could not stop it cleanly; carrying on)"
+elif [ -e "$env_dir" ]; then
+    # Its environment cannot run it any more (its Python is gone): the pids it wrote.
+    case ${VOLUNTEERD_DATA_DIR:-} in
+    /*) node_dir=$VOLUNTEERD_DATA_DIR ;;
+    *) node_dir=$data_dir ;;
+    esac
+    stage=stopped stopped_by=pid
+    stop_by_pid "$node_dir/volunteerd.lock" daemon
+    stop_by_pid "$node_dir/tray.pid" tray
 fi
 
 # -- the environment ---------------------------------------------------------------------

@@ -517,6 +517,42 @@ def test_a_failed_upgrade_puts_the_installed_volunteerd_back(tmp_path: Path) -> 
     assert calls(log)[-1] == "volunteerd service install"
 
 
+def test_recreating_the_environment_stops_the_daemon_first(tmp_path: Path) -> None:
+    env, log = stand_ins(tmp_path)
+    env_dir = installed_stand_in(env)
+    python = str(Path(env["FAKES"]) / "python")
+    wheel = tmp_path / "volunteerd-9.0-py3-none-any.whl"
+    wheel.touch()
+
+    # another Python: the installed volunteerd stops itself before its folder goes
+    run_script(INSTALL, "--wheel", wheel, "--python", python, env=env)
+    done = calls(log)
+    assert done.index("volunteerd service uninstall") < done.index(f"python -m venv {env_dir}")
+
+    # its Python is gone: the daemon named in the data folder's lock is stopped ...
+    (env_dir / "bin" / "python").unlink()
+    (env_dir / "bin" / "python").symlink_to(tmp_path / "gone")
+    (env_dir / "bin" / "volunteerd").write_text(f"#!{tmp_path / 'gone'}\n")
+    data_dir = env_dir.parent
+    keep = ["import time", "time.sleep(60)"]
+    daemon = subprocess.Popen([sys.executable, "-c", ";".join(keep), "volunteerd", "serve"])
+    tray = subprocess.Popen(["sleep", "60"])  # ... but not another program with its pid
+    try:
+        (data_dir / "volunteerd.lock").write_text(f"{daemon.pid}\n")
+        (data_dir / "tray.pid").write_text(f"{tray.pid}\n")
+        log.unlink()
+        said = run_script(INSTALL, "--wheel", wheel, "--python", python, env=env).stdout
+        assert daemon.wait(5) == -signal.SIGTERM
+        assert tray.poll() is None
+        assert f"stopping the running volunteerd daemon (pid {daemon.pid})" in said
+        assert said.index(f"(pid {daemon.pid})") < said.index("removing the old environment")
+    finally:
+        daemon.kill()
+        tray.kill()
+        daemon.wait()
+        tray.wait()
+
+
 def test_relative_xdg_folders_are_ignored(tmp_path: Path) -> None:
     """The XDG Base Directory spec: a relative value is not a folder, it is ignored."""
     tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=False)
