@@ -58,3 +58,19 @@ def test_too_little_text_is_refused(tmp_path: Path) -> None:
     write(tmp_path, [1_500])
     with pytest.raises(ConfigError, match="too little text"):
         load_corpus(DataConfig(source=str(tmp_path), max_bytes=10_000, val_every=10))
+
+
+def test_max_bytes_reads_only_the_start_of_a_large_file(tmp_path: Path) -> None:
+    # a 200 MB file under max_bytes = 100000 was read whole (2 GB of memory)
+    book = tmp_path / "book.txt"
+    book.write_bytes(bytes(range(256)) * 8_000)  # 2 MB
+    corpus = load_corpus(DataConfig(source=str(book), max_bytes=100_000, val_every=4))
+    assert (len(corpus.train), len(corpus.val)) == (75_000, 25_000)
+    assert bytes(corpus.train.numpy()) + bytes(corpus.val.numpy()) == book.read_bytes()[:100_000]
+
+
+def test_max_bytes_cuts_the_file_that_reaches_it(tmp_path: Path) -> None:
+    write(tmp_path, [30_000, 40_000, 5_000, 5_000])
+    corpus = load_corpus(DataConfig(source=str(tmp_path), max_bytes=50_000, val_every=10))
+    assert (len(corpus.train), len(corpus.val)) == (30_000, 20_000)
+    assert letters(corpus.val) == {"b"}
