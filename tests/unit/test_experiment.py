@@ -106,3 +106,45 @@ def test_an_invitation_names_the_manifest_its_trusted_owner_and_the_peers() -> N
     assert swarm.bootstrap_peers == [boot, other]
     with pytest.raises(ConfigError, match="invitation is to 'other'"):
         apply_invitation(trainer, Invitation("other", owner, (boot,)))
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "says"),
+    [
+        # each was accepted and failed later: a traceback, retries, or memory without bound
+        ("model", "grid", "[-3, 4]", "model.grid: Value error, every dimension needs at least"),
+        ("model", "grid", "[0, 4]", "model.grid: Value error, every dimension needs at least"),
+        ("model", "grid", "[100000, 100000]", "names 10000000000 experts a block"),
+        ("model", "grid", "[64, 64]", "names 4096 experts a block, in 2 blocks; at most 4096"),
+        ("model", "forward_timeout_s", "inf", "model.forward_timeout_s: Input should be a finite"),
+        ("model", "backward_timeout_s", "inf", "model.backward_timeout_s: Input should be a fin"),
+        ("model", "grace_after_k_min_s", "inf", "model.grace_after_k_min_s: Input should be a f"),
+        ("training", "eval_batches", "1000000000", "training.eval_batches: Input should be less"),
+        ("averaging", "timeout_s", "inf", "averaging.timeout_s: Input should be a finite"),
+        ("averaging", "max_state_mb", "inf", "averaging.max_state_mb: Input should be a finite"),
+        ("averaging", "max_state_mb", "1e12", "averaging.max_state_mb: Input should be less"),
+    ],
+)
+def test_values_out_of_range_are_refused_naming_the_key(
+    tmp_path: Path, section: str, key: str, value: str, says: str
+) -> None:
+    path = tmp_path / "trainer.toml"
+    path.write_text(f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_experiment(path)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == f"invalid experiment {path}:"
+    assert len(lines) == 2, lines  # one line for the one bad key
+    assert says in lines[1]
+
+
+def test_the_largest_values_allowed_load() -> None:
+    experiment = Experiment.model_validate(
+        {
+            "model": {"grid": [64, 64], "num_blocks": 1, "forward_timeout_s": 600},
+            "training": {"eval_batches": 1024},
+            "averaging": {"max_state_mb": 1 << 20, "timeout_s": 3600},
+        }
+    )
+    assert experiment.averaging.max_state_bytes == 1 << 40
+    assert ModelConfig(grid=(1,), num_blocks=64).grid == (1,)

@@ -13,15 +13,24 @@ the optimizer in ``experts``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from volunteerd import uids
 from volunteerd.config import OptimizerConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
+from volunteerd.swarm.manifest import MAX_EXPERTS
 
 __all__ = [
     "AveragingConfig",
@@ -62,7 +71,13 @@ class ModelConfig(_Model):
     num_blocks: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1, le=64)
     seq_len: int = Field(64, ge=2, le=4096)
-    grid: tuple[int, ...] = Field((4, 4), min_length=1, max_length=uids.MAX_DIMS)
+    grid: tuple[int, ...] = Field(
+        (4, 4),
+        min_length=1,
+        max_length=uids.MAX_DIMS,
+        description=f"experts along each dimension of a block's grid; at most {MAX_EXPERTS} "
+        "experts in all blocks together, as a manifest",
+    )
     uid_prefix: str = Field(
         "mlp", description="block i uses the experts <uid_prefix><i>.* (without layer_names)"
     )
@@ -75,9 +90,10 @@ class ModelConfig(_Model):
     )
     k_best: int = Field(2, ge=1, le=64)
     k_min: int = Field(1, ge=1, le=64)
-    forward_timeout_s: float = Field(5.0, gt=0)
-    backward_timeout_s: float = Field(10.0, gt=0)
-    grace_after_k_min_s: float = Field(0.5, ge=0)
+    # Finite, as every timeout of the daemon's config: inf was accepted and waited forever.
+    forward_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False)
+    backward_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    grace_after_k_min_s: float = Field(0.5, ge=0, allow_inf_nan=False)
     compression: Literal["none", "float16", "bfloat16", "q8"] = "none"
     spot_check: float = Field(
         0.02,
@@ -88,6 +104,14 @@ class ModelConfig(_Model):
     max_output_abs: float = Field(
         1e4, gt=0, description="an expert answer with a larger element is dropped"
     )
+
+    @field_validator("grid")
+    @classmethod
+    def _at_least_one_expert_a_dimension(cls, grid: tuple[int, ...]) -> tuple[int, ...]:
+        # 0 left the trainer retrying "is the swarm reachable", -3 failed in torch
+        if any(g < 1 for g in grid):
+            raise ValueError(f"every dimension needs at least one expert, not {list(grid)}")
+        return grid
 
     @model_validator(mode="before")
     @classmethod
@@ -103,6 +127,13 @@ class ModelConfig(_Model):
             raise ValueError("hidden_dim must be a multiple of num_heads")
         if self.k_min > self.k_best:
             raise ValueError("k_min must not exceed k_best")
+        per_block = math.prod(self.grid)
+        if self.num_blocks * per_block > MAX_EXPERTS:  # a manifest's limit; 10^10 passed
+            blocks = "" if self.num_blocks == 1 else f" a block, in {self.num_blocks} blocks"
+            raise ValueError(
+                f"grid {list(self.grid)} names {per_block} experts{blocks}; "
+                f"at most {MAX_EXPERTS} in all"
+            )
         if not uids.is_valid_key(f"{self.uid_prefix}0."):
             raise ValueError(f"uid_prefix {self.uid_prefix!r} must be a lowercase name")
         if self.layer_names:
@@ -136,7 +167,8 @@ class TrainingConfig(_Model):
     steps: int = Field(200, ge=1)
     lr: float = Field(3e-3, gt=0, description="learning rate of the trainer's own parameters")
     eval_every: int = Field(50, ge=1)
-    eval_batches: int = Field(8, ge=1)
+    # held in memory all at once: 1e9 grew without bound before the first step
+    eval_batches: int = Field(8, ge=1, le=1024)
     seed: int = 0
     in_flight: int = Field(
         1,
@@ -215,13 +247,21 @@ class AveragingConfig(_Model):
         "clip_ratio * |own| / n",
     )
     timeout_s: float = Field(
-        30.0, gt=0, description="a peer that has not answered by then is left out of the round"
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a peer that has not answered by then is left out of the round",
     )
     join_from_peers: bool = Field(
         True, description="a late trainer starts from a peer's state, not from the seed"
     )
+    # inf failed in max_state_bytes (OverflowError); 1 TiB is more than a trainer holds
     max_state_mb: float = Field(
-        1024, gt=0, description="refuse larger snapshots (parameters, or state to join from)"
+        1024,
+        gt=0,
+        le=1 << 20,
+        allow_inf_nan=False,
+        description="refuse larger snapshots (parameters, or state to join from)",
     )
 
     @property
