@@ -877,7 +877,7 @@ def _stop_on_signals() -> threading.Event:
 
 def _train(args: argparse.Namespace) -> ExitCode:
     """``demo`` and ``train``: a trainer in this process (its node in a thread)."""
-    from volunteerd.demo import run_demo, run_training, trainer_config
+    from volunteerd.demo import run_demo, run_training
     from volunteerd.moe import SwarmClient
     from volunteerd.train import Experiment, load_experiment
     from volunteerd.train.published import resolve_manifest
@@ -919,7 +919,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
     if not bootstrap:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
     steps = experiment.training.steps if args.steps is None else args.steps
-    with SwarmClient(trainer_config(bootstrap, listen_host=args.listen_host)) as client:
+    with SwarmClient(_trainer_node_config(args, bootstrap)) as client:
         experiment = resolve_manifest(experiment, client)
         summary = run_training(experiment, client=client, steps=steps, out=sys.stderr, stop=stop)
     print(
@@ -930,6 +930,32 @@ def _train(args: argparse.Namespace) -> ExitCode:
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary.as_dict(), indent=2))
     return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
+
+
+def _trainer_node_config(args: argparse.Namespace, bootstrap: list[str]) -> Config:
+    """The trainer's node config, checked as the daemon's: a bad address is a
+    ConfigError naming the flag or key it came from (it was an 8-frame traceback)."""
+    from pydantic import ValidationError
+
+    from volunteerd.demo import trainer_config
+
+    try:
+        return trainer_config(bootstrap, listen_host=args.listen_host)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            key = error["loc"][-1] if error["loc"] else ""
+            if key == "listen_host":
+                source = "--listen-host"
+            elif key == "bootstrap_peers" and args.bootstrap:
+                source = "--bootstrap"
+            elif key == "bootstrap_peers":
+                source = f"swarm.bootstrap_peers in {args.config}"
+            else:
+                source = ".".join(str(part) for part in error["loc"])
+            # pydantic starts the message of a rule of ours with this: noise to a user
+            problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')}")
+        raise ConfigError("; ".join(problems)) from None
 
 
 async def _run_service(

@@ -1,5 +1,6 @@
 """``volunteerd demo`` and ``volunteerd train``: a bad flag is a usage error (exit 2),
-said in one line before anything starts."""
+said in one line before anything starts; a bad address for the trainer's node, from a
+flag or the experiment file, is a configuration error (exit 3), as for a daemon."""
 
 from __future__ import annotations
 
@@ -129,3 +130,35 @@ def test_a_ready_file_that_fails_to_be_written_leaves_no_tmp_file(tmp_path: Path
     assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
     _write_ready_file(tmp_path / "ok.json", SimpleNamespace(node=node, control_url=None))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json", "ready.json"]
+
+
+@pytest.mark.parametrize(
+    ("args", "in_file", "says"),
+    [
+        (["--bootstrap", "garbage"], [], "--bootstrap: not a peer's multiaddr: 'garbage': "),
+        ([], ["garbage"], "swarm.bootstrap_peers in {file}: not a peer's multiaddr: 'garbage': "),
+        (["--listen-host", "999.1.1.1"], ["{peer}"], "--listen-host: not an IP address: '999.1."),
+    ],
+)
+def test_a_bad_address_for_the_trainers_node_is_a_config_error_naming_its_flag_or_key(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    in_file: list[str],
+    says: str,
+) -> None:
+    # it was exit 1 and an 8-frame pydantic traceback from the node's config
+    from volunteerd.identity import Identity
+    from volunteerd.net.peers import peer_id_for
+
+    monkeypatch.setattr("volunteerd.cli.configure_logging", lambda level: None)
+    peer = f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id_for(Identity.generate())}"
+    experiment = tmp_path / "experiment.toml"
+    peers = ", ".join(f'"{p.format(peer=peer)}"' for p in in_file)
+    experiment.write_text(f"[swarm]\nbootstrap_peers = [{peers}]\n")
+    assert main(["train", "--config", str(experiment), *args]) == ExitCode.CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"volunteerd: {says.format(file=experiment)}"), err
+    assert err.count("\n") == 1, err
