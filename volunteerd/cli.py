@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen-host", default="0.0.0.0", metavar="IP", help="address the trainer listens on"
     )
     train.add_argument("--summary-json", metavar="FILE", help="write the summary here as JSON")
+    train.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep the trainer's own state here and resume from it (default: "
+        "training.state_dir, else <data dir>/trainers/<experiment name>)",
+    )
 
     publish = sub.add_parser(
         "publish", help="sign an experiment manifest with your key and store it in the DHT"
@@ -919,9 +925,22 @@ def _train(args: argparse.Namespace) -> ExitCode:
     if not bootstrap:
         raise ConfigError("no swarm to train on: give --bootstrap or swarm.bootstrap_peers")
     steps = experiment.training.steps if args.steps is None else args.steps
-    with SwarmClient(_trainer_node_config(args, bootstrap)) as client:
+    node_config = _trainer_node_config(args, bootstrap)
+    with contextlib.ExitStack() as stack:
+        # locked before joining the swarm: a second trainer on the folder stops here
+        state_dir = _trainer_state_dir(args, experiment)
+        state = None
+        if state_dir is not None:
+            from volunteerd.train.state import TrainerStateFolder
+
+            folder = TrainerStateFolder(state_dir, experiment.training.save_every_steps)
+            state = stack.enter_context(folder)
+            print(f"trainer state: {state_dir}", file=sys.stderr)
+        client = stack.enter_context(SwarmClient(node_config))
         experiment = resolve_manifest(experiment, client)
-        summary = run_training(experiment, client=client, steps=steps, out=sys.stderr, stop=stop)
+        summary = run_training(
+            experiment, client=client, steps=steps, out=sys.stderr, stop=stop, state=state
+        )
     print(
         f"done: validation loss {summary.initial_val_loss:.3f} -> {summary.final_val_loss:.3f}; "
         f"{summary.expert_calls:,} expert calls, {summary.failed_calls} failed",
@@ -956,6 +975,22 @@ def _trainer_node_config(args: argparse.Namespace, bootstrap: list[str]) -> Conf
             # pydantic starts the message of a rule of ours with this: noise to a user
             problems.append(f"{source}: {error['msg'].removeprefix('Value error, ')}")
         raise ConfigError("; ".join(problems)) from None
+
+
+def _trainer_state_dir(args: argparse.Namespace, experiment: Any) -> Path | None:
+    """Where ``train`` keeps its own state: ``--state-dir``, else ``training.state_dir``
+    (relative to the experiment file's folder), else ``<data dir>/trainers/<name>``;
+    None with ``training.save_every_steps = 0``."""
+    from volunteerd.train.state import default_state_dir
+
+    if experiment.training.save_every_steps == 0:
+        return None
+    if args.state_dir:
+        return Path(args.state_dir).expanduser().absolute()
+    if experiment.training.state_dir:
+        path = Path(experiment.training.state_dir).expanduser()
+        return path if path.is_absolute() else Path(args.config).absolute().parent / path
+    return default_state_dir(Paths.resolve().trainers_dir, experiment.name)
 
 
 async def _run_service(

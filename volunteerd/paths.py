@@ -32,6 +32,7 @@ name                   default                         override
 ``lock_file``          <data dir>/volunteerd.lock      (held while a node runs; names its pid)
 ``checkpoints_dir``    <data dir>/checkpoints
 ``downloads_dir``      <data dir>/downloads            (expert state from replicas)
+``trainers_dir``       <data dir>/trainers             (`volunteerd train`'s own state)
 ``state_file``         <data dir>/state.json           (paused or snoozed, kept on restart)
 ``projects_file``      <data dir>/projects.toml        (projects joined: `volunteerd join`)
 ``transfer_file``      <data dir>/transfer.json        (bytes this month, for the quota)
@@ -102,6 +103,10 @@ class Paths:
     @property
     def checkpoints_dir(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    @property
+    def trainers_dir(self) -> Path:
+        return self.data_dir / "trainers"
 
     @property
     def downloads_dir(self) -> Path:
@@ -244,6 +249,7 @@ class Paths:
             "lock_file": str(self.lock_file),
             "checkpoints_dir": str(self.checkpoints_dir),
             "downloads_dir": str(self.downloads_dir),
+            "trainers_dir": str(self.trainers_dir),
             "limits_file": str(self.limits_file),
             "schedule_file": str(self.schedule_file),
             "state_file": str(self.state_file),

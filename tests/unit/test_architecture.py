@@ -39,7 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"wire", "config", "experts"},
     "moe": {"net", "wire", "experts", "config", "identity"},
     "swarm": {"net", "wire", "experts", "config", "identity", "runtime"},
-    "train": {"moe", "experts", "config", "swarm"},
+    # paths: the lock a trainer's state folder shares with the data folder's
+    "train": {"moe", "experts", "config", "swarm", "paths"},
     # testing: the WAN emulator that `volunteerd demo --wan` places its processes in
     "demo": {"train", "moe", "config", "control", "testing"},
     # the control API knows HTTP and its own models; the daemon hands it snapshots

@@ -45,6 +45,7 @@ from volunteerd.train import (
     load_corpus,
     start_averaging,
 )
+from volunteerd.train.state import TrainerStateFolder
 from volunteerd.uids import expand_pattern
 
 __all__ = ["run_demo", "run_training", "trainer_config"]
@@ -71,7 +72,10 @@ def run_training(
     steps: int,
     out: TextIO,
     stop: threading.Event | None = None,
+    state: TrainerStateFolder | None = None,
 ) -> TrainSummary:
+    """Train ``experiment`` on the swarm of ``client`` (local experts when None);
+    ``state``: the locked folder of the trainer's own state (None: keep none)."""
     corpus = load_corpus(experiment.data)
     torch.manual_seed(experiment.training.seed)
     model = build_model(experiment, client)
@@ -104,6 +108,7 @@ def run_training(
         stop=stop,
         averager=averager,
         peer_id=client.node.node.peer_id if client is not None else "",
+        state=state,
     )
     return trainer.run(steps)
 
@@ -287,7 +292,10 @@ def _trainers_table(
         total += int(row["tokens"])
         peer = str(row.get("peer_id", ""))[-8:]
         started_from = str(row.get("started_from", "seed"))
-        started_from = started_from if started_from == "seed" else f"peer {started_from[-8:]}"
+        if started_from not in ("seed", "state"):
+            started_from = f"peer {started_from[-8:]}"
+        elif started_from == "state":
+            started_from = "its saved state"
         print(
             f"  {name}{f' ({peer})' if peer else ''}: {row['steps']} steps, "
             f"{row['tokens']:,} tokens, validation loss {row['final_val_loss']:.3f}, "

@@ -13,8 +13,9 @@ The header names every tensor with its dtype and shape and carries the payload's
 length and SHA-256, so a truncated file, a flipped bit or a foreign file is detected
 before a byte of it is used. Tensor names: ``param/<module parameter name>`` and
 ``optim/<parameter index>/<state key>`` (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``;
-SGD: ``momentum_buffer``). The optimizer's hyperparameters are not stored: they come
-from the configuration.
+SGD: ``momentum_buffer``), and in a trainer's own saved state (``volunteerd.train.state``)
+``progress/<key>``: where its run stands (step count, data position). The optimizer's
+hyperparameters are not stored: they come from the configuration.
 
 Files live in ``<checkpoints dir>/<uid>/<sequence>.ckpt``. A save writes a temporary
 file of its own in the same folder (``<name>.<random>.tmp``), flushes and fsyncs it,
@@ -159,6 +160,9 @@ class ExpertState:
     # Whose weights these are: "<owner>/<name>" of a project's experiment; "" for the
     # experts of the config's experts.uids (and in files written before it was kept).
     experiment: str = ""
+    # a trainer's saved state only (volunteerd.train.state): its step count, data
+    # position, ...; empty for an expert, and ignored wherever an expert's is read
+    progress: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def non_finite(self) -> list[str]:
         """The names (as in the file) of the floating-point tensors holding a NaN or an
@@ -174,6 +178,7 @@ class ExpertState:
         for index in sorted(self.optimizer_state):
             for key, t in sorted(self.optimizer_state[index].items()):
                 out.append((f"optim/{index}/{key}", t))
+        out += [(f"progress/{key}", t) for key, t in sorted(self.progress.items())]
         return out
 
 
@@ -337,6 +342,7 @@ def _first_error(exc: ValidationError) -> str:
 def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> ExpertState:
     params: dict[str, torch.Tensor] = {}
     optim: dict[int, dict[str, torch.Tensor]] = {}
+    progress: dict[str, torch.Tensor] = {}
     offset = 0
     for entry in header.tensors:
         chunk = payload[offset : offset + entry.nbytes]
@@ -354,6 +360,9 @@ def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> Ex
         if kind == "param" and rest and rest not in params:
             params[rest] = tensor
             continue
+        if kind == "progress" and rest and "/" not in rest and rest not in progress:
+            progress[rest] = tensor
+            continue
         index, _, key = rest.partition("/")
         if kind == "optim" and index.isdigit() and key and key not in optim.get(int(index), {}):
             optim.setdefault(int(index), {})[key] = tensor
@@ -368,6 +377,7 @@ def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> Ex
         params=params,
         optimizer_state=optim,
         experiment=header.experiment,
+        progress=progress,
     )
 
 

@@ -195,6 +195,20 @@ class TrainingConfig(_Model):
         "several trainers of an experiment learn from different batches. Validation "
         "batches are the same for every shard",
     )
+    state_dir: str = Field(
+        "",
+        max_length=4096,
+        description="the folder where this trainer keeps its own state (weights, Adam's "
+        "state, step count, data position) and resumes from on the next start; a relative "
+        "path is from the experiment file's folder. Empty: <data dir>/trainers/<name> "
+        "under `volunteerd train` (docs/training.md)",
+    )
+    save_every_steps: int = Field(
+        100,
+        ge=0,
+        description="save the trainer's state every this many updates, and when training "
+        "ends or is stopped; 0: keep no state (every start is from the seed or a peer)",
+    )
 
     @model_validator(mode="after")
     def _micro_batches(self) -> Self:

@@ -37,6 +37,7 @@ from volunteerd.train.data import Corpus
 from volunteerd.train.experiment import Experiment
 from volunteerd.train.model import MoETransformerLM
 from volunteerd.train.progress import Progress, Rate
+from volunteerd.train.state import TrainerStateFolder
 
 __all__ = ["TrainSummary", "Trainer", "build_model", "expert_config", "too_stale"]
 
@@ -138,9 +139,12 @@ class TrainSummary:
     averaging_bytes_per_step: float = 0.0
     # this trainer's tokens/s plus the other trainers' last reported rates
     swarm_tokens_per_s: float = 0.0
-    # "seed", or the peer whose state this trainer downloaded, and its update count
+    # "seed", "state" (its own saved state: state_file, at started_from_step), or the
+    # peer whose state this trainer downloaded; and its update count
     started_from: str = "seed"
     started_from_version: int = 0
+    started_from_step: int = 0
+    state_file: str = ""
     # seconds spent looking for a peer's state, downloading and checking it (0 alone)
     join_s: float = 0.0
     data_shard: int = 0
@@ -171,6 +175,9 @@ class _Step:
     weights: list[float]
     results: list[_Gradients | None]
     failed: BaseException | None = None
+    # the training batches' generator before this step drew its batch (a saved state
+    # resumes from there while the step is unapplied)
+    generator_state: torch.Tensor | None = None
 
     @property
     def complete(self) -> bool:
@@ -205,12 +212,15 @@ class Trainer:
         averager: TrainerAverager | None = None,
         peer_id: str = "",
         state_dir: Path | None = None,
+        state: TrainerStateFolder | None = None,
     ) -> None:
         """``stop``, when set (e.g. on Ctrl-C), ends training once the steps in flight
         are done. ``averager`` averages the trainer-side weights with the experiment's
         other trainers (and starts from one's state, downloaded to ``state_dir``, a
         temporary folder when None); ``peer_id``: this trainer's on the swarm (default:
-        the averager's), from which its data shard is derived."""
+        the averager's), from which its data shard is derived. ``state``: the folder
+        (locked) this trainer saves its own state in, and resumes from here if it holds
+        one (volunteerd.train.state)."""
         self.experiment = experiment
         self.averager = averager
         self.peer_id = peer_id or (averager.peer_id if averager is not None else "")
@@ -267,6 +277,8 @@ class Trainer:
         # during run: replicas not in use, and each micro-batch's (step, index, replica)
         self._free: list[MoETransformerLM] = []
         self._futures: dict[Future[_Gradients], tuple[_Step, int, MoETransformerLM]] = {}
+        self.state = state
+        self.resumed = state.load(self) if state is not None else None
 
     def remote_layers(self) -> list[RemoteMixtureOfExperts]:
         """The model's remote layers and their replicas' (each counts its own calls)."""
@@ -298,7 +310,14 @@ class Trainer:
         tokens_per_step = t.batch_size * m.seq_len
         averager = self.averager
         join_s = 0.0
-        if averager is not None:
+        first = 0 if self.resumed is None else self.resumed.step
+        if self.resumed is not None:
+            r = self.resumed
+            loss_known = "" if r.train_loss is None else f", train loss {r.train_loss:.3f}"
+            self._say(f"resumed from {r.path} (step {r.step}, update {r.version}{loss_known})")
+            if first >= steps:
+                self._say(f"nothing to train: step {steps} was reached (steps count from 0)")
+        if averager is not None and self.resumed is None:
             # before the first validation: a late joiner's starts at its peers' level
             joining = time.monotonic()
             peer, version = averager.join(self._own, self.optimizer, self._state_dir)
@@ -306,15 +325,17 @@ class Trainer:
             if peer != "seed":
                 self.version = version
                 self._say(f"started from {peer}'s state (update {version})")
+        if averager is not None:
             averager.publish(self._own, self.optimizer, self.version, 0, 0.0, force=True)
         initial = self.evaluate()
-        curve = [(0, initial)]
-        self._say(f"step 0: validation loss {initial:.3f}")
+        curve = [(first, initial)]
+        self._say(f"step {first}: validation loss {initial:.3f}")
         started = time.monotonic()
         started_at = time.time()
         rate = Rate()
         smoothed: float | None = None
-        done = skipped = issued = 0
+        done = issued = first
+        skipped = 0
         self._free = list(self._replicas)
         self._futures = {}
         flying: list[_Step] = []
@@ -350,6 +371,8 @@ class Trainer:
                                     self.tokens_trained,
                                     rate.per_s(),
                                 )
+                            if self.state is not None:
+                                self.state.count_update()
                         if self.progress is not None and smoothed is not None:
                             self.progress.update(done, self._fields(smoothed, rate.per_s()))
                         if (done % t.eval_every == 0 or done == steps) and not self.stop.is_set():
@@ -357,9 +380,13 @@ class Trainer:
                             curve.append((done, val))
                             train = "-" if smoothed is None else f"{smoothed:.3f}"
                             self._say(f"step {done}: validation loss {val:.3f} (train {train})")
+                    if self.state is not None and self.state.due:
+                        self._save_state(done, flying, smoothed)
             finally:
                 if self.progress is not None:
                     self.progress.close()
+        if self.state is not None and done != self.state.saved_step:  # ended, or stopped
+            self._save_state(done, flying, smoothed)
         seconds = time.monotonic() - started
         interrupted = self.stop.is_set()
         if interrupted:
@@ -370,8 +397,8 @@ class Trainer:
         layers = self.remote_layers()
         summary = TrainSummary(
             mode=self.mode,
-            steps=done,
-            tokens=done * tokens_per_step,
+            steps=done - first,
+            tokens=(done - first) * tokens_per_step,
             seconds=seconds,
             initial_val_loss=initial,
             final_val_loss=final,
@@ -392,7 +419,7 @@ class Trainer:
             stale_dropped=self.stale_dropped,
             mean_staleness=self._stale_sum / self._stale_count if self._stale_count else 0.0,
             max_staleness_seen=self._stale_max,
-            swarm_tokens_per_s=done * tokens_per_step / max(seconds, 1e-9),
+            swarm_tokens_per_s=(done - first) * tokens_per_step / max(seconds, 1e-9),
             data_shard=self.data_shard,
             peer_id=self.peer_id,
             started_at=started_at,
@@ -400,6 +427,9 @@ class Trainer:
         if averager is not None:
             _add_averaging(summary, averager, started)
             summary.join_s = join_s
+        if self.resumed is not None:
+            summary.started_from, summary.started_from_version = "state", self.resumed.version
+            summary.started_from_step, summary.state_file = first, str(self.resumed.path)
         summary.cpu_seconds = time.process_time()
         return summary
 
@@ -408,6 +438,7 @@ class Trainer:
         ``max_staleness = 0`` up to ``in_flight``), each on a free replica loaded with
         the weights of now."""
         t, m = self.experiment.training, self.experiment.model
+        before = self.generator.get_state() if self.state is not None else None
         x, y = self.corpus.batch("train", t.batch_size, m.seq_len, self.generator)
         parts = 1 if self.max_staleness else self.in_flight
         pieces = [
@@ -421,6 +452,7 @@ class Trainer:
             t.batch_size * m.seq_len,
             [len(xs) / t.batch_size for xs, _ in pieces],
             [None] * len(pieces),
+            generator_state=before,
         )
         for index, (xs, ys) in enumerate(pieces):
             replica = self._free.pop()
@@ -465,6 +497,16 @@ class Trainer:
             self.expert_optimizer.step()
         self.version += 1
         return sum(w * loss for w, (_, loss) in zip(step.weights, results, strict=True))
+
+    def _save_state(self, done: int, flying: list[_Step], loss: float | None) -> None:
+        """Save the trainer's state after ``done`` steps, the data position before the
+        oldest step still in flight (its batch is drawn again on resuming)."""
+        assert self.state is not None
+        drawn = [s.generator_state for s in sorted(flying, key=lambda s: s.number)]
+        position = next((g for g in drawn if g is not None), None)
+        if position is None:
+            position = self.generator.get_state()
+        self.state.save(self, done, position, loss)
 
     def _bans(self) -> dict[str, int]:
         layers = self.remote_layers()
