@@ -525,6 +525,37 @@ async def test_a_trainer_whose_own_gradients_are_not_finite_is_told_it_diverged(
             await in_thread(run)
 
 
+async def test_a_trainer_whose_own_weights_are_not_finite_is_told_so_not_sent_to_the_dht() -> None:
+    """NaN gate scores read as "no alive experts": with training.lr = inf every step
+    said "is the swarm reachable?" after seconds of looking the experts up again, and
+    the run ended a minute later while the swarm was healthy."""
+    async with open_world(CONFIG) as world:
+        server = await world.add_server(GRID)
+        async with world.open_trainer() as client:
+            await offered(client, 1)
+
+            def run() -> None:
+                moe = layer(client)
+                steps(moe, 1)
+                before = served(server)
+                with torch.no_grad():
+                    moe.gate.weight.fill_(float("inf"))
+                with pytest.raises(ModelDiverging, match="gate's scores are not finite"):
+                    moe(torch.randn(4, HIDDEN))
+                with pytest.raises(ModelDiverging, match="input is not finite"):
+                    moe(torch.full((4, HIDDEN), float("nan")))
+                local = LocalMixtureOfExperts(
+                    HIDDEN, (2, 2), "ffn.", 2, {uid: nn.Identity() for uid in moe.all_uids()}
+                )
+                local.gate.load_state_dict(moe.gate.state_dict())
+                with pytest.raises(ModelDiverging, match=r"lower training\.lr"):
+                    local(torch.randn(4, HIDDEN))
+                assert served(server) == before
+                assert client.directory.banned == {}
+
+            await in_thread(run)
+
+
 async def test_a_call_cut_off_by_a_crash_is_broken_and_a_servers_own_failure_internal() -> None:
     """A call whose stream closed under it (its daemon killed mid-call) was counted as
     "internal", the code a server sends for a bug of its own: a trainer churning through

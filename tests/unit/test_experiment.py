@@ -148,3 +148,14 @@ def test_the_largest_values_allowed_load() -> None:
     )
     assert experiment.averaging.max_state_bytes == 1 << 40
     assert ModelConfig(grid=(1,), num_blocks=64).grid == (1,)
+
+
+@pytest.mark.parametrize("lr", ["inf", "nan", "1e30"])
+def test_a_trainer_learning_rate_that_cannot_train_is_refused_as_experts_lr_is(
+    tmp_path: Path, lr: str
+) -> None:
+    # lr = inf was accepted: the first update made the trainer's weights inf or NaN
+    path = tmp_path / "trainer.toml"
+    path.write_text(f"[training]\nlr = {lr}\n")
+    with pytest.raises(ConfigError, match=r"training\.lr"):
+        load_experiment(path)

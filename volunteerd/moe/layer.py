@@ -204,6 +204,7 @@ class MixtureOfExperts(nn.Module):
         shape = x.shape
         x_NH = x.reshape(-1, shape[-1])
         logits_NG = self.gate(x_NH).float()
+        self._check_finite(x_NH, logits_NG)
         logits = list(logits_NG.split(self.grid_size, dim=1))
         route = self.route(logits)
         out_NKH, answered_NK, coords_NKD = self.apply_experts(x_NH, route)
@@ -213,6 +214,20 @@ class MixtureOfExperts(nn.Module):
         weights_NK = torch.softmax(scores_NK.masked_fill(~answered_NK, _MASKED), dim=1)
         y_NH = (weights_NK.to(out_NKH.dtype)[..., None] * out_NKH).sum(dim=1)
         return y_NH.reshape(*shape[:-1], y_NH.shape[-1])
+
+    def _check_finite(self, x_NH: torch.Tensor, logits_NG: torch.Tensor) -> None:
+        """Raises ModelDiverging when the layer's input or its gate's scores are not
+        finite: they come from the trainer's own weights (experts' answers that are not
+        finite never get through the output checks). The beam search took NaN scores for
+        experts not alive, so such a trainer blamed the swarm ("no alive experts ... is
+        the swarm reachable?"), looking the experts up again for seconds each step."""
+        for what, tensor in (("its input is", x_NH), ("its gate's scores are", logits_NG)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise ModelDiverging(
+                    f"{self.name}: {what} not finite: the trainer's own weights are not "
+                    "finite: it diverged; lower training.lr (or your optimizer's learning "
+                    "rate) and start again"
+                )
 
 
 class LocalMixtureOfExperts(MixtureOfExperts):

@@ -165,7 +165,15 @@ class ModelConfig(_Model):
 class TrainingConfig(_Model):
     batch_size: int = Field(16, ge=1, le=4096)
     steps: int = Field(200, ge=1)
-    lr: float = Field(3e-3, gt=0, description="learning rate of the trainer's own parameters")
+    # finite and at most 10, as experts.lr: with lr = inf (or 1e30) the first update
+    # made the trainer's weights inf or NaN, and it blamed the swarm for a minute
+    lr: float = Field(
+        3e-3,
+        gt=0,
+        le=10,
+        allow_inf_nan=False,
+        description="learning rate of the trainer's own parameters",
+    )
     eval_every: int = Field(50, ge=1)
     # held in memory all at once: 1e9 grew without bound before the first step
     eval_batches: int = Field(8, ge=1, le=1024)
