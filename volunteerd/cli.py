@@ -914,7 +914,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
             summary_json=summary_json,
             stop=stop,
         )
-        return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
+        return _training_ended(summary)
     experiment = load_experiment(Path(args.config))
     if args.invitation:
         from volunteerd.swarm.invitation import parse_invitation
@@ -948,6 +948,15 @@ def _train(args: argparse.Namespace) -> ExitCode:
     )
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary.as_dict(), indent=2))
+    return _training_ended(summary)
+
+
+def _training_ended(summary: Any) -> ExitCode:
+    """The exit status of a training run that returned its summary: 5 (unavailable)
+    when it gave up on the swarm (``summary.error``), 130 when stopped, else 0."""
+    if summary.error:
+        print(f"volunteerd: {summary.error}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
     return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
 
 

@@ -221,7 +221,9 @@ def run_demo(
             if trainers > 1:
                 _trainers_table(summary, other_summaries, wall_s, out)
                 extra.update(trainers=trainers, other_trainers=other_summaries)
-    measured = f" at step {summary.val_curve[-1][0]}" if summary.interrupted else ""
+    measured = (
+        f" at step {summary.final_val_step}" if summary.final_val_step != summary.steps else ""
+    )
     verb = "stopped" if summary.interrupted else "done"
     print(
         f"\n{verb}: {summary.steps} steps ({summary.skipped_steps} failed), {summary.tokens:,} "

@@ -218,6 +218,17 @@ class TrainingConfig(_Model):
         "ends or is stopped; 0: keep no state (every start is from the seed or a peer)",
     )
 
+    wait_for_experts_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86_400,
+        allow_inf_nan=False,
+        description="give up (exit status 5, the summary still written) when no step was "
+        "taken for this long: no expert of some layer answered. Meanwhile skipped steps "
+        "do not count toward steps, and the trainer waits 1 s, 2 s, 4 s ... up to 30 s "
+        "between tries",
+    )
+
     @model_validator(mode="after")
     def _micro_batches(self) -> Self:
         if self.max_staleness == 0 and self.in_flight > self.batch_size:
