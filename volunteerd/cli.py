@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from volunteerd import __version__
+from volunteerd.atomic import write_atomic
 from volunteerd.config import Config, Flag, dump_toml, load_config
 from volunteerd.config.loading import check_limits_overlay
 from volunteerd.detached import lower_priority
@@ -900,9 +901,11 @@ def _train(args: argparse.Namespace) -> ExitCode:
         if args.local and (args.wan or args.trainers > 1):
             other = "--wan" if args.wan else "--trainers"
             raise UsageError(f"--local trains without a network: it cannot go with {other}")
+    summary_json = Path(args.summary_json) if args.summary_json else None
+    if summary_json is not None:
+        _check_ready_file(summary_json, "--summary-json")  # before training, not after it
     stop = _stop_on_signals()
     configure_logging("WARNING")
-    summary_json = Path(args.summary_json) if args.summary_json else None
     if args.command == "demo":
         summary = run_demo(
             steps=args.steps,
@@ -947,7 +950,7 @@ def _train(args: argparse.Namespace) -> ExitCode:
         file=sys.stderr,
     )
     if summary_json is not None:
-        summary_json.write_text(json.dumps(summary.as_dict(), indent=2))
+        write_atomic(summary_json, json.dumps(summary.as_dict(), indent=2))
     return _training_ended(summary)
 
 
@@ -1035,17 +1038,18 @@ async def _run_service(
     return ExitCode.INTERRUPTED if signalled else ExitCode.OK
 
 
-def _check_ready_file(path: Path) -> None:
-    """Raises UsageError when ``--ready-file`` cannot be written once serving: a folder,
-    or in a folder that does not exist or cannot be written to. Found only after the
-    whole start, it stopped the daemon again (exit 5), a ``.tmp`` file left behind."""
+def _check_ready_file(path: Path, flag: str = "--ready-file") -> None:
+    """Raises UsageError when the file of ``flag`` cannot be written at the end: a
+    folder, or in a folder that does not exist or cannot be written to. Found only after
+    the whole start, ``--ready-file`` stopped the daemon again (exit 5), a ``.tmp`` file
+    left behind; found after a whole training run, ``--summary-json`` lost its summary."""
     folder = path.parent
     if path.is_dir():
-        raise UsageError(f"--ready-file {path}: is a folder; name a file in it")
+        raise UsageError(f"{flag} {path}: is a folder; name a file in it")
     if not folder.is_dir():
-        raise UsageError(f"--ready-file {path}: there is no folder {folder}")
+        raise UsageError(f"{flag} {path}: there is no folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"--ready-file {path}: cannot write to the folder {folder}")
+        raise UsageError(f"{flag} {path}: cannot write to the folder {folder}")
 
 
 def _write_ready_file(path: Path, running: Any) -> None:

@@ -162,3 +162,21 @@ def test_a_bad_address_for_the_trainers_node_is_a_config_error_naming_its_flag_o
     assert out == ""
     assert err.startswith(f"volunteerd: {says.format(file=experiment)}"), err
     assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_a_summary_json_that_cannot_be_written_is_a_usage_error_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    # found only after the whole run: exit 5, and the summary lost
+    experiment = tmp_path / "experiment.toml"
+    experiment.write_text("")
+    config = ["--config", str(experiment)] if command == "train" else []
+    for summary, says in (
+        (tmp_path, "is a folder; name a file in it"),
+        (tmp_path / "nowhere" / "s.json", f"there is no folder {tmp_path / 'nowhere'}"),
+    ):
+        argv = [command, *config, "--summary-json", str(summary)]
+        assert main(argv) == ExitCode.USAGE
+        assert capsys.readouterr() == ("", f"volunteerd: --summary-json {summary}: {says}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["experiment.toml"]

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 import torch
 
+from volunteerd.atomic import write_atomic
 from volunteerd.config import Config
 from volunteerd.control.client import ControlClient
 from volunteerd.demo.local_swarm import (
@@ -235,9 +236,7 @@ def run_demo(
     )
     if summary_json is not None:
         data = {**summary.as_dict(), **extra, "experiment": experiment.name}
-        tmp = summary_json.with_name(summary_json.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, summary_json)
+        write_atomic(summary_json, json.dumps(data, indent=2))
     return summary
 
 
