@@ -130,9 +130,15 @@ def test_a_flood_waits_queue_ms_in_the_queue_then_is_dropped() -> None:
         dropped = wan.stats()[0].queue_dropped
     settled = delay_ms[len(delay_ms) // 2 :]
     # the queue bounds the wait from below; the router's own work under load adds a
-    # little on top, never another queue's worth
-    assert 0.9 * (5 + 200 + 5) <= statistics.median(settled) <= 1.25 * (5 + 200 + 5)
-    assert max(settled) < 2 * (5 + 200 + 5)
+    # little on top, never another queue's worth, and it does not grow with the flood
+    bound = 5 + 200 + 5
+    assert 0.9 * bound <= statistics.median(settled) <= 1.25 * bound
+    assert statistics.median(delay_ms[3 * len(delay_ms) // 4 :]) <= 1.25 * bound
+    # Not every datagram: on a loaded machine (a CI run beside other work) the router
+    # process was once descheduled for ~300 ms, and the datagrams that waited in the
+    # TUN device meanwhile arrived 502 ms late (the maximum this test asserted on).
+    late = [d for d in settled if d >= 2 * bound]
+    assert len(late) <= 0.1 * len(settled), sorted(settled)[-10:]
     assert dropped > 3000 / 2
     assert len(delay_ms) + dropped == 3000
 
