@@ -19,6 +19,7 @@ import pytest
 import torch
 import trio
 
+from tests.words import write_words
 from volunteerd.experts import make_optimizer
 from volunteerd.moe.client import TrainerClient
 from volunteerd.net import Verb
@@ -36,17 +37,11 @@ from volunteerd.train import (
 from volunteerd.train.data import Corpus
 
 HIDDEN = 16
-WORDS = ["def", "class", "return", "import", "yield", "lambda", "with", "for", "in", "if"]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
-    folder = tmp_path_factory.mktemp("text")
-    generator = torch.Generator().manual_seed(0)
-    for i in range(4):
-        picks = torch.randint(0, len(WORDS), (2000,), generator=generator).tolist()
-        (folder / f"part{i}.txt").write_text(" ".join(WORDS[j] for j in picks))
-    return load_corpus(experiment(folder).data)
+    return load_corpus(experiment(write_words(tmp_path_factory.mktemp("text"))).data)
 
 
 def experiment(source: Path | None = None, **training: object) -> Experiment:

@@ -96,18 +96,22 @@ def test_systemd_unit_quotes_paths_so_systemd_reads_them_back() -> None:
     assert shlex.split(environment.replace("%%", "%")) == [f"VOLUNTEERD_CONFIG={AWKWARD}"]
 
 
-@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
-def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
-    unit = tmp_path / "volunteerd.service"
-    # the real interpreter: verify checks that ExecStart's program exists
-    unit.write_bytes(files("linux", Launch(argv=(sys.executable, "-m", "volunteerd")))[unit.name])
-    done = subprocess.run(
+def systemd_verify(unit: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         ["systemd-analyze", "verify", str(unit)],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
+    unit = tmp_path / "volunteerd.service"
+    # the real interpreter: verify checks that ExecStart's program exists
+    unit.write_bytes(files("linux", Launch(argv=(sys.executable, "-m", "volunteerd")))[unit.name])
+    done = systemd_verify(unit)
     complaints = [line for line in (done.stdout + done.stderr).splitlines() if "volunteerd" in line]
     assert done.returncode == 0, done.stderr
     assert complaints == []  # unknown keys are only warned about
@@ -126,13 +130,7 @@ def test_systemd_takes_a_program_whose_path_has_characters_it_does_not_allow(
     program.symlink_to(sys.executable)
     unit = tmp_path / "volunteerd.service"
     unit.write_bytes(files("linux", Launch(argv=(str(program), "-m", "volunteerd")))[unit.name])
-    done = subprocess.run(
-        ["systemd-analyze", "verify", str(unit)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = systemd_verify(unit)
     assert done.returncode == 0, done.stderr
     (exec_start,) = unit_lines(Launch(argv=(str(program), "-m", "volunteerd")))["ExecStart"]
     words = shlex.split(exec_start.replace("%%", "%").replace("$$", "$"))

@@ -17,23 +17,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.words import write_words
 from volunteerd.errors import NoExpertsAvailable
 from volunteerd.moe import LocalMixtureOfExperts
 from volunteerd.train import Experiment, Trainer, TrainSummary, build_model, load_corpus
 from volunteerd.train.data import Corpus
 
-WORDS = ["def", "class", "return", "import", "yield", "lambda", "with", "for", "in", "if"]
 STEP_S = 0.1  # virtual seconds each forward pass takes
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
-    folder = tmp_path_factory.mktemp("text")
-    generator = torch.Generator().manual_seed(0)
-    for i in range(4):
-        picks = torch.randint(0, len(WORDS), (2000,), generator=generator).tolist()
-        (folder / f"part{i}.txt").write_text(" ".join(WORDS[j] for j in picks))
-    return load_corpus(experiment(folder).data)
+    return load_corpus(experiment(write_words(tmp_path_factory.mktemp("text"))).data)
 
 
 def experiment(source: Path | str | None = None, **training: object) -> Experiment:

@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.words import write_words
 from volunteerd.errors import ConfigError, ResourceUnavailable
 from volunteerd.train import Experiment, Trainer, build_model, load_corpus
 from volunteerd.train.data import Corpus
 from volunteerd.train.state import TrainerStateFolder, default_state_dir
-
-WORDS = ["def", "class", "return", "import", "yield", "lambda", "with", "for", "in", "if"]
 
 
 def experiment(
@@ -48,12 +47,7 @@ def experiment(
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
-    folder = tmp_path_factory.mktemp("text")
-    generator = torch.Generator().manual_seed(0)
-    for i in range(4):
-        picks = torch.randint(0, len(WORDS), (2000,), generator=generator).tolist()
-        (folder / f"part{i}.txt").write_text(" ".join(WORDS[j] for j in picks))
-    return load_corpus(experiment(folder).data)
+    return load_corpus(experiment(write_words(tmp_path_factory.mktemp("text"))).data)
 
 
 def trainer(
