@@ -180,3 +180,32 @@ def test_giving_up_on_the_swarm_exits_5_not_as_a_bug(capsys: pytest.CaptureFixtu
     assert capsys.readouterr().err == "volunteerd: no step taken for 600 s\n"
     assert _training_ended(SimpleNamespace(error="", interrupted=True)) == ExitCode.INTERRUPTED
     assert _training_ended(SimpleNamespace(error="", interrupted=False)) == ExitCode.OK
+
+
+def test_a_trainer_started_before_its_swarm_answers_waits_for_it(
+    corpus: Corpus,
+    clock: FakeClock,
+    outage: list[Callable[[], bool]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the first validation gave up after 5 tries 2 s apart: a trainer started while the
+    # daemons were still joining exited 1 after ~10 s
+    t = trainer(experiment(corpus.source), corpus, clock)
+    began = clock.now
+    outage[0] = lambda: clock.now - began < 45
+    with caplog.at_level(logging.INFO, logger="volunteerd.train.loop"):
+        s = t.run(10)
+    assert s.steps == 10
+    assert s.val_curve[0][0] == 0
+    assert len(said(caplog, "waiting for experts")) == 1
+
+
+def test_a_swarm_that_never_answers_ends_the_first_validation_after_the_wait(
+    corpus: Corpus, clock: FakeClock, outage: list[Callable[[], bool]]
+) -> None:
+    t = trainer(experiment(corpus.source, wait_for_experts_s=120), corpus, clock)
+    began = clock.now
+    outage[0] = lambda: True
+    with pytest.raises(NoExpertsAvailable):
+        t.run(10)
+    assert 120 <= clock.now - began <= 125

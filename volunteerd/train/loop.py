@@ -330,6 +330,29 @@ class Trainer:
                 self._pause(2.0)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _first_validation(self) -> float:
+        """The validation loss before training. While no expert of some layer answers
+        (a trainer started before its swarm is up, or in an outage) it waits as a step
+        does, 1 s ... 30 s between tries, up to ``training.wait_for_experts_s``: it gave
+        up after 5 tries 2 s apart, so a trainer started while the daemons were still
+        joining exited 1. Raises NoExpertsAvailable then (at once when ``stop`` is set)."""
+        wait_s = self.experiment.training.wait_for_experts_s
+        began = self.clock()
+        tries = 0
+        while True:
+            try:
+                return self.evaluate(attempts=1)
+            except NoExpertsAvailable as exc:
+                tries += 1
+                waited = self.clock() - began
+                if self.stop.is_set() or waited >= wait_s:
+                    raise
+                if tries == 1:
+                    self._say(
+                        f"no experts answered the first validation ({exc}): waiting for experts"
+                    )
+                self._pause(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (tries - 1), wait_s - waited))
+
     def _pause(self, seconds: float) -> None:
         """Wait ``seconds``, or less if ``stop`` is set meanwhile (Ctrl-C ends a wait)."""
         self.stop.wait(seconds)
@@ -356,7 +379,7 @@ class Trainer:
                 self._say(f"started from {peer}'s state (update {version})")
         if averager is not None:
             averager.publish(self._own, self.optimizer, self.version, 0, 0.0, force=True)
-        initial = self.evaluate()
+        initial = self._first_validation()
         curve = [(first, initial)]
         self._say(f"step {first}: validation loss {initial:.3f}")
         started = time.monotonic()
