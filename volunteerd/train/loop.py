@@ -609,8 +609,10 @@ class Trainer:
 
     def _save_state(self, done: int, flying: list[_Step], loss: float | None) -> None:
         """Save the trainer's state after ``done`` steps, the data position before the
-        oldest step still in flight (its batch is drawn again on resuming)."""
-        assert self.state is not None
+        oldest step still in flight (its batch is drawn again on resuming); nothing
+        without a state folder."""
+        if self.state is None:
+            return
         drawn = [s.generator_state for s in sorted(flying, key=lambda s: s.number)]
         position = next((g for g in drawn if g is not None), None)
         if position is None:
