@@ -59,6 +59,11 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 
 
+def _backoff_s(failures: int) -> float:
+    """The wait after ``failures`` tries in a row that no expert answered."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1))
+
+
 def expert_config(experiment: Experiment) -> ExpertsConfig:
     """The expert settings daemons need to host this experiment's experts."""
     return ExpertsConfig(
@@ -351,7 +356,7 @@ class Trainer:
                     self._say(
                         f"no experts answered the first validation ({exc}): waiting for experts"
                     )
-                self._pause(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (tries - 1), wait_s - waited))
+                self._pause(min(_backoff_s(tries), wait_s - waited))
 
     def _pause(self, seconds: float) -> None:
         """Wait ``seconds``, or less if ``stop`` is set meanwhile (Ctrl-C ends a wait)."""
@@ -431,7 +436,7 @@ class Trainer:
                                     f"for experts ({skipped} step{'s' if skipped != 1 else ''} "
                                     "skipped so far)"
                                 )
-                            backoff_s = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (in_a_row - 1))
+                            backoff_s = _backoff_s(in_a_row)
                             # the last try when the time to give up comes, not 30 s after it
                             resume_at = min(now + backoff_s, last_taken + t.wait_for_experts_s)
                             if now - last_taken >= t.wait_for_experts_s and not error:
