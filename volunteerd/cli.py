@@ -955,11 +955,12 @@ def _train(args: argparse.Namespace) -> ExitCode:
 
 
 def _training_ended(summary: Any) -> ExitCode:
-    """The exit status of a training run that returned its summary: 5 (unavailable)
-    when it gave up on the swarm (``summary.error``), 130 when stopped, else 0."""
+    """The exit status of a training run that returned its summary: 1 when the model
+    diverged, 5 (unavailable) when it gave up on the swarm (``summary.error`` says
+    which), 130 when stopped, else 0."""
     if summary.error:
         print(f"volunteerd: {summary.error}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
+        return ExitCode.ERROR if summary.diverged else ExitCode.UNAVAILABLE
     return ExitCode.INTERRUPTED if summary.interrupted else ExitCode.OK
 
 

@@ -1,7 +1,9 @@
 """The trainer while no expert of a layer answers (every replica gone at once), in
 virtual time: skipped steps do not count toward the steps asked for, the trainer backs
 off and says so once, gives up after ``training.wait_for_experts_s`` without a step,
-and a validation the swarm cannot answer leaves the last one measured standing in.
+and a validation the swarm cannot answer leaves the last one measured standing in. And
+a model that diverges mid-run: the run ends with its summary, the diverged weights not
+saved over the last good state.
 
 The "swarm" is the local model's experts made to raise ``NoExpertsAvailable`` while a
 test says they are gone; the trainer's clock and pauses are a fake one."""
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from tests.words import write_words
-from volunteerd.errors import NoExpertsAvailable
+from volunteerd.errors import ModelDiverging, NoExpertsAvailable
 from volunteerd.moe import LocalMixtureOfExperts
 from volunteerd.train import Experiment, Trainer, TrainSummary, build_model, load_corpus
 from volunteerd.train.data import Corpus
@@ -81,6 +83,22 @@ def outage(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> list[Callable[[
 
     monkeypatch.setattr(LocalMixtureOfExperts, "forward", forward)
     return gone
+
+
+@pytest.fixture
+def diverging(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], bool]]:
+    """Set ``diverging[0]`` to a predicate: while it holds, every forward of the mixture
+    raises ModelDiverging (as the output checks do when every answer is refused)."""
+    when: list[Callable[[], bool]] = [lambda: False]
+    original = LocalMixtureOfExperts.forward
+
+    def forward(self: LocalMixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
+        if when[0]():
+            raise ModelDiverging(f"{self.name}: the layer's input is not finite")
+        return original(self, x)
+
+    monkeypatch.setattr(LocalMixtureOfExperts, "forward", forward)
+    return when
 
 
 def trainer(exp: Experiment, corpus: Corpus, clock: FakeClock) -> Trainer:
@@ -175,11 +193,72 @@ def test_giving_up_on_the_swarm_exits_5_not_as_a_bug(capsys: pytest.CaptureFixtu
     from volunteerd.cli import _training_ended
     from volunteerd.errors import ExitCode
 
-    gave_up = SimpleNamespace(error="no step taken for 600 s", interrupted=False)
+    gave_up = SimpleNamespace(error="no step taken for 600 s", interrupted=False, diverged=False)
     assert _training_ended(gave_up) == ExitCode.UNAVAILABLE
     assert capsys.readouterr().err == "volunteerd: no step taken for 600 s\n"
     assert _training_ended(SimpleNamespace(error="", interrupted=True)) == ExitCode.INTERRUPTED
     assert _training_ended(SimpleNamespace(error="", interrupted=False)) == ExitCode.OK
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_model_that_diverges_ends_the_run_with_its_summary_and_keeps_the_last_good_state(
+    corpus: Corpus,
+    clock: FakeClock,
+    diverging: list[Callable[[], bool]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    in_flight: int,
+) -> None:
+    # before, ModelDiverging escaped the run: exit 1, no summary, no final save
+    from volunteerd.train.state import TrainerStateFolder
+
+    exp = experiment(corpus.source, in_flight=in_flight)
+    with TrainerStateFolder(tmp_path / "state", 10) as state:
+        torch.manual_seed(0)
+        t = Trainer(exp, build_model(exp, None), corpus, state=state)
+        t.clock = clock
+        t._pause = clock.advance  # type: ignore[method-assign]
+        diverging[0] = lambda: t.version >= 25
+        with caplog.at_level(logging.INFO, logger="volunteerd.train.loop"):
+            s = t.run(100)
+        assert s.diverged
+        assert s.error.startswith("the model diverged at step ")
+        assert "the layer's input is not finite" in s.error
+        assert 25 <= s.steps <= 25 + in_flight
+        assert not s.interrupted
+        # the curve stops at the last validation that could be measured: step 20
+        assert [step for step, _ in s.val_curve] == [0, 10, 20]
+        assert len(said(caplog, "stopping: the model diverged")) == 1
+        assert said(caplog, "the diverged weights are not saved: the state saved after step 20")
+        assert state.saved_step == 20
+    # the state the next run resumes from is the last good one
+    with TrainerStateFolder(tmp_path / "state", 10) as state:
+        resumed = Trainer(exp, build_model(exp, None), corpus, state=state).resumed
+        assert resumed is not None
+        assert resumed.step == 20
+
+
+def test_a_model_that_diverges_at_a_validation_ends_the_run(
+    corpus: Corpus, clock: FakeClock, diverging: list[Callable[[], bool]]
+) -> None:
+    t = trainer(experiment(corpus.source), corpus, clock)
+    # validations run on the calling thread, steps on the trainer's pool
+    on_main = threading.main_thread
+    diverging[0] = lambda: t.version == 10 and threading.current_thread() is on_main()
+    s = t.run(30)
+    assert s.diverged
+    assert s.error.startswith("the model diverged at step 10: ")
+    assert s.steps == 10
+    assert [step for step, _ in s.val_curve] == [0]
+
+
+def test_a_diverged_run_exits_1_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    from volunteerd.cli import _training_ended
+    from volunteerd.errors import ExitCode
+
+    diverged = SimpleNamespace(error="the model diverged at step 9: x", diverged=True)
+    assert _training_ended(diverged) == ExitCode.ERROR
+    assert capsys.readouterr().err == "volunteerd: the model diverged at step 9: x\n"
 
 
 def test_a_trainer_started_before_its_swarm_answers_waits_for_it(

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from volunteerd.config import ExpertsConfig
-from volunteerd.errors import NoExpertsAvailable
+from volunteerd.errors import ModelDiverging, NoExpertsAvailable
 from volunteerd.experts import build_module, make_optimizer
 from volunteerd.moe import (
     LocalMixtureOfExperts,
@@ -181,6 +181,8 @@ class TrainSummary:
     # why training ended before its steps, other than a stop: e.g. no step applied for
     # training.wait_for_experts_s ("" when it did not)
     error: str = ""
+    # the run ended because the model diverged (``error`` says how)
+    diverged: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -201,13 +203,20 @@ class _Step:
     weights: list[float]
     results: list[_Gradients | None]
     failed: BaseException | None = None
+    # the output checks refused its answers, blaming no peer, or the model's own values
+    # were not finite: the run ends
+    diverged: ModelDiverging | None = None
     # the training batches' generator before this step drew its batch (a saved state
     # resumes from there while the step is unapplied)
     generator_state: torch.Tensor | None = None
 
     @property
     def complete(self) -> bool:
-        return self.failed is not None or all(r is not None for r in self.results)
+        return (
+            self.failed is not None
+            or self.diverged is not None
+            or all(r is not None for r in self.results)
+        )
 
 
 class Trainer:
@@ -401,6 +410,7 @@ class Trainer:
         in_a_row = 0
         last_taken = resume_at = self.clock()
         error = ""
+        diverged = False
         self._free = list(self._replicas)
         self._futures = {}
         flying: list[_Step] = []
@@ -426,6 +436,10 @@ class Trainer:
                         break
                     for step in self._wait(flying):
                         now = self.clock()
+                        if step.diverged is not None:
+                            if not diverged:
+                                error, diverged = self._diverged(step.number, step.diverged), True
+                            continue
                         if step.failed is not None:
                             # A whole layer without answers: skip the batch, wait, try again.
                             skipped += 1
@@ -476,14 +490,29 @@ class Trainer:
                                 self.state.count_update()
                         if self.progress is not None and smoothed is not None:
                             self.progress.update(done, self._fields(smoothed, rate.per_s()))
-                        if (done % t.eval_every == 0 or done == steps) and not self.stop.is_set():
-                            self._validate(done, curve, smoothed)
-                    if self.state is not None and self.state.due:
+                        if (
+                            (done % t.eval_every == 0 or done == steps)
+                            and not self.stop.is_set()
+                            and not diverged
+                        ):
+                            exc = self._validate(done, curve, smoothed)
+                            if exc is not None:
+                                error, diverged = self._diverged(done, exc), True
+                    if self.state is not None and self.state.due and not diverged:
                         self._save_state(done, flying, smoothed)
             finally:
                 if self.progress is not None:
                     self.progress.close()
-        if self.state is not None and done != self.state.saved_step:  # ended, or stopped
+        if self.state is not None and diverged:
+            self._say(
+                "the diverged weights are not saved: "
+                + (
+                    f"the state saved after step {self.state.saved_step} stays"
+                    if self.state.files()
+                    else "no state was saved before"
+                )
+            )
+        elif self.state is not None and done != self.state.saved_step:  # ended, or stopped
             self._save_state(done, flying, smoothed)
         seconds = time.monotonic() - started
         interrupted = self.stop.is_set()
@@ -525,6 +554,7 @@ class Trainer:
             started_at=started_at,
             final_val_step=final_step,
             error=error,
+            diverged=diverged,
         )
         if averager is not None:
             _add_averaging(summary, averager, started)
@@ -535,17 +565,29 @@ class Trainer:
         summary.cpu_seconds = time.process_time()
         return summary
 
-    def _validate(self, step: int, curve: list[tuple[int, float]], smoothed: float | None) -> None:
+    def _diverged(self, step: int, exc: ModelDiverging) -> str:
+        """Say that the model diverged at ``step`` and return the summary's ``error``."""
+        error = f"the model diverged at step {step}: {exc}"
+        self._say(f"stopping: {error}")
+        return error
+
+    def _validate(
+        self, step: int, curve: list[tuple[int, float]], smoothed: float | None
+    ) -> ModelDiverging | None:
         """Add the validation loss after ``step`` to ``curve``, unless no expert of some
-        layer answers (the curve then goes without this point, and training goes on)."""
+        layer answers (the curve then goes without this point, and training goes on).
+        Returns the ``ModelDiverging`` the validation raised, if it did."""
         try:
             val = self.evaluate()
         except NoExpertsAvailable as exc:
             self._say(f"step {step}: no validation loss, no experts answered ({exc})")
-            return
+            return None
+        except ModelDiverging as exc:
+            return exc
         curve.append((step, val))
         train = "-" if smoothed is None else f"{smoothed:.3f}"
         self._say(f"step {step}: validation loss {val:.3f} (train {train})")
+        return None
 
     def _start(self, number: int, pool: ThreadPoolExecutor) -> _Step:
         """Draw step ``number``'s batch and start its micro-batches (one, or with
@@ -585,6 +627,8 @@ class Trainer:
                 step.results[index] = future.result()
             except NoExpertsAvailable as exc:
                 step.failed = step.failed or exc
+            except ModelDiverging as exc:
+                step.diverged = step.diverged or exc
         running = {id(step) for step, _, _ in self._futures.values()}
         complete = [s for s in flying if id(s) not in running and s.complete]
         for step in complete:
