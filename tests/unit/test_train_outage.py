@@ -288,3 +288,22 @@ def test_a_swarm_that_never_answers_ends_the_first_validation_after_the_wait(
     with pytest.raises(NoExpertsAvailable):
         t.run(10)
     assert 120 <= clock.now - began <= 125
+
+
+def test_the_progress_lines_expert_count_is_of_experts_answering_now(
+    corpus: Corpus, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # it counted every expert that ever answered: a server gone mid-run (its 8 experts
+    # unreachable, itself banned) still read "experts 32/32" (an outside audit)
+    t = trainer(experiment(corpus.source), corpus, clock)
+    answered = {f"ffn.{i}": 0 for i in range(4)}
+    monkeypatch.setattr(t, "_by_uid", lambda: {u: [n, 0, 0] for u, n in answered.items()})
+    counts = []
+    for step in range(1, 31):
+        for uid in answered:
+            if uid != "ffn.3" or step <= 10:  # ffn.3's server gone after step 10
+                answered[uid] += 1
+        counts.append(t._answering(step))
+    assert counts[:10] == [4] * 10
+    assert counts[10:19] == [4] * 9, "answered within the last 10 steps"
+    assert counts[20:] == [3] * 10

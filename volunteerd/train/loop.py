@@ -22,7 +22,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 # after each such step in a row, from the first to the most.
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+# the progress line's "experts N/M": those that answered within this many steps
+ANSWERING_WINDOW_STEPS = 10
 
 
 def _backoff_s(failures: int) -> float:
@@ -312,6 +314,8 @@ class Trainer:
         # applied updates' staleness: how many, their sum and the largest (a list of them
         # grew by one int a step for as long as a trainer ran)
         self._stale_count = self._stale_sum = self._stale_max = 0
+        # (step, uid -> answers so far) over the last ANSWERING_WINDOW_STEPS steps
+        self._answer_marks: deque[tuple[int, dict[str, int]]] = deque()
         # during run: replicas not in use, and each micro-batch's (step, index, replica)
         self._free: list[MoETransformerLM] = []
         self._futures: dict[Future[_Gradients], tuple[_Step, int, MoETransformerLM]] = {}
@@ -489,7 +493,7 @@ class Trainer:
                             if self.state is not None:
                                 self.state.count_update()
                         if self.progress is not None and smoothed is not None:
-                            self.progress.update(done, self._fields(smoothed, rate.per_s()))
+                            self.progress.update(done, self._fields(smoothed, rate.per_s(), done))
                         if (
                             (done % t.eval_every == 0 or done == steps)
                             and not self.stop.is_set()
@@ -672,7 +676,7 @@ class Trainer:
         layers = self.remote_layers()
         return dict(layers[0].client.directory.ban_reasons) if layers else {}
 
-    def _fields(self, loss: float, tokens_per_s: float) -> dict[str, str]:
+    def _fields(self, loss: float, tokens_per_s: float, step: int) -> dict[str, str]:
         fields = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
         layers = self.remote_layers()
         if layers:
@@ -680,8 +684,7 @@ class Trainer:
             grid = 1
             for g in m.grid:
                 grid *= g
-            answering = sum(1 for v in self._by_uid().values() if v[0] > 0)
-            fields["experts"] = f"{answering}/{grid * m.num_blocks}"
+            fields["experts"] = f"{self._answering(step)}/{grid * m.num_blocks}"
             fields["failed"] = str(sum(layer.stats.failed for layer in layers))
         if self.averager is not None:
             s = self.averager.statistics()
@@ -694,6 +697,18 @@ class Trainer:
                 fields["avg"] = f"{ago:.0f}s ago, {n} peer{'s' if n != 1 else ''}"
             fields["swarm tok/s"] = f"{s.swarm_tokens_per_s:,.0f}"
         return fields
+
+    def _answering(self, step: int) -> int:
+        """How many experts answered a call within the last ANSWERING_WINDOW_STEPS steps
+        (to ``step``). It counted every expert that ever answered, so a server gone
+        mid-run (banned, its experts unreachable) still read "experts 32/32"."""
+        now = {uid: counts[0] for uid, counts in self._by_uid().items()}
+        marks = self._answer_marks
+        while len(marks) > 1 and marks[1][0] <= step - ANSWERING_WINDOW_STEPS:
+            marks.popleft()
+        before = marks[0][1] if marks else {}
+        marks.append((step, now))
+        return sum(1 for uid, answered in now.items() if answered > before.get(uid, 0))
 
     def _by_uid(self) -> dict[str, list[int]]:
         """uid -> [answered, failed, tokens], summed over the replicas' layers."""
