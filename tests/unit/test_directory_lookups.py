@@ -3,8 +3,10 @@ one lookup, and a stale cache entry is answered while a refresh runs beside it."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import pytest
 import trio
 
 from volunteerd.identity import Identity
@@ -75,4 +77,31 @@ async def test_a_stale_entry_answers_at_once_while_it_is_refreshed(
         assert set(found["ffn."]) == {0, 1}
         await trio.testing.wait_all_tasks_blocked()
         assert dht.lookups == refreshes + 1, "a refresh runs beside the step"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refresh_timing_out_now_and_then_is_not_a_warning_a_streak_is(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # on a 400 ms-round-trip, 2 % loss link a trainer logged "refreshing 10 DHT keys
+    # timed out" as a WARNING nine times in 267 s while it trained normally
+    dht = SlowDHT(Identity.generate())
+    dht.release.set()
+    directory = ExpertDirectory(dht, refresh_s=10.0, clock=trio.current_time)
+    caplog.set_level(logging.INFO, logger="volunteerd.moe.directory")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(directory.serve)
+        await directory.children(["ffn."])
+        dht.release = trio.Event()  # every refresh from now on times out
+        await trio.sleep(26)  # a refresh every 10 s, each given 10 s: one timed out, at 20 s
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warnings == []
+        assert sum("timed out" in r.getMessage() for r in caplog.records) >= 1
+        await trio.sleep(60)  # at 40, 60 and 80 s: a streak of them
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "timed out 3 times in a row" in warnings[0]
+        dht.release.set()  # the DHT answers again
+        await trio.sleep(15)
+        assert any("works again" in r.getMessage() for r in caplog.records)
         nursery.cancel_scope.cancel()
