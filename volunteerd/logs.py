@@ -47,7 +47,12 @@ from volunteerd.shown import escaped
 
 __all__ = ["configure_logging", "tame_third_party"]
 
-_THIRD_PARTY = ("libp2p", "multiaddr", "async_service", "hypercorn")
+_THIRD_PARTY = ("libp2p", "multiaddr", "async_service", "hypercorn", "trio")
+# trio's listener logs each failed accept (out of file descriptors) with its traceback,
+# ten a second while the descriptors stay used up: 973 tracebacks, 769 KB in 100 s of an
+# outside probe that held a low limit's worth of connections. Its records are tamed like
+# the rest; volunteerd says it once, in its own words (``_out_of_descriptors``).
+_ACCEPT_LOGGER = "trio.serve_listeners"
 _BURST = 3
 _OWN_BURST = 10  # volunteerd's own: kinds are coarser (a message before its arguments)
 _WINDOW_S = 60.0
@@ -119,6 +124,8 @@ class _Routed(logging.Handler):
         self.repeats = _Repeats(clock)
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name == _ACCEPT_LOGGER and record.levelno >= logging.ERROR:
+            _out_of_descriptors(record)
         debugging = logging.getLogger("volunteerd").isEnabledFor(logging.DEBUG)
         if record.levelno < logging.CRITICAL and not debugging:
             return
@@ -130,6 +137,18 @@ class _Routed(logging.Handler):
         if left_out is None:
             return
         logging.getLogger().handle(_noting(record, text, left_out))
+
+
+def _out_of_descriptors(record: logging.LogRecord) -> None:
+    """volunteerd's own warning for a failed accept (``_OwnRepeats`` keeps it to a few
+    lines a minute, however often it fails)."""
+    error = record.exc_info[1] if record.exc_info else None
+    reason = os.strerror(error.errno) if isinstance(error, OSError) and error.errno else "?"
+    logging.getLogger("volunteerd.net").warning(
+        "new connections cannot be accepted (%s): the process is out of file descriptors "
+        "or memory; it retries by itself (see the open-file limit, `ulimit -n`)",
+        reason,
+    )
 
 
 class _OwnRepeats(logging.Filter):

@@ -288,3 +288,33 @@ def test_a_header_refusal_quotes_a_strangers_key_briefly() -> None:
         decode_header(InfoRequest, json.dumps({"uid": "ffn.0.0", "k" * 65_000: 1}).encode())
     assert len(str(refused.value)) < 500
     assert "kkkk" in str(refused.value)
+
+
+def test_accepts_failing_for_want_of_descriptors_are_a_few_lines_of_ours_not_tracebacks() -> None:
+    # trio's listener logs each failed accept with its traceback, ten a second while the
+    # descriptors stay used up: 973 tracebacks in 100 s of an outside probe
+    code = """
+        import errno
+        import trio
+        from volunteerd.logs import configure_logging
+        configure_logging("INFO")
+
+        class UsedUp(trio.abc.Listener):
+            async def accept(self):
+                raise OSError(errno.EMFILE, "Too many open files")
+            async def aclose(self):
+                pass
+
+        async def main():
+            with trio.move_on_after(3):  # trio retries every 0.1 s: ~30 failures
+                await trio.serve_listeners(lambda stream: None, [UsedUp()])
+
+        trio.run(main)
+    """
+    stderr = run_python(code)
+    assert "Traceback" not in stderr
+    assert "accept returned" not in stderr
+    ours = [line for line in stderr.splitlines() if "new connections cannot be accepted" in line]
+    assert 1 <= len(ours) <= 10, stderr
+    assert "(Too many open files)" in ours[0]
+    assert "out of file descriptors" in ours[0]
