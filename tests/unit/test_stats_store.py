@@ -358,3 +358,59 @@ def test_a_stats_file_from_a_newer_version_is_left_as_it_is(
     assert list(tmp_path.glob("stats.sqlite3.unreadable-*")) == []
     assert "written by a newer volunteerd (schema 99)" in caplog.text
     assert "upgrade volunteerd" in caplog.text
+
+
+def test_statistics_kept_in_memory_for_want_of_their_file_move_there_once_it_can_be_opened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a daemon started on a full disk counted in memory for its whole run, although
+    # space came back 5 s later: 57 trainer steps, 0 calls in the file (an outside audit)
+    import logging
+
+    from volunteerd.config import Config, LimitsConfig
+    from volunteerd.net import Throttle
+    from volunteerd.server.contribution import Accountant, open_stats
+
+    folder = tmp_path / "data"
+    path = folder / "stats.sqlite3"
+    earlier = StatsStore.open(path, keep_hourly_days=7)  # a file with counts of its own
+    earlier.record("ffn.0.0", forward=5, samples=10)
+    earlier.close()
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    folder.write_text("for the moment, not a folder")  # cannot be opened, nor made
+    caplog.set_level(logging.INFO, logger="volunteerd.server.contribution")
+    store = open_stats(path, keep_hourly_days=7)
+    assert store.waiting_for == path
+    counts = Accountant(store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True)
+    store.record("ffn.0.0", forward=2, samples=4)
+    counts._flush()  # still blocked: into memory
+    store.record("ffn.0.1", backward=3)
+    assert store.waiting_for == path
+    folder.unlink()
+    moved.rename(folder)  # the way is clear again
+    store.record("ffn.0.0", forward=1)
+    counts._flush()
+    assert store.waiting_for is None
+    assert any("could be opened at last" in r.getMessage() for r in caplog.records)
+    store.record("ffn.0.1", backward=1)
+    store.close()
+    reopened = StatsStore.open(path, keep_hourly_days=7)
+    totals = reopened.totals()
+    reopened.close()
+    assert totals.by_expert["ffn.0.0"].forward == 5 + 2 + 1
+    assert totals.by_expert["ffn.0.0"].samples == 10 + 4
+    assert totals.by_expert["ffn.0.1"].backward == 3 + 1
+
+
+async def test_a_run_that_never_could_open_its_statistics_says_at_the_stop_they_are_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from volunteerd.server.contribution import opened_stats
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("not a folder")
+    async with opened_stats(blocked / "stats.sqlite3", keep_hourly_days=7) as store:
+        store.record("ffn.0.0", forward=2)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("kept in memory only, and are not saved" in m for m in said), said

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import sqlite3
 import time
 from collections import deque
@@ -198,6 +199,7 @@ class Accountant:
                 self._compute_seen[stats.uid] = stats.compute_s
 
     def _flush(self) -> None:
+        _move_to_file(self.store)
         try:
             self.store.flush()
         except Exception as exc:  # a full disk must not stop the daemon; counts wait in memory
@@ -259,8 +261,10 @@ def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
     """The contribution store at ``path``. A damaged file is moved aside, never
     deleted, and counting starts afresh; one that cannot be opened for the moment (a
     full disk) or that a newer volunteerd wrote is left alone and this run counts in
-    memory: statistics must not stop a volunteer from contributing. (A newer version's
-    file was moved aside as damaged: back on that version, its totals were gone.)"""
+    memory: statistics must not stop a volunteer from contributing. The first is tried
+    again at each flush (``waiting_for``), and what was counted meanwhile moves there.
+    (A newer version's file was moved aside as damaged: back on that version, its
+    totals were gone.)"""
     try:
         return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
     except NewerStats as exc:
@@ -273,12 +277,13 @@ def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
     except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
         if not _damaged(path, exc):  # a full disk, a read-only folder: the file is kept
             logger.error(
-                "%s cannot be opened (%s): it is kept as it is, and this run's "
-                "statistics are kept in memory only",
+                "%s cannot be opened (%s%s): it is kept as it is, and this run's "
+                "statistics are kept in memory until it can be",
                 path,
                 exc,
+                _disk_full(path),
             )
-            return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
+            return _standing_in(path, keep_hourly_days)
         aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
         for suffix in ("", "-wal", "-shm"):
             part = path.with_name(path.name + suffix)
@@ -292,11 +297,47 @@ def open_stats(path: Path, keep_hourly_days: int) -> StatsStore:
         return StatsStore.open(path, keep_hourly_days=keep_hourly_days)
     except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
         logger.error(
-            "%s cannot be made either (%s): this run's statistics are kept in memory only",
+            "%s cannot be made either (%s%s): this run's statistics are kept in memory "
+            "until it can be",
             path,
             exc,
+            _disk_full(path),
         )
-        return StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
+        return _standing_in(path, keep_hourly_days)
+
+
+def _standing_in(path: Path, keep_hourly_days: int) -> StatsStore:
+    """An in-memory store for ``path``, which ``Accountant`` tries again at each flush."""
+    store = StatsStore.open(Path(":memory:"), keep_hourly_days=keep_hourly_days)
+    store.waiting_for = path
+    return store
+
+
+def _disk_full(path: Path) -> str:
+    """ "; the disk is full" when the folder's file system has (next to) no room left:
+    SQLite says "disk I/O error" for it."""
+    try:
+        free = shutil.disk_usage(next(p for p in path.parents if p.is_dir())).free
+    except (OSError, StopIteration):
+        return ""
+    return "; the disk is full" if free < 1 << 20 else ""
+
+
+def _move_to_file(store: StatsStore) -> bool:
+    """Try the file ``store`` stands in for again; True once it is the file's."""
+    path = store.waiting_for
+    if path is None:
+        return True
+    try:
+        store.move_to_file(path)
+    except (sqlite3.Error, RuntimeError, OSError) as exc:
+        logger.debug("%s still cannot be opened: %s", path, exc)
+        return False
+    logger.info(
+        "%s could be opened at last: this run's statistics are written there from now on",
+        path,
+    )
+    return True
 
 
 def _log_failure(exc: Exception, message: str) -> None:
@@ -335,6 +376,12 @@ async def opened_stats(path: Path, keep_hourly_days: int) -> AsyncIterator[Stats
         yield store
     finally:
         with trio.CancelScope(shield=True):
+            if not await trio.to_thread.run_sync(_move_to_file, store):
+                logger.error(
+                    "%s could not be opened during this run: its statistics were kept in "
+                    "memory only, and are not saved",
+                    store.waiting_for,
+                )
             try:
                 await trio.to_thread.run_sync(store.close)
             except (sqlite3.Error, OSError) as exc:  # a full disk: the daemon still stops well

@@ -36,6 +36,8 @@ HOUR = 3600
 DAY = 86400
 _SCHEMA_VERSION = 1
 _TABLES = ("work", "rejected", "uptime")
+# how many of each table's first columns are its primary key (the rest are sums)
+_KEY_COLUMNS = {"work": 3, "rejected": 4, "uptime": 2}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS work (
@@ -138,6 +140,9 @@ class StatsStore:
         self._work: dict[tuple[int, str], Work] = {}
         self._rejected: Counter[tuple[int, str, str]] = Counter()
         self._uptime: dict[int, list[float]] = {}
+        # The file this in-memory store stands in for, while it cannot be opened for the
+        # moment (a full disk at the start): ``move_to_file`` tries it again.
+        self.waiting_for: Path | None = None
 
     @classmethod
     def open(cls, path: Path, **kwargs: object) -> StatsStore:
@@ -166,6 +171,31 @@ class StatsStore:
             db.close()
             raise
         return cls(db, **kwargs)  # type: ignore[arg-type]
+
+    def move_to_file(self, path: Path) -> None:
+        """Open ``path`` (raising as ``open`` does) and add what this store holds, in
+        memory and flushed, to what the file holds; from then on this store writes
+        there. A daemon that started on a full disk counted in memory for its whole
+        run, although space came back seconds later (an outside audit)."""
+        opened = StatsStore.open(path)
+        with self._lock:  # no flush into the memory store between the copy and the swap
+            try:
+                with opened._transaction() as target:
+                    for table, names in _columns().items():
+                        keys = names[: _KEY_COLUMNS[table]]
+                        values = names[len(keys) :]
+                        target.executemany(
+                            f"INSERT INTO {table} VALUES ({', '.join('?' * len(names))}) "
+                            f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET "
+                            + ", ".join(f"{v} = {v} + excluded.{v}" for v in values),
+                            self._db.execute(f"SELECT * FROM {table}").fetchall(),
+                        )
+            except BaseException:
+                opened._db.close()
+                raise
+            self._db.close()
+            self._db = opened._db
+            self.waiting_for = None
 
     def close(self) -> None:
         """Write what is counted and close; the database is closed even when the
