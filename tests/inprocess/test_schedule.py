@@ -502,6 +502,7 @@ async def test_a_used_up_daily_quota_pauses_until_local_midnight() -> None:
         assert state.mode == "quota"
         assert not state.serving
         assert state.reason == "daily transfer quota used (0.001 GB): waiting until midnight"
+        assert state.quota == "daily"  # the activity's hint names its flag (--daily-gb)
         assert volunteer.gate.refusal() is not None
         # nor do bulk transfers spend it (replica averaging spent a used-up 10 MB
         # quota 6.5 times over in an outside probe)
@@ -513,7 +514,7 @@ async def test_a_used_up_daily_quota_pauses_until_local_midnight() -> None:
 
         now[0] = local(11, 0, 0)  # midnight: today's count starts from zero
         await eventually(lambda: volunteer.state.serving)
-        assert volunteer.state.mode == "running"
+        assert (volunteer.state.mode, volunteer.state.quota) == ("running", None)
         await eventually(lambda: result == ["state"], within_s=5.0)
         nursery.cancel_scope.cancel()
 

@@ -100,10 +100,21 @@ def test_snoozed_says_until_when() -> None:
 
 def test_a_used_up_quota_names_it() -> None:
     reason = "the monthly transfer quota of 5 GB is used up"
-    activity = decide_activity(signals(mode="quota", serving=False, reason=reason))
+    activity = decide_activity(signals(mode="quota", serving=False, reason=reason, quota="monthly"))
     assert activity.state == "paused"
     assert activity.message == f"paused: {reason}"
-    assert "--quota" in activity.hint
+    assert "the monthly quota with `volunteerd limit --quota GB`" in activity.hint
+    assert "--daily-gb" not in activity.hint
+
+
+def test_a_used_up_daily_quota_says_how_to_raise_the_daily_one() -> None:
+    # Raising the monthly quota, as the hint said, left the daemon paused until midnight.
+    reason = "daily transfer quota used (0.5 GB): waiting until midnight"
+    activity = decide_activity(signals(mode="quota", serving=False, reason=reason, quota="daily"))
+    assert activity.message == f"paused: {reason}"
+    assert "after midnight" in activity.hint
+    assert "the daily quota with `volunteerd limit --daily-gb GB`" in activity.hint
+    assert "--quota" not in activity.hint
 
 
 def test_the_schedule_pauses_with_its_reason() -> None:

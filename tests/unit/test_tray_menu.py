@@ -38,6 +38,7 @@ def status(
     message: str = "contributing",
     hint: str = "",
     projects: list[dict[str, Any]] | None = None,
+    limits: dict[str, Any] | None = None,
 ) -> Status:
     return Status.model_validate(
         {
@@ -58,6 +59,7 @@ def status(
                 "monthly_quota_gb": 0,
                 "duty_cycle": 1.0,
                 "max_batch_size": 0,
+                **(limits or {}),
             },
             "started_at": 0.0,
             "uptime_s": 1.0,
@@ -130,7 +132,9 @@ def test_paused_snoozed_and_quota_show_the_paused_icon() -> None:
     assert snoozed.status_line == "Snoozed until 14:05"
     later = view(connected(state="snoozed", snoozed_until=tomorrow), now=now)
     assert later.status_line == "Snoozed until Wed 09:30"
-    assert view(connected(state="quota")).status_line == "Paused · monthly quota used up"
+    monthly = {"monthly_quota_gb": 5, "month_bytes": 5_000_000_000}
+    shown = view(connected(state="quota", limits=monthly))
+    assert shown.status_line == "Paused · monthly quota used up"
     for state in ("paused", "snoozed", "quota"):
         assert view(connected(state=state, snoozed_until=until)).state == "paused"
 
@@ -182,6 +186,21 @@ def test_contributing_to_a_project_says_whose_it_is() -> None:
     assert long.status_line == f"Helping: {'w' * 63}… by {'o' * 31}… · 0 samples today"
     # the tooltip: at most 127 characters (pystray's Windows backend raises on more)
     assert long.title == ("volunteerd — " + long.status_line)[:126] + "…"
+
+
+def test_a_used_up_daily_quota_is_named_the_daily_one() -> None:
+    # It was "monthly quota used up" whichever quota it was.
+    daily = {"monthly_quota_gb": 5, "month_bytes": 10**9, "daily_quota_gb": 0.5,
+             "day_bytes": 500_000_000}  # fmt: skip
+    assert view(connected(state="quota", limits=daily)).status_line == (
+        "Paused · daily quota used up"
+    )
+    # both used up: the month's, as the daemon decides (its pause lasts longer)
+    both = {**daily, "month_bytes": 6 * 10**9}
+    shown = view(connected(state="quota", limits=both))
+    assert shown.status_line == "Paused · monthly quota used up"
+    # neither known (counts from a daemon that does not send them): not one named wrongly
+    assert view(connected(state="quota")).status_line == "Paused · transfer quota used up"
 
 
 def test_running_for_nobody_says_so_with_what_to_do_and_the_waiting_icon() -> None:

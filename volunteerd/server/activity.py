@@ -68,6 +68,7 @@ class Signals:
     last_answered_at: float | None  # time.time() of the last expert call answered
     now: float
     unheard: bool = False  # the experts' last announcements reached no other peer
+    quota: str | None = None  # the quota used up: "monthly" or "daily" (mode "quota")
 
 
 def decide_activity(s: Signals) -> Activity:
@@ -151,8 +152,7 @@ def _paused(s: Signals) -> Activity:
         return _activity(
             "paused",
             f"paused: {s.reason or 'the transfer quota is used up'}",
-            "it resumes when the quota renews; raise it with `volunteerd limit --quota GB` "
-            "or in the dashboard's limits",
+            f"it resumes {_quota_remedy(s.quota)}",
         )
     if s.mode == "scheduled":
         return _activity(
@@ -162,6 +162,25 @@ def _paused(s: Signals) -> Activity:
             "(the [schedule] settings)",
         )
     return _activity("paused", f"paused: {s.reason or s.mode}", "")
+
+
+def _quota_remedy(quota: str | None) -> str:
+    """When a used-up ``quota`` renews, and the flag that raises it (a daily quota's is
+    not the monthly one's: raising the monthly one left the daemon paused)."""
+    if quota == "daily":
+        return (
+            "after midnight; raise the daily quota with `volunteerd limit --daily-gb GB` "
+            "or in the dashboard's limits"
+        )
+    if quota == "monthly":
+        return (
+            "when the month turns over; raise the monthly quota with "
+            "`volunteerd limit --quota GB` or in the dashboard's limits"
+        )
+    return (
+        "when the quota renews; raise it with `volunteerd limit --quota GB` (monthly) or "
+        "`--daily-gb GB` (daily), or in the dashboard's limits"
+    )
 
 
 def _one_line(text: str) -> str:

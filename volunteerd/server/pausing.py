@@ -96,6 +96,7 @@ class VolunteerState:
     until: float | None  # the end of a snooze, in time.time() seconds
     reason: str  # for people: why it is not serving ("" while serving)
     limits: LimitsConfig
+    quota: Literal["monthly", "daily"] | None = None  # the one used up (mode "quota")
 
 
 # The verbs that cost the volunteer compute or bandwidth: refused while paused.
@@ -502,10 +503,11 @@ class Volunteer:
     @property
     def state(self) -> VolunteerState:
         choice = self._choice
+        quota = self._throttle.exhausted_quota
         mode: Mode
         if choice.paused:
             mode = "snoozed" if choice.until is not None else "paused"
-        elif self._throttle.quota_exhausted:
+        elif quota is not None:
             mode = "quota"
         elif not self._schedule.serving:
             mode = "scheduled"
@@ -517,6 +519,7 @@ class Volunteer:
             until=choice.until,
             reason="" if mode == "running" else self._reason(),
             limits=self.limits,
+            quota=quota if mode == "quota" else None,
         )
 
     # -- the machinery -------------------------------------------------------------

@@ -204,7 +204,7 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
                 return "Snoozed"
             now = time.time() if now is None else now
             return "Snoozed until " + _clock(status.snoozed_until, now)
-        return "Paused · monthly quota used up"
+        return f"Paused · {_used_up(status.limits) or 'transfer'} quota used up"
     if seen.link == "starting":
         return "Not connected — starting volunteerd…"
     if seen.link == "busy":
@@ -233,6 +233,17 @@ def _hint(seen: Seen) -> str:
     if seen.link != "connected" or status is None or status.state != "running":
         return ""
     return status.activity.hint if status.activity.state in _WAITING else ""
+
+
+def _used_up(limits: LimitsView) -> str:
+    """Which quota ``limits`` shows used up, "monthly" or "daily" ("" neither), decided
+    as the daemon's throttle decides it (``Throttle.exhausted_quota``: the month's
+    first). A used-up daily quota was named the monthly one."""
+    if limits.monthly_quota_gb > 0 and limits.month_bytes >= round(limits.monthly_quota_gb * 1e9):
+        return "monthly"
+    if limits.daily_quota_gb > 0 and limits.day_bytes >= round(limits.daily_quota_gb * 1e9):
+        return "daily"
+    return ""
 
 
 def _items(seen: Seen, line: str, hint: str) -> tuple[Item, ...]:
