@@ -62,6 +62,57 @@ def test_a_recorded_project_without_experts_yet_is_joining() -> None:
     assert activity.message == "joining tinylm"
 
 
+def test_a_join_held_back_waits_and_says_why_and_what_to_do() -> None:
+    # Nothing downloads while bulk transfers are held: "downloading the experts" lasted
+    # until midnight for a used-up daily quota.
+    joining = {"experts": 0, "projects": (Project("tinylm", "joining"),), "network": False}
+    until = NOW + 3600
+    cases = [
+        (dict(mode="paused", reason="paused"), "paused by you", "`volunteerd resume`"),
+        (
+            dict(mode="snoozed", snoozed_until=until),
+            "snoozed until " + time.strftime("%H:%M", time.localtime(until)),
+            "`volunteerd resume` resumes now",
+        ),
+        (
+            dict(mode="quota", quota="daily"),
+            "the daily transfer quota is used up",
+            "`volunteerd limit --daily-gb GB`",
+        ),
+        (
+            dict(mode="quota", quota="monthly"),
+            "the monthly transfer quota is used up",
+            "`volunteerd limit --quota GB`",
+        ),
+        (
+            dict(mode="scheduled", reason="outside network hours 22:00-06:00: waiting until 22:00"),
+            "outside network hours 22:00-06:00: waiting until 22:00",
+            "the dashboard's schedule",
+        ),
+    ]
+    for held, why, remedy in cases:
+        activity = decide_activity(signals(serving=False, **joining, **held))
+        assert activity.state == "joining"
+        assert activity.message == f"joining tinylm: waiting, {why}"
+        assert remedy in activity.hint
+        assert "downloading" not in activity.hint
+
+
+def test_a_join_held_from_computing_only_still_downloads() -> None:
+    # outside the compute hours, or the computer in use: transfers go on
+    activity = decide_activity(
+        signals(
+            experts=0,
+            projects=(Project("tinylm", "joining"),),
+            mode="scheduled",
+            serving=False,
+            reason="computer in use: waiting for the computer to be idle for 5 min",
+        )
+    )
+    assert activity.message == "joining tinylm"
+    assert "downloading the experts" in activity.hint
+
+
 def test_a_failed_join_says_why_and_how_to_forget_it() -> None:
     activity = decide_activity(
         signals(experts=0, projects=(Project("tinylm", "failed", "no peer answered"),))

@@ -203,6 +203,19 @@ def test_a_used_up_daily_quota_is_named_the_daily_one() -> None:
     assert view(connected(state="quota")).status_line == "Paused · transfer quota used up"
 
 
+def test_a_join_held_back_says_it_waits_why_and_what_to_do() -> None:
+    # "Paused", with nothing of the join, while the activity said "downloading".
+    message = "joining tinylm: waiting, the daily transfer quota is used up"
+    hint = "its experts download after midnight; raise the daily quota with `volunteerd ..."
+    for state in ("paused", "snoozed", "quota", "scheduled"):
+        shown = view(connected(state=state, activity="joining", message=message, hint=hint))
+        assert shown.state == "paused"
+        assert shown.status_line == "Joining tinylm: waiting, the daily transfer quota is used up"
+        assert shown.items[1] == Item(menu._shorten(hint), enabled=False)
+        assert shown.title.startswith(f"volunteerd — {shown.status_line} — its experts")
+        assert find(shown.items, "Resume" if state in ("paused", "snoozed") else "Pause")
+
+
 def test_running_for_nobody_says_so_with_what_to_do_and_the_waiting_icon() -> None:
     hint = "join one with `volunteerd join <invitation>` or the dashboard's Join a project"
     idle = view(connected(activity="not_in_project", message="not in a project", hint=hint))

@@ -6,8 +6,9 @@ dashboard's header and the tray's tooltip show it).
 passes them in. The first rule that holds decides::
 
     not_in_project  no expert hosted and no project recorded
-    joining         no expert hosted yet, a project recorded (its experts on the way,
-                    or the join failed: the message says why)
+    joining         no expert hosted yet, a project recorded (its experts on the way;
+                    waiting, and why, while bulk transfers are held: paused, a quota,
+                    the network hours; or the join failed: the message says why)
     paused          not serving by choice or rule: paused, snoozed, a quota, the schedule
     no_peers        no peer connected
     unreachable     peers cannot dial this node and no relay carries its connections
@@ -68,6 +69,9 @@ class Signals:
     last_answered_at: float | None  # time.time() of the last expert call answered
     now: float
     unheard: bool = False  # the experts' last announcements reached no other peer
+    # Bulk transfers may run (``Volunteer.network_allowed``): a project's experts
+    # download only then, so a join waits while the daemon is held back.
+    network: bool = True
     quota: str | None = None  # the quota used up: "monthly" or "daily" (mode "quota")
 
 
@@ -76,7 +80,7 @@ def decide_activity(s: Signals) -> Activity:
     if s.experts == 0:
         if not s.projects:
             return _activity("not_in_project", "not in a project", _JOIN_HINT)
-        return _joining(s.projects)
+        return _joining(s)
     if s.mode != "running":
         return _paused(s)
     if s.connected_peers == 0:
@@ -115,8 +119,13 @@ def decide_activity(s: Signals) -> Activity:
     return _activity("contributing", "contributing")
 
 
-def _joining(projects: Sequence[ProjectSignal]) -> Activity:
+def _joining(s: Signals) -> Activity:
+    projects = s.projects
     on_the_way = [p.name for p in projects if p.state != "failed"]
+    if on_the_way and not s.network:
+        # Not "downloading": nothing is, until the hold ends (a daily quota: midnight).
+        why, remedy = _held_join(s)
+        return _activity("joining", f"joining {', '.join(on_the_way)}: waiting, {why}", remedy)
     if on_the_way:
         return _activity(
             "joining",
@@ -162,6 +171,28 @@ def _paused(s: Signals) -> Activity:
             "(the [schedule] settings)",
         )
     return _activity("paused", f"paused: {s.reason or s.mode}", "")
+
+
+def _held_join(s: Signals) -> tuple[str, str]:
+    """What holds a join's downloads back (``s.network`` is false), and what to do."""
+    if s.mode == "paused":
+        return "paused by you", (
+            "its experts download once it resumes: `volunteerd resume`, the dashboard or the tray"
+        )
+    if s.mode == "snoozed" and s.snoozed_until is not None:
+        until = time.strftime("%H:%M", time.localtime(s.snoozed_until))
+        return f"snoozed until {until}", (
+            "its experts download when the snooze ends; `volunteerd resume` resumes now"
+        )
+    if s.mode == "quota":
+        used_up = f"the {s.quota} transfer quota" if s.quota else "a transfer quota"
+        return f"{used_up} is used up", f"its experts download {_quota_remedy(s.quota)}"
+    if s.mode == "scheduled":
+        return s.reason or "outside the network hours", (
+            "its experts download within the network hours; change them in the "
+            "dashboard's schedule (the [schedule] settings)"
+        )
+    return s.reason or s.mode, ""
 
 
 def _quota_remedy(quota: str | None) -> str:

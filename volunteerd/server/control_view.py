@@ -207,6 +207,7 @@ class ControlView:
             last_answered_at=self._accountant.last_answered_at,
             now=now,
             unheard=self._unheard(),
+            network=self._volunteer.network_allowed,
             quota=state.quota,
         )
         return Status(**fields, activity=decide_activity(signals))

@@ -25,8 +25,9 @@ The menu, connected and contributing::
 
 The first line is what the daemon does for whom (``Status.activity``): "Helping:
 <description> by <owner>" while it contributes to a project, else the activity's
-message ("Not in a project", "No peers"), with its hint as a second line and in the
-tooltip. The icon shows "waiting" whenever the daemon runs but contributes nothing.
+message ("Not in a project", "No peers"; "Joining tinylm: waiting, paused by you" for a
+join held back, paused or not), with its hint as a second line and in the tooltip. The
+icon shows "waiting" whenever the daemon runs but contributes nothing.
 
 Bandwidth: the presets set one direction each and are radio-checked from the daemon's
 limits (``Status.limits``). Upload is what a home link has least of, so its presets
@@ -195,6 +196,8 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
             samples = status.today.samples
             what = helping(status) or "Contributing"
             return f"{what} · {samples:,} sample{'' if samples == 1 else 's'} today"
+        if status.activity.state == "joining":  # "joining tinylm: waiting, paused by you"
+            return _sentence(_shorten(status.activity.message))
         if status.state == "paused":
             return "Paused"
         if status.state == "scheduled":  # "paused: outside the hours set to compute"
@@ -228,9 +231,14 @@ def view(seen: Seen, *, now: float | None = None) -> View:
 
 
 def _hint(seen: Seen) -> str:
-    """What to do about a daemon that runs but contributes nothing ("" otherwise)."""
+    """What to do about a daemon that runs but contributes nothing, or about a join held
+    back ("" otherwise)."""
     status = seen.status
-    if seen.link != "connected" or status is None or status.state != "running":
+    if seen.link != "connected" or status is None:
+        return ""
+    if status.activity.state == "joining":  # held back too: what to do about the hold
+        return status.activity.hint
+    if status.state != "running":
         return ""
     return status.activity.hint if status.activity.state in _WAITING else ""
 
