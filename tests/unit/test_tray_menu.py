@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from volunteerd.control.models import LimitsView, Status
 from volunteerd.errors import ControlError, DaemonNotRunning
 from volunteerd.paths import Paths
 from volunteerd.tray import menu
-from volunteerd.tray.app import TrayApp, pystray_items
+from volunteerd.tray.app import TrayApp, pystray_items, run_tray
 from volunteerd.tray.icons import icon_image
 from volunteerd.tray.menu import ICON_STATES, Action, Item, Seen, find, view
 
@@ -509,6 +510,46 @@ def test_app_sees_a_busy_daemon_and_does_not_start_another(tmp_path: Path) -> No
         app._start_if_absent()
         assert app._child is None
         assert app._poll() == Seen("busy")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="command lines read from /proc or ps")
+def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two icons, and tray.pid named only the newer: `service uninstall` stopped that one.
+    shown: list[int | None] = []
+
+    def run(app: TrayApp) -> int:
+        shown.append(app.paths.read_tray_pid())
+        return 0
+
+    monkeypatch.setattr(TrayApp, "run", run)
+    paths = paths_in(tmp_path)
+    paths.data_dir.mkdir()
+    # a process whose command line is volunteerd's tray (argv as `volunteerd tray` has)
+    tray = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "volunteerd", "tray"]
+    )
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        paths.write_tray_pid(tray.pid)
+        assert run_tray(paths, start_daemon=False) == 0
+        assert shown == []
+        assert capsys.readouterr().out == (
+            f"the tray icon of {paths.data_dir} is showing already (pid {tray.pid})\n"
+        )
+        assert paths.read_tray_pid() == tray.pid
+        assert tray.poll() is None
+
+        paths.write_tray_pid(other.pid)  # stale: its pid reused by another program
+        assert run_tray(paths, start_daemon=False) == 0
+        assert shown == [os.getpid()]  # this one runs, named in tray.pid
+        assert other.poll() is None
+        assert not paths.tray_pid_file.exists()  # removed when it quit
+    finally:
+        for proc in (tray, other):
+            proc.kill()
+            proc.wait(10)
 
 
 def test_app_reports_a_daemon_it_started_that_exited(tmp_path: Path) -> None:

@@ -19,6 +19,9 @@ If no daemon answers when the tray starts (and ``start_daemon``), it starts
 the tray. If the daemon goes away later, the icon says "not connected" and recovers
 when it is back.
 
+One tray per data folder: ``run_tray`` names its process in ``<data dir>/tray.pid`` and
+does not start while that file names another tray that runs (``service.process.tray_pid``).
+
 Backends: pystray picks one (AppIndicator or GTK where PyGObject is installed, else
 plain X through python-xlib); ``backend`` or ``PYSTRAY_BACKEND`` chooses. The plain X
 backend shows no menu: a click runs the default item, "Open dashboard" (or "Start
@@ -53,6 +56,7 @@ from volunteerd.errors import (
     ResourceUnavailable,
 )
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths
+from volunteerd.service.process import tray_pid
 from volunteerd.tray import menu
 from volunteerd.tray.icons import icon_image
 from volunteerd.tray.menu import Action, Item, Seen, View
@@ -486,7 +490,16 @@ def _on_click(item: Item, submit: Callable[[Action], None]) -> Callable[[Any, An
 def run_tray(paths: Paths, *, start_daemon: bool = True, backend: str | None = None) -> int:
     """``volunteerd tray``: show the tray until Quit, SIGINT or SIGTERM; the exit status
     (0 after Quit, 130 after a signal). Starts the daemon if none answers and
-    ``start_daemon``. Raises ResourceUnavailable when no icon can be shown."""
+    ``start_daemon``. Raises ResourceUnavailable when no icon can be shown.
+
+    One tray per data folder: where ``tray.pid`` names a tray that runs (a volunteerd
+    tray's process, not a stale pid reused by another program), it says so and returns
+    0. A second one showed a second icon, and took ``tray.pid`` over: ``volunteerd
+    service uninstall`` stopped only that one."""
+    running = tray_pid(paths)
+    if running is not None and running != os.getpid():
+        print(f"the tray icon of {paths.data_dir} is showing already (pid {running})")
+        return ExitCode.OK
     app = TrayApp(paths, start_daemon=start_daemon, backend=backend)
     with _stopping_on_signals(app), _named_in_tray_pid(paths):
         return app.run()
