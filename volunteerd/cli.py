@@ -394,7 +394,14 @@ def _projects(args: argparse.Namespace) -> ExitCode:
     from volunteerd.control.models import ProjectView
     from volunteerd.errors import ControlError, DaemonNotRunning
     from volunteerd.swarm.invitation import parse_invitation
-    from volunteerd.swarm.projects import Project, join_project, leave_project
+    from volunteerd.swarm.projects import (
+        Project,
+        join_project,
+        leave_project,
+        load_projects,
+        replaced_owner,
+        replacing,
+    )
 
     config, paths = _load(args)
     configured = Project.from_experiments(config.experiments)
@@ -447,20 +454,31 @@ def _projects(args: argparse.Namespace) -> ExitCode:
             f"project {invitation.name!r} is joined through the config file "
             f"(experiments.join in {paths.config_file}) already"
         )
-    print(commands.describe_invitation(invitation.name, invitation.owner, invitation.peers, share))
+    project = Project.invited(invitation, share=share, joined_at=time.time())
+    # another owner's project of that name is replaced only when the person said yes to it
+    replaces = replaced_owner(load_projects(paths.projects_file), project)
+    told = replacing(invitation.name, replaces) if replaces else ""
+    print(
+        commands.describe_invitation(
+            invitation.name, invitation.owner, invitation.peers, share, replaces=told
+        )
+    )
     if not args.yes:
         if not sys.stdin.isatty():
             raise UsageError("not asking for a confirmation without a terminal: add --yes")
-        if input("Join? [y/N] ").strip().lower() not in {"y", "yes"}:
+        question = "Join and replace it? [y/N] " if replaces else "Join? [y/N] "
+        if input(question).strip().lower() not in {"y", "yes"}:
             print("not joined")
             return ExitCode.OK
+    replace = replaces is not None
     try:
         joined = ControlClient.for_data_dir(paths.data_dir).join_project(
-            invitation.url(), share=share
+            invitation.url(), share=share, replace=replace
         )
     except DaemonNotRunning:
-        project = Project.invited(invitation, share=share, joined_at=time.time())
-        changed = _offline(paths, lambda: join_project(paths.projects_file, project))
+        changed = _offline(
+            paths, lambda: join_project(paths.projects_file, project, replace=replace)
+        )
         print(
             f"joined {invitation.name!r}" + " (already recorded)" * (not changed) + ": "
             "volunteerd is not running; it joins when started (`volunteerd serve`)"

@@ -2,13 +2,14 @@
 character a terminal, a tray or a log would act on rather than show (escape sequences,
 line breaks, bidi overrides, zero-width and line/paragraph separators) as its escape
 (``\\x1b``, ``\\n``, ``\\u202e``). The log, the command line's status, the tray and the
-dashboard's activity line all show such text."""
+dashboard's activity line all show such text. ``short_id`` is a peer id as people see
+it (the dashboard's ``shortId``, the tray's)."""
 
 from __future__ import annotations
 
 import unicodedata
 
-__all__ = ["escaped", "one_line"]
+__all__ = ["escaped", "one_line", "short_id"]
 
 # What is acted on rather than shown: control, format (bidi, zero-width), surrogates,
 # line and paragraph separators.
@@ -28,3 +29,9 @@ def one_line(text: str) -> str:
     """``text`` on one line: runs of white space (line breaks too) as one space, other
     unshown characters as escapes."""
     return escaped(" ".join(text.split()))
+
+
+def short_id(peer_id: str) -> str:
+    """``peer_id`` as people see it: its first 8 and last 6 characters (every Ed25519
+    peer id starts "12D3KooW", so the end tells two apart)."""
+    return f"{peer_id[:8]}…{peer_id[-6:]}" if len(peer_id) > 16 else peer_id

@@ -510,6 +510,10 @@ def test_a_checkpoint_of_another_projects_expert_of_the_same_name_is_refused(
     with pytest.raises(CheckpointError, match=r"proj-a's ffn\.0\.1, this expert is .*proj-b's"):
         b.check_state(kept)
     assert store.load_newest(UID, b.check_state) is None  # B starts elsewhere
+    # the same name under another owner (an invitation that replaced A's project) too
+    taken_over = backend()
+    taken_over.experiment = "12D3KooWownerB/proj-a"
+    assert store.load_newest(UID, taken_over.check_state) is None
     mine = backend()
     mine.experiment = "12D3KooWownerA/proj-a"
     mine.load_state(kept)  # A again: its own weights back

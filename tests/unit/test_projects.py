@@ -54,9 +54,10 @@ def test_join_leave_round_trip(tmp_path: Path) -> None:
     assert load_projects(path) == [project("tiny-lm"), project("other", share=3)]
     assert not join_project(path, project("tiny-lm")), "the same entry again changes nothing"
 
-    # Joining again under the same name replaces the entry (here: a new owner and share).
+    # Joining again under the same name replaces the entry (here: a new owner, asked
+    # for, and share).
     new_owner = str(peer_id_for(Identity.generate()))
-    assert join_project(path, project("tiny-lm", share=2, owner=new_owner))
+    assert join_project(path, project("tiny-lm", share=2, owner=new_owner), replace=True)
     assert [(p.name, p.owner, p.share) for p in load_projects(path)] == [
         ("other", OWNER, 3.0),
         ("tiny-lm", new_owner, 2.0),
@@ -67,6 +68,96 @@ def test_join_leave_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in load_projects(path)] == ["tiny-lm"]
     assert leave_project(path, "tiny-lm")
     assert load_projects(path) == []
+
+
+def test_another_owners_project_of_the_same_name_is_replaced_only_when_asked(
+    tmp_path: Path,
+) -> None:
+    """Another owner's invitation of a name joined already used to replace that project
+    silently: the prompt and the reply said "join", and this computer stopped helping
+    the first owner. Under the same owner it is the same project (new peers, a share)."""
+    from volunteerd.swarm.projects import replaced_owner
+
+    path = tmp_path / "projects.toml"
+    assert join_project(path, project("life-a"))
+    other = str(peer_id_for(Identity.generate()))
+    assert replaced_owner(load_projects(path), project("life-a", owner=other)) == OWNER
+    assert replaced_owner(load_projects(path), project("life-a", share=2)) is None
+    assert replaced_owner(load_projects(path), project("life-b", owner=other)) is None
+    with pytest.raises(ConfigError) as refused:
+        join_project(path, project("life-a", owner=other))
+    told = f"this replaces the project 'life-a' of owner {OWNER[:8]}…{OWNER[-6:]}"
+    assert told in str(refused.value)
+    assert load_projects(path) == [project("life-a")]  # nothing changed
+    assert join_project(path, project("life-a", share=2))  # the same owner's: no question
+    assert join_project(path, project("life-a", owner=other), replace=True)
+    assert [(p.name, p.owner) for p in load_projects(path)] == [("life-a", other)]
+
+
+async def test_the_control_api_says_what_a_join_replaces_and_needs_replace_for_it(
+    tmp_path: Path,
+) -> None:
+    daemon = a_daemon(tmp_path)
+    join_project(daemon.paths.projects_file, project("life-a"))
+    view = a_view(daemon, [project("life-a")])
+    other = str(peer_id_for(Identity.generate()))
+    invited = Invitation("life-a", other, (PEER,)).url()
+
+    dry = await view.join_project(ProjectJoin(invitation=invited, dry_run=True))
+    assert dry.replaces_owner == OWNER
+    assert not dry.restarting
+    with pytest.raises(ControlError) as refused:
+        await view.join_project(ProjectJoin(invitation=invited))
+    assert refused.value.status == 409
+    message = str(refused.value)
+    assert f"replaces the project 'life-a' of owner {OWNER[:8]}…{OWNER[-6:]}" in message
+    assert '"replace": true' in message
+    assert load_projects(daemon.paths.projects_file) == [project("life-a")]
+    assert not daemon.restart_requested
+
+    joined = await view.join_project(ProjectJoin(invitation=invited, replace=True))
+    assert joined.restarting
+    assert joined.replaces_owner == OWNER
+    assert [p.owner for p in load_projects(daemon.paths.projects_file)] == [other]
+    said = [e.message for e in view.events.after(-1)]
+    assert any("in place of owner" in m for m in said), said
+
+    # the same owner's invitation again (another share) replaces nothing
+    same = Invitation("life-a", other, (PEER,)).url()
+    dry = await view.join_project(ProjectJoin(invitation=same, share=2, dry_run=True))
+    assert dry.replaces_owner is None
+
+
+def test_volunteerd_join_asks_before_replacing_another_owners_project(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The prompt was "Join the project 'life-a'?" whoever owned the one joined."""
+    from volunteerd.cli import main
+
+    monkeypatch.setenv("VOLUNTEERD_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("VOLUNTEERD_CACHE_DIR", str(tmp_path / "cache"))
+    projects_file = tmp_path / "data" / "projects.toml"
+    join_project(projects_file, project("life-a"))
+    other = str(peer_id_for(Identity.generate()))
+    invited = Invitation("life-a", other, (PEER,)).url()
+    told = f"This replaces the project 'life-a' of owner {OWNER[:8]}…{OWNER[-6:]}"
+
+    asked: list[str] = []
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda question: asked.append(question) or "n")
+    assert main(["join", invited]) == 0
+    out = capsys.readouterr().out
+    assert told in out
+    assert asked == ["Join and replace it? [y/N] "]
+    assert "not joined" in out
+    assert load_projects(projects_file) == [project("life-a")]
+
+    assert main(["join", invited, "--yes"]) == 0  # --yes says yes to it, as to the join
+    assert told in capsys.readouterr().out
+    assert [p.owner for p in load_projects(projects_file)] == [other]
 
 
 @pytest.mark.parametrize(

@@ -224,12 +224,15 @@ class ControlClient:
         self._call("POST", "/shutdown", body={})
 
     def join_project(
-        self, invitation: str, *, share: float = 1.0, dry_run: bool = False
+        self, invitation: str, *, share: float = 1.0, dry_run: bool = False, replace: bool = False
     ) -> ProjectJoined:
         """Join the project ``invitation`` names: the daemon records it and restarts
         into it (``restarting``). ``dry_run``: only check the invitation. A bad one is
-        a ControlError with status 400 saying what is wrong."""
-        body = {"invitation": invitation, "share": share, "dry_run": dry_run}
+        a ControlError with status 400 saying what is wrong; one that replaces another
+        owner's project of the same name, status 409 unless ``replace``."""
+        body: dict[str, object] = {"invitation": invitation, "share": share, "dry_run": dry_run}
+        if replace:  # only then: a daemon from before the field refuses fields it lacks
+            body["replace"] = True
         return ProjectJoined.model_validate(self._call("POST", "/projects", body=body))
 
     def leave_project(self, name: str) -> ProjectLeft:

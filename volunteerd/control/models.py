@@ -85,6 +85,11 @@ class ProjectJoin(_Body):
         1.0, gt=0, le=MAX_PROJECT_SHARE, description="of the room for experts, against others"
     )
     dry_run: bool = Field(False, description="only check the invitation: nothing is recorded")
+    replace: bool = Field(
+        False,
+        description="join even though it replaces the project of the same name of another "
+        "owner (refused with 409 without it)",
+    )
 
 
 # The ranges of ``config.LimitsConfig`` (this package imports no config; a unit test
@@ -322,6 +327,9 @@ class ProjectView(_Reply):
 class ProjectJoined(_Reply):
     project: ProjectView
     restarting: bool  # the daemon restarts to join (false: a dry run, or already joined)
+    # the owner of the project of the same name that this join replaces (or would, in a
+    # dry run): another owner's project, joined only with ``ProjectJoin.replace``
+    replaces_owner: str | None = None
 
 
 class ProjectLeft(_Reply):

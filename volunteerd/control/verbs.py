@@ -201,8 +201,11 @@ def _project_state(project: ProjectView) -> str:
     return "joining"
 
 
-def describe_invitation(name: str, owner: str, peers: Sequence[str], share: float) -> str:
-    """What ``volunteerd join`` asks a person to confirm."""
+def describe_invitation(
+    name: str, owner: str, peers: Sequence[str], share: float, *, replaces: str = ""
+) -> str:
+    """What ``volunteerd join`` asks a person to confirm; ``replaces``: the text saying
+    which project of another owner it replaces (``swarm.projects.replacing``)."""
     return "\n".join(
         [
             f"Join the project {name!r}?",
@@ -213,6 +216,7 @@ def describe_invitation(name: str, owner: str, peers: Sequence[str], share: floa
             "other projects')",
             "This computer will download some of its experts and compute with them for "
             "whoever trains the experiment.",
+            *([f"{replaces[:1].upper()}{replaces[1:]}."] if replaces else []),
         ]
     )
 

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +60,17 @@ from volunteerd.schedule import Scheduler
 from volunteerd.server.activity import Signals, decide_activity
 from volunteerd.server.contribution import Accountant
 from volunteerd.server.pausing import Volunteer
+from volunteerd.shown import short_id
 from volunteerd.stats import Totals as StoreTotals
 from volunteerd.swarm.invitation import parse_invitation
-from volunteerd.swarm.projects import Project, join_project, leave_project
+from volunteerd.swarm.projects import (
+    Project,
+    join_project,
+    leave_project,
+    load_projects,
+    replaced_owner,
+    replacing,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -543,9 +552,12 @@ class ControlView:
     async def join_project(self, body: ProjectJoin) -> ProjectJoined:
         """Record the project ``body.invitation`` names (in place of one of the same
         name) and restart into it, unless a dry run or already running it as recorded.
+        A project of that name of another owner is replaced only with ``body.replace``
+        (the reply's ``replaces_owner`` names that owner; a dry run says so too).
         Raises ConfigError: a bad invitation (what is wrong), the config's project's
-        name, a bad projects file or too many projects; ControlError (409) when the
-        restart would not start (``_restart_would_start``), before anything is recorded."""
+        name, a bad projects file or too many projects; ControlError (409) for another
+        owner's project without ``replace``, and when the restart would not start
+        (``_restart_would_start``), before anything is recorded."""
         project = Project.invited(
             parse_invitation(body.invitation), share=body.share, joined_at=time.time()
         )
@@ -554,21 +566,51 @@ class ControlView:
                 f"project {project.name!r} is joined through the config file "
                 "(experiments.join) already"
             )
+        replaces = await self._replaced_owner(project)
+        if replaces is not None and not body.replace and not body.dry_run:
+            raise ControlError(
+                f"joining {project.name!r} of owner {short_id(project.owner)}: "
+                f"{replacing(project.name, replaces)}. Nothing was changed: to join it "
+                'all the same, send "replace": true',
+                status=409,
+            )
         # joined already as asked: record it again (in case the file was edited since),
         # but nothing to restart for
         running = next((p for p in self._projects if p.same_entry(project)), None)
         if not body.dry_run and running is None:
             await self._restart_would_start(f"join {project.name!r}")
         if not body.dry_run:
-            await trio.to_thread.run_sync(join_project, self._projects_file, project)
+            await trio.to_thread.run_sync(
+                partial(join_project, self._projects_file, project, replace=body.replace)
+            )
         if body.dry_run or running is not None:
             joiners = {j.name: j for j in self._joiners}
             view = _project_view(running or project, joiners.get(project.name) if running else None)
-            return ProjectJoined(project=view, restarting=False)
-        logger.info("joined project %r of %s; restarting to host it", project.name, project.owner)
-        self.events.post("projects", f"joined project {project.name}: restarting to host it")
+            return ProjectJoined(project=view, restarting=False, replaces_owner=replaces)
+        instead = f" in place of owner {short_id(replaces)}'s" if replaces else ""
+        logger.info(
+            "joined project %r of %s%s; restarting to host it",
+            project.name,
+            short_id(project.owner),
+            instead,
+        )
+        self.events.post(
+            "projects", f"joined project {project.name}{instead}: restarting to host it"
+        )
         self._after_reply(self._restart)
-        return ProjectJoined(project=_project_view(project, None), restarting=True)
+        return ProjectJoined(
+            project=_project_view(project, None), restarting=True, replaces_owner=replaces
+        )
+
+    async def _replaced_owner(self, project: Project) -> str | None:
+        """The owner of the recorded project of ``project.name`` when another owner's
+        (``swarm.projects.replaced_owner``). None too when the projects file does not
+        load: the join is refused for that, with its own words, a moment later."""
+        try:
+            recorded = await trio.to_thread.run_sync(load_projects, self._projects_file)
+        except (ConfigError, OSError):
+            return None
+        return replaced_owner(recorded, project)
 
     async def leave_project(self, name: str) -> ProjectLeft | None:
         """Forget project ``name`` and restart without it; None when there is no such

@@ -19,6 +19,16 @@ daemon does not start (rather than silently leave a project).
 A project may also come from the config file (``experiments.join``, with its
 ``trusted_owners``): it is run like the others but is not in this file, and ``leave``
 cannot remove it (the config file says so; edit it there).
+
+Joining a project of the name of one joined already replaces it. Under the same owner
+that is the same project (new peers to join through, a new share); under another
+owner it is another project, and ``join_project`` refuses it unless asked to
+``replace`` it: the person joining must have been told (``replacing``) and have said
+yes. The new owner's experts do not start from the old owner's weights, though
+checkpoints are kept by uid: a checkpoint records the ``<owner>/<name>`` it was trained
+for, and one of another owner's is not loaded (``ExpertBackend.check_state``), so each
+starts from a replica, else its initial weights. The old files stay until the new
+saves prune them (``checkpoints.keep``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from volunteerd.atomic import make_private_dirs, write_atomic
 from volunteerd.config import ExperimentsConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
+from volunteerd.shown import short_id
 from volunteerd.swarm.invitation import Invitation
 
 __all__ = [
@@ -47,6 +58,8 @@ __all__ = [
     "join_project",
     "leave_project",
     "load_projects",
+    "replaced_owner",
+    "replacing",
     "save_projects",
     "share_of",
 ]
@@ -196,14 +209,37 @@ def _one_change_at_a_time(path: Path) -> Iterator[None]:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def join_project(path: Path, project: Project) -> bool:
-    """Record ``project`` in ``path``, in place of an entry of the same name. Returns
-    False when an equal entry was there already (nothing written). Raises ConfigError
-    (a bad file, or too many projects) or OSError."""
+def replaced_owner(projects: Sequence[Project], project: Project) -> str | None:
+    """The owner of the project of ``project.name`` in ``projects`` when that is another
+    owner (joining ``project`` would replace another owner's project); else None."""
+    old = next((p for p in projects if p.name == project.name), None)
+    return old.owner if old is not None and old.owner != project.owner else None
+
+
+def replacing(name: str, old_owner: str) -> str:
+    """What a person is told before joining ``name`` replaces ``old_owner``'s project."""
+    return (
+        f"this replaces the project {name!r} of owner {short_id(old_owner)} (this "
+        "computer stops helping it; the new project's experts do not start from its weights)"
+    )
+
+
+def join_project(path: Path, project: Project, *, replace: bool = False) -> bool:
+    """Record ``project`` in ``path``, in place of an entry of the same name; of another
+    owner's only with ``replace`` (the person was told, ``replacing``, and said yes).
+    Returns False when an equal entry was there already (nothing written). Raises
+    ConfigError (a bad file, too many projects, or another owner's project of that
+    name without ``replace``) or OSError."""
     with _one_change_at_a_time(path):
         projects = load_projects(path)
         if any(p.same_entry(project) for p in projects):
             return False
+        old_owner = replaced_owner(projects, project)
+        if old_owner is not None and not replace:
+            raise ConfigError(
+                f"joining {project.name!r} of owner {short_id(project.owner)}: "
+                f"{replacing(project.name, old_owner)}; nothing was changed without a yes"
+            )
         kept = [p for p in projects if p.name != project.name]
         if len(kept) >= MAX_PROJECTS:
             raise ConfigError(f"at most {MAX_PROJECTS} projects; leave one first")

@@ -3,8 +3,11 @@
 // Joining takes two steps, as on the command line: the invitation is first sent with
 // dry_run (the daemon parses it and records nothing), so the page can show whose project
 // it is — its name, its owner's key and the peers it joins through — and only the
-// confirm button posts it for real. Joining and leaving restart the daemon: the page is
-// told through ``expectRestart`` and rides through the few seconds without an API.
+// confirm button posts it for real. A project of the same name of another owner is
+// replaced only when the preview said so (the dry run's ``replaces_owner``) and the
+// confirm button posts ``replace``; without it the daemon refuses with 409. Joining and
+// leaving restart the daemon: the page is told through ``expectRestart`` and rides
+// through the few seconds without an API.
 
 import { ApiError, Unreachable } from "./api.js";
 import { shortId } from "./format.js";
@@ -13,7 +16,7 @@ const $ = (id) => document.getElementById(id);
 
 let api = null;
 let expectRestart = null;
-let previewed = null; // {invitation, project}: what the confirm button would join
+let previewed = null; // {invitation, project, replaces}: what the confirm button would join
 let wantsFocus = false; // the join field was asked for before the card could show
 
 /** "Helping: <description> by <owner name>", with the name and the owner's short key
@@ -62,8 +65,8 @@ function invitationPeers(invitation) {
   }
 }
 
-function showPreview(invitation, project) {
-  previewed = { invitation, project };
+function showPreview(invitation, project, replaces) {
+  previewed = { invitation, project, replaces };
   $("preview-name").textContent = project.name;
   const owner = $("preview-owner");
   owner.textContent = shortId(project.owner);
@@ -80,7 +83,14 @@ function showPreview(invitation, project) {
     peers.append(line);
   }
   if (!peers.childElementCount) peers.textContent = "—";
-  $("confirm-join").textContent = `Join ${project.name}`;
+  const replacing = $("preview-replaces");
+  replacing.hidden = !replaces;
+  replacing.textContent = replaces
+    ? `This replaces the project ${project.name} of owner ${shortId(replaces)}: this machine `
+      + "stops helping it, and the new project's experts do not start from its weights."
+    : "";
+  replacing.title = replaces ? `owner ${replaces}` : "";
+  $("confirm-join").textContent = replaces ? `Replace with ${project.name}` : `Join ${project.name}`;
   fieldError("join-share", "");
   $("join-preview").hidden = false;
   $("confirm-join").focus();
@@ -115,7 +125,7 @@ async function check(event) {
   button.disabled = true;
   try {
     const reply = await api("POST", "/projects", { invitation, dry_run: true });
-    showPreview(invitation, reply.project);
+    showPreview(invitation, reply.project, reply.replaces_owner ?? null);
   } catch (err) {
     refused(err, "changed");
   } finally {
@@ -132,11 +142,12 @@ async function confirmJoin() {
     shareField.focus();
     return;
   }
-  const { invitation, project } = previewed;
+  const { invitation, project, replaces } = previewed;
   const button = $("confirm-join");
   button.disabled = true;
   try {
-    const reply = await api("POST", "/projects", { invitation, share });
+    const body = replaces ? { invitation, share, replace: true } : { invitation, share };
+    const reply = await api("POST", "/projects", body);
     clearPreview();
     $("invitation").value = "";
     if (reply.restarting) {
