@@ -254,3 +254,74 @@ async def test_an_experts_own_folder_linked_to_a_drive_not_mounted_stops_the_sta
     loaded = await Checkpointer(host, checkpoints, CheckpointConfig()).restore()
     assert list(loaded) == [UIDS[0]]
     assert host.backend(UIDS[0]).updates == 3
+
+
+@pytest.mark.parametrize("replica", [True, False])
+async def test_a_joiners_expert_whose_every_checkpoint_is_damaged_says_so_as_an_error_event(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    autojump_clock: object,
+    replica: bool,
+) -> None:
+    """A project's expert (the joiner's path, not ``restore``) was set aside with only a
+    warning in the log, then downloaded from a replica or started from its initial
+    weights: no error, no event, so nobody learnt that its trained weights were lost."""
+    import types
+
+    from volunteerd.config import ExperimentsConfig
+    from volunteerd.net import PeerAddress
+    from volunteerd.swarm.joiner import Joiner
+
+    uid = UIDS[0]
+    store = CheckpointStore(tmp_path)
+    damage(store.save(trained(uid, 3).state()))
+    origin = trained(uid, 5)
+
+    async def run(fn: object) -> object:
+        return fn()  # type: ignore[operator]
+
+    host = types.SimpleNamespace(executor=types.SimpleNamespace(run=run))
+    saver = Checkpointer(host, tmp_path, CheckpointConfig())  # type: ignore[arg-type]
+    posted: list[str] = []
+    saver.on_warning = posted.append  # the daemon's error events
+
+    class Downloads:
+        async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
+            return origin.state()
+
+        async def discard(self, uid: str) -> None:
+            pass
+
+    joiner = Joiner(
+        None,  # type: ignore[arg-type]  # not looked up: the replicas are given
+        host,  # type: ignore[arg-type]
+        lambda: None,
+        saver,
+        Downloads(),
+        ExperimentsConfig(),
+        lambda experts: 1,
+    )
+
+    async def no_replicas(uids: list[str]) -> dict[str, list[PeerAddress]]:
+        return {uid: [] for uid in uids}
+
+    joiner.live_replicas = no_replicas  # type: ignore[method-assign]
+    peer = "12D3KooWReplicaOfTheExpert00000001"
+    replicas = [PeerAddress(peer, ["/ip4/127.0.0.1/tcp/1"])] if replica else []
+    expert = ExpertBackend(uid, EXPERTS, torch.device("cpu"), 64)
+    with caplog.at_level(logging.INFO):
+        source = await joiner._initial_state(expert, replicas)
+    assert source == (f"replica {peer}" if replica else "seed")
+    instead = (
+        f"was downloaded from a replica (…{peer[-8:]})"
+        if replica
+        else "starts from its initial weights (no replica could give it)"
+    )
+    said = (
+        f"{uid} {instead}: every checkpoint of it that could be read is damaged; the "
+        f"damaged files are kept in {tmp_path / uid} (*.damaged)"
+    )
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [said]
+    assert posted == [said]
+    assert expert.updates == (5 if replica else 0)
+    assert len(damaged(tmp_path / uid)) == 1

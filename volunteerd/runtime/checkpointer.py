@@ -5,11 +5,13 @@ that cannot be reached (``checkpoint_folders.unreachable``), deletes the tempora
 an interrupted save left, then loads each expert's newest good checkpoint (damaged or
 foreign files are skipped and logged, the damaged ones set aside where no pruning
 deletes them; an expert with none says that it starts from its initial weights, with an
-error when its files were damaged). ``serve`` then saves, every ``every_s``, each
-expert whose weights changed since its last save; ``save_changed`` is also the final
-save on a graceful stop. A save copies the tensors on the device's worker in its turn
-(between optimizer steps, so the copy is consistent) and writes the file in another
-thread, never on the event loop. See ``experts.checkpoint`` for the file format.
+error when its files were damaged: ``damaged``, which a project's joiner calls too,
+saying whether the expert was downloaded from a replica instead). ``serve`` then
+saves, every ``every_s``, each expert whose weights changed since its last save;
+``save_changed`` is also the final save on a graceful stop. A save copies the tensors
+on the device's worker in its turn (between optimizer steps, so the copy is
+consistent) and writes the file in another thread, never on the event loop. See
+``experts.checkpoint`` for the file format.
 
 Saves of one expert run one at a time, from the copy of its state to the written file
 (a lock per uid): a dropped expert's final save waits for a periodic save of it still
@@ -85,7 +87,8 @@ class Checkpointer:
 
     ``budget_bytes`` gives the disk budget at each save (0: none) for ``directory`` and
     ``also_counted`` (the downloaded shards) together; ``on_warning`` hears, once per
-    episode, that saves are skipped for want of room."""
+    episode, that saves are skipped for want of room, and of each expert that starts
+    from elsewhere because its checkpoints were damaged (``damaged``)."""
 
     def __init__(
         self,
@@ -157,12 +160,7 @@ class Checkpointer:
             if path is not None:
                 loaded[uid] = path
             elif moved:
-                logger.error(
-                    "%s starts from its initial weights: every checkpoint of it that could "
-                    "be read is damaged; the damaged files are kept in %s (*.damaged)",
-                    uid,
-                    moved[0].parent,
-                )
+                self.damaged(uid, moved, "starts from its initial weights")
             else:
                 logger.info("no checkpoint of %s to load: it starts from its initial weights", uid)
         if loaded:
@@ -171,11 +169,27 @@ class Checkpointer:
             )
         return loaded
 
-    async def restore_into(self, backend: ExpertBackend) -> Path | None:
+    async def restore_into(
+        self, backend: ExpertBackend, moved_aside: list[Path] | None = None
+    ) -> Path | None:
         """Load ``backend.uid``'s newest good checkpoint into ``backend`` (not yet hosted,
         or hosted: the load runs in the worker's turn). Returns the file, or None when
-        there is none and the backend keeps what it has. Damaged files are set aside."""
-        return await self._restore(backend, [])
+        there is none and the backend keeps what it has. Damaged files are set aside,
+        and appended to ``moved_aside``: a caller that found none good says where the
+        expert starts from instead (``damaged``)."""
+        return await self._restore(backend, [] if moved_aside is None else moved_aside)
+
+    def damaged(self, uid: str, moved: Sequence[Path], instead: str) -> None:
+        """Say that ``uid`` had no good checkpoint, only damaged ones (set aside as
+        ``moved``), and where it starts from ``instead``: logged at ERROR, and to
+        ``on_warning`` (the daemon's error events). Its trained weights here are lost."""
+        message = (
+            f"{uid} {instead}: every checkpoint of it that could be read is damaged; the "
+            f"damaged files are kept in {moved[0].parent} (*.damaged)"
+        )
+        logger.error("%s", message)
+        if self.on_warning is not None:
+            self.on_warning(message)
 
     async def _restore(self, backend: ExpertBackend, moved_aside: list[Path]) -> Path | None:
         """``restore_into``, appending the damaged files set aside to ``moved_aside``."""

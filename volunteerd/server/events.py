@@ -22,7 +22,9 @@ peers           a trainer's first request since the start; idle connections clos
 bans            the request guard bans a peer
 error           something failed that the volunteer should know of (logged as well): a
                 SIGHUP reload, writing the statistics, an expert restored after a
-                step broke its weights, checkpoints skipped for the disk budget
+                step broke its weights, checkpoints skipped for the disk budget, a
+                project's expert whose checkpoints were all damaged (the
+                checkpointer's ``on_warning``)
 ==============  ====================================================================
 
 Peers are not posted per connection: DHT traffic opens and closes connections all the

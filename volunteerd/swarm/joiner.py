@@ -19,7 +19,9 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    (``swarm.verified``: fake records must not make an expert look well served); for
    each new one, in this order: this node's own newest checkpoint, else a live
    replica's current state (downloaded, from replicas that answered first), else the
-   seeded weights of the manifest; then host it and announce it;
+   seeded weights of the manifest (when its checkpoints were all damaged, an error
+   says which of the two it got: ``Checkpointer.damaged``); then host it and announce
+   it;
 4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
    the DHT first, finish their queued work, and are saved for a later return.
 """
@@ -31,6 +33,7 @@ import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
@@ -40,7 +43,7 @@ from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
 from volunteerd.errors import ConfigError, ResourceUnavailable, UnknownExpert, VolunteerdError
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import ExpertState
-from volunteerd.net import Node, PeerAddress
+from volunteerd.net import Node, PeerAddress, short
 from volunteerd.net.records import ManifestRecord
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointer import Checkpointer
@@ -396,11 +399,31 @@ class Joiner:
         return self._rng.sample(real, min(len(real), _MAX_DOWNLOADS))
 
     async def _initial_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
-        """Load ``backend``'s starting state; returns where it came from."""
-        uid = backend.uid
-        if self._checkpointer is not None and await self._checkpointer.restore_into(backend):
-            await self._downloader.discard(uid)  # what an earlier run left: no use now
+        """Load ``backend``'s starting state; returns where it came from. When its
+        checkpoints here were all damaged, says so at ERROR and in the error events
+        (``Checkpointer.damaged``): its trained weights here are lost, and whether a
+        replica's took their place matters (a warning in the log was all there was)."""
+        checkpointer = self._checkpointer
+        if checkpointer is None:
+            return await self._fetched_state(backend, replicas)
+        damaged: list[Path] = []
+        if await checkpointer.restore_into(backend, damaged):
+            await self._downloader.discard(backend.uid)  # what an earlier run left: no use now
             return "checkpoint"  # replica averaging catches it up with the others
+        source = await self._fetched_state(backend, replicas)
+        if damaged:
+            instead = (
+                f"was downloaded from a replica ({short(source.removeprefix('replica '))})"
+                if source.startswith("replica ")
+                else "starts from its initial weights (no replica could give it)"
+            )
+            checkpointer.damaged(backend.uid, damaged, instead)
+        return source
+
+    async def _fetched_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
+        """Load ``backend``'s state from a live replica, else keep its seeded weights;
+        returns where it came from."""
+        uid = backend.uid
         for attempt in range(_SEED_LOOKUPS):
             if replicas:
                 break
