@@ -15,6 +15,7 @@ from volunteerd.experts.registry import build_module
 from volunteerd.runtime.hardware import capacity, detect, expert_footprint, measure_speed
 
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 def test_detect_reports_this_machine() -> None:
@@ -49,8 +50,139 @@ def test_capacity_divides_the_budget_left_after_kept_forwards() -> None:
     tiny = capacity(detect(), cpu, experts, runtime, HardwareConfig(memory_budget_mb=50))
     assert tiny.experts == 0
     auto = capacity(detect(), cpu, experts, RuntimeConfig(), HardwareConfig())
-    assert auto.budget_source == "half of the available memory"
+    assert auto.budget_source.startswith("half of the available memory")  # maybe "under" a cgroup
     assert auto.experts > 0
+
+
+V1_MOUNT = "35 31 0:32 {root} /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory"
+V2_MOUNT = "41 31 0:38 / /sys/fs/cgroup{at} rw,relatime - cgroup2 cgroup2 rw"
+
+
+def fake_linux(tmp_path: Path, cgroup: str, mounts: list[str], files: dict[str, str]) -> Path:
+    """A /proc and /sys tree: 16 GiB of memory, 12 available, this process in ``cgroup``
+    (/proc/self/cgroup's lines), ``files`` under /sys/fs/cgroup."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text(
+        f"MemTotal: {16 * GIB // 1024} kB\nMemFree: 1 kB\nMemAvailable: {12 * GIB // 1024} kB\n"
+    )
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    (tmp_path / "proc/self/mountinfo").write_text("\n".join(mounts) + "\n")
+    for name, text in files.items():
+        path = tmp_path / "sys/fs/cgroup" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+UNLIMITED_V1 = str(9223372036854771712)  # what v1 says for no limit
+CGROUPS = {
+    # a container or a cgroup made by hand (cgroup v1, with the hybrid's empty v2 line)
+    "v1": (
+        "4:memory:/box\n1:cpu:/\n0::/\n",
+        [V1_MOUNT.format(root="/"), V2_MOUNT.format(at="/unified")],
+        {
+            "memory/memory.limit_in_bytes": UNLIMITED_V1,
+            "memory/box/memory.limit_in_bytes": str(GIB),
+            "memory/box/memory.usage_in_bytes": str(400 * MIB),
+            # page cache the kernel reclaims first is not counted as in use
+            "memory/box/memory.stat": f"cache 1\ntotal_inactive_file {200 * MIB}\n",
+        },
+        (GIB, GIB - 200 * MIB, "cgroup v1 /box: limit 1.0 GiB, 0.2 GiB in use"),
+    ),
+    # Docker on v1 without a cgroup namespace: the mount shows the container's cgroup
+    "v1 container": (
+        "4:memory:/docker/abc\n",
+        [V1_MOUNT.format(root="/docker/abc")],
+        {"memory/memory.limit_in_bytes": str(2 * GIB), "memory/memory.usage_in_bytes": "0"},
+        (2 * GIB, 2 * GIB, "cgroup v1 /docker/abc: limit 2.0 GiB, 0.0 GiB in use"),
+    ),
+    "v2": (
+        "0::/box\n",
+        [V2_MOUNT.format(at="")],
+        {"box/memory.max": str(GIB), "box/memory.current": str(GIB // 4)},
+        (GIB, GIB * 3 // 4, "cgroup v2 /box: limit 1.0 GiB, 0.2 GiB in use"),
+    ),
+    # systemd's MemoryMax= on the slice, not on the service itself
+    "nested v2": (
+        "0::/system.slice/volunteerd.service\n",
+        [V2_MOUNT.format(at="")],
+        {
+            "system.slice/memory.max": str(3 * GIB),
+            "system.slice/memory.current": str(2 * GIB),
+            "system.slice/volunteerd.service/memory.max": "max",
+            "system.slice/volunteerd.service/memory.current": str(GIB // 2),
+        },
+        (3 * GIB, GIB, "cgroup v2 /system.slice: limit 3.0 GiB, 2.0 GiB in use"),
+    ),
+    "unlimited": (
+        "4:memory:/box\n0::/box\n",
+        [V1_MOUNT.format(root="/"), V2_MOUNT.format(at="/unified")],
+        {
+            "memory/box/memory.limit_in_bytes": UNLIMITED_V1,
+            "memory/box/memory.usage_in_bytes": str(GIB),
+            "unified/box/memory.max": "max",
+            "unified/box/memory.current": str(GIB),
+        },
+        (16 * GIB, 12 * GIB, ""),
+    ),
+    # a limit that leaves more than the system has available bounds only the total
+    "looser than the system": (
+        "0::/box\n",
+        [V2_MOUNT.format(at="")],
+        {"box/memory.max": str(14 * GIB), "box/memory.current": str(GIB)},
+        (14 * GIB, 12 * GIB, ""),
+    ),
+    # the smallest limit bounds the total even where another leaves less room
+    "smaller limit, more room": (
+        "0::/busy/box\n",
+        [V2_MOUNT.format(at="")],
+        {
+            "busy/memory.max": str(8 * GIB),
+            "busy/memory.current": str(7 * GIB),
+            "busy/box/memory.max": str(4 * GIB),
+            "busy/box/memory.current": "0",
+        },
+        (4 * GIB, GIB, "cgroup v2 /busy: limit 8.0 GiB, 7.0 GiB in use"),
+    ),
+    # unreadable or odd files limit nothing; a limit without its usage still holds
+    "unreadable": (
+        "0::/a/b/c\n",
+        [V2_MOUNT.format(at="")],
+        {
+            "a/b/c/memory.max/not-a-file": "",
+            "a/b/memory.max": "lots",
+            "a/memory.max": str(4 * GIB),
+            "a/memory.stat": "inactive_file many\n",
+        },
+        (4 * GIB, 4 * GIB, "cgroup v2 /a: limit 4.0 GiB, 0.0 GiB in use"),
+    ),
+    "no cgroups": ("", [], {}, (16 * GIB, 12 * GIB, "")),
+}
+
+
+@pytest.mark.parametrize("case", list(CGROUPS))
+def test_the_memory_budget_keeps_within_a_memory_cgroup_limit(case: str, tmp_path: Path) -> None:
+    """In a 1 GiB memory cgroup `volunteerd hardware` said "budget 10.1 GiB (half of the
+    available memory) ... 58 fit" and `serve` was OOM-killed (an outside audit): the
+    available memory is the lesser of MemAvailable and the tightest cgroup's limit less
+    its use, and the budget says so."""
+    cgroup, mounts, files, (total, available, limit) = CGROUPS[case]
+    found = detect(root=fake_linux(tmp_path, cgroup, mounts, files))
+    assert (found.memory_bytes, found.available_bytes, found.memory_limit) == (
+        total,
+        available,
+        limit,
+    )
+    room = capacity(found, torch.device("cpu"), ExpertsConfig(), RuntimeConfig(), HardwareConfig())
+    assert room.budget_bytes == available // 2
+    expected = "half of the available memory" + (f" under {limit}" if limit else "")
+    assert room.budget_source == expected
+
+
+def test_no_proc_tree_falls_back_to_the_system_calls(tmp_path: Path) -> None:
+    found = detect(root=tmp_path)  # nothing there: sysconf, as on macOS
+    assert found.memory_bytes >= found.available_bytes > 0
+    assert found.memory_limit == ""
 
 
 def test_speed_is_measured_once_per_device_and_expert_kind(tmp_path: Path) -> None:

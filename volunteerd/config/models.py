@@ -371,7 +371,7 @@ class HardwareConfig(_Model):
         0,
         ge=0,
         description="memory for hosted experts, in MiB; 0 = half of the available memory "
-        "(CPU) or 80% of the GPU's",
+        "(CPU; within a memory cgroup's limit) or 80% of the GPU's",
     )
 
 

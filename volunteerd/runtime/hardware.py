@@ -2,7 +2,11 @@
 
 * ``detect()``: CUDA GPUs (name, memory, compute capability, bfloat16), Apple MPS, the
   CPU (model, logical and usable cores) and memory (total, available). Reading only:
-  no device memory is allocated.
+  no device memory is allocated. On Linux, a memory cgroup's limit (a container's,
+  systemd's ``MemoryMax=``) bounds both: the available memory is the lesser of the
+  system's ``MemAvailable`` and what the tightest limit over this process's cgroup and
+  its ancestors leaves. (It read only ``/proc/meminfo``: in a 1 GiB cgroup on a 24 GiB
+  machine the budget was 10.1 GiB, 58 experts "fit", and the daemon was OOM-killed.)
 * ``expert_footprint()``: the bytes one hosted expert needs — weights, gradients, the
   optimizer's state, and one copy of the weights for copy-on-write while kept forwards
   are pending — counted from a module built on torch's ``meta`` device (no allocation).
@@ -66,17 +70,23 @@ class Hardware:
     cpu_model: str
     cpu_cores: int  # logical cores in the machine
     usable_cores: int  # cores this process may run on
-    memory_bytes: int
+    memory_bytes: int  # at most a memory cgroup's limit
     available_bytes: int
     gpus: list[GpuInfo] = field(default_factory=list)
     mps: bool = False
+    # the memory cgroup whose limit, less its use, set available_bytes (as in "cgroup v2
+    # /system.slice/x: limit 1.0 GiB, 0.2 GiB in use"); "" when the system's own
+    # available memory was the lesser
+    memory_limit: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def detect() -> Hardware:
-    total, available = _memory()
+def detect(*, root: Path = Path("/")) -> Hardware:
+    """This machine's hardware; ``root`` is where ``/proc`` and ``/sys`` are read from
+    (tests give a fake tree)."""
+    total, available, limit = _memory(root)
     cores = os.cpu_count() or 1
     try:
         usable = len(os.sched_getaffinity(0))
@@ -103,6 +113,7 @@ def detect() -> Hardware:
         available_bytes=available,
         gpus=gpus,
         mps=bool(torch.backends.mps.is_available()),
+        memory_limit=limit,
     )
 
 
@@ -116,11 +127,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _memory() -> tuple[int, int]:
-    """(total, available) bytes of RAM."""
+def _memory(root: Path) -> tuple[int, int, str]:
+    """(total, available, limit): bytes of RAM, both bounded by the tightest memory
+    cgroup limit, and which limit set ``available`` (see ``Hardware.memory_limit``)."""
+    total, available = _system_memory(root)
+    tightest = _cgroup_room(root, total)
+    if tightest is None:
+        return total, available, ""
+    limit, room, where, smallest = tightest
+    total = min(total, smallest)
+    if room >= available:
+        return total, available, ""
+    gib = 1 << 30
+    used = limit - room
+    return total, room, f"{where}: limit {limit / gib:.1f} GiB, {used / gib:.1f} GiB in use"
+
+
+def _system_memory(root: Path) -> tuple[int, int]:
+    """(total, available) bytes of the machine's RAM."""
     try:
         info = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             key, _, value = line.partition(":")
             info[key] = int(value.split()[0]) * 1024
         return info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
@@ -136,6 +163,99 @@ def _memory() -> tuple[int, int]:
         return total, available
     except (ValueError, OSError, AttributeError):
         return 0, 0
+
+
+# Per cgroup version: the limit, the usage and, in memory.stat, the page cache that the
+# kernel reclaims before it goes near the limit (counted in the usage; left out of it as
+# the kubelet's "working set" does, else the checkpoints a daemon wrote, cached, would
+# shrink the next start's budget towards nothing)
+_CGROUP_FILES = {
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+}
+
+
+def _cgroup_room(root: Path, total: int) -> tuple[int, int, str, int] | None:
+    """(limit, room, "cgroup vN /path", smallest limit): the memory cgroup, among this
+    process's and its ancestors (a parent's limit holds for all below it) in either
+    cgroup version, whose limit less its use leaves the least room, and the smallest
+    limit of them all; None when none has a limit below ``total`` or nothing can be read
+    (not Linux). A level whose files are missing, unreadable or say "max" limits
+    nothing."""
+    try:
+        memberships = (root / "proc/self/cgroup").read_text().splitlines()
+        mounts = (root / "proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    paths: dict[str, str] = {}  # version -> the process's cgroup path in that hierarchy
+    for line in memberships:
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and not controllers:
+            paths["v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["v1"] = path
+    best: tuple[int, int, str] | None = None
+    smallest = total
+    for line in mounts:
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        after = fields[fields.index("-") + 1 :]
+        if after[:1] == ["cgroup2"]:
+            version = "v2"
+        elif after[:1] == ["cgroup"] and "memory" in after[-1].split(","):
+            version = "v1"
+        else:
+            continue
+        # the mount shows the hierarchy from `mount_root` down (a container's own cgroup)
+        mount_root, mount_point = fields[3], _unescape(fields[4])
+        ours = paths.get(version)
+        if ours is None or not (ours + "/").startswith(mount_root.rstrip("/") + "/"):
+            continue  # not mounted, or our cgroup is outside what the mount shows
+        top = root / mount_point.lstrip("/")
+        below = ours[len(mount_root.rstrip("/")) :].strip("/")
+        parts = below.split("/") if below else []
+        for depth in range(len(parts), -1, -1):
+            level = _cgroup_level(top.joinpath(*parts[:depth]), version, total)
+            if level is None:
+                continue
+            smallest = min(smallest, level[0])
+            if best is None or level[1] < best[1]:
+                name = "/".join([mount_root.rstrip("/"), *parts[:depth]]) or "/"
+                best = (level[0], level[1], f"cgroup {version} {name}")
+    return None if best is None else (*best, smallest)
+
+
+def _cgroup_level(folder: Path, version: str, total: int) -> tuple[int, int] | None:
+    """(limit, room) of one cgroup, or None when it has no limit below ``total``."""
+    limit_file, usage_file, cache_key = _CGROUP_FILES[version]
+    try:
+        limit = int((folder / limit_file).read_text().strip())  # "max" raises
+    except (OSError, ValueError):
+        return None
+    if limit >= total > 0:  # v1 says "none" with 9223372036854771712
+        return None
+    try:
+        usage = int((folder / usage_file).read_text().strip())
+    except (OSError, ValueError):
+        usage = 0  # the limit still holds
+    cache = 0
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key:
+                cache = int(value)
+    except (OSError, ValueError):
+        pass
+    return limit, max(0, limit - max(0, usage - cache))
+
+
+def _unescape(text: str) -> str:
+    """A mountinfo path field: space, tab, newline and backslash come octal-escaped."""
+    for code in ("040", "011", "012", "134"):
+        text = text.replace("\\" + code, chr(int(code, 8)))
+    return text
 
 
 def expert_footprint(experts: ExpertsConfig) -> int:
@@ -175,6 +295,8 @@ def capacity(
         source = "80% of the GPU's memory"
     else:
         budget, source = hardware.available_bytes // 2, "half of the available memory"
+        if hardware.memory_limit:
+            source += f" under {hardware.memory_limit}"
     per_expert = expert_footprint(experts)
     usable = max(0, budget - runtime.retain_activations_mb * _MIB)
     fit = usable // per_expert if per_expert else 0
