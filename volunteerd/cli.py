@@ -339,10 +339,13 @@ _PROJECT_VERBS = {"join", "leave", "projects"}
 def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
     """The verbs that talk to a running daemon through its control API."""
     if args.command == "tray":
+        from volunteerd.service.process import tray_pid
         from volunteerd.tray.app import run_tray
 
         configure_logging("INFO")
-        return ExitCode(run_tray(paths, start_daemon=not args.no_start, backend=args.backend))
+        return ExitCode(
+            run_tray(paths, start_daemon=not args.no_start, backend=args.backend, showing=tray_pid)
+        )
     from volunteerd.control import verbs as commands
     from volunteerd.control.client import ControlClient
     from volunteerd.control.models import MAX_SNOOZE_S

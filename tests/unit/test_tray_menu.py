@@ -21,6 +21,7 @@ from volunteerd.control.client import ControlClient
 from volunteerd.control.models import LimitsView, Status
 from volunteerd.errors import ControlError, DaemonNotRunning
 from volunteerd.paths import Paths
+from volunteerd.service.process import tray_pid
 from volunteerd.tray import menu
 from volunteerd.tray.app import TrayApp, pystray_items, run_tray
 from volunteerd.tray.icons import icon_image
@@ -533,7 +534,7 @@ def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
     other = subprocess.Popen(["sleep", "30"])
     try:
         paths.write_tray_pid(tray.pid)
-        assert run_tray(paths, start_daemon=False) == 0
+        assert run_tray(paths, start_daemon=False, showing=tray_pid) == 0
         assert shown == []
         assert capsys.readouterr().out == (
             f"the tray icon of {paths.data_dir} is showing already (pid {tray.pid})\n"
@@ -542,7 +543,7 @@ def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
         assert tray.poll() is None
 
         paths.write_tray_pid(other.pid)  # stale: its pid reused by another program
-        assert run_tray(paths, start_daemon=False) == 0
+        assert run_tray(paths, start_daemon=False, showing=tray_pid) == 0
         assert shown == [os.getpid()]  # this one runs, named in tray.pid
         assert other.poll() is None
         assert not paths.tray_pid_file.exists()  # removed when it quit
@@ -739,3 +740,16 @@ def test_app_turns_a_refused_action_into_a_notice(tmp_path: Path) -> None:
     assert app._poll().notice == (
         "Could not set the upload limit to 5 mbit/s: upload_mbit: must be at least 0"
     )
+
+
+def test_volunteerd_tray_checks_for_a_tray_already_showing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import volunteerd.tray.app
+    from volunteerd.cli import main
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(volunteerd.tray.app, "run_tray", lambda paths, **kw: calls.append(kw) or 0)
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
+    assert main(["tray", "--no-start"]) == 0
+    assert calls[0]["showing"] is tray_pid

@@ -20,7 +20,7 @@ the tray. If the daemon goes away later, the icon says "not connected" and recov
 when it is back.
 
 One tray per data folder: ``run_tray`` names its process in ``<data dir>/tray.pid`` and
-does not start while that file names another tray that runs (``service.process.tray_pid``).
+does not start while that file names another tray that runs (``run_tray``'s ``showing``).
 
 Backends: pystray picks one (AppIndicator or GTK where PyGObject is installed, else
 plain X through python-xlib); ``backend`` or ``PYSTRAY_BACKEND`` chooses. The plain X
@@ -56,7 +56,6 @@ from volunteerd.errors import (
     ResourceUnavailable,
 )
 from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths
-from volunteerd.service.process import tray_pid
 from volunteerd.tray import menu
 from volunteerd.tray.icons import icon_image
 from volunteerd.tray.menu import Action, Item, Seen, View
@@ -487,16 +486,23 @@ def _on_click(item: Item, submit: Callable[[Action], None]) -> Callable[[Any, An
     return clicked
 
 
-def run_tray(paths: Paths, *, start_daemon: bool = True, backend: str | None = None) -> int:
+def run_tray(
+    paths: Paths,
+    *,
+    start_daemon: bool = True,
+    backend: str | None = None,
+    showing: Callable[[Paths], int | None] | None = None,
+) -> int:
     """``volunteerd tray``: show the tray until Quit, SIGINT or SIGTERM; the exit status
     (0 after Quit, 130 after a signal). Starts the daemon if none answers and
     ``start_daemon``. Raises ResourceUnavailable when no icon can be shown.
 
-    One tray per data folder: where ``tray.pid`` names a tray that runs (a volunteerd
-    tray's process, not a stale pid reused by another program), it says so and returns
-    0. A second one showed a second icon, and took ``tray.pid`` over: ``volunteerd
-    service uninstall`` stopped only that one."""
-    running = tray_pid(paths)
+    One tray per data folder: where ``showing`` (``service.process.tray_pid``, which
+    the command line passes: the tray itself looks at no other process) finds a tray
+    of the folder that runs (a volunteerd tray's process, not a stale pid reused by
+    another program), it says so and returns 0. A second one showed a second icon, and
+    took ``tray.pid`` over: ``volunteerd service uninstall`` stopped only that one."""
+    running = None if showing is None else showing(paths)
     if running is not None and running != os.getpid():
         print(f"the tray icon of {paths.data_dir} is showing already (pid {running})")
         return ExitCode.OK
