@@ -31,7 +31,7 @@ from volunteerd.detached import lower_priority
 from volunteerd.errors import ConfigError, ExitCode, UsageError, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
 from volunteerd.malloc import one_arena
-from volunteerd.paths import Paths
+from volunteerd.paths import ENV_LOCK_FD, DataDirLock, Paths
 
 __all__ = ["main"]
 
@@ -511,7 +511,6 @@ def _offline(paths: Paths, change: Callable[[], Any]) -> Any:
     """``change()`` to the projects file while no daemon runs, holding the data
     folder's lock so that none starts meanwhile."""
     from volunteerd.errors import ResourceUnavailable
-    from volunteerd.paths import DataDirLock
 
     try:
         with DataDirLock(paths.lock_file):  # the only ResourceUnavailable here
@@ -523,12 +522,16 @@ def _offline(paths: Paths, change: Callable[[], Any]) -> Any:
         ) from None
 
 
-def _exec_again() -> None:
+def _exec_again(lock: DataDirLock) -> None:
     """Replace this process with ``volunteerd serve`` as it was started (same pid, so a
     service manager or the tray keeps following it), once the daemon stopped to
     restart (it joined or left a project). Everything the old daemon held is closed by
-    then: the data folder's lock, its sockets, the control port (and descriptors are
-    not inherited by an exec: Python opens them close-on-exec)."""
+    then (its sockets, the control port; descriptors are not inherited by an exec:
+    Python opens them close-on-exec) but the data folder's lock: handed over to the new
+    program (its descriptor's number in ``VOLUNTEERD_LOCK_FD``), so that no other
+    volunteerd takes the folder while it starts (``DataDirLock``)."""
+    fd = lock.hand_over()
+    os.environ[ENV_LOCK_FD] = "" if fd is None else str(fd)
     logger.info("restarting: %s", " ".join(sys.orig_argv))
     logging.shutdown()  # flush the log handlers
     sys.stdout.flush()
@@ -684,6 +687,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
         _private_files()
         made = _paths(args).make_data_dir()
         notes += [made] if made else []
+    # the data folder's lock a restart in place kept for this program (not for its children)
+    handed_over = os.environ.pop(ENV_LOCK_FD, None) if args.command == "serve" else None
     if args.command == "serve":
         # limits.toml moved to the data folder: a daemon takes an old one along first
         notes += _adopt_old_limits(_paths(args))
@@ -721,15 +726,19 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     if args.command == "publish":
         return _publish(args, config, paths)
     if args.command == "serve":
-        # a join or leave restarts (exec) into the configuration loaded as now: it must load
-        daemon = Daemon(config, paths, reload=lambda: _load(args)[0])
+        # held by this process until it ends, or kept across a restart in place (exec):
+        # a daemon restarted so finds it here, handed over (``_exec_again``)
+        with DataDirLock(paths.lock_file, handed_over=handed_over) as lock:
+            # a join or leave restarts (exec) into the configuration loaded as now: it
+            # must load
+            daemon = Daemon(config, paths, reload=lambda: _load(args)[0], lock_held=True)
 
-        async def start_serve(nursery: trio.Nursery) -> Any:
-            return await nursery.start(_serve_reloading_limits, daemon, args)
+            async def start_serve(nursery: trio.Nursery) -> Any:
+                return await nursery.start(_serve_reloading_limits, daemon, args)
 
-        code = trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
-        if daemon.restart_requested and code == ExitCode.OK:
-            _exec_again()
+            code = trio.run(_run_service, start_serve, daemon.request_stop, args.ready_file)
+            if daemon.restart_requested and code == ExitCode.OK:
+                _exec_again(lock)
         return code
     if args.command == "bootstrap":
 

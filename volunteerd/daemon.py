@@ -16,7 +16,9 @@ ones (``shutdown_grace_s``), save, close.
 
 Joining or leaving a project (``ControlView``) records it in ``projects.toml`` and asks
 for a restart: ``serve`` stops as for a stop and returns with ``restart_requested``
-set; ``volunteerd serve`` then executes itself again, same pid, into the new projects.
+set; ``volunteerd serve`` then executes itself again, same pid, into the new projects,
+keeping the data folder's lock across (``DataDirLock.hand_over``): it holds the lock
+then, and passes ``lock_held``.
 """
 
 from __future__ import annotations
@@ -147,7 +149,10 @@ class Daemon:
     """``volunteerd serve``. Start with ``await nursery.start(daemon.serve)``; stop with
     ``request_stop()`` (graceful) or by cancelling (the same, without waiting for a
     second signal). After ``serve`` returns, ``restart_requested`` says whether it
-    stopped to be started again (the projects changed)."""
+    stopped to be started again (the projects changed).
+
+    ``serve`` holds the data folder's lock (``DataDirLock``) while it runs, unless
+    ``lock_held``: its caller holds it (the CLI, which keeps it across a restart)."""
 
     def __init__(
         self,
@@ -156,10 +161,12 @@ class Daemon:
         identity: Identity | None = None,
         *,
         reload: Callable[[], Config] | None = None,
+        lock_held: bool = False,
     ) -> None:
         self.config = config
         self.paths = paths
         self._identity = identity
+        self._lock_held = lock_held
         # the configuration as a restart loads it (the CLI's: file, limits.toml,
         # schedule.toml, environment and flags); None: ``config`` as it is
         self._reload = reload
@@ -191,7 +198,8 @@ class Daemon:
     async def serve(self, *, task_status: TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
         self._stop = trio.Event()
         self.restart_requested = False
-        with DataDirLock(self.paths.lock_file), self._bound_control() as self._control_socket:
+        locked = nullcontext() if self._lock_held else DataDirLock(self.paths.lock_file)
+        with locked, self._bound_control() as self._control_socket:
             await self._serve(task_status)
 
     def _bound_control(self) -> AbstractContextManager[socket.socket | None]:

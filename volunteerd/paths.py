@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,15 @@ APP_NAME = "volunteerd"
 ENV_CONFIG = "VOLUNTEERD_CONFIG"
 ENV_DATA_DIR = "VOLUNTEERD_DATA_DIR"
 ENV_CACHE_DIR = "VOLUNTEERD_CACHE_DIR"
+# Set by a restart in place only, for the program it executes: the descriptor of the data
+# folder's lock it keeps (``DataDirLock.hand_over``), "" where none could be kept.
+ENV_LOCK_FD = "VOLUNTEERD_LOCK_FD"
+
+# How long a start waits for the data folder's lock when another process has it: a
+# restart in place whose lock could not be handed over, for the old process to end
+# (Windows); anyone else, for ``lock_holder``'s test of it to end (a moment).
+RESTART_LOCK_WAIT_S = 10.0
+CONTENDED_LOCK_WAIT_S = 0.5
 
 # appdirs' name for each per-user directory -> the XDG variable and its default
 _XDG_HOMES = {
@@ -265,42 +275,101 @@ class Paths:
 
 
 class DataDirLock:
-    """``with DataDirLock(paths.lock_file):`` holds an exclusive lock on the file while a
-    node uses its data folder.
+    """``with DataDirLock(paths.lock_file) as lock:`` holds an exclusive lock on the file
+    while a node uses its data folder.
 
     Two nodes sharing one data folder would share one identity (and its checkpoints and
     statistics); the second one to start gets ResourceUnavailable. The operating system
     releases the lock when the process dies, even by SIGKILL.
+
+    A restart in place (``volunteerd serve`` executing itself again after a join or a
+    leave) keeps the lock: ``hand_over`` leaves its descriptor open across the exec, and
+    the new program, given its number as ``handed_over`` (from ``ENV_LOCK_FD``), adopts
+    it once it has checked that the descriptor is this lock file's and holds the lock.
+    Let go before the exec and taken again after it, the lock was free for the 2-5 s the
+    new program took to start; a ``volunteerd serve`` started then (the tray offered it)
+    took the folder, and the restarted daemon exited "another volunteerd is using ...".
+    Where a lock cannot be kept across the exec (Windows, where ``execv`` starts a new
+    process and ends the old one, and its lock with it), the new program waits up to
+    ``RESTART_LOCK_WAIT_S`` for it. Any other start waits ``CONTENDED_LOCK_WAIT_S``
+    before it gives up: ``lock_holder`` (the tray, ``volunteerd status``) takes the lock
+    for a moment to test it.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, handed_over: str | None = None) -> None:
         self._path = path
+        self._handed_over = handed_over
         self._fd: int | None = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> DataDirLock:
         from volunteerd.errors import ResourceUnavailable
 
         make_private_dirs(self._path.parent)
+        if self._handed_over is not None:
+            self._fd = _adopt(self._path, self._handed_over)
+            if self._fd is not None:  # it names this process already: execv keeps the pid
+                return self
+        wait_s = CONTENDED_LOCK_WAIT_S if self._handed_over is None else RESTART_LOCK_WAIT_S
+        deadline = time.monotonic() + wait_s
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            try:
-                _lock(fd)
-            except OSError:
-                raise ResourceUnavailable(
-                    f"another volunteerd is using {self._path.parent} "
-                    "(use --data-dir for a second node)"
-                ) from None
+            while True:
+                try:
+                    _lock(fd)
+                    break
+                except OSError:
+                    if time.monotonic() >= deadline:
+                        raise ResourceUnavailable(
+                            f"another volunteerd is using {self._path.parent} "
+                            "(use --data-dir for a second node)"
+                        ) from None
+                    time.sleep(0.05)
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
+        return self
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def hand_over(self) -> int | None:
+        """Keep the lock across an exec of this process: its descriptor, left open and
+        made inheritable (``__exit__`` no longer closes it), for the new program to adopt
+        (``handed_over``). None where a lock cannot outlive its process (Windows): it is
+        let go here. Raises RuntimeError when the lock is not held."""
+        if self._fd is None:
+            raise RuntimeError(f"the lock {self._path} is not held")
+        fd, self._fd = self._fd, None
+        if os.name != "posix":  # pragma: no cover - Windows
+            os.close(fd)
+            return None
+        os.set_inheritable(fd, True)
+        return fd
+
+
+def _adopt(path: Path, handed_over: str) -> int | None:
+    """The descriptor a restart in place handed over (its number, ``handed_over``),
+    holding the lock on ``path``; None where it cannot be adopted: no number, no such
+    descriptor, another file (left open: not ours), or the lock is another process's."""
+    try:
+        fd = int(handed_over)
+        ours = os.path.samestat(os.fstat(fd), os.stat(path))
+    except (ValueError, OSError):
+        return None
+    if not ours:
+        return None
+    try:
+        _lock(fd)  # holds it already (flock: the same open file, kept by the exec): no-op
+    except OSError:
+        os.close(fd)
+        return None
+    os.set_inheritable(fd, False)  # as every descriptor Python opens
+    return fd
 
 
 @dataclass(frozen=True, slots=True)

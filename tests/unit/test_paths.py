@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +18,15 @@ import pytest
 from volunteerd import cli
 from volunteerd.atomic import write_atomic
 from volunteerd.detached import start_detached
+from volunteerd.errors import ResourceUnavailable
 from volunteerd.paths import (
     ENV_CACHE_DIR,
     ENV_CONFIG,
     ENV_DATA_DIR,
     DataDirLock,
+    LockHolder,
     Paths,
+    lock_holder,
     xdg_home,
 )
 from volunteerd.service.managers import Systemd
@@ -170,3 +176,82 @@ def test_serve_and_service_install_make_private_files(before: int, after: int) -
         assert os.umask(old) == after
     finally:
         os.umask(old)
+
+
+# -- the data folder's lock across a restart in place --------------------------------------
+
+# A daemon restarting in place, as ``volunteerd serve`` does: it takes the lock, hands it
+# over and executes itself again; the new program adopts it. Each step waits for a line
+# on stdin, so that the test can look at the lock in between.
+_RESTARTING = """
+import os, sys
+from pathlib import Path
+from volunteerd.paths import ENV_LOCK_FD, DataDirLock
+
+handed_over = os.environ.pop(ENV_LOCK_FD, None)
+with DataDirLock(Path(sys.argv[1]), handed_over=handed_over) as lock:
+    print("adopted" if handed_over else "locked", len(os.listdir("/proc/self/fd")), flush=True)
+    sys.stdin.readline()
+    if handed_over is None:
+        os.environ[ENV_LOCK_FD] = str(lock.hand_over())
+        os.execv(sys.executable, sys.orig_argv)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/fd")
+def test_a_restart_in_place_keeps_the_data_folders_lock_throughout(tmp_path: Path) -> None:
+    # Let go before the exec and taken again after it, the lock was free while the new
+    # program started: a `volunteerd serve` started then took the folder, and the
+    # restarted daemon exited.
+    lock_file = tmp_path / "data" / "volunteerd.lock"
+    with subprocess.Popen(
+        [sys.executable, "-c", _RESTARTING, str(lock_file)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as child:  # fmt: skip
+        stdin, stdout = child.stdin, child.stdout
+        assert stdin is not None
+        assert stdout is not None
+        first, fds = stdout.readline().split()
+        assert first == "locked"
+        assert lock_holder(lock_file) == LockHolder(child.pid)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(stdout.readline()))
+        reader.start()
+        stdin.write("restart\n")
+        stdin.flush()
+        seen = set()
+        while reader.is_alive():  # until the new program has adopted it
+            seen.add(lock_holder(lock_file))
+        assert seen <= {LockHolder(child.pid)}, "the lock was free, or another's, meanwhile"
+        again, fds_again = lines[0].split()
+        assert again == "adopted"
+        assert fds_again == fds  # the descriptor kept: no second one opened beside it
+        with pytest.raises(ResourceUnavailable, match="another volunteerd is using"):
+            DataDirLock(lock_file).__enter__()
+        stdin.close()
+        assert child.wait(30) == 0
+    assert lock_holder(lock_file) is None
+
+
+def test_a_descriptor_that_is_not_the_locks_is_not_adopted_and_left_open(tmp_path: Path) -> None:
+    lock_file = tmp_path / "volunteerd.lock"
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        for handed_over in (str(other), "", "x", "-1", "99999"):
+            with DataDirLock(lock_file, handed_over=handed_over):  # taken afresh
+                assert lock_holder(lock_file) == LockHolder(os.getpid())
+            assert lock_holder(lock_file) is None
+        os.fstat(other)  # still open: not ours to close
+    finally:
+        os.close(other)
+
+
+def test_a_restart_whose_lock_could_not_be_kept_waits_for_it(tmp_path: Path) -> None:
+    # Windows: execv starts a new process and ends the old one, its lock with it
+    lock_file = tmp_path / "volunteerd.lock"
+    old = DataDirLock(lock_file).__enter__()
+    threading.Timer(0.5, old.__exit__).start()  # the old process ending
+    started = time.monotonic()
+    with DataDirLock(lock_file, handed_over=""):
+        assert time.monotonic() - started >= 0.4
+        assert lock_holder(lock_file) == LockHolder(os.getpid())
