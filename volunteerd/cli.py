@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -31,7 +31,10 @@ from volunteerd.detached import lower_priority
 from volunteerd.errors import ConfigError, ExitCode, UsageError, VolunteerdError, exit_code
 from volunteerd.logs import configure_logging
 from volunteerd.malloc import one_arena
-from volunteerd.paths import ENV_LOCK_FD, DataDirLock, Paths
+from volunteerd.paths import ENV_LOCK_FD, DataDirLock, Paths, lock_holder
+
+if TYPE_CHECKING:
+    from volunteerd.control.client import ControlClient
 
 __all__ = ["main"]
 
@@ -347,7 +350,6 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             run_tray(paths, start_daemon=not args.no_start, backend=args.backend, showing=tray_pid)
         )
     from volunteerd.control import verbs as commands
-    from volunteerd.control.client import ControlClient
     from volunteerd.control.models import MAX_SNOOZE_S
 
     # a bad value is a usage error whether a daemon runs or not, and never reaches it
@@ -360,7 +362,7 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             raise UsageError(str(exc)) from None
         if seconds > MAX_SNOOZE_S:  # the API's bound, said in days
             raise UsageError(f"snooze {args.duration}: at most {MAX_SNOOZE_S / 86400:g} days")
-    client = ControlClient.for_data_dir(paths.data_dir)
+    client = _control_client(paths)
     if args.command == "status":
         status = client.status()
         print(status.model_dump_json(indent=2) if args.json else commands.format_status(status))
@@ -386,6 +388,27 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
             if not webbrowser.open(url):
                 print(f"open this address in a browser: {url}")
     return ExitCode.OK
+
+
+def _control_client(paths: Paths) -> ControlClient:
+    """The control API's client. Raises DaemonNotRunning: while a daemon holds the data
+    folder's lock but no address of its API is recorded, one that says it is starting
+    or restarting (a join or leave restarts it in place: its API is back in a few
+    seconds), not to start one: that one would be refused."""
+    from volunteerd.control.client import ControlClient
+    from volunteerd.errors import DaemonNotRunning
+
+    try:
+        return ControlClient.for_data_dir(paths.data_dir)
+    except DaemonNotRunning:
+        holder = lock_holder(paths.lock_file)
+        if holder is None:
+            raise
+    pid = f"pid {holder.pid}" if holder.pid is not None else "pid not known yet"
+    raise DaemonNotRunning(
+        f"volunteerd is starting or restarting ({pid}): its control API is not up yet; "
+        "try again in a moment (if it stays so, it runs with control.enabled = false)"
+    )
 
 
 def _projects(args: argparse.Namespace) -> ExitCode:

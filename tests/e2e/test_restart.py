@@ -127,7 +127,7 @@ def test_a_serve_started_while_a_join_restarts_the_daemon_is_refused(spawn, tmp_
     while control_file.exists():  # the old daemon's API stops: the restart has begun
         assert time.monotonic() < deadline, "the daemon did not restart"
         time.sleep(0.01)
-    # A second daemon started now.
+    # A second daemon started now, and `volunteerd status` asked meanwhile.
     second_log = tmp_path / "second.txt"
     with second_log.open("w") as output:
         second = subprocess.Popen(
@@ -135,6 +135,10 @@ def test_a_serve_started_while_a_join_restarts_the_daemon_is_refused(spawn, tmp_
              "--port", "0"],
             env=cli_env(home), stdout=output, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
+    status = subprocess.Popen(
+        [sys.executable, "-m", "volunteerd", "status"],
+        env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     # Whoever asks for the lock meanwhile (as a start would, every 10 ms) finds it held.
     holders: set[LockHolder | None] = set()
     taken: DataDirLock | None = None
@@ -154,6 +158,11 @@ def test_a_serve_started_while_a_join_restarts_the_daemon_is_refused(spawn, tmp_
 
     assert second.wait(120) == ExitCode.UNAVAILABLE
     assert "another volunteerd is using" in second_log.read_text()
+    _, said = status.communicate(timeout=60)
+    if status.returncode != ExitCode.OK:  # asked before the restarted daemon answered
+        assert status.returncode == ExitCode.UNAVAILABLE
+        assert "volunteerd is starting or restarting" in said, said
+        assert "not running" not in said
     again = json.loads(daemon.ready_file.read_text())
     assert again["peer_id"] == first["peer_id"]  # the same folder and identity
     assert again["pid"] == first["pid"] == daemon.process.pid  # and the same process

@@ -38,7 +38,8 @@ from volunteerd.control.models import (
     ScheduleView,
     SnoozeBody,
 )
-from volunteerd.errors import ControlError, DaemonNotAnswering, DaemonNotRunning
+from volunteerd.errors import ControlError, DaemonNotAnswering, DaemonNotRunning, ExitCode
+from volunteerd.paths import DataDirLock
 
 TOKEN = "the-token-of-this-daemon"
 PORT = 38999  # the test client's Host (no socket is bound for the app)
@@ -185,6 +186,30 @@ def test_a_dead_daemons_port_is_never_asked(tmp_path: Path) -> None:
             ControlClient.for_data_dir(tmp_path)
         with pytest.raises(TimeoutError):
             squatter.accept()  # nobody knocked
+
+
+def test_status_while_a_daemon_restarts_says_so_and_not_to_start_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    # A join or leave restarts the daemon in place: no control.json for a few seconds,
+    # the data folder's lock held throughout. "Not running; start it with `volunteerd
+    # serve`" was wrong: one started then would be refused.
+    data = tmp_path / "data"
+    with DataDirLock(data / "volunteerd.lock"):
+        assert cli(monkeypatch, tmp_path, "status") == ExitCode.UNAVAILABLE
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"volunteerd: volunteerd is starting or restarting (pid {os.getpid()})"
+        )
+        assert "try again in a moment" in err
+        assert "not running" not in err
+        assert "volunteerd serve" not in err
+        record(data, "http://127.0.0.1:1", a_dead_pid())  # a killed one's, a new one starting
+        assert cli(monkeypatch, tmp_path, "pause") == ExitCode.UNAVAILABLE
+        assert "is starting or restarting" in capsys.readouterr().err
+    (data / "control.json").unlink()
+    assert cli(monkeypatch, tmp_path, "status") == ExitCode.UNAVAILABLE  # nothing holds it
+    assert "volunteerd is not running (no " in capsys.readouterr().err
 
 
 def test_a_daemon_that_runs_but_does_not_answer_in_time_is_busy_not_gone(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from PIL import Image
 from volunteerd.control.client import ControlClient
 from volunteerd.control.models import LimitsView, Status
 from volunteerd.errors import ControlError, DaemonNotRunning
-from volunteerd.paths import Paths
+from volunteerd.paths import DataDirLock, Paths
 from volunteerd.service.process import tray_pid
 from volunteerd.tray import menu
 from volunteerd.tray.app import TrayApp, pystray_items, run_tray
@@ -146,6 +146,11 @@ def test_not_connected_lines_and_states() -> None:
     assert (starting.state, starting.status_line) == (
         "disconnected",
         "Not connected — starting volunteerd…",
+    )
+    locked = view(Seen("locked"))  # its pid not written yet
+    assert (locked.state, locked.status_line) == (
+        "disconnected",
+        "Not connected — volunteerd is starting or restarting…",
     )
     busy = view(Seen("busy"))
     assert (busy.state, busy.status_line) == (
@@ -305,6 +310,7 @@ def test_not_connected_disables_everything_but_quit_and_offers_start() -> None:
     assert enabled_actions(Seen("absent")) == {"start", "quit"}
     assert enabled_actions(Seen("failed", error="exited (1)")) == {"start", "quit"}
     assert enabled_actions(Seen("starting")) == {"quit"}
+    assert enabled_actions(Seen("locked", pid=42)) == {"quit"}
     assert enabled_actions(Seen("error", error="HTTP 401")) == {"quit"}
     assert find(view(Seen("starting")).items, "Pause").enabled is False
     for link in ("absent", "starting", "error"):
@@ -320,6 +326,7 @@ def test_the_default_item_opens_the_dashboard_or_starts_the_daemon() -> None:
     assert defaults(connected(state="paused")) == ["Open dashboard"]
     assert defaults(Seen("absent")) == ["Start volunteerd"]
     assert defaults(Seen("starting")) == []
+    assert defaults(Seen("locked", pid=42)) == []  # restarting: a second one is refused
 
 
 def test_menu_has_no_leading_trailing_or_double_separators() -> None:
@@ -551,6 +558,30 @@ def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
         for proc in (tray, other):
             proc.kill()
             proc.wait(10)
+
+
+def test_app_sees_a_daemon_restarting_in_place_and_does_not_start_another(
+    tmp_path: Path,
+) -> None:
+    # A join or leave: no control.json until the daemon is back, its lock held meanwhile.
+    # The tray said "not running" and made "Start volunteerd" its click, whose daemon
+    # took the folder from the restarting one.
+    paths = paths_in(tmp_path)
+    never = [sys.executable, "-c", "raise SystemExit('a second daemon was started')"]
+    app = TrayApp(paths, serve_command=never)
+    with DataDirLock(paths.lock_file):
+        seen = app._poll()
+        assert seen == Seen("locked", pid=os.getpid())
+        shown = view(seen)
+        assert shown.status_line == (
+            f"Not connected — volunteerd is starting or restarting (pid {os.getpid()})…"
+        )
+        assert shown.state == "disconnected"
+        assert [i.text for i in shown.items if i.default] == []
+        assert "Start volunteerd" not in [i.text for i in shown.items]
+        app._start_if_absent()  # at the tray's start, or a click queued before
+        assert app._child is None
+    assert app._poll() == Seen("absent")  # gone for good: it may be started again
 
 
 def test_app_reports_a_daemon_it_started_that_exited(tmp_path: Path) -> None:

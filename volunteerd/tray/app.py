@@ -12,7 +12,8 @@ Three threads, so the UI never waits for the daemon:
 * the worker thread runs the queued actions one at a time (client calls, opening the
   dashboard, starting the daemon, quitting).
 
-If no daemon answers when the tray starts (and ``start_daemon``), it starts
+If no daemon answers when the tray starts (and ``start_daemon``), and none holds the
+data folder's lock (one starting, or restarting in place after a join), it starts
 ``volunteerd serve`` detached (``volunteerd.detached``: its own session, output in
 ``<data dir>/daemon.log``) with the tray's file locations and its environment less the
 ``VOLUNTEERD_<SECTION>__<KEY>`` settings, as a service manager would; the daemon outlives
@@ -55,7 +56,7 @@ from volunteerd.errors import (
     ExitCode,
     ResourceUnavailable,
 )
-from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths
+from volunteerd.paths import ENV_CACHE_DIR, ENV_CONFIG, ENV_DATA_DIR, Paths, lock_holder
 from volunteerd.tray import menu
 from volunteerd.tray.icons import icon_image
 from volunteerd.tray.menu import Action, Item, Seen, View
@@ -244,6 +245,8 @@ class TrayApp:
                 delay = self.poll_s
             elif seen.link == "starting":
                 delay = STARTING_POLL_S
+            elif seen.link == "locked":  # back in seconds (a restart), or never (API off)
+                delay = self.poll_s
             else:
                 delay = min(delay * 2, self.max_backoff_s)
             self._wake.wait(delay)
@@ -272,16 +275,21 @@ class TrayApp:
         with self._lock:
             child, started, answered = self._child, self._child_started, self._child_answered
         code = None if child is None else child.poll()  # also reaps it once it exits
-        if child is None or answered:
-            return Seen("absent", notice=notice)
-        if code is None:
+        if child is not None and not answered:
+            if code is not None:
+                log = self.paths.daemon_log_file
+                last = _last_line(log)
+                error = f"volunteerd exited ({code})" + (f": {last}" if last else f"; see {log}")
+                return Seen("failed", error=error, notice=notice)
             if time.monotonic() - started < START_TIMEOUT_S:
                 return Seen("starting", notice=notice)
-            return Seen("absent", notice=notice)
-        log = self.paths.daemon_log_file
-        last = _last_line(log)
-        error = f"volunteerd exited ({code})" + (f": {last}" if last else f"; see {log}")
-        return Seen("failed", error=error, notice=notice)
+        # Restarting in place (a join or leave): no control.json until it is back, the
+        # lock held throughout. "Not running" and "Start volunteerd" then started a
+        # second daemon, which could only be refused.
+        holder = lock_holder(self.paths.lock_file)
+        if holder is not None:
+            return Seen("locked", notice=notice, pid=holder.pid)
+        return Seen("absent", notice=notice)
 
     def _show(self, seen: Seen) -> None:
         """Make ``seen`` the model (the menu pystray builds reads it) and show it: the
@@ -391,6 +399,10 @@ class TrayApp:
             pass
         except ControlError:
             return  # something answers: not ours to replace
+        holder = lock_holder(self.paths.lock_file)
+        if holder is not None:  # starting or restarting: another would only be refused
+            logger.info("volunteerd (pid %s) is starting: not starting another", holder.pid)
+            return
         with self._lock:
             if self._child is not None and self._child.poll() is None:
                 return

@@ -37,7 +37,9 @@ set elsewhere (config file, dashboard) that is no preset shows as an extra check
 disabled item, so the menu never claims a limit the daemon does not have.
 
 While the daemon does not answer, every item that needs it is disabled; "Start
-volunteerd" appears (and is the click action) when nothing is starting it.
+volunteerd" appears (and is the click action) when nothing is starting it: not while
+a daemon holds the data folder's lock (restarting in place after a join or leave),
+where a second one would only be refused.
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ ICON_STATES: tuple[IconState, ...] = ("contributing", "waiting", "paused", "erro
 # failed:    the daemon the tray started exited before it answered (``Seen.error``)
 # error:     the daemon answers but refuses the tray (e.g. a wrong token; ``Seen.error``)
 # busy: the daemon's process runs but its control API did not answer in time
-Link = Literal["connected", "starting", "busy", "absent", "failed", "error"]
+# locked:    nothing answers, but a daemon holds the data folder's lock (``Seen.pid``):
+#            starting, or restarting in place (a join or leave), or its API is off
+Link = Literal["connected", "starting", "busy", "locked", "absent", "failed", "error"]
 
 ActionName = Literal[
     "pause",
@@ -119,6 +123,7 @@ class Seen:
     error: str = ""  # why the link is "failed" or "error"
     notice: str = ""  # the last action that failed, shown for a while
     schedule_run: str | None = None  # the schedule's ``run`` (None: not known)
+    pid: int | None = None  # the lock holder's, while "locked" (None: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +217,9 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
         return "Not connected — starting volunteerd…"
     if seen.link == "busy":
         return "Not connected — volunteerd runs but does not answer (busy?)"
+    if seen.link == "locked":
+        pid = f" (pid {seen.pid})" if seen.pid is not None else ""
+        return f"Not connected — volunteerd is starting or restarting{pid}…"
     if seen.link == "absent":
         return "Not connected — volunteerd is not running"
     return "Error: " + _shorten(seen.error or "unknown")
