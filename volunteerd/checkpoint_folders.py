@@ -158,7 +158,8 @@ def trim_others(
     """(Blocking.) Delete what the checkpoints of experts not in ``hosted`` hold beyond
     each one's newest file, and all of those beyond the ``keep_experts`` saved last (by
     their newest file); ``locked(uid)`` is held while a folder is trimmed (the store's
-    save lock). Returns the files deleted."""
+    save lock). Returns the files deleted. Raises OSError when ``directory`` cannot be
+    listed (too many open files): a file that cannot be deleted is only logged."""
     if not directory.is_dir():
         return []
     others: list[tuple[float, str]] = []

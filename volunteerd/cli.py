@@ -719,6 +719,11 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     if args.command == "serve" and config.runtime.priority == "low":
         # first thing, before any thread (Linux keeps priorities per thread) or import
         notes.append("running at low priority: " + (", ".join(lower_priority()) or "unchanged"))
+    if args.command in {"serve", "bootstrap"}:
+        # connections are open files: room for network.max_connections (net/open_files.py)
+        from volunteerd.net.open_files import raise_open_file_limit
+
+        notes += filter(None, [raise_open_file_limit(config.network.max_connections)])
     if args.command == "config":
         if args.config_command == "default":
             from volunteerd.config.schema import commented_default_toml

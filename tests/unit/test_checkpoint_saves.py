@@ -9,6 +9,8 @@ for its turn."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import stat
 import threading
@@ -302,3 +304,50 @@ def test_a_file_larger_than_the_expert_can_have_is_not_read(tmp_path: Path) -> N
     found = store.load_newest(UID, b.check_state, max_bytes=limit)
     assert found is not None
     assert found[1] == good
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_rounds_that_fail_with_too_many_open_files_are_logged_and_tried_again(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under an open-file limit full of connections, the trimming's listing of the
+    checkpoints folder raised EMFILE out of ``serve`` and the daemon stopped (exit 5).
+    Now each failed step is logged (at WARNING once per streak) and tried again at the
+    next round; a save that fails so is too."""
+    runtime = ExpertRuntime(
+        [], EXPERTS, RuntimeConfig(device="cpu"), WireLimits(), torch.device("cpu")
+    )
+    saver = Checkpointer(runtime, tmp_path, CheckpointConfig(every_s=10))
+    emfile = OSError(errno.EMFILE, "Too many open files", str(tmp_path))
+    real_trim, real_save = saver.store.trim_others, saver.save_changed
+    trims: list[str] = []
+    saves: list[str] = []
+
+    def trim(hosted: frozenset[str], keep: int) -> list[Path]:
+        trims.append("failed" if len(trims) < 3 else "done")
+        if trims[-1] == "failed":
+            raise emfile
+        return real_trim(hosted, keep)
+
+    async def save_changed() -> int:
+        saves.append("failed" if len(saves) in (1, 2) else "done")
+        if saves[-1] == "failed":
+            raise emfile
+        return await real_save()
+
+    saver.store.trim_others = trim  # type: ignore[method-assign]
+    saver.save_changed = save_changed  # type: ignore[method-assign]
+    with caplog.at_level(logging.DEBUG, logger="volunteerd.runtime.checkpointer"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(saver.serve)
+            await trio.sleep(55)  # rounds at 0, 10, ... 50 s: five trims
+            nursery.cancel_scope.cancel()
+    assert trims == ["failed"] * 3 + ["done"] * 2
+    assert saves == ["done", "failed", "failed", "done", "done", "done"]
+    assert saver.statistics().round_failures == 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # one per streak of each step
+    assert any("could not trim" in w and "Too many open files" in w for w in warnings)
+    back = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("after 3 failed rounds" in m for m in back)
+    assert any("after 2 failed rounds" in m for m in back)

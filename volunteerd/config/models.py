@@ -90,7 +90,8 @@ class NetworkConfig(_Model):
         ge=32,
         le=100_000,
         description="open connections at once, inbound and outbound (a tenth is kept for "
-        "this node's own dials); idle ones are closed when over half are taken",
+        "this node's own dials), and never more than the open-file limit less 64; idle "
+        "inbound ones are closed when over half of the inbound slots are taken",
     )
     announce_addrs: list[str] = Field(
         default_factory=list,
@@ -464,7 +465,8 @@ class TimeoutsConfig(_Model):
         30.0,
         gt=0,
         description="an inbound connection with no stream this long is closed while over "
-        "half of network.max_connections are taken",
+        "half of the inbound slots (network.max_connections, capped by the open-file "
+        "limit, less a tenth) are taken",
     )
     pool_idle_s: float = Field(60.0, gt=0, description="client drops pooled idle streams")
     dht_rpc_s: float = Field(5.0, gt=0, description="one DHT store or find request")

@@ -32,6 +32,7 @@ from volunteerd.net.host import Libp2pStreamHost, listen_multiaddr, open_host, t
 from volunteerd.net.kademlia import serve_kademlia
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.lookup import PeerLookup
+from volunteerd.net.open_files import FD_RESERVE, connection_cap, open_file_limit
 from volunteerd.net.paced import pace_services, pace_streams
 from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
 from volunteerd.net.protocols import Verb
@@ -129,11 +130,24 @@ async def open_node(
         """Whether ``peer_id`` is a relay this node holds a reservation with."""
         return relaying is not None and relaying.reserved_with(peer_id)
 
+    # as many as the open files allow, some kept for our own (net/open_files.py)
+    file_limit = open_file_limit()
+    max_connections = connection_cap(network.max_connections, file_limit)
+    if max_connections < network.max_connections:
+        logger.info(
+            "at most %d connections, not network.max_connections (%d): the open-file "
+            "limit is %s, %d of them kept for this process's own files (a higher hard "
+            "limit allows more)",
+            max_connections,
+            network.max_connections,
+            file_limit,
+            FD_RESERVE,
+        )
     async with open_host(
         identity,
         listen,
         network.announce_addrs,
-        network.max_connections,
+        max_connections,
         per_address,
         small_frames,
         unpaced=our_relay,

@@ -37,6 +37,11 @@ oldest first: every file but a hosted expert's newest, so those of experts no lo
 hosted too); one that still would
 not fit is skipped, with a warning (``on_warning``) and a count, and tried again at the
 next round: the disk never fills up with checkpoints.
+
+No round ends the daemon: a save, or the trimming, that fails with OSError (too many
+open files, a drive gone) is logged, once per streak at WARNING, and tried again at the
+next round. A trim whose listing of the folder raised EMFILE, under a process's
+open-file limit full of connections, stopped the daemon with exit 5.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -77,6 +82,7 @@ class CheckpointStats:
     refused: int = 0  # states not written because a value was not finite
     over_budget: int = 0  # saves skipped because they did not fit the disk budget
     disk_bytes: int = 0  # checkpoints and downloaded shards, at the last save
+    round_failures: int = 0  # steps of periodic rounds that failed with OSError
 
 
 _HEADER_SLACK = 64 << 10  # a new file's header, beyond its tensors' bytes
@@ -120,6 +126,8 @@ class Checkpointer:
         self._refused_count = 0
         self._last_round_s = 0.0
         self._locks: dict[str, tuple[trio.Lock, list[int]]] = {}  # uid -> lock, users
+        self._round_failures = 0  # steps of rounds that raised OSError
+        self._failing: dict[str, int] = {}  # step -> rounds it failed in a row
 
     @contextlib.asynccontextmanager
     async def _saving(self, uid: str) -> AsyncIterator[None]:
@@ -243,13 +251,43 @@ class Checkpointer:
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Save changed experts every ``every_s`` until cancelled. A save in progress
-        when cancelled finishes first (the file is never left half-renamed)."""
+        when cancelled finishes first (the file is never left half-renamed). A step of a
+        round that fails with OSError is logged and tried again at the next round
+        (``_step``): it never ends the daemon."""
         task_status.started()
         while True:
-            await self.save_changed()
+            await self._step("save the experts that changed", self.save_changed)
             await trio.sleep(self._config.every_s)
             hosted = frozenset(self.runtime.uids)
-            await trio.to_thread.run_sync(self.store.trim_others, hosted, OTHERS_KEPT)
+            trim = partial(self.store.trim_others, hosted, OTHERS_KEPT)
+            await self._step(
+                "trim the checkpoints of experts no longer hosted",
+                partial(trio.to_thread.run_sync, trim),
+            )
+
+    async def _step(self, what: str, step: Callable[[], Awaitable[object]]) -> None:
+        """Run one step of a round. An OSError is counted and logged: at WARNING the
+        first of a streak, then at DEBUG (a round every ``every_s`` for as long as the
+        cause lasts would fill the log), and at INFO when the step works again. Too many
+        open files (a listing of the checkpoints folder raised EMFILE) ended the daemon
+        with exit 5; the next round tries again, and by then the files may be back."""
+        try:
+            await step()
+        except OSError as exc:
+            self._round_failures += 1
+            streak = self._failing.get(what, 0) + 1
+            self._failing[what] = streak
+            log = logger.warning if streak == 1 else logger.debug
+            log(
+                "checkpoints: could not %s (tried again every %g s): %s",
+                what,
+                self._config.every_s,
+                exc,
+            )
+            return
+        streak = self._failing.pop(what, 0)
+        if streak:
+            logger.info("checkpoints: could %s again, after %d failed rounds", what, streak)
 
     async def save_changed(self) -> int:
         """Save every expert whose weights changed since its last save (or since it was
@@ -390,6 +428,7 @@ class Checkpointer:
             refused=self._refused_count,
             over_budget=self._over_budget,
             disk_bytes=self._disk_bytes,
+            round_failures=self._round_failures,
         )
 
 
