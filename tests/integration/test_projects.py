@@ -234,6 +234,55 @@ async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path:
             assert not daemon.restart_requested
 
 
+async def test_a_daemon_follows_its_projects_manifest_until_it_expires(tmp_path: Path) -> None:
+    """The owner's newer manifest (wider experts) is taken while the daemon runs, and
+    an expired one is no longer hosted, saying why. The daemon read the manifest once:
+    it served the old shapes under the new manifest's uids and hosted an expired one
+    for as long as it ran (an outside probe)."""
+    owner, me = Identity.generate(), Identity.generate()
+    config = daemon_config(manifest_check_every_s=1.0, join_timeout_s=3.0)
+
+    async def publish_wide(boot: Node, hidden_dim: int, lifetime_s: float) -> ExperimentManifest:
+        now = time.time()
+        manifest = ExperimentManifest(
+            name="upd",
+            hidden_dim=hidden_dim,
+            uid_prefix="aa",
+            grid=(2, 2),
+            replication=1,
+            owner=str(peer_id_for(owner)),
+            issued_at=now,
+            expires_at=now + lifetime_s,
+        )
+        assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+        return manifest
+
+    async with open_peer(local_config()) as boot:
+        await publish_wide(boot, 16, 3600)
+        record(tmp_path, (invitation(boot, owner, "upd"), 1.0))
+        async with serving(config, tmp_path, me) as (_, running, _):
+            (joiner,) = running.joiners
+            await until(lambda: joiner.state == "joined" and bool(joiner.hosted))
+            runtime = running.runtime
+            assert runtime is not None
+
+            def widths() -> set[int]:
+                return {runtime.backend(uid).info.hidden_dim for uid in runtime.uids}
+
+            assert widths() == {16}
+            newer = await publish_wide(boot, 32, 15)
+            await until(lambda: joiner.manifest == newer and bool(joiner.hosted), 30)
+            assert widths() == {32}  # every uid re-seated in the new shape
+
+            await until(lambda: joiner.state == "failed", 30)
+            assert runtime.uids == []
+            assert running.controls is not None
+            status = running.controls.status()
+            (view,) = status.projects
+            assert "manifest expired on" in (view.error or "")
+            assert status.activity.message == f"could not join upd: {view.error}"
+
+
 async def test_a_daemon_that_left_its_projects_trims_the_checkpoints_they_left(
     tmp_path: Path,
 ) -> None:

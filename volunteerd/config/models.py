@@ -543,6 +543,13 @@ class ExperimentsConfig(_Model):
     republish_every_s: float = Field(
         3600.0, gt=0, description="how often a joined daemon stores the manifest again"
     )
+    manifest_check_every_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="how often a joined daemon looks its experiment's manifest up again "
+        "(it follows a newer one, and stops hosting an expired one)",
+    )
     join_timeout_s: float = Field(
         60.0, gt=0, description="how long to look for the manifest before giving up"
     )

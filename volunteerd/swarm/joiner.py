@@ -23,7 +23,13 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    says which of the two it got: ``Checkpointer.damaged``); then host it and announce
    it;
 4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
-   the DHT first, finish their queued work, and are saved for a later return.
+   the DHT first, finish their queued work, and are saved for a later return;
+5. at those rounds, every ``manifest_check_every_s`` (5 min), look the manifest up
+   again (one lookup) and follow it: a newer one from a trusted owner is taken, its
+   experts re-seated when they are built differently; once the manifest held has
+   expired, its experts are no longer hosted, and ``state`` is "failed" with the
+   reason in ``error``, until the owner publishes one again. A lookup that fails or
+   finds nothing changes nothing (lookups are lossy): only expiry ends the hosting.
 """
 
 from __future__ import annotations
@@ -40,7 +46,13 @@ import torch
 import trio
 
 from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
-from volunteerd.errors import ConfigError, ResourceUnavailable, UnknownExpert, VolunteerdError
+from volunteerd.errors import (
+    ConfigError,
+    ResourceUnavailable,
+    UnknownExpert,
+    UntrustedManifest,
+    VolunteerdError,
+)
 from volunteerd.experts import ExpertBackend
 from volunteerd.experts.checkpoint_file import ExpertState
 from volunteerd.net import Node, PeerAddress, short
@@ -152,6 +164,7 @@ class Joiner:
         self._capacity_of = capacity
         self._clock = clock
         self._rng = rng or random.Random()
+        self._next_check = 0.0  # clock time of the next lookup of the manifest
         self.manifest: ExperimentManifest | None = None
         self.record: ManifestRecord | None = None
         self.capacity = 0
@@ -210,19 +223,109 @@ class Joiner:
             raise
         self.state = "joined"
         task_status.started(manifest)
+        self._next_check = self._clock() + self._config.manifest_check_every_s
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._republish_loop)
             while True:
                 await trio.sleep(self._config.rebalance_every_s * self._rng.uniform(0.8, 1.2))
                 try:
+                    await self._follow_manifest()
+                except Exception as exc:  # the next round looks again
+                    logger.warning("following the manifest of %r failed: %r", self.name, exc)
+                if self.manifest is None:  # expired, or a newer one refused: none to host
+                    continue
+                try:
                     await self.rebalance()
                 except Exception as exc:  # a bad round must not end the daemon
                     logger.warning("re-balancing failed: %r", exc)
+
+    async def _follow_manifest(self) -> None:
+        """Stop hosting the manifest held once it has expired; when a lookup is due
+        (``manifest_check_every_s``; at once after an expiry), look it up again and
+        take a newer one (``_take``). A lookup that fails or finds nothing changes
+        nothing: DHT reads are lossy, and the network's failures are no reason to stop
+        serving. The owner revokes a manifest by expiry or a newer one (decisions/0007)."""
+        now = self._clock()
+        held = self.manifest
+        if held is not None and held.expires_at <= now:
+            await self._stop_hosting(_expired(held.expires_at))
+            held = None
+        elif now < self._next_check:
+            return
+        self._next_check = now + self._config.manifest_check_every_s
+        unusable: list[str] = []
+        try:
+            found = await self._look_up(unusable)
+        except Exception as exc:  # peers failing us: the next check looks again
+            logger.info("looking up experiment %r again failed: %r", self.name, exc)
+            return
+        if found is None and unusable and held is not None:
+            # storing peers keep an owner's newest: the one held was replaced by it
+            await self._stop_hosting(f"a newer manifest was found, but {_unusable(unusable)}")
+            return
+        if found is None or found[0].expires_at <= now:
+            return
+        manifest, record = found
+        if held is not None and manifest.issued_at <= held.issued_at:
+            return
+        await self._take(manifest, record)
+
+    async def _take(self, manifest: ExperimentManifest, record: ManifestRecord) -> None:
+        """Host ``manifest``'s experts in place of the manifest held (if any). When
+        they are built differently (another type, size, dtype, optimizer or seed) or
+        are another owner's, every hosted expert is dropped (withdrawn, drained, saved)
+        and the next rebalance chooses afresh: a uid's checkpoint of the old shape is
+        not loaded into the new one (``ExpertState`` checks refuse it). Otherwise the
+        next rebalance drops the uids the new grid no longer names and adds its new
+        ones. Refused as a join would be (experts clashing with another project's,
+        none fitting): then nothing is hosted and ``error`` says why."""
+        held = self.manifest
+        logger.info(
+            "experiment %r of %s: manifest issued at %.0f taken (%d experts, %s %d wide)",
+            manifest.name,
+            manifest.owner,
+            manifest.issued_at,
+            len(manifest.uids()),
+            manifest.expert_type,
+            manifest.hidden_dim,
+        )
+        try:
+            self._check_clash(manifest)
+            capacity = self._capacity_of(manifest.experts_config())
+        except Exception as exc:  # shown as the project's failure; looked up again later
+            await self._stop_hosting(str(exc) or repr(exc))
+            return
+        if held is None or _built_differently(held, manifest):
+            await self._drop(list(self.hosted))
+            self.rounds, self._seen_before = 0, {}
+        self.manifest, self.record, self.capacity = manifest, record, capacity
+        self.state, self.error = "joined", None
+
+    async def _stop_hosting(self, reason: str) -> None:
+        """Drop every hosted expert (withdrawn, drained, saved for a later return) and
+        show ``reason`` as the project's failure."""
+        logger.warning(
+            "experiment %r: %s; its %d experts here are no longer hosted",
+            self.name,
+            reason,
+            len(self.hosted),
+        )
+        await self._drop(list(self.hosted))
+        self.manifest, self.record = None, None
+        self.capacity, self.rounds, self._seen_before = 0, 0, {}
+        self.state, self.error = "failed", reason
 
     async def _joined_manifest(self) -> ExperimentManifest:
         """``find_manifest``, refused if its experts clash with ones hosted here."""
         self.manifest = None
         manifest = await self.find_manifest()
+        self._check_clash(manifest)
+        self.manifest = manifest
+        return manifest
+
+    def _check_clash(self, manifest: ExperimentManifest) -> None:
+        """Raises ConfigError if ``manifest`` names experts hosted here for another
+        experiment."""
         clash = sorted(set(manifest.uids()) & set(self._taken()))
         if clash:
             raise ConfigError(
@@ -230,8 +333,6 @@ class Joiner:
                 f"another experiment ({', '.join(clash[:3])}{', ...' * (len(clash) > 3)}); "
                 "leave one of them"
             )
-        self.manifest = manifest
-        return manifest
 
     async def find_manifest(self) -> ExperimentManifest:
         """The trusted manifest of ``config.join``, looked up until ``join_timeout_s``.
@@ -240,30 +341,22 @@ class Joiner:
         unusable: list[str] = []
         with trio.move_on_after(self._config.join_timeout_s):
             while True:
-                owners = self._config.trusted_owners
                 try:
-                    records = await lookup_manifests(self._node.dht, name, owners)
+                    found = await self._look_up(unusable)
+                except UntrustedManifest:
+                    raise
                 except Exception as exc:  # peers failing us: look again until the timeout
                     logger.info("looking up experiment %r failed: %r", name, exc)
                     await trio.sleep(_RETRY_S)
                     continue
-                unusable.clear()
-                manifest = choose_trusted(name, records, owners, unusable)
-                if manifest is not None:
-                    self.record = next(
-                        r
-                        for r in records
-                        if r.owner == manifest.owner and r.issued_at == manifest.issued_at
-                    )
+                if found is not None:
+                    manifest, self.record = found
                     return manifest
                 await trio.sleep(_RETRY_S)
         if unusable:
             # found, signed by its owner, but this version cannot read it: saying "not
             # found, check the internet connection" sent volunteers the wrong way
-            raise ConfigError(
-                f"experiment {name!r} was found, but this volunteerd cannot use it: "
-                f"{unusable[0]} (was it published with a newer volunteerd? upgrade)"
-            )
+            raise ConfigError(f"experiment {name!r} was found, but {_unusable(unusable)}")
         whose = (
             " from a trusted owner (experiments.trusted_owners)"
             if self._config.trusted_owners
@@ -274,6 +367,24 @@ class Joiner:
             f"{self._config.join_timeout_s:.0f}s: is it published, and are the bootstrap "
             "peers right?"
         )
+
+    async def _look_up(
+        self, unusable: list[str]
+    ) -> tuple[ExperimentManifest, ManifestRecord] | None:
+        """One lookup: the newest trusted manifest of ``config.join`` and its envelope,
+        None when there is none. Why a trusted owner's manifest could not be used is
+        put in ``unusable``. Raises UntrustedManifest (``choose_trusted``), and what
+        the DHT raises."""
+        name, owners = self._config.join, self._config.trusted_owners
+        records = await lookup_manifests(self._node.dht, name, owners)
+        unusable.clear()
+        manifest = choose_trusted(name, records, owners, unusable)
+        if manifest is None:
+            return None
+        record = next(
+            r for r in records if r.owner == manifest.owner and r.issued_at == manifest.issued_at
+        )
+        return manifest, record
 
     async def republish(self) -> int:
         """Store the manifest on the closest peers again; returns how many accepted."""
@@ -462,3 +573,27 @@ class Joiner:
                 len(tried),
             )
         return "seed"
+
+
+def _expired(expires_at: float) -> str:
+    """Why an expired manifest's experts are not hosted, for the volunteer."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires_at))
+    return f"the experiment's manifest expired on {when}; its owner must publish it again"
+
+
+def _built_differently(old: ExperimentManifest, new: ExperimentManifest) -> bool:
+    """Whether ``new``'s experts cannot simply go on from ``old``'s: another owner's
+    (checkpoints record whose weights they hold), or another type, size, dtype,
+    optimizer or seed (the uid grid aside: a rebalance follows that)."""
+    if old.owner != new.owner:
+        return True
+    built = old.experts_config().model_copy(update={"uids": ""})
+    return built != new.experts_config().model_copy(update={"uids": ""})
+
+
+def _unusable(unusable: Sequence[str]) -> str:
+    """Why a trusted owner's manifest cannot be used here, for the volunteer."""
+    return (
+        f"this volunteerd cannot use it: {unusable[0]} (was it published with a newer "
+        "volunteerd? upgrade)"
+    )

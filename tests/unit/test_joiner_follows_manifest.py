@@ -1,0 +1,169 @@
+"""A joined daemon follows its experiment's manifest: a newer one from the owner is
+taken (its experts re-seated in the new shape), an expired one's experts are no longer
+hosted, and a lookup that fails changes nothing.
+
+A running daemon used to read the manifest once: after the owner published experts
+twice as wide, it kept serving the old shapes under the same uids beside newcomers
+serving the new ones, and it hosted an expired manifest for as long as it ran (an
+outside probe).
+Virtual time, a DHT in memory, real expert backends on the CPU."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import ExperimentsConfig, ExpertsConfig
+from volunteerd.experts import ExpertBackend
+from volunteerd.identity import Identity
+from volunteerd.net import PeerAddress
+from volunteerd.net.peers import peer_id_for
+from volunteerd.net.records import ManifestRecord
+from volunteerd.swarm.joiner import Joiner
+from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
+
+OWNER = Identity.generate()
+OWNER_ID = str(peer_id_for(OWNER))
+LIFETIME_S = 3600.0
+
+
+class MemoryDHT:
+    """The manifest lookups and replica lookups a joiner makes; storing peers drop a
+    manifest once it expires, as ``net.store`` does."""
+
+    def __init__(self) -> None:
+        self.manifests: list[ManifestRecord] = []
+        self.failing = False
+
+    async def get_manifests(self, name: str, owner: str | None = None) -> list[ManifestRecord]:
+        await trio.lowlevel.checkpoint()
+        if self.failing:
+            raise OSError("network is unreachable")
+        now = trio.current_time()
+        return [
+            r
+            for r in self.manifests
+            if r.name == name and owner in (None, r.owner) and r.expires_at > now
+        ]
+
+    async def get(self, uids: list[str]) -> dict[str, list[Any]]:
+        await trio.lowlevel.checkpoint()
+        return {uid: [] for uid in uids}
+
+    async def put_manifest(self, record: ManifestRecord) -> int:
+        await trio.lowlevel.checkpoint()
+        return 1
+
+
+class Runtime:
+    """The runtime calls a joiner makes, with the backends it hosts."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, ExpertBackend] = {}
+
+    def make_backend(self, uid: str, experts: ExpertsConfig) -> ExpertBackend:
+        return ExpertBackend(uid, experts, torch.device("cpu"), 1024)
+
+    async def add_expert(self, backend: ExpertBackend) -> None:
+        self.backends[backend.uid] = backend
+
+    async def remove_expert(self, uid: str) -> ExpertBackend:
+        return self.backends.pop(uid)
+
+
+class NoDownloads:
+    async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
+        raise AssertionError("no replica to download from")
+
+    async def discard(self, uid: str) -> None:
+        pass
+
+
+def publish(dht: MemoryDHT, hidden_dim: int, grid: tuple[int, ...]) -> ExperimentManifest:
+    """The owner's manifest of "upd", issued now, in place of its older one."""
+    now = trio.current_time()
+    manifest = ExperimentManifest(
+        name="upd",
+        hidden_dim=hidden_dim,
+        grid=grid,
+        replication=1,
+        owner=OWNER_ID,
+        issued_at=now,
+        expires_at=now + LIFETIME_S,
+    )
+    dht.manifests = [r for r in dht.manifests if r.owner != OWNER_ID]
+    dht.manifests.append(sign_manifest(manifest, OWNER))
+    return manifest
+
+
+def joiner_of(dht: MemoryDHT, runtime: Runtime) -> Joiner:
+    config = ExperimentsConfig(
+        join="upd",
+        trusted_owners=[OWNER_ID],
+        rebalance_every_s=10.0,
+        manifest_check_every_s=60.0,
+        min_stay_s=0.0,
+        join_timeout_s=5.0,
+    )
+    return Joiner(
+        types.SimpleNamespace(dht=dht, peer_id="me"),  # type: ignore[arg-type]
+        runtime,  # type: ignore[arg-type]
+        lambda: None,
+        None,
+        NoDownloads(),
+        config,
+        lambda experts: 8,
+        clock=trio.current_time,
+    )
+
+
+def widths(runtime: Runtime) -> dict[str, int]:
+    return {uid: b.info.hidden_dim for uid, b in runtime.backends.items()}
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_newer_manifest_is_followed_and_an_expired_one_is_no_longer_hosted(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    dht, runtime = MemoryDHT(), Runtime()
+    first = publish(dht, 16, (2,))
+    joiner = joiner_of(dht, runtime)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(joiner.serve)
+        assert widths(runtime) == {"ffn.0": 16, "ffn.1": 16}
+
+        await trio.sleep(30)
+        second = publish(dht, 32, (4,))  # wider experts, a larger grid
+        await trio.sleep(60)  # a lookup is due by then, and the rebalance that follows
+        assert joiner.manifest == second
+        # the same uids in the new shape only: none kept its old weights
+        assert widths(runtime) == {f"ffn.{i}": 32 for i in range(4)}
+        assert set(joiner.hosted) == set(second.uids())
+        assert joiner.state == "joined"
+
+        dht.failing = True  # the network goes: the experts stay
+        await trio.sleep(300)
+        assert set(joiner.hosted) == set(second.uids())
+        assert (joiner.state, joiner.error) == ("joined", None)
+        dht.failing = False
+
+        await trio.sleep_until(second.expires_at + 30)  # the owner let it expire
+        assert joiner.hosted == {}
+        assert runtime.backends == {}
+        assert joiner.manifest is None
+        assert joiner.state == "failed"
+        assert "manifest expired on 1970-01-01" in (joiner.error or "")
+        assert "its owner must publish it again" in (joiner.error or "")
+
+        # published again: hosted again
+        third = publish(dht, 32, (4,))
+        await trio.sleep(75)  # looked up again at each check
+        assert joiner.manifest == third
+        assert set(joiner.hosted) == set(third.uids())
+        assert (joiner.state, joiner.error) == ("joined", None)
+        nursery.cancel_scope.cancel()
+    assert first.issued_at < second.issued_at < third.issued_at
