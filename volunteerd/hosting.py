@@ -40,6 +40,7 @@ from volunteerd.server.pausing import RequestGate, Volunteer, hold_back
 from volunteerd.server.pipeline import expert_handlers, shard_snapshot
 from volunteerd.server.replicas import SwarmReplicas, WindowedDownloader
 from volunteerd.swarm.download import ShardDownloader
+from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.joiner import Joiner, capacity_for
 from volunteerd.swarm.projects import Project, share_of
 from volunteerd.swarm.verified import ReplicaChecks, hosts_uid
@@ -163,6 +164,7 @@ class Hosting:
         checks = ReplicaChecks(
             hosts_uid(node.rpc), time.monotonic, check_s=timeouts.connect_s + timeouts.dht_rpc_s
         )
+        expiries = ManifestExpiries(self.paths.manifests_file)  # kept across restarts
         for index, project in enumerate(projects):
 
             def capacity(experts: ExpertsConfig, project: Project = project) -> int:
@@ -184,6 +186,7 @@ class Hosting:
                     capacity,
                     taken=taken,
                     checks=checks,
+                    expiries=expiries,
                 )
             )
         configured: list[Joiner] = []

@@ -35,6 +35,7 @@ name                   default                         override
 ``trainers_dir``       <data dir>/trainers             (`volunteerd train`'s own state)
 ``state_file``         <data dir>/state.json           (paused or snoozed, kept on restart)
 ``projects_file``      <data dir>/projects.toml        (projects joined: `volunteerd join`)
+``manifests_file``     <data dir>/manifests.json       (when each project's last manifest expires)
 ``transfer_file``      <data dir>/transfer.json        (bytes this month, for the quota)
 ``stats_file``         <data dir>/stats.sqlite3        (contribution accounting)
 ``token_file``         <data dir>/api-token            (the control API's token, 0600)
@@ -188,6 +189,10 @@ class Paths:
     @property
     def projects_file(self) -> Path:
         return self.data_dir / "projects.toml"
+
+    @property
+    def manifests_file(self) -> Path:
+        return self.data_dir / "manifests.json"
 
     @property
     def transfer_file(self) -> Path:

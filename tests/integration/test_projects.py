@@ -235,10 +235,11 @@ async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path:
 
 
 async def test_a_daemon_follows_its_projects_manifest_until_it_expires(tmp_path: Path) -> None:
-    """The owner's newer manifest (wider experts) is taken while the daemon runs, and
-    an expired one is no longer hosted, saying why. The daemon read the manifest once:
-    it served the old shapes under the new manifest's uids and hosted an expired one
-    for as long as it ran (an outside probe)."""
+    """The owner's newer manifest (wider experts, a larger grid) is taken while the
+    daemon runs, and an expired one is no longer hosted, saying why; so does a restart
+    after it. The daemon read the manifest once: it served the old shapes under the new
+    manifest's uids, hosted an expired one for as long as it ran, and after a restart
+    said "not found: are the bootstrap peers right?" (an outside probe)."""
     owner, me = Identity.generate(), Identity.generate()
     config = daemon_config(manifest_check_every_s=1.0, join_timeout_s=3.0)
 
@@ -279,8 +280,16 @@ async def test_a_daemon_follows_its_projects_manifest_until_it_expires(tmp_path:
             assert running.controls is not None
             status = running.controls.status()
             (view,) = status.projects
+            assert view.expired_at == newer.expires_at
             assert "manifest expired on" in (view.error or "")
             assert status.activity.message == f"could not join upd: {view.error}"
+            assert "internet" not in status.activity.hint
+
+        async with serving(config, tmp_path, me) as (_, running, _):
+            (joiner,) = running.joiners
+            await until(lambda: joiner.state == "failed", 30)
+            assert joiner.error is not None
+            assert joiner.error.startswith("the experiment's manifest expired on ")
 
 
 async def test_a_daemon_that_left_its_projects_trims_the_checkpoints_they_left(

@@ -16,6 +16,7 @@ class Project:
     name: str
     state: str
     error: str | None = None
+    expired_at: float | None = None
 
 
 def signals(**changes: object) -> Signals:

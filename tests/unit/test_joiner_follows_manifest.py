@@ -1,16 +1,18 @@
 """A joined daemon follows its experiment's manifest: a newer one from the owner is
 taken (its experts re-seated in the new shape), an expired one's experts are no longer
-hosted, and a lookup that fails changes nothing.
+hosted, a lookup that fails changes nothing, and a join after the expiry says so.
 
 A running daemon used to read the manifest once: after the owner published experts
 twice as wide, it kept serving the old shapes under the same uids beside newcomers
-serving the new ones, and it hosted an expired manifest for as long as it ran (an
-outside probe).
+serving the new ones, and it hosted an expired manifest for as long as it ran; after a
+restart it was told "not found: are the bootstrap peers right?" (an outside probe).
 Virtual time, a DHT in memory, real expert backends on the CPU."""
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,11 +20,14 @@ import torch
 import trio
 
 from volunteerd.config import ExperimentsConfig, ExpertsConfig
+from volunteerd.errors import ResourceUnavailable
 from volunteerd.experts import ExpertBackend
 from volunteerd.identity import Identity
 from volunteerd.net import PeerAddress
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import ManifestRecord
+from volunteerd.server.activity import Signals, decide_activity
+from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.joiner import Joiner
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
 
@@ -100,7 +105,7 @@ def publish(dht: MemoryDHT, hidden_dim: int, grid: tuple[int, ...]) -> Experimen
     return manifest
 
 
-def joiner_of(dht: MemoryDHT, runtime: Runtime) -> Joiner:
+def joiner_of(dht: MemoryDHT, runtime: Runtime, expiries: ManifestExpiries) -> Joiner:
     config = ExperimentsConfig(
         join="upd",
         trusted_owners=[OWNER_ID],
@@ -118,6 +123,7 @@ def joiner_of(dht: MemoryDHT, runtime: Runtime) -> Joiner:
         config,
         lambda experts: 8,
         clock=trio.current_time,
+        expiries=expiries,
     )
 
 
@@ -127,11 +133,12 @@ def widths(runtime: Runtime) -> dict[str, int]:
 
 @pytest.mark.usefixtures("inline_threads")
 async def test_a_newer_manifest_is_followed_and_an_expired_one_is_no_longer_hosted(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     dht, runtime = MemoryDHT(), Runtime()
+    expiries = ManifestExpiries(tmp_path / "manifests.json")
     first = publish(dht, 16, (2,))
-    joiner = joiner_of(dht, runtime)
+    joiner = joiner_of(dht, runtime, expiries)
     async with trio.open_nursery() as nursery:
         await nursery.start(joiner.serve)
         assert widths(runtime) == {"ffn.0": 16, "ffn.1": 16}
@@ -156,6 +163,7 @@ async def test_a_newer_manifest_is_followed_and_an_expired_one_is_no_longer_host
         assert runtime.backends == {}
         assert joiner.manifest is None
         assert joiner.state == "failed"
+        assert joiner.expired_at == second.expires_at
         assert "manifest expired on 1970-01-01" in (joiner.error or "")
         assert "its owner must publish it again" in (joiner.error or "")
 
@@ -164,6 +172,69 @@ async def test_a_newer_manifest_is_followed_and_an_expired_one_is_no_longer_host
         await trio.sleep(75)  # looked up again at each check
         assert joiner.manifest == third
         assert set(joiner.hosted) == set(third.uids())
-        assert (joiner.state, joiner.error) == ("joined", None)
+        assert (joiner.state, joiner.error, joiner.expired_at) == ("joined", None, None)
         nursery.cancel_scope.cancel()
     assert first.issued_at < second.issued_at < third.issued_at
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_join_after_the_manifest_expired_says_so(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Kept across restarts: "not found, are the bootstrap peers right?" sent a volunteer
+    with working peers to check the network."""
+    dht, runtime = MemoryDHT(), Runtime()
+    expiries = ManifestExpiries(tmp_path / "manifests.json")
+    manifest = publish(dht, 16, (2,))
+    with trio.CancelScope() as running:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(joiner_of(dht, runtime, expiries).serve)
+            running.cancel()  # the daemon stops
+    assert json.loads((tmp_path / "manifests.json").read_text()) == {
+        "upd": {OWNER_ID: manifest.expires_at}
+    }
+    await trio.sleep_until(manifest.expires_at + 1)
+
+    restarted = joiner_of(dht, Runtime(), ManifestExpiries(tmp_path / "manifests.json"))
+    with pytest.raises(ResourceUnavailable) as failed:
+        await restarted.serve()
+    assert str(failed.value) == (
+        "the experiment's manifest expired on 1970-01-01 01:00 UTC; its owner must publish it again"
+    )
+    assert restarted.state == "failed"
+    assert restarted.expired_at == manifest.expires_at
+    activity = decide_activity(
+        Signals(
+            experts=0,
+            projects=[restarted],
+            mode="running",
+            serving=True,
+            reason="",
+            snoozed_until=None,
+            connected_peers=3,
+            reachability="direct",
+            port=None,
+            last_answered_at=None,
+            now=trio.current_time(),
+        )
+    )
+    assert activity.message == f"could not join upd: {restarted.error}"
+    assert "internet" not in activity.hint
+    assert "volunteerd leave upd" in activity.hint
+
+    # a manifest never taken here, or one still valid: the network's hint as before
+    other = joiner_of(dht, Runtime(), ManifestExpiries(tmp_path / "none.json"))
+    with pytest.raises(ResourceUnavailable, match="was not found in the DHT"):
+        await other.serve()
+
+
+def test_a_damaged_expiries_file_is_read_as_empty(tmp_path: Path) -> None:
+    path = tmp_path / "manifests.json"
+    path.write_text('{"upd": {"a": "soon", "b": 5.0}, "x": [1]}')
+    expiries = ManifestExpiries(path)
+    assert expiries.expired_at("upd", ["a", "b"], now=10.0) == 5.0
+    assert expiries.expired_at("upd", ["b"], now=4.0) is None  # still valid then
+    path.write_text("not json")
+    assert expiries.expired_at("upd", ["b"], now=10.0) is None
+    expiries.remember("upd", "b", 7.0)
+    assert expiries.expired_at("upd", ["b"], now=10.0) == 7.0

@@ -322,6 +322,7 @@ class ProjectView(_Reply):
     state: Literal["joining", "joined", "failed"]
     experts: int = 0  # hosted for it now
     error: str | None = None  # why joining failed (it is tried again)
+    expired_at: float | None = None  # when its manifest expired, if that is why it failed
 
 
 class ProjectJoined(_Reply):

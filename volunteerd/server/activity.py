@@ -51,6 +51,8 @@ class ProjectSignal(Protocol):
     def state(self) -> str: ...  # "joining", "joined" or "failed"
     @property
     def error(self) -> str | None: ...
+    @property
+    def expired_at(self) -> float | None: ...  # its manifest's, when that is why it failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +137,16 @@ def _joining(s: Signals) -> Activity:
         )
     failed = projects[0]
     why = f": {_one_line(failed.error)}" if failed.error else ""
+    # an expired manifest is no network's fault: the owner must publish it again
+    fix = (
+        "it looks for a newer one by itself"
+        if failed.expired_at is not None
+        else "check the internet connection; it tries again by itself"
+    )
     return _activity(
         "joining",
         f"could not join {failed.name}{why}",
-        "check the internet connection; it tries again by itself. "
-        f"`volunteerd leave {failed.name}` forgets the project",
+        f"{fix}. `volunteerd leave {failed.name}` forgets the project",
     )
 
 

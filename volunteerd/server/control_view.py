@@ -704,4 +704,5 @@ def _project_view(project: Project, joiner: Joiner | None) -> ProjectView:
         state=joiner.state if joiner is not None else "joining",
         experts=len(joiner.hosted) if joiner is not None else 0,
         error=joiner.error if joiner is not None else None,
+        expired_at=joiner.expired_at if joiner is not None else None,
     )

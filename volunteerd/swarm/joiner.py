@@ -30,6 +30,9 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    expired, its experts are no longer hosted, and ``state`` is "failed" with the
    reason in ``error``, until the owner publishes one again. A lookup that fails or
    finds nothing changes nothing (lookups are lossy): only expiry ends the hosting.
+
+Each manifest's ``expires_at`` is kept (``swarm.expiries``): when a join finds nothing
+after it, the error says the manifest expired, not that the network may be down.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.runtime.hardware import capacity, detect
 from volunteerd.swarm.assignment import Choice, choose_experts
+from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
 from volunteerd.swarm.verified import ReplicaChecks
 
@@ -152,6 +156,7 @@ class Joiner:
         checks: ReplicaChecks | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        expiries: ManifestExpiries | None = None,
     ) -> None:
         self._node = node
         self._runtime = runtime
@@ -164,6 +169,7 @@ class Joiner:
         self._capacity_of = capacity
         self._clock = clock
         self._rng = rng or random.Random()
+        self._expiries = expiries
         self._next_check = 0.0  # clock time of the next lookup of the manifest
         self.manifest: ExperimentManifest | None = None
         self.record: ManifestRecord | None = None
@@ -175,6 +181,8 @@ class Joiner:
         self.moves = 0
         self.state: JoinState = "joining"
         self.error: str | None = None  # why the last attempt failed (state "failed")
+        # when the manifest expired, while that is why nothing is hosted
+        self.expired_at: float | None = None
 
     @property
     def name(self) -> str:
@@ -204,7 +212,7 @@ class Joiner:
         UntrustedManifest, ResourceUnavailable (not found), or ConfigError (its uids
         clash with experts hosted here for another experiment); ``state`` is "failed"
         then, with the reason in ``error``."""
-        self.state, self.error = "joining", None
+        self.state, self.error, self.expired_at = "joining", None, None
         try:
             manifest = await self._joined_manifest()
             self.capacity = self._capacity_of(manifest.experts_config())
@@ -248,6 +256,7 @@ class Joiner:
         now = self._clock()
         held = self.manifest
         if held is not None and held.expires_at <= now:
+            self.expired_at = held.expires_at
             await self._stop_hosting(_expired(held.expires_at))
             held = None
         elif now < self._next_check:
@@ -261,6 +270,7 @@ class Joiner:
             return
         if found is None and unusable and held is not None:
             # storing peers keep an owner's newest: the one held was replaced by it
+            self.expired_at = None
             await self._stop_hosting(f"a newer manifest was found, but {_unusable(unusable)}")
             return
         if found is None or found[0].expires_at <= now:
@@ -289,17 +299,19 @@ class Joiner:
             manifest.expert_type,
             manifest.hidden_dim,
         )
+        await self._remember(manifest)
         try:
             self._check_clash(manifest)
             capacity = self._capacity_of(manifest.experts_config())
         except Exception as exc:  # shown as the project's failure; looked up again later
+            self.expired_at = None
             await self._stop_hosting(str(exc) or repr(exc))
             return
         if held is None or _built_differently(held, manifest):
             await self._drop(list(self.hosted))
             self.rounds, self._seen_before = 0, {}
         self.manifest, self.record, self.capacity = manifest, record, capacity
-        self.state, self.error = "joined", None
+        self.state, self.error, self.expired_at = "joined", None, None
 
     async def _stop_hosting(self, reason: str) -> None:
         """Drop every hosted expert (withdrawn, drained, saved for a later return) and
@@ -314,6 +326,15 @@ class Joiner:
         self.manifest, self.record = None, None
         self.capacity, self.rounds, self._seen_before = 0, 0, {}
         self.state, self.error = "failed", reason
+
+    async def _remember(self, manifest: ExperimentManifest) -> None:
+        """Keep when ``manifest`` expires, for the error of a later join that finds
+        nothing (``swarm.expiries``)."""
+        expiries = self._expiries
+        if expiries is not None:
+            await trio.to_thread.run_sync(
+                expiries.remember, manifest.name, manifest.owner, manifest.expires_at
+            )
 
     async def _joined_manifest(self) -> ExperimentManifest:
         """``find_manifest``, refused if its experts clash with ones hosted here."""
@@ -336,7 +357,8 @@ class Joiner:
 
     async def find_manifest(self) -> ExperimentManifest:
         """The trusted manifest of ``config.join``, looked up until ``join_timeout_s``.
-        Raises UntrustedManifest or ResourceUnavailable."""
+        Raises UntrustedManifest or ResourceUnavailable (nothing found: when a manifest
+        of it taken before has expired since, the error says so)."""
         name = self._config.join
         unusable: list[str] = []
         with trio.move_on_after(self._config.join_timeout_s):
@@ -351,12 +373,19 @@ class Joiner:
                     continue
                 if found is not None:
                     manifest, self.record = found
+                    await self._remember(manifest)
                     return manifest
                 await trio.sleep(_RETRY_S)
         if unusable:
             # found, signed by its owner, but this version cannot read it: saying "not
             # found, check the internet connection" sent volunteers the wrong way
             raise ConfigError(f"experiment {name!r} was found, but {_unusable(unusable)}")
+        expired = self._expired_at()
+        if expired is not None:
+            # storing peers drop an expired manifest: "not found, are the bootstrap
+            # peers right?" sent volunteers to their network
+            self.expired_at = expired
+            raise ResourceUnavailable(_expired(expired))
         whose = (
             " from a trusted owner (experiments.trusted_owners)"
             if self._config.trusted_owners
@@ -385,6 +414,14 @@ class Joiner:
             r for r in records if r.owner == manifest.owner and r.issued_at == manifest.issued_at
         )
         return manifest, record
+
+    def _expired_at(self) -> float | None:
+        """When the last manifest taken of ``config.join`` expired, if it has."""
+        if self._expiries is None:
+            return None
+        return self._expiries.expired_at(
+            self._config.join, self._config.trusted_owners, self._clock()
+        )
 
     async def republish(self) -> int:
         """Store the manifest on the closest peers again; returns how many accepted."""
