@@ -97,3 +97,25 @@ async def test_a_daemon_says_what_it_does_as_it_changes(tmp_path: Path) -> None:
             assert "state         paused by you\n" in shown
             assert "paused: paused" not in shown
             assert "volunteerd resume" in shown
+
+
+async def test_a_daemon_hosting_nothing_starts_though_its_checkpoints_cannot_be_listed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A start that hosts nothing tidies the checkpoints of experts left; an error
+    # listing them (out of files under a low limit: EMFILE) ended the start. (Root, who
+    # runs CI, lists any folder: the listing's failure is made here.)
+    import errno
+
+    import volunteerd.daemon
+
+    def out_of_files(directory: Path, *args: object) -> list[Path]:
+        raise OSError(errno.EMFILE, "Too many open files", str(directory))
+
+    monkeypatch.setattr(volunteerd.daemon, "trim_others", out_of_files)
+    data = tmp_path / "idle"
+    async with open_daemon(local_config(uids=""), data):
+        client = ControlClient.for_data_dir(data)
+        status = await trio.to_thread.run_sync(client.status)
+        assert status.activity.state == "not_in_project"
+    assert any("could not trim the checkpoints" in r.getMessage() for r in caplog.records)
