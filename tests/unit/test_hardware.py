@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -229,15 +230,13 @@ def wider_than_memory() -> ExpertsConfig:
 
 def test_an_expert_larger_than_the_whole_memory_is_a_clear_error_not_one_anyway() -> None:
     """ "At least one expert" tried to allocate a width-65536 expert (64 GiB) every
-    minute and failed with the allocator's words; an expert that fits the budget
-    nowhere but the memory still is hosted (one)."""
+    minute and failed with the allocator's words."""
     from volunteerd.config import Config
     from volunteerd.errors import ConfigError
     from volunteerd.swarm.joiner import capacity_for
 
-    config = Config.model_validate({"hardware": {"memory_budget_mb": 1}})
+    config = Config.model_validate({"hardware": {"memory_budget_mb": 3000}})
     experts_that_fit = capacity_for(config, torch.device("cpu"))
-    assert experts_that_fit(ExpertsConfig(hidden_dim=256)) == 1  # over the budget: one
     with pytest.raises(ConfigError, match="more than all of this computer's memory"):
         experts_that_fit(wider_than_memory())
 
@@ -263,3 +262,75 @@ def test_max_experts_caps_what_fits_and_never_skips_the_memory_check() -> None:
     assert capped(large) == fits(large)  # no more than fit
     with pytest.raises(ConfigError, match="more than all of this computer's memory"):
         capped(wider_than_memory())
+
+
+GIB = 1 << 30
+
+
+def room_on(
+    monkeypatch: pytest.MonkeyPatch, total_gib: float, available_gib: float, **config: object
+) -> Callable[[ExpertsConfig], int]:
+    """``capacity_for`` on a simulated CPU machine (``detect`` reads no real memory)."""
+    from volunteerd.config import Config
+    from volunteerd.runtime.hardware import Hardware
+    from volunteerd.swarm import joiner
+
+    machine = Hardware("simulated", 4, 4, int(total_gib * GIB), int(available_gib * GIB))
+    monkeypatch.setattr(joiner, "detect", lambda: machine)
+    return joiner.capacity_for(Config.model_validate(config), torch.device("cpu"))
+
+
+def of_size(at_least: int) -> ExpertsConfig:
+    """The narrowest ffn experts of which one needs at least ``at_least`` bytes."""
+    width = 64
+    while expert_footprint(ExpertsConfig(hidden_dim=width)) < at_least:
+        width += 64
+    return ExpertsConfig(hidden_dim=width)
+
+
+def test_an_expert_over_a_configured_budget_is_refused_not_hosted_anyway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 498 MiB expert was hosted under the 64 MiB budget the volunteer had set, with
+    a log line ("hosting one anyway") and "memhog (1 expert)" in the status (an outside
+    probe). Not even one fitting a configured budget now fails the project, saying so;
+    one that fits the budget but not beside the kept forwards' share is still hosted."""
+    from volunteerd.errors import ConfigError
+
+    budget = {"hardware": {"memory_budget_mb": 64}, "runtime": {"retain_activations_mb": 32}}
+    room = room_on(monkeypatch, 32, 28, **budget)
+    with pytest.raises(ConfigError, match=r"memory budget .*memory_budget_mb = 64"):
+        room(of_size(100 * MIB))
+    assert room(of_size(48 * MIB)) == 1  # within 64 MiB, not beside 32 MiB of forwards
+    assert room(of_size(8 * MIB)) == (32 * MIB) // expert_footprint(of_size(8 * MIB))
+
+
+def test_with_the_default_budget_one_expert_must_fit_the_available_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the default budget (half of the available memory) a 15 GiB expert was
+    hosted on a 16 GiB computer with 4 GiB available: it was compared with the whole
+    memory. It is refused now (ResourceUnavailable: memory may be freed later); one
+    that fits the available memory but not half of it is still hosted, alone."""
+    from volunteerd.errors import ResourceUnavailable
+
+    room = room_on(monkeypatch, 16, 4)
+    with pytest.raises(ResourceUnavailable, match=r"memory available now \(4.0 GiB of 16.0 GiB"):
+        room(of_size(5 * GIB))
+    assert room(of_size(3 * GIB)) == 1
+
+
+def test_max_experts_caps_a_project_of_tiny_experts_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A manifest of 4,096 experts of hidden 8 had every volunteer host all of them
+    ("room for 872714 here"): most of their 4,161 keys were refused by storing peers
+    (1,024 keys a writer), and the idle daemon used 20-40 % of a core. Unless the
+    volunteer says otherwise, a daemon hosts at most 128 experts; 0 lifts the cap."""
+    from volunteerd.config import ExperimentsConfig
+
+    assert ExperimentsConfig().max_experts == 128
+    tiny = ExpertsConfig(hidden_dim=8)
+    assert room_on(monkeypatch, 32, 28)(tiny) == 128
+    assert room_on(monkeypatch, 32, 28, experiments={"max_experts": 4})(tiny) == 4
+    assert room_on(monkeypatch, 32, 28, experiments={"max_experts": 0})(tiny) > 100_000

@@ -532,7 +532,11 @@ class ExperimentsConfig(_Model):
         "(`volunteerd publish` prints the owner's)",
     )
     max_experts: int = Field(
-        0, ge=0, le=4096, description="experts to host at most; 0 = as many as fit memory"
+        128,
+        ge=0,
+        le=4096,
+        description="experts to host at most, for all projects together; 0 = as many as "
+        "fit memory (a project of tiny experts then has this computer host thousands)",
     )
     rebalance_every_s: float = Field(
         60.0, gt=0, le=86400, description="how often the choice of experts is revisited"

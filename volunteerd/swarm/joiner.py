@@ -92,35 +92,65 @@ JoinState = Literal["joining", "joined", "failed"]
 
 def capacity_for(config: Config, device: torch.device) -> Callable[[ExpertsConfig], int]:
     """How many of an experiment's experts this node hosts: as many as fit the memory
-    budget (``runtime.hardware``), at least one, and at most ``experiments.max_experts``
-    when set. Refused (ConfigError) when one expert needs more than the whole memory.
-    (``max_experts`` used to replace the memory check: with it set to 4, a manifest of
-    960 GiB experts had a 24 GiB machine allocate four.)"""
+    budget (``runtime.hardware``), at most ``experiments.max_experts`` (128 unless the
+    volunteer set it; 0: no cap). Refused (ConfigError: the project fails, saying so)
+    when not even one expert fits where hosting one anyway would be unsafe: one
+    expert needs more than the device's whole memory, or more than a configured
+    ``hardware.memory_budget_mb``; ResourceUnavailable when, with the default budget on
+    a CPU, it needs more than the memory available now (it may be freed later). One is
+    still hosted when it fits that but not beside the kept forward passes' share of the
+    budget (they are kept only as they fit).
+
+    Before, "at least one" hosted a 498 MiB expert under a 64 MiB budget the volunteer
+    had set, and a 15 GiB expert on a 16 GiB computer with 4 GiB available, with only a
+    log line (an outside probe). (``max_experts`` used to replace the memory check:
+    with it set to 4, a manifest of 960 GiB experts had a 24 GiB machine allocate four.)"""
 
     def experts_that_fit(experts: ExpertsConfig) -> int:
         hardware = detect()
         fit = capacity(hardware, device, experts, config.runtime, config.hardware)
+        need = fit.per_expert_bytes
         gpu = next((g for g in hardware.gpus if g.index == (device.index or 0)), None)
         whole = gpu.memory_bytes if device.type == "cuda" and gpu else hardware.memory_bytes
-        if whole and fit.per_expert_bytes > whole:
+        if whole and need > whole:
             # "at least one" would try to allocate it every minute, failing with the
             # allocator's words (an experiment of width 65536: 64 GiB an expert)
             where = "GPU memory" if device.type == "cuda" else "memory"
             raise ConfigError(
-                f"one expert of this experiment needs {fit.per_expert_bytes / 2**30:.1f} GiB, "
-                f"more than all of this computer's {where} ({whole / 2**30:.1f} GiB): it "
-                "cannot host any"
+                f"one expert of this experiment needs {_size(need)}, more than all of this "
+                f"computer's {where} ({_size(whole)}): it cannot host any"
             )
         if fit.experts < 1:
+            if fit.budget_source == "configured" and need > fit.budget_bytes:
+                raise ConfigError(
+                    f"one expert of this experiment needs {_size(need)}, more than the "
+                    f"memory budget for experts (hardware.memory_budget_mb = "
+                    f"{fit.budget_bytes >> 20}): it hosts none (raise the budget to host one)"
+                )
+            available = hardware.available_bytes
+            automatic = fit.budget_source != "configured" and device.type != "cuda"
+            if automatic and available and need > available:  # may be freed: tried again
+                raise ResourceUnavailable(
+                    f"one expert of this experiment needs {_size(need)}, more than the "
+                    f"memory available now ({_size(available)} of {_size(whole)}): it "
+                    "hosts none (close programs, or set hardware.memory_budget_mb)"
+                )
             logger.warning(
-                "not even one expert fits the memory budget (%d MiB, %s); hosting one anyway",
+                "not even one expert fits the memory budget (%d MiB, %s) beside the kept "
+                "forward passes (runtime.retain_activations_mb); hosting one: it fits %s",
                 fit.budget_bytes >> 20,
                 fit.budget_source,
+                "the budget" if fit.budget_source == "configured" else "the memory",
             )
         most = config.experiments.max_experts
-        return min(max(fit.experts, 1), most) if most else max(fit.experts, 1)
+        room = max(fit.experts, 1)
+        return min(room, most) if most else room
 
     return experts_that_fit
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 class ReplicaDownloader(Protocol):
