@@ -187,6 +187,7 @@ class Hosting:
                     taken=taken,
                     checks=checks,
                     expiries=expiries,
+                    announce_gap_s=config.dht.announce_period_s,
                 )
             )
         configured: list[Joiner] = []

@@ -255,13 +255,17 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered() -> None:
     assert newcomer.state().optimizer_state == {}  # Adam starts afresh
 
 
-async def test_each_expert_is_announced_as_soon_as_it_is_ready(
+async def test_a_join_announces_each_expert_soon_and_a_burst_in_few_rounds(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """A newcomer adds its experts one after another, each after its replicas'
     downloads: it announced them only once the last was ready, so with room for many
     it served none for as long as they all took (an outside probe: ~30 min an expert
-    under replicas that trickle)."""
+    under replicas that trickle). Then it woke the announcer for each one, and every
+    round signs a record for every key hosted: 4,096 seeded experts (~2 s each) made
+    ~4,096 rounds of up to 4,161 keys (an outside probe). Now the first is announced
+    at once, each within ``announce_gap_s`` (the announce period; 10 s here) of being
+    ready, and a burst in a round per gap."""
     import types
 
     import torch
@@ -271,10 +275,13 @@ async def test_each_expert_is_announced_as_soon_as_it_is_ready(
     from volunteerd.swarm.joiner import Joiner
 
     config = ExpertsConfig(hidden_dim=8)
-    announced: list[list[str]] = []
+    announced: list[tuple[float, set[str]]] = []
     added: list[str] = []
+    broken = ""
 
     async def add_expert(backend: ExpertBackend) -> None:
+        if backend.uid == broken:
+            raise RuntimeError("out of memory")
         added.append(backend.uid)
 
     runtime = types.SimpleNamespace(
@@ -284,7 +291,7 @@ async def test_each_expert_is_announced_as_soon_as_it_is_ready(
     joiner: Joiner
 
     def announce() -> None:
-        announced.append(sorted(joiner.hosted))
+        announced.append((trio.current_time(), set(joiner.hosted)))
 
     class NoDownloads:
         async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
@@ -300,14 +307,30 @@ async def test_each_expert_is_announced_as_soon_as_it_is_ready(
         None,
         NoDownloads(),
         ExperimentsConfig(),
-        lambda experts: 3,
+        lambda experts: 20,
+        clock=trio.current_time,
+        announce_gap_s=10.0,
     )
 
     async def no_replicas(uids: list[str]) -> dict[str, list[PeerAddress]]:
         return {uid: [] for uid in uids}
 
     joiner.live_replicas = no_replicas  # type: ignore[method-assign]
-    uids = ["ffn.0.0", "ffn.0.1", "ffn.0.2"]
+    uids = [f"ffn.0.{i}" for i in range(20)]  # seeded: ~2 s each (three lookups)
     await joiner._add(uids, {}, config)
     assert added == uids
-    assert announced[:3] == [uids[:1], uids[:2], uids]
+    assert announced[0][1] == {uids[0]}  # the first at once
+    for uid, ready_at in joiner.hosted.items():
+        told = next(at for at, hosted in announced if uid in hosted)
+        assert told - ready_at <= 10.0, (uid, told - ready_at)
+    assert announced[-1][1] == set(uids)
+    took = announced[-1][0] - announced[0][0]
+    assert took > 35
+    assert len(announced) <= took / 10 + 2, len(announced)  # one round per expert: 20
+
+    # an expert that fails ends the burst with its own error, the others announced
+    announced.clear()
+    broken = "ffn.1.2"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await joiner._add(["ffn.1.0", "ffn.1.1", broken], {}, config)
+    assert {"ffn.1.0", "ffn.1.1"} <= announced[-1][1]

@@ -87,6 +87,15 @@ _SEED_LOOKUPS = 3
 # their weights forked from the trained ones.
 _MAX_DOWNLOADS = 16
 
+# While a join adds experts, the announcer is woken at most once every
+# ``announce_gap_s`` (the daemon's dht.announce_period_s: 15 s by default), the first
+# ready expert at once and what is left when the burst ends. Each round signs and
+# stores a record for every key of every hosted uid: woken for each added expert (~2 s
+# apiece when seeded), a join's rounds grew with the square of its experts. Once a
+# period, a join announces about as often as an idle daemon, and a ready expert waits
+# at most one period to be served (a record is that old before its refresh anyway).
+_ANNOUNCE_GAP_S = 15.0
+
 JoinState = Literal["joining", "joined", "failed"]
 
 
@@ -153,6 +162,34 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+class _Wakes:
+    """Calls ``announce`` for a burst of ``request``s: at once for the first, then at
+    most once every ``gap_s`` while more come (``serve``), and once more for what is
+    still pending (``flush``)."""
+
+    def __init__(self, announce: Callable[[], None], gap_s: float) -> None:
+        self._announce = announce
+        self._gap_s = gap_s
+        self._pending = False
+        self._requested = trio.Event()
+
+    def request(self) -> None:
+        self._pending = True
+        self._requested.set()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._announce()
+
+    async def serve(self) -> None:
+        while True:
+            await self._requested.wait()
+            self._requested = trio.Event()
+            self.flush()
+            await trio.sleep(self._gap_s)
+
+
 class ReplicaDownloader(Protocol):
     """How a newcomer gets an expert's current state from a live replica."""
 
@@ -170,7 +207,8 @@ class Joiner:
     """Hosts a share of experiment ``config.join``'s experts in ``runtime``.
 
     ``announce`` is called whenever ``hosted`` changed (the daemon then announces what
-    every joiner hosts); ``taken`` says which uids others host in the same runtime."""
+    every joiner hosts; while experts are added, at most once every ``announce_gap_s``);
+    ``taken`` says which uids others host in the same runtime."""
 
     def __init__(
         self,
@@ -187,6 +225,7 @@ class Joiner:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         expiries: ManifestExpiries | None = None,
+        announce_gap_s: float = _ANNOUNCE_GAP_S,
     ) -> None:
         self._node = node
         self._runtime = runtime
@@ -201,6 +240,7 @@ class Joiner:
         self._rng = rng or random.Random()
         self._expiries = expiries
         self._next_check = 0.0  # clock time of the next lookup of the manifest
+        self._announce_gap_s = announce_gap_s
         self.manifest: ExperimentManifest | None = None
         self.record: ManifestRecord | None = None
         self.capacity = 0
@@ -554,17 +594,30 @@ class Joiner:
     ) -> None:
         # One at a time: a newcomer fetching many experts at once from the same
         # replicas would slow down their serving (and its own lookups).
-        for uid in uids:
-            backend = await trio.to_thread.run_sync(self._runtime.make_backend, uid, experts)
-            if self.manifest is not None:  # whose weights its checkpoints will hold
-                backend.experiment = f"{self.manifest.owner}/{self.manifest.name}"
-            self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
-            await self._runtime.add_expert(backend)
-            self.hosted[uid] = self._clock()
-            # Served as soon as it is ready, not after the others: each may take its
-            # replicas' downloads (a newcomer with room for many served none meanwhile).
-            self._announce()
-        self._announce()
+        wakes = _Wakes(self._announce, self._announce_gap_s)
+        try:
+            async with trio.open_nursery() as nursery:  # the wake-ups beside the loop
+                nursery.start_soon(wakes.serve)
+                for uid in uids:
+                    backend = await trio.to_thread.run_sync(
+                        self._runtime.make_backend, uid, experts
+                    )
+                    if self.manifest is not None:  # whose weights its checkpoints will hold
+                        backend.experiment = f"{self.manifest.owner}/{self.manifest.name}"
+                    self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
+                    await self._runtime.add_expert(backend)
+                    self.hosted[uid] = self._clock()
+                    # Served soon after it is ready, not after the others: each may take
+                    # its replicas' downloads (a newcomer with room for many served none
+                    # meanwhile).
+                    wakes.request()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # only the loop raises (the wake-ups do not): its error, as rebalance's
+            # callers and ``error`` knew it, not a group of one
+            raise group.exceptions[0] from None
+        finally:
+            wakes.flush()
 
     def _download_order(self, uid: str, replicas: Sequence[PeerAddress]) -> list[PeerAddress]:
         """The replicas to try, at most ``_MAX_DOWNLOADS``: only those that answered for
