@@ -17,6 +17,7 @@ class Project:
     state: str
     error: str | None = None
     expired_at: float | None = None
+    too_big: bool = False
 
 
 def signals(**changes: object) -> Signals:

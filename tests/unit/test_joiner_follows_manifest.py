@@ -228,6 +228,43 @@ async def test_a_join_after_the_manifest_expired_says_so(
         await other.serve()
 
 
+async def test_a_join_whose_experts_do_not_fit_is_not_blamed_on_the_network(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    # a project refused for the memory budget said "check the internet connection"
+    from volunteerd.errors import ConfigError
+
+    dht = MemoryDHT()
+    publish(dht, 16, (2,))
+    joiner = joiner_of(dht, Runtime(), ManifestExpiries(tmp_path / "manifests.json"))
+
+    def too_big(experts: object) -> int:
+        raise ConfigError("one expert of this experiment needs 480 MiB, more than the budget")
+
+    joiner._capacity_of = too_big
+    with pytest.raises(ConfigError):
+        await joiner.serve()
+    assert (joiner.state, joiner.too_big) == ("failed", True)
+    activity = decide_activity(
+        Signals(
+            experts=0,
+            projects=[joiner],
+            mode="running",
+            serving=True,
+            reason="",
+            snoozed_until=None,
+            connected_peers=3,
+            reachability="direct",
+            port=None,
+            last_answered_at=None,
+            now=trio.current_time(),
+        )
+    )
+    assert activity.message == f"could not join upd: {joiner.error}"
+    assert "internet" not in activity.hint
+    assert "memory was freed" in activity.hint
+
+
 def test_a_damaged_expiries_file_is_read_as_empty(tmp_path: Path) -> None:
     path = tmp_path / "manifests.json"
     path.write_text('{"upd": {"a": "soon", "b": 5.0}, "x": [1]}')

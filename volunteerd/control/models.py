@@ -323,6 +323,8 @@ class ProjectView(_Reply):
     experts: int = 0  # hosted for it now
     error: str | None = None  # why joining failed (it is tried again)
     expired_at: float | None = None  # when its manifest expired, if that is why it failed
+    # it failed because not even one of its experts fits this computer's memory budget
+    too_big: bool = False
 
 
 class ProjectJoined(_Reply):

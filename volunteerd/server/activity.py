@@ -53,6 +53,8 @@ class ProjectSignal(Protocol):
     def error(self) -> str | None: ...
     @property
     def expired_at(self) -> float | None: ...  # its manifest's, when that is why it failed
+    @property
+    def too_big(self) -> bool: ...  # its experts do not fit this computer's memory budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +139,13 @@ def _joining(s: Signals) -> Activity:
         )
     failed = projects[0]
     why = f": {_one_line(failed.error)}" if failed.error else ""
-    # an expired manifest is no network's fault: the owner must publish it again
-    fix = (
-        "it looks for a newer one by itself"
-        if failed.expired_at is not None
-        else "check the internet connection; it tries again by itself"
-    )
+    # an expired manifest, or experts too big for this computer, are no network's fault
+    if failed.expired_at is not None:
+        fix = "it looks for a newer one by itself"
+    elif failed.too_big:
+        fix = "it tries again by itself, in case memory was freed"
+    else:
+        fix = "check the internet connection; it tries again by itself"
     return _activity(
         "joining",
         f"could not join {failed.name}{why}",

@@ -705,4 +705,5 @@ def _project_view(project: Project, joiner: Joiner | None) -> ProjectView:
         experts=len(joiner.hosted) if joiner is not None else 0,
         error=joiner.error if joiner is not None else None,
         expired_at=joiner.expired_at if joiner is not None else None,
+        too_big=joiner.too_big if joiner is not None else False,
     )

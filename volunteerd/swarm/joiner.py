@@ -253,6 +253,8 @@ class Joiner:
         self.error: str | None = None  # why the last attempt failed (state "failed")
         # when the manifest expired, while that is why nothing is hosted
         self.expired_at: float | None = None
+        # the last attempt failed for this computer's room (its memory), not the network
+        self.too_big = False
 
     @property
     def name(self) -> str:
@@ -283,9 +285,14 @@ class Joiner:
         clash with experts hosted here for another experiment); ``state`` is "failed"
         then, with the reason in ``error``."""
         self.state, self.error, self.expired_at = "joining", None, None
+        self.too_big = False
         try:
             manifest = await self._joined_manifest()
-            self.capacity = self._capacity_of(manifest.experts_config())
+            try:
+                self.capacity = self._capacity_of(manifest.experts_config())
+            except (ConfigError, ResourceUnavailable):
+                self.too_big = True
+                raise
             logger.info(
                 "joined experiment %r of %s: %d experts, replication %d; room for %d here",
                 manifest.name,
