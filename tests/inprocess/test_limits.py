@@ -19,6 +19,7 @@ import trio
 from volunteerd.config import Config
 from volunteerd.errors import PeerError, RemoteError
 from volunteerd.net import PROTOCOLS, Handler, Reply, Request, RpcClient, RpcServer, Verb
+from volunteerd.net.throttle import BYTES_PER_MBIT, Throttle
 from volunteerd.testing.clients import read_reply, trickle
 from volunteerd.testing.memnet import MemoryHost, MemoryNetwork
 from volunteerd.wire import ForwardRequest, TensorMeta, TensorReply, encode_frame
@@ -50,7 +51,12 @@ async def serving(**sections: dict[str, Any]) -> AsyncIterator[Setup]:
         network.open_host() as attacker_host,
     ):
         server = RpcServer(
-            server_host, {Verb.FORWARD: echo}, config.wire, config.timeouts, config.peer_limits
+            server_host,
+            {Verb.FORWARD: echo},
+            config.wire,
+            config.timeouts,
+            config.peer_limits,
+            Throttle(config.limits) if "limits" in sections else None,
         )
         server.install()
         good = RpcClient(good_host, config.wire, config.timeouts)
@@ -155,6 +161,37 @@ async def test_a_peer_that_does_not_take_its_reply_gives_back_the_budget(
         assert setup.server.stats.errors["slow_reader"] == 1
         assert setup.server.inflight_bytes == 0
         network.heal()
+
+
+async def test_replies_queued_behind_the_own_upload_limit_are_not_slow_readers(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A volunteer with a low upload limit answering many calls at once: each 64 KiB
+    piece of a reply waits its turn in the node's own upload bucket, here for up to
+    ~40 s, far past frame_read_s. That wait is this node's queue, not the reader's
+    slowness: every caller, reading promptly, gets its whole reply (the server used to
+    reset their streams as slow readers)."""
+    sections = {
+        "limits": {"upload_mbit": 0.1},  # 12.5 kB/s
+        "timeouts": {"frame_read_s": 1.0, "request_s": 300.0},
+    }
+    async with serving(**sections) as setup:  # type: ignore[arg-type]
+        rows = 512  # 64 KiB each way: one piece per reply
+        done: list[float] = []
+        started = trio.current_time()
+
+        async def caller() -> None:
+            await forward(setup.good, setup, rows=rows)
+            done.append(trio.current_time() - started)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(caller)
+        assert len(done) == 8
+        assert setup.server.stats.errors.get("slow_reader", 0) == 0
+        # paced by the limit all the same: 8 pieces of 64 KiB at 12.5 kB/s (the first
+        # passes on the bucket's burst)
+        assert max(done) == pytest.approx(7 * 64 * 1024 / (0.1 * BYTES_PER_MBIT), rel=0.05)
 
 
 RATE, BURST = 8, 8

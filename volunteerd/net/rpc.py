@@ -59,7 +59,7 @@ from volunteerd.net.framing import RawFrame, read_exactly, read_frame_rest, read
 from volunteerd.net.limits import PeerLimiter, address_key
 from volunteerd.net.peers import PeerAddress, short
 from volunteerd.net.protocols import PROTOCOLS, REQUESTS_WITH_TENSORS, ProtocolSpec, Verb
-from volunteerd.net.throttle import Throttle
+from volunteerd.net.throttle import Throttle, ThrottledStream
 from volunteerd.net.transport import Stream, StreamHost
 from volunteerd.wire import (
     PREFIX,
@@ -351,12 +351,20 @@ class RpcServer:
         return True
 
     async def _write(self, stream: Stream, data: bytes) -> None:
-        """Write ``data``, each piece of it within frame_read_s; raises _SlowReader."""
+        """Write ``data``, each piece of it within frame_read_s; raises _SlowReader.
+
+        A piece's wait for this node's own upload limit is not counted: it is the
+        volunteer's queue, shared by every reply going out, not the reader's slowness.
+        With a limit of 1 Mbit/s and a few replies at once, a piece waited over 30 s
+        for its turn and the honest caller's stream was reset."""
         view = memoryview(data)
         for start in range(0, len(view), _REPLY_PIECE):
             piece = data if len(view) <= _REPLY_PIECE else bytes(view[start : start + _REPLY_PIECE])
+            out = stream
+            if isinstance(stream, ThrottledStream):
+                out = await stream.clear_to_send(len(piece))
             with trio.move_on_after(self._timeouts.frame_read_s) as waited:
-                await stream.write(piece)
+                await out.write(piece)
             if waited.cancelled_caught:
                 raise _SlowReader
 

@@ -383,6 +383,14 @@ class ThrottledStream:
             await self._throttle.sent(len(piece))
             await self._stream.write(bytes(piece))
 
+    async def clear_to_send(self, n: int) -> Stream:
+        """Wait until ``n`` bytes (at most 64 KiB) may go out under the upload limit,
+        count them as sent, and return the stream beneath to write them on unpaced. For
+        a writer that times its peer (the RPC server's reply pieces): the wait here is
+        this node's own queue, and the peer's time starts after it."""
+        await self._throttle.sent(n)
+        return self._stream
+
     async def close(self) -> None:
         await self._stream.close()
 
