@@ -11,8 +11,9 @@ What it measures
     timed (the batch is drawn before the clock starts). Per configuration it reports the
     median and p95 step time, how many distinct experts a step called, and how many
     answers per step the layer dropped as late (``MoEStats.late``: a call still running
-    ``grace_after_k_min_s`` = 50 ms after every row had its k_min = 1 answers; the step
-    goes on without it). A faster step bought by dropping answers does not count, which is why
+    ``grace_after_k_min_s`` = 50 ms after every row had its k_min = 1 answers, or 3x as
+    long as the round's median request took (at least 50 ms after it); the step goes on
+    without it). A faster step bought by dropping answers does not count, which is why
     the late answers stand beside the times.
 
     ``--k`` and ``--grid`` take lists (``--k 1,2,4,8 --grid 4x4,8x8``); ``--table`` is
@@ -364,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hivemind / volunteerd median: {hive['median_ms'] / results[0]['median_ms']:.1f}x")
     print(
         "late: calls dropped by the k_min rule (k_min 1: still running 50 ms after every "
-        "row had an answer); failed: calls that got no answer; compute ms: the daemons' "
-        "expert compute per step (their worker threads, all daemons together)"
+        "row had an answer, or 3x the round's median answer time); failed: calls that got "
+        "no answer; compute ms: the daemons' expert compute per step (their worker "
+        "threads, all daemons together)"
     )
     print_checks(results)
     if kill:

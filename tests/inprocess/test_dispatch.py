@@ -15,6 +15,7 @@ from volunteerd.config import Config
 from volunteerd.errors import Busy, RemoteError, RequestTimeout
 from volunteerd.moe.directory import ExpertDirectory, info_verifier
 from volunteerd.moe.dispatch import Call, call_many
+from volunteerd.moe.timing import STRAGGLER_FACTOR
 from volunteerd.net import Reply, Request, RpcClient, RpcServer, Verb
 from volunteerd.testing.inprocess import WorldLookup
 from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork
@@ -130,34 +131,119 @@ async def test_an_expert_answering_within_the_grace_is_taken(
     assert all(o.ok for o in outcomes)
 
 
-async def test_fewer_than_k_min_answers_wait_for_the_timeout_and_are_not_late(
+async def test_fewer_than_half_answering_wait_for_the_timeout_and_are_not_late(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with stubs([0.1, 0.1]) as (network, trainer, rpc, hosts):
+    """One request of three answers: there is no typical pace to hold the others to,
+    and the silent ones are timed out (failed), not late."""
+    async with stubs([0.1, 0.1, 0.1]) as (network, trainer, rpc, hosts):
         calls = [call(host, f"ffn.{i}", [0]) for i, (host, _) in enumerate(hosts)]
-        network.partition([hosts[1][0]], [trainer])  # the cable is pulled
+        network.partition([hosts[1][0], hosts[2][0]], [trainer])  # cables pulled
         start = trio.current_time()
         outcomes = await call_many(
             rpc, Verb.FORWARD, calls, n_rows=1, k_min=2, timeout_s=3.0, grace_s=0.5
         )
         assert trio.current_time() - start == pytest.approx(3.0)
     assert outcomes[0].ok
-    assert isinstance(outcomes[1].error, RequestTimeout)
-    assert not outcomes[1].late, "not merely slower than the others: nobody was enough"
+    for outcome in outcomes[1:]:
+        assert isinstance(outcome.error, RequestTimeout)
+        assert not outcome.late, "not merely slower than the others: nobody was enough"
+
+
+async def test_a_lone_request_waits_for_the_timeout(autojump_clock: trio.abc.Clock) -> None:
+    async with stubs([0.1]) as (network, trainer, rpc, hosts):
+        network.partition([hosts[0][0]], [trainer])
+        start = trio.current_time()
+        [outcome] = await call_many(
+            rpc,
+            Verb.FORWARD,
+            [call(hosts[0][0], "ffn.0", [0])],
+            n_rows=1,
+            k_min=1,
+            timeout_s=3.0,
+            grace_s=0.5,
+        )
+        assert trio.current_time() - start == pytest.approx(3.0)
+    assert isinstance(outcome.error, RequestTimeout)
+    assert not outcome.late
 
 
 async def test_k_min_counts_per_row(autojump_clock: trio.abc.Clock) -> None:
-    """Row 0 has its k_min answers early, row 1 only from its slow expert: the round
-    waits for row 1's."""
-    async with stubs([0.1, 0.1, 1.0]) as (_network, _trainer, rpc, hosts):
+    """Row 0 has its k_min answers early, row 1 only from its slower expert (2.5x the
+    others, within STRAGGLER_FACTOR): the round waits for row 1's."""
+    async with stubs([0.1, 0.1, 0.25]) as (_network, _trainer, rpc, hosts):
         (a, _), (b, _), (slow, _) = hosts
         calls = [call(a, "ffn.0", [0]), call(b, "ffn.1", [0]), call(slow, "ffn.2", [1])]
         start = trio.current_time()
         outcomes = await call_many(
-            rpc, Verb.FORWARD, calls, n_rows=2, k_min=2, timeout_s=30.0, grace_s=0.5
+            rpc, Verb.FORWARD, calls, n_rows=2, k_min=2, timeout_s=30.0, grace_s=0.05
         )
-        # row 1 has a single expert: its one answer (2 s) is all it needs
-        assert trio.current_time() - start == pytest.approx(2.0)
+        # row 1 has a single expert: its one answer (0.5 s) is all it needs
+        assert trio.current_time() - start == pytest.approx(0.5)
+    assert all(o.ok for o in outcomes)
+
+
+async def test_rows_only_a_far_slower_server_can_answer_stop_waiting_for_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The outside audit's swarm: a token's experts in one grid row, the row on one
+    server, that server 10x slower than the others. Its rows stop waiting
+    STRAGGLER_FACTOR times the median request's time after the start (here 3 x 0.2 s),
+    not for its 2 s answer, and its call is late (counted, not failed)."""
+    async with stubs([0.1, 0.1, 0.1, 1.0]) as (_network, _trainer, rpc, hosts):
+        calls = [call(host, f"ffn.{i}.0", [i]) for i, (host, _) in enumerate(hosts)]
+        start = trio.current_time()
+        outcomes = await call_many(
+            rpc, Verb.FORWARD, calls, n_rows=4, k_min=1, timeout_s=30.0, grace_s=0.1
+        )
+        assert trio.current_time() - start == pytest.approx(STRAGGLER_FACTOR * 0.2)
+    assert [o.ok for o in outcomes] == [True, True, True, False]
+    assert isinstance(outcomes[3].error, RequestTimeout)
+    assert outcomes[3].late
+
+
+async def test_the_straggler_bound_is_at_least_the_grace_after_the_median(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """On a fast network (answers in milliseconds) a peer a few milliseconds behind is
+    not cut: the bound is never shorter than the grace after the median answer."""
+    async with stubs([0.001, 0.001, 0.01]) as (_network, _trainer, rpc, hosts):
+        calls = [call(host, f"ffn.{i}.0", [i]) for i, (host, _) in enumerate(hosts)]
+        outcomes = await call_many(
+            rpc, Verb.FORWARD, calls, n_rows=3, k_min=1, timeout_s=30.0, grace_s=0.05
+        )
+    assert all(o.ok for o in outcomes)
+
+
+async def test_a_silent_peer_costs_a_round_the_straggler_bound_not_the_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A peer that takes requests and never answers (on purpose, or its cable pulled)
+    holds its rows for max(STRAGGLER_FACTOR x median, median + grace), then is late: the
+    layer bans it once it is late round after round."""
+    async with stubs([0.1, 0.1, 0.1]) as (network, trainer, rpc, hosts):
+        calls = [call(host, f"ffn.{i}.0", [i]) for i, (host, _) in enumerate(hosts)]
+        network.partition([hosts[2][0]], [trainer])
+        start = trio.current_time()
+        outcomes = await call_many(
+            rpc, Verb.FORWARD, calls, n_rows=3, k_min=1, timeout_s=30.0, grace_s=0.5
+        )
+        assert trio.current_time() - start == pytest.approx(0.2 + 0.5)
+    assert outcomes[2].late
+
+
+async def test_the_straggler_bound_follows_the_rounds_own_pace(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """When every answer is slow (the trainer's own link, or a busy swarm) the bound
+    grows with them: a peer 1.5x the median is waited for at any scale."""
+    async with stubs([1.0, 1.0, 1.5]) as (_network, _trainer, rpc, hosts):
+        calls = [call(host, f"ffn.{i}.0", [i]) for i, (host, _) in enumerate(hosts)]
+        start = trio.current_time()
+        outcomes = await call_many(
+            rpc, Verb.FORWARD, calls, n_rows=3, k_min=1, timeout_s=30.0, grace_s=0.5
+        )
+        assert trio.current_time() - start == pytest.approx(3.0)
     assert all(o.ok for o in outcomes)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from collections.abc import Callable
 
 import pytest
@@ -253,6 +254,43 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
         assert moe.stats.unanswered_tokens == 0
 
     await with_a_slow_server(run)
+
+
+async def test_a_far_slower_server_does_not_set_the_pace_of_every_step() -> None:
+    """The outside audit's WAN swarm in one process: a server holds a whole grid row,
+    so the tokens whose best experts share that row can only be answered by it, and it
+    answers DELAY_S late (a volunteer on a slow uplink). Each step used to wait for it
+    (every round, forward and backward). Now its rows stop waiting once the others are
+    long done, go to their spare experts on the fast servers, and its calls are late:
+    counted, never failed, and a ban once it is late LATE_STREAK_BAN rounds in a row."""
+    delay_s = 5.0
+    async with open_world(CONFIG) as world:
+        await world.add_server(["ffn.0.0"])
+        await world.add_server(["ffn.0.1"])
+        slow = await world.add_server("ffn.1.[0:2]")
+        async with world.open_trainer() as client:
+            await offered(client, 1)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client, grace_after_k_min_s=0.2)
+                steps(moe, 1)  # everyone answers at once: measured
+                slow.faults.fault = Fault(delay_s=delay_s)
+                for step in range(LATE_STREAK_BAN + 1):
+                    late = moe.stats.late
+                    started = time.monotonic()
+                    steps(moe, 1)
+                    took_s = time.monotonic() - started
+                    assert took_s < delay_s / 2, f"step {step} waited for the slow server"
+                    if slow.peer_id in client.directory.banned:
+                        break
+                    assert moe.stats.late > late, "its calls were cut off late"
+                assert step == LATE_STREAK_BAN - 1, "banned after a streak of late rounds"
+                assert moe.stats.forward_failed == moe.stats.backward_failed == 0
+                assert moe.stats.unanswered_tokens == 0, "its tokens went to their spares"
+                assert moe.stats.failures == {"late": 1}
+
+            await in_thread(run)
 
 
 async def test_a_peer_that_refuses_every_call_is_banned_after_a_streak() -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from volunteerd.moe.timing import CAP_FACTOR, REMEMBERED, TIMEOUT_FACTOR, RoundTrips
+from volunteerd.moe.timing import (
+    CAP_FACTOR,
+    REMEMBERED,
+    STRAGGLER_FACTOR,
+    TIMEOUT_FACTOR,
+    RoundTrips,
+)
 
 
 def test_no_measurement_waits_the_configured_floors() -> None:
@@ -38,12 +44,43 @@ def test_a_peer_that_varies_gets_a_longer_wait_than_its_mean() -> None:
 def test_the_grace_lets_the_slowest_healthy_peer_answer_after_the_fastest() -> None:
     trips = RoundTrips()
     for _ in range(200):
-        trips.observe("near", "forward", 0.05)
-        trips.observe("far", "forward", 0.35)
+        trips.observe("near", "forward", 0.1)
+        trips.observe("far", "forward", 0.25)  # 2.5x: slower, not a straggler
     grace = trips.limits(["near", "far"], "forward", 10.0, 0.1).grace_s
-    assert grace == pytest.approx(0.30, rel=1e-3)
+    assert grace == pytest.approx(0.15, rel=1e-3)
     assert trips.limits(["near"], "forward", 10.0, 0.1).grace_s == 0.1, "one peer: the floor"
-    assert trips.limits(["near", "far"], "forward", 10.0, 0.05).grace_s == CAP_FACTOR * 0.05
+    assert trips.limits(["near", "far"], "forward", 10.0, 0.03).grace_s == CAP_FACTOR * 0.03
+
+
+def test_a_peer_far_slower_than_the_median_does_not_stretch_the_round() -> None:
+    """The outside audit's swarm: three peers answer in 0.1 s, one (a 1 Mbit/s uplink)
+    in 2 s. The round's waits follow the three (expected at most STRAGGLER_FACTOR x
+    the median's), not the one: its 2 s used to stretch every grace to the cap and the
+    timeout to 3 x 2 s."""
+    trips = RoundTrips()
+    for _ in range(200):
+        for peer in ("a", "b", "c"):
+            trips.observe(peer, "forward", 0.1)
+        trips.observe("slow", "forward", 2.0)
+    limits = trips.limits(["a", "b", "c", "slow"], "forward", 0.3, 0.1)
+    assert limits.timeout_s == pytest.approx(TIMEOUT_FACTOR * STRAGGLER_FACTOR * 0.1, rel=1e-3)
+    assert limits.grace_s == pytest.approx(STRAGGLER_FACTOR * 0.1 - 0.1, rel=1e-3)
+    # of two, the faster sets the pace; alone, a slow peer is waited for at its own
+    pair = trips.limits(["a", "slow"], "forward", 0.3, 0.1)
+    assert pair.timeout_s == limits.timeout_s
+    alone = trips.limits(["slow"], "forward", 2.0, 0.1)
+    assert alone.timeout_s == pytest.approx(TIMEOUT_FACTOR * 2.0, rel=1e-3)
+
+
+def test_a_peer_twice_as_slow_as_the_median_still_stretches_the_round() -> None:
+    trips = RoundTrips()
+    for _ in range(200):
+        for peer in ("a", "b", "c"):
+            trips.observe(peer, "forward", 0.1)
+        trips.observe("slower", "forward", 0.2)
+    limits = trips.limits(["a", "b", "c", "slower"], "forward", 0.2, 0.05)
+    assert limits.timeout_s == pytest.approx(TIMEOUT_FACTOR * 0.2, rel=1e-3)
+    assert limits.grace_s == pytest.approx(0.1, rel=1e-3)
 
 
 def test_estimates_are_per_peer_and_verb() -> None:

@@ -5,10 +5,26 @@ experts of the same server travel together: one message per server (up to
 ``MAX_BATCH_ITEMS`` experts), answered with one; the server answers each item on its
 own (one expert's failure is its own) and runs them all in one job on its device.
 
-The round is over when every row has answers from at least ``k_min`` of the experts it
-was sent to (or from all of them, if fewer were chosen) and a further ``grace_s`` has
-passed, when every request has finished, or when ``timeout_s`` runs out — whichever
-comes first. Requests still running then are cancelled: their experts were too slow.
+The round is over at the first of:
+
+* every request has finished;
+* every row has answers from at least ``k_min`` of the experts it was sent to (or from
+  all of them, if fewer were chosen), and a further ``grace_s`` has passed;
+* of two requests or more, half have answered (the ``ceil(n / 2)``-th at ``t_half``
+  after the start), and ``max(STRAGGLER_FACTOR * t_half, t_half + grace_s)`` has passed
+  since the start: a request still running then is far slower than the round's typical
+  one, and rows that only it could answer go without (the layer sends them to their
+  spare experts). Without this a row whose experts all sat on one slow server (beam
+  search often picks a token's experts in one grid row, and a server often hosts whole
+  rows) made every round wait for that server: one volunteer on a 1 Mbit/s uplink
+  took a 4-daemon swarm from 1.9 to 9.7 s per step. The bound is taken from this
+  round's own answers, so a trainer whose own link or machine is slow waits as long
+  as its typical peer needs, and one peer answering slowly on purpose cannot move it;
+* ``timeout_s`` runs out.
+
+Requests still running then are cancelled: their experts were too slow. Those cut off
+by the grace or the straggler bound are ``late`` (slower than the others; the layer bans
+a peer only when it is late round after round); those cut off by the timeout failed.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import trio
 from pydantic import BaseModel
 
 from volunteerd.errors import RemoteError, RequestTimeout, VolunteerdError
+from volunteerd.moe.timing import STRAGGLER_FACTOR
 from volunteerd.net import PeerAddress, RpcClient, Verb, short
 from volunteerd.wire import (
     BackwardBatchRequest,
@@ -108,9 +125,9 @@ async def call_many(
     timeout_s: float,
     grace_s: float,
 ) -> list[Outcome]:
-    """One outcome per call, in order. A call cut off by the rule above has a
-    RequestTimeout as its error, and ``late`` set if every row already had its
-    ``k_min`` answers (the expert was merely slower than the others)."""
+    """One outcome per call, in order. A call cut off by the rules above has a
+    RequestTimeout as its error, and ``late`` set unless the round ran out its
+    ``timeout_s`` (the expert was slower than the others, not silent past the limit)."""
     outcomes = [Outcome(error=RequestTimeout(f"{verb}: no answer in time")) for _ in calls]
     need = [0] * n_rows
     for call in calls:
@@ -128,15 +145,24 @@ async def call_many(
         for start in range(0, len(indices), _MAX_PER_REQUEST)
     ]
     pending = len(requests)
-    enough = trio.Event()
+    answered = 0  # requests with at least one answer
+    # the median request: of 2, the first to answer; a lone request is its own pace
+    half = -(-len(requests) // 2) if len(requests) > 1 else 2
+    enough = trio.Event()  # every row has its k_min answers: the grace starts
     finished = trio.Event()
+    cut_stragglers = trio.Event()  # the straggler bound has passed
+    round_start = trio.current_time()
     if unmet == 0:
         enough.set()
     if pending == 0:
         finished.set()
 
+    async def bound_stragglers(t_half: float) -> None:
+        await trio.sleep_until(round_start + max(STRAGGLER_FACTOR * t_half, t_half + grace_s))
+        cut_stragglers.set()
+
     async def one(indices: list[int]) -> None:
-        nonlocal unmet, pending
+        nonlocal unmet, pending, answered
         start = trio.current_time()  # the loop's clock: virtual in the simulator
         try:
             try:
@@ -167,6 +193,10 @@ async def call_many(
                         unmet -= 1
             if unmet == 0:
                 enough.set()
+            if any(not isinstance(a, BaseException) for a in answers):
+                answered += 1
+                if answered == half:
+                    nursery.start_soon(bound_stragglers, trio.current_time() - round_start)
         finally:
             pending -= 1
             if pending == 0:
@@ -184,11 +214,19 @@ async def call_many(
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(wait, enough)
                 waiters.start_soon(wait, finished)
-        if not finished.is_set() and enough.is_set():
-            with trio.move_on_after(grace_s):
-                await finished.wait()
+                waiters.start_soon(wait, cut_stragglers)
+        if not finished.is_set() and enough.is_set() and not cut_stragglers.is_set():
+            with trio.move_on_after(grace_s) as grace:
+
+                async def end_grace(event: trio.Event) -> None:
+                    await event.wait()
+                    grace.cancel()
+
+                async with trio.open_nursery() as waiters:
+                    waiters.start_soon(end_grace, finished)
+                    waiters.start_soon(end_grace, cut_stragglers)
         nursery.cancel_scope.cancel()
-    if enough.is_set():
+    if enough.is_set() or cut_stragglers.is_set():
         for outcome in outcomes:
             if outcome.reply is None and isinstance(outcome.error, RequestTimeout):
                 outcome.late = True

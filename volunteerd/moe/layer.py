@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -676,9 +676,16 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         )  # fmt: skip
 
     def _replicas(
-        self, uid: str, route: Route, failed: dict[str, set[str]], exclude: str = ""
+        self,
+        uid: str,
+        route: Route,
+        failed: dict[str, set[str]],
+        exclude: str = "",
+        late: Collection[str] = (),
     ) -> list[PeerAddress]:
-        """Servers of ``uid`` that have not failed it this step and are not banned."""
+        """Servers of ``uid`` that have not failed it this step, were not cut off
+        ``late`` this step (a server too slow for one round is for the next) and are
+        not banned."""
         gone = failed.get(uid, set())
         directory = self.client.directory
         return [
@@ -687,6 +694,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             if isinstance(p, PeerAddress)
             and p.peer_id not in gone
             and p.peer_id != exclude
+            and p.peer_id not in late
             and not directory.is_banned(p.peer_id)
         ]
 
@@ -697,13 +705,14 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         failed: dict[str, set[str]],
         x_cpu: torch.Tensor,
         retain: bool,
+        late: Collection[str] = (),
     ) -> tuple[list[Call], list[_Check]]:
         """One call per expert, to a random live replica (spreading load), and spot
         checks of a ``checks.spot_check`` fraction of them on a second replica."""
         calls: list[Call] = []
         checks: list[_Check] = []
         for uid, group in groups.items():
-            peers = self._replicas(uid, route, failed)
+            peers = self._replicas(uid, route, failed, late=late)
             if not peers:
                 continue
             peer = random.choice(peers)
@@ -843,6 +852,7 @@ class _RemoteExperts(torch.autograd.Function):
         next_candidate = torch.full((N,), min(K, candidates), dtype=torch.long)
         tried: set[tuple[int, str]] = set()
         failed_peers: dict[str, set[str]] = {}  # uid -> peers that failed it this step
+        late_peers: set[str] = set()  # peers cut off late this step
         assignment = {  # (row, slot) -> candidate index
             (n, k): k for n, k in route.valid_NK[:, :K].nonzero().tolist()
         }
@@ -859,7 +869,9 @@ class _RemoteExperts(torch.autograd.Function):
                 group.rows.append(n)
                 group.slots.append(k)
                 group.candidates.append(c)
-            calls, checks = layer._plan_forward(groups, route, failed_peers, x_cpu, retain)
+            calls, checks = layer._plan_forward(
+                groups, route, failed_peers, x_cpu, retain, late_peers
+            )
             outcomes = layer._run_calls(Verb.FORWARD, calls + [c.call for c in checks], N)
             main = outcomes[: len(calls)]
             ys, dropped = layer._accept(Verb.FORWARD, calls, main, usable)
@@ -873,10 +885,11 @@ class _RemoteExperts(torch.autograd.Function):
                     layer.stats.count(call.uid, y is not None, len(group.rows))
                 if y is None:
                     if outcome.late:
+                        late_peers.add(call.peer.peer_id)
                         continue
                     layer.stats.forward_failed += 1
                     failed_peers.setdefault(call.uid, set()).add(call.peer.peer_id)
-                    if layer._replicas(call.uid, route, failed_peers):
+                    if layer._replicas(call.uid, route, failed_peers, late=late_peers):
                         # Another replica of the same expert takes its place next round.
                         layer.stats.failovers += 1
                         for n, k, c in zip(group.rows, group.slots, group.candidates, strict=True):
@@ -889,7 +902,9 @@ class _RemoteExperts(torch.autograd.Function):
                 answered.append(_Answered(call.uid, call.peer, rows, slots, handle))
                 answers.append(y)
             # Backtrack: tokens no expert answered (and no replica will) try their next
-            # best candidates.
+            # best candidates, skipping those only a server cut off late this step (or
+            # one that failed them) hosts: a token whose experts all sit on one slow
+            # server would otherwise wait for it again, with nobody faster to answer.
             covered = {n for n, _ in next_assignment}
             waiting = (~answered_NK.any(dim=1) & route.valid_NK[:, :K].any(dim=1)).tolist()
             silent = [n for n in range(N) if waiting[n] and n not in covered]
@@ -898,7 +913,12 @@ class _RemoteExperts(torch.autograd.Function):
                     while next_candidate[n] < candidates:
                         c = int(next_candidate[n])
                         next_candidate[n] += 1
-                        if bool(route.valid_NK[n, c]) and (n, route.uid(n, c)) not in tried:
+                        uid = route.uid(n, c) if bool(route.valid_NK[n, c]) else ""
+                        if (
+                            uid
+                            and (n, uid) not in tried
+                            and layer._replicas(uid, route, failed_peers, late=late_peers)
+                        ):
                             next_assignment[(n, k)] = c
                             coords_NKD[n, k] = route.coords_NKD[n, c]
                             break

@@ -8,7 +8,10 @@ peer and verb, a smoothed duration of the calls it answered and how much they va
 rttvar) / 4``), and derives a round's limits from the peers it calls:
 
 * ``expected`` = max over the round's peers of ``srtt + 4 * rttvar`` — how long a healthy
-  one of them may take;
+  one of them may take — but at most ``STRAGGLER_FACTOR`` times the median peer's (the
+  lower median: of two, the faster): a peer far slower than the others does not stretch
+  the round's waits to its own pace (one 1 Mbit/s uplink among 50 Mbit/s ones stretched
+  every round's grace to its 2 s cap, and the timeout to 20 s);
 * ``timeout_s`` = min(``CAP_FACTOR * floor``, max(floor, ``TIMEOUT_FACTOR * expected``));
 * ``grace_s`` = min(``CAP_FACTOR * floor``, max(floor, expected - fastest)), where
   ``fastest`` is the smallest ``srtt`` of the round's peers: the k_min answers come from
@@ -19,6 +22,11 @@ The floors are the configured ``forward_timeout_s``/``backward_timeout_s`` and
 for (a loaded machine's hiccup must not turn into timeouts and bans), and the cap keeps
 one pathological peer from stalling every step. Peers never measured add nothing; a
 round of only such peers waits the floors.
+
+Rows whose only experts sit on a peer far slower than the others do not wait for it
+either: ``moe/dispatch.py`` ends the round ``STRAGGLER_FACTOR`` times the median
+request's time after its start (measured in that round, not estimated), and the peer's
+call is late.
 """
 
 from __future__ import annotations
@@ -29,10 +37,21 @@ from dataclasses import dataclass
 
 from volunteerd.bounded import remember
 
-__all__ = ["CAP_FACTOR", "REMEMBERED", "TIMEOUT_FACTOR", "Limits", "RoundTrips"]
+__all__ = [
+    "CAP_FACTOR",
+    "REMEMBERED",
+    "STRAGGLER_FACTOR",
+    "TIMEOUT_FACTOR",
+    "Limits",
+    "RoundTrips",
+]
 
 TIMEOUT_FACTOR = 3.0
 CAP_FACTOR = 4.0
+# How many times the round's median a peer may take and still be waited for. A peer
+# 1.5x or 2x slower than the others is (and stays in use); one 5x slower (a 1 Mbit/s
+# uplink among 50 Mbit/s ones) is not.
+STRAGGLER_FACTOR = 3.0
 _GAIN = 1 / 8  # RFC 6298's alpha
 _VAR_GAIN = 1 / 4  # RFC 6298's beta
 # (peer, key) pairs remembered, the least recently measured forgotten first: a trainer
@@ -90,7 +109,8 @@ class RoundTrips:
         known = [e for p in set(peer_ids) if (e := self._estimates.get((p, key))) is not None]
         if not known:
             return Limits(timeout_floor_s, grace_floor_s)
-        expected = max(e.expected for e in known)
+        median = sorted(e.expected for e in known)[(len(known) - 1) // 2]
+        expected = min(max(e.expected for e in known), STRAGGLER_FACTOR * median)
         fastest = min(e.srtt for e in known)
         stretched = max(timeout_floor_s, TIMEOUT_FACTOR * expected)
         timeout_s = min(CAP_FACTOR * timeout_floor_s, stretched)
