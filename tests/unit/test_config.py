@@ -495,3 +495,15 @@ def test_trusted_owners_are_peer_ids_as_an_invitation_checks_them() -> None:
     near = [i[:k] + c + i[k + 1 :] for i in ids[:5] for k in (0, 1, 8, 30, -1) for c in "1zA"]
     for text in [*ids, *near, *(i[:-1] for i in ids), "1", "11111", "2" * 52]:
         assert is_ed25519_peer_id(text) == (public_key_of(text) is not None), text
+
+
+@pytest.mark.parametrize("decay", [1e308, 1.5, -0.1])
+def test_a_weight_decay_outweighing_any_gradient_is_refused(decay: float) -> None:
+    # a manifest's 1e308 was accepted (an outside audit): SGD made every weight infinite
+    from pydantic import ValidationError
+
+    from volunteerd.config.models import OptimizerConfig
+
+    with pytest.raises(ValidationError, match="weight_decay"):
+        OptimizerConfig(weight_decay=decay)
+    assert OptimizerConfig(weight_decay=1.0).weight_decay == 1.0

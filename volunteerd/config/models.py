@@ -228,7 +228,9 @@ class OptimizerConfig(_Model):
     lr: float = Field(1e-3, gt=0, le=10, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam only: each in [0, 1)")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
-    weight_decay: float = Field(0.0, ge=0)
+    # At most 1: past that the decay outweighs any gradient (an outside audit found a
+    # manifest's 1e308 accepted; SGD turned every weight infinite at the first step).
+    weight_decay: float = Field(0.0, ge=0, le=1, description="at most 1")
 
     @field_validator("betas", mode="before")
     @classmethod
