@@ -26,7 +26,7 @@ from volunteerd.identity import Identity
 from volunteerd.net import PeerAddress
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import ManifestRecord
-from volunteerd.server.activity import Signals, decide_activity
+from volunteerd.server.activity import Activity, Signals, decide_activity
 from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.joiner import Joiner
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
@@ -127,6 +127,25 @@ def joiner_of(dht: MemoryDHT, runtime: Runtime, expiries: ManifestExpiries) -> J
     )
 
 
+def activity_of(joiner: Joiner) -> Activity:
+    """What status says of a daemon in this project alone, well connected."""
+    return decide_activity(
+        Signals(
+            experts=0,
+            projects=[joiner],
+            mode="running",
+            serving=True,
+            reason="",
+            snoozed_until=None,
+            connected_peers=3,
+            reachability="direct",
+            port=None,
+            last_answered_at=None,
+            now=trio.current_time(),
+        )
+    )
+
+
 def widths(runtime: Runtime) -> dict[str, int]:
     return {uid: b.info.hidden_dim for uid, b in runtime.backends.items()}
 
@@ -203,21 +222,7 @@ async def test_a_join_after_the_manifest_expired_says_so(
     )
     assert restarted.state == "failed"
     assert restarted.expired_at == manifest.expires_at
-    activity = decide_activity(
-        Signals(
-            experts=0,
-            projects=[restarted],
-            mode="running",
-            serving=True,
-            reason="",
-            snoozed_until=None,
-            connected_peers=3,
-            reachability="direct",
-            port=None,
-            last_answered_at=None,
-            now=trio.current_time(),
-        )
-    )
+    activity = activity_of(restarted)
     assert activity.message == f"could not join upd: {restarted.error}"
     assert "internet" not in activity.hint
     assert "volunteerd leave upd" in activity.hint
@@ -245,21 +250,7 @@ async def test_a_join_whose_experts_do_not_fit_is_not_blamed_on_the_network(
     with pytest.raises(ConfigError):
         await joiner.serve()
     assert (joiner.state, joiner.too_big) == ("failed", True)
-    activity = decide_activity(
-        Signals(
-            experts=0,
-            projects=[joiner],
-            mode="running",
-            serving=True,
-            reason="",
-            snoozed_until=None,
-            connected_peers=3,
-            reachability="direct",
-            port=None,
-            last_answered_at=None,
-            now=trio.current_time(),
-        )
-    )
+    activity = activity_of(joiner)
     assert activity.message == f"could not join upd: {joiner.error}"
     assert "internet" not in activity.hint
     assert "memory was freed" in activity.hint

@@ -115,6 +115,18 @@ async def _send(
     return out
 
 
+async def _first_of(*events: trio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    async with trio.open_nursery() as waiters:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            waiters.cancel_scope.cancel()
+
+        for event in events:
+            waiters.start_soon(wait, event)
+
+
 async def call_many(
     rpc: RpcClient,
     verb: Verb,
@@ -205,26 +217,11 @@ async def call_many(
     async with trio.open_nursery() as nursery:
         for indices in requests:
             nursery.start_soon(one, indices)
-        with trio.move_on_after(timeout_s) as deadline:
-
-            async def wait(event: trio.Event) -> None:
-                await event.wait()
-                deadline.cancel()
-
-            async with trio.open_nursery() as waiters:
-                waiters.start_soon(wait, enough)
-                waiters.start_soon(wait, finished)
-                waiters.start_soon(wait, cut_stragglers)
+        with trio.move_on_after(timeout_s):
+            await _first_of(enough, finished, cut_stragglers)
         if not finished.is_set() and enough.is_set() and not cut_stragglers.is_set():
-            with trio.move_on_after(grace_s) as grace:
-
-                async def end_grace(event: trio.Event) -> None:
-                    await event.wait()
-                    grace.cancel()
-
-                async with trio.open_nursery() as waiters:
-                    waiters.start_soon(end_grace, finished)
-                    waiters.start_soon(end_grace, cut_stragglers)
+            with trio.move_on_after(grace_s):
+                await _first_of(finished, cut_stragglers)
         nursery.cancel_scope.cancel()
     if enough.is_set() or cut_stragglers.is_set():
         for outcome in outcomes:
