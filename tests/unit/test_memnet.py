@@ -325,3 +325,34 @@ async def test_pooled_streams_a_client_forgets_are_closed_by_its_next_call(
         assert client.pooled_streams() == 0
         await forward(client, servers[1])
         assert open_to(servers[0]) == 0
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+async def test_a_parked_stream_waits_less_for_its_next_request_while_slots_are_short(
+    autojump_clock: trio.testing.MockClock, crowded: bool
+) -> None:
+    # An open stream keeps its connection from counting as idle: strangers that made one
+    # request each and kept the stream held their slots for stream_idle_s (120 s) before
+    # trimming could start; an honest newcomer waited 2.5 minutes (an outside probe).
+    network = MemoryNetwork(default=Link(latency_s=0.001))
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        server = RpcServer(
+            server_host,
+            {Verb.FORWARD: answer_tiny},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+        )
+        server.crowded = lambda: crowded
+        server.install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        try:
+            await forward(client, server_host)
+            peer = client_host.peer_id
+            assert server.open_streams(peer) == 1  # kept by the client's pool
+            await trio.sleep(CONFIG.timeouts.connection_idle_s + 1)
+            assert server.open_streams(peer) == (0 if crowded else 1)
+            await trio.sleep(CONFIG.timeouts.stream_idle_s)
+            assert server.open_streams(peer) == 0
+        finally:
+            await client.aclose()

@@ -360,6 +360,11 @@ class IdleTrimmer:
         # Told (closed, slots used, slots in all) after a round closed connections.
         self.on_trimmed: Callable[[int, int, int], object] | None = None
 
+    def crowded(self) -> bool:
+        """Whether more than half of the inbound slots are taken (trimming's threshold)."""
+        used, total = slots_in_use(self._swarm)  # type: ignore[arg-type]
+        return used > total // 2
+
     def statistics(self) -> ConnectionStats:
         used, total = slots_in_use(self._swarm)  # type: ignore[arg-type]
         return ConnectionStats(len(self._swarm.get_connections()), used, total, self.trimmed)

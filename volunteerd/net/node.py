@@ -181,6 +181,7 @@ async def open_node(
             )
             server.install()
             trimmer = IdleTrimmer(host, config.timeouts.connection_idle_s)
+            server.crowded = trimmer.crowded
             node = Node(
                 host,
                 streams,

@@ -171,6 +171,13 @@ class RpcServer:
         self._peer_limits = peer_limits
         self._limiter = PeerLimiter(peer_limits)
         self.stats = RpcStats()
+        # Whether the node's inbound slots are short (``IdleTrimmer.crowded``): a stream
+        # then waits for its next request only ``connection_idle_s``, not
+        # ``stream_idle_s``. An open stream keeps its connection from counting as idle,
+        # so strangers that each made one request and kept the stream held their slots
+        # for the whole ``stream_idle_s`` (120 s) before trimming could start: an honest
+        # newcomer waited 2.5 minutes under a 256-file limit (an outside probe).
+        self.crowded: Callable[[], bool] | None = None
         # Only requests with tensors have a body: every other verb's cap is 0, so a
         # huge frame on `info` is refused from its prefix, before anything is read.
         self._body_caps = {
@@ -241,7 +248,7 @@ class RpcServer:
             return
         try:
             while True:
-                with trio.move_on_after(self._timeouts.stream_idle_s):
+                with trio.move_on_after(self._idle_wait_s()):
                     # Only the first byte may take until the idle timeout; from there
                     # the whole frame, prefix included, must arrive within frame_read_s.
                     first = await read_exactly(stream, 1, started=False)
@@ -271,6 +278,14 @@ class RpcServer:
             self._release(stream)
             self._limiter.close_stream(peer_id, host)
             await _close(stream)
+
+    def _idle_wait_s(self) -> float:
+        """How long a stream may wait for its next request: ``stream_idle_s``, or
+        ``connection_idle_s`` if shorter while the node's slots are short."""
+        idle_s = self._timeouts.stream_idle_s
+        if self.crowded is not None and self.crowded():
+            return min(idle_s, self._timeouts.connection_idle_s)
+        return idle_s
 
     async def _serve_one(
         self,
