@@ -266,3 +266,35 @@ def test_a_damaged_expiries_file_is_read_as_empty(tmp_path: Path) -> None:
     assert expiries.expired_at("upd", ["b"], now=10.0) is None
     expiries.remember("upd", "b", 7.0)
     assert expiries.expired_at("upd", ["b"], now=10.0) == 7.0
+
+
+async def test_a_join_failing_for_the_same_reason_warns_once_not_every_minute(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # an over-budget project logged the same WARNING every 60 s: 1,440 lines a day
+    import logging
+
+    from volunteerd.errors import ConfigError
+
+    joiner = joiner_of(MemoryDHT(), Runtime(), ManifestExpiries(tmp_path / "manifests.json"))
+    budget, available = "needs 480 MiB, more than the budget", "more than the memory available"
+    # each attempt's outcome, a minute apart: it failed for this reason (after joining)
+    script = [(budget, False)] * 6 + [(available, False)] * 2 + [(available, True)] * 2
+
+    async def serve() -> None:
+        reason, joined_first = script.pop(0)
+        if joined_first:
+            joiner.joins += 1
+        raise ConfigError(reason)
+
+    joiner.serve = serve  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="volunteerd.swarm.joiner")
+    with trio.move_on_after(570):  # ten tries
+        await joiner.keep_joining(60.0)
+    assert script == []
+    levels = [r.levelname for r in caplog.records if "could not join" in r.getMessage()]
+    assert levels == (
+        ["WARNING"] + ["DEBUG"] * 5  # the same reason: said once
+        + ["WARNING", "DEBUG"]  # another reason: said once
+        + ["WARNING", "WARNING"]  # it had joined since: news each time
+    )  # fmt: skip

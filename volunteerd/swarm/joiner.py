@@ -255,6 +255,7 @@ class Joiner:
         self.expired_at: float | None = None
         # the last attempt failed for this computer's room (its memory), not the network
         self.too_big = False
+        self.joins = 0  # times it reached "joined"
 
     @property
     def name(self) -> str:
@@ -262,17 +263,27 @@ class Joiner:
 
     async def keep_joining(self, retry_s: float) -> None:
         """``serve``, tried again ``retry_s`` after each failure until cancelled; a
-        failure is logged and kept in ``state`` and ``error`` meanwhile."""
+        failure is logged and kept in ``state`` and ``error`` meanwhile: at WARNING when
+        its reason is new, at DEBUG while the same reason repeats (a project whose
+        expert did not fit the memory budget logged the same WARNING every minute, 1,440
+        lines a day; an outside re-check)."""
+        said = ""
         while True:
+            joins = self.joins
             try:
                 await self.serve()
             except Exception as exc:  # shown in state and error; the next attempt may work
-                logger.warning(
-                    "could not join experiment %r (trying again in %.0f s): %s",
+                reason = str(exc)
+                if self.joins != joins:  # it had joined: a failure after is news again
+                    said = ""
+                logger.log(
+                    logging.DEBUG if reason == said else logging.WARNING,
+                    "could not join experiment %r (trying again every %.0f s): %s",
                     self.name,
                     retry_s,
                     exc,
                 )
+                said = reason
             await trio.sleep(retry_s)
 
     async def serve(
@@ -389,6 +400,7 @@ class Joiner:
             self.rounds, self._seen_before = 0, {}
         self.manifest, self.record, self.capacity = manifest, record, capacity
         self.state, self.error, self.expired_at = "joined", None, None
+        self.joins += 1
 
     async def _stop_hosting(self, reason: str) -> None:
         """Drop every hosted expert (withdrawn, drained, saved for a later return) and
