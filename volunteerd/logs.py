@@ -47,7 +47,7 @@ from volunteerd.shown import escaped
 
 __all__ = ["configure_logging", "tame_third_party"]
 
-_THIRD_PARTY = ("libp2p", "multiaddr", "async_service", "hypercorn", "trio")
+_THIRD_PARTY = ("libp2p", "multiaddr", "async_service", "hypercorn", "trio", "pystray")
 # trio's listener logs each failed accept (out of file descriptors) with its traceback,
 # ten a second while the descriptors stay used up: 973 tracebacks, 769 KB in 100 s of an
 # outside probe that held a low limit's worth of connections. Its records are tamed like

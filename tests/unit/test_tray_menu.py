@@ -784,3 +784,27 @@ def test_volunteerd_tray_checks_for_a_tray_already_showing(
     monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
     assert main(["tray", "--no-start"]) == 0
     assert calls[0]["showing"] is tray_pid
+
+
+def test_a_desktop_without_a_tray_is_said_once_in_our_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # pystray logged "Failed to dock icon" with a traceback at every try, and the tray
+    # ran on with no icon and no word of why (an outside re-check)
+    from volunteerd.tray.app import _docking_once
+
+    class NoTray:  # pystray's plain X icon where no tray owns the selection
+        _systray_manager = None
+
+        def _assert_docked(self) -> None:
+            raise AssertionError
+
+    icon = _docking_once(NoTray)()
+    for _ in range(3):  # pystray tries at every new image
+        with pytest.raises(AssertionError):  # as pystray expects: it tries again later
+            icon._assert_docked()
+    said = [r.getMessage() for r in caplog.records if r.name == "volunteerd.tray.app"]
+    assert said == [
+        "no system tray (notification area) on this desktop: the icon shows once one "
+        "starts; `volunteerd dashboard` has every control"
+    ]

@@ -614,9 +614,23 @@ def _docking_once(base: type[Any]) -> type[Any]:
         icon anew (it flickers, and may move). A tray that goes away still makes
         pystray look for the next one."""
 
+        said_no_tray = False
+
         def _assert_docked(self) -> None:
             if self._systray_manager is None:
-                super()._assert_docked()
+                try:
+                    super()._assert_docked()
+                except AssertionError:
+                    # No tray on this desktop (yet): pystray logs "Failed to dock icon"
+                    # with a traceback at every try (its logger is tamed, volunteerd.logs)
+                    # and docks once a tray starts. Said once, in our words.
+                    if not self.said_no_tray:
+                        self.said_no_tray = True
+                        logger.warning(
+                            "no system tray (notification area) on this desktop: the icon "
+                            "shows once one starts; `volunteerd dashboard` has every control"
+                        )
+                    raise
 
     return XorgIcon
 
