@@ -24,6 +24,7 @@ from volunteerd.errors import ModelDiverging, NoExpertsAvailable
 from volunteerd.moe import LocalMixtureOfExperts
 from volunteerd.train import Experiment, Trainer, TrainSummary, build_model, load_corpus
 from volunteerd.train.data import Corpus
+from volunteerd.train.state import TrainerStateFolder
 
 STEP_S = 0.1  # virtual seconds each forward pass takes
 
@@ -101,9 +102,11 @@ def diverging(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], bool]]:
     return when
 
 
-def trainer(exp: Experiment, corpus: Corpus, clock: FakeClock) -> Trainer:
+def trainer(
+    exp: Experiment, corpus: Corpus, clock: FakeClock, state: TrainerStateFolder | None = None
+) -> Trainer:
     torch.manual_seed(0)
-    t = Trainer(exp, build_model(exp, None), corpus)
+    t = Trainer(exp, build_model(exp, None), corpus, state=state)
     t.clock = clock
     t._pause = clock.advance  # type: ignore[method-assign]
     return t
@@ -210,14 +213,9 @@ def test_a_model_that_diverges_ends_the_run_with_its_summary_and_keeps_the_last_
     in_flight: int,
 ) -> None:
     # before, ModelDiverging escaped the run: exit 1, no summary, no final save
-    from volunteerd.train.state import TrainerStateFolder
-
     exp = experiment(corpus.source, in_flight=in_flight)
     with TrainerStateFolder(tmp_path / "state", 10) as state:
-        torch.manual_seed(0)
-        t = Trainer(exp, build_model(exp, None), corpus, state=state)
-        t.clock = clock
-        t._pause = clock.advance  # type: ignore[method-assign]
+        t = trainer(exp, corpus, clock, state)
         diverging[0] = lambda: t.version >= 25
         with caplog.at_level(logging.INFO, logger="volunteerd.train.loop"):
             s = t.run(100)
