@@ -964,6 +964,11 @@ def _train(args: argparse.Namespace) -> ExitCode:
         _check_ready_file(summary_json, "--summary-json")  # before training, not after it
     stop = _stop_on_signals()
     configure_logging("WARNING")
+    # the trainer's node holds a connection to every server it calls, each an open file:
+    # room for as many as a daemon's (under macOS's 256 it ran out in a large swarm)
+    from volunteerd.net.open_files import raise_open_file_limit
+
+    raise_open_file_limit(Config().network.max_connections)
     if args.command == "demo":
         summary = run_demo(
             steps=args.steps,

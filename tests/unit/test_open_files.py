@@ -60,3 +60,36 @@ def test_the_soft_limit_is_raised_as_far_as_the_hard_one_allows_and_never_lowere
     assert line == "open files: at most 1064 (raised from 256), hard limit 4096"
     assert capped == 256  # all the hard limit allows
     assert short == "open files: at most 256 (raised from 128), hard limit 256"
+
+
+# ``train`` and ``demo`` run a node of their own in the process: the CLI raises the
+# limit before training starts. The demo itself is replaced by a function that reports
+# the limit it was started under (the swarm it would start is not the point here).
+TRAINER = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+import volunteerd.demo
+
+def report(**kwargs):
+    print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    raise SystemExit(0)
+
+volunteerd.demo.run_demo = report
+from volunteerd.cli import main
+sys.exit(main(["demo", "--local", "--steps", "1"]))
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform == "win32" or resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4096,
+    reason="no RLIMIT_NOFILE, or a hard limit below the case's",
+)
+def test_a_trainer_raises_the_limit_before_it_trains() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert int(done.stdout.split()[-1]) == 1000 + FD_RESERVE

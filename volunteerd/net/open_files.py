@@ -8,7 +8,8 @@ soft limit of 256 files, Linux with 1,024; ``network.max_connections`` is 1,000,
 either 1,000 connections never fitted, and idle strangers (trimmed only past half of
 900 inbound slots) could hold every file for good. So:
 
-* ``raise_open_file_limit`` (first thing in ``serve`` and ``bootstrap``) raises the soft
+* ``raise_open_file_limit`` (first thing in ``serve`` and ``bootstrap``; in ``train``
+  and ``demo`` before the trainer's node starts) raises the soft
   limit to what ``network.max_connections`` needs plus ``FD_RESERVE``, as far as the
   hard limit allows (on macOS at most ``OPEN_MAX``, 10,240, where the hard limit says
   unlimited and the kernel refuses more). It never lowers the limit.
