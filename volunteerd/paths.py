@@ -57,7 +57,7 @@ from pathlib import Path
 
 import appdirs
 
-from volunteerd.atomic import make_private_dirs, read_small, write_atomic
+from volunteerd.atomic import make_private_dirs, read_small
 
 APP_NAME = "volunteerd"
 ENV_CONFIG = "VOLUNTEERD_CONFIG"
@@ -219,13 +219,38 @@ class Paths:
         return self.data_dir / "tray.pid"
 
     # tray.pid's format (the pid in decimal, then a newline) is written and read here
-    # only: the tray names itself in it while it runs; `volunteerd service` reads it to
-    # stop the tray, or not to start a second one (checking first that the process is a
-    # tray: a stale pid may have been reused).
+    # only: the tray names itself in it while it runs, holding the file's lock;
+    # `volunteerd service` reads it to stop the tray, and `volunteerd tray` not to start
+    # a second one (checking first that the process is a tray: a stale pid may have been
+    # reused).
 
-    def write_tray_pid(self, pid: int) -> None:
-        """Name ``pid`` as the running tray's. Raises OSError."""
-        write_atomic(self.tray_pid_file, f"{pid}\n")
+    def hold_tray_pid(self, pid: int) -> int | None:
+        """Take ``tray_pid_file``'s lock without waiting and name ``pid`` in it: the
+        open descriptor holding the lock (closing it lets go), or None when another
+        process holds it (a tray started at the same moment: the check of the pid a
+        moment before cannot see it). The file is written in place, not replaced: a
+        new file would be a new lock. Makes the data folder if need be. Raises OSError (a
+        read-only disk)."""
+        make_private_dirs(self.data_dir)
+        for _ in range(3):  # the file was removed (a tray quit) between open and lock
+            fd = os.open(self.tray_pid_file, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                _lock(fd)
+            except OSError:
+                os.close(fd)
+                return None
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(self.tray_pid_file)):
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{pid}\n".encode())
+                    return fd
+            except FileNotFoundError:
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        return None
 
     def read_tray_pid(self) -> int | None:
         """The pid ``tray_pid_file`` names, or None (no file, or not a pid)."""

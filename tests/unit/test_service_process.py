@@ -32,6 +32,14 @@ def paths_in(tmp_path: Path) -> Paths:
     return Paths(config_file=tmp_path / "config.toml", data_dir=tmp_path, cache_dir=tmp_path)
 
 
+def name_in_tray_pid(paths: Paths, pid: int) -> None:
+    """Name ``pid`` in tray.pid as a tray does, and let the file's lock go (as if the tray
+    holding it were another process, or had been killed)."""
+    held = paths.hold_tray_pid(pid)
+    assert held is not None
+    os.close(held)
+
+
 def test_nothing_recorded_means_nothing_to_stop(tmp_path: Path) -> None:
     assert probe(tmp_path) is None
     assert stop_daemon(paths_in(tmp_path), timeout_s=1) == "no daemon was running"
@@ -232,7 +240,7 @@ def test_output_not_appended_to_the_named_file_is_left_alone(
 def test_tray_pid_is_written_read_and_removed_only_by_its_owner(tmp_path: Path) -> None:
     paths = paths_in(tmp_path)
     assert paths.read_tray_pid() is None
-    paths.write_tray_pid(1234)
+    name_in_tray_pid(paths, 1234)
     assert paths.read_tray_pid() == 1234
     paths.remove_tray_pid(999)  # a newer tray took the file over: it is not ours
     assert paths.read_tray_pid() == 1234
@@ -255,12 +263,12 @@ def test_uninstall_stops_the_tray_named_in_its_pid_file_and_nothing_else(
     )
     other = subprocess.Popen(["sleep", "30"])
     try:
-        paths.write_tray_pid(other.pid)  # stale: reused by another program
+        name_in_tray_pid(paths, other.pid)  # stale: reused by another program
         assert stop_tray(paths) is None
         assert other.poll() is None
         assert not paths.tray_pid_file.exists()
 
-        paths.write_tray_pid(tray.pid)
+        name_in_tray_pid(paths, tray.pid)
         assert tray_pid(paths) == tray.pid
         said = stop_tray(paths)
         assert said == f"stopped the tray (pid {tray.pid})"

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from tests.unit.test_service_process import name_in_tray_pid
 from volunteerd.control.client import ControlClient
 from volunteerd.control.models import LimitsView, Status
 from volunteerd.errors import ControlError, DaemonNotRunning
@@ -540,7 +541,7 @@ def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
     )
     other = subprocess.Popen(["sleep", "30"])
     try:
-        paths.write_tray_pid(tray.pid)
+        name_in_tray_pid(paths, tray.pid)
         assert run_tray(paths, start_daemon=False, showing=tray_pid) == 0
         assert shown == []
         assert capsys.readouterr().out == (
@@ -549,7 +550,7 @@ def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
         assert paths.read_tray_pid() == tray.pid
         assert tray.poll() is None
 
-        paths.write_tray_pid(other.pid)  # stale: its pid reused by another program
+        name_in_tray_pid(paths, other.pid)  # stale: its pid reused by another program
         assert run_tray(paths, start_daemon=False, showing=tray_pid) == 0
         assert shown == [os.getpid()]  # this one runs, named in tray.pid
         assert other.poll() is None
@@ -558,6 +559,53 @@ def test_a_second_tray_of_one_data_folder_says_so_and_does_not_start(
         for proc in (tray, other):
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_two_trays_started_at_the_same_moment_show_one_icon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Both read tray.pid before either wrote it: both passed the check, both showed an
+    # icon. The first to take the file's lock runs; the other says so and exits 0.
+    ran: list[int] = []
+    monkeypatch.setattr(TrayApp, "run", lambda app: ran.append(1) or 0)
+    paths = paths_in(tmp_path)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from volunteerd.paths import Paths\n"
+            "paths = Paths(config_file=Path(sys.argv[1]), data_dir=Path(sys.argv[2]),"
+            " cache_dir=Path(sys.argv[3]))\n"
+            "held = paths.hold_tray_pid(4242)\n"
+            "print(held is not None, flush=True)\n"
+            "time.sleep(60)\n",
+            str(paths.config_file),
+            str(paths.data_dir),
+            str(paths.cache_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "True\n"  # the first tray holds the lock
+        never_seen = lambda paths: None  # noqa: E731 - the check ran before it wrote
+        assert run_tray(paths, start_daemon=False, showing=never_seen) == 0
+        assert ran == []
+        assert capsys.readouterr().out == (
+            f"the tray icon of {paths.data_dir} is showing already (pid 4242)\n"
+        )
+        assert paths.read_tray_pid() == 4242  # the first tray's file, left as it was
+    finally:
+        holder.kill()
+        holder.communicate(timeout=10)
+    # the first tray gone (its lock with it): the next one runs, named in the file
+    assert run_tray(paths, start_daemon=False, showing=lambda paths: None) == 0
+    assert ran == [1]
+    assert not paths.tray_pid_file.exists()  # removed when it quit
 
 
 def test_app_sees_a_daemon_restarting_in_place_and_does_not_start_another(

@@ -20,8 +20,10 @@ data folder's lock (one starting, or restarting in place after a join), it start
 the tray. If the daemon goes away later, the icon says "not connected" and recovers
 when it is back.
 
-One tray per data folder: ``run_tray`` names its process in ``<data dir>/tray.pid`` and
-does not start while that file names another tray that runs (``run_tray``'s ``showing``).
+One tray per data folder: ``run_tray`` names its process in ``<data dir>/tray.pid``,
+holding that file's lock while it runs, and does not start while the file names another
+tray that runs (``run_tray``'s ``showing``) or another tray holds the lock (one started
+at the same moment).
 
 Backends: pystray picks one (AppIndicator or GTK where PyGObject is installed, else
 plain X through python-xlib); ``backend`` or ``PYSTRAY_BACKEND`` chooses. The plain X
@@ -518,25 +520,40 @@ def run_tray(
     if running is not None and running != os.getpid():
         print(f"the tray icon of {paths.data_dir} is showing already (pid {running})")
         return ExitCode.OK
-    app = TrayApp(paths, start_daemon=start_daemon, backend=backend)
-    with _stopping_on_signals(app), _named_in_tray_pid(paths):
-        return app.run()
+    with _named_in_tray_pid(paths) as named:
+        if not named:  # another tray took tray.pid's lock since the check above
+            running = paths.read_tray_pid()
+            shown = f"pid {running}" if running is not None else "starting"
+            print(f"the tray icon of {paths.data_dir} is showing already ({shown})")
+            return ExitCode.OK
+        app = TrayApp(paths, start_daemon=start_daemon, backend=backend)
+        with _stopping_on_signals(app):
+            return app.run()
 
 
 @contextlib.contextmanager
-def _named_in_tray_pid(paths: Paths) -> Iterator[None]:
-    """Name this process in ``paths.tray_pid_file`` while the tray runs, so that
-    ``volunteerd service uninstall`` (and an upgrade) can stop it."""
+def _named_in_tray_pid(paths: Paths) -> Iterator[bool]:
+    """Name this process in ``paths.tray_pid_file``, holding its lock, while the tray
+    runs, so that ``volunteerd service uninstall`` (and an upgrade) can stop it; yields
+    False when another tray holds it (two started at the same moment both passed the
+    check of the pid: both showed an icon). A file that cannot be written is logged,
+    and the tray runs unnamed."""
     pid = os.getpid()
     try:
-        paths.write_tray_pid(pid)
+        held = paths.hold_tray_pid(pid)
     except OSError as exc:
         logger.warning("cannot write %s: %s", paths.tray_pid_file, exc)
+        yield True
+        return
+    if held is None:
+        yield False
+        return
     try:
-        yield
+        yield True
     finally:
         with contextlib.suppress(OSError):
-            paths.remove_tray_pid(pid)
+            paths.remove_tray_pid(pid)  # while still locked: a newcomer's file is new
+        os.close(held)
 
 
 @contextlib.contextmanager
