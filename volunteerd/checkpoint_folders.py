@@ -1,5 +1,28 @@
 """The checkpoint folders on disk, without torch (a daemon hosting nothing tidies them
-too): ``<checkpoints>/<uid>/<sequence>.ckpt``, newest the highest sequence.
+too): ``<checkpoints>/<uid>/<sequence>.v<format>.ckpt``, newest the highest sequence.
+
+The format version (``FORMAT_VERSION``) is in each file's name, in its magic and in its
+header. Releases up to format 1 named their files ``<sequence>.ckpt`` and load and prune
+every file of that name: a format-1 reader refuses a header field it does not know, so
+it took a later version's file for damaged, served its experts' initial weights, and
+its next save deleted the later version's files (an outside audit: a project's trained
+weights lost after a downgrade). Files of format 2 have a name those releases neither
+load nor prune. The rule, for every later change: whatever a version writes that an
+earlier reader would refuse (a new header field, a new tensor name, a new dtype, another
+layout) raises ``FORMAT_VERSION``, and with it the name.
+
+Which files a version uses:
+
+- its own format's: loaded newest first, pruned to ``keep`` by its saves;
+- an older format's (``<sequence>.ckpt``): loaded, for migration, only after its own
+  (none, or none good: an older daemon started after a downgrade wrote those from
+  scratch or from a replica, and they are not preferred over ours), and deleted as
+  superseded once a file of its own format is saved;
+- a newer format's (a higher version in the name, or in the magic or header of a file of
+  another name: ``newer_format``): never loaded, never set aside as damaged, never
+  deleted, by a save, the trimming below or the disk budget. The expert is started as
+  one with no checkpoint here (from a replica, or its initial weights), with a warning
+  to upgrade, and the file stays for the version that wrote it.
 
 ``trim_others`` bounds what experts no longer hosted keep: dropped for a later rejoin,
 moved to another volunteer, or of a project left, each keeps only its newest file, and
@@ -15,7 +38,7 @@ link served every expert from its initial weights without a word, then logged
 "File exists" at every save.
 
 A file that fails its checks when loaded is set aside (``set_aside``): renamed
-``<sequence>.ckpt.damaged``, a name that neither loading nor pruning sees, the newest
+``<name>.damaged``, a name that neither loading nor pruning sees, the newest
 ``DAMAGED_KEPT`` of an expert kept. Counted among the checkpoints, pruning deleted them
 within two save rounds (one with ``checkpoints.keep = 1``), and with them what was left
 of an expert whose every file was damaged.
@@ -24,24 +47,35 @@ of an expert whose every file was damaged.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
 import stat
+import struct
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import NamedTuple
 
 from volunteerd.atomic import fsync_dir
 
 __all__ = [
     "DAMAGED_KEPT",
     "DAMAGED_SUFFIX",
+    "FORMAT_VERSION",
     "OTHERS_KEPT",
     "SUFFIX",
+    "Entry",
+    "checkpoint_name",
     "damaged",
+    "loadable",
+    "magic",
+    "newer_format",
     "numbered",
     "set_aside",
+    "stated_version",
     "trim_others",
     "unreachable",
 ]
@@ -51,19 +85,48 @@ logger = logging.getLogger(__name__)
 OTHERS_KEPT = 16
 """Experts no longer hosted whose newest checkpoint is kept (the ones saved last)."""
 
+FORMAT_VERSION = 2
+"""The checkpoint format this version writes and the highest it reads (see above)."""
+
 SUFFIX = ".ckpt"
-_NAME = re.compile(r"^(\d{1,12})\.ckpt$")
+# "<sequence>.ckpt" (format 1) or "<sequence>.v<format>.ckpt"
+_NAME = re.compile(r"^(\d{1,12})(?:\.v([1-9]\d{0,5}))?\.ckpt$")
 
 DAMAGED_SUFFIX = ".damaged"
 DAMAGED_KEPT = 2
 """Files set aside as damaged that each expert keeps (its newest): for a person to look
 at, bounded so that a disk that keeps damaging them cannot fill up."""
-_DAMAGED_NAME = re.compile(r"^(\d{1,12})\.ckpt\.damaged$")
+_DAMAGED_NAME = re.compile(r"^(\d{1,12})(?:\.v([1-9]\d{0,5}))?\.ckpt\.damaged$")
+
+# A file's first bytes: the magic (b"VCKPT\x00", the format version, b"\n"), the
+# header's length and the header's SHA-256 (experts.checkpoint_file has the rest).
+_MAGIC_START = b"VCKPT\x00"
+PREFIX = struct.Struct("<8sI32s")
+MAX_HEADER_BYTES = 4 << 20
 
 
-def numbered(folder: Path) -> list[tuple[int, Path, bool]]:
-    """(sequence, path, whether a regular file) of every entry of ``folder`` named like a
-    checkpoint, newest first."""
+def magic(version: int) -> bytes:
+    """The 8 bytes a checkpoint of format ``version`` starts with."""
+    return _MAGIC_START + bytes([version]) + b"\n"
+
+
+def checkpoint_name(sequence: int, version: int = FORMAT_VERSION) -> str:
+    """The file name of checkpoint ``sequence`` in format ``version``."""
+    return f"{sequence:012d}{SUFFIX}" if version == 1 else f"{sequence:012d}.v{version}{SUFFIX}"
+
+
+class Entry(NamedTuple):
+    """An entry of an expert's folder named like a checkpoint."""
+
+    sequence: int
+    path: Path
+    regular: bool  # a regular file (a folder, a FIFO or a link of the name is not ours)
+    version: int  # the format version its name states (1: "<sequence>.ckpt")
+
+
+def numbered(folder: Path) -> list[Entry]:
+    """Every entry of ``folder`` named like a checkpoint of any format, newest (highest
+    sequence) first."""
     try:
         entries = list(os.scandir(folder))
     except (FileNotFoundError, NotADirectoryError):
@@ -76,13 +139,69 @@ def numbered(folder: Path) -> list[tuple[int, Path, bool]]:
                 regular = entry.is_file(follow_symlinks=False)
             except OSError:
                 regular = False
-            found.append((int(match.group(1)), folder / entry.name, regular))
+            version = int(match.group(2) or 1)
+            found.append(Entry(int(match.group(1)), folder / entry.name, regular, version))
     return sorted(found, reverse=True)
 
 
+def loadable(entries: list[Entry]) -> list[Path]:
+    """The regular files among ``entries`` that this version reads, in the order to try
+    them: its own format's newest first, then an older format's newest first. None of a
+    newer format (by its name)."""
+    ours = [e for e in entries if e.regular and e.version <= FORMAT_VERSION]
+    return [e.path for e in sorted(ours, key=lambda e: (e.version, e.sequence), reverse=True)]
+
+
+def stated_version(magic_bytes: bytes, header: bytes | None = None) -> int | None:
+    """The format version that a checkpoint's magic states, or its header (``header``,
+    its checksum already verified; read loosely, before the strict check) when that is
+    higher; None when ``magic_bytes`` are not a checkpoint's."""
+    if len(magic_bytes) != 8 or not magic_bytes.startswith(_MAGIC_START):
+        return None
+    if magic_bytes[7:] != b"\n" or not magic_bytes[6]:
+        return None
+    version = magic_bytes[6]
+    with contextlib.suppress(ValueError):  # not JSON: the strict check says why
+        fields = json.loads(header) if header is not None else None
+        stated = fields.get("version") if isinstance(fields, dict) else None
+        if isinstance(stated, int) and not isinstance(stated, bool):
+            version = max(version, stated)
+    return version
+
+
+def newer_format(path: Path) -> int | None:
+    """(Blocking.) The format version of the checkpoint ``path`` when it is above
+    ``FORMAT_VERSION``, by its name, its magic or its header (with a matching checksum);
+    None when it is not above, or the file cannot be read. Whoever deletes checkpoints
+    asks first: a newer version's file is not ours to delete."""
+    match = _NAME.match(path.name) or _DAMAGED_NAME.match(path.name)
+    if match and int(match.group(2) or 1) > FORMAT_VERSION:
+        return int(match.group(2))
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_BINARY", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            prefix = f.read(PREFIX.size)
+            if len(prefix) < PREFIX.size:
+                return None
+            magic_bytes, header_len, header_sha = PREFIX.unpack(prefix)
+            header = f.read(header_len) if header_len <= MAX_HEADER_BYTES else b""
+        except OSError:
+            return None
+    if hashlib.sha256(header).digest() != header_sha:
+        header = b""  # damaged, or another layout: the magic alone says
+    version = stated_version(magic_bytes, header or None)
+    return version if version is not None and version > FORMAT_VERSION else None
+
+
 def damaged(folder: Path) -> list[tuple[int, Path]]:
-    """(sequence, path) of the regular files of ``folder`` set aside as damaged, newest
-    first."""
+    """(sequence, path) of the regular files of ``folder`` set aside as damaged, of this
+    format or an older one, newest first."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
@@ -90,8 +209,10 @@ def damaged(folder: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in entries:
         match = _DAMAGED_NAME.match(entry.name)
+        if not match or int(match.group(2) or 1) > FORMAT_VERSION:
+            continue
         with contextlib.suppress(OSError):
-            if match and entry.is_file(follow_symlinks=False):
+            if entry.is_file(follow_symlinks=False):
                 found.append((int(match.group(1)), folder / entry.name))
     return sorted(found, reverse=True)
 
@@ -146,7 +267,7 @@ def _target(link: Path) -> str:
 
 
 def _files(folder: Path) -> list[Path]:
-    return [path for _, path, regular in numbered(folder) if regular]
+    return loadable(numbered(folder))
 
 
 def trim_others(
@@ -158,7 +279,9 @@ def trim_others(
     """(Blocking.) Delete what the checkpoints of experts not in ``hosted`` hold beyond
     each one's newest file, and all of those beyond the ``keep_experts`` saved last (by
     their newest file); ``locked(uid)`` is held while a folder is trimmed (the store's
-    save lock). Returns the files deleted. Raises OSError when ``directory`` cannot be
+    save lock). An expert's newest is its newest of this format, or of an older one when
+    it has none; a newer version's file (``newer_format``) is neither counted nor
+    deleted. Returns the files deleted. Raises OSError when ``directory`` cannot be
     listed (too many open files): a file that cannot be deleted is only logged."""
     if not directory.is_dir():
         return []
@@ -178,6 +301,8 @@ def trim_others(
             if rank >= keep_experts:  # those set aside go with the folder
                 files += [path for _, path in damaged(folder)]
             for path in files[1:] if rank < keep_experts else files:
+                if newer_format(path) is not None:
+                    continue  # a newer version's, under a name of ours: not ours to delete
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as exc:

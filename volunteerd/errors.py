@@ -6,6 +6,7 @@
     ├── ConfigError            bad config file, environment variable or flag
     │   └── UntrustedManifest  the experiment to join is signed by no trusted owner
     ├── CheckpointError        a checkpoint file is damaged or does not fit
+    │   └── NewerCheckpoint    ... because a newer version wrote it (``.version``): not damaged
     ├── IdentityError          unreadable or invalid key file
     ├── ResourceUnavailable    a port or the data folder is already in use
     ├── WireError              bad input from the network (each has a wire code)
@@ -65,6 +66,7 @@ __all__ = [
     "InvalidRecord",
     "MalformedFrame",
     "ModelDiverging",
+    "NewerCheckpoint",
     "NoExpertsAvailable",
     "Paused",
     "PeerError",
@@ -123,6 +125,15 @@ class IdentityError(VolunteerdError):
 
 class CheckpointError(VolunteerdError):
     """A checkpoint file is damaged, partial, or not one this expert can load."""
+
+
+class NewerCheckpoint(CheckpointError):
+    """A checkpoint of a format version above this version's (``version``): written by a
+    newer volunteerd, sound as far as anyone here can tell. Never set aside as damaged."""
+
+    def __init__(self, message: str, *, version: int) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 class ResourceUnavailable(VolunteerdError):

@@ -221,7 +221,7 @@ def test_only_the_newest_keep_files_stay(tmp_path: Path) -> None:
         train(b, 1, seed)
         paths.append(store.save(b.state()))
     assert store.files(UID) == [paths[3], paths[2]]
-    assert [p.name for p in paths] == [f"{i:012d}.ckpt" for i in range(1, 5)]
+    assert [p.name for p in paths] == [f"{i:012d}.v2.ckpt" for i in range(1, 5)]
 
 
 def test_no_good_checkpoint_means_none(tmp_path: Path) -> None:
@@ -327,7 +327,7 @@ async def test_checkpointer_saves_changed_experts_and_restores_them(tmp_path: Pa
     second = runtime()
     loaded = await Checkpointer(second, tmp_path, config).restore()
     assert sorted(loaded) == ["ffn.0.0", "ffn.0.1"]
-    assert loaded["ffn.0.1"].name == "000000000002.ckpt"
+    assert loaded["ffn.0.1"].name == "000000000002.v2.ckpt"
     assert second.backend("ffn.0.1").updates == 4
     assert_same_state(first.backend("ffn.0.1"), second.backend("ffn.0.1"))
 
@@ -488,7 +488,8 @@ def test_a_tensor_of_no_bytes_and_an_absurd_dimension_is_refused(shape: list[int
     header = json.loads(bytes(pieces[1]))
     header["tensors"].append({"name": "param/extra", "dtype": "float32", "shape": shape})
     raw = json.dumps(header).encode()
-    prefix = checkpoint_file._PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
+    magic = bytes(pieces[0])[:8]  # the format the state was encoded in
+    prefix = checkpoint_file._PREFIX.pack(magic, len(raw), hashlib.sha256(raw).digest())
     with pytest.raises(CheckpointError, match="bad header: tensors"):
         decode_checkpoint(b"".join([prefix, raw, *(bytes(p) for p in pieces[2:])]))
 

@@ -227,7 +227,7 @@ def test_a_folder_named_like_a_checkpoint_is_neither_read_nor_deleted(tmp_path: 
     store = CheckpointStore(tmp_path, keep=2)
     b = make()
     first = _saved(store, b)
-    junk = [tmp_path / UID / "000000000009.ckpt", tmp_path / UID / "000000000002.ckpt"]
+    junk = [tmp_path / UID / "000000000009.v2.ckpt", tmp_path / UID / "000000000002.v2.ckpt"]
     for folder in junk:
         folder.mkdir()
     saved = [_saved(store, b) for _ in range(3)]
@@ -247,7 +247,7 @@ def test_a_fifo_named_like_the_newest_checkpoint_does_not_block_the_start(tmp_pa
     """``read_bytes`` waited for a writer to the FIFO: the daemon never started."""
     store = CheckpointStore(tmp_path, keep=2)
     good = _saved(store, make())
-    fifo = tmp_path / UID / "000000000005.ckpt"
+    fifo = tmp_path / UID / "000000000005.v2.ckpt"
     os.mkfifo(fifo)
     result: dict[str, object] = {}
 
@@ -269,7 +269,7 @@ def test_a_fifo_named_like_the_newest_checkpoint_does_not_block_the_start(tmp_pa
     assert newest[1] == good
     assert "not a regular file" in str(result["fifo"])
     assert store.files(UID) == [good]
-    assert _saved(store, make()).name == "000000000002.ckpt"
+    assert _saved(store, make()).name == "000000000002.v2.ckpt"
     assert stat.S_ISFIFO(fifo.lstat().st_mode)  # left alone
 
 
@@ -277,7 +277,7 @@ def test_a_symlink_named_like_a_checkpoint_is_not_followed(tmp_path: Path) -> No
     """A link to /dev/zero: ``read_bytes`` read until the memory ran out."""
     store = CheckpointStore(tmp_path, keep=2)
     good = _saved(store, make())
-    link = tmp_path / UID / "000000000007.ckpt"
+    link = tmp_path / UID / "000000000007.v2.ckpt"
     link.symlink_to("/dev/zero")
     assert store.files(UID) == [good]  # first: the old code would read it below
     with pytest.raises(OSError):
@@ -294,7 +294,7 @@ def test_a_file_larger_than_the_expert_can_have_is_not_read(tmp_path: Path) -> N
     store = CheckpointStore(tmp_path, keep=2)
     b = make()
     good = _saved(store, b)
-    huge = tmp_path / UID / "000000000002.ckpt"
+    huge = tmp_path / UID / "000000000002.v2.ckpt"
     with huge.open("wb") as f:
         f.truncate(64 << 30)
     limit = b.largest_state_bytes()

@@ -160,7 +160,7 @@ async def test_an_expert_whose_every_checkpoint_is_damaged_says_so_and_its_files
     assert {p.name: p.read_bytes() for _, p in damaged(folder)} == kept
     assert len(saver.store.files(UIDS[0])) == keep
     newest = saver.store.files(UIDS[0])[0].name  # numbered past the damaged ones
-    assert newest == f"{2 + 3:012d}.ckpt"
+    assert newest == f"{2 + 3:012d}.v2.ckpt"
 
 
 async def test_a_damaged_newest_file_is_set_aside_and_the_older_one_loads(
@@ -197,7 +197,7 @@ def test_only_the_newest_damaged_files_of_an_expert_are_kept(tmp_path: Path) -> 
         assert store.load_newest(UIDS[0]) is None
     folder = tmp_path / UIDS[0]
     assert sorted(p.name for p in folder.iterdir()) == [
-        f"{n:012d}.ckpt.damaged" for n in range(4, 4 + DAMAGED_KEPT)
+        f"{n:012d}.v2.ckpt.damaged" for n in range(4, 4 + DAMAGED_KEPT)
     ]
 
 

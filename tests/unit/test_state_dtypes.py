@@ -16,7 +16,6 @@ import torch
 from volunteerd.config import ExperimentsConfig, ExpertsConfig
 from volunteerd.experts import ExpertBackend, checkpoint_file
 from volunteerd.experts.checkpoint_file import (
-    MAGIC,
     MAX_UPDATES,
     CheckpointError,
     ExpertState,
@@ -209,7 +208,8 @@ def _with_updates(updates: int) -> bytes:
     header = json.loads(bytes(pieces[1]))
     header["updates"] = updates
     raw = json.dumps(header).encode()
-    prefix = checkpoint_file._PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
+    magic = bytes(pieces[0])[:8]  # the format the state was encoded in
+    prefix = checkpoint_file._PREFIX.pack(magic, len(raw), hashlib.sha256(raw).digest())
     return b"".join([prefix, raw, *(bytes(p) for p in pieces[2:])])
 
 

@@ -2,12 +2,22 @@
 
 The format is our own and holds no code (no pickle, no ``torch.save``)::
 
-    b"VCKPT\\x00\\x01\\n"              8 bytes: magic and format version
+    b"VCKPT\\x00\\x02\\n"              8 bytes: magic and format version (2)
     header length                    4 bytes, unsigned little-endian
     SHA-256 of the header            32 bytes
     header                           JSON (``CheckpointHeader``)
     payload                          the tensors' raw bytes, little-endian, C order,
                                      back to back in the header's order
+
+The format version is in the magic, in the header (``version``) and in the file's name
+(``checkpoint_folders``): whatever a version writes that an earlier reader would refuse
+(a new header field, a new tensor name, a new dtype, another layout) raises it. Format 2
+is format 1 with the header's ``experiment``: a format-1 reader refuses the field, so a
+file that holds it must not have a name that reader loads and prunes. A reader takes
+its own version and older ones; a file or a replica's state of a newer one raises
+``NewerCheckpoint`` (a ``CheckpointError``), which is not damage. Bytes for the wire (a
+replica's state, a trainer's) carry the lowest version that holds them: 1 when they
+name no experiment, so that earlier versions still take them.
 
 The header names every tensor with its dtype and shape and carries the payload's
 length and SHA-256, so a truncated file, a flipped bit or a foreign file is detected
@@ -17,7 +27,10 @@ SGD: ``momentum_buffer``), and in a trainer's own saved state (``volunteerd.trai
 ``progress/<key>``: where its run stands (step count, data position). The optimizer's
 hyperparameters are not stored: they come from the configuration.
 
-Files live in ``<checkpoints dir>/<uid>/<sequence>.ckpt``. A save writes a temporary
+Files live in ``<checkpoints dir>/<uid>/<sequence>.v2.ckpt``; those of format 1
+(``<sequence>.ckpt``) are read when an expert has none of format 2 that is good, and
+deleted by its first save, and those of a newer format are left as they are, with a
+warning to upgrade (``checkpoint_folders``). A save writes a temporary
 file of its own in the same folder (``<name>.<random>.tmp``), flushes and fsyncs it,
 reads it back and compares it with what it meant to write, renames it into place and
 fsyncs the folder, so a crash at any moment leaves either the previous set of files or
@@ -46,7 +59,6 @@ import json
 import logging
 import os
 import stat
-import struct
 import tempfile
 import threading
 import time
@@ -60,21 +72,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from volunteerd.atomic import fsync_dir
 from volunteerd.checkpoint_folders import (
-    SUFFIX,
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    Entry,
+    checkpoint_name,
     damaged,
+    loadable,
+    magic,
+    newer_format,
     numbered,
     set_aside,
+    stated_version,
     trim_others,
     unreachable,
 )
-from volunteerd.errors import CheckpointError
+from volunteerd.errors import CheckpointError, NewerCheckpoint
 
 __all__ = [
+    "FORMAT_VERSION",
     "MAX_UPDATES",
     "CheckpointError",
     "CheckpointHeader",
     "CheckpointStore",
     "ExpertState",
+    "NewerCheckpoint",
     "decode_checkpoint",
     "read_checkpoint",
     "write_checkpoint",
@@ -82,9 +104,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"VCKPT\x00\x01\n"
-_PREFIX = struct.Struct("<8sI32s")
-_MAX_HEADER_BYTES = 4 << 20
+MAGIC = magic(FORMAT_VERSION)
+_PREFIX = PREFIX
+_MAX_HEADER_BYTES = MAX_HEADER_BYTES
 _TEMP_SUFFIX = ".tmp"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -129,7 +151,8 @@ class TensorEntry(_Header):
 
 class CheckpointHeader(_Header):
     format: Literal["volunteerd-expert-checkpoint"] = "volunteerd-expert-checkpoint"
-    version: Literal[1] = 1
+    # 2: the experiment may be set (checkpoint_folders.FORMAT_VERSION says why)
+    version: Annotated[int, Field(ge=1, le=FORMAT_VERSION)] = FORMAT_VERSION
     uid: Annotated[str, Field(min_length=1, max_length=256)]
     expert_type: Annotated[str, Field(max_length=32)]
     hidden_dim: Annotated[int, Field(ge=1)]
@@ -139,7 +162,7 @@ class CheckpointHeader(_Header):
     tensors: Annotated[list[TensorEntry], Field(max_length=4096)]
     payload_bytes: Annotated[int, Field(ge=0)]
     payload_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    # written only when set: files without it stay readable by earlier versions
+    # written only when set (format 2): format 1's readers refuse it
     experiment: Annotated[str, Field(max_length=256)] = ""
 
 
@@ -190,9 +213,15 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def encode_checkpoint(
-    state: ExpertState, *, saved_at: float | None = None
+    state: ExpertState, *, saved_at: float | None = None, version: int | None = None
 ) -> list[bytes | memoryview]:
-    """The file's bytes, in pieces (the tensors are not copied into one buffer)."""
+    """The file's bytes, in pieces (the tensors are not copied into one buffer), in
+    format ``version``; None: the lowest that holds ``state`` (1 unless it names an
+    experiment), what the wire sends so that earlier versions still read it."""
+    if version is None:
+        version = 2 if state.experiment else 1
+    if not 1 <= version <= FORMAT_VERSION or (state.experiment and version < 2):
+        raise CheckpointError(f"{state.uid}: cannot store it in format {version}")
     entries: list[TensorEntry] = []
     pieces: list[memoryview] = []
     digest = hashlib.sha256()
@@ -218,24 +247,25 @@ def encode_checkpoint(
             payload_bytes=total,
             payload_sha256=digest.hexdigest(),
             experiment=state.experiment,
+            version=version,
         )
     except ValidationError as exc:  # what decode would refuse: never written
         raise CheckpointError(f"{state.uid}: cannot store it: {_first_error(exc)}") from None
     raw = header.model_dump_json(exclude=None if state.experiment else {"experiment"}).encode()
-    prefix = _PREFIX.pack(MAGIC, len(raw), hashlib.sha256(raw).digest())
+    prefix = _PREFIX.pack(magic(version), len(raw), hashlib.sha256(raw).digest())
     return [prefix, raw, *pieces]
 
 
 _READ_CHUNK = 1 << 20
 
 
-def write_checkpoint(path: Path, state: ExpertState) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file of this write's own next
-    to it, fsync, read back and compared, rename, fsync of the folder. A crash leaves
-    ``path`` as it was (or absent) and at most a ``*.tmp`` file; a failure (OSError, or
-    CheckpointError when the bytes read back are not those written) leaves ``path`` as
-    it was and no temporary file."""
-    pieces = encode_checkpoint(state)
+def write_checkpoint(path: Path, state: ExpertState, version: int = FORMAT_VERSION) -> None:
+    """Write ``state`` to ``path`` atomically, in format ``version``: a temporary file
+    of this write's own next to it, fsync, read back and compared, rename, fsync of the
+    folder. A crash leaves ``path`` as it was (or absent) and at most a ``*.tmp`` file;
+    a failure (OSError, or CheckpointError when the bytes read back are not those
+    written) leaves ``path`` as it was and no temporary file."""
+    pieces = encode_checkpoint(state, version=version)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=_TEMP_SUFFIX)
     tmp = Path(name)
     try:
@@ -276,7 +306,8 @@ def _verify_written(path: Path, size: int, sha256: bytes) -> None:
 def read_checkpoint(path: Path, max_bytes: int | None = None) -> ExpertState:
     """Read and verify one checkpoint file. Raises CheckpointError saying what is wrong
     (truncated, checksum mismatch, unknown format, not a regular file, larger than
-    ``max_bytes``); OSError when it cannot be read (a symlink is not followed)."""
+    ``max_bytes``), NewerCheckpoint for a file of a newer format; OSError when it
+    cannot be read (a symlink is not followed)."""
     return decode_checkpoint(_read_regular(path, max_bytes), path.name)
 
 
@@ -306,9 +337,12 @@ def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> Expe
     CheckpointError as ``read_checkpoint`` does, naming ``name``."""
     if len(data) < _PREFIX.size:
         raise CheckpointError(f"{name}: truncated ({len(data)} bytes)")
-    magic, header_len, header_sha = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
+    magic_bytes, header_len, header_sha = _PREFIX.unpack_from(data)
+    version = stated_version(magic_bytes)
+    if version is None:
         raise CheckpointError(f"{name}: not a volunteerd checkpoint (bad magic)")
+    if version > FORMAT_VERSION:  # its layout may differ from here on
+        raise _newer(name, version)
     if header_len > _MAX_HEADER_BYTES:
         raise CheckpointError(f"{name}: header of {header_len} bytes is too large")
     start = _PREFIX.size
@@ -317,10 +351,17 @@ def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> Expe
         raise CheckpointError(f"{name}: truncated header")
     if hashlib.sha256(raw).digest() != header_sha:
         raise CheckpointError(f"{name}: header checksum mismatch")
+    stated = stated_version(magic_bytes, bytes(raw))
+    if stated is not None and stated > FORMAT_VERSION:  # fields this version does not know
+        raise _newer(name, stated)
     try:
         header = CheckpointHeader.model_validate_json(raw)
     except ValidationError as exc:
         raise CheckpointError(f"{name}: bad header: {_first_error(exc)}") from None
+    if header.version != version:
+        raise CheckpointError(
+            f"{name}: format {header.version} in the header, {version} in the magic"
+        )
     payload = memoryview(data)[start + header_len :]
     if payload.nbytes != header.payload_bytes:
         raise CheckpointError(
@@ -331,6 +372,14 @@ def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> Expe
     if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
         raise CheckpointError(f"{name}: payload checksum mismatch")
     return _state_from(header, payload, name)
+
+
+def _newer(name: str, version: int) -> NewerCheckpoint:
+    return NewerCheckpoint(
+        f"{name}: written by a newer volunteerd (format {version}; this one reads up to "
+        f"{FORMAT_VERSION})",
+        version=version,
+    )
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -390,13 +439,18 @@ def _safe_dir_name(uid: str) -> str:
 class CheckpointStore:
     """The checkpoints of every expert under ``directory``. Blocking file I/O: call it
     from a worker thread, never on the event loop. Saves of one uid from several threads
-    run one at a time. One process per data folder (the daemon's lock) is assumed."""
+    run one at a time. One process per data folder (the daemon's lock) is assumed.
+
+    Files of this format are read and written, an older format's read only after them
+    and deleted by the first save, and a newer format's never touched (the module
+    docstring of ``checkpoint_folders``)."""
 
     def __init__(self, directory: Path, keep: int = 2) -> None:
         self.directory = directory
         self.keep = keep
         self._guard = threading.Lock()
         self._locks: dict[str, tuple[threading.Lock, list[int]]] = {}  # uid -> lock, users
+        self._told_newer: set[str] = set()  # uids whose newer-format file was logged
 
     def _dir(self, uid: str) -> Path:
         return self.directory / _safe_dir_name(uid)
@@ -416,9 +470,9 @@ class CheckpointStore:
                 if not users[0]:
                     del self._locks[uid]
 
-    def _numbered(self, uid: str) -> list[tuple[int, Path, bool]]:
-        """(sequence, path, whether a regular file) of every entry of ``uid``'s folder
-        named like a checkpoint, newest first."""
+    def _numbered(self, uid: str) -> list[Entry]:
+        """Every entry of ``uid``'s folder named like a checkpoint of any format, newest
+        first."""
         return numbered(self._dir(uid))
 
     def unreachable(self, uid: str) -> str | None:
@@ -427,9 +481,11 @@ class CheckpointStore:
         return unreachable(self._dir(uid), f"checkpoints folder of {uid}")
 
     def files(self, uid: str) -> list[Path]:
-        """Complete checkpoint files of ``uid``, newest first: regular files only (a
-        folder, a FIFO or a symlink of the name is not a checkpoint of ours)."""
-        return [path for _, path, regular in self._numbered(uid) if regular]
+        """Checkpoint files of ``uid`` that this version reads, in the order they are
+        tried: this format's newest first, then an older format's. Regular files only (a
+        folder, a FIFO or a symlink of the name is not a checkpoint of ours), and none
+        named as of a newer format."""
+        return loadable(self._numbered(uid))
 
     def trim_others(self, hosted: Collection[str], keep_experts: int) -> list[Path]:
         """``checkpoint_folders.trim_others`` here, each folder under its save lock."""
@@ -474,19 +530,25 @@ class CheckpointStore:
                     raise OSError(reason)
                 folder.mkdir(parents=True, exist_ok=True)
                 fsync_dir(folder.parent)
-            numbered = self._numbered(state.uid)
-            existing = [old for _, old, regular in numbered if regular]
-            taken = {n for n, _, _ in numbered}
-            # past the files set aside too: the names keep the order of the writes
-            newest = next((n for n, _, regular in numbered if regular), 0)
+            entries = self._numbered(state.uid)
+            ours = [e.path for e in entries if e.regular and e.version == FORMAT_VERSION]
+            superseded = [e.path for e in entries if e.regular and e.version < FORMAT_VERSION]
+            taken = {e.path.name for e in entries}
+            # past every format's and the files set aside too: the names keep the order
+            # of the writes
+            newest = next((e.sequence for e in entries if e.regular), 0)
             sequence = max([newest, *(n for n, _ in damaged(folder)[:1])]) + 1
-            while sequence in taken:  # a folder or a FIFO of that name: not ours
+            while checkpoint_name(sequence) in taken:  # a folder or a FIFO: not ours
                 sequence += 1
-            path = folder / f"{sequence:012d}{SUFFIX}"
+            path = folder / checkpoint_name(sequence)
             # written, fsynced and read back before anything is deleted
             write_checkpoint(path, state)
-            for old in existing[max(self.keep - 1, 0) :]:
-                old.unlink(missing_ok=True)
+            for old in ours[max(self.keep - 1, 0) :] + superseded:
+                newer = newer_format(old)
+                if newer is None:
+                    old.unlink(missing_ok=True)
+                else:  # a newer version's, under a name of ours: it stays
+                    self._tell_newer(state.uid, old, newer)
         return path
 
     def load_newest(
@@ -505,8 +567,15 @@ class CheckpointStore:
         A file that fails its checks (truncated, a checksum that does not match, not a
         checkpoint) is set aside (``checkpoint_folders.set_aside``) and its new path
         appended to ``moved_aside``: no save prunes it. A sound file that does not fit
-        (another expert's, another size's) stays, and the saves prune it as before."""
-        for path in self.files(uid):
+        (another expert's, another size's) stays, and the saves prune it as before. A
+        file of a newer format (by its name, or by what it says inside) is not read and
+        stays as it is, with one warning per expert to upgrade."""
+        entries = self._numbered(uid)
+        for entry in entries:
+            if entry.regular and entry.version > FORMAT_VERSION:
+                self._tell_newer(uid, entry.path, entry.version)
+                break
+        for path in loadable(entries):
             try:
                 data = _read_regular(path, max_bytes)
             except CheckpointError as exc:
@@ -517,6 +586,9 @@ class CheckpointStore:
                 continue
             try:
                 state = decode_checkpoint(data, path.name)
+            except NewerCheckpoint as exc:
+                self._tell_newer(uid, path, exc.version)
+                continue
             except CheckpointError as exc:
                 moved = self._set_aside(uid, path)
                 if moved is not None and moved_aside is not None:
@@ -534,6 +606,19 @@ class CheckpointStore:
                 continue
             return state, path
         return None
+
+    def _tell_newer(self, uid: str, path: Path, version: int) -> None:
+        """Warn, once per expert, that ``path`` is of a newer format and stays."""
+        with self._guard:
+            if uid in self._told_newer:
+                return
+            self._told_newer.add(uid)
+        logger.warning(
+            "checkpoint %s was written by a newer volunteerd (format %d); left as it is "
+            "— upgrade to use it",
+            path,
+            version,
+        )
 
     def _set_aside(self, uid: str, path: Path) -> Path | None:
         """``checkpoint_folders.set_aside(path)`` under ``uid``'s save lock; None (logged)

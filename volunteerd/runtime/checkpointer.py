@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from volunteerd.checkpoint_folders import OTHERS_KEPT, damaged, unreachable
+from volunteerd.checkpoint_folders import OTHERS_KEPT, damaged, newer_format, unreachable
 from volunteerd.config import CheckpointConfig
 from volunteerd.errors import CheckpointError, ResourceUnavailable, UnknownExpert
 from volunteerd.experts import ExpertBackend
@@ -394,7 +394,7 @@ class Checkpointer:
     def _spare_files(self, hosted: frozenset[str]) -> list[Path]:
         """(Worker thread.) Files set aside as damaged (they count, and are of use to no
         expert), then checkpoints that are not the newest of an expert in ``hosted``;
-        each oldest first."""
+        each oldest first. Never a newer version's file: it counts, and stays."""
         directory = self.store.directory
         if not directory.is_dir():
             return []
@@ -403,6 +403,7 @@ class Checkpointer:
             if folder.is_dir():
                 files = self.store.files(folder.name)
                 older = files[1:] if folder.name in hosted else files
+                older = [p for p in older if newer_format(p) is None]
                 for rank, paths in enumerate(([p for _, p in damaged(folder)], older)):
                     for old in paths:
                         with contextlib.suppress(OSError):

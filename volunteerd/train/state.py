@@ -9,8 +9,8 @@ gates and head, Adam's moments and the position in the data were lost.
 ``TrainerStateFolder`` is one folder (``training.state_dir``; ``volunteerd train``
 defaults to ``<data dir>/trainers/<experiment name>``)::
 
-    lock                      held while a trainer uses the folder: a second is refused
-    trainer/<sequence>.ckpt   the state, in the checkpoint format (experts.checkpoint_file)
+    lock                         held while a trainer uses the folder: a second is refused
+    trainer/<sequence>.v2.ckpt   the state, in the checkpoint format (experts.checkpoint_file)
 
 A state holds the trainer-side parameters (and, for a trainer with local experts, those
 and their optimizer's state), Adam's state, the update count (``updates``: what the
@@ -30,6 +30,12 @@ aside as ``<name>.damaged`` (logged) and the one before it used, or, with none l
 seed. A sound state that does not fit the experiment (another experiment's, another
 model's names or shapes) is refused with one line naming the folder: loading nothing
 and saving over it would delete a run's state because a setting changed.
+
+Files of the format before (``trainer/<sequence>.ckpt``) are loaded when there is no
+good one of this format, and deleted by the first save; a state of a newer format is
+left as it is, with a warning to upgrade, and the trainer starts as if it had none
+(``checkpoint_folders``): it is neither loaded nor deleted, so the version that wrote it
+finds it again.
 """
 
 from __future__ import annotations
