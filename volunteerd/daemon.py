@@ -270,6 +270,7 @@ class Daemon:
             ):
                 if handlers is not None:  # paused: refused before a byte more is read
                     node.server.refuse_unread = refusal_before_reading(volunteer.gate, accountant)
+                accountant.connected = node.connected_peers  # a full peers table spares them
                 if node.reachability is not None:  # relaying is the volunteer's bandwidth too
                     gate = volunteer.gate
                     node.reachability.relaying.hold_while(

@@ -114,7 +114,8 @@ class Reply:
 
 Handler = Callable[[Request], Awaitable[Reply]]
 
-# (peer, reason) pairs counted one by one in RpcStats.refused; beyond: under "other".
+# (peer, reason) pairs counted one by one in RpcStats.refused; the pairs refused longest
+# ago are folded into ("other", reason) beyond.
 _MAX_REFUSED_KEYS = 4096
 # A client closes its connection to a peer after this many calls in a row that timed
 # out, or opened no stream in time (``RpcClient._silent``); peers counted at once.
@@ -131,7 +132,9 @@ class RpcStats:
     requests: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     streams: dict[str, int] = field(default_factory=dict)
-    # Per-peer refusals by reason ("streams", "requests" or "bytes"); bounded in size.
+    # Per-peer refusals by reason ("streams", "requests" or "bytes"), refused longest ago
+    # first; beyond ``_MAX_REFUSED_KEYS`` pairs, the oldest pair's count moves to
+    # ("other", reason), so the counts still add up to every refusal.
     refused: dict[tuple[str, str], int] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -140,10 +143,16 @@ class RpcStats:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def count_refused(self, peer_id: str, reason: str) -> None:
+        """Count a refusal of ``peer_id``'s for ``reason``. (New pairs went to "other"
+        once 4,096 had been counted, for good: a peer refused now had no row.)"""
         key = (peer_id, reason)
-        if key not in self.refused and len(self.refused) >= _MAX_REFUSED_KEYS:
-            key = ("other", reason)
-        self.refused[key] = self.refused.get(key, 0) + 1
+        self.refused[key] = self.refused.pop(key, 0) + 1  # the newest last
+        while len(self.refused) > _MAX_REFUSED_KEYS:
+            oldest = next((k for k in self.refused if k[0] != "other"), None)
+            if oldest is None:
+                break
+            folded = ("other", oldest[1])
+            self.refused[folded] = self.refused.get(folded, 0) + self.refused.pop(oldest)
 
 
 def _tensor_metas(header: Any) -> list[TensorMeta]:

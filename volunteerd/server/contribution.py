@@ -12,6 +12,12 @@
   old hourly rows into daily ones.
 * Per-peer request and refusal counts live in memory only (for the ``peers`` view);
   a peer's first request posts a ``peers`` event, a failed write an ``error`` event.
+  The table keeps ``_MAX_PEERS`` peers: a new one beyond them makes room by folding
+  the counts of the peer counted longest ago that is not connected now (of the one
+  counted longest ago if all are) into the ``other`` row, so the rows still add up to
+  every call counted. (New peers were
+  counted as ``other`` once 1,000 had been seen, for the rest of the run: a trainer
+  that came later never had a row or an event, and the first 1,000 stayed listed.)
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import shutil
 import sqlite3
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -52,7 +58,8 @@ logger = logging.getLogger(__name__)
 _TICK_S = 1.0
 _RATE_WINDOW_S = 10.0
 _ROLL_UP_EVERY_S = 3600.0
-_MAX_PEERS = 1000  # peers counted one by one; the rest share "other"
+_MAX_PEERS = 1000  # peers counted one by one; the ones forgotten share OTHER
+OTHER = "other"  # the row of the peers forgotten (no peer id is this)
 
 
 @dataclass(slots=True)
@@ -96,7 +103,11 @@ class Accountant:
         self._throttle = throttle
         self._config = config
         self._serving = serving
-        self.peers: dict[str, PeerCounts] = {}
+        # by peer id, counted longest ago first; OTHER where peers were forgotten
+        self.peers: OrderedDict[str, PeerCounts] = OrderedDict()
+        # The peers connected now (``Node.connected_peers``), set once the node is up:
+        # a full ``peers`` table forgets one that is not connected first.
+        self.connected: Callable[[], Iterable[str]] | None = None
         self.samples = 0  # since the daemon started
         self.last_answered_at: float | None = None  # time.time() of the last call answered
         self.requests = 0
@@ -109,13 +120,36 @@ class Accountant:
     def _peer(self, peer_id: str) -> PeerCounts:
         counts = self.peers.get(peer_id)
         if counts is None:
-            if len(self.peers) >= _MAX_PEERS:
-                peer_id = "other"
-            elif self._events is not None and peer_id:
+            if self._events is not None and peer_id:
                 self._events.post("peers", f"{short(peer_id)} sent its first request")
-            counts = self.peers.setdefault(peer_id, PeerCounts())
+            if len(self.peers) - (OTHER in self.peers) >= _MAX_PEERS:
+                self._forget_one()
+            counts = self.peers[peer_id] = PeerCounts()
+        else:
+            self.peers.move_to_end(peer_id)
         counts.last_seen = time.time()
         return counts
+
+    def _forget_one(self) -> None:
+        """Fold the peer counted longest ago that is not connected now (the one counted
+        longest ago if all are) into the OTHER row."""
+        connected = set(self.connected()) if self.connected is not None else set()
+        forgotten = None
+        for peer in self.peers:
+            if peer == OTHER:
+                continue
+            if forgotten is None:
+                forgotten = peer
+            if peer not in connected:
+                forgotten = peer
+                break
+        if forgotten is None:
+            return
+        counts = self.peers.pop(forgotten)
+        other = self.peers.setdefault(OTHER, PeerCounts())
+        other.requests += counts.requests
+        other.refused += counts.refused
+        other.last_seen = max(other.last_seen, counts.last_seen)
 
     async def counted(
         self, kind: str, uid: str, peer_id: str, tensors: list[WireTensor], call: Awaitable[Result]
