@@ -96,3 +96,24 @@ def test_a_peer_refused_now_has_its_own_row_after_the_table_filled(
     streams = [n for (_, reason), n in stats.refused.items() if reason == "streams"]
     assert sum(streams) == 2 * 7 + 1
     assert stats.refused[("other", "streams")] > 0
+
+
+async def test_a_flood_of_new_peers_does_not_push_other_events_out_of_the_log() -> None:
+    # A new identity's first request is an event: fresh identities one after another
+    # pushed every error and state change out of the 500 kept (the peers table no
+    # longer stops posting after its first 1,000 peers). No kind keeps more than 100.
+    events = EventLog()
+    events.post("error", "statistics not saved: disk full")
+    events.post("state", "paused")
+    with accountant(events) as counts:
+        for i in range(2_000):
+            call(counts, f"peer-{i}")
+    kept = events.after(0)
+    assert [e.message for e in kept if e.kind != "peers"] == [
+        "statistics not saved: disk full",
+        "paused",
+    ]
+    newest = [e.message for e in kept if e.kind == "peers"]
+    assert len(newest) == 100
+    assert newest[-1].endswith("eer-1999 sent its first request")  # the id shortened
+    assert [e.id for e in kept] == sorted(e.id for e in kept)
