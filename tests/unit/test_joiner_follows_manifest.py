@@ -11,7 +11,9 @@ Virtual time, a DHT in memory, real expert backends on the CPU."""
 from __future__ import annotations
 
 import json
+import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from volunteerd.net import PeerAddress
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import ManifestRecord
 from volunteerd.server.activity import Activity, Signals, decide_activity
+from volunteerd.swarm.assignment import tie_break
 from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.joiner import Joiner
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
@@ -43,6 +46,8 @@ class MemoryDHT:
     def __init__(self) -> None:
         self.manifests: list[ManifestRecord] = []
         self.failing = False
+        self.replicas: dict[str, list[Any]] = {}  # uid -> other daemons' records
+        self.clock = types.SimpleNamespace(now=trio.current_time)  # the swarm's time, right
 
     async def get_manifests(self, name: str, owner: str | None = None) -> list[ManifestRecord]:
         await trio.lowlevel.checkpoint()
@@ -57,7 +62,7 @@ class MemoryDHT:
 
     async def get(self, uids: list[str]) -> dict[str, list[Any]]:
         await trio.lowlevel.checkpoint()
-        return {uid: [] for uid in uids}
+        return {uid: self.replicas.get(uid, []) for uid in uids}
 
     async def put_manifest(self, record: ManifestRecord) -> int:
         await trio.lowlevel.checkpoint()
@@ -105,14 +110,23 @@ def publish(dht: MemoryDHT, hidden_dim: int, grid: tuple[int, ...]) -> Experimen
     return manifest
 
 
-def joiner_of(dht: MemoryDHT, runtime: Runtime, expiries: ManifestExpiries) -> Joiner:
+def joiner_of(
+    dht: MemoryDHT,
+    runtime: Runtime,
+    expiries: ManifestExpiries,
+    clock: Callable[[], float] | None = trio.current_time,
+    **experiments: Any,
+) -> Joiner:
     config = ExperimentsConfig(
-        join="upd",
-        trusted_owners=[OWNER_ID],
-        rebalance_every_s=10.0,
-        manifest_check_every_s=60.0,
-        min_stay_s=0.0,
-        join_timeout_s=5.0,
+        **{
+            "join": "upd",
+            "trusted_owners": [OWNER_ID],
+            "rebalance_every_s": 10.0,
+            "manifest_check_every_s": 60.0,
+            "min_stay_s": 0.0,
+            "join_timeout_s": 5.0,
+            **experiments,
+        }
     )
     return Joiner(
         types.SimpleNamespace(dht=dht, peer_id="me"),  # type: ignore[arg-type]
@@ -122,8 +136,8 @@ def joiner_of(dht: MemoryDHT, runtime: Runtime, expiries: ManifestExpiries) -> J
         NoDownloads(),
         config,
         lambda experts: 8,
-        clock=trio.current_time,
         expiries=expiries,
+        **({} if clock is None else {"clock": clock}),  # None: the node's swarm clock
     )
 
 
@@ -298,3 +312,88 @@ async def test_a_join_failing_for_the_same_reason_warns_once_not_every_minute(
         + ["WARNING", "DEBUG"]  # another reason: said once
         + ["WARNING", "WARNING"]  # it had joined since: news each time
     )  # fmt: skip
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_wall_clock_jump_does_not_expire_a_manifest_the_swarm_holds_valid(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expiry is read on the node's swarm clock (``node.dht.clock``, which follows the
+    peers where this computer's clock is off), not on ``time.time``: a wall clock set
+    48 h ahead dropped the whole project within 2 s (an outside audit)."""
+    dht, runtime = MemoryDHT(), Runtime()
+    publish(dht, 16, (2,))
+    joiner = joiner_of(dht, runtime, ManifestExpiries(tmp_path / "m.json"), clock=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(joiner.serve)
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 48 * 3600)
+        await trio.sleep(120)  # rounds and manifest checks
+        assert (joiner.state, joiner.error) == ("joined", None)
+        assert set(joiner.hosted) == {"ffn.0", "ffn.1"}
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_project_dropped_while_the_clock_was_ahead_is_hosted_again_once_it_is_right(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """With the swarm's time itself ahead (too few peers to correct it), the manifest
+    reads as expired and its experts are dropped; once the clock is set right, the next
+    check (``manifest_check_every_s``, on the monotonic clock) takes it up again. On the
+    wall clock the next check was 48 h away: the daemon stayed out that long."""
+    ahead = [0.0]
+    dht, runtime = MemoryDHT(), Runtime()
+    manifest = publish(dht, 16, (2,))
+    joiner = joiner_of(
+        dht,
+        runtime,
+        ManifestExpiries(tmp_path / "m.json"),
+        clock=lambda: trio.current_time() + ahead[0],
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(joiner.serve)
+        ahead[0] = 48 * 3600
+        await trio.sleep(16)
+        assert (joiner.state, joiner.hosted) == ("failed", {})
+        assert joiner.expired_at == manifest.expires_at
+        ahead[0] = 0.0  # set right
+        await trio.sleep(60 + 2 * 12)  # a check, then a round to add the experts
+        assert (joiner.state, joiner.error, joiner.expired_at) == ("joined", None, None)
+        assert set(joiner.hosted) == {"ffn.0", "ffn.1"}
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_clock_set_back_does_not_freeze_moves(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """How long an expert has been hosted is measured on the monotonic clock: started
+    at wall time T and judged at T - 5 h, an expert "stayed" -5 h, and no expert moved
+    for 5 h plus ``min_stay_s`` (an outside audit)."""
+    back = [0.0]
+    dht, runtime = MemoryDHT(), Runtime()
+    publish(dht, 16, (4,))
+    joiner = joiner_of(
+        dht,
+        runtime,
+        ManifestExpiries(tmp_path / "m.json"),
+        clock=lambda: trio.current_time() - back[0],
+        min_stay_s=60.0,
+    )
+    joiner._capacity_of = lambda experts: 2
+    async with trio.open_nursery() as nursery:
+        await nursery.start(joiner.serve)
+        first = set(joiner.hosted)
+        assert len(first) == 2
+        # another daemon, ranked to stay, hosts the same two; the other two have none
+        other = next(
+            f"p{i}"
+            for i in range(1000)
+            if all(tie_break(f"p{i}", uid) < tie_break("me", uid) for uid in first)
+        )
+        dht.replicas = {uid: [types.SimpleNamespace(peer_id=other, addrs=[])] for uid in first}
+        back[0] = 5 * 3600
+        await trio.sleep(60 + 2 * 12)  # past min_stay_s, and a round
+        assert set(joiner.hosted) == {"ffn.0", "ffn.1", "ffn.2", "ffn.3"} - first
+        nursery.cancel_scope.cancel()

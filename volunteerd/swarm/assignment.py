@@ -64,8 +64,10 @@ def choose_experts(
 ) -> Choice:
     """What to add and drop. ``others``: uid -> peer ids of the live replicas on other
     peers (this peer's id, if present, is ignored); ``hosted``: uid -> when this node
-    started hosting it; ``prefer``: uids to take first among equally replicated ones
-    (those this node has checkpoints of, so a restart resumes what it hosted)."""
+    started hosting it, on the monotonic clock that ``now`` reads (on the wall clock,
+    one set back 5 h froze every move for 5 h); ``prefer``: uids to take first among
+    equally replicated ones (those this node has checkpoints of, so a restart resumes
+    what it hosted)."""
     wanted = dict.fromkeys(experiment_uids)
     counts = {uid: len(set(others.get(uid, ())) - {peer_id}) for uid in wanted}
     preferred = set(prefer)

@@ -30,6 +30,8 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    expired, its experts are no longer hosted, and ``state`` is "failed" with the
    reason in ``error``, until the owner publishes one again. A lookup that fails or
    finds nothing changes nothing (lookups are lossy): only expiry ends the hosting.
+   Expiry is read on the swarm's clock (``net.swarm_clock``); the checks, like the
+   rounds and how long an expert has been hosted, run on the monotonic clock.
 
 Each manifest's ``expires_at`` is kept (``swarm.expiries``): when a join finds nothing
 after it, the error says the manifest expired, not that the network may be down.
@@ -208,7 +210,14 @@ class Joiner:
 
     ``announce`` is called whenever ``hosted`` changed (the daemon then announces what
     every joiner hosts; while experts are added, at most once every ``announce_gap_s``);
-    ``taken`` says which uids others host in the same runtime."""
+    ``taken`` says which uids others host in the same runtime.
+
+    Two clocks: whether a manifest is still valid is read on ``clock``, the swarm's
+    time (``node.dht.clock.now`` unless given: the time the storing peers judge its
+    records on), and schedules and hosting times on trio's monotonic clock. On the
+    wall clock, a clock set 48 h ahead for 16 s dropped the whole project, and its next
+    lookup was then 48 h away: it stayed out after the clock was set right; a clock set
+    back froze the experts' moves for as long (an outside audit)."""
 
     def __init__(
         self,
@@ -222,7 +231,7 @@ class Joiner:
         *,
         taken: Callable[[], Collection[str]] = frozenset,
         checks: ReplicaChecks | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         rng: random.Random | None = None,
         expiries: ManifestExpiries | None = None,
         announce_gap_s: float = _ANNOUNCE_GAP_S,
@@ -236,15 +245,15 @@ class Joiner:
         self._checks = checks  # None: every listed peer counts (tests of the choice)
         self._config = config
         self._capacity_of = capacity
-        self._clock = clock
+        self._clock = clock  # the swarm's time; None: the node's (``_now``)
         self._rng = rng or random.Random()
         self._expiries = expiries
-        self._next_check = 0.0  # clock time of the next lookup of the manifest
+        self._next_check = 0.0  # trio time of the next lookup of the manifest
         self._announce_gap_s = announce_gap_s
         self.manifest: ExperimentManifest | None = None
         self.record: ManifestRecord | None = None
         self.capacity = 0
-        self.hosted: dict[str, float] = {}  # uid -> when this node started hosting it
+        self.hosted: dict[str, float] = {}  # uid -> trio time this node started hosting it
         self.sources: dict[str, str] = {}  # uid -> "checkpoint", "replica <peer>" or "seed"
         self.rounds = 0
         self._seen_before: dict[str, set[str]] = {}
@@ -260,6 +269,10 @@ class Joiner:
     @property
     def name(self) -> str:
         return self._config.join
+
+    def _now(self) -> float:
+        """The swarm's time: what records' ``issued_at`` and ``expires_at`` are read on."""
+        return self._clock() if self._clock is not None else self._node.dht.clock.now()
 
     async def keep_joining(self, retry_s: float) -> None:
         """``serve``, tried again ``retry_s`` after each failure until cancelled; a
@@ -319,7 +332,7 @@ class Joiner:
             raise
         self.state = "joined"
         task_status.started(manifest)
-        self._next_check = self._clock() + self._config.manifest_check_every_s
+        self._next_check = trio.current_time() + self._config.manifest_check_every_s
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._republish_loop)
             while True:
@@ -341,15 +354,15 @@ class Joiner:
         take a newer one (``_take``). A lookup that fails or finds nothing changes
         nothing: DHT reads are lossy, and the network's failures are no reason to stop
         serving. The owner revokes a manifest by expiry or a newer one (decisions/0007)."""
-        now = self._clock()
+        now, ticks = self._now(), trio.current_time()
         held = self.manifest
         if held is not None and held.expires_at <= now:
             self.expired_at = held.expires_at
             await self._stop_hosting(_expired(held.expires_at))
             held = None
-        elif now < self._next_check:
+        elif ticks < self._next_check:
             return
-        self._next_check = now + self._config.manifest_check_every_s
+        self._next_check = ticks + self._config.manifest_check_every_s
         unusable: list[str] = []
         try:
             found = await self._look_up(unusable)
@@ -361,7 +374,7 @@ class Joiner:
             self.expired_at = None
             await self._stop_hosting(f"a newer manifest was found, but {_unusable(unusable)}")
             return
-        if found is None or found[0].expires_at <= now:
+        if found is None or found[0].expires_at <= self._now():
             return
         manifest, record = found
         if held is not None and manifest.issued_at <= held.issued_at:
@@ -509,12 +522,12 @@ class Joiner:
         if self._expiries is None:
             return None
         return self._expiries.expired_at(
-            self._config.join, self._config.trusted_owners, self._clock()
+            self._config.join, self._config.trusted_owners, self._now()
         )
 
     async def republish(self) -> int:
         """Store the manifest on the closest peers again; returns how many accepted."""
-        if self.record is None or self.record.expires_at <= self._clock():
+        if self.record is None or self.record.expires_at <= self._now():
             return 0
         return await self._node.dht.put_manifest(self.record)
 
@@ -563,7 +576,7 @@ class Joiner:
             capacity=self.capacity,
             peer_id=self._node.peer_id,
             replication=manifest.replication,
-            now=self._clock(),
+            now=trio.current_time(),
             min_stay_s=self._config.min_stay_s,
             prefer=await self._checkpointed(uids) if not self.rounds else (),
         )
@@ -625,7 +638,7 @@ class Joiner:
                         backend.experiment = f"{self.manifest.owner}/{self.manifest.name}"
                     self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
                     await self._runtime.add_expert(backend)
-                    self.hosted[uid] = self._clock()
+                    self.hosted[uid] = trio.current_time()
                     # Served soon after it is ready, not after the others: each may take
                     # its replicas' downloads (a newcomer with room for many served none
                     # meanwhile).
