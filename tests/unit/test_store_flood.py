@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import itertools
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import volunteerd.net.envelope as envelope
+import volunteerd.net.store as store_module
 from tests.unit.test_dht_hardening import quota_filled_by_its_writer
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.identity import Identity
@@ -124,6 +126,38 @@ def test_forged_records_cost_a_bounded_number_of_checks_per_peer_and_prefix(
     clock[0] += 120
     s.expire()
     assert s._failures == {}
+
+
+def test_a_spent_budget_refills_on_the_monotonic_clock_whatever_the_wall_clock_does(
+    checks: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store as ExpertDHT builds it (records read on the swarm's clock, nothing
+    else given) paces its budgets on the monotonic clock: a /24 that spent its budget
+    of failed checks is checked again 20 s later though the wall clock was set back
+    3 h meanwhile. On the wall clock, the /24 (an honest neighbour of the forger's
+    too) stayed refused for the whole 3 h (an outside audit)."""
+    wall, ticks = [time.time()], [5000.0]
+    monkeypatch.setattr(
+        store_module, "time", SimpleNamespace(time=lambda: wall[0], monotonic=lambda: ticks[0])
+    )
+    host = SimpleNamespace(
+        get_id=lambda: peer_id_for(Identity.generate()),
+        get_network=lambda: SimpleNamespace(connections={}),
+    )
+    kad = SimpleNamespace(add_peer=None)
+    dht = ExpertDHT(host, kad, None, DHTConfig(), TimeoutsConfig())  # type: ignore[arg-type]
+    s = dht.records
+    base = make(Identity.generate(), key="ffn.4.", now=None)
+    forged = (forge(base, issued_at=base.issued_at - i / 1000) for i in itertools.count())
+    sybils = [Source(f"sybil-{i}", ip_prefix(f"203.0.113.{i}")) for i in range(8)]
+    reasons = [s.offer(next(forged), sybil) for sybil in sybils for _ in range(64)]
+    assert reasons[-1] == "verify_budget"
+    neighbour = Source("neighbour", ip_prefix("203.0.113.200"))
+    good = make(Identity.generate(), key="ffn.5.", now=None)
+    assert s.offer(good, neighbour) == "verify_budget"
+    wall[0] -= 3 * 3600
+    ticks[0] += 20
+    assert s.offer(good, neighbour) is None
 
 
 def test_a_forged_refresh_of_a_held_slot_is_budgeted_too(checks: list[bool]) -> None:

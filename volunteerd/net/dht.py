@@ -259,7 +259,8 @@ class ExpertDHT:
         self._config = config
         self._timeouts = timeouts
         self._self_id = host.get_id()
-        # records' times are read on the swarm's clock (net/swarm_clock.py)
+        # records' times are read on the swarm's clock (net/swarm_clock.py); the stores'
+        # budgets and memory on the monotonic one (their default)
         self.clock = SwarmClock()
         self.records = SignedRecordStore(EXPERT_RECORDS, config, record_clock=self.clock.now)
         self.manifests = SignedRecordStore(

@@ -32,6 +32,7 @@ Signature checks that fail are budgeted per source (peer and IP prefix, token bu
 a source whose records keep failing the Ed25519 check has its further records refused
 unchecked (``verify_budget``) until its budget refills, so forged records cost a node a
 bounded number of verifications a second per source. Valid records are never charged.
+Budgets and forgetting run on the monotonic clock; records' times on the swarm's.
 
 Sizes are estimates of the Python objects' memory (measured: an expert record with no
 children ~1.4 KiB, each child ~40 bytes more), so the budget bounds what a node spends.
@@ -179,12 +180,14 @@ class SignedRecordStore(Generic[R]):
         config: DHTConfig,
         *,
         trusted_writers: Iterable[str] = (),
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         record_clock: Callable[[], float] | None = None,
     ) -> None:
-        """``clock`` paces the store's own budgets and memory; ``record_clock`` (the
-        node's ``SwarmClock.now``; ``clock`` unless given) is what records' times are
-        checked against."""
+        """``clock`` paces the store's own budgets and memory (``time.monotonic``
+        unless given: on the wall clock, one set back 3 h left a /24 whose budget of
+        failed checks was spent refused for 3 h, as nothing refilled while the clock
+        was behind); ``record_clock`` (the node's ``SwarmClock.now``; else ``clock``,
+        else ``time.time``) is what records' times are checked against."""
         self.kind = kind
         self.limits = kind.limits(config)
         self._config = config
@@ -192,8 +195,8 @@ class SignedRecordStore(Generic[R]):
         self._writer_of = kind.writer_of
         self._size_of = kind.size_of
         self._trusted = frozenset(trusted_writers)
-        self._clock = clock
-        self._record_clock = clock if record_clock is None else record_clock
+        self._clock = time.monotonic if clock is None else clock
+        self._record_clock = record_clock or clock or time.time
         self._keys: dict[str, dict[str, _Entry[R]]] = {}
         # key -> its entries best-ranked first, built by ``ranked`` when read and dropped
         # when the key's entries change: a find reads a flooded key for the price of the
