@@ -703,3 +703,35 @@ async def test_a_non_finite_value_in_a_snapshot_is_sent_as_null(tmp_path: Path) 
         code, _, data = await call(raw_reply, url, "GET", "/metrics", headers=good)
         assert code == 200
         assert b"volunteerd_serving 1" in data
+
+
+async def test_uptime_counts_on_the_monotonic_clock_not_the_wall_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uptime read -17,960 s after the wall clock was set back 5 h, and days after it
+    jumped ahead (an outside audit); ``started_at`` stays the wall-clock start."""
+    import time
+
+    import volunteerd.server.control_view as control_view
+
+    class Wall:
+        """The time module, with its wall clock off by ``off_s``."""
+
+        off_s = 0.0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return time.time() + self.off_s
+
+    wall = Wall()
+    monkeypatch.setattr(control_view, "time", wall)
+    async with open_daemon(local_config(uids="ffn.0.0"), tmp_path / "a") as daemon:
+        assert daemon.controls is not None
+        started_at = daemon.controls.status().started_at
+        for off_s in (-5 * 3600.0, 3 * 86400.0):
+            wall.off_s = off_s
+            status = daemon.controls.status()
+            assert 0 <= status.uptime_s < 60
+            assert status.started_at == started_at

@@ -149,7 +149,10 @@ class ControlView:
         self._restarting = False  # a join or leave's restart began
         self.events = events
         self._scheduler = scheduler
+        # started_at is for display; uptime counts on the monotonic clock (wall time
+        # less a wall-clock start read -17,960 s after the clock was set back 5 h)
         self.started_at = time.time()
+        self._started = time.monotonic()
         self._replicas: dict[str, int] = {}
         self._history: deque[HistorySample] = deque(maxlen=int(HISTORY_WINDOW_S / HISTORY_EVERY_S))
         self._nursery: trio.Nursery | None = None
@@ -191,7 +194,7 @@ class ControlView:
             reachability=reachability,
             limits=self.limits(),
             started_at=self.started_at,
-            uptime_s=now - self.started_at,
+            uptime_s=time.monotonic() - self._started,
             connected_peers=len(self._node.connected_peers()),
             rates=Rates(
                 samples_per_s=rates.samples_per_s,
