@@ -11,6 +11,7 @@ vanishes when its last records expire, within ``record_ttl_s``. While paused
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,7 @@ class Announcer:
         self._lock = trio.Lock()  # one round at a time: a withdrawal is never overtaken
         self.last_outcome: StoreOutcome | None = None
         self.unheard = False  # the last round's records reached no other peer
+        self.withheld = False  # the last read-back found no holder giving a record back
 
     def set_addrs(self, addrs: Iterable[str]) -> None:
         """Announce these addresses from the next round on (which starts at once); the
@@ -122,7 +124,8 @@ class Announcer:
         async with self._lock:
             live = self._live()
             withdrawn = self._announced - live
-            outcome = await self._dht.put(self.records(withdraw=withdrawn))
+            records = self.records(withdraw=withdrawn)
+            outcome = await self._dht.put(records)
             self._announced = set(live)
             self.last_outcome = outcome
         # acks count this node too: 1 is a record no other peer took
@@ -136,7 +139,31 @@ class Announcer:
         elif self.unheard and not unheard:
             logger.info("announcements reach other peers again")
         self.unheard = unheard
+        await self._read_back([r for r in records if r.key in live])
         return outcome
+
+    async def _read_back(self, records: list[ExpertRecord]) -> None:
+        """Ask the peers holding one of this round's records, a uid's picked at random,
+        for it (``ExpertDHT.read_back``), and say so once when none gives it back: its
+        storing peers took it and withhold it from readers, and acks cannot show that.
+        A uid's key, not a prefix's: few servers share it, so an honest answer is never
+        too full to hold this one's record."""
+        if not records:
+            return
+        record = random.choice(records)
+        uid = record.key
+        result = await self._dht.read_back(record)
+        if result is False and not self.withheld:
+            logger.warning(
+                "no peer holding this node's record for %s gave it back when asked: "
+                "trainers may not find its experts (checked every round; said again "
+                "only after a holder has given it back)",
+                uid,
+            )
+        elif result is True and self.withheld:
+            logger.info("peers holding this node's records give them back again")
+        if result is not None:
+            self.withheld = not result
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -208,6 +209,47 @@ def merge_answers(kind: RecordKind[R], answers: Iterable[tuple[int, R]]) -> list
             newest = record if record.issued_at > old[1].issued_at else old[1]
             best[slot] = (min(position, old[0]), newest)
     return [record for _, record in sorted(best.values(), key=lambda item: item[0])]
+
+
+# What one peer did with a key's records in a store or find (``_put``, ``_find``).
+_ASKED = "asked"  # its answer is awaited
+_FAILED = "failed"  # it did not answer (or not readably)
+_EMPTY = "empty"  # it answered, but kept none (a store) or had none (a find)
+_FOUND = "found"  # it kept all (a store) or had some (a find)
+
+
+def _to_ask(
+    candidates: Sequence[ID], outcome: Mapping[ID, str], replication: int, *, widen: bool
+) -> list[ID]:
+    """The candidates to ask next for one key, in order: each not asked yet until
+    ``replication`` of them (twice that when ``widen``) have answered, are awaited or
+    are chosen here, and never more than twice ``replication`` asked in all."""
+    want, most = replication * (2 if widen else 1), 2 * replication
+    chosen: list[ID] = []
+    asked = live = 0
+    for peer in candidates:
+        if live + len(chosen) >= want or asked + len(chosen) >= most:
+            break
+        state = outcome.get(peer)
+        if state is None:
+            chosen.append(peer)
+            continue
+        asked += 1
+        live += state != _FAILED
+    return chosen
+
+
+def _answered(candidates: Sequence[ID], outcome: Mapping[ID, str], replication: int) -> list[ID]:
+    """A key's closest set after a store: the first ``replication`` candidates that
+    answered."""
+    return [p for p in candidates if outcome.get(p) in (_EMPTY, _FOUND)][:replication]
+
+
+def _failed(outcomes: dict[str, dict[ID, str]], peer_id: ID, keys: Iterable[str]) -> None:
+    """``peer_id`` failed to answer: each of ``keys`` not answered yet failed."""
+    for key in keys:
+        if outcomes[key].get(peer_id) == _ASKED:
+            outcomes[key][peer_id] = _FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,18 +469,40 @@ class ExpertDHT:
         return peer_id in self._dead_until or (memory is not None and memory.silent(peer_id))
 
     async def _closest(self, key: str) -> list[ID]:
-        """The ``replication`` closest peers to ``key``, this node included.
+        """The ``replication`` closest peers to ``key``, this node included: the first of
+        ``_candidates``, where this node stores and looks first."""
+        return (await self._candidates(key))[: self._config.replication]
+
+    async def _candidates(self, key: str) -> list[ID]:
+        """Peers known to run this DHT that may hold ``key``'s records, best first: at
+        most twice ``replication``, the closest set first and the next-closest after it
+        (what a store or find moves on to when one of the set fails it).
+
+        Candidates are the peers that answered the lookup and the routing table's
+        closest (which hold peers that answered a lookup or asked this node a Kademlia
+        question), and this node; of those, only peers this node holds a connection to
+        and has not found silent. A bare connection is no candidate: 300 strangers that
+        made one find each and held their connections were the closest "peers" to every
+        key of the daemon they were connected to, and stores to them failed for as long
+        as they stayed (0 acks for 133 s, and a reader connected to them found nothing
+        for ~55 s). The routing table's closest come twice ``replication`` deep, so a
+        lookup cut short (timeouts, streams reset under load) still leaves writer and
+        reader the same real peers to meet on. ``_spread`` then keeps at most a minority
+        of the set on one network.
 
         A lookup is reused while the routing table keeps its size (for at most 30 s):
         one made while the table was still filling would keep records away from the
-        peers that readers ask, so any change of membership means a fresh lookup.
+        peers that readers ask, so any change of membership means a fresh lookup. A
+        peer that fails a request is forgotten (``forget_peer``), which drops every
+        cached set; one found silent meanwhile is left out of a cached set when read.
         """
         now = time.monotonic()
         size = self.routing_table_size()
         cached = self._closest_cache.get(key)
         if cached is not None and cached[0] == size and cached[1] > now:
-            return cached[2]
+            return [p for p in cached[2] if p == self._self_id or not self._gone(p)]
         found: list[ID] = []
+        replication = self._config.replication
         # The bound covers the wait for a lookup slot too: after a change of membership
         # every key is looked up again, and queued lookups would make an announcement
         # round last several lookups long, past its records' lifetime. A key that gets
@@ -447,34 +511,53 @@ class ExpertDHT:
         with trio.move_on_after(self._timeouts.dht_lookup_s):
             async with self._lookups:
                 found = await self._kad.peer_routing.find_closest_peers_network(
-                    key.encode(), count=self._config.replication
+                    key.encode(), count=replication
                 )
         if self._dead_until:
             self._dead_until = {p: t for p, t in self._dead_until.items() if t > now}
-        # The routing table's own closest peers are candidates too: a lookup cut short
-        # (timeouts, streams reset under load) must not shrink the set to a few peers.
-        local = self._kad.routing_table.find_local_closest_peers(
-            key.encode(), self._config.replication
-        )
-        # Only peers this node holds a connection to, and all of those. The lookup
-        # (net/lookup.py) returns only peers that answered it, but the routing table
-        # holds whoever asked this node something, and a lookup cut short returns
-        # little: the real peers this node is in touch with are candidates too, so that
-        # writer and reader meet on the closest real peers they can reach.
+        local = self._kad.routing_table.find_local_closest_peers(key.encode(), 2 * replication)
         connections = self._host.get_network().connections
         candidates = [
             p
-            for p in dict.fromkeys([*found, *local, *connections, self._self_id])
+            for p in dict.fromkeys([*found, *local, self._self_id])
             if p == self._self_id or (connections.get(p) and not self._gone(p))
         ]
-        closest: list[ID] = sort_peer_ids_by_distance(key.encode(), candidates)[
-            : self._config.replication
-        ]
+        spread = self._spread(key, candidates)[: 2 * replication]
         if found or not size:
             # A lookup that found nobody (timed out, or streams reset under load) is
             # not remembered: caching [self] would keep records on this node alone.
-            self._closest_cache[key] = (size, now + _CLOSEST_CACHE_S, closest)
-        return closest
+            self._closest_cache[key] = (size, now + _CLOSEST_CACHE_S, spread)
+        return spread
+
+    def _spread(self, key: str, peers: Iterable[ID]) -> list[ID]:
+        """``peers`` closest to ``key`` first, except that a peer whose network
+        (``_network_of``) already has a minority of ``replication`` before it (2 of 5)
+        goes to the end, still in order: the closest set then holds peers of at least
+        three networks wherever there are, and only fills up from one network when no
+        other is left. Five identities ground near a key (12 bits took ~16 s of CPU)
+        from one address that took records and answered every find empty hid the key
+        from every reader, and its writers counted 5 acks. Writer and reader apply the
+        same rule to the same peers, so they still meet."""
+        cap = max(1, (self._config.replication - 1) // 2)
+        taken: Counter[str] = Counter()
+        first: list[ID] = []
+        last: list[ID] = []
+        for peer in sort_peer_ids_by_distance(key.encode(), list(peers)):
+            network = "self" if peer == self._self_id else self._network_of(peer)
+            if taken[network] < cap:
+                taken[network] += 1
+                first.append(peer)
+            else:
+                last.append(peer)
+        return first + last
+
+    def _network_of(self, peer_id: ID) -> str:
+        """The network ``peer_id`` is counted in for ``_spread``: the IP prefix of this
+        node's direct connection to it (a /24, a /48), as the store's quotas count;
+        a peer on loopback, a private network (a LAN, a test's swarm) or reached only
+        through a relay counts alone, as the swarm clock's voters do (``_voter``): a
+        LAN's peers share one /24, and a cap on it would keep its records on two."""
+        return _voter(self._source(str(peer_id)))
 
     def _address(self, peer_id: ID) -> PeerAddress:
         """The peer's known addresses; none when the peerstore has forgotten it.
@@ -488,21 +571,37 @@ class ExpertDHT:
             addrs = []
         return PeerAddress(str(peer_id), tuple(dialable_part(str(a)) for a in addrs))
 
-    async def _group_by_peer(self, verbs: _Verbs[R], keys: Iterable[str]) -> dict[ID, list[str]]:
-        """The closest peers to each key (a kind's key is looked up as its DHT key), and
-        the keys each of them stores."""
-        keys = list(dict.fromkeys(keys))
-        closest: dict[str, list[ID]] = {}
+    async def _candidates_of(self, verbs: _Verbs[R], keys: Iterable[str]) -> dict[str, list[ID]]:
+        """``_candidates`` of each key (a kind's key is looked up as its DHT key)."""
+        candidates: dict[str, list[ID]] = {}
 
         async def lookup(key: str) -> None:
-            closest[key] = await self._closest(verbs.kind.dht_key(key))
+            candidates[key] = await self._candidates(verbs.kind.dht_key(key))
 
         async with trio.open_nursery() as nursery:
-            for key in keys:
+            for key in dict.fromkeys(keys):
                 nursery.start_soon(lookup, key)
+        return candidates
+
+    def _next_round(
+        self,
+        candidates: Mapping[str, list[ID]],
+        outcomes: dict[str, dict[ID, str]],
+        widen: Callable[[str], bool] = lambda key: False,
+    ) -> dict[ID, list[str]]:
+        """The peers to ask next and the keys to ask each for (``_to_ask``); a peer found
+        silent meanwhile (it failed another key's request) is marked failed unasked."""
         by_peer: dict[ID, list[str]] = {}
-        for key in keys:
-            for peer_id in closest[key]:
+        for key, peers in candidates.items():
+            outcome = outcomes[key]
+            while True:
+                chosen = _to_ask(peers, outcome, self._config.replication, widen=widen(key))
+                gone = [p for p in chosen if p != self._self_id and self._gone(p)]
+                if not gone:
+                    break
+                outcome.update(dict.fromkeys(gone, _FAILED))
+            for peer_id in chosen:
+                outcome[peer_id] = _ASKED
                 by_peer.setdefault(peer_id, []).append(key)
         return by_peer
 
@@ -542,6 +641,11 @@ class ExpertDHT:
         when given, gets per key how many other peers refused it for each reason their
         replies gave (a reply's reasons count for every key of its request it refused).
 
+        A peer of a key's closest set that fails to answer gives its place to the next
+        candidate (``_candidates``), until ``replication`` peers answered or twice that
+        many were asked: the key's closest set is then the first ``replication`` that
+        answered, the peers a reader also ends up asking.
+
         The peers holding this node's previous record for a key get the new one at
         once, while the closest peers are looked up: after any change of membership
         that lookup goes over the network, and under load it can take longer than
@@ -551,49 +655,59 @@ class ExpertDHT:
         by_key: dict[str, list[R]] = {}
         for record in records:
             by_key.setdefault(kind.key_of(record), []).append(record)
-        accepted_by: dict[str, set[ID]] = {key: set() for key in by_key}
+        # key -> peer -> _ASKED, _FAILED, _EMPTY (answered, kept not all), _FOUND (kept all)
+        outcomes: dict[str, dict[ID, str]] = {key: {} for key in by_key}
 
         async def store_on(peer_id: ID, keys: list[str]) -> None:
             batch = [r for k in keys for r in by_key[k]]
             if peer_id == self._self_id:
                 accepted = {kind.key_of(r) for r in batch if store.put(r)}
-            else:
-                accepted = set()
-                for start in range(0, len(batch), verbs.store_batch):
-                    chunk = batch[start : start + verbs.store_batch]
-                    request = PROTOCOLS[verbs.store].request(records=chunk)
-                    reply = await self._ask(peer_id, verbs.store, request)
-                    if reply is None:
-                        return
-                    if isinstance(reply, StoreReply) and reply.stored == len(chunk):
-                        accepted.update(kind.key_of(r) for r in chunk)
-                    elif isinstance(reply, StoreReply) and refused is not None:
-                        codes = {c if c in REFUSAL_CODES else "other" for c in reply.refused}
-                        for key in {kind.key_of(r) for r in chunk}:
-                            refused.setdefault(key, Counter()).update(codes or {UNEXPLAINED})
-            for key in keys:
-                if key in accepted:
-                    accepted_by[key].add(peer_id)
+                for key in keys:
+                    outcomes[key][peer_id] = _FOUND if key in accepted else _EMPTY
+                return
+            for start in range(0, len(batch), verbs.store_batch):
+                chunk = batch[start : start + verbs.store_batch]
+                request = PROTOCOLS[verbs.store].request(records=chunk)
+                reply = await self._ask(peer_id, verbs.store, request)
+                if reply is None:
+                    _failed(outcomes, peer_id, keys)
+                    return
+                took = isinstance(reply, StoreReply) and reply.stored == len(chunk)
+                for key in {kind.key_of(r) for r in chunk}:
+                    if took or outcomes[key][peer_id] == _FOUND:
+                        outcomes[key][peer_id] = _FOUND
+                    else:
+                        outcomes[key][peer_id] = _EMPTY
+                if not took and isinstance(reply, StoreReply) and refused is not None:
+                    codes = {c if c in REFUSAL_CODES else "other" for c in reply.refused}
+                    for key in {kind.key_of(r) for r in chunk}:
+                        refused.setdefault(key, Counter()).update(codes or {UNEXPLAINED})
+
+        def start_round(nursery: trio.Nursery, by_peer: Mapping[ID, list[str]]) -> None:
+            for peer_id, keys in by_peer.items():
+                nursery.start_soon(store_on, peer_id, keys)
 
         holding: dict[ID, list[str]] = {}
         for key in by_key:
             for peer_id in self._holders.get(key, ()):
                 if not self._gone(peer_id):
                     holding.setdefault(peer_id, []).append(key)
+                    outcomes[key][peer_id] = _ASKED
         async with trio.open_nursery() as nursery:
-            for peer_id, keys in holding.items():
-                nursery.start_soon(store_on, peer_id, keys)
-            by_peer = await self._group_by_peer(verbs, by_key)
-            for peer_id, keys in by_peer.items():
-                already = holding.get(peer_id, [])
-                if rest := [key for key in keys if key not in already]:
-                    nursery.start_soon(store_on, peer_id, rest)
+            start_round(nursery, holding)
+            candidates = await self._candidates_of(verbs, by_key)
+            start_round(nursery, self._next_round(candidates, outcomes))
+        # Peers that failed give way to the next candidates: each round asks at least
+        # one more peer per key short of its set, within twice ``replication`` a key.
+        while by_peer := self._next_round(candidates, outcomes):
+            async with trio.open_nursery() as nursery:
+                start_round(nursery, by_peer)
         acks: dict[str, int] = {}
-        for key, peers in accepted_by.items():
+        for key, outcome in outcomes.items():
             # Earlier holders no longer among the closest keep their copy until it
             # expires; readers do not ask them, so they neither count nor get the next.
-            closest = {p for p, keys in by_peer.items() if key in keys}
-            self._holders[key] = peers & closest
+            closest = _answered(candidates[key], outcome, self._config.replication)
+            self._holders[key] = {p for p in closest if outcome[p] == _FOUND}
             acks[key] = len(self._holders[key])
         return acks
 
@@ -604,6 +718,12 @@ class ExpertDHT:
         closest peers: the newest per writer, in the storing peers' order (they list the
         writers they have seen longest first).
 
+        As in ``_put``, a peer of a key's closest set that fails to answer gives its
+        place to the next candidate. When every peer that answered for a key had none
+        of its records, the next ``replication`` candidates are asked once more: peers
+        that take records and answer every find empty (or newcomers not filled yet)
+        must not be where a reader's search ends.
+
         Answers are kept as they come, and the find returns what the peers that
         answered gave: each storing peer has half of ``dht_rpc_s`` per request (a
         find is a small read) and all of them together ``dht_rpc_s``. A reader bounds
@@ -613,20 +733,24 @@ class ExpertDHT:
         find returns the others' answers and the next ones skip it."""
         kind, store = verbs.kind, self._store_of(verbs.kind)
         peer_s = self._timeouts.dht_rpc_s / 2
-        by_peer = await self._group_by_peer(verbs, keys)
+        keys = list(dict.fromkeys(keys))
         # (position in the storing peer's answer for its key, record)
         found: list[tuple[int, R]] = []
+        # key -> peer -> _ASKED, _FAILED, _EMPTY (answered with none), _FOUND
+        outcomes: dict[str, dict[ID, str]] = {key: {} for key in keys}
 
-        def take(records: Iterable[R]) -> None:
+        def take(peer_id: ID, asked: list[str], records: Iterable[R]) -> None:
             position: dict[str, int] = {}
             for record in records:
                 key = kind.key_of(record)
                 position[key] = position.get(key, -1) + 1
                 found.append((position[key], record))
+            for key in asked:
+                outcomes[key][peer_id] = _FOUND if key in position else _EMPTY
 
         async def find_on(peer_id: ID, peer_keys: list[str]) -> None:
             if peer_id == self._self_id:
-                take(r for k in peer_keys for r in store.get(k, writer))
+                take(peer_id, peer_keys, (r for k in peer_keys for r in store.get(k, writer)))
                 return
             for start in range(0, len(peer_keys), verbs.find_batch):
                 chunk = peer_keys[start : start + verbs.find_batch]
@@ -634,23 +758,35 @@ class ExpertDHT:
                     peer_id, verbs.find, verbs.find_request.asking(chunk, writer), peer_s
                 )
                 if reply is None:
+                    _failed(outcomes, peer_id, peer_keys)
                     return
                 self.clock.observe(
                     _voter(self._source(str(peer_id))), (r.issued_at for r in reply.records)
                 )
                 wanted = set(chunk)
                 take(
-                    r
-                    for r in reply.records
-                    if kind.key_of(r) in wanted
-                    and writer in (None, kind.writer_of(r))
-                    and self._valid(kind, r)
+                    peer_id,
+                    chunk,
+                    (
+                        r
+                        for r in reply.records
+                        if kind.key_of(r) in wanted
+                        and writer in (None, kind.writer_of(r))
+                        and self._valid(kind, r)
+                    ),
                 )
 
+        def empty(key: str) -> bool:
+            """Every peer asked for ``key`` answered, and none had a record of it."""
+            states = outcomes[key].values()
+            return _EMPTY in states and all(s in (_EMPTY, _FAILED) for s in states)
+
+        candidates = await self._candidates_of(verbs, keys)
         with trio.move_on_after(self._timeouts.dht_rpc_s):
-            async with trio.open_nursery() as nursery:
-                for peer_id, peer_keys in by_peer.items():
-                    nursery.start_soon(find_on, peer_id, peer_keys)
+            while by_peer := self._next_round(candidates, outcomes, empty):
+                async with trio.open_nursery() as nursery:
+                    for peer_id, peer_keys in by_peer.items():
+                        nursery.start_soon(find_on, peer_id, peer_keys)
         result: dict[str, list[R]] = {key: [] for key in keys}
         for record in merge_answers(kind, found):
             result[kind.key_of(record)].append(record)
@@ -665,6 +801,30 @@ class ExpertDHT:
         return True
 
     # -- expert records ---------------------------------------------------------------
+
+    async def read_back(self, record: ExpertRecord) -> bool | None:
+        """Whether a peer holding ``record`` (this node's, after its ``put``) gives it
+        back when asked: the holders are asked one by one, in random order, until one
+        does (usually the first), each within ``dht_rpc_s`` (a check nobody waits on:
+        a busy holder is not to be forgotten for it). None when nothing could be
+        checked: no other peer holds it, none of them answered, or it has expired (a
+        round slower than its records' lifetime). False: every holder that answered
+        withheld it, as peers that take records and answer every find empty do (their
+        acks count like anyone's)."""
+        key, writer = record.key, str(self._self_id)
+        holders = [p for p in self._holders.get(key, ()) if p != self._self_id]
+        request = FindRequest.asking([key], writer)
+        answered = False
+        for peer_id in random.sample(holders, len(holders)):
+            if record.expires_at <= self.clock.now():
+                return None
+            reply = await self._ask(peer_id, Verb.DHT_FIND, request)
+            if reply is None:
+                continue
+            answered = True
+            if any(r.key == key and r.peer_id == writer for r in reply.records):
+                return True
+        return False if answered and record.expires_at > self.clock.now() else None
 
     async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
         """Store each record on the closest peers to its key; returns the acks per key."""
