@@ -337,6 +337,42 @@ async def test_no_answer_at_all_is_the_typed_error() -> None:
             await in_thread(run)
 
 
+@pytest.mark.parametrize("lie", ["nan", "over_max_abs"])
+async def test_a_liar_left_alone_is_no_diverging_model(lie: str) -> None:
+    """The honest replicas answer busy; the one peer left answers NaN (or outputs with
+    one element just over max_abs). One peer's word says nothing about the model: the
+    step has no answer, as when no expert answered (a training loop skips it and tries
+    again); it was "the model is diverging", and the trainer stopped for good."""
+
+    def over_max_abs(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[0] = 1.05e4
+        return t
+
+    async with open_world(CONFIG) as world:
+        honest = [await world.add_server(GRID) for _ in range(2)]
+        liar = await world.add_server(GRID)
+        async with world.open_trainer() as client:
+            await offered(client, 3)
+
+            def run() -> None:
+                torch.manual_seed(0)
+                moe = layer(client)
+                steps(moe, 1)
+                for server in honest:
+                    server.faults.fault = Fault(refuse=Busy("loaded"))
+                liar.faults.fault = Fault(outputs=nan if lie == "nan" else over_max_abs)
+                for _ in range(3):
+                    with pytest.raises(NoExpertsAvailable, match="output checks dropped"):
+                        moe(torch.randn(32, HIDDEN))
+                assert liar.faults.faulty_replies >= 1
+                assert moe.stats.diverging == {}, moe.stats
+                assert client.directory.ban_reasons[NON_FINITE] == 0
+                assert client.directory.ban_reasons[OUT_OF_RANGE] == 0
+
+            await in_thread(run)
+
+
 LIES: dict[str, tuple[Fault, str]] = {
     "nan": (Fault(outputs=nan), NON_FINITE),
     "scaled": (Fault(outputs=scaled_by(1e6)), OUT_OF_RANGE),

@@ -122,6 +122,31 @@ def test_a_lone_peer_is_never_convicted() -> None:
     assert verdict.diverging is None  # one answer in four is no diverging model
 
 
+@pytest.mark.parametrize("lie", ["nan", "over_max_abs"])
+def test_a_lone_peer_whose_every_answer_fails_is_no_diverging_model(lie: str) -> None:
+    # Its honest peers busy, one liar answers the whole round: NaN, or one element just
+    # over max_abs (far beyond the last round's scale). One peer's word says nothing
+    # about the model: the answers are dropped, nobody is banned, no divergence.
+    tensors = answers(1.0, 3)
+    for t in tensors:
+        t.view(-1)[0] = float("nan") if lie == "nan" else 1.05 * CHECKS.max_abs
+    verdict = judge_round(tensors, CHECKS, peers=["liar"] * 3, reference=1.0)
+    assert verdict.reasons == [NON_FINITE if lie == "nan" else OUT_OF_RANGE] * 3
+    assert verdict.convicted == [False] * 3
+    assert verdict.diverging is None
+    assert verdict.blamed_on_model == ()
+
+
+def test_a_lone_peer_that_grew_a_little_past_max_abs_is_still_taken_as_growth() -> None:
+    # A swarm of one server whose model grows: within max_growth of the last round.
+    last = judge_round(answers(90.0, 3), CHECKS, peers=["solo"] * 3)
+    verdict = judge_round(
+        answers(150.0, 3, seed=1), CHECKS, peers=["solo"] * 3, reference=last.scale
+    )
+    assert verdict.reasons == [None] * 3
+    assert verdict.diverging is None
+
+
 @pytest.mark.parametrize(
     ("bad", "reason", "convicted"),
     [
@@ -198,9 +223,20 @@ def test_the_layer_reports_a_round_most_peers_fail_and_bans_nobody() -> None:
     calls, outcomes = _round([torch.full((2, 8), float("nan"))] * 3, "abc")
     ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
     assert ys == [None, None, None]
-    assert unblamed == 3
+    assert unblamed == {"a", "b", "c"}
     assert layer.stats.diverging == {NON_FINITE: 1}
     assert layer.stats.rejected == {NON_FINITE: 3}
+    assert client.directory.banned == {}
+
+
+def test_the_layer_drops_a_lone_peers_failing_answers_and_calls_no_model_diverging() -> None:
+    layer, client = _layer()
+    calls, outcomes = _round([torch.full((2, 8), float("nan"))] * 2, "aa")
+    ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+    assert ys == [None, None]
+    assert unblamed == {"a"}, "one peer: not enough for the forward to call it divergence"
+    assert layer.stats.diverging == {}
+    assert layer.stats.rejected == {NON_FINITE: 2}
     assert client.directory.banned == {}
 
 
@@ -211,7 +247,7 @@ def test_the_layer_bans_the_odd_peer_out() -> None:
     calls, outcomes = _round(tensors, "abc")
     ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
     assert [y is None for y in ys] == [False, True, False]
-    assert unblamed == 0
+    assert unblamed == set()
     assert list(client.directory.banned) == ["b"]
     assert layer.stats.diverging == {}
 
@@ -239,7 +275,7 @@ def test_the_layer_bans_a_peer_whose_answer_does_not_fit_the_rows_sent() -> None
     calls[1] = Call(calls[1].uid, calls[1].peer, None, [], [0, 1, 2, 3])
     ys, unblamed = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
     assert [y is None for y in ys] == [False, True, True]
-    assert unblamed == 0
+    assert unblamed == set()
     assert sorted(client.directory.banned) == ["b", "c"]
     assert layer.stats.rejected == {BAD_SHAPE: 2}
     alone, alone_client = _layer()

@@ -26,12 +26,16 @@ honest outputs grow past ``max_abs``; a diverged model answers NaN everywhere):
   at least two peers answered the round and no more than half of them failed that
   check; exceeding ``max_abs`` alone never convicts, since honest experts cross it one
   after another as a model grows;
-* when most answers *and* most answering peers fail a check, the round is reported as
-  a diverging model and nobody is banned. Answers that merely exceed ``max_abs`` are
-  then accepted, as the model's own scale, if their typical RMS is at most
-  ``max_growth`` times that of the layer's last accepted round of the same kind (a
-  model grows step by step; an answer a million times louder than the last step's is
-  not growth). Non-finite answers are never accepted.
+* when at least two peers answered and most answers *and* most answering peers fail a
+  check, the round is reported as a diverging model and nobody is banned. Answers that
+  merely exceed ``max_abs`` are then accepted, as the model's own scale, if their
+  typical RMS is at most ``max_growth`` times that of the layer's last accepted round
+  of the same kind (a model grows step by step; an answer a million times louder than
+  the last step's is not growth). Non-finite answers are never accepted;
+* a peer that answered the round alone is never evidence about the model: its
+  non-finite answers, and those above ``max_abs`` but not within ``max_growth`` of the
+  last accepted round, are dropped, nobody is banned and the round is not reported as
+  diverging.
 
 Honest replicas drift apart between weight averaging rounds, so the spot check is
 deliberately loose: it catches noise and lies, not small differences.
@@ -192,11 +196,14 @@ def judge_round(
     outgrown = [i for i in over if i not in loud]
     diverging: str | None = None
     blamed: list[int] = []
-    if _most(non_finite, answered, owners):
+    # One peer's answers say nothing about the model: a liar left alone in a round (its
+    # honest peers busy) made one NaN answer "the model diverged", which stops training.
+    several = len(_peers(answered, owners)) >= 2
+    if several and _most(non_finite, answered, owners):
         diverging, blamed = NON_FINITE, non_finite
     if outgrown:
         grown = _most(outgrown, answered, owners)
-        if grown and diverging is None:
+        if grown and several and diverging is None:
             diverging, blamed = OUT_OF_RANGE, outgrown
         accept = (
             grown

@@ -297,7 +297,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
     (up to ``spare`` further candidates); a token nobody answers contributes zeros, and
     if no token at all gets an answer the layer raises ``NoExpertsAvailable`` (or
     ``ModelDiverging`` when answers came but the output checks refused them without
-    blaming any peer). Backward sends gradients only to experts that answered, under the
+    blaming any peer, from at least two peers: one peer's answers say nothing about the
+    model). Backward sends gradients only to experts that answered, under the
     same rule (``backward_timeout_s``); missing gradients count as zero.
 
     Peers that fail a call are not chosen again for the client's ``ban_s``; peers that
@@ -548,9 +549,9 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
 
     def _accept(
         self, verb: Verb, calls: Sequence[Call], outcomes: Sequence[Outcome], usable: set[str]
-    ) -> tuple[list[Any], int]:
+    ) -> tuple[list[Any], set[str]]:
         """The first tensor of each answer that passes the output checks, else None, and
-        how many answers the checks dropped without blaming their peer. Failures are
+        the peers whose answers the checks dropped without blaming them. Failures are
         noted, convicted peers banned, a diverging model reported."""
         tensors = [self._decode(o) for o in outcomes]
         # An answer of another shape than the rows sent, or of another dtype than the
@@ -572,7 +573,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         if verdict.diverging is not None:
             answered = [i for i, t in enumerate(tensors) if t is not None]
             self._report_diverging(verb, verdict, calls, answered)
-        unblamed = 0
+        unblamed: set[str] = set()
         late = {c.peer.peer_id: c for c, o in zip(calls, outcomes, strict=True) if o.late}
         for call in late.values():  # once a round, however many of its calls it had
             self._late_again(call, usable)
@@ -595,7 +596,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                 if verdict.convicted[i]:
                     self._misbehaved(call.peer, call.uid, reason, usable)
                 else:
-                    unblamed += 1
+                    unblamed.add(call.peer.peer_id)
                 tensors[i] = None
         return tensors, unblamed
 
@@ -859,7 +860,9 @@ class _RemoteExperts(torch.autograd.Function):
         answered: list[_Answered] = []
         answers: list[torch.Tensor] = []  # each answered call's output, [its rows, H]
         usable = _usable(route)
-        unblamed = 0  # answers the checks dropped without blaming a peer
+        # peers whose answers the checks dropped without blaming them: at least two
+        # whose answers all failed is a diverging model; one is a peer nobody can judge
+        unblamed: set[str] = set()
         for round_ in range(2):
             groups: dict[str, _Group] = {}
             for (n, k), c in assignment.items():
@@ -875,7 +878,7 @@ class _RemoteExperts(torch.autograd.Function):
             outcomes = layer._run_calls(Verb.FORWARD, calls + [c.call for c in checks], N)
             main = outcomes[: len(calls)]
             ys, dropped = layer._accept(Verb.FORWARD, calls, main, usable)
-            unblamed += dropped
+            unblamed |= dropped
             for check, outcome in zip(checks, outcomes[len(calls) :], strict=True):
                 layer._spot_check(check, calls, main, ys, outcome, route)
             next_assignment: dict[tuple[int, int], int] = {}
@@ -928,18 +931,24 @@ class _RemoteExperts(torch.autograd.Function):
             layer.stats.backtracked += len(silent)
         unanswered = int((~answered_NK.any(dim=1)).sum())
         layer.stats.unanswered_tokens += unanswered
-        if unanswered == N and unblamed:
+        if unanswered == N and len(unblamed) >= 2:
             raise ModelDiverging(
-                f"no answer under {layer.name}. passed the output checks ({unblamed} dropped "
-                "without a peer to blame; rounds that most peers failed so far: "
-                f"{dict(layer.stats.diverging)}): the model is diverging. Bound the loss or "
-                f"lower the learning rate, or raise max_abs ({layer.checks.max_abs:g}) if "
-                "such values are expected."
+                f"no answer under {layer.name}. passed the output checks (those of "
+                f"{len(unblamed)} peers dropped without blaming them; rounds that most peers "
+                f"failed so far: {dict(layer.stats.diverging)}): the model is diverging. "
+                "Bound the loss or lower the learning rate, or raise max_abs "
+                f"({layer.checks.max_abs:g}) if such values are expected."
             )
         if unanswered == N:
+            # Answers of a lone peer that failed the checks land here too: a liar left
+            # alone (its honest peers busy) made one NaN answer "the model diverged",
+            # which stopped training for good. The step is tried again later.
+            rejected = dict(layer.stats.rejected)
             raise NoExpertsAvailable(
                 f"none of the experts chosen under {layer.name}. answered "
-                f"({layer.stats.forward_failed} failed calls so far)"
+                f"({layer.stats.forward_failed} failed calls so far"
+                + (f"; answers the output checks dropped: {rejected}" if rejected else "")
+                + ")"
             )
         out_NKH = torch.zeros(N, K, answers[0].shape[-1], dtype=x_NH.dtype)
         for item, y in zip(answered, answers, strict=True):
