@@ -377,6 +377,8 @@ LIES: dict[str, tuple[Fault, str]] = {
     "nan": (Fault(outputs=nan), NON_FINITE),
     "scaled": (Fault(outputs=scaled_by(1e6)), OUT_OF_RANGE),
     "noise": (Fault(outputs=noise(seed=1)), "disagreed"),
+    # the honest answer scaled: passed the spot check (norms within max_ratio) for good
+    "scaled_100": (Fault(outputs=scaled_by(100.0)), "disagreed"),
     "huge_gradients": (Fault(gradients=scaled_by(1e6)), OUT_OF_RANGE),
     "short_outputs": (Fault(outputs=one_row_short), BAD_SHAPE),
     "wider_outputs": (Fault(outputs=wider), BAD_SHAPE),
@@ -431,7 +433,7 @@ async def test_a_lying_expert_is_caught_banned_and_not_called_again(lie: str) ->
 
             def run() -> None:
                 torch.manual_seed(0)
-                checks = OutputChecks(spot_check=1.0 if lie == "noise" else 0.0)
+                checks = OutputChecks(spot_check=1.0 if lie in ("noise", "scaled_100") else 0.0)
                 moe = layer(client, checks=checks)
                 for _ in range(20):
                     steps(moe, 1)

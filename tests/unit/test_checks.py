@@ -13,7 +13,14 @@ import torch
 from volunteerd.errors import RequestTimeout
 from volunteerd.experts import to_wire
 from volunteerd.moe import RemoteMixtureOfExperts
-from volunteerd.moe.checks import BAD_SHAPE, NON_FINITE, OUT_OF_RANGE, OutputChecks, judge_round
+from volunteerd.moe.checks import (
+    BAD_SHAPE,
+    NON_FINITE,
+    OUT_OF_RANGE,
+    OutputChecks,
+    agree,
+    judge_round,
+)
 from volunteerd.moe.dispatch import Call, Outcome
 from volunteerd.net import PeerAddress, Verb
 from volunteerd.wire import WireTensor
@@ -173,6 +180,29 @@ def test_a_peer_answering_zeros_cannot_make_an_honest_peer_look_loud() -> None:
     verdict = judge_round(tensors, CHECKS, peers=["zero", "zero", "honest", "honest"])
     assert verdict.reasons == [None] * 4
     assert verdict.convicted == [False] * 4
+
+
+@pytest.mark.parametrize("factor", [11.0, 30.0, 100.0, 999.0, 0.05])
+def test_a_spot_check_refuses_a_replica_answer_scaled_up_or_down(factor: float) -> None:
+    # Two replicas of one expert answer the same input: an answer scaled by 100 points
+    # the same way and passed (norms within max_ratio, 1000), for good.
+    y = answers(1.0, 1)[0]
+    assert not agree(y, y * factor, OutputChecks())
+    assert not agree(y * factor, y, OutputChecks())
+
+
+def test_a_spot_check_accepts_replicas_that_drifted_apart() -> None:
+    # Honest replicas early in training, between averaging rounds: in one process, with
+    # no averaging at all, norms up to 3.3 times apart with the default experiment.
+    y = answers(1.0, 1)[0]
+    drifted = y * 3.3 + 0.1 * torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    assert agree(y, drifted, OutputChecks())
+    assert agree(drifted, y, OutputChecks())
+
+
+def test_spot_ratio_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_spot_ratio"):
+        OutputChecks(max_spot_ratio=1.0)
 
 
 def test_growth_limit_is_validated() -> None:
