@@ -79,6 +79,26 @@ def test_one_peer_far_louder_than_the_rest_is_convicted() -> None:
     assert verdict.diverging is None
 
 
+def test_a_few_rows_far_louder_than_the_round_are_convicted() -> None:
+    # Two rows of 64 blown up 3000 times: the answer's RMS is diluted by its other rows
+    # (~530 times the round's), so it passed, and poisoned the trainer's Adam state.
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(64, 8, generator=g) for _ in range(4)]
+    tensors[2][:2] *= 3000
+    verdict = judge_round(tensors, CHECKS, peers=list("abcd"))
+    assert verdict.reasons == [None, None, OUT_OF_RANGE, None]
+    assert verdict.convicted == [False, False, True, False]
+
+
+def test_rows_of_honestly_different_sizes_are_not_loud() -> None:
+    # A token's gradient scales with its gate weight: rows 100 times apart are honest.
+    g = torch.Generator().manual_seed(0)
+    weights = torch.logspace(-2, 0, 64)[:, None]
+    tensors = [torch.randn(64, 8, generator=g) * weights for _ in range(4)]
+    verdict = judge_round(tensors, CHECKS, peers=list("abcd"))
+    assert verdict.reasons == [None] * 4
+
+
 def test_one_peer_over_max_abs_but_not_loud_is_dropped_not_banned() -> None:
     # Honest experts of a growing model cross max_abs one after another: the first to
     # cross is no outlier.

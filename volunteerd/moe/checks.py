@@ -7,9 +7,10 @@ fan-out of one layer):
 
 * ``non_finite``: every value must be finite;
 * ``out_of_range`` (loud): when at least three answers are finite, an answer's
-  root-mean-square may not exceed ``max_ratio`` times the round's typical one (the
-  median over peers of each peer's median RMS: one expert answering 1e6 times louder
-  than its peers is not an expert);
+  root-mean-square, and that of each of its rows, may not exceed ``max_ratio`` times
+  the round's typical one (the median over peers of each peer's median RMS: one expert
+  answering 1e6 times louder than its peers is not an expert; a few rows blown up
+  3000 times in an answer of many passed as a whole, their RMS diluted by the rest);
 * ``out_of_range`` (outgrown): no element may exceed ``max_abs``;
 * a ``spot_check`` fraction of forward calls is also sent to a second replica of the
   same expert; the two answers must point the same way (cosine similarity at least
@@ -120,8 +121,13 @@ class Verdict:
     scale: float | None = None
 
 
-def _rms(t: torch.Tensor) -> float:
-    return float(t.float().square().mean().sqrt()) if t.numel() else 0.0
+def _rms(t: torch.Tensor) -> tuple[float, float]:
+    """The RMS of ``t`` and that of its loudest row (a row: the last dimension), from
+    one pass over its squares."""
+    if not t.numel():
+        return 0.0, 0.0
+    ms_R = t.float().square().reshape(-1, t.shape[-1] if t.dim() else 1).mean(dim=1)
+    return float(ms_R.mean().sqrt()), float(ms_R.max().sqrt())
 
 
 def _median(values: Iterable[float]) -> float:
@@ -178,6 +184,7 @@ def judge_round(
     reasons: list[str | None] = [None] * len(tensors)
     answered = [i for i, t in enumerate(tensors) if t is not None]
     scales: dict[int, float] = {}
+    loudest_row: dict[int, float] = {}
     over: list[int] = []
     for i, t in enumerate(tensors):
         if t is None:
@@ -187,7 +194,7 @@ def judge_round(
         if not bool(torch.isfinite(t).all()):
             reasons[i] = NON_FINITE
             continue
-        scales[i] = _rms(t)
+        scales[i], loudest_row[i] = _rms(t)
         if t.numel() and float(t.abs().max()) > checks.max_abs:
             over.append(i)
     loud: list[int] = []
@@ -198,7 +205,7 @@ def judge_round(
         within = {i: s for i, s in scales.items() if i not in over}
         basis = within if 2 * len(within) >= len(scales) else scales
         limit = checks.max_ratio * max(_typical(basis, owners), _TINY)
-        loud = [i for i, scale in scales.items() if scale > limit]
+        loud = [i for i in scales if loudest_row[i] > limit]  # never below its RMS
     for i in loud:
         reasons[i] = OUT_OF_RANGE
 
