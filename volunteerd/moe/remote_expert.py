@@ -23,6 +23,7 @@ from volunteerd.experts import TORCH_DTYPES, from_wire, to_wire
 from volunteerd.net import PeerAddress, Verb
 from volunteerd.net.background import BackgroundNode
 from volunteerd.wire import (
+    FLOAT_DTYPES,
     BackwardRequest,
     Compression,
     ExpertInfo,
@@ -59,11 +60,22 @@ class RemoteExpert(nn.Module):
 
     @property
     def info(self) -> ExpertInfo:
-        """The server's description of the expert (fetched once)."""
+        """The server's description of the expert (fetched once). Raises BadDtype when
+        it says the expert takes or gives anything but floating point: the inputs are
+        cast to, and the answers checked against, the dtypes it names, so an ``info``
+        that said int64 made the trainer send its inputs as integers and accept an
+        answer of -2**63 (integers are always finite)."""
         if self._info is None:
             reply, _ = self._node.run(
                 self._node.node.rpc.call, self.peer, Verb.INFO, InfoRequest(uid=self.uid)
             )
+            for what, schemas in (("inputs", reply.inputs), ("outputs", reply.outputs)):
+                dtypes = [s.dtype for s in schemas]
+                if not set(dtypes) <= FLOAT_DTYPES:
+                    raise BadDtype(
+                        f"{self.uid} at {self.peer.peer_id[-8:]} says its {what} are "
+                        f"{dtypes}: an expert takes and gives floating point"
+                    )
             self._info = reply
         return self._info
 
