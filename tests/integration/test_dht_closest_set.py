@@ -29,7 +29,7 @@ STRANGERS = 30
 KEYS = [f"ffn.{i}." for i in range(4)]
 
 
-async def _in_touch(nodes: list[Node]) -> None:
+async def in_touch(nodes: list[Node]) -> None:
     """Every node connected to every other and holding it in its routing table."""
     for node in nodes:
         for other in nodes:
@@ -71,7 +71,7 @@ async def test_idle_strangers_neither_take_a_writers_records_nor_hide_them_from_
     nothing. A bare connection is no candidate now."""
     async with AsyncExitStack() as stack:
         nodes = await _swarm(4, stack)
-        await _in_touch(nodes)
+        await in_touch(nodes)
         writer, reader = nodes[1], nodes[2]
         records = [
             sign_record(
@@ -130,7 +130,7 @@ async def test_withholders_of_one_network_do_not_hide_a_key_from_a_reader(
             await stack.enter_async_context(open_node(identity, joining, withholding))
             for identity in _ground_near(key, honest, DHT["replication"])
         ]
-        await _in_touch([*nodes, *withholders])
+        await in_touch([*nodes, *withholders])
         their_ids = {w.host.get_id() for w in withholders}
 
         def network_of(self: ExpertDHT, peer_id: ID) -> str:
@@ -157,7 +157,7 @@ async def test_newcomers_closest_to_a_key_that_hold_nothing_yet_do_not_hide_it()
     writer also stored past them)."""
     async with AsyncExitStack() as stack:
         nodes = await _swarm(3, stack)
-        await _in_touch(nodes)
+        await in_touch(nodes)
         writer, reader = nodes[1], nodes[2]
         key = "ffn.0."
         record = sign_record(
@@ -170,7 +170,7 @@ async def test_newcomers_closest_to_a_key_that_hold_nothing_yet_do_not_hide_it()
             await stack.enter_async_context(open_peer(joining, identity))
             for identity in _ground_near(key, honest, DHT["replication"])
         ]
-        await _in_touch([*nodes, *newcomers])
+        await in_touch([*nodes, *newcomers])
         assert set(await reader.dht._closest(key)) == {n.host.get_id() for n in newcomers}
         found = await reader.dht.get([key])
         assert [r.peer_id for r in found[key]] == [writer.peer_id]
@@ -192,7 +192,7 @@ async def test_an_announcer_whose_holders_withhold_its_record_says_so(
             )
             for identity in _ground_near(uid, honest, DHT["replication"])
         ]
-        await _in_touch([*nodes, *withholders])
+        await in_touch([*nodes, *withholders])
         writer = nodes[1]
         config = local_config(dht=DHT)
         announcer = Announcer(

@@ -14,6 +14,7 @@ from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 
+from tests.integration.test_dht_closest_set import in_touch
 from volunteerd.net import Verb
 from volunteerd.net.node import Node
 from volunteerd.net.protocols import PROTOCOLS
@@ -66,14 +67,7 @@ async def _swarm() -> AsyncIterator[tuple[Node, Node, Node, Node, Node, str]]:
         a, b, silent, reader = [
             await stack.enter_async_context(open_peer(joining)) for _ in range(4)
         ]
-        nodes = (boot, a, b, silent, reader)
-        for node in nodes:
-            for other in nodes:
-                if other is not node:
-                    await node.rpc.connect(other.address)
-                    await node.dht._kad.routing_table.add_peer(other.host.get_id())
-        for node in nodes:
-            node.dht._closest_cache.clear()
+        await in_touch([boot, a, b, silent, reader])
         others = [n.host.get_id() for n in (boot, a, b, silent)]
         key = _key_nearest(silent.host.get_id(), others)
         for replica in (a, b):
