@@ -115,3 +115,26 @@ def test_voters_gone_for_the_window_no_longer_count_and_a_set_clock_is_seen() ->
     hear(clock, clocks, {"c": 0.0, "d": 0.0})
     assert clock.offset == 0.0
     assert clock.now() == pytest.approx(clocks.true)
+
+
+def test_a_wall_clock_jump_is_corrected_at_once_not_at_the_next_record() -> None:
+    # The offset was estimated only as records came: read between a jump of the wall
+    # clock and the next record, the swarm's time was the jumped time (a manifest read
+    # then as expired: its project was dropped).
+    clocks = Clocks(0.0)
+    clock = clocks.swarm_clock()
+    hear(clock, clocks, {"a": 0.0, "b": 0.0, "c": 0.0})
+    assert clock.offset == 0.0
+    clocks.off = 48 * 3600.0  # set 48 h ahead; no record has come since
+    clocks.step(0.5)
+    assert clock.now() == pytest.approx(clocks.true, abs=1.0)
+    clocks.off = 0.0  # and set right again
+    clocks.step(0.5)
+    assert clock.now() == pytest.approx(clocks.true, abs=1.0)
+
+
+def test_with_no_voters_heard_the_wall_clock_is_the_swarms_time() -> None:
+    clocks = Clocks(0.0)
+    clock = clocks.swarm_clock()
+    clocks.off = 3 * 3600.0
+    assert clock.now() == clocks.true + clocks.off  # nobody to say otherwise

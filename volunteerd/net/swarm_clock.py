@@ -19,7 +19,8 @@ only where a strict majority of at least ``MIN_AGREEING`` voters agree on it wit
 records' own tolerance is left alone: NTP keeps most within a second). Beyond
 ``MAX_OFFSET_S`` it is not followed, only reported: a clock days off is for its owner to
 set. The offset is logged as a warning whenever it is taken or changes, naming by how
-much this computer's clock is off.
+much this computer's clock is off. A jump of the wall clock since the last estimate is
+seen by ``now()`` itself, which estimates again at once.
 
 A peer cannot move this node's time alone, or with identities behind one address;
 moving it needs most of the voters this node hears from in ``WINDOW_S``, which is an
@@ -75,9 +76,21 @@ class SwarmClock:
         self._voters: dict[str, tuple[float, float]] = {}
         self._estimated_at = -math.inf
         self._reported: float | None = None
+        # the wall clock less the monotonic one when the offset was last estimated
+        self._wall_ahead = wall() - ticking()
 
     def now(self) -> float:
-        return self._wall() + self.offset
+        """The swarm's time. Where this wall clock jumped since the offset was last
+        estimated (set by hand or by NTP, a suspend), the offset is estimated again at
+        once from the voters heard (their samples are on the monotonic clock): it was
+        recomputed only as records came, and a manifest checked in between read the
+        jumped time (an outside re-check: a project dropped 26 ms before the next
+        record would have corrected the clock)."""
+        wall, at = self._wall(), self._ticking()
+        if abs(wall - at - self._wall_ahead) > ADJUST_OVER_S and self._voters:
+            self._estimated_at = at
+            self._estimate(at)
+        return wall + self.offset
 
     def observe(self, voter: str, issued: Iterable[float]) -> None:
         """Records ``voter`` sent just now were issued at ``issued`` (its wall clock)."""
@@ -101,6 +114,7 @@ class SwarmClock:
         for voter in [v for v, (seen, _) in self._voters.items() if at - seen >= WINDOW_S]:
             del self._voters[voter]
         wall_ahead = self._wall() - at  # the wall clock less the monotonic one, now
+        self._wall_ahead = wall_ahead
         samples = [sample - wall_ahead for _, sample in self._voters.values()]
         self.agreed = _majority(samples)
         agreed = self.agreed
