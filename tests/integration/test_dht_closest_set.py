@@ -5,6 +5,7 @@ network that take records and answer every find empty, no longer decide it."""
 from __future__ import annotations
 
 import hashlib
+import re
 from contextlib import AsyncExitStack
 
 import pytest
@@ -202,4 +203,32 @@ async def test_an_announcer_whose_holders_withhold_its_record_says_so(
         outcome = await announcer.announce_now()
         assert outcome.acks[uid] == DHT["replication"]
         assert "gave it back" in caplog.text
+        assert announcer.withheld
+
+
+async def test_withholders_of_a_prefix_alone_are_seen_by_the_announcer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Trainers find experts through the prefixes. Withholders ground near ``ffn.`` alone
+    hid it from every reader while the uid's own record read back: the read-back
+    checked uids only (an outside re-check)."""
+    async with AsyncExitStack() as stack:
+        nodes = await _swarm(2, stack)
+        honest = [n.host.get_id() for n in nodes]
+        joining = local_config(bootstrap=nodes[0].multiaddrs, dht=DHT)
+        withholders = [
+            await stack.enter_async_context(
+                open_node(identity, joining, {Verb.DHT_FIND: _withhold})
+            )
+            for identity in _ground_near("ffn.", honest, DHT["replication"])
+        ]
+        await in_touch([*nodes, *withholders])
+        writer = nodes[1]
+        config = local_config(dht=DHT)
+        announcer = Announcer(
+            writer.dht, writer.identity, writer.peer_id, writer.addrs, config.dht, config.timeouts
+        )
+        announcer.set_uids(["ffn.0.0"])
+        await announcer.announce_now()
+        assert re.search(r"record for ffn\. (and \S+ )?gave it back", caplog.text)
         assert announcer.withheld

@@ -11,7 +11,6 @@ vanishes when its last records expire, within ``record_ttl_s``. While paused
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -68,6 +67,7 @@ class Announcer:
         self.last_outcome: StoreOutcome | None = None
         self.unheard = False  # the last round's records reached no other peer
         self.withheld = False  # the last read-back found no holder giving a record back
+        self._read_backs = 0  # rounds read back: which prefix and uid come next
 
     def set_addrs(self, addrs: Iterable[str]) -> None:
         """Announce these addresses from the next round on (which starts at once); the
@@ -139,31 +139,36 @@ class Announcer:
         elif self.unheard and not unheard:
             logger.info("announcements reach other peers again")
         self.unheard = unheard
-        await self._read_back([r for r in records if r.key in live])
+        await self._read_back([r for r in records if r.active])
         return outcome
 
     async def _read_back(self, records: list[ExpertRecord]) -> None:
-        """Ask the peers holding one of this round's records, a uid's picked at random,
-        for it (``ExpertDHT.read_back``), and say so once when none gives it back: its
-        storing peers took it and withhold it from readers, and acks cannot show that.
-        A uid's key, not a prefix's: few servers share it, so an honest answer is never
-        too full to hold this one's record."""
-        if not records:
-            return
-        record = random.choice(records)
-        uid = record.key
-        result = await self._dht.read_back(record)
-        if result is False and not self.withheld:
+        """Ask the peers holding two of this round's records, a prefix's and a uid's
+        (each in turn, round after round), for them (``ExpertDHT.read_back``), and say
+        so once when none gives one back: its storing peers took it and withhold it
+        from readers, and acks cannot show that. A prefix's too: trainers find experts
+        through the prefixes (``ffn.``, ``ffn.0.``), and withholders ground near those
+        alone hid them while every uid's record read back (an outside re-check)."""
+        prefixes = sorted((r for r in records if r.children), key=lambda r: r.key)
+        uids = sorted((r for r in records if not r.children), key=lambda r: r.key)
+        # in turn, so that every key is checked within as many rounds as there are keys
+        picked = [group[self._read_backs % len(group)] for group in (prefixes, uids) if group]
+        self._read_backs += 1
+        results = [(record.key, await self._dht.read_back(record)) for record in picked]
+        withheld = [key for key, result in results if result is False]
+        if withheld and not self.withheld:
             logger.warning(
                 "no peer holding this node's record for %s gave it back when asked: "
                 "trainers may not find its experts (checked every round; said again "
-                "only after a holder has given it back)",
-                uid,
+                "only after its holders give records back)",
+                " and ".join(withheld),
             )
-        elif result is True and self.withheld:
+        elif self.withheld and not withheld and any(r is True for _, r in results):
             logger.info("peers holding this node's records give them back again")
-        if result is not None:
-            self.withheld = not result
+        if withheld:
+            self.withheld = True
+        elif any(r is True for _, r in results):
+            self.withheld = False
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:

@@ -74,6 +74,10 @@ R = TypeVar("R", bound=SignedRecord)
 # answer unreadable. Keep it under 48 KiB.
 _FIND_REPLY_BYTES = 48 * 1024
 _CLOSEST_CACHE_S = 30.0
+# A read-back answer with this many records of the key may have been cut at
+# _FIND_REPLY_BYTES before this node's (records with relay addresses run to ~3 KiB): it
+# shows nothing. Prefixes of large swarms are checked by their uids' records alone.
+_READ_BACK_FULL = 16
 # Other peers' routing tables keep a dead peer for long; do not ask it again meanwhile.
 _DEAD_PEER_S = 60.0
 # Peers whose Kademlia requests came before identify told us their addresses, waiting
@@ -810,7 +814,8 @@ class ExpertDHT:
         checked: no other peer holds it, none of them answered, or it has expired (a
         round slower than its records' lifetime). False: every holder that answered
         withheld it, as peers that take records and answer every find empty do (their
-        acks count like anyone's)."""
+        acks count like anyone's); an answer of ``_READ_BACK_FULL`` records of the key
+        or more counts as no answer."""
         key, writer = record.key, str(self._self_id)
         holders = [p for p in self._holders.get(key, ()) if p != self._self_id]
         request = FindRequest.asking([key], writer)
@@ -821,9 +826,12 @@ class ExpertDHT:
             reply = await self._ask(peer_id, Verb.DHT_FIND, request)
             if reply is None:
                 continue
-            answered = True
-            if any(r.key == key and r.peer_id == writer for r in reply.records):
+            held = [r for r in reply.records if r.key == key]
+            if any(r.peer_id == writer for r in held):
                 return True
+            # an answer this full may have been cut short before this node's record (a
+            # prefix many servers share): it shows nothing either way
+            answered = answered or len(held) < _READ_BACK_FULL
         return False if answered and record.expires_at > self.clock.now() else None
 
     async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
