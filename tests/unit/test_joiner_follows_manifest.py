@@ -21,6 +21,7 @@ import pytest
 import torch
 import trio
 
+from tests.unit.test_activity import signals
 from volunteerd.config import ExperimentsConfig, ExpertsConfig
 from volunteerd.errors import ResourceUnavailable
 from volunteerd.experts import ExpertBackend
@@ -28,7 +29,7 @@ from volunteerd.identity import Identity
 from volunteerd.net import PeerAddress
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import ManifestRecord
-from volunteerd.server.activity import Activity, Signals, decide_activity
+from volunteerd.server.activity import Activity, decide_activity
 from volunteerd.swarm.assignment import tie_break
 from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.joiner import Joiner
@@ -144,15 +145,9 @@ def joiner_of(
 def activity_of(joiner: Joiner) -> Activity:
     """What status says of a daemon in this project alone, well connected."""
     return decide_activity(
-        Signals(
+        signals(
             experts=0,
             projects=[joiner],
-            mode="running",
-            serving=True,
-            reason="",
-            snoozed_until=None,
-            connected_peers=3,
-            reachability="direct",
             port=None,
             last_answered_at=None,
             now=trio.current_time(),
