@@ -10,10 +10,10 @@ import pytest
 import torch
 import trio
 
+from volunteerd.awake import awake_time
 from volunteerd.errors import RemoteError
 from volunteerd.experts import to_wire
 from volunteerd.net import Node, Verb
-from volunteerd.runtime.averaging import awake_time
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import ForwardRequest
 

@@ -16,6 +16,7 @@ LEAVES = {
     "malloc",
     "shown",
     "checkpoint_folders",
+    "awake",
 }
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
@@ -27,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "malloc": set(),
     "shown": set(),
     "checkpoint_folders": set(),
+    "awake": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),

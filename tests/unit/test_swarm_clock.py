@@ -4,6 +4,7 @@ its peers' records, where most of them agree, and only then."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -138,3 +139,31 @@ def test_with_no_voters_heard_the_wall_clock_is_the_swarms_time() -> None:
     clock = clocks.swarm_clock()
     clocks.off = 3 * 3600.0
     assert clock.now() == clocks.true + clocks.off  # nobody to say otherwise
+
+
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="Linux's CLOCK_BOOTTIME")
+def test_a_night_asleep_is_not_read_as_a_clock_jump(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A suspend: the wall clock and CLOCK_BOOTTIME run on, ``time.monotonic`` stops.
+    Samples kept on the monotonic clock read the night as this clock jumping ahead of
+    every voter, and the swarm's time went back by the whole night (records signed for
+    it refused as expired) until fresh records came."""
+    asleep = [0.0]
+    real_gettime = time.clock_gettime
+
+    def gettime(clock_id: int) -> float:
+        extra = asleep[0] if clock_id == time.CLOCK_BOOTTIME else 0.0
+        return real_gettime(clock_id) + extra
+
+    monkeypatch.setattr(time, "clock_gettime", gettime)
+    start_wall, start_mono = TRUE_NOW, time.monotonic()
+
+    def wall() -> float:  # right, and running on through the night
+        return start_wall + (time.monotonic() - start_mono) + asleep[0]
+
+    clock = SwarmClock(wall=wall)
+    for voter in ("a", "b", "c"):
+        clock.observe(voter, [wall()])  # the voters' clocks agree with this one
+    assert clock.now() == pytest.approx(wall(), abs=1.0)
+    asleep[0] = 8 * 3600.0  # the lid closed for 8 hours; no record has come since
+    assert clock.now() == pytest.approx(wall(), abs=1.0)
+    assert clock.offset == 0.0

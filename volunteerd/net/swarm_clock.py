@@ -22,6 +22,12 @@ set. The offset is logged as a warning whenever it is taken or changes, naming b
 much this computer's clock is off. A jump of the wall clock since the last estimate is
 seen by ``now()`` itself, which estimates again at once.
 
+Samples are kept on a clock that counts a suspend (``awake.awake_time``; Linux's
+``CLOCK_BOOTTIME``). On ``time.monotonic``, which stops while a laptop sleeps, a night's
+sleep of D seconds read as this wall clock jumping D ahead of every voter's sample, and
+the first estimate after waking took an offset of -D (records signed D in the past,
+refused as expired) until most voters had sent fresh records, about an announce period.
+
 A peer cannot move this node's time alone, or with identities behind one address;
 moving it needs most of the voters this node hears from in ``WINDOW_S``, which is an
 eclipse of this node (the DHT's caps per address bound that elsewhere).
@@ -35,6 +41,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 
+from volunteerd.awake import awake_time
+
 __all__ = [
     "ADJUST_OVER_S",
     "AGREE_S",
@@ -46,7 +54,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-WINDOW_S = 600.0  # a voter's samples count this long (monotonic seconds)
+WINDOW_S = 600.0  # a voter's samples count this long (seconds awake or asleep)
 AGREE_S = 60.0  # voters whose offsets lie this close agree
 ADJUST_OVER_S = 60.0  # an offset at most this large is left to the records' tolerance
 MAX_OFFSET_S = 7 * 86400.0  # further off: reported, not followed
@@ -62,27 +70,27 @@ class SwarmClock:
     def __init__(
         self,
         wall: Callable[[], float] = time.time,
-        ticking: Callable[[], float] = time.monotonic,
+        ticking: Callable[[], float] = awake_time,
     ) -> None:
         self._wall = wall
         self._ticking = ticking
         self.offset = 0.0
         # the offset most voters agree on now, whether followed or not (None: no majority)
         self.agreed: float | None = None
-        # voter -> (monotonic time it was last heard, the newest record it sent in the
-        # window: its issued_at less the monotonic time it came at). On the monotonic
+        # voter -> (ticking time it was last heard, the newest record it sent in the
+        # window: its issued_at less the ticking time it came at). On the ticking
         # clock, a voter's freshest record reads the same whatever this wall clock does
         # meanwhile (set by NTP or by hand); the wall clock is compared at each estimate.
         self._voters: dict[str, tuple[float, float]] = {}
         self._estimated_at = -math.inf
         self._reported: float | None = None
-        # the wall clock less the monotonic one when the offset was last estimated
+        # the wall clock less the ticking one when the offset was last estimated
         self._wall_ahead = wall() - ticking()
 
     def now(self) -> float:
         """The swarm's time. Where this wall clock jumped since the offset was last
         estimated (set by hand or by NTP, a suspend), the offset is estimated again at
-        once from the voters heard (their samples are on the monotonic clock): it was
+        once from the voters heard (their samples are on the ticking clock): it was
         recomputed only as records came, and a manifest checked in between read the
         jumped time (an outside re-check: a project dropped 26 ms before the next
         record would have corrected the clock)."""
@@ -113,7 +121,7 @@ class SwarmClock:
     def _estimate(self, at: float) -> None:
         for voter in [v for v, (seen, _) in self._voters.items() if at - seen >= WINDOW_S]:
             del self._voters[voter]
-        wall_ahead = self._wall() - at  # the wall clock less the monotonic one, now
+        wall_ahead = self._wall() - at  # the wall clock less the ticking one, now
         self._wall_ahead = wall_ahead
         samples = [sample - wall_ahead for _, sample in self._voters.values()]
         self.agreed = _majority(samples)

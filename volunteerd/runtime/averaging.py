@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import trio
 
+from volunteerd.awake import awake_time
 from volunteerd.bounded import remember
 from volunteerd.config import ReplicasConfig
 from volunteerd.errors import FrameTooLarge, VolunteerdError
@@ -113,14 +114,6 @@ TICK_S = 1.0
 # replicas are gone or silent serves again after it.
 CATCH_UP_S = 120.0
 _CATCH_UP_RETRY_S = 5.0
-
-
-def awake_time() -> float:
-    """Seconds on a clock that counts time suspended (Linux's CLOCK_BOOTTIME; elsewhere
-    ``time.monotonic``, which on Linux stops while the machine sleeps)."""
-    if hasattr(time, "CLOCK_BOOTTIME"):
-        return time.clock_gettime(time.CLOCK_BOOTTIME)
-    return time.monotonic()
 
 
 class ReplicaSource(Protocol):
