@@ -424,7 +424,7 @@ def _projects(args: argparse.Namespace) -> ExitCode:
         Project,
         join_project,
         leave_project,
-        load_projects,
+        read_projects,
         replaced_owner,
         replacing,
     )
@@ -441,15 +441,22 @@ def _projects(args: argparse.Namespace) -> ExitCode:
                 ProjectView(name=p.name, owner=p.owner, share=p.share, state="joining")
                 for p in running_projects(config, paths)
             ]
-            if args.json:
-                print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
-            else:
-                print(commands.format_projects(views, running=False))
-            return ExitCode.OK
-        if args.json:
-            print(json.dumps([p.model_dump(mode="json") for p in status.projects], indent=2))
+            running = False
         else:
-            print(commands.format_projects(status.projects, running=True))
+            views, running = status.projects, True
+        if args.json:
+            print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
+            return ExitCode.OK
+        try:
+            set_aside = read_projects(paths.projects_file).set_aside
+        except (ConfigError, OSError):  # the daemon runs on what it read when it started
+            set_aside = []
+        if views or not set_aside:
+            print(commands.format_projects(views, running=running))
+        for entry in set_aside:  # recorded, but not hosted by this release
+            print(f"{entry.name}  not hosted: {entry.problem}")
+            print(f"  owner {entry.owner or '(none)'}")
+            print(f"  {entry.advice()}")
         return ExitCode.OK
     if args.command == "leave":
         name = args.name
@@ -482,7 +489,7 @@ def _projects(args: argparse.Namespace) -> ExitCode:
         )
     project = Project.invited(invitation, share=share, joined_at=time.time())
     # another owner's project of that name is replaced only when the person said yes to it
-    replaces = replaced_owner(load_projects(paths.projects_file), project)
+    replaces = replaced_owner(read_projects(paths.projects_file).entries(), project)
     told = replacing(invitation.name, replaces) if replaces else ""
     print(
         commands.describe_invitation(

@@ -49,7 +49,7 @@ from volunteerd.server.contribution import Accountant, opened_stats
 from volunteerd.server.control_view import ControlView
 from volunteerd.server.events import open_events
 from volunteerd.server.pausing import Volunteer, refusal_before_reading
-from volunteerd.swarm.projects import Project, load_projects
+from volunteerd.swarm.projects import Project, load_projects, read_projects
 
 if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
@@ -212,6 +212,10 @@ class Daemon:
     async def _serve(self, task_status: TaskStatus[Running]) -> None:
         config, paths = self.config, self.paths
         projects = running_projects(config, paths)
+        # what was left out of projects.toml: said once a start (not at every read)
+        recorded = read_projects(paths.projects_file)
+        for warning in recorded.warnings:
+            logger.warning("%s", warning)
         identity = self._identity or load_or_create_identity(paths.identity_file)
         uids = [] if projects else config.experts.uid_list()
         if projects and config.experts.uids:
@@ -230,6 +234,10 @@ class Daemon:
             hosting = await prepare_hosting(config, paths, uids)
         runtime = hosting.runtime if hosting is not None else None
         events = EventLog()
+        for entry in recorded.set_aside:
+            events.post(
+                "error", f"project {entry.name} is not hosted: {entry.problem}; {entry.advice()}"
+            )
         if hosting is not None:
             hosting.checkpointer.on_warning = lambda message: events.post("error", message)
         throttle = Throttle(config.limits, TransferLedger(paths.transfer_file))

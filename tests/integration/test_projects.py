@@ -180,6 +180,39 @@ async def test_a_project_that_cannot_be_joined_fails_alone(tmp_path: Path) -> No
             assert views["ghost"].error is not None
 
 
+async def test_an_older_releases_projects_file_still_hosts_what_it_can(tmp_path: Path) -> None:
+    """An older release recorded invitations whose peers today's checks refuse (a
+    /dnsaddr/ bootstrap peer): the new daemon stopped at its start (exit 3), every
+    project with it. Now the project joins through its usable peer, one with none is
+    set aside (an error event says so) and leaving it needs no restart."""
+    owner = Identity.generate()
+    dnsaddr = f"/dnsaddr/boot.example.org/p2p/{peer_id_for(Identity.generate())}"
+    async with open_peer(local_config()) as boot:
+        await publish(boot, owner, "vmix", "aa")
+        (tmp_path / "projects.toml").write_text(
+            f'[[project]]\nname = "vmix"\nowner = "{peer_id_for(owner)}"\n'
+            f'peers = ["{boot.multiaddrs[0]}", "{dnsaddr}"]\n'
+            f'[[project]]\nname = "dead"\nowner = "{peer_id_for(owner)}"\n'
+            f'peers = ["{dnsaddr}"]\n'
+        )
+        async with serving(daemon_config(), tmp_path, Identity.generate()) as (
+            daemon,
+            running,
+            _,
+        ):
+            (joiner,) = running.joiners
+            await until(lambda: joiner.state == "joined")
+            assert running.controls is not None
+            assert [p.name for p in running.controls.status().projects] == ["vmix"]
+            said = [e.message for e in running.controls.events.after(-1) if e.kind == "error"]
+            assert any("project dead is not hosted" in m for m in said), said
+            left = await running.controls.leave_project("dead")
+            assert left is not None
+            assert not left.restarting  # it was not hosted
+            assert not daemon.restart_requested
+        assert [p.name for p in load_projects(tmp_path / "projects.toml")] == ["vmix"]
+
+
 async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path: Path) -> None:
     owner, me = Identity.generate(), Identity.generate()
     async with open_peer(local_config()) as boot:

@@ -1,7 +1,7 @@
 """The projects file (``<data dir>/projects.toml``): joining records a project (in place
 of one of the same name), leaving removes it, a damaged file is an error naming the
-file, shares split the room for experts; and a daemon module that hosts nothing
-imports no torch."""
+file, an entry today's checks refuse (another release's) is set aside alone, shares
+split the room for experts; and a daemon module that hosts nothing imports no torch."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from volunteerd.config import Config, ExperimentsConfig, load_config
 from volunteerd.control.events import EventLog
 from volunteerd.control.models import MAX_PROJECT_SHARE, ProjectJoin
 from volunteerd.daemon import Daemon
-from volunteerd.errors import ConfigError, ControlError
+from volunteerd.errors import ConfigError, ControlError, ExitCode
 from volunteerd.identity import Identity
 from volunteerd.net.peers import peer_id_for
 from volunteerd.paths import Paths
@@ -34,6 +34,7 @@ from volunteerd.swarm.projects import (
     join_project,
     leave_project,
     load_projects,
+    read_projects,
     share_of,
 )
 from volunteerd.train.experiment import load_experiment
@@ -164,34 +165,14 @@ def test_volunteerd_join_asks_before_replacing_another_owners_project(
     ("text", "says"),
     [
         ("[[project]\n", "not valid TOML"),
-        ('[[project]]\nname = "x"\n', "project.0.owner"),
-        (f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = []\n', "names no peer"),
-        (f'[[project]]\nname = "x"\nowner = "nobody"\npeers = ["{PEER}"]\n', "Ed25519"),
-        (
-            f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\nshare = 0\n',
-            "share",
-        ),
-        (f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\nfoo = 1\n', "foo"),
-        (f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\n' * 2, "twice"),
-        ('something = "else"\n', "something"),
-        (
-            f'[[project]]\nname = "x"\nowner = "{OWNER}"\npeers = ["/unix/a{PEER[-57:]}"]\n',
-            "not a valid multiaddr",
-        ),
+        ('project = ["x"]\n', "expected [[project]] tables"),
+        ("project = 3\n", "expected [[project]] tables"),
     ],
-    ids=[
-        "toml",
-        "no-owner",
-        "no-peer",
-        "bad-owner",
-        "bad-share",
-        "unknown-key",
-        "twice",
-        "table",
-        "unix-peer",
-    ],
+    ids=["toml", "not-tables", "not-a-list"],
 )
-def test_a_bad_file_is_an_error_naming_it(tmp_path: Path, text: str, says: str) -> None:
+def test_a_file_that_is_no_list_of_projects_is_an_error_naming_it(
+    tmp_path: Path, text: str, says: str
+) -> None:
     path = tmp_path / "projects.toml"
     path.write_text(text)
     with pytest.raises(ConfigError) as error:
@@ -201,7 +182,152 @@ def test_a_bad_file_is_an_error_naming_it(tmp_path: Path, text: str, says: str) 
     # and nothing is written over it: the volunteer's file stays for them to fix
     with pytest.raises(ConfigError):
         join_project(path, project("y"))
+    with pytest.raises(ConfigError):
+        leave_project(path, "x")
     assert path.read_text() == text
+
+
+GOOD = f'[[project]]\nname = "good"\nowner = "{OWNER}"\npeers = ["{PEER}"]\nshare = 2.0\n'
+OTHER_ID = str(peer_id_for(Identity.generate()))
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        (f'name = "x"\npeers = ["{PEER}"]\n', "names no owner"),
+        (f'name = "x"\nowner = "{OWNER}"\npeers = []\n', "names no peer"),
+        (f'name = "x"\nowner = "{OWNER}"\n', "no list of peers"),
+        (f'name = "x"\nowner = "nobody"\npeers = ["{PEER}"]\n', "Ed25519"),
+        (f'name = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\nshare = 0\n', "share 0"),
+        (f'name = "x"\nowner = "{OWNER}"\npeers = ["{PEER}"]\nshare = "1"\n', "share '1'"),
+        (f'name = "X Y"\nowner = "{OWNER}"\npeers = ["{PEER}"]\n', "is not a name"),
+        (f'owner = "{OWNER}"\npeers = ["{PEER}"]\n', "names no experiment"),
+        (
+            f'name = "x"\nowner = "{OWNER}"\npeers = ["/unix/a{PEER[-57:]}"]\n',
+            "none of its peers",
+        ),
+        (
+            f'name = "x"\nowner = "{OWNER}"\n'
+            f'peers = ["/dnsaddr/boot.example.org/p2p/{OTHER_ID}"]\n',
+            "none of its peers",
+        ),
+        (f'name = "good"\nowner = "{OWNER}"\npeers = ["{PEER}"]\n', "listed twice"),
+    ],
+    ids=[
+        "no-owner",
+        "no-peer",
+        "no-peers-key",
+        "bad-owner",
+        "bad-share",
+        "share-text",
+        "bad-name",
+        "no-name",
+        "unix-peer",
+        "dnsaddr-peer",
+        "twice",
+    ],
+)
+def test_an_entry_todays_checks_refuse_is_set_aside_and_the_others_still_load(
+    tmp_path: Path, entry: str, says: str
+) -> None:
+    """One such entry (an older release's, or one edited by hand) made the whole file an
+    error: the daemon did not start, and `leave` could not remove it."""
+    path = tmp_path / "projects.toml"
+    text = GOOD + "\n[[project]]\n" + entry
+    path.write_text(text)
+    recorded = read_projects(path)
+    assert [(p.name, p.peers, p.share) for p in recorded.projects] == [("good", (PEER,), 2.0)]
+    [aside] = recorded.set_aside
+    assert says in aside.problem
+    assert any(f"{path}: project 2" in w and "is not hosted" in w for w in recorded.warnings)
+    # joining another project leaves it as it was; leaving it (by its name) removes it
+    assert join_project(path, project("third"))
+    assert read_projects(path).set_aside == [aside]
+    name = aside.name
+    assert leave_project(path, name)
+    if name == "good":  # both entries of the name go
+        assert [p.name for p in load_projects(path)] == ["third"]
+    else:
+        assert [p.name for p in load_projects(path)] == ["good", "third"]
+    assert read_projects(path).set_aside == []
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        f"/dnsaddr/boot.example.org/p2p/{OTHER_ID}",
+        f"/ip4/127.0.0.1/tcp/4001/ws/p2p/{OTHER_ID}",
+        f"/dns4/boot.example.org/tcp/443/tls/ws/p2p/{OTHER_ID}",
+        f"/ip4/127.0.0.1/udp/4001/quic-v1/p2p/{OTHER_ID}",
+    ],
+    ids=["dnsaddr", "ws", "tls-ws", "quic"],
+)
+def test_a_peer_todays_rules_refuse_is_left_out_and_the_project_joins_through_the_others(
+    tmp_path: Path, refused: str
+) -> None:
+    """What an older release put in an invitation and recorded at `join`: the new daemon
+    stopped with "project 1: not a valid invitation" (exit 3)."""
+    path = tmp_path / "projects.toml"
+    text = (
+        f'[[project]]\nname = "vmix"\nowner = "{OWNER}"\npeers = ["{PEER}", "{refused}"]\n'
+        "share = 1.0\njoined_at = 1767225600.0\ntrainers = 3\n"
+    )
+    path.write_text(text)
+    recorded = read_projects(path)
+    assert recorded.projects == [Project("vmix", OWNER, (PEER,), share=1.0, joined_at=1767225600.0)]
+    assert recorded.set_aside == []
+    assert len(recorded.warnings) == 2  # the peer left out, the key not known
+    assert any(refused[:20] in w and "left out" in w for w in recorded.warnings)
+    assert any("'trainers'" in w and "ignored" in w for w in recorded.warnings)
+    # the daemon starts (and a join or leave may restart it) on such a file
+    daemon = a_daemon(tmp_path)
+    daemon.paths.data_dir.mkdir()
+    daemon.paths.projects_file.write_text(text)
+    daemon.check_restart()
+    # an entry not changed is written back as it was read: peers, unknown keys and all
+    assert join_project(path, project("other"))
+    assert "trainers = 3" in path.read_text()
+    assert refused in path.read_text()
+    # joining it again from a valid invitation writes it anew
+    assert join_project(path, Project("vmix", OWNER, (PEER,), joined_at=2.0))
+    assert refused not in path.read_text()
+    assert read_projects(path).warnings == []
+
+
+def test_a_file_with_entries_set_aside_lets_volunteerd_list_leave_and_join(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`volunteerd projects`, `leave` and `join` (no daemon running) each stopped with
+    the file's error (exit 3): only editing projects.toml by hand got out of it."""
+    from volunteerd.cli import main
+
+    monkeypatch.setenv("VOLUNTEERD_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.setenv("VOLUNTEERD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("VOLUNTEERD_CACHE_DIR", str(tmp_path / "cache"))
+    projects_file = tmp_path / "data" / "projects.toml"
+    projects_file.parent.mkdir()
+    dnsaddr = f"/dnsaddr/boot.example.org/p2p/{OTHER_ID}"
+    projects_file.write_text(
+        f'[[project]]\nname = "vmix"\nowner = "{OWNER}"\npeers = ["{PEER}", "{dnsaddr}"]\n'
+        f'[[project]]\nname = "dead"\nowner = "{OWNER}"\npeers = ["{dnsaddr}"]\n'
+    )
+    assert main(["projects"]) == 0
+    out = capsys.readouterr().out
+    assert "vmix  share 1  volunteerd is not running" in out
+    assert "dead  not hosted: none of its peers is one this release joins through" in out
+    assert "`volunteerd leave dead`" in out
+
+    assert main(["join", Invitation("new", OWNER, (PEER,)).url(), "--yes"]) == 0
+    assert main(["leave", "dead"]) == 0
+    assert "left 'dead'" in capsys.readouterr().out
+    assert [p.name for p in load_projects(projects_file)] == ["vmix", "new"]
+    assert read_projects(projects_file).set_aside == []
+    # an invitation at `join` is still checked strictly
+    bad = Invitation("new", OWNER, (PEER,)).url().replace("%2Fip4%2F127.0.0.1", "%2Fdnsaddr%2Fx")
+    assert main(["join", bad, "--yes"]) == ExitCode.CONFIG
+    assert "not a valid invitation" in capsys.readouterr().err
 
 
 def test_shares_split_the_room_at_least_one_each() -> None:

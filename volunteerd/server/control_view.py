@@ -67,7 +67,7 @@ from volunteerd.swarm.projects import (
     Project,
     join_project,
     leave_project,
-    load_projects,
+    read_projects,
     replaced_owner,
     replacing,
 )
@@ -610,10 +610,10 @@ class ControlView:
         (``swarm.projects.replaced_owner``). None too when the projects file does not
         load: the join is refused for that, with its own words, a moment later."""
         try:
-            recorded = await trio.to_thread.run_sync(load_projects, self._projects_file)
+            recorded = await trio.to_thread.run_sync(read_projects, self._projects_file)
         except (ConfigError, OSError):
             return None
-        return replaced_owner(recorded, project)
+        return replaced_owner(recorded.entries(), project)
 
     async def leave_project(self, name: str) -> ProjectLeft | None:
         """Forget project ``name`` and restart without it; None when there is no such

@@ -29,7 +29,14 @@ from volunteerd.errors import ConfigError
 from volunteerd.net.peers import parse_peer_multiaddr, public_key_of
 from volunteerd.net.records import NAME_PATTERN
 
-__all__ = ["MAX_INVITATION_LENGTH", "MAX_PEERS", "PREFIX", "Invitation", "parse_invitation"]
+__all__ = [
+    "MAX_INVITATION_LENGTH",
+    "MAX_PEERS",
+    "PREFIX",
+    "Invitation",
+    "check_peer",
+    "parse_invitation",
+]
 
 PREFIX = "volunteerd://join/"
 MAX_INVITATION_LENGTH = 4096
@@ -78,7 +85,7 @@ class Invitation:
                 f"not a valid invitation: {len(self.peers)} peers; at most {MAX_PEERS}"
             )
         for peer in self.peers:
-            _check_peer(peer)
+            check_peer(peer)
         if len(set(self.peers)) != len(self.peers):
             raise ConfigError("not a valid invitation: a peer is listed twice")
         if len(self.url()) > MAX_INVITATION_LENGTH:
@@ -105,9 +112,11 @@ def _check_owner(owner: object) -> None:
         )
 
 
-def _check_peer(peer: object) -> None:
-    """A direct multiaddr whose last part, and only /p2p/ part, is the peer's id: the
-    shape ``network.bootstrap_peers`` dials."""
+def check_peer(peer: object) -> None:
+    """Raises ConfigError unless ``peer`` is a direct multiaddr whose last part, and only
+    /p2p/ part, is the peer's id: the shape ``network.bootstrap_peers`` dials. Also for
+    a peer recorded in ``projects.toml`` (``swarm.projects``), which sets aside one
+    refused."""
     if not isinstance(peer, str):
         raise ConfigError("not a valid invitation: a peer is not a multiaddr")
     if len(peer) > _MAX_ADDR_LENGTH:

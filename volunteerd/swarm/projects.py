@@ -12,9 +12,16 @@ a running daemon restarts itself after a change (``daemon``). Written atomically
     share = 1.0                     # of this machine's room for experts, against the others'
     joined_at = 1767225600.0
 
-Every entry is checked as an invitation is (``swarm.invitation``): a file that does
-not parse, or holds a bad or repeated entry, is a ConfigError naming the file, and the
-daemon does not start (rather than silently leave a project).
+Every entry is checked as an invitation is (``swarm.invitation``), each on its own
+(``read_projects``): an entry written by an older or newer release, whose rules
+differ, or edited by hand, must not stop the daemon nor the volunteer's other
+projects. A peer today's checks refuse is left out (with a warning); an entry left
+without a usable peer, or with a bad name, owner or share, or repeated, is set aside:
+kept in the file as it is, listed by ``volunteerd projects``, not hosted, removed by
+``volunteerd leave``. Keys this release does not know are ignored and kept. Only a
+file that is no list of entries (not TOML, not UTF-8, ``project`` not
+``[[project]]`` tables) is a ConfigError naming the file, and the daemon does not
+start (rather than silently leave its projects); nothing is written over it.
 
 A project may also come from the config file (``experiments.join``, with its
 ``trusted_owners``): it is run like the others but is not in this file, and ``leave``
@@ -38,26 +45,30 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from volunteerd.atomic import make_private_dirs, write_atomic
 from volunteerd.config import ExperimentsConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
 from volunteerd.shown import short_id
-from volunteerd.swarm.invitation import Invitation
+from volunteerd.swarm.invitation import MAX_PEERS, Invitation, check_peer
 
 __all__ = [
     "MAX_PROJECTS",
     "MAX_SHARE",
     "Project",
+    "Recorded",
+    "SetAside",
     "check_share",
     "join_project",
     "leave_project",
     "load_projects",
+    "read_projects",
     "replaced_owner",
     "replacing",
     "save_projects",
@@ -127,61 +138,173 @@ def share_of(total: int, project: Project, projects: Sequence[Project]) -> int:
     return max(1, int(total * project.share / shares))
 
 
-class _Entry(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
+@dataclass(frozen=True, slots=True)
+class SetAside:
+    """An entry of the projects file that this release does not host, and why: one an
+    older or newer release wrote under other rules (a peer address it accepted), or one
+    edited by hand. It stays in the file as it is; ``leave`` removes it."""
 
-    name: str
-    owner: str
-    peers: list[str]
-    share: float = Field(1.0, gt=0, le=MAX_SHARE)
-    joined_at: float = Field(0.0, ge=0)
+    name: str  # as recorded ("" when it has none)
+    owner: str  # as recorded ("" when it has none)
+    problem: str  # what today's checks refuse in it
+
+    def advice(self) -> str:
+        """What the volunteer can do about it, in one sentence."""
+        return (
+            "join it again from a new invitation of its owner, or remove it with "
+            f"`volunteerd leave {self.name or repr(self.name)}`"
+        )
 
 
-class _File(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What ``read_projects`` found in the projects file."""
 
-    project: list[_Entry] = Field(default_factory=list, max_length=MAX_PROJECTS)
+    projects: list[Project]  # to host, in the file's order
+    set_aside: list[SetAside]  # not hosted: ``SetAside.problem`` says why
+    warnings: list[str]  # what was left out of entries hosted, and every entry set aside
+
+    def entries(self) -> list[Project | SetAside]:
+        return [*self.projects, *self.set_aside]
+
+
+_KEYS = frozenset({"name", "owner", "peers", "share", "joined_at"})
+
+
+def read_projects(path: Path) -> Recorded:
+    """The projects in ``path`` (none if it does not exist), each entry on its own.
+
+    A stored entry was checked when it was joined, by the release of that day; today's
+    checks may refuse part of it. One such entry must not cost the volunteer the other
+    projects, nor the daemon its start, nor ``leave`` its way to remove it: a peer
+    today's rules refuse is left out (the others still join), an entry without a name,
+    an owner, a usable peer or a valid share is set aside (listed, not hosted), and
+    keys this release does not know are ignored (all of them stay in the file as they
+    were). Raises ConfigError naming the file only when it is no list of entries at
+    all: not TOML, not UTF-8, ``project`` not ``[[project]]`` tables."""
+    return _recorded(path, _read(path))
+
+
+def _recorded(path: Path, data: dict[str, Any]) -> Recorded:
+    warnings: list[str] = []
+    unknown = sorted(set(data) - {"project"})
+    if unknown:
+        shown = ", ".join(map(_shown, unknown))
+        warnings.append(f"{path}: {shown}: not known to this release; ignored")
+    projects: list[Project] = []
+    set_aside: list[SetAside] = []
+    for index, entry in enumerate(data.get("project", [])):
+        where = f"{path}: project {index + 1}"
+        if isinstance(entry.get("name"), str):
+            where += f" ({_shown(entry['name'])})"
+        checked = _checked(where, entry, warnings)
+        if isinstance(checked, Project) and any(p.name == checked.name for p in projects):
+            checked = SetAside(checked.name, checked.owner, "its name is listed twice")
+        elif isinstance(checked, Project) and len(projects) >= MAX_PROJECTS:
+            checked = SetAside(checked.name, checked.owner, f"at most {MAX_PROJECTS} are hosted")
+        if isinstance(checked, SetAside):
+            warnings.append(f"{where} is not hosted: {checked.problem}; {checked.advice()}")
+            set_aside.append(checked)
+        else:
+            projects.append(checked)
+    return Recorded(projects, set_aside, warnings)
 
 
 def load_projects(path: Path) -> list[Project]:
-    """The projects in ``path`` (none if it does not exist). Raises ConfigError naming
-    the file and what is wrong in it."""
+    """The projects in ``path`` to host (``read_projects``: entries set aside left out).
+    Raises ConfigError naming the file when it is no list of entries."""
+    return read_projects(path).projects
+
+
+def _read(path: Path) -> dict[str, Any]:
     try:
         data = read_toml(path)
     except FileNotFoundError:
-        return []
-    try:
-        entries = _File.model_validate(data).project
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{path}: {where}: {first['msg']}") from None
-    projects: list[Project] = []
-    for index, entry in enumerate(entries):
+        return {}
+    entries = data.get("project", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"{path}: project: expected [[project]] tables, one a project")
+    return data
+
+
+def _checked(where: str, entry: dict[str, Any], warnings: list[str]) -> Project | SetAside:
+    """``entry`` as a Project to host, or set aside; ``warnings`` gets what is ignored."""
+    name, owner = entry.get("name"), entry.get("owner")
+    name = name if isinstance(name, str) else ""
+    owner = owner if isinstance(owner, str) else ""
+    aside = partial(SetAside, name, owner)
+    if not name:
+        return aside("it names no experiment")
+    unknown = sorted(set(entry) - _KEYS)
+    if unknown:
+        shown = ", ".join(map(_shown, unknown))
+        warnings.append(f"{where}: {shown}: not known to this release; ignored")
+    share = entry.get("share", 1.0)
+    if not _number(share) or not 0 < share <= MAX_SHARE:
+        return aside(f"its share {_shown(share)} is not above 0 and at most {MAX_SHARE:g}")
+    joined_at = entry.get("joined_at", 0.0)
+    if not _number(joined_at) or joined_at < 0:
+        warnings.append(f"{where}: joined_at {_shown(joined_at)} is no time; ignored")
+        joined_at = 0.0
+    peers = entry.get("peers")
+    if not isinstance(peers, list):
+        return aside("it names no list of peers to join through")
+    usable: list[str] = []
+    refused: list[str] = []
+    for peer in peers:
         try:
-            invitation = Invitation(entry.name, entry.owner, tuple(entry.peers))
+            check_peer(peer)
         except ConfigError as exc:
-            raise ConfigError(f"{path}: project {index + 1}: {exc}") from None
-        if any(p.name == entry.name for p in projects):
-            raise ConfigError(f"{path}: project {entry.name!r} is listed twice")
-        projects.append(Project.invited(invitation, share=entry.share, joined_at=entry.joined_at))
-    return projects
+            refused.append(_reason(exc))
+        else:
+            if peer not in usable:
+                usable.append(peer)
+    if refused and not usable:
+        return aside(f"none of its peers is one this release joins through: {refused[0]}")
+    warnings.extend(f"{where}: {why}: left out, joined through its other peers" for why in refused)
+    try:
+        invitation = Invitation(name, owner, tuple(usable[:MAX_PEERS]))
+    except ConfigError as exc:
+        return aside(_reason(exc))
+    return Project.invited(invitation, share=float(share), joined_at=float(joined_at))
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _reason(exc: ConfigError) -> str:
+    return str(exc).removeprefix("not a valid invitation: ")
+
+
+def _shown(value: object) -> str:
+    """A stored value in a message: short and escaped (the file may be anything)."""
+    text = ascii(value)
+    return text if len(text) <= 60 else f"{text[:44]}...{text[-13:]}"
+
+
+def _name_of(entry: dict[str, Any]) -> str:
+    name = entry.get("name")
+    return name if isinstance(name, str) else ""
+
+
+def _stored(project: Project) -> dict[str, Any]:
+    return {
+        "name": project.name,
+        "owner": project.owner,
+        "peers": list(project.peers),
+        "share": project.share,
+        "joined_at": project.joined_at,
+    }
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    write_atomic(path, _HEADER + tomli_w.dumps(data))
 
 
 def save_projects(path: Path, projects: Sequence[Project]) -> None:
     """Write ``projects`` to ``path`` atomically. Raises OSError."""
-    entries = [
-        {
-            "name": p.name,
-            "owner": p.owner,
-            "peers": list(p.peers),
-            "share": p.share,
-            "joined_at": p.joined_at,
-        }
-        for p in projects
-        if not p.from_config
-    ]
-    write_atomic(path, _HEADER + tomli_w.dumps({"project": entries}))
+    _write(path, {"project": [_stored(p) for p in projects if not p.from_config]})
 
 
 # Joins and leaves read, change and write the whole file: one at a time, or of two at
@@ -209,10 +332,11 @@ def _one_change_at_a_time(path: Path) -> Iterator[None]:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def replaced_owner(projects: Sequence[Project], project: Project) -> str | None:
+def replaced_owner(projects: Sequence[Project | SetAside], project: Project) -> str | None:
     """The owner of the project of ``project.name`` in ``projects`` when that is another
-    owner (joining ``project`` would replace another owner's project); else None."""
-    old = next((p for p in projects if p.name == project.name), None)
+    owner (joining ``project`` would replace another owner's project); else None (also
+    for an entry set aside that names no owner: there is nobody to tell of)."""
+    old = next((p for p in projects if p.name == project.name and p.owner), None)
     return old.owner if old is not None and old.owner != project.owner else None
 
 
@@ -231,29 +355,41 @@ def join_project(path: Path, project: Project, *, replace: bool = False) -> bool
     ConfigError (a bad file, too many projects, or another owner's project of that
     name without ``replace``) or OSError."""
     with _one_change_at_a_time(path):
-        projects = load_projects(path)
-        if any(p.same_entry(project) for p in projects):
+        data = _read(path)
+        entries: list[dict[str, Any]] = data.get("project", [])
+        stored = _stored(project)
+        if any(_same_entry(e, stored) for e in entries):
             return False
-        old_owner = replaced_owner(projects, project)
+        # set aside or not: an entry of that name of another owner is another project
+        old_owner = replaced_owner(_recorded(path, data).entries(), project)
         if old_owner is not None and not replace:
             raise ConfigError(
                 f"joining {project.name!r} of owner {short_id(project.owner)}: "
                 f"{replacing(project.name, old_owner)}; nothing was changed without a yes"
             )
-        kept = [p for p in projects if p.name != project.name]
+        kept = [e for e in entries if _name_of(e) != project.name]
         if len(kept) >= MAX_PROJECTS:
             raise ConfigError(f"at most {MAX_PROJECTS} projects; leave one first")
-        save_projects(path, [*kept, project])
+        # the others' entries are written back as they were read, unknown keys and all
+        _write(path, {**data, "project": [*kept, stored]})
         return True
+
+
+def _same_entry(entry: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """Whether ``entry``, as recorded, is ``stored`` (the join time aside)."""
+    return {k: v for k, v in entry.items() if k != "joined_at"} == {
+        k: v for k, v in stored.items() if k != "joined_at"
+    }
 
 
 def leave_project(path: Path, name: str) -> bool:
     """Remove project ``name`` from ``path``; False when it was not there. Raises
     ConfigError (a bad file) or OSError."""
     with _one_change_at_a_time(path):
-        projects = load_projects(path)
-        kept = [p for p in projects if p.name != name]
-        if len(kept) == len(projects):
+        data = _read(path)
+        entries: list[dict[str, Any]] = data.get("project", [])
+        kept = [e for e in entries if _name_of(e) != name]  # set aside or not
+        if len(kept) == len(entries):
             return False
-        save_projects(path, kept)
+        _write(path, {**data, "project": kept})
         return True
