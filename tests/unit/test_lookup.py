@@ -197,8 +197,47 @@ async def test_a_first_referrer_cannot_crowd_out_a_peers_real_address() -> None:
         memory=LookupMemory(),
     )
     [(_, dialled)] = [(p, addrs) for p, addrs in swarm.asked if p == target]
-    assert swarm.addr(target) in dialled
+    # in turns: the liar's first, the honest peer's first, then the liar's others
+    assert dialled[:2] == (bogus[0], swarm.addr(target))
     assert target in result.closest
+
+
+async def test_a_referrer_answers_only_for_the_addresses_it_gave() -> None:
+    """Peers the liar names first at dead addresses are reached at the address an
+    honest referrer gives: the liar is blamed for each, the honest referrer is not, and
+    only the addresses that were dialled and failed are held dead."""
+    swarm = _Swarm(12, ["/ip4/127.0.0.1/tcp/9"], lying=False)
+    honest = max(swarm.honest[1:], key=lambda p: _distance(KEY, p))
+    while _distance(KEY, swarm.liar) > _distance(KEY, honest):
+        swarm.liar = ID(_ED25519_ID + os.urandom(32))
+    bogus = {p: (f"/ip4/127.0.0.2/tcp/{3000 + i}",) for i, p in enumerate(swarm.honest)}
+    honest_ask = swarm.ask
+
+    async def ask(peer: ID, addrs: tuple[str, ...], key: bytes = KEY) -> Answer:
+        answer = await honest_ask(peer, addrs, key)
+        if peer == swarm.liar and answer.referrals is not None:
+            return Answer(True, [Referral(p, bogus[p]) for p in swarm.honest if p != swarm.me])
+        if addrs:  # a stranger, dialled at each address in turn: only its own connects
+            real = swarm.addr(peer)
+            return Answer(True, answer.referrals, real, tuple(a for a in addrs if a != real))
+        return answer
+
+    memory = LookupMemory()
+    result = await walk(
+        KEY,
+        5,
+        [swarm.liar, honest],
+        ask,
+        self_id=swarm.me,
+        known=lambda peer: peer in (swarm.liar, honest),
+        memory=memory,
+    )
+    assert result.closest == _truly_closest(swarm, KEY, 5)
+    assert memory.distrusted(swarm.liar)
+    assert not memory.distrusted(honest)
+    dialled = {a for _, addrs in swarm.asked for a in addrs}
+    assert all(memory.address_dead(b) for (b,) in bogus.values() if b in dialled)
+    assert not any(memory.address_dead(swarm.addr(p)) for p in swarm.honest)
 
 
 def _answer(peers: list[tuple[bytes, list[bytes]]]) -> Message:

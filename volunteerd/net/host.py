@@ -191,7 +191,9 @@ _relay_protocol.MAX_READ_LEN = _FRAME_PAYLOAD
 # loopback without it): each first contact of a lookup, a join, a trainer's dispatch.
 # It picks one address per transport class and this host has one class (TCP), so there
 # is no second dial to give a head start to; where a peer's addresses do fall in two
-# classes, both are dialled at once instead of 250 ms apart.
+# classes, both are dialled at once instead of 250 ms apart. That one is the first the
+# peer store holds: a lookup dials the addresses referrers give for a stranger itself,
+# each in turn (net/lookup.py, PeerLookup._dial), so a stranger's cannot hide another's.
 _swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
 
 

@@ -27,17 +27,29 @@ What differs is what it believes:
   to name a peer cannot crowd out the addresses a later one gives. The addresses of a
   peer this node already knows (connected or in its routing table) are never replaced
   by what a third party says about it.
+* **Every referrer's addresses are dialled.** py-libp2p's swarm dials one address of a
+  peer (the first of its transport class), so the first referrer's first address was
+  the only one ever tried: one that accepts and never speaks hid the real address a
+  later referrer gave. A candidate's addresses are dialled in turns (each referrer's
+  first, then each one's second...), one every ``_DIAL_STAGGER_S`` or as soon as the
+  one before failed, within the query's time; the first to connect wins, and only it
+  is kept in the peer store (handed on in this node's answers).
 * **One dial per address.** Two candidates this node knows nothing about that share an
   address are not dialled in the same round (honest peers never share ip:port), and an
-  address that could not be dialled is not dialled again for ``SUSPECT_S``.
+  address that was dialled and failed is not dialled again for ``SUSPECT_S``; one whose
+  dial was cut short when another connected was not found out and is not held.
 * **A silent peer is skipped.** A peer this node holds a connection to needs no dial:
   one that does not answer within half the query's time (frozen, or its connection
   dead without a close) is held silent for ``SUSPECT_S`` and asked by no walk
   meanwhile (``ExpertDHT`` holds the peers it finds silent here too), so one silent
   peer costs a reader one such wait, not one per lookup.
 * **Referrers answer for their referrals.** A peer whose named peers cannot be reached
-  (``_STRIKES`` more failures than successes within ``SUSPECT_S``) is distrusted for
-  that long: what it names is ignored, though it may still answer for itself.
+  at the addresses it gave (``_STRIKES`` more failures than successes within
+  ``SUSPECT_S``) is distrusted for that long: what it names is ignored, though it may
+  still answer for itself. A referrer answers for its own addresses only: one whose
+  address connected did well, one whose dialled addresses all failed did not, and one
+  whose addresses were not dialled is not judged, so a stranger's dead addresses for a
+  peer cost the honest referrer of that peer nothing.
 
 Together: a responder that names made-up peers costs each honest node at most a few
 dials a minute, never a routing-table entry, never a place among the closest.
@@ -104,6 +116,9 @@ _STRIKES = 3
 _REMEMBERED = 4096
 # Named peers' addresses live in the peerstore this long unless they answer.
 _CANDIDATE_ADDR_TTL_S = 600
+# A stranger's addresses are dialled one after another this far apart (or sooner, as
+# each fails), all within the query's time, until one connects (PeerLookup._dial).
+_DIAL_STAGGER_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +132,16 @@ class Referral:
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What asking one peer gave: whether it was reached (a connection exists), and its
-    FIND_NODE answer (None: none usable: refused, reset, malformed, too slow)."""
+    FIND_NODE answer (None: none usable: refused, reset, malformed, too slow).
+
+    Where the peer was dialled at the addresses handed to ``ask``: ``via``, the one that
+    connected, and ``dead``, those that were dialled and failed (None: the asker does not
+    say; then all of them failed if the peer was not reached, none if it was)."""
 
     reached: bool
     referrals: list[Referral] | None
+    via: str | None = None
+    dead: tuple[str, ...] | None = None
 
 
 UNREACHABLE = Answer(False, None)
@@ -245,6 +266,9 @@ async def walk(
     answered: set[ID] = set()
     referrers: dict[ID, list[ID]] = {}
     addrs_of: dict[ID, tuple[str, ...]] = {}
+    # what each referrer gave for a candidate: its dial order, and whom a dial blames
+    given: dict[ID, dict[ID, tuple[str, ...]]] = {}
+    dialled: dict[ID, tuple[str, ...]] = {}
     failed: set[ID] = set()
     # A peer that failed leaves the closest, and one seen earlier moves up: a walk for
     # records (``count`` at most ALPHA, each of the few matters) asks it next. A walk
@@ -253,8 +277,47 @@ async def walk(
     filling = count > alpha
     rounds = queries = 0
 
+    def to_dial(peer: ID) -> tuple[str, ...]:
+        """A stranger's addresses not known dead, in turns: every referrer's first, then
+        every one's second...: a first referrer's cannot all come before a later one's."""
+        if known(peer):
+            return ()
+        turns = sorted(
+            ((i, a) for addrs in given.get(peer, {}).values() for i, a in enumerate(addrs)),
+            key=lambda turn: turn[0],
+        )
+        order = dict.fromkeys(a for _, a in turns)
+        return tuple(a for a in order if not memory.address_dead(a))
+
     async def one(peer: ID, answers: dict[ID, Answer]) -> None:
-        answers[peer] = await ask(peer, addrs_of.get(peer, ()))
+        answers[peer] = await ask(peer, dialled[peer])
+
+    def judge(peer: ID, answer: Answer) -> None:
+        """Hold the addresses that were dialled and failed dead, and count the ask for
+        or against the peer's referrers. Where the asker says which addresses it
+        dialled, a referrer answers for its own: one whose address connected did well;
+        one whose dialled addresses all failed did not; one none of whose addresses
+        failed or connected (never dialled, or cut short when another connected) is
+        not judged. Else every referrer answers for the peer."""
+        tried = dialled[peer]
+        says = answer.via is not None or answer.dead is not None
+        dead = answer.dead if answer.dead is not None else (() if answer.reached else tried)
+        memory.mark_dead(dead)
+        for referrer in referrers.get(peer, ()):
+            if not tried or not says:
+                good = answer.reached
+            else:
+                theirs = [a for a in given.get(peer, {}).get(referrer, ()) if a in tried]
+                if answer.via is not None and answer.via in theirs:
+                    good = True
+                elif theirs and all(a in dead for a in theirs):
+                    good = False
+                else:
+                    continue
+            if good:
+                memory.referral_answered(referrer)
+            else:
+                memory.referral_failed(referrer)
 
     def closest(*, failed_too: bool = False) -> list[ID]:
         return sorted(pool | failed if failed_too else pool, key=distance)[:count]
@@ -301,21 +364,20 @@ async def walk(
             for peer in chosen:
                 queried.add(peer)
                 queries += 1
+                dialled[peer] = to_dial(peer)
                 nursery.start_soon(one, peer, answers)
         for peer in chosen:  # in distance order: results never depend on timing
             answer = answers[peer]
-            if answer.referrals is None:
+            if answer.reached and answer.referrals is None:
+                pool.discard(peer)  # it was reached and said nothing usable: no verdict
+                memory.mark_dead(answer.dead or ())
+                continue
+            judge(peer, answer)
+            if answer.referrals is None:  # not reached
                 pool.discard(peer)
-                if not answer.reached:
-                    failed.add(peer)
-                    for referrer in referrers.get(peer, ()):
-                        memory.referral_failed(referrer)
-                    if not known(peer):
-                        memory.mark_dead(addrs_of.get(peer, ()))
+                failed.add(peer)
                 continue
             answered.add(peer)
-            for referrer in referrers.get(peer, ()):
-                memory.referral_answered(referrer)
             if memory.distrusted(peer):
                 continue
             named = [r for r in answer.referrals if r.peer_id != self_id]
@@ -327,7 +389,8 @@ async def walk(
                 referrers.setdefault(other, []).append(peer)
                 held = addrs_of.get(other, ())
                 fresh = [a for a in referral.addrs if a not in held][:_ADDRS_PER_REFERRAL]
-                addrs_of[other] = (*held, *fresh)[:_ADDRS_PER_CANDIDATE]
+                addrs_of[other] = kept = (*held, *fresh)[:_ADDRS_PER_CANDIDATE]
+                given.setdefault(other, {})[peer] = tuple(a for a in referral.addrs if a in kept)
                 pool.add(other)
         # py-libp2p's ends: a round that named nobody ends the walk unless some of the
         # closest are still to ask; a round after which no peer is among the closest
@@ -425,8 +488,9 @@ class PeerLookup:
 
     async def _ask(self, peer: ID, addrs: tuple[str, ...], key: bytes) -> Answer:
         """FIND_NODE ``key`` of ``peer``, dialling ``addrs`` if this node knows nothing
-        about it. Answered: the peer joins the routing table. Unreachable: it leaves it,
-        and addresses only a referrer vouched for are forgotten.
+        about it (``_dial``). Answered: the peer joins the routing table, and of the
+        addresses referrers gave only the one that connected is kept. Unreachable: it
+        leaves the routing table, and its addresses are forgotten.
 
         A peer already connected needs no dial: it opens the stream and answers within
         half the query's time, or it is silent (module docstring) and leaves the
@@ -443,11 +507,17 @@ class PeerLookup:
         return Answer(True, None)
 
     async def _query(self, peer: ID, addrs: tuple[str, ...], key: bytes) -> Answer:
-        peerstore = self._host.get_peerstore()
-        vouched = bool(addrs) and not self._known(peer)
-        if vouched:
-            peerstore.add_addrs(
-                peer, [multiaddr.Multiaddr(a) for a in addrs], _CANDIDATE_ADDR_TTL_S
+        via: str | None = None
+        dead: tuple[str, ...] | None = None
+        if addrs and not self._known(peer):
+            via, dead = await self._dial(peer, addrs)
+            if via is None:
+                self._table.remove_peer(peer)
+                return Answer(False, None, None, dead)
+            # only the address that connected: the others a referrer gave are not
+            # handed on (the peer's identify adds the ones it announces)
+            self._host.get_peerstore().add_addrs(
+                peer, [multiaddr.Multiaddr(via)], _CANDIDATE_ADDR_TTL_S
             )
         stream = None
         try:
@@ -459,10 +529,10 @@ class PeerLookup:
                     "lookup: %s unreachable: %s", short(peer), str(exc) or type(exc).__name__
                 )
                 self._table.remove_peer(peer)
-                if vouched or not self._connected(peer):
+                if not self._connected(peer):
                     with contextlib.suppress(PeerStoreError, KeyError):
-                        peerstore.clear_addrs(peer)
-                return UNREACHABLE
+                        self._host.get_peerstore().clear_addrs(peer)
+                return Answer(False, None, via, dead)
             try:
                 with trio.fail_after(self._timeout_s):
                     request = Message(type=Message.MessageType.FIND_NODE, key=key)
@@ -477,7 +547,7 @@ class PeerLookup:
                 logger.debug(
                     "lookup: %s gave no answer: %s", short(peer), str(exc) or type(exc).__name__
                 )
-                return Answer(True, None)
+                return Answer(True, None, via, dead)
         finally:
             if stream is not None:
                 with contextlib.suppress(Exception):
@@ -486,4 +556,43 @@ class PeerLookup:
             await self._table.add_peer(peer, skip_server_mode_check=True)
         except Exception:  # a full bucket's ping failing, a peerstore race: no entry
             logger.debug("lookup: could not add %s to the routing table", short(peer))
-        return Answer(True, referrals)
+        return Answer(True, referrals, via, dead)
+
+    async def _dial(self, peer: ID, addrs: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+        """Dial ``addrs`` in their order, each started ``_DIAL_STAGGER_S`` after the one
+        before or as soon as it failed, all within the query's time; the first
+        connection wins and the dials still under way stop. The address that connected
+        (None: none did), and those that failed or were still under way at the end.
+
+        py-libp2p's swarm dials one address of a peer (one per transport class, and
+        this node has one: TCP), the first in its peer store: one that a stranger named
+        first, a port that accepts and never speaks, hid the real one an honest
+        referrer gave, which was then held dead with it, and its referrer blamed."""
+        network: Any = self._host.get_network()
+        stagger = min(_DIAL_STAGGER_S, self._timeout_s / 2 / len(addrs))
+        started: list[str] = []
+        failed: list[str] = []
+        won: list[str] = []
+
+        async def attempt(addr: str, done: trio.Event) -> None:
+            try:
+                await network._dial_addr_single_attempt(multiaddr.Multiaddr(addr), peer)
+            except Exception as exc:  # refused, timed out, another peer's key
+                logger.debug("lookup: %s at %s: %s", short(peer), addr, exc or type(exc).__name__)
+                failed.append(addr)
+                done.set()
+                return
+            won.append(addr)
+            nursery.cancel_scope.cancel()
+
+        with trio.move_on_after(self._timeout_s):
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    done = trio.Event()
+                    started.append(addr)
+                    nursery.start_soon(attempt, addr, done)
+                    with trio.move_on_after(stagger):
+                        await done.wait()
+        if won:
+            return won[0], tuple(failed)
+        return None, tuple(a for a in started if a not in failed) + tuple(failed)
