@@ -14,6 +14,7 @@ import torch
 import trio
 from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2 import transport as circuit_transport
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import StopMessage
@@ -21,7 +22,7 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
-from volunteerd.errors import RemoteError
+from volunteerd.errors import PeerError, RemoteError
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
 from volunteerd.net import Node, PeerAddress, Verb, open_node, reachability
@@ -277,6 +278,103 @@ async def test_relayed_node_reserves_again_after_losing_its_relay_connection(
                     )
                 # Through the relay the requester's IP is not observed: nothing dialled.
                 assert reply == DialBackReply(reachable=None, dialled=0)
+
+
+async def test_a_relayed_node_reserves_again_soon_after_its_only_relay_restarts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay goes down, so the node's try to reserve again fails and leaves it
+    unreachable; when the relay is back on the same port and identity the node reserves
+    again on its own, long before the next full check (ten minutes), and a peer reaches
+    it through the relay. Before, it stayed unreachable until that check (and py-libp2p
+    refused for a minute to dial a relay whose addresses had all failed once)."""
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
+    relay_identity = Identity.generate()
+    relay_config = local_config(network={"listen_host": "127.0.0.1", "port": closed_port()})
+
+    async def run_relay(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
+        async with open_node(relay_identity, relay_config, relay=True) as relay:
+            task_status.started(relay)
+            await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        boot = await nursery.start(run_relay, stop)
+        config = local_config(
+            bootstrap=boot.multiaddrs, reachability={"mode": "relay", "listen": False}
+        )
+        async with open_peer(config) as hidden:
+            assert hidden.reachability is not None
+            assert hidden.reachability.mode == "relayed"
+            circuit = hidden.addrs
+            stop.set()
+            with trio.fail_after(20):
+                while hidden.reachability.mode != "unreachable":  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            stop = trio.Event()
+            boot = await nursery.start(run_relay, stop)
+            with trio.fail_after(25):
+                while hidden.reachability.mode != "relayed":  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            assert hidden.addrs == circuit
+            async with open_peer(local_config(bootstrap=boot.multiaddrs)) as client:
+                with trio.fail_after(15):
+                    reply, _ = await client.rpc.call(
+                        PeerAddress(hidden.peer_id, tuple(circuit)),
+                        Verb.DIALBACK,
+                        DialBackRequest(addrs=client.addrs),
+                    )
+                assert reply == DialBackReply(reachable=None, dialled=0)
+        stop.set()
+
+
+async def test_a_relayed_node_reserves_again_when_it_reconnected_to_a_restarted_relay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay restarts and the node is connected to it again before its watch looks
+    (its DHT dials its bootstrap peers again): the new connection carries no
+    reservation, so the node reserves again and circuits through the relay reach it.
+    Before, a connection to the relay counted as a reservation, and every circuit was
+    refused until the next full check."""
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 2.0)
+    relay_identity = Identity.generate()
+    relay_config = local_config(network={"listen_host": "127.0.0.1", "port": closed_port()})
+
+    async def run_relay(
+        stop: trio.Event, done: trio.Event, *, task_status: trio.TaskStatus[Node]
+    ) -> None:
+        async with open_node(relay_identity, relay_config, relay=True) as relay:
+            task_status.started(relay)
+            await stop.wait()
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        stop, done = trio.Event(), trio.Event()
+        boot = await nursery.start(run_relay, stop, done)
+        config = local_config(
+            bootstrap=boot.multiaddrs, reachability={"mode": "relay", "listen": False}
+        )
+        async with open_peer(config) as hidden:
+            assert hidden.reachability is not None
+            circuit = PeerAddress(hidden.peer_id, tuple(hidden.addrs))
+            stop.set()
+            await done.wait()
+            stop, done = trio.Event(), trio.Event()
+            boot = await nursery.start(run_relay, stop, done)
+            await hidden.host.connect(PeerInfo(boot.host.get_id(), boot.host.get_addrs()))
+            async with open_peer(local_config(bootstrap=boot.multiaddrs)) as client:
+                with trio.fail_after(25):
+                    while True:
+                        try:
+                            with trio.fail_after(5):
+                                reply, _ = await client.rpc.call(
+                                    circuit, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
+                                )
+                            break
+                        except (PeerError, trio.TooSlowError):
+                            await trio.sleep(0.5)
+                assert reply == DialBackReply(reachable=None, dialled=0)
+        stop.set()
 
 
 class _SkewedTime:

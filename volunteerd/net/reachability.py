@@ -96,6 +96,9 @@ _DIALBACKS_AT_ONCE = 2  # a server dials back for at most this many requests at 
 # How often this computer's own addresses are compared with the last ones seen.
 _WATCH_ADDRS_S = 10.0
 _WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is connected
+# A node left without a relay tries its relays again after _WATCH_RELAY_S, doubling up
+# to this, until one takes a reservation.
+_RETRY_RELAYS_MAX_S = 60.0
 _RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to live
 # A relay's reservation says when it ends on the relay's wall clock. A lifetime read on
 # this node's clock past this (or none left) means one of the clocks is wrong: the
@@ -261,6 +264,9 @@ class Relaying:
         self._clock = clock
         # relay -> when this node's reservation on it ends, on the monotonic clock
         self._reserved: dict[ID, float] = {}
+        # relay -> the connection the reservation was made on: a relay keeps a
+        # reservation only while that connection lasts
+        self._reserved_on: dict[ID, object] = {}
         # The hop service's bounds, and relayed bytes through ``throttle``: net/relay.py.
         self._protocol = BoundedRelay(
             host,
@@ -323,6 +329,19 @@ class Relaying:
         """Whether this node holds a reservation on relay ``peer_id``."""
         return self._reserved.get(peer_id, 0.0) > time.monotonic()
 
+    def holds_reservation(self, peer_id: ID) -> bool:
+        """Whether this node's reservation on relay ``peer_id`` still stands: unexpired,
+        and the connection it was made on still open. A new connection to the relay (a
+        restarted relay the node's DHT dialled again) carries no reservation."""
+        if not self.reserved_with(peer_id):
+            return False
+        muxed = self._reserved_on.get(peer_id)
+        conns = self._host.get_network().connections.get(peer_id) or []
+        return any(
+            c.muxed_conn is muxed and not getattr(c, "is_closed", False)
+            for c in (conns if isinstance(conns, list) else [conns])
+        )
+
     def upgrades(self) -> UpgradeStats:
         if self._hole_punching is None:
             return UpgradeStats(0, 0, None, None)
@@ -343,8 +362,15 @@ class Relaying:
         if self._nursery is None:
             raise RuntimeError("Relaying.serve has not started")
         relay_id = ID.from_base58(relay.peer_id)
+        network = self._host.get_network()
         try:
-            if not self._host.get_network().connections.get(relay_id):
+            if not network.connections.get(relay_id):
+                # py-libp2p refuses for 60 s to dial a peer whose addresses all failed
+                # once: a relay tried while it restarted stayed undialled after it was
+                # back. This node chose the relay and paces its tries itself.
+                unblock = getattr(network, "unblock_peer", None)
+                if unblock is not None:
+                    unblock(relay_id)
                 await self._host.connect(relay.peer_info())
             stream = await self._host.new_stream(relay_id, [HOP_PROTOCOL_ID])
         except Exception as exc:
@@ -372,7 +398,9 @@ class Relaying:
         now = time.monotonic()
         for other in [r for r, ends in self._reserved.items() if ends <= now]:
             del self._reserved[other]
+            self._reserved_on.pop(other, None)
         self._reserved[relay_id] = now + lasts
+        self._reserved_on[relay_id] = stream.muxed_conn
         return lasts
 
     async def connect(self, peer: PeerAddress) -> None:
@@ -665,10 +693,20 @@ class Reachability:
         self._circuit = ()
         return False
 
+    def _wants_relay(self) -> bool:
+        """Unreachable for want of a relay (not by ``mode = "direct"``), with relays to
+        try: the serve loop tries them again between checks."""
+        me = str(self._host.get_id())
+        return (
+            self._mode == "unreachable"
+            and self._config.mode != "direct"
+            and any(r.peer_id != me for r in self._relays)
+        )
+
     def _relay_connected(self) -> bool:
         if self._relay is None:
             return False
-        return bool(self._host.get_network().connections.get(ID.from_base58(self._relay.peer_id)))
+        return self._relaying.holds_reservation(ID.from_base58(self._relay.peer_id))
 
     async def start(self) -> Mode:
         """The first decision, made before this node announces anything."""
@@ -682,15 +720,22 @@ class Reachability:
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Re-check every ``check_every_s`` (re-reserving the relay slot when relayed);
         between checks, re-reserve at once when the relay connection dropped (a
-        restarted relay forgot us) or the reservation is about to expire."""
+        restarted relay forgot us) or the reservation is about to expire, and, while no
+        relay took a reservation, try the relays again after ``_WATCH_RELAY_S``, doubling
+        up to ``_RETRY_RELAYS_MAX_S``."""
         task_status.started()
         next_check = time.monotonic() + self._config.check_every_s
         addrs = set(transport_addrs(self._host))
+        retry_s = _WATCH_RELAY_S  # between tries while no relay takes a reservation
+        retry_at = time.monotonic() + retry_s
         while True:
             nap = min(next_check - time.monotonic(), _WATCH_ADDRS_S)
             if self._mode == "relayed":
                 nap = min(nap, _WATCH_RELAY_S)
+            elif self._wants_relay():
+                nap = min(nap, retry_at - time.monotonic())
             await trio.sleep(max(0.0, nap))
+            was, tried = self._mode, False
             try:
                 now_addrs = set(transport_addrs(self._host))
                 if now_addrs != addrs:
@@ -707,5 +752,17 @@ class Reachability:
                     not self._relay_connected() or time.monotonic() >= self._renew_at
                 ):
                     await self._set_mode("relayed")
+                elif self._wants_relay() and time.monotonic() >= retry_at:
+                    # The relay went away (a restart): one failed try left the node
+                    # unreachable, listening nowhere, until the next full check ten
+                    # minutes on. Try the relays again, less often while they refuse.
+                    tried = True
+                    await self._set_mode("relayed")
             except Exception:  # a failed round must not end the node: the next one retries
                 logger.exception("reachability round failed")
+            if self._mode != "unreachable":
+                retry_s = _WATCH_RELAY_S
+            elif was != "unreachable" or tried:
+                if tried:
+                    retry_s = min(retry_s * 2, _RETRY_RELAYS_MAX_S)
+                retry_at = time.monotonic() + retry_s
