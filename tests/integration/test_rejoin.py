@@ -11,16 +11,18 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import trio
+from libp2p.peer.peerinfo import PeerInfo
 
 import volunteerd.net.node as node_module
 from volunteerd.config import Config
 from volunteerd.identity import Identity
-from volunteerd.net import Announcer, Node
-from volunteerd.testing import local_config, open_peer
+from volunteerd.net import Announcer, Node, PeerAddress, open_node, reachability
+from volunteerd.testing import local_config, open_daemon, open_peer
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -60,11 +62,12 @@ async def _run_peer(
     config: Config,
     identity: Identity,
     stop: _Stop,
+    relay: bool = False,
     *,
     task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
-        async with open_peer(config, identity) as peer:
+        async with open_node(identity, config, relay=relay) as peer:
             task_status.started(peer)
             await stop.asked.wait()
     finally:
@@ -72,14 +75,16 @@ async def _run_peer(
 
 
 @asynccontextmanager
-async def _bootstrap_node() -> AsyncIterator[tuple[Node, _Stop, Config, Identity]]:
-    """A bootstrap node at a fixed port, to stop with ``await stop()`` and start again
-    with the same config and identity."""
+async def _bootstrap_node(
+    *, relay: bool = False
+) -> AsyncIterator[tuple[Node, _Stop, Config, Identity]]:
+    """A bootstrap node at a fixed port (a relay too with ``relay``), to stop with
+    ``await stop()`` and start again with the same config and identity."""
     identity = Identity.generate()
     config = local_config(network={"listen_host": "127.0.0.1", "port": _free_port()})
     async with trio.open_nursery() as nursery:
         stop = _Stop()
-        boot: Node = await nursery.start(_run_peer, config, identity, stop)
+        boot: Node = await nursery.start(_run_peer, config, identity, stop, relay)
         yield boot, stop, config, identity
         await stop()
 
@@ -126,6 +131,56 @@ async def test_a_node_left_with_no_connection_joins_again_once_the_bootstrap_ans
         assert not a.connected_peers()
         async with open_peer(boot_config, boot_identity) as again:
             await _until(lambda: _knows(again, a) and _knows(a, again))
+
+
+async def test_a_node_connected_again_to_a_restarted_bootstrap_node_joins_through_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A relayed node reserves again on its restarted relay (a bootstrap node) before it
+    # notices it lost the swarm: connected, but in neither routing table. Counting that
+    # connection as joined, it announced to nobody and newcomers found none of its
+    # experts (an outside probe, 2026-12-07: 0 of 5 calls, 46 s after the restart).
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.5)
+    monkeypatch.setattr(node_module, "REJOIN_EVERY_S", 3600.0)
+    async with (
+        _bootstrap_node() as (boot, stop, boot_config, boot_identity),
+        open_peer(local_config(bootstrap=boot.multiaddrs)) as a,
+    ):
+        await _until(lambda: _knows(boot, a))
+        await stop()
+        await _until(lambda: not a.connected_peers())
+        async with open_peer(boot_config, boot_identity) as again:
+            await a.host.connect(PeerInfo(again.host.get_id(), again.host.get_addrs()))
+            await _until(lambda: _knows(again, a) and _knows(a, again))
+
+
+async def test_a_relayed_daemon_is_found_at_its_circuit_soon_after_its_only_relay_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its relay is its one bootstrap peer. The daemon reserves on it again, which
+    # connects it; it then joins the swarm through it again, and its stores go to it at
+    # once, not a minute later (a peer that failed is asked nothing for 60 s). Before, a
+    # newcomer found none of its experts 46 s after the relay was back (an outside probe).
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.5)
+    async with _bootstrap_node(relay=True) as (boot, stop, boot_config, boot_identity):
+        config = local_config(
+            bootstrap=boot.multiaddrs,
+            uids="ffn.0.[0:2]",
+            reachability={"mode": "relay", "listen": False},
+        )
+        async with open_daemon(config, tmp_path / "hidden") as hidden:
+            await stop()
+            await trio.sleep(2)  # its stores and its reservation fail meanwhile
+            async with (
+                open_node(boot_identity, boot_config, relay=True) as again,
+                open_peer(local_config(bootstrap=again.multiaddrs)) as newcomer,
+            ):
+                circuit = f"{again.addrs[0]}/p2p/{again.peer_id}/p2p-circuit"
+                wanted = [PeerAddress(hidden.node.peer_id, (circuit,))]
+                with trio.fail_after(25):
+                    while await newcomer.dht.find_expert("ffn.0.0") != wanted:  # noqa: ASYNC110
+                        await trio.sleep(0.5)
 
 
 async def test_announcements_that_reach_no_other_peer_are_told_once(

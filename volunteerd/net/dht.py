@@ -420,6 +420,7 @@ class ExpertDHT:
                     await self._host.connect(peer.peer_info())
                     if await self._kad.routing_table.add_peer(ID.from_base58(peer.peer_id)):
                         joined += 1
+                        self._revive(ID.from_base58(peer.peer_id))
             except trio.TooSlowError:
                 # its text is empty: the warning ended at "did not answer: " (audit-join)
                 logger.warning(
@@ -464,6 +465,15 @@ class ExpertDHT:
         except Exception:  # unknown or malformed peer id: nothing to forget
             pass
         self._rpc.forget(peer_id)
+        self._closest_cache.clear()
+
+    def _revive(self, peer_id: ID) -> None:
+        """``peer_id`` answered again (a bootstrap peer joined through): ask it again at
+        once. A bootstrap node that restarted stayed "gone" for a minute after it was
+        back, and a node that knew no other peer announced to nobody meanwhile."""
+        self._dead_until.pop(peer_id, None)
+        if self._lookup_memory is not None:
+            self._lookup_memory.mark_silent(peer_id, 0.0)  # held until now: no longer
         self._closest_cache.clear()
 
     def _gone(self, peer_id: ID) -> bool:

@@ -253,7 +253,9 @@ async def _stay_joined(
     nodes, where newcomers look first: nobody found their experts until a human
     restarted them. Every ``REJOIN_CHECK_S`` (jittered), a node connected to none of its
     bootstrap peers joins through them again when it has no connection at all or none
-    of them is in its routing table, and at least every ``REJOIN_EVERY_S`` otherwise;
+    of them is in its routing table, and at least every ``REJOIN_EVERY_S`` otherwise; a
+    node whose connections to its bootstrap peers were all replaced since the last check
+    (one restarted) joins through them again at once;
     while they do not answer it waits twice as long each time, up to
     ``REJOIN_MAX_WAIT_S``."""
     others = tuple(p for p in bootstrap if p.peer_id != str(host.get_id()))
@@ -262,13 +264,26 @@ async def _stay_joined(
     ids = [ID.from_base58(p.peer_id) for p in others]
     last_joined = trio.current_time() if joined else -math.inf
     wait = REJOIN_CHECK_S
+
+    def open_now() -> list[object]:
+        connections = host.get_network().connections
+        return [c for p in ids for c in (connections.get(p) or [])]
+
+    seen = open_now()  # the connections to bootstrap peers last seen
     while True:
         await trio.sleep(wait * random.uniform(0.8, 1.2))
         connections = host.get_network().connections
-        if any(connections.get(p) for p in ids):
+        now_open = open_now()
+        # A connection opened since the last check (not by joining) may be to a
+        # bootstrap node that restarted and knows nobody: a relayed node reserves again
+        # on its restarted relay first, and then counted as joined to it, announced to
+        # nobody and newcomers found none of its experts.
+        reconnected = bool(now_open) and not any(c in seen for c in now_open)
+        seen = now_open or seen
+        if now_open and not reconnected:
             last_joined, wait = trio.current_time(), REJOIN_CHECK_S
             continue
-        lost = not connections or not any(dht.knows(p.peer_id) for p in others)
+        lost = not connections or not any(dht.knows(p.peer_id) for p in others) or reconnected
         if not lost and trio.current_time() - last_joined < REJOIN_EVERY_S:
             continue
         # py-libp2p refuses dials to a peer whose addresses all failed in the last 60 s
@@ -278,6 +293,7 @@ async def _stay_joined(
             for peer_id in ids:
                 unblock(peer_id)
         joined_now = await dht.bootstrap(others)
+        seen = open_now() or seen
         if joined_now:
             logger.info(
                 "joined the swarm again through %d of %d bootstrap peers%s",
