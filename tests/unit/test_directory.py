@@ -8,7 +8,7 @@ import trio
 
 from volunteerd.identity import Identity
 from volunteerd.moe import ExpertDirectory
-from volunteerd.moe.directory import BAN_MEMORY_S
+from volunteerd.moe.directory import BAN_MEMORY_S, RELAY_HOLD_S
 from volunteerd.net import ExpertRecord, PeerAddress, peer_id_for
 from volunteerd.net.records import sign_record
 
@@ -167,3 +167,48 @@ def test_a_peer_banned_again_is_banned_longer_until_it_behaves_for_a_day() -> No
     assert directory.banned["peer"] - clock.now == 60.0
     directory.ban("other", "timeout: test")  # another peer starts from the ban asked for
     assert directory.banned["other"] - clock.now == 60.0
+
+
+async def test_a_relayed_peer_whose_relay_failed_is_held_off_that_relay_not_banned() -> None:
+    """A call that could not get through a volunteer's relays: its circuits through them
+    are left out for RELAY_HOLD_S, never longer on a repeat; a circuit through another
+    relay it announces is offered at once, and the peer is never banned for it."""
+    server = Identity.generate()
+    relay_a, relay_b = (str(peer_id_for(Identity.generate())) for _ in range(2))
+    via_a = f"/ip4/127.0.0.1/tcp/1/p2p/{relay_a}/p2p-circuit"
+    via_b = f"/ip4/127.0.0.1/tcp/2/p2p/{relay_b}/p2p-circuit"
+    dht, clock = FakeDHT(), Clock()
+    directory = ExpertDirectory(dht, refresh_s=5.0, clock=clock)  # type: ignore[arg-type]
+
+    def announce(*addrs: str) -> None:
+        signed = sign_record(
+            server, str(peer_id_for(server)), key="ffn.", addrs=list(addrs),
+            children=[0], ttl_s=60,
+        )  # fmt: skip
+        dht.answers["ffn."] = [signed]
+
+    announce(via_a, via_b)
+    peer = (await directory.children(["ffn."]))["ffn."][0][0]
+    for _ in range(3):  # flaky relay: the same hold each time
+        assert directory.relay_failed(PeerAddress(peer.peer_id, (via_a,)), "unreachable: x")
+        offered = (await directory.children(["ffn."]))["ffn."]
+        assert offered == {0: [PeerAddress(peer.peer_id, (via_b,))]}
+        clock.now += RELAY_HOLD_S
+    assert not directory.is_banned(peer.peer_id)
+    assert (await directory.children(["ffn."]))["ffn."] == {0: [peer]}
+
+    # Both relays failed: the peer is left out for RELAY_HOLD_S ...
+    assert directory.relay_failed(peer, "unreachable: x")
+    assert (await directory.children(["ffn."]))["ffn."] == {}
+    clock.now += RELAY_HOLD_S
+    assert (await directory.children(["ffn."]))["ffn."] == {0: [peer]}
+    # ... but its records are looked up again at once: the relay it moved to is offered.
+    assert directory.relay_failed(peer, "unreachable: x")
+    via_c = f"/ip4/127.0.0.1/tcp/3/p2p/{peer_id_for(Identity.generate())}/p2p-circuit"
+    announce(via_c)
+    assert (await directory.children(["ffn."]))["ffn."] == {
+        0: [PeerAddress(peer.peer_id, (via_c,))]
+    }
+    assert not directory.is_banned(peer.peer_id)
+    # A peer with a direct address is the caller's to judge.
+    assert not directory.relay_failed(PeerAddress(peer.peer_id, ("/ip4/1.2.3.4/tcp/5",)), "x")

@@ -38,6 +38,7 @@ import trio
 
 from volunteerd.errors import PeerError, RemoteError
 from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, short
+from volunteerd.net.peers import parse_circuit_addr
 from volunteerd.wire import ExpertInfo, InfoRequest
 
 if TYPE_CHECKING:
@@ -53,6 +54,12 @@ logger = logging.getLogger(__name__)
 BAN_MEMORY_S = 86_400.0
 BAN_GROWTH_MAX = 64
 _MAX_OFFENDERS = 4096
+# A call to a relayed peer (one that announces only circuit addresses) that found no way
+# through its relays is no fault of the peer: its relay went down or misbehaves, and the
+# peer moves to another one and announces it within seconds. The peer is not banned;
+# its circuits through those relays are left out this long (never longer on a repeat),
+# and the records listing it are looked up again at once.
+RELAY_HOLD_S = 10.0
 # background refreshes timed out in a row before a WARNING (each one before is INFO)
 REFRESH_MISSES_WARNED = 3
 
@@ -125,6 +132,9 @@ class ExpertDirectory:
         self._clock = clock
         self._cache: dict[str, _Entry] = {}
         self._banned: dict[str, float] = {}
+        # (peer id, relay id) -> until when that peer's circuits through that relay are
+        # left out (RELAY_HOLD_S)
+        self._relay_holds: dict[tuple[str, str], float] = {}
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._verified: OrderedDict[str, float] = OrderedDict()  # peer -> when
@@ -163,13 +173,18 @@ class ExpertDirectory:
                 await self._wait_for_answers(cold)
         now = self._clock()
         self._banned = {p: t for p, t in self._banned.items() if t > now}
+        self._relay_holds = {k: t for k, t in self._relay_holds.items() if t > now}
         out: dict[str, Children] = {}
         for prefix in wanted:
             entry = self._cache[prefix]
             entry.used_at = now
             out[prefix] = {}
             for child, peers in entry.children.items():
-                alive = [p for p in peers if self._offered(p.peer_id)]
+                alive = [
+                    q
+                    for q in map(self._without_held_relays, peers)
+                    if q is not None and self._offered(q.peer_id)
+                ]
                 if self._verify is not None:
                     alive.sort(key=lambda p: self._verified[p.peer_id])
                 if alive:
@@ -183,6 +198,43 @@ class ExpertDirectory:
         wanted = list(dict.fromkeys(prefixes))
         await self._fetch(wanted)
         return await self.children(wanted)
+
+    def _without_held_relays(self, peer: PeerAddress) -> PeerAddress | None:
+        """``peer`` without its circuit addresses through relays held for it; None when
+        nothing is left to dial."""
+        if not self._relay_holds:
+            return peer
+        addrs = tuple(
+            a for a in peer.addrs if (peer.peer_id, _relay_of(a)) not in self._relay_holds
+        )
+        if addrs == peer.addrs:
+            return peer
+        return PeerAddress(peer.peer_id, addrs) if addrs else None
+
+    def relay_failed(self, peer: PeerAddress, reason: str) -> bool:
+        """A call to ``peer`` failed to get through: when ``peer`` announces only circuit
+        addresses (the failure may be its relays'), leave those circuits out for
+        ``RELAY_HOLD_S``, look its records up again on the next ``children``, and return
+        True: the caller bans nobody. False for a peer with a direct address (the
+        caller judges it as usual)."""
+        relays = {_relay_of(a) for a in peer.addrs}
+        if not relays or "" in relays:
+            return False
+        until = self._clock() + RELAY_HOLD_S
+        for relay in relays:
+            self._relay_holds[(peer.peer_id, relay)] = until
+        for entry in self._cache.values():
+            if any(p.peer_id == peer.peer_id for ps in entry.children.values() for p in ps):
+                entry.fetched_at = -math.inf  # refreshed beside the next step
+        logger.info(
+            "%s: not through relay %s for %.0fs (the peer is not banned): %s",
+            short(peer.peer_id),
+            ", ".join(short(r) for r in sorted(relays)),
+            RELAY_HOLD_S,
+            reason,
+        )
+        self.ban_reasons["relay"] += 1
+        return True
 
     def _offered(self, peer_id: str) -> bool:
         if peer_id in self._banned:
@@ -422,3 +474,9 @@ class ExpertDirectory:
 def _bound(remembered: OrderedDict[str, float]) -> None:
     while len(remembered) > _MAX_REMEMBERED:
         remembered.popitem(last=False)
+
+
+def _relay_of(addr: str) -> str:
+    """The relay's peer id of a circuit address; "" for a direct one."""
+    parts = parse_circuit_addr(addr)
+    return "" if parts is None else parts[1]

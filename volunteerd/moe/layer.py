@@ -29,6 +29,7 @@ from volunteerd import uids
 from volunteerd.errors import (
     ModelDiverging,
     NoExpertsAvailable,
+    PeerError,
     PeerUnreachable,
     Rejected,
     RemoteError,
@@ -505,7 +506,20 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             reason = "unreachable"
         else:
             reason = "failed"
-        self._ban(call.peer.peer_id, f"{reason}: {call.uid}: {error}", None, usable)
+        why = f"{reason}: {call.uid}: {error}"
+        through_relay = isinstance(error, PeerUnreachable) or type(error) is PeerError
+        if through_relay and self._relay_failed(call.peer, why):
+            # No way through its relays, or a connection through one that broke: the
+            # relay's failure, not the peer's. Banned for it, an honest volunteer lost
+            # a minute of steps each time its relay restarted, then twice that...
+            return
+        self._ban(call.peer.peer_id, why, None, usable)
+
+    def _relay_failed(self, peer: PeerAddress, reason: str) -> bool:
+        async def hold() -> bool:
+            return self.client.directory.relay_failed(peer, reason)
+
+        return self.client.run(hold)
 
     def _late_again(self, call: Call, usable: set[str]) -> None:
         """A round that cut ``call``'s peer off late (its rows' other experts answered):

@@ -1,0 +1,102 @@
+"""A trainer and a volunteer behind NAT whose relay goes down: the volunteer moves to
+its other relay, and the trainer calls it there without banning it.
+
+Probed from outside (2026-12-07): the volunteer reserved on its second relay and
+announced the new circuit within ~4 s, but the trainer had banned it at the first
+failed call ("no relay circuit opened"), so its experts went unused for the whole ban
+(60 s) in 3 of 3 runs, and a flaky relay doubled the ban each time.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from torch import nn
+
+from volunteerd.identity import Identity
+from volunteerd.moe import RemoteMixtureOfExperts, SwarmClient
+from volunteerd.net import Node, open_node, reachability
+from volunteerd.testing import local_config, open_daemon
+
+# Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
+pytestmark = pytest.mark.slow
+
+HIDDEN = 16
+
+
+async def _run_relay(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
+    async with open_node(Identity.generate(), local_config(), relay=True) as relay:
+        task_status.started(relay)
+        await stop.wait()
+
+
+async def test_a_trainer_does_not_ban_a_volunteer_whose_relay_died_and_calls_its_new_circuit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
+    async with trio.open_nursery() as nursery:
+        stop_first, stop_second = trio.Event(), trio.Event()
+        first: Node = await nursery.start(_run_relay, stop_first)
+        second: Node = await nursery.start(_run_relay, stop_second)
+        relays = [*first.multiaddrs, *second.multiaddrs]
+        experts = {"hidden_dim": HIDDEN, "seed": 7}
+        hidden_config = local_config(
+            bootstrap=relays,
+            uids="ffn.0.[0:2]",
+            experts=experts,
+            reachability={"mode": "relay", "listen": False, "hole_punching": False},
+        )
+        direct_config = local_config(bootstrap=relays, uids="ffn.0.[2:4]", experts=experts)
+        async with (
+            open_daemon(hidden_config, tmp_path / "hidden") as hidden,
+            open_daemon(direct_config, tmp_path / "direct"),
+        ):
+            assert hidden.node.reachability is not None
+            assert first.peer_id in hidden.node.addrs[0]
+            client_config = local_config(
+                bootstrap=second.multiaddrs, reachability={"hole_punching": False}
+            )
+
+            def train() -> None:
+                with SwarmClient(client_config, ban_s=60) as client:
+                    moe = RemoteMixtureOfExperts(
+                        HIDDEN, (1, 4), "ffn.", k_best=4, k_min=1, grace_after_k_min_s=0.5,
+                        forward_timeout_s=5.0, backward_timeout_s=5.0, client=client,
+                    )  # fmt: skip
+                    head = nn.Linear(HIDDEN, 1)
+                    optimizer = torch.optim.Adam([*moe.parameters(), *head.parameters()])
+                    x, y = torch.randn(32, HIDDEN), torch.randn(32, 1)
+
+                    def answered() -> int:
+                        """Calls the hidden node's experts answered so far."""
+                        return sum(moe.stats.by_uid.get(u, [0])[0] for u in ("ffn.0.0", "ffn.0.1"))
+
+                    def step() -> int:
+                        """One step; how many of the hidden node's calls answered."""
+                        before = answered()
+                        loss = nn.functional.mse_loss(head(moe(x)), y)
+                        optimizer.zero_grad()
+                        loss.backward()
+                        optimizer.step()
+                        return answered() - before
+
+                    def until_hidden_answers(within_s: float) -> None:
+                        deadline = time.monotonic() + within_s
+                        while step() == 0:
+                            assert hidden.node.peer_id not in client.directory.banned
+                            assert time.monotonic() < deadline, moe.stats
+                            time.sleep(0.2)
+
+                    until_hidden_answers(20)
+                    trio.from_thread.run_sync(stop_first.set)
+                    # the hidden node reserves on the second relay and announces it
+                    until_hidden_answers(25)
+                    assert hidden.node.peer_id not in client.directory.banned
+                    assert second.peer_id in hidden.node.addrs[0]
+
+            await trio.to_thread.run_sync(train)
+        stop_second.set()
