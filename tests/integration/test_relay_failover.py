@@ -1,5 +1,7 @@
 """A trainer and a volunteer behind NAT whose relay goes down: the volunteer moves to
-its other relay, and the trainer calls it there without banning it.
+its other relay, and the trainer calls it there without banning it. A relay that takes
+reservations and then fails every circuit: the volunteer announces a circuit through a
+second relay too, and callers get through that one.
 
 Probed from outside (2026-12-07): the volunteer reserved on its second relay and
 announced the new circuit within ~4 s, but the trainer had banned it at the first
@@ -15,12 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from torch import nn
 
+from volunteerd.errors import PeerError
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteMixtureOfExperts, SwarmClient
-from volunteerd.net import Node, open_node, reachability
-from volunteerd.testing import local_config, open_daemon
+from volunteerd.net import Node, PeerAddress, Verb, open_node, reachability
+from volunteerd.net.dialback import DialBackReply, DialBackRequest
+from volunteerd.testing import local_config, open_daemon, open_peer
 
 # Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
 pytestmark = pytest.mark.slow
@@ -96,7 +101,61 @@ async def test_a_trainer_does_not_ban_a_volunteer_whose_relay_died_and_calls_its
                     # the hidden node reserves on the second relay and announces it
                     until_hidden_answers(25)
                     assert hidden.node.peer_id not in client.directory.banned
+                    deadline = time.monotonic() + 20
+                    while any(first.peer_id in a for a in hidden.node.addrs):
+                        assert time.monotonic() < deadline, hidden.node.addrs
+                        time.sleep(0.2)
                     assert second.peer_id in hidden.node.addrs[0]
 
             await trio.to_thread.run_sync(train)
         stop_second.set()
+
+
+@pytest.mark.parametrize("misbehaviour", ["refuse", "stall"])
+async def test_a_relay_that_fails_circuits_is_routed_around_through_the_second_one(
+    misbehaviour: str,
+) -> None:
+    """The hostile relay is listed first and grants reservations; it refuses or stalls
+    every circuit. The node holds a reservation on both relays and announces both
+    circuits: a refusal is passed at once, a stalled dial costs one call, and the next
+    one goes through the other relay first. Before, the node announced the hostile
+    relay's circuit alone and every call failed (outside probe s4: 120 of 120)."""
+
+    async def hostile_connect(stream: object, msg: object) -> None:
+        if misbehaviour == "stall":
+            await trio.sleep_forever()
+        await hostile_protocol._refuse(stream, StatusCode.CONNECTION_FAILED, "no")
+
+    async with trio.open_nursery() as nursery:
+        stops = trio.Event(), trio.Event()
+        hostile: Node = await nursery.start(_run_relay, stops[0])
+        honest: Node = await nursery.start(_run_relay, stops[1])
+        assert hostile.reachability is not None
+        hostile_protocol = hostile.reachability.relaying._protocol
+        hostile_protocol._handle_connect = hostile_connect  # type: ignore[method-assign]
+        config = local_config(
+            bootstrap=[*hostile.multiaddrs, *honest.multiaddrs],
+            reachability={"mode": "relay", "listen": False, "hole_punching": False},
+        )
+        async with (
+            open_peer(config) as hidden,
+            open_peer(local_config(bootstrap=honest.multiaddrs)) as client,
+        ):
+            assert [hostile.peer_id in a for a in hidden.addrs] == [True, False]
+            peer = PeerAddress(hidden.peer_id, tuple(hidden.addrs))
+            answered = failed = 0
+            for _ in range(4):
+                try:
+                    with trio.fail_after(15):
+                        reply, _ = await client.rpc.call(
+                            peer, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
+                        )
+                except PeerError:
+                    failed += 1
+                    continue
+                assert reply == DialBackReply(reachable=None, dialled=0)
+                answered += 1
+                await client.rpc.hang_up(hidden.peer_id)  # the next call dials again
+            assert answered >= 3, (answered, failed)
+        for stop in stops:
+            stop.set()

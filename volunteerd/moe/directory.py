@@ -211,21 +211,30 @@ class ExpertDirectory:
             return peer
         return PeerAddress(peer.peer_id, addrs) if addrs else None
 
-    def relay_failed(self, peer: PeerAddress, reason: str) -> bool:
+    def relay_failed(self, peer: PeerAddress, reason: str, *, every_circuit: bool = True) -> bool:
         """A call to ``peer`` failed to get through: when ``peer`` announces only circuit
-        addresses (the failure may be its relays'), leave those circuits out for
-        ``RELAY_HOLD_S``, look its records up again on the next ``children``, and return
-        True: the caller bans nobody. False for a peer with a direct address (the
-        caller judges it as usual)."""
+        addresses (the failure may be its relays'), look its records up again on the next
+        ``children`` and return True: the caller bans nobody. False for a peer with a
+        direct address (the caller judges it as usual).
+
+        Its circuits are left out for ``RELAY_HOLD_S`` when it has one relay, or when
+        ``every_circuit`` failed. A call through one of two relays that stalled or broke
+        leaves them offered: the RPC client tries the other relay first next time
+        (``Relaying.connect``)."""
         relays = {_relay_of(a) for a in peer.addrs}
         if not relays or "" in relays:
             return False
-        until = self._clock() + RELAY_HOLD_S
-        for relay in relays:
-            self._relay_holds[(peer.peer_id, relay)] = until
         for entry in self._cache.values():
             if any(p.peer_id == peer.peer_id for ps in entry.children.values() for p in ps):
                 entry.fetched_at = -math.inf  # refreshed beside the next step
+        if len(relays) > 1 and not every_circuit:
+            logger.info(
+                "%s: a call through a relay failed (not banned): %s", short(peer.peer_id), reason
+            )
+            return True
+        until = self._clock() + RELAY_HOLD_S
+        for relay in relays:
+            self._relay_holds[(peer.peer_id, relay)] = until
         logger.info(
             "%s: not through relay %s for %.0fs (the peer is not banned): %s",
             short(peer.peer_id),
@@ -233,7 +242,6 @@ class ExpertDirectory:
             RELAY_HOLD_S,
             reason,
         )
-        self.ban_reasons["relay"] += 1
         return True
 
     def _offered(self, peer_id: str) -> bool:

@@ -508,16 +508,19 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             reason = "failed"
         why = f"{reason}: {call.uid}: {error}"
         through_relay = isinstance(error, PeerUnreachable) or type(error) is PeerError
-        if through_relay and self._relay_failed(call.peer, why):
+        # no circuit opened: every one was tried (a stalled dial or a broken stream was
+        # one relay's, and the next call tries the peer's other relay first)
+        every_circuit = type(error) is PeerUnreachable
+        if through_relay and self._relay_failed(call.peer, why, every_circuit):
             # No way through its relays, or a connection through one that broke: the
             # relay's failure, not the peer's. Banned for it, an honest volunteer lost
             # a minute of steps each time its relay restarted, then twice that...
             return
         self._ban(call.peer.peer_id, why, None, usable)
 
-    def _relay_failed(self, peer: PeerAddress, reason: str) -> bool:
+    def _relay_failed(self, peer: PeerAddress, reason: str, every_circuit: bool) -> bool:
         async def hold() -> bool:
-            return self.client.directory.relay_failed(peer, reason)
+            return self.client.directory.relay_failed(peer, reason, every_circuit=every_circuit)
 
         return self.client.run(hold)
 

@@ -99,6 +99,10 @@ _WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is conne
 # A node left without a relay tries its relays again after _WATCH_RELAY_S, doubling up
 # to this, until one takes a reservation.
 _RETRY_RELAYS_MAX_S = 60.0
+# A circuit to a peer that failed is tried after the peer's other circuits this long.
+_FAILED_VIA_S = 300.0
+_MAX_FAILED_VIA = 4096
+_RELAYS_HELD = 2  # relays a relayed node reserves on and announces, where it knows two
 _RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to live
 # A relay's reservation says when it ends on the relay's wall clock. A lifetime read on
 # this node's clock past this (or none left) means one of the clocks is wrong: the
@@ -288,6 +292,9 @@ class Relaying:
         self._nursery: trio.Nursery | None = None
         # STOP streams refused: from a peer this node holds no reservation with.
         self.refused_circuits = 0
+        # (peer id, circuit address) -> until when circuits to the peer through it are
+        # tried after its others (``connect``)
+        self._failed_via: dict[tuple[str, str], float] = {}
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self._protocol), trio.open_nursery() as nursery:
@@ -318,6 +325,14 @@ class Relaying:
                 await stream.reset()
             return
         await self._protocol._handle_stop_stream(stream)
+
+    def _note_failed_via(self, peer_id: str, addr: str) -> None:
+        now = time.monotonic()
+        if len(self._failed_via) >= _MAX_FAILED_VIA:
+            self._failed_via = {k: t for k, t in self._failed_via.items() if t > now}
+            while len(self._failed_via) >= _MAX_FAILED_VIA:
+                del self._failed_via[next(iter(self._failed_via))]
+        self._failed_via[(peer_id, addr)] = now + _FAILED_VIA_S
 
     def hold_while(self, held: Callable[[], str | None]) -> None:
         """Relay nothing for others while ``held()`` gives a reason (the volunteer
@@ -405,16 +420,27 @@ class Relaying:
 
     async def connect(self, peer: PeerAddress) -> None:
         """Connect to ``peer`` through the first of its circuit addresses that works,
-        falling back to its direct addresses. Raises PeerUnreachable."""
+        those through relays that failed it lately last, falling back to its direct
+        addresses. Raises PeerUnreachable.
+
+        A circuit counts as failed from the moment it is dialled until it opens: a dial
+        cut off by the caller's timeout (a relay that stalls) counts too, so the next
+        call tries the peer's other relay first."""
+        now = time.monotonic()
+        circuits = sorted(
+            (a for a in peer.addrs if is_circuit_addr(a)),
+            key=lambda a: self._failed_via.get((peer.peer_id, a), 0.0) > now,
+        )
         errors = []
-        for addr in peer.addrs:
-            if not is_circuit_addr(addr):
-                continue
+        for addr in circuits:
+            self._note_failed_via(peer.peer_id, addr)
             try:
                 await self._transport.dial(multiaddr.Multiaddr(f"{addr}/p2p/{peer.peer_id}"))
-                return
             except Exception as exc:
                 errors.append(f"{addr}: {exc}")
+                continue
+            self._failed_via.pop((peer.peer_id, addr), None)
+            return
         direct = [a for a in peer.addrs if not is_circuit_addr(a)]
         if direct:
             info = PeerInfo(ID.from_base58(peer.peer_id), [multiaddr.Multiaddr(a) for a in direct])
@@ -470,7 +496,8 @@ class Reachability:
         self._mode: Mode = "unknown"
         self._direct: tuple[str, ...] = ()
         self._circuit: tuple[str, ...] = ()
-        self._relay: PeerAddress | None = None
+        # the relays holding a reservation for this node, the longest held first
+        self._held: tuple[PeerAddress, ...] = ()
         self._renew_at = 0.0  # on the monotonic clock
         self._checked_at: float | None = None
         self._asked = 0
@@ -487,6 +514,10 @@ class Reachability:
     @property
     def relaying(self) -> Relaying:
         return self._relaying
+
+    @property
+    def _relay(self) -> PeerAddress | None:
+        return self._held[0] if self._held else None
 
     @property
     def announce_addrs(self) -> list[str]:
@@ -520,6 +551,9 @@ class Reachability:
             upgrades=self._relaying.upgrades(),
         )
 
+    def _relays_text(self) -> str:
+        return " or ".join(str(r) for r in self._held)
+
     def _listen_port(self) -> int:
         """The port this node really listens on (not an announced one)."""
         for addr in self._host.get_transport_addrs():
@@ -542,11 +576,12 @@ class Reachability:
             if not self._config.listen:
                 return (
                     f"relay-only (reachability.listen = false): peers reach this node through "
-                    f"relay {self._relay} (a longer path than direct), or directly where "
+                    f"relay {self._relays_text()} (a longer path than direct), or directly where "
                     "it can dial them (hole punching)"
                 )
             return (
-                f"peers could not dial this node, so they reach it through relay {self._relay} "
+                f"peers could not dial this node, so they reach it through relay "
+                f"{self._relays_text()} "
                 "(a longer path than direct; hole punching makes some of those connections "
                 f"direct where the NATs allow). To be reached directly by all: {forward}"
             )
@@ -668,12 +703,21 @@ class Reachability:
                 callback(self.announce_addrs)
 
     async def _ensure_reservation(self) -> bool:
-        """Hold a reservation on one relay; True when one is held."""
-        candidates = ([self._relay] if self._relay else []) + [
-            r for r in self._relays if r != self._relay
-        ]
+        """Hold reservations on up to ``_RELAYS_HELD`` relays, those held before first,
+        and announce a circuit through each; True when one is held. With one relay, a
+        relay that went down, or one that takes reservations and then fails circuits,
+        left trainers no way to the node; with two, a trainer that cannot get through one
+        circuit tries the other (outside probes: a hostile relay listed first failed
+        every call while the honest one beside it was never used)."""
+        me = str(self._host.get_id())
+        before = self._held
+        candidates = [*before, *(r for r in self._relays if r not in before)]
+        held: list[PeerAddress] = []
+        renew_at = []
         for relay in candidates:
-            if relay is None or relay.peer_id == str(self._host.get_id()):
+            if len(held) >= _RELAYS_HELD:
+                break
+            if relay.peer_id == me:
                 continue
             try:
                 with trio.fail_after(self._timeouts.connect_s * 2):
@@ -681,17 +725,23 @@ class Reachability:
             except (PeerUnreachable, trio.TooSlowError) as exc:
                 logger.info("relay %s: %s", short(relay.peer_id), str(exc) or "timed out")
                 continue
-            self._relay = relay
-            self._renew_at = time.monotonic() + lasts - _RENEW_BEFORE_S
-            self._circuit = tuple(
-                f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}"
-                for a in relay.addrs
-                if parse_circuit_addr(f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}")
+            held.append(relay)
+            renew_at.append(time.monotonic() + lasts - _RENEW_BEFORE_S)
+        self._held = tuple(held)
+        self._renew_at = min(renew_at, default=0.0)
+        self._circuit = tuple(
+            circuit
+            for relay in held
+            for a in relay.addrs
+            if parse_circuit_addr(circuit := f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}")
+        )[:MAX_ADDRS]
+        if before and held and {r.peer_id for r in held} != {r.peer_id for r in before}:
+            logger.info(
+                "relays: now %s (before: %s)",
+                ", ".join(short(r.peer_id) for r in held),
+                ", ".join(short(r.peer_id) for r in before),
             )
-            return bool(self._circuit)
-        self._relay = None
-        self._circuit = ()
-        return False
+        return bool(self._circuit)
 
     def _wants_relay(self) -> bool:
         """Unreachable for want of a relay (not by ``mode = "direct"``), with relays to
@@ -704,9 +754,10 @@ class Reachability:
         )
 
     def _relay_connected(self) -> bool:
-        if self._relay is None:
-            return False
-        return self._relaying.holds_reservation(ID.from_base58(self._relay.peer_id))
+        """Whether every relay this node announces still holds its reservation."""
+        return bool(self._held) and all(
+            self._relaying.holds_reservation(ID.from_base58(r.peer_id)) for r in self._held
+        )
 
     async def start(self) -> Mode:
         """The first decision, made before this node announces anything."""
