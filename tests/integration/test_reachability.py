@@ -603,3 +603,40 @@ async def test_a_node_whose_address_changes_stops_announcing_the_old_one_at_once
         assert old not in after.direct_addrs
         assert old not in after.announce_addrs
         assert node.addrs == [moved]
+
+
+async def test_the_announcer_is_told_an_address_the_computer_gained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon started offline (only 127.0.0.1) kept 127.0.0.1 in its DHT records for
+    as long as it ran after the network came up, though ``status`` showed the new
+    address (an outside probe, with network namespaces): the watchers were told only of
+    a change between two reads of the live address list, and both reads already held
+    the new address. They are told whenever the list differs from what they were told.
+    (The addresses the machine reports are stood in for: test traffic stays on
+    127.0.0.1.)"""
+    monkeypatch.setattr(reachability, "_WATCH_ADDRS_S", 0.2, raising=False)
+    async with (
+        open_peer(local_config()) as boot,
+        open_peer(local_config(bootstrap=boot.multiaddrs)) as node,
+    ):
+        assert node.reachability is not None
+        told: list[list[str]] = []
+        node.reachability.watch_addrs(told.append)  # as the daemon's announcer does
+        before = node.reachability.report()
+        old = node.addrs[0]
+        gained = f"/ip4/127.0.0.2/tcp/{old.rsplit('/', 1)[1]}"  # a new network's address
+        await trio.sleep(0.5)  # the watch has read the addresses it starts from
+        ours = node.host.get_id()
+        real = reachability.transport_addrs
+        monkeypatch.setattr(
+            reachability,
+            "transport_addrs",
+            lambda host: [old, gained] if host.get_id() == ours else real(host),
+        )
+        with trio.fail_after(30):
+            while node.reachability.report().checked_at == before.checked_at:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        assert told
+        assert told[-1] == node.addrs
+        assert gained in told[-1]

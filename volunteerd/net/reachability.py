@@ -503,6 +503,8 @@ class Reachability:
         self._asked = 0
         self._observed: tuple[str, ...] = ()
         self._watchers: list[Callable[[list[str]], None]] = []
+        # What the watchers were last told (see ``_notify_if_changed``).
+        self._notified: list[str] = []
         self._mode_watchers: list[Callable[[Mode], object]] = []
 
     # -- state ------------------------------------------------------------------------
@@ -531,7 +533,9 @@ class Reachability:
 
     def watch_addrs(self, callback: Callable[[list[str]], None]) -> None:
         """Call ``callback(announce_addrs)`` whenever the addresses to announce change
-        (the daemon's announcer re-announces at once)."""
+        (the daemon's announcer re-announces at once). The callback is taken to hold
+        the current ``announce_addrs`` already (the announcer starts from them)."""
+        self._notified = self.announce_addrs
         self._watchers.append(callback)
 
     def watch_mode(self, callback: Callable[[Mode], object]) -> None:
@@ -597,7 +601,6 @@ class Reachability:
 
     async def check(self) -> Mode:
         """Ask up to three connected peers to dial this node back; update the mode."""
-        announced = self.announce_addrs
         addrs = [a for a in transport_addrs(self._host) if tcp_endpoint(a) is not None]
         peers = self._peers_to_ask()
         sent = addrs[:MAX_DIALBACK_ADDRS]
@@ -657,7 +660,7 @@ class Reachability:
             self._mode = "unknown"
             for watcher in self._mode_watchers:
                 watcher(self._mode)
-        self._notify_if_changed(announced)
+        self._notify_if_changed()
         return self._mode
 
     def _addrs_changed(self, before: set[str], now: set[str]) -> None:
@@ -672,9 +675,8 @@ class Reachability:
         )
         gone = {e[0] for e in map(tcp_endpoint, before - now) if e is not None}
         kept = {e[0] for e in map(tcp_endpoint, now) if e is not None}
-        announced = self.announce_addrs
         self._direct = tuple(a for a in self._direct if _ip_of(a) not in gone - kept)
-        self._notify_if_changed(announced)
+        self._notify_if_changed()
 
     def _peers_to_ask(self) -> list[str]:
         """Connected peers, bootstrap peers first, at most three."""
@@ -685,7 +687,7 @@ class Reachability:
         return connected[:_ASK_PEERS]
 
     async def _set_mode(self, wanted: Mode) -> None:
-        previous, announced = self._mode, self.announce_addrs
+        previous = self._mode
         if wanted == "direct" or self._config.mode == "direct":
             self._mode = wanted if wanted == "direct" else "unreachable"
         else:
@@ -695,12 +697,19 @@ class Reachability:
             log("reachability: %s. %s", self._mode, self._advice())
             for watcher in self._mode_watchers:
                 watcher(self._mode)
-        self._notify_if_changed(announced)
+        self._notify_if_changed()
 
-    def _notify_if_changed(self, announced: list[str]) -> None:
-        if self.announce_addrs != announced:
+    def _notify_if_changed(self) -> None:
+        """Tell the watchers ``announce_addrs`` when it differs from what they were last
+        told. Compared with a snapshot taken before a change, it never did outside relayed
+        mode: the list is read live from the host, whose listen addresses follow the
+        machine's, so "before" already held a new address by the time it was noticed and
+        the records kept the old one (127.0.0.1 after starting offline) until a restart."""
+        now = self.announce_addrs
+        if now != self._notified:
+            self._notified = now
             for callback in self._watchers:
-                callback(self.announce_addrs)
+                callback(now)
 
     async def _ensure_reservation(self) -> bool:
         """Hold reservations on up to ``_RELAYS_HELD`` relays, those held before first,
