@@ -3,7 +3,9 @@
 Probed from outside (2026-12-05): after a bootstrap node restarted, or a volunteer's
 network went away for minutes, nodes never dialled their bootstrap peers again;
 newcomers joining through the bootstrap node found none of their experts until a human
-restarted them.
+restarted them. Probed again (2026-12-07, network namespaces): after the router gave a
+volunteer a new address, its connections from the old one stayed open, answering
+nothing, and it counted itself joined for 11 minutes and more.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from libp2p.peer.peerinfo import PeerInfo
 import volunteerd.net.node as node_module
 from volunteerd.config import Config
 from volunteerd.identity import Identity
-from volunteerd.net import Announcer, Node, PeerAddress, open_node, reachability
+from volunteerd.net import Announcer, Node, PeerAddress, Verb, open_node, reachability
+from volunteerd.net.dialback import DialBackRequest
 from volunteerd.testing import local_config, open_daemon, open_peer
 
 if TYPE_CHECKING:
@@ -183,6 +186,29 @@ async def test_a_relayed_daemon_is_found_at_its_circuit_soon_after_its_only_rela
                         await trio.sleep(0.5)
 
 
+async def test_a_node_whose_addresses_changed_joins_again_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A laptop back on a network after a time without waited out its doubled wait
+    # between tries (up to 5 minutes) before joining again. Its addresses are watched:
+    # a change ends the wait. (The addresses the machine reports are stood in for.)
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 20.0)  # the first try after 16-24 s
+    monkeypatch.setattr(node_module, "_WATCH_ADDRS_S", 0.1, raising=False)
+    async with _bootstrap_node() as (boot, stop, boot_config, boot_identity):
+        address = boot.multiaddrs
+        await stop()  # no network: nobody answers
+        async with open_peer(local_config(bootstrap=address)) as a:
+            assert not a.connected_peers()
+            async with open_peer(boot_config, boot_identity) as again:
+                ours, real = a.host.get_id(), node_module.transport_addrs
+                monkeypatch.setattr(
+                    node_module,
+                    "transport_addrs",
+                    lambda host: ["/ip4/127.0.0.2/tcp/1"] if host.get_id() == ours else real(host),
+                )
+                await _until(lambda: _knows(a, again), within_s=10)
+
+
 async def test_announcements_that_reach_no_other_peer_are_told_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -205,3 +231,74 @@ async def test_announcements_that_reach_no_other_peer_are_told_once(
             await announcer.announce_now()
             assert not announcer.unheard
             assert any("reach other peers again" in r.getMessage() for r in caplog.records)
+
+
+class _FreezableProxy:
+    """A TCP relay on 127.0.0.1 to ``port``. ``freeze()`` makes the connections open at
+    that moment pass nothing either way while their sockets stay open (a peer whose
+    address vanished, a NAT that forgot the mapping); later connections pass."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._frozen: list[trio.Event] = []
+        self.port = 0
+
+    def freeze(self) -> None:
+        for event in self._frozen:
+            event.set()
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self._relay, listeners)
+
+    async def _relay(self, client: trio.SocketStream) -> None:
+        frozen = trio.Event()
+        self._frozen.append(frozen)
+
+        async def pump(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+            while data := await source.receive_some():
+                if frozen.is_set():
+                    await trio.sleep_forever()
+                await sink.send_all(data)
+
+        server = await trio.open_tcp_stream("127.0.0.1", self._port)
+        async with client, server, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, server)
+            nursery.start_soon(pump, server, client)
+
+
+async def test_a_bootstrap_connection_that_stopped_answering_is_closed_and_joined_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The node's connection to its bootstrap peer stays open but answers nothing (after
+    # a new address from the router, its other end is gone): its announcement goes
+    # unanswered under the DHT's deadline. The node pings the connection, closes it when
+    # no pong comes, joins again at once on a fresh connection, and its next
+    # announcement reaches the bootstrap peer.
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.2)
+    async with open_peer(local_config()) as boot, trio.open_nursery() as proxies:
+        proxy = _FreezableProxy(int(boot.addrs[0].rsplit("/", 1)[1]))
+        await proxies.start(proxy.serve)
+        through = f"/ip4/127.0.0.1/tcp/{proxy.port}/p2p/{boot.peer_id}"
+        config = local_config(bootstrap=[through])
+        async with open_peer(config) as a:
+            await _until(lambda: _knows(boot, a) and _knows(a, boot))
+            announcer = Announcer(
+                a.dht, a.identity, a.peer_id, a.addrs, config.dht, config.timeouts
+            )
+            announcer.set_uids(["ffn.0.0"])
+            proxy.freeze()
+            await announcer.announce_now()
+            assert announcer.unheard
+            await _until(lambda: a.rpc.hung_up >= 1, within_s=20)
+            await _until(lambda: _knows(a, boot))
+            assert any("joined the swarm again" in r.getMessage() for r in caplog.records)
+            with trio.fail_after(10):  # the connection it has now answers
+                await a.rpc.call(
+                    PeerAddress(boot.peer_id, ()), Verb.DIALBACK, DialBackRequest(addrs=a.addrs)
+                )
+            await announcer.announce_now()
+            assert not announcer.unheard
+            proxies.cancel_scope.cancel()

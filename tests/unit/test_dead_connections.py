@@ -110,6 +110,37 @@ async def test_a_connection_that_stopped_answering_is_closed_and_the_next_call_d
                 await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
 
 
+async def test_calls_cut_off_by_their_callers_deadline_count_as_unanswered(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The DHT gives each request its own deadline (timeouts.dht_rpc_s, 5 s), far below
+    # request_s: such calls never counted, and a connection from an address this
+    # computer no longer had stayed open for 15 minutes (an outside probe, 2026-12-07).
+    async with half_open_client() as (server_host, host, client):
+        for _ in range(SILENCES_BEFORE_HANG_UP):
+            with pytest.raises(trio.TooSlowError):
+                with trio.fail_after(CONFIG.timeouts.dht_rpc_s):
+                    await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+        assert host.hang_ups == [server_host.peer_id]
+
+
+async def test_a_call_cancelled_with_no_deadline_passed_counts_as_nothing(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with half_open_client() as (server_host, host, client):
+        for _ in range(3):  # another peer answered first: the rest are cancelled
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    client.call, server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0")
+                )
+                await trio.sleep(CONFIG.timeouts.dht_rpc_s)
+                nursery.cancel_scope.cancel()
+        for _ in range(3):  # a caller with a moment left
+            with trio.move_on_after(0.5):
+                await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+        assert host.hang_ups == []
+
+
 async def test_one_unanswered_call_between_answers_closes_nothing(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -418,9 +418,9 @@ class ExpertDHT:
             try:
                 with trio.fail_after(self._timeouts.connect_s):
                     await self._host.connect(peer.peer_info())
+                    self._answered(ID.from_base58(peer.peer_id))
                     if await self._kad.routing_table.add_peer(ID.from_base58(peer.peer_id)):
                         joined += 1
-                        self._revive(ID.from_base58(peer.peer_id))
             except trio.TooSlowError:
                 # its text is empty: the warning ended at "did not answer: " (audit-join)
                 logger.warning(
@@ -467,13 +467,23 @@ class ExpertDHT:
         self._rpc.forget(peer_id)
         self._closest_cache.clear()
 
-    def _revive(self, peer_id: ID) -> None:
-        """``peer_id`` answered again (a bootstrap peer joined through): ask it again at
-        once. A bootstrap node that restarted stayed "gone" for a minute after it was
-        back, and a node that knew no other peer announced to nobody meanwhile."""
+    def silent(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` failed to answer this node lately (see ``_gone``)."""
+        try:
+            return self._gone(ID.from_base58(peer_id))
+        except Exception:  # a malformed peer id: never heard of
+            return False
+
+    def _answered(self, peer_id: ID) -> None:
+        """``peer_id`` answered on a connection (the node joined through it again): it
+        is asked again at once. A bootstrap peer forgotten when the node's old connection
+        to it stopped answering (this computer's address changed), or a bootstrap node
+        that restarted, was asked nothing for ``_DEAD_PEER_S`` after the node had joined
+        through it again, and the node's records reached no other peer meanwhile (55 to
+        70 s in an outside probe; a node that knew no other peer announced to nobody)."""
         self._dead_until.pop(peer_id, None)
-        if self._lookup_memory is not None:
-            self._lookup_memory.mark_silent(peer_id, 0.0)  # held until now: no longer
+        if self._lookup_memory is not None and self._lookup_memory.silent(peer_id):
+            self._lookup_memory.mark_silent(peer_id, 0.0)  # silent until now: no longer
         self._closest_cache.clear()
 
     def _gone(self, peer_id: ID) -> bool:

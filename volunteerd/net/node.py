@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost
+from libp2p.host.ping import ID as PING_ID
+from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.tools.anyio_service import background_trio_service
 
-from volunteerd.config import Config
+from volunteerd.config import Config, TimeoutsConfig
 from volunteerd.identity import Identity
 from volunteerd.net.connections import AddressSlots, IdleTrimmer
 from volunteerd.net.dht import ExpertDHT
@@ -34,7 +37,7 @@ from volunteerd.net.limits import MessagePacer
 from volunteerd.net.lookup import PeerLookup
 from volunteerd.net.open_files import FD_RESERVE, connection_cap, open_file_limit
 from volunteerd.net.paced import pace_services, pace_streams
-from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr
+from volunteerd.net.peers import PeerAddress, parse_peer_multiaddr, short
 from volunteerd.net.protocols import Verb
 from volunteerd.net.reachability import DialBackServer, Reachability, Relaying
 from volunteerd.net.rpc import Handler, RpcClient, RpcServer
@@ -51,6 +54,8 @@ _EXPIRE_EVERY_S = 10.0
 REJOIN_CHECK_S = 15.0
 REJOIN_MAX_WAIT_S = 300.0
 REJOIN_EVERY_S = 120.0
+# How often ``_stay_joined`` looks at this computer's addresses while it waits.
+_WATCH_ADDRS_S = 10.0
 
 
 @dataclass(slots=True)
@@ -221,7 +226,9 @@ async def open_node(
                 logger.info(
                     "joined the swarm through %d of %d bootstrap peers", joined, len(bootstrap)
                 )
-                nursery.start_soon(_stay_joined, dht, host, tuple(bootstrap), joined > 0)
+                nursery.start_soon(
+                    _stay_joined, dht, host, rpc, tuple(bootstrap), joined > 0, config.timeouts
+                )
             reach = Reachability(
                 host,
                 rpc,
@@ -243,7 +250,12 @@ async def open_node(
 
 
 async def _stay_joined(
-    dht: ExpertDHT, host: IHost, bootstrap: tuple[PeerAddress, ...], joined: bool
+    dht: ExpertDHT,
+    host: IHost,
+    rpc: RpcClient,
+    bootstrap: tuple[PeerAddress, ...],
+    joined: bool,
+    timeouts: TimeoutsConfig,
 ) -> None:
     """Join through ``bootstrap`` again whenever the node has lost the swarm.
 
@@ -257,12 +269,24 @@ async def _stay_joined(
     node whose connections to its bootstrap peers were all replaced since the last check
     (one restarted) joins through them again at once;
     while they do not answer it waits twice as long each time, up to
-    ``REJOIN_MAX_WAIT_S``."""
+    ``REJOIN_MAX_WAIT_S``.
+
+    A connection counts only while it answers: one to a bootstrap peer whose last call
+    or DHT request went unanswered, and each of them every ``REJOIN_EVERY_S`` and when
+    this computer's addresses change, is pinged (within ``timeouts.connect_s``); one
+    that gives no pong is closed, and the node joins again at once when none is left.
+    A connection merely open stood for "joined": after this computer's address changed,
+    its sockets from the vanished address stayed open and answered nothing, and the
+    node stayed cut off until the kernel gave up on them (some 15 minutes; an outside
+    probe with network namespaces). With no connection to them, a node whose addresses
+    changed joins again at once, however long it was waiting: a laptop back on a network
+    after an hour without waited up to ``REJOIN_MAX_WAIT_S``."""
     others = tuple(p for p in bootstrap if p.peer_id != str(host.get_id()))
     if not others:
         return
     ids = [ID.from_base58(p.peer_id) for p in others]
     last_joined = trio.current_time() if joined else -math.inf
+    pinged = trio.current_time()
     wait = REJOIN_CHECK_S
 
     def open_now() -> list[object]:
@@ -271,7 +295,9 @@ async def _stay_joined(
 
     seen = open_now()  # the connections to bootstrap peers last seen
     while True:
-        await trio.sleep(wait * random.uniform(0.8, 1.2))
+        moved = await _nap(host, wait * random.uniform(0.8, 1.2))
+        if moved:
+            wait = REJOIN_CHECK_S  # a new network: its tries start afresh
         connections = host.get_network().connections
         now_open = open_now()
         # A connection opened since the last check (not by joining) may be to a
@@ -280,12 +306,36 @@ async def _stay_joined(
         # nobody and newcomers found none of its experts.
         reconnected = bool(now_open) and not any(c in seen for c in now_open)
         seen = now_open or seen
-        if now_open and not reconnected:
-            last_joined, wait = trio.current_time(), REJOIN_CHECK_S
-            continue
-        lost = not connections or not any(dht.knows(p.peer_id) for p in others) or reconnected
-        if not lost and trio.current_time() - last_joined < REJOIN_EVERY_S:
-            continue
+        open_ = [p for p in ids if connections.get(p)]
+        if open_ and not reconnected:
+            due = moved or trio.current_time() - pinged >= REJOIN_EVERY_S
+            if due:
+                pinged = trio.current_time()
+            doubted = [
+                p
+                for p in open_
+                if due or rpc.unanswered(p.to_base58()) or dht.silent(p.to_base58())
+            ]
+            silent = await _not_answering(host, doubted, timeouts.connect_s)
+            for peer_id in silent:
+                logger.info(
+                    "bootstrap peer %s: its connection gives no pong; closing it",
+                    short(peer_id.to_base58()),
+                )
+                await rpc.hang_up(peer_id.to_base58())
+            if len(silent) < len(open_):
+                last_joined, wait = trio.current_time(), REJOIN_CHECK_S
+                continue
+            lost = True
+        else:
+            lost = (
+                moved
+                or reconnected
+                or not connections
+                or not any(dht.knows(p.peer_id) for p in others)
+            )
+            if not lost and trio.current_time() - last_joined < REJOIN_EVERY_S:
+                continue
         # py-libp2p refuses dials to a peer whose addresses all failed in the last 60 s
         # (its negative cache): these tries are spaced out already.
         unblock = getattr(host.get_network(), "unblock_peer", None)
@@ -304,6 +354,56 @@ async def _stay_joined(
             last_joined, wait = trio.current_time(), REJOIN_CHECK_S
         else:
             wait = min(2 * wait, REJOIN_MAX_WAIT_S)
+
+
+async def _not_answering(host: IHost, peer_ids: list[ID], within_s: float) -> list[ID]:
+    """Those of ``peer_ids`` whose connection gives no pong (libp2p ping) within
+    ``within_s``, asked together."""
+    silent: list[ID] = []
+
+    async def ping(peer_id: ID) -> None:
+        try:
+            with trio.fail_after(within_s):
+                stream = await host.new_stream(peer_id, [PING_ID])
+                try:
+                    await perform_ping_roundtrip(stream)
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        await stream.reset()
+        except Exception as exc:  # no stream, no pong, a wrong pong: the same to us
+            if not _refused(exc):
+                silent.append(peer_id)
+
+    async with trio.open_nursery() as nursery:
+        for peer_id in peer_ids:
+            nursery.start_soon(ping, peer_id)
+    return silent
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a stream failed because the peer refused its protocol: an answer (a peer
+    that does not serve ping is alive)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, MultiselectClientError) and "not supported" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+async def _nap(host: IHost, seconds: float) -> bool:
+    """Sleep ``seconds``, looking at this computer's addresses every
+    ``_WATCH_ADDRS_S``; True, at once, when they changed (another network, a new
+    address from the router, the network back after a time without)."""
+    addrs = transport_addrs(host)
+    with trio.move_on_after(seconds):
+        while True:
+            await trio.sleep(_WATCH_ADDRS_S)
+            if transport_addrs(host) != addrs:
+                return True
+    return False
 
 
 async def _expire_records(dht: ExpertDHT) -> None:

@@ -120,6 +120,9 @@ _MAX_REFUSED_KEYS = 4096
 # A client closes its connection to a peer after this many calls in a row that timed
 # out, or opened no stream in time (``RpcClient._silent``); peers counted at once.
 SILENCES_BEFORE_HANG_UP = 2
+# A call its caller's own deadline cut off counts as unanswered once it waited this long
+# (a caller with a moment left says nothing about the peer).
+SILENT_AFTER_S = 1.0
 _MAX_SILENT_PEERS = 4096
 # The most ``RpcClient.hang_up`` waits for the connection's close.
 _HANG_UP_S = 5.0
@@ -558,6 +561,7 @@ class RpcClient:
         body_cap = self._limits.max_body_bytes if verb in _REPLIES_WITH_BODY else 0
         if max_body_bytes is not None:
             body_cap = max(0, min(body_cap, max_body_bytes))
+        deadline, started = trio.current_effective_deadline(), trio.current_time()
         try:
             result = await self._call_raw(peer, spec, frame, body_cap)
         except (RequestTimeout, StreamTimedOut):
@@ -565,6 +569,17 @@ class RpcClient:
             raise
         except RemoteError:
             self._silences.pop(peer.peer_id, None)  # it answered
+            raise
+        except BaseException:  # trio.Cancelled (in a group, from the nursery inside)
+            # Cut off by the caller's deadline (``fail_after`` around the call: a DHT
+            # request's 5 s, a dial-back's 20 s), long before ``request_s``: just as
+            # unanswered. Uncounted, a connection whose other end was gone (this
+            # computer's address changed) was never closed, and the node stayed cut off
+            # until the kernel gave up on it. A cancellation with no deadline passed (a
+            # sibling answered first, the node stops) says nothing about the peer.
+            now = trio.current_time()
+            if now >= deadline and now - started >= SILENT_AFTER_S:
+                await self._silent(peer.peer_id)
             raise
         self._silences.pop(peer.peer_id, None)
         return result
@@ -587,6 +602,10 @@ class RpcClient:
             "%s: %d calls in a row unanswered; closing its connection", short(peer_id), silences
         )
         await self.hang_up(peer_id)
+
+    def unanswered(self, peer_id: str) -> bool:
+        """Whether the last call to ``peer_id`` went unanswered (see ``_silent``)."""
+        return peer_id in self._silences
 
     async def hang_up(self, peer_id: str) -> None:
         """Close the connection to ``peer_id`` and drop its pooled streams: the next
