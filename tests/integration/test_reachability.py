@@ -640,3 +640,20 @@ async def test_the_announcer_is_told_an_address_the_computer_gained(
         assert told
         assert told[-1] == node.addrs
         assert gained in told[-1]
+
+
+async def test_a_node_that_no_peer_could_judge_checks_again_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon started offline (no peer to ask) said "unknown" for ten minutes, the
+    full check period, though peers connected right after (an outside probe with
+    network namespaces); the same after an address change whose re-check went out over
+    dead connections. A check no peer answered is made again soon."""
+    monkeypatch.setattr(reachability, "_UNKNOWN_RECHECK_S", 0.5, raising=False)
+    async with open_peer(local_config()) as alone:
+        assert alone.reachability is not None
+        assert alone.reachability.report().mode == "unknown"  # nobody to ask
+        async with open_peer(local_config(bootstrap=alone.multiaddrs)):
+            with trio.fail_after(20):
+                while alone.reachability.report().mode != "direct":  # noqa: ASYNC110
+                    await trio.sleep(0.1)

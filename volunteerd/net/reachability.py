@@ -99,6 +99,10 @@ _WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is conne
 # A node left without a relay tries its relays again after _WATCH_RELAY_S, doubling up
 # to this, until one takes a reservation.
 _RETRY_RELAYS_MAX_S = 60.0
+# A check no peer answered (none connected yet: a daemon started offline, or over
+# connections gone dead with an old address) is made again this soon, then twice as
+# late each time, up to ``check_every_s``.
+_UNKNOWN_RECHECK_S = 30.0
 # A circuit to a peer that failed is tried after the peer's other circuits this long.
 _FAILED_VIA_S = 300.0
 _MAX_FAILED_VIA = 4096
@@ -778,7 +782,8 @@ class Reachability:
         return self._mode
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Re-check every ``check_every_s`` (re-reserving the relay slot when relayed);
+        """Re-check every ``check_every_s`` (re-reserving the relay slot when relayed),
+        sooner while no peer answered a check (``_UNKNOWN_RECHECK_S``, doubling);
         between checks, re-reserve at once when the relay connection dropped (a
         restarted relay forgot us) or the reservation is about to expire, and, while no
         relay took a reservation, try the relays again after ``_WATCH_RELAY_S``, doubling
@@ -788,6 +793,9 @@ class Reachability:
         addrs = set(transport_addrs(self._host))
         retry_s = _WATCH_RELAY_S  # between tries while no relay takes a reservation
         retry_at = time.monotonic() + retry_s
+        unknown_s = _UNKNOWN_RECHECK_S  # until the next check while no peer answers
+        if self._mode == "unknown":
+            next_check = time.monotonic() + unknown_s
         while True:
             nap = min(next_check - time.monotonic(), _WATCH_ADDRS_S)
             if self._mode == "relayed":
@@ -808,6 +816,15 @@ class Reachability:
                         await self._set_mode("relayed")
                     else:
                         await self.check()
+                    if self._mode == "unknown":
+                        # No peer answered: the status said "unknown" for ten minutes
+                        # after a daemon started offline, or after an address change
+                        # whose re-check went out over dead connections.
+                        unknown_s = min(unknown_s, self._config.check_every_s)
+                        next_check = time.monotonic() + unknown_s
+                        unknown_s *= 2
+                    else:
+                        unknown_s = _UNKNOWN_RECHECK_S
                 elif self._mode == "relayed" and (
                     not self._relay_connected() or time.monotonic() >= self._renew_at
                 ):
