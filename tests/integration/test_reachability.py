@@ -568,6 +568,24 @@ async def test_a_lone_peers_word_puts_no_stranger_address_in_the_nodes_records()
             assert not any("6.6.6.6" in a or "evil" in a for a in report.announce_addrs)
 
 
+async def _addresses_become(monkeypatch: pytest.MonkeyPatch, node: Node, addrs: list[str]) -> None:
+    """From now on the machine gives ``node`` the addresses ``addrs`` (stood in for:
+    test traffic stays on 127.0.0.1); returns once its reachability checked again."""
+    assert node.reachability is not None
+    before = node.reachability.report()
+    await trio.sleep(0.5)  # the watch has read the addresses it starts from
+    ours = node.host.get_id()
+    real = reachability.transport_addrs
+    monkeypatch.setattr(
+        reachability,
+        "transport_addrs",
+        lambda host: addrs if host.get_id() == ours else real(host),
+    )
+    with trio.fail_after(30):
+        while node.reachability.report().checked_at == before.checked_at:  # noqa: ASYNC110
+            await trio.sleep(0.1)
+
+
 async def test_a_node_whose_address_changes_stops_announcing_the_old_one_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -583,22 +601,11 @@ async def test_a_node_whose_address_changes_stops_announcing_the_old_one_at_once
         open_peer(local_config(bootstrap=boot.multiaddrs)) as node,
     ):
         assert node.reachability is not None
-        before = node.reachability.report()
         old = node.addrs[0]
-        assert before.announce_addrs[0] == old
+        assert node.reachability.report().announce_addrs[0] == old
         port = old.rsplit("/", 1)[1]
         moved = f"/ip4/127.0.0.2/tcp/{port}"  # the new network's address
-        await trio.sleep(0.5)  # the watch has read the addresses it starts from
-        ours = node.host.get_id()
-        real = reachability.transport_addrs
-        monkeypatch.setattr(
-            reachability,
-            "transport_addrs",
-            lambda host: [moved] if host.get_id() == ours else real(host),
-        )
-        with trio.fail_after(30):
-            while node.reachability.report().checked_at == before.checked_at:  # noqa: ASYNC110
-                await trio.sleep(0.1)
+        await _addresses_become(monkeypatch, node, [moved])
         after = node.reachability.report()
         assert old not in after.direct_addrs
         assert old not in after.announce_addrs
@@ -623,20 +630,9 @@ async def test_the_announcer_is_told_an_address_the_computer_gained(
         assert node.reachability is not None
         told: list[list[str]] = []
         node.reachability.watch_addrs(told.append)  # as the daemon's announcer does
-        before = node.reachability.report()
         old = node.addrs[0]
         gained = f"/ip4/127.0.0.2/tcp/{old.rsplit('/', 1)[1]}"  # a new network's address
-        await trio.sleep(0.5)  # the watch has read the addresses it starts from
-        ours = node.host.get_id()
-        real = reachability.transport_addrs
-        monkeypatch.setattr(
-            reachability,
-            "transport_addrs",
-            lambda host: [old, gained] if host.get_id() == ours else real(host),
-        )
-        with trio.fail_after(30):
-            while node.reachability.report().checked_at == before.checked_at:  # noqa: ASYNC110
-                await trio.sleep(0.1)
+        await _addresses_become(monkeypatch, node, [old, gained])
         assert told
         assert told[-1] == node.addrs
         assert gained in told[-1]

@@ -117,12 +117,10 @@ async def test_a_node_joins_again_through_a_bootstrap_node_that_restarted(
                     await _until(lambda: newcomer.dht.knows(a.peer_id))
 
 
-async def test_a_node_left_with_no_connection_joins_again_once_the_bootstrap_answers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A network gone for minutes (or a laptop's sleep) leaves a node with no connection;
-    # it keeps trying, waiting twice as long each time, and is back once one answers.
-    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.2)
+@asynccontextmanager
+async def _bootstrap_gone() -> AsyncIterator[tuple[Node, Config, Identity]]:
+    """A node joined through a bootstrap node that has stopped since, and left with no
+    connection; gives the node and what restarts the bootstrap node as it was."""
     async with (
         _bootstrap_node() as (boot, stop, boot_config, boot_identity),
         open_peer(local_config(bootstrap=boot.multiaddrs)) as a,
@@ -130,6 +128,16 @@ async def test_a_node_left_with_no_connection_joins_again_once_the_bootstrap_ans
         await _until(lambda: _knows(boot, a))
         await stop()
         await _until(lambda: not a.connected_peers())
+        yield a, boot_config, boot_identity
+
+
+async def test_a_node_left_with_no_connection_joins_again_once_the_bootstrap_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A network gone for minutes (or a laptop's sleep) leaves a node with no connection;
+    # it keeps trying, waiting twice as long each time, and is back once one answers.
+    monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.2)
+    async with _bootstrap_gone() as (a, boot_config, boot_identity):
         await trio.sleep(3)  # several tries that find nobody
         assert not a.connected_peers()
         async with open_peer(boot_config, boot_identity) as again:
@@ -146,15 +154,11 @@ async def test_a_node_connected_again_to_a_restarted_bootstrap_node_joins_throug
     monkeypatch.setattr(node_module, "REJOIN_CHECK_S", 0.5)
     monkeypatch.setattr(node_module, "REJOIN_EVERY_S", 3600.0)
     async with (
-        _bootstrap_node() as (boot, stop, boot_config, boot_identity),
-        open_peer(local_config(bootstrap=boot.multiaddrs)) as a,
+        _bootstrap_gone() as (a, boot_config, boot_identity),
+        open_peer(boot_config, boot_identity) as again,
     ):
-        await _until(lambda: _knows(boot, a))
-        await stop()
-        await _until(lambda: not a.connected_peers())
-        async with open_peer(boot_config, boot_identity) as again:
-            await a.host.connect(PeerInfo(again.host.get_id(), again.host.get_addrs()))
-            await _until(lambda: _knows(again, a) and _knows(a, again))
+        await a.host.connect(PeerInfo(again.host.get_id(), again.host.get_addrs()))
+        await _until(lambda: _knows(again, a) and _knows(a, again))
 
 
 async def test_a_relayed_daemon_is_found_at_its_circuit_soon_after_its_only_relay_restarts(
