@@ -30,6 +30,7 @@ from volunteerd.swarm.manifest import load_manifest_file
 from volunteerd.swarm.projects import (
     MAX_SHARE,
     Project,
+    SetAside,
     check_share,
     join_project,
     leave_project,
@@ -239,6 +240,8 @@ def test_an_entry_todays_checks_refuse_is_set_aside_and_the_others_still_load(
     assert [(p.name, p.peers, p.share) for p in recorded.projects] == [("good", (PEER,), 2.0)]
     [aside] = recorded.set_aside
     assert says in aside.problem
+    if aside.name == "good":  # following the advice must not cost the hosted entry
+        assert "first entry of that name is hosted" in aside.advice()
     assert any(f"{path}: project 2" in w and "is not hosted" in w for w in recorded.warnings)
     # joining another project leaves it as it was; leaving it (by its name) removes it
     assert join_project(path, project("third"))
@@ -521,3 +524,9 @@ async def test_no_join_or_leave_restarts_into_a_configuration_that_does_not_load
     assert joined.restarting
     assert daemon.restart_requested
     assert [p.name for p in load_projects(daemon.paths.projects_file)] == ["tiny"]
+
+
+def test_the_advice_for_an_entry_set_aside_is_a_command_a_shell_takes_whole() -> None:
+    # A name edited by hand was shown bare: `volunteerd leave a b;rm` ran two commands.
+    advice = SetAside("a b;rm", "", "it is not a name").advice()
+    assert "`volunteerd leave 'a b;rm'`" in advice

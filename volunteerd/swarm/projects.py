@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -147,13 +148,18 @@ class SetAside:
     name: str  # as recorded ("" when it has none)
     owner: str  # as recorded ("" when it has none)
     problem: str  # what today's checks refuse in it
+    twice: bool = False  # a second entry of a name hosted from an earlier one
 
     def advice(self) -> str:
-        """What the volunteer can do about it, in one sentence."""
-        return (
-            "join it again from a new invitation of its owner, or remove it with "
-            f"`volunteerd leave {self.name or repr(self.name)}`"
-        )
+        """What the volunteer can do about it, in one sentence, with a command that can
+        be pasted into a shell (the name quoted: a file edited by hand may hold any)."""
+        leave = f"`volunteerd leave {shlex.quote(self.name)}`"
+        if self.twice:  # leave takes every entry of the name, the hosted one too
+            return (
+                "the first entry of that name is hosted; delete this one from the file, or "
+                f"leave the project with {leave} (both entries) and join it again"
+            )
+        return f"join it again from a new invitation of its owner, or remove it with {leave}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +205,7 @@ def _recorded(path: Path, data: dict[str, Any]) -> Recorded:
             where += f" ({_shown(entry['name'])})"
         checked = _checked(where, entry, warnings)
         if isinstance(checked, Project) and any(p.name == checked.name for p in projects):
-            checked = SetAside(checked.name, checked.owner, "its name is listed twice")
+            checked = SetAside(checked.name, checked.owner, "its name is listed twice", True)
         elif isinstance(checked, Project) and len(projects) >= MAX_PROJECTS:
             checked = SetAside(checked.name, checked.owner, f"at most {MAX_PROJECTS} are hosted")
         if isinstance(checked, SetAside):
