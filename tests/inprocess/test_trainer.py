@@ -256,6 +256,26 @@ async def test_a_peer_late_every_time_is_banned_after_a_streak_and_one_that_answ
     await with_a_slow_server(run)
 
 
+async def test_a_peer_banned_for_a_timeout_is_called_on_a_new_connection_after_the_ban() -> None:
+    """A volunteer whose address changed (a new one from the router) left the trainer's
+    connection open and dead: its calls timed out, it was banned, and when the ban ended
+    the trainer took the same dead connection again, and banned it for twice as long
+    (an outside probe with network namespaces: 3 min 15 s without its experts). A
+    round's own timeout cuts the calls off, not the RPC client's deadline, so nothing
+    closed that connection: the ban does, and the next call dials afresh."""
+
+    def run(client: TrainerClient, slow: InProcessServer) -> None:
+        torch.manual_seed(0)
+        moe = layer(client, k_best=4, k_min=4, forward_timeout_s=1.0)
+        slow.faults.fault = Fault(delay_s=600.0)  # every call of its row stalls
+        steps(moe, 1)
+        assert moe.stats.failures["timeout"] == 2  # both of its experts' calls
+        assert slow.peer_id in client.directory.banned
+        assert client.rpc.hung_up == 1
+
+    await with_a_slow_server(run)
+
+
 async def test_a_far_slower_server_does_not_set_the_pace_of_every_step() -> None:
     """The outside audit's WAN swarm in one process: a server holds a whole grid row,
     so the tokens whose best experts share that row can only be answered by it, and it

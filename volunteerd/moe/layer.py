@@ -516,7 +516,14 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             # relay's failure, not the peer's. Banned for it, an honest volunteer lost
             # a minute of steps each time its relay restarted, then twice that...
             return
-        self._ban(call.peer.peer_id, why, None, usable)
+        fresh = not self.client.directory.is_banned(call.peer.peer_id)  # not this round's
+        if self._ban(call.peer.peer_id, why, None, usable) and reason == "timeout" and fresh:
+            # The round's own timeout cut the call off, not the RPC client's deadline,
+            # whose rule for silent connections then never saw it: a connection whose
+            # other end was gone (the volunteer got a new address) was taken again when
+            # the ban ended, and the peer banned for twice as long (an outside probe:
+            # 3 min 15 s without its experts). The next call dials afresh.
+            self.client.hang_up(call.peer.peer_id)
 
     def _relay_failed(self, peer: PeerAddress, reason: str, every_circuit: bool) -> bool:
         async def hold() -> bool:
