@@ -111,18 +111,23 @@ async def test_a_trainer_does_not_ban_a_volunteer_whose_relay_died_and_calls_its
         stop_second.set()
 
 
-@pytest.mark.parametrize("misbehaviour", ["refuse", "stall"])
+@pytest.mark.parametrize("misbehaviour", ["refuse", "stall", "okdrop"])
 async def test_a_relay_that_fails_circuits_is_routed_around_through_the_second_one(
     misbehaviour: str,
 ) -> None:
-    """The hostile relay is listed first and grants reservations; it refuses or stalls
-    every circuit. The node holds a reservation on both relays and announces both
-    circuits: a refusal is passed at once, a stalled dial costs one call, and the next
-    one goes through the other relay first. Before, the node announced the hostile
-    relay's circuit alone and every call failed (outside probe s4: 120 of 120)."""
+    """The hostile relay is listed first and grants reservations; it refuses, stalls,
+    or answers OK and then relays nothing ("okdrop") on every circuit. The node holds a
+    reservation on both relays and announces both circuits: a refusal is passed at
+    once, a stalled dial or handshake costs one call, and the next one goes through the
+    other relay first. Before, the node announced the hostile relay's circuit alone and
+    every call failed (outside probe s4: 120 of 120); and with "okdrop" every call
+    still failed (12 of 12), py-libp2p dialling the circuit its peer store held first
+    (the hostile one) whichever circuit the caller chose."""
 
     async def hostile_connect(stream: object, msg: object) -> None:
-        if misbehaviour == "stall":
+        if misbehaviour == "okdrop":
+            await hostile_protocol._send_status(stream, StatusCode.OK, "ok")
+        if misbehaviour != "refuse":
             await trio.sleep_forever()
         await hostile_protocol._refuse(stream, StatusCode.CONNECTION_FAILED, "no")
 

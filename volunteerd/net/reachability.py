@@ -427,9 +427,10 @@ class Relaying:
         those through relays that failed it lately last, falling back to its direct
         addresses. Raises PeerUnreachable.
 
-        A circuit counts as failed from the moment it is dialled until it opens: a dial
-        cut off by the caller's timeout (a relay that stalls) counts too, so the next
-        call tries the peer's other relay first."""
+        A circuit counts as failed from the moment it is dialled until the connection
+        over it is secured and multiplexed: a dial or handshake cut off by the caller's
+        timeout (a relay that stalls, or answers OK and then relays nothing) counts
+        too, so the next call tries the peer's other relay first."""
         now = time.monotonic()
         circuits = sorted(
             (a for a in peer.addrs if is_circuit_addr(a)),
@@ -439,7 +440,7 @@ class Relaying:
         for addr in circuits:
             self._note_failed_via(peer.peer_id, addr)
             try:
-                await self._transport.dial(multiaddr.Multiaddr(f"{addr}/p2p/{peer.peer_id}"))
+                await self._dial_circuit(addr, ID.from_base58(peer.peer_id))
             except Exception as exc:
                 errors.append(f"{addr}: {exc}")
                 continue
@@ -453,6 +454,32 @@ class Relaying:
         raise PeerUnreachable(
             f"{short(peer.peer_id)}: no relay circuit opened ({'; '.join(errors)})"
         )
+
+    async def _dial_circuit(self, addr: str, peer_id: ID) -> None:
+        """Connect to ``peer_id`` through circuit address ``addr`` and no other.
+
+        py-libp2p's ``CircuitV2Transport.dial`` tries the circuit addresses its peer
+        store holds for the peer first, in stored order, and the one it is given only
+        after: a caller that chose the honest relay still went through the hostile one
+        stored first. A relay that answered the CONNECT with OK and then relayed nothing
+        so broke every call (outside probe s4 "okdrop": 12 of 12 calls failed)."""
+        circuit = multiaddr.Multiaddr(f"{addr}/p2p/{peer_id}")
+        relay_ma, _ = self._transport.parse_circuit_ma(circuit)
+        relay_id = ID.from_base58(str(relay_ma.get_peer_id()))
+        if not self._host.get_network().connections.get(relay_id):
+            await self._host.connect(PeerInfo(relay_id, [relay_ma]))
+        raw = await self._transport._dial_via_circuit_addr(circuit, PeerInfo(peer_id, [circuit]))
+        try:
+            await self._host.upgrade_outbound_connection(raw, peer_id)
+        except BaseException:
+            # py-libp2p leaves the relayed stream open when the handshake is cancelled
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(Exception),
+            ):
+                await raw.close()
+            raise
 
 
 @dataclass(frozen=True, slots=True)
