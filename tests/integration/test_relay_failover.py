@@ -11,6 +11,7 @@ failed call ("no relay circuit opened"), so its experts went unused for the whol
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -162,5 +163,63 @@ async def test_a_relay_that_fails_circuits_is_routed_around_through_the_second_o
                 answered += 1
                 await client.rpc.hang_up(hidden.peer_id)  # the next call dials again
             assert answered >= 3, (answered, failed)
+        for stop in stops:
+            stop.set()
+
+
+async def test_a_volunteer_takes_back_a_restarted_relay_while_it_holds_the_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Of the node's two relays the first goes down and comes back on the same port and
+    identity: the node reserves on it again within its retry schedule, holding the
+    second all along, and a circuit through the first reaches it. Before, it held the
+    second relay alone until that one failed too, then had none for a while (outside
+    probe s6v: its experts went unused for 9 s when the second relay died)."""
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
+    monkeypatch.setattr(reachability, "_RETRY_RELAYS_MAX_S", 2.0)
+    identity = Identity.generate()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
+
+    async def run_first(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
+        async with open_node(identity, first_config, relay=True) as relay:
+            task_status.started(relay)
+            await stop.wait()
+
+    def through(relay: Node, addrs: list[str]) -> list[str]:
+        return [a for a in addrs if relay.peer_id in a]
+
+    async with trio.open_nursery() as nursery:
+        stops = trio.Event(), trio.Event()
+        first: Node = await nursery.start(run_first, stops[0])
+        second: Node = await nursery.start(_run_relay, stops[1])
+        config = local_config(
+            bootstrap=[*first.multiaddrs, *second.multiaddrs],
+            reachability={"mode": "relay", "listen": False, "hole_punching": False},
+        )
+        async with open_peer(config) as hidden:
+            assert through(first, hidden.addrs)
+            assert through(second, hidden.addrs)
+            stops[0].set()
+            with trio.fail_after(20):
+                while through(first, hidden.addrs):  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            assert through(second, hidden.addrs)
+            stops = trio.Event(), stops[1]
+            first = await nursery.start(run_first, stops[0])
+            with trio.fail_after(25):
+                while not through(first, hidden.addrs):  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            assert through(second, hidden.addrs)
+            async with open_peer(local_config(bootstrap=first.multiaddrs)) as client:
+                with trio.fail_after(15):
+                    reply, _ = await client.rpc.call(
+                        PeerAddress(hidden.peer_id, tuple(through(first, hidden.addrs))),
+                        Verb.DIALBACK,
+                        DialBackRequest(addrs=client.addrs),
+                    )
+                assert reply == DialBackReply(reachable=None, dialled=0)
         for stop in stops:
             stop.set()

@@ -96,8 +96,8 @@ _DIALBACKS_AT_ONCE = 2  # a server dials back for at most this many requests at 
 # How often this computer's own addresses are compared with the last ones seen.
 _WATCH_ADDRS_S = 10.0
 _WATCH_RELAY_S = 10.0  # how often a relayed node checks that its relay is connected
-# A node left without a relay tries its relays again after _WATCH_RELAY_S, doubling up
-# to this, until one takes a reservation.
+# A node left without a relay, or holding fewer than it wants, tries the relays again
+# after _WATCH_RELAY_S, doubling up to this, until it holds them.
 _RETRY_RELAYS_MAX_S = 60.0
 # A check no peer answered (none connected yet: a daemon started offline, or over
 # connections gone dead with an old address) is made again this soon, then twice as
@@ -749,15 +749,42 @@ class Reachability:
         left trainers no way to the node; with two, a trainer that cannot get through one
         circuit tries the other (outside probes: a hostile relay listed first failed
         every call while the honest one beside it was never used)."""
-        me = str(self._host.get_id())
         before = self._held
         candidates = [*before, *(r for r in self._relays if r not in before)]
-        held: list[PeerAddress] = []
-        renew_at = []
-        for relay in candidates:
+        held, renew_at = await self._reserve_on(candidates, [], [])
+        self._hold(held, renew_at)
+        if before and held and {r.peer_id for r in held} != {r.peer_id for r in before}:
+            logger.info(
+                "relays: now %s (before: %s)",
+                ", ".join(short(r.peer_id) for r in held),
+                ", ".join(short(r.peer_id) for r in before),
+            )
+        return bool(self._circuit)
+
+    async def _reserve_missing(self) -> None:
+        """Reserve on relays not held, keeping the reservations held, until this node
+        holds as many as it wants. After one of its two relays restarted, a node held
+        the other alone until that one failed too (outside probe s6v: its experts went
+        unused for 9 s when the second relay died 38 s after the first came back)."""
+        before = self._held
+        held, renew_at = await self._reserve_on(
+            [r for r in self._relays if r not in before], list(before), [self._renew_at]
+        )
+        self._hold(held, renew_at)
+        if len(held) > len(before):
+            logger.info("relays: now %s", ", ".join(short(r.peer_id) for r in held))
+
+    async def _reserve_on(
+        self, relays: list[PeerAddress], held: list[PeerAddress], renew_at: list[float]
+    ) -> tuple[list[PeerAddress], list[float]]:
+        """Reserve on ``relays`` in order, after ``held``, until ``_RELAYS_HELD`` are
+        held; returns the relays held and ``renew_at`` with the time each new
+        reservation is to be renewed added (the soonest of them counts)."""
+        me = str(self._host.get_id())
+        for relay in relays:
             if len(held) >= _RELAYS_HELD:
                 break
-            if relay.peer_id == me:
+            if relay.peer_id == me or any(r.peer_id == relay.peer_id for r in held):
                 continue
             try:
                 with trio.fail_after(self._timeouts.connect_s * 2):
@@ -767,6 +794,10 @@ class Reachability:
                 continue
             held.append(relay)
             renew_at.append(time.monotonic() + lasts - _RENEW_BEFORE_S)
+        return held, renew_at
+
+    def _hold(self, held: list[PeerAddress], renew_at: list[float]) -> None:
+        """Announce a circuit through each relay in ``held``."""
         self._held = tuple(held)
         self._renew_at = min(renew_at, default=0.0)
         self._circuit = tuple(
@@ -775,13 +806,6 @@ class Reachability:
             for a in relay.addrs
             if parse_circuit_addr(circuit := f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}")
         )[:MAX_ADDRS]
-        if before and held and {r.peer_id for r in held} != {r.peer_id for r in before}:
-            logger.info(
-                "relays: now %s (before: %s)",
-                ", ".join(short(r.peer_id) for r in held),
-                ", ".join(short(r.peer_id) for r in before),
-            )
-        return bool(self._circuit)
 
     def _wants_relay(self) -> bool:
         """Unreachable for want of a relay (not by ``mode = "direct"``), with relays to
@@ -792,6 +816,12 @@ class Reachability:
             and self._config.mode != "direct"
             and any(r.peer_id != me for r in self._relays)
         )
+
+    def _short_of_relays(self) -> bool:
+        """Relayed through fewer relays than it wants (two, where it knows two)."""
+        me = str(self._host.get_id())
+        known = {r.peer_id for r in self._relays if r.peer_id != me}
+        return self._mode == "relayed" and len(self._held) < min(_RELAYS_HELD, len(known))
 
     def _relay_connected(self) -> bool:
         """Whether every relay this node announces still holds its reservation."""
@@ -813,24 +843,25 @@ class Reachability:
         sooner while no peer answered a check (``_UNKNOWN_RECHECK_S``, doubling);
         between checks, re-reserve at once when the relay connection dropped (a
         restarted relay forgot us) or the reservation is about to expire, and, while no
-        relay took a reservation, try the relays again after ``_WATCH_RELAY_S``, doubling
-        up to ``_RETRY_RELAYS_MAX_S``."""
+        relay took a reservation or fewer than it wants did, try the relays again after
+        ``_WATCH_RELAY_S``, doubling up to ``_RETRY_RELAYS_MAX_S``."""
         task_status.started()
         next_check = time.monotonic() + self._config.check_every_s
         addrs = set(transport_addrs(self._host))
-        retry_s = _WATCH_RELAY_S  # between tries while no relay takes a reservation
+        retry_s = _WATCH_RELAY_S  # between tries while short of relays
         retry_at = time.monotonic() + retry_s
         unknown_s = _UNKNOWN_RECHECK_S  # until the next check while no peer answers
         if self._mode == "unknown":
             next_check = time.monotonic() + unknown_s
         while True:
             nap = min(next_check - time.monotonic(), _WATCH_ADDRS_S)
+            short_before = self._wants_relay() or self._short_of_relays()
             if self._mode == "relayed":
                 nap = min(nap, _WATCH_RELAY_S)
-            elif self._wants_relay():
+            if short_before:
                 nap = min(nap, retry_at - time.monotonic())
             await trio.sleep(max(0.0, nap))
-            was, tried = self._mode, False
+            tried = False
             try:
                 now_addrs = set(transport_addrs(self._host))
                 if now_addrs != addrs:
@@ -862,11 +893,17 @@ class Reachability:
                     # minutes on. Try the relays again, less often while they refuse.
                     tried = True
                     await self._set_mode("relayed")
+                elif self._short_of_relays() and time.monotonic() >= retry_at:
+                    # One of two relays restarted: the node held the other alone until
+                    # that one failed too. Take the missing one back meanwhile.
+                    tried = True
+                    await self._reserve_missing()
+                    self._notify_if_changed()
             except Exception:  # a failed round must not end the node: the next one retries
                 logger.exception("reachability round failed")
-            if self._mode != "unreachable":
+            if not (self._wants_relay() or self._short_of_relays()):
                 retry_s = _WATCH_RELAY_S
-            elif was != "unreachable" or tried:
+            elif not short_before or tried:
                 if tried:
                     retry_s = min(retry_s * 2, _RETRY_RELAYS_MAX_S)
                 retry_at = time.monotonic() + retry_s
