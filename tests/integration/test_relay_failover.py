@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from torch import nn
 
@@ -223,3 +224,53 @@ async def test_a_volunteer_takes_back_a_restarted_relay_while_it_holds_the_other
                 assert reply == DialBackReply(reachable=None, dialled=0)
         for stop in stops:
             stop.set()
+
+
+async def test_a_caller_dials_a_restarted_relay_its_swarm_saw_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller's dial of the relay failed while the relay was down; the relay comes
+    back, the node reserves on it again, and the caller reaches the node through it at
+    once. Before, py-libp2p refused for 60 s to dial the relay again (its negative
+    cache), so a circuit the node announced went unused: outside probe s6v, its experts
+    unused for 10.6 s after its other relay died."""
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
+    identity = Identity.generate()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    relay_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
+
+    async def run_relay(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
+        async with open_node(identity, relay_config, relay=True) as relay:
+            task_status.started(relay)
+            await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        relay: Node = await nursery.start(run_relay, stop)
+        config = local_config(
+            bootstrap=relay.multiaddrs,
+            reachability={"mode": "relay", "listen": False, "hole_punching": False},
+        )
+        async with open_peer(config) as hidden, open_peer(local_config()) as client:
+            assert hidden.reachability is not None
+            circuit = PeerAddress(hidden.peer_id, tuple(hidden.addrs))
+            relay_info = PeerInfo(relay.host.get_id(), list(relay.host.get_addrs()))
+            stop.set()
+            with trio.fail_after(20):
+                while hidden.reachability.mode != "unreachable":  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            with pytest.raises(Exception):  # noqa: B017 (whatever py-libp2p raises)
+                await client.host.connect(relay_info)
+            stop = trio.Event()
+            relay = await nursery.start(run_relay, stop)
+            with trio.fail_after(25):
+                while hidden.reachability.mode != "relayed":  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            with trio.fail_after(15):
+                reply, _ = await client.rpc.call(
+                    circuit, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
+                )
+            assert reply == DialBackReply(reachable=None, dialled=0)
+        stop.set()

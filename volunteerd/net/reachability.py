@@ -462,11 +462,21 @@ class Relaying:
         store holds for the peer first, in stored order, and the one it is given only
         after: a caller that chose the honest relay still went through the hostile one
         stored first. A relay that answered the CONNECT with OK and then relayed nothing
-        so broke every call (outside probe s4 "okdrop": 12 of 12 calls failed)."""
+        so broke every call (outside probe s4 "okdrop": 12 of 12 calls failed).
+
+        py-libp2p refuses for 60 s to dial a peer whose addresses all failed once (any
+        dial: the DHT's too): a relay that restarted stayed undialled after it was back
+        and its volunteer had reserved on it again, and when the volunteer's other relay
+        died calls found no way through (outside probe s6v: 10.6 s without its experts).
+        The caller orders its circuits by their failures itself (``connect``)."""
         circuit = multiaddr.Multiaddr(f"{addr}/p2p/{peer_id}")
         relay_ma, _ = self._transport.parse_circuit_ma(circuit)
         relay_id = ID.from_base58(str(relay_ma.get_peer_id()))
-        if not self._host.get_network().connections.get(relay_id):
+        network = self._host.get_network()
+        if not network.connections.get(relay_id):
+            unblock = getattr(network, "unblock_peer", None)
+            if unblock is not None:
+                unblock(relay_id)
             await self._host.connect(PeerInfo(relay_id, [relay_ma]))
         raw = await self._transport._dial_via_circuit_addr(circuit, PeerInfo(peer_id, [circuit]))
         try:
