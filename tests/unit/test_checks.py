@@ -242,13 +242,18 @@ class _Directory:
 
 
 class _Client:
-    """What the layer needs of a SwarmClient to judge answers: bans."""
+    """What the layer needs of a SwarmClient to judge answers: bans (and the
+    connections it closes with a ban for a timeout)."""
 
     def __init__(self) -> None:
         self.directory = _Directory()
+        self.hung_up: list[str] = []
 
     def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
         self.directory.banned[peer_id] = reason
+
+    def hang_up(self, peer_id: str) -> None:
+        self.hung_up.append(peer_id)
 
 
 def _layer() -> tuple[RemoteMixtureOfExperts, _Client]:
@@ -312,6 +317,7 @@ def test_the_layer_never_bans_its_last_peer() -> None:
     ys, _ = layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b"})
     assert [y is None for y in ys] == [False, True, True]
     assert list(client.directory.banned) == ["a"]
+    assert client.hung_up == ["a"]  # banned for a timeout: its connection closed too
     assert layer.stats.bans_held_back == 1
     assert layer.stats.rejected == {NON_FINITE: 1}
 

@@ -674,6 +674,11 @@ class SimRpc:
             for m, b in zip(metas, data, strict=True)
         ]
 
+    async def hang_up(self, peer_id: str) -> None:
+        """A trainer that bans a peer for a timeout closes its connection. The links
+        modelled here hold no connections (each call is delivered on its own), so the
+        next call is as the first: nothing to close."""
+
     async def aclose(self) -> None:
         pass
 
