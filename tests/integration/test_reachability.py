@@ -33,7 +33,7 @@ from volunteerd.net.peers import peer_id_for
 from volunteerd.net.reachability import UpgradeStats
 from volunteerd.net.rpc import Reply, Request
 from volunteerd.net.swarm_clock import SwarmClock
-from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.testing import Restartable, local_config, open_daemon, open_peer
 from volunteerd.wire import TensorMeta
 from volunteerd.wire.messages import ForwardRequest, TensorReply
 
@@ -289,17 +289,9 @@ async def test_a_relayed_node_reserves_again_soon_after_its_only_relay_restarts(
     it through the relay. Before, it stayed unreachable until that check (and py-libp2p
     refused for a minute to dial a relay whose addresses had all failed once)."""
     monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
-    relay_identity = Identity.generate()
-    relay_config = local_config(network={"listen_host": "127.0.0.1", "port": closed_port()})
-
-    async def run_relay(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
-        async with open_node(relay_identity, relay_config, relay=True) as relay:
-            task_status.started(relay)
-            await stop.wait()
-
     async with trio.open_nursery() as nursery:
-        stop = trio.Event()
-        boot = await nursery.start(run_relay, stop)
+        restarts = Restartable(nursery, relay=True)
+        boot = await restarts.start()
         config = local_config(
             bootstrap=boot.multiaddrs, reachability={"mode": "relay", "listen": False}
         )
@@ -307,12 +299,11 @@ async def test_a_relayed_node_reserves_again_soon_after_its_only_relay_restarts(
             assert hidden.reachability is not None
             assert hidden.reachability.mode == "relayed"
             circuit = hidden.addrs
-            stop.set()
+            restarts.stop()
             with trio.fail_after(20):
                 while hidden.reachability.mode != "unreachable":  # noqa: ASYNC110
                     await trio.sleep(0.1)
-            stop = trio.Event()
-            boot = await nursery.start(run_relay, stop)
+            boot = await restarts.start()
             with trio.fail_after(25):
                 while hidden.reachability.mode != "relayed":  # noqa: ASYNC110
                     await trio.sleep(0.1)
@@ -325,7 +316,7 @@ async def test_a_relayed_node_reserves_again_soon_after_its_only_relay_restarts(
                         DialBackRequest(addrs=client.addrs),
                     )
                 assert reply == DialBackReply(reachable=None, dialled=0)
-        stop.set()
+        restarts.stop()
 
 
 async def test_a_relayed_node_reserves_again_when_it_reconnected_to_a_restarted_relay(

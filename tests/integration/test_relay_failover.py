@@ -11,7 +11,6 @@ failed call ("no relay circuit opened"), so its experts went unused for the whol
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from volunteerd.identity import Identity
 from volunteerd.moe import RemoteMixtureOfExperts, SwarmClient
 from volunteerd.net import Node, PeerAddress, Verb, open_node, reachability
 from volunteerd.net.dialback import DialBackReply, DialBackRequest
-from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.testing import Restartable, local_config, open_daemon, open_peer
 
 # Real libp2p nodes on loopback, in wall-clock time: a swarm, or a node and its clients.
 pytestmark = pytest.mark.slow
@@ -178,24 +177,15 @@ async def test_a_volunteer_takes_back_a_restarted_relay_while_it_holds_the_other
     probe s6v: its experts went unused for 9 s when the second relay died)."""
     monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
     monkeypatch.setattr(reachability, "_RETRY_RELAYS_MAX_S", 2.0)
-    identity = Identity.generate()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    first_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
-
-    async def run_first(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
-        async with open_node(identity, first_config, relay=True) as relay:
-            task_status.started(relay)
-            await stop.wait()
 
     def through(relay: Node, addrs: list[str]) -> list[str]:
         return [a for a in addrs if relay.peer_id in a]
 
     async with trio.open_nursery() as nursery:
-        stops = trio.Event(), trio.Event()
-        first: Node = await nursery.start(run_first, stops[0])
-        second: Node = await nursery.start(_run_relay, stops[1])
+        restarts = Restartable(nursery, relay=True)
+        first = await restarts.start()
+        second_stop = trio.Event()
+        second: Node = await nursery.start(_run_relay, second_stop)
         config = local_config(
             bootstrap=[*first.multiaddrs, *second.multiaddrs],
             reachability={"mode": "relay", "listen": False, "hole_punching": False},
@@ -203,13 +193,12 @@ async def test_a_volunteer_takes_back_a_restarted_relay_while_it_holds_the_other
         async with open_peer(config) as hidden:
             assert through(first, hidden.addrs)
             assert through(second, hidden.addrs)
-            stops[0].set()
+            restarts.stop()
             with trio.fail_after(20):
                 while through(first, hidden.addrs):  # noqa: ASYNC110
                     await trio.sleep(0.1)
             assert through(second, hidden.addrs)
-            stops = trio.Event(), stops[1]
-            first = await nursery.start(run_first, stops[0])
+            first = await restarts.start()
             with trio.fail_after(25):
                 while not through(first, hidden.addrs):  # noqa: ASYNC110
                     await trio.sleep(0.1)
@@ -222,8 +211,8 @@ async def test_a_volunteer_takes_back_a_restarted_relay_while_it_holds_the_other
                         DialBackRequest(addrs=client.addrs),
                     )
                 assert reply == DialBackReply(reachable=None, dialled=0)
-        for stop in stops:
-            stop.set()
+        restarts.stop()
+        second_stop.set()
 
 
 async def test_a_caller_dials_a_restarted_relay_its_swarm_saw_fail(
@@ -235,20 +224,9 @@ async def test_a_caller_dials_a_restarted_relay_its_swarm_saw_fail(
     cache), so a circuit the node announced went unused: outside probe s6v, its experts
     unused for 10.6 s after its other relay died."""
     monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.5)
-    identity = Identity.generate()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    relay_config = local_config(network={"listen_host": "127.0.0.1", "port": port})
-
-    async def run_relay(stop: trio.Event, *, task_status: trio.TaskStatus[Node]) -> None:
-        async with open_node(identity, relay_config, relay=True) as relay:
-            task_status.started(relay)
-            await stop.wait()
-
     async with trio.open_nursery() as nursery:
-        stop = trio.Event()
-        relay: Node = await nursery.start(run_relay, stop)
+        restarts = Restartable(nursery, relay=True)
+        relay = await restarts.start()
         config = local_config(
             bootstrap=relay.multiaddrs,
             reachability={"mode": "relay", "listen": False, "hole_punching": False},
@@ -257,14 +235,13 @@ async def test_a_caller_dials_a_restarted_relay_its_swarm_saw_fail(
             assert hidden.reachability is not None
             circuit = PeerAddress(hidden.peer_id, tuple(hidden.addrs))
             relay_info = PeerInfo(relay.host.get_id(), list(relay.host.get_addrs()))
-            stop.set()
+            restarts.stop()
             with trio.fail_after(20):
                 while hidden.reachability.mode != "unreachable":  # noqa: ASYNC110
                     await trio.sleep(0.1)
             with pytest.raises(Exception):  # noqa: B017 (whatever py-libp2p raises)
                 await client.host.connect(relay_info)
-            stop = trio.Event()
-            relay = await nursery.start(run_relay, stop)
+            relay = await restarts.start()
             with trio.fail_after(25):
                 while hidden.reachability.mode != "relayed":  # noqa: ASYNC110
                     await trio.sleep(0.1)
@@ -273,4 +250,4 @@ async def test_a_caller_dials_a_restarted_relay_its_swarm_saw_fail(
                     circuit, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
                 )
             assert reply == DialBackReply(reachable=None, dialled=0)
-        stop.set()
+        restarts.stop()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from volunteerd.testing.nodes import local_config, open_daemon, open_node_and_peers, open_peer
+from volunteerd.testing.nodes import (
+    Restartable,
+    local_config,
+    open_daemon,
+    open_node_and_peers,
+    open_peer,
+)
 
-__all__ = ["local_config", "open_daemon", "open_node_and_peers", "open_peer"]
+__all__ = ["Restartable", "local_config", "open_daemon", "open_node_and_peers", "open_peer"]

@@ -6,10 +6,11 @@ the caller's ``async with``, so nothing outlives a test.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -19,7 +20,10 @@ from volunteerd.identity import Identity
 from volunteerd.net import Node, open_node
 from volunteerd.paths import Paths
 
-__all__ = ["local_config", "open_daemon", "open_node_and_peers", "open_peer"]
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+__all__ = ["Restartable", "local_config", "open_daemon", "open_node_and_peers", "open_peer"]
 
 
 def local_config(
@@ -84,3 +88,32 @@ async def open_node_and_peers(
         for other in others:
             await other.rpc.connect(node.address)
         yield (node, *others)
+
+
+class Restartable:
+    """A node (a relay with ``relay``) that a test stops and starts again at the same
+    port and identity, as a bootstrap node or a relay restarts, run in ``nursery``."""
+
+    def __init__(self, nursery: trio.Nursery, *, relay: bool = False) -> None:
+        with socket.socket() as probe:  # a free port, released for the node
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
+        self.identity = Identity.generate()
+        self.config = local_config(network={"listen_host": "127.0.0.1", "port": port})
+        self._nursery, self._relay = nursery, relay
+        self._stop = trio.Event()
+
+    async def start(self) -> Node:
+        """Start it (again); returns the running node."""
+        self._stop = trio.Event()
+        node: Node = await self._nursery.start(self._run, self._stop)
+        return node
+
+    def stop(self) -> None:
+        """Stop it (it closes in the background)."""
+        self._stop.set()
+
+    async def _run(self, stop: trio.Event, *, task_status: TaskStatus[Node]) -> None:
+        async with open_node(self.identity, self.config, relay=self._relay) as node:
+            task_status.started(node)
+            await stop.wait()
