@@ -22,6 +22,7 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
+from volunteerd.awake import awake_time
 from volunteerd.errors import PeerError, RemoteError
 from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
@@ -417,6 +418,45 @@ async def test_a_relayed_node_whose_clock_is_hours_off_keeps_its_reservation(
                         hidden.address, Verb.DIALBACK, DialBackRequest(addrs=client.addrs)
                     )
     assert "renewed in 600 s" in caplog.text
+
+
+async def test_a_relayed_node_that_slept_past_its_reservation_reserves_again_on_waking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A laptop closed for a night: the monotonic clock stood still, so a node that kept
+    its reservation's end on it woke trusting an hour-long reservation the relay had
+    dropped hours ago. Kept on the awake clock, the night counts and the node reserves
+    again on waking (here the connection to the relay survived the night)."""
+    monkeypatch.setattr(reachability, "_WATCH_RELAY_S", 0.2)
+    async with open_node(Identity.generate(), local_config(), relay=True) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs, reachability={"mode": "relay", "listen": False}
+        )
+        async with open_peer(config) as hidden:
+            assert hidden.reachability is not None
+            relaying = hidden.reachability.relaying
+            relay_id = boot.host.get_id()
+            assert relaying.reserved_with(relay_id)
+            reserve = relaying.reserve
+            reserved: list[float] = []
+
+            async def counted(relay: PeerAddress) -> float:
+                reserved.append(await reserve(relay))
+                return reserved[-1]
+
+            monkeypatch.setattr(relaying, "reserve", counted)
+            await trio.sleep(1.0)
+            assert reserved == []  # awake, the reservation stands until its renewal
+            night = 8 * 3600.0
+            monkeypatch.setattr(
+                reachability, "awake_time", lambda: awake_time() + night, raising=False
+            )
+            assert not relaying.reserved_with(relay_id)
+            with trio.fail_after(10):
+                while not reserved:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            assert relaying.reserved_with(relay_id)
+            assert hidden.reachability.mode == "relayed"
 
 
 async def _echo(request: Request) -> Reply:

@@ -41,6 +41,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from volunteerd.awake import awake_time
 from volunteerd.config import ReachabilityConfig, TimeoutsConfig
 from volunteerd.errors import PeerError, PeerUnreachable
 from volunteerd.net.dialback import (
@@ -270,7 +271,8 @@ class Relaying:
         self._host = host
         self.hop = hop
         self._clock = clock
-        # relay -> when this node's reservation on it ends, on the monotonic clock
+        # relay -> when this node's reservation on it ends, on the awake clock (a night
+        # asleep counts: the relay's hour ran on while the laptop was closed)
         self._reserved: dict[ID, float] = {}
         # relay -> the connection the reservation was made on: a relay keeps a
         # reservation only while that connection lasts
@@ -346,7 +348,7 @@ class Relaying:
 
     def reserved_with(self, peer_id: ID) -> bool:
         """Whether this node holds a reservation on relay ``peer_id``."""
-        return self._reserved.get(peer_id, 0.0) > time.monotonic()
+        return self._reserved.get(peer_id, 0.0) > awake_time()
 
     def holds_reservation(self, peer_id: ID) -> bool:
         """Whether this node's reservation on relay ``peer_id`` still stands: unexpired,
@@ -374,7 +376,8 @@ class Relaying:
         ahead by more than its lifetime (an hour): every circuit to the node was refused
         (an outside probe, a clock 2 h ahead: 0 of 6 calls through the relay), and
         renewed it hours late when this clock was behind. Here the lifetime is read once
-        on ``clock`` (the swarm's time) and kept on the monotonic clock; one that reads
+        on ``clock`` (the swarm's time) and kept on the awake clock, which counts a
+        night asleep (the relay's hour ran on meanwhile); one that reads
         implausible (none, or over 2 h) counts as 10 min.
 
         Raises PeerUnreachable when the relay cannot be reached or refuses."""
@@ -414,7 +417,7 @@ class Relaying:
                 _UNSURE_RESERVATION_S,
             )
             lasts = _UNSURE_RESERVATION_S
-        now = time.monotonic()
+        now = awake_time()
         for other in [r for r, ends in self._reserved.items() if ends <= now]:
             del self._reserved[other]
             self._reserved_on.pop(other, None)
@@ -539,7 +542,7 @@ class Reachability:
         self._circuit: tuple[str, ...] = ()
         # the relays holding a reservation for this node, the longest held first
         self._held: tuple[PeerAddress, ...] = ()
-        self._renew_at = 0.0  # on the monotonic clock
+        self._renew_at = 0.0  # on the awake clock
         self._checked_at: float | None = None
         self._asked = 0
         self._observed: tuple[str, ...] = ()
@@ -803,7 +806,7 @@ class Reachability:
                 logger.info("relay %s: %s", short(relay.peer_id), str(exc) or "timed out")
                 continue
             held.append(relay)
-            renew_at.append(time.monotonic() + lasts - _RENEW_BEFORE_S)
+            renew_at.append(awake_time() + lasts - _RENEW_BEFORE_S)
         return held, renew_at
 
     def _hold(self, held: list[PeerAddress], renew_at: list[float]) -> None:
@@ -894,7 +897,7 @@ class Reachability:
                     else:
                         unknown_s = _UNKNOWN_RECHECK_S
                 elif self._mode == "relayed" and (
-                    not self._relay_connected() or time.monotonic() >= self._renew_at
+                    not self._relay_connected() or awake_time() >= self._renew_at
                 ):
                     await self._set_mode("relayed")
                 elif self._wants_relay() and time.monotonic() >= retry_at:
