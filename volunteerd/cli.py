@@ -441,22 +441,18 @@ def _projects(args: argparse.Namespace) -> ExitCode:
                 ProjectView(name=p.name, owner=p.owner, share=p.share, state="joining")
                 for p in running_projects(config, paths)
             ]
+            with contextlib.suppress(ConfigError, OSError):  # the error says it at `serve`
+                views += [  # recorded, but not hosted by this release
+                    ProjectView.not_hosted(e.name, e.owner, e.problem, e.advice())
+                    for e in read_projects(paths.projects_file).set_aside
+                ]
             running = False
-        else:
+        else:  # the daemon's word: what it read at its start, less what was left since
             views, running = status.projects, True
         if args.json:
             print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
             return ExitCode.OK
-        try:
-            set_aside = read_projects(paths.projects_file).set_aside
-        except (ConfigError, OSError):  # the daemon runs on what it read when it started
-            set_aside = []
-        if views or not set_aside:
-            print(commands.format_projects(views, running=running))
-        for entry in set_aside:  # recorded, but not hosted by this release
-            print(f"{entry.name}  not hosted: {entry.problem}")
-            print(f"  owner {entry.owner or '(none)'}")
-            print(f"  {entry.advice()}")
+        print(commands.format_projects(views, running=running))
         return ExitCode.OK
     if args.command == "leave":
         name = args.name

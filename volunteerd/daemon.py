@@ -313,6 +313,7 @@ class Daemon:
                     events=events,
                     scheduler=scheduler,
                     unheard=partial(_unheard, hosting),
+                    set_aside=recorded.set_aside,
                 )
                 await serving.start(running.controls.serve)
                 if self._control_socket is not None:

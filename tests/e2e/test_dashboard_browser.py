@@ -503,3 +503,41 @@ def test_joining_a_published_project_from_the_page_rides_through_the_restart(
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     # the refused invitation and the restarts show as failed requests; nothing else may
     assert [e for e in errors if e["source"] != "network"] == [], errors
+
+
+def test_a_project_entry_this_release_refuses_is_shown_and_left_from_the_page(
+    spawn: Callable[..., Proc], browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    """An older release's projects.toml named a project only through a peer this release
+    refuses (a /dnsaddr/ address): the daemon sets it aside. The page listed nothing of
+    it (only an error event said so); it now shows it as not hosted, with what to do,
+    and its Leave button removes it from the file without a restart."""
+    data = tmp_path / "volunteer" / "data"
+    data.mkdir(parents=True)
+    owner = run_cli(tmp_path / "owner", "id").stdout.strip()
+    (data / "projects.toml").write_text(
+        f'[[project]]\nname = "old-demo"\nowner = "{owner}"\n'
+        f'peers = ["/dnsaddr/boot.example.org/p2p/{owner}"]\n'
+    )
+    volunteer = spawn("volunteer", "serve", *SMALL)
+    volunteer.wait_ready()
+    client = ControlClient.for_data_dir(data)
+    started = client.status().started_at
+    wait = waiting(browser)
+    browser.get(client.dashboard_url)
+    item = '#projects li[data-name="old-demo"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, item))
+    assert browser.find_element(By.CSS_SELECTOR, item).get_attribute("data-state") == "not_hosted"
+    assert part_of(browser, item, ".project-title").text == "Not hosted: old-demo"
+    assert part_of(browser, item, ".badge").text == "not hosted"
+    assert "none of its peers" in part_of(browser, item, ".project-error").text
+    assert "volunteerd leave old-demo" in part_of(browser, item, ".project-advice").text
+    assert activity(browser) == "not_in_project"  # listed, not joining
+
+    wait.until(lambda d: clicked(part_of(d, item, ".leave")))
+    wait.until(lambda d: clicked(d.find_element(By.CSS_SELECTOR, '[data-testid="confirm-leave"]')))
+    wait.until(lambda d: text(d, "join-status") == "Left old-demo.")
+    wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, item))
+    assert client.status().projects == []
+    assert client.status().started_at == started  # no restart
+    assert "old-demo" not in (data / "projects.toml").read_text()

@@ -203,13 +203,25 @@ async def test_an_older_releases_projects_file_still_hosts_what_it_can(tmp_path:
             (joiner,) = running.joiners
             await until(lambda: joiner.state == "joined")
             assert running.controls is not None
-            assert [p.name for p in running.controls.status().projects] == ["vmix"]
+            status = running.controls.status()
+            # the entry set aside is listed too (the dashboard and `projects --json` showed
+            # only the error event), and it makes no "joining" state
+            assert [(p.name, p.state) for p in status.projects] == [
+                ("vmix", "joined"),
+                ("dead", "not_hosted"),
+            ]
+            dead = status.projects[1]
+            assert dead.error is not None
+            assert "none of its peers" in dead.error
+            assert "`volunteerd leave dead`" in dead.advice
+            assert status.activity.state != "joining"
             said = [e.message for e in running.controls.events.after(-1) if e.kind == "error"]
             assert any("project dead is not hosted" in m for m in said), said
             left = await running.controls.leave_project("dead")
             assert left is not None
             assert not left.restarting  # it was not hosted
             assert not daemon.restart_requested
+            assert [p.name for p in running.controls.status().projects] == ["vmix"]
         assert [p.name for p in load_projects(tmp_path / "projects.toml")] == ["vmix"]
 
 

@@ -5,6 +5,7 @@ split the room for experts; and a daemon module that hosts nothing imports no to
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -321,6 +322,13 @@ def test_a_file_with_entries_set_aside_lets_volunteerd_list_leave_and_join(
     assert "vmix  share 1  volunteerd is not running" in out
     assert "dead  not hosted: none of its peers is one this release joins through" in out
     assert "`volunteerd leave dead`" in out
+    assert main(["projects", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(p["name"], p["state"]) for p in listed] == [
+        ("vmix", "joining"),
+        ("dead", "not_hosted"),
+    ]
+    assert "`volunteerd leave dead`" in listed[1]["advice"]
 
     assert main(["join", Invitation("new", OWNER, (PEER,)).url(), "--yes"]) == 0
     assert main(["leave", "dead"]) == 0

@@ -319,12 +319,22 @@ class ProjectView(_Reply):
     description: str = ""
     homepage: str = ""
     share: float
-    state: Literal["joining", "joined", "failed"]
+    # not_hosted: an entry of projects.toml this release does not host (``error`` says
+    # why, ``advice`` what to do: join again or leave); never tried again by itself
+    state: Literal["joining", "joined", "failed", "not_hosted"]
     experts: int = 0  # hosted for it now
     error: str | None = None  # why joining failed (it is tried again)
     expired_at: float | None = None  # when its manifest expired, if that is why it failed
     # it failed because not even one of its experts fits this computer's memory budget
     too_big: bool = False
+    advice: str = ""  # what the volunteer can do about a project not hosted
+
+    @classmethod
+    def not_hosted(cls, name: str, owner: str, problem: str, advice: str) -> ProjectView:
+        """An entry of the projects file set aside (``swarm.projects.SetAside``)."""
+        return cls(
+            name=name, owner=owner, share=0.0, state="not_hosted", error=problem, advice=advice
+        )
 
 
 class ProjectJoined(_Reply):

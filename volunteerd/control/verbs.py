@@ -198,6 +198,8 @@ def _project_state(project: ProjectView) -> str:
         return f"{project.experts} expert" + "s" * (project.experts != 1)
     if project.state == "failed":
         return "could not join, trying again"
+    if project.state == "not_hosted":
+        return "not hosted"
     return "joining"
 
 
@@ -238,6 +240,11 @@ def format_projects(projects: Sequence[ProjectView], *, running: bool) -> str:
         return "not in a project: join one with `volunteerd join <invitation>`"
     lines = []
     for p in projects:
+        if p.state == "not_hosted":  # from the file, running or not
+            lines.append(f"{p.name}  not hosted: {p.error}")
+            lines.append(f"  owner {p.owner or '(none)'}")
+            lines.append(f"  {p.advice}")
+            continue
         state = _project_state(p) if running else "volunteerd is not running"
         by = f" by {p.owner_name}" if p.owner_name else ""
         lines.append(f"{p.name}  share {p.share:g}  {state}")

@@ -65,6 +65,7 @@ from volunteerd.stats import Totals as StoreTotals
 from volunteerd.swarm.invitation import parse_invitation
 from volunteerd.swarm.projects import (
     Project,
+    SetAside,
     join_project,
     leave_project,
     read_projects,
@@ -132,6 +133,7 @@ class ControlView:
         check_restart: Callable[[], None] = lambda: None,
         scheduler: Scheduler | None = None,
         unheard: Callable[[], bool] = lambda: False,
+        set_aside: Sequence[SetAside] = (),
     ) -> None:
         self._node = node
         self._unheard = unheard  # whether the last announcements reached no other peer
@@ -140,6 +142,8 @@ class ControlView:
         self._checkpointer = checkpointer
         self._accountant = accountant
         self._projects = list(projects)  # what this daemon runs (file + config)
+        # entries of the projects file it read at its start and does not host, until left
+        self._set_aside = list(set_aside)
         self._joiners = list(joiners)
         self._projects_file = projects_file
         self._request_stop = request_stop
@@ -208,7 +212,8 @@ class ControlView:
         )
         signals = Signals(
             experts=len(fields["experts"]),
-            projects=fields["projects"],
+            # the entries set aside are listed, not joined: they make no "joining" state
+            projects=[p for p in fields["projects"] if p.state != "not_hosted"],
             mode=state.mode,
             serving=state.serving,
             reason=state.reason,
@@ -550,7 +555,10 @@ class ControlView:
 
     def projects(self) -> list[ProjectView]:
         joiners = {j.name: j for j in self._joiners}
-        return [_project_view(p, joiners.get(p.name)) for p in self._projects]
+        hosted = [_project_view(p, joiners.get(p.name)) for p in self._projects]
+        return hosted + [
+            ProjectView.not_hosted(e.name, e.owner, e.problem, e.advice()) for e in self._set_aside
+        ]
 
     async def join_project(self, body: ProjectJoin) -> ProjectJoined:
         """Record the project ``body.invitation`` names (in place of one of the same
@@ -628,6 +636,8 @@ class ControlView:
         if running:
             await self._restart_would_start(f"leave {name!r}")
         removed = await trio.to_thread.run_sync(leave_project, self._projects_file, name)
+        if removed:  # every entry of the name left the file
+            self._set_aside = [e for e in self._set_aside if e.name != name]
         if not removed and not running:
             return None
         if running:

@@ -188,7 +188,8 @@ function projectItem(project) {
   main.className = "project-main";
   const title = document.createElement("span");
   title.className = "project-title";
-  title.textContent = helpingLine(project);
+  const notHosted = project.state === "not_hosted";
+  title.textContent = notHosted ? `Not hosted: ${project.name}` : helpingLine(project);
   title.title = `owner ${project.owner}`;
   main.append(title);
   const link = webLink(project.homepage ?? "");
@@ -204,9 +205,11 @@ function projectItem(project) {
   const facts = document.createElement("div");
   facts.className = "muted project-facts";
   const badge = document.createElement("span");
-  badge.className = `badge ${project.state === "joined" ? "ok" : project.state === "failed" ? "bad" : "info"}`;
-  badge.textContent = project.state; // joining, joined or failed
-  facts.append(badge, ` ${project.name} · share ${project.share}`
+  const bad = project.state === "failed" || notHosted;
+  badge.className = `badge ${project.state === "joined" ? "ok" : bad ? "bad" : "info"}`;
+  // joining, joined, failed, or "not hosted": an entry of projects.toml this release refuses
+  badge.textContent = notHosted ? "not hosted" : project.state;
+  facts.append(badge, notHosted ? ` ${project.name}` : ` ${project.name} · share ${project.share}`
     + ` · ${project.experts} expert${project.experts === 1 ? "" : "s"} here`);
   main.append(facts);
   if (project.error) {
@@ -214,6 +217,12 @@ function projectItem(project) {
     error.className = "project-error";
     error.textContent = project.error;
     main.append(error);
+  }
+  if (project.advice) {
+    const advice = document.createElement("div");
+    advice.className = "muted project-advice";
+    advice.textContent = project.advice;
+    main.append(advice);
   }
 
   const actions = document.createElement("div");
