@@ -20,7 +20,7 @@ from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
 from volunteerd.net.throttle import BYTES_PER_MBIT
 from volunteerd.net.transport import Stream, StreamReset
 from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork, MemoryStream
-from volunteerd.wire import ForwardRequest, TensorMeta, TensorReply
+from volunteerd.wire import BackwardRequest, ForwardRequest, TensorMeta, TensorReply
 
 CONFIG = Config()
 TINY = TensorMeta(dtype="float32", shape=(1,))
@@ -354,5 +354,69 @@ async def test_a_parked_stream_waits_less_for_its_next_request_while_slots_are_s
             assert server.open_streams(peer) == (0 if crowded else 1)
             await trio.sleep(CONFIG.timeouts.stream_idle_s)
             assert server.open_streams(peer) == 0
+        finally:
+            await client.aclose()
+
+
+async def test_a_request_sent_late_in_its_streams_idle_time_is_answered_in_full(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The server's idle timeout bounded the whole request, not only the wait for its
+    first byte: a backward sent on a pooled stream shortly before that timeout was cut
+    while it ran (its gradients were in, its caller told "stream closed")."""
+    timeouts = CONFIG.timeouts.model_copy(update={"stream_idle_s": 3.0, "pool_idle_s": 2.5})
+    ran: list[float] = []
+
+    async def slow_backward(request: Request) -> Reply:
+        await trio.sleep(2.0)  # a backward waiting for its batch, then computing
+        ran.append(trio.current_time())
+        return await answer_tiny(request)
+
+    network = MemoryNetwork(default=Link(latency_s=0.001))
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        server = RpcServer(
+            server_host, {Verb.BACKWARD: slow_backward}, CONFIG.wire, timeouts, CONFIG.peer_limits
+        )
+        server.install()
+        client = RpcClient(client_host, CONFIG.wire, timeouts)
+        header = BackwardRequest(uid="ffn.0", tensors=[TINY])
+        try:
+            await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
+            await trio.sleep(2.3)  # the stream is still the pool's (2.5 s), 0.7 s to idle
+            reply, _ = await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
+            assert reply.tensors == [TINY]
+            assert len(ran) == 2
+        finally:
+            await client.aclose()
+
+
+async def test_a_crowded_server_never_closes_a_stream_the_client_still_reuses(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While its inbound slots are short a server closes streams idle for
+    connection_idle_s (30 s), less than the pool's 60 s: a backward (not tried again on
+    a fresh stream) sent after 31 s failed "stream closed" and its gradients were lost."""
+    calls: list[Request] = []
+
+    async def backward(request: Request) -> Reply:
+        calls.append(request)
+        return await answer_tiny(request)
+
+    network = MemoryNetwork(default=Link(latency_s=0.001))
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        server = RpcServer(
+            server_host, {Verb.BACKWARD: backward}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
+        )
+        server.crowded = lambda: True
+        server.install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        header = BackwardRequest(uid="ffn.0", tensors=[TINY])
+        try:
+            for idle in (1.0, CONFIG.timeouts.connection_idle_s / 2 - 1, 31.0, 59.0):
+                await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
+                await trio.sleep(idle)
+            reply, _ = await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
+            assert reply.tensors == [TINY]
+            assert len(calls) == 5
         finally:
             await client.aclose()

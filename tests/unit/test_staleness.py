@@ -4,6 +4,8 @@ counted apart. Counted by the runtime (``ExpertStats.staleness``), summed per da
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import torch
 import trio
 
@@ -117,3 +119,51 @@ async def test_interleaved_trainers_see_the_updates_between_forward_and_backward
     assert staleness.by_bucket == {"0": 2, "1": 1, "2-3": 1, "4-7": 0, "8+": 0}
     assert staleness.stateless == 1
     assert rt.staleness_statistics() == staleness
+
+
+async def _given_up(rt: ExpertRuntime, call: Callable[[], Awaitable[object]]) -> None:
+    """``call``, its caller gone (a deadline, or its stream closed) once its request
+    waits in the queue for its batch."""
+    lanes = rt._experts[UID].queues
+
+    def waiting() -> int:
+        return sum(lane.statistics().waiting for lane in lanes)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        with trio.fail_after(10):
+            while not waiting():  # noqa: ASYNC110
+                await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+
+
+async def _until(done: Callable[[], bool]) -> None:
+    with trio.fail_after(10):
+        while not done():  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+async def test_gradients_of_a_backward_whose_caller_left_make_their_own_step() -> None:
+    """A backward's batch runs whether or not its caller still waits (one cut off by its
+    deadline, or by its stream closing). Its step was made due only by the handler after
+    the answer, so a caller gone left the gradients in .grad, applied unannounced by
+    whichever backward came next (or never). The batch that ran now makes it due."""
+    config = RuntimeConfig.model_validate({"device": "cpu", "max_batch_wait_s": 0.3})
+    rt = ExpertRuntime(
+        [UID], ExpertsConfig(hidden_dim=HIDDEN), config, WireLimits(), torch.device("cpu")
+    )
+    backend = rt.backend(UID)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.serve)
+        x, g = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+        # stateless, then through a kept forward; each caller gone while its batch waits
+        await _given_up(rt, lambda: rt.backward(UID, wire(x, g), peer_id="A"))
+        await _until(lambda: backend.updates == 1)
+        await rt.settled()
+        assert all(p.grad is None for p in backend.module.parameters())
+        handle = await _kept_forward(rt, "B")
+        await _given_up(rt, lambda: rt.backward(UID, wire(g), handle=handle, peer_id="B"))
+        await _until(lambda: backend.updates == 2)
+        await rt.settled()
+        assert all(p.grad is None for p in backend.module.parameters())
+        rt.close()

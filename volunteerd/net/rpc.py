@@ -3,8 +3,10 @@ handler, and a client that reuses streams instead of opening one per request.
 
 Server: each inbound stream is served by one task that reads a frame, calls the
 verb's handler, writes the reply, and repeats until the peer closes, the stream sits
-idle for ``stream_idle_s``, or a frame takes longer than ``frame_read_s`` to arrive
-from its first byte (a slow sender holds nothing for long). Refused input gets a typed
+idle for ``stream_idle_s`` (``connection_idle_s`` while the node's inbound slots are
+short; the client reuses a stream only within half of that), or a frame takes longer
+than ``frame_read_s`` to arrive from its first byte (a slow sender holds nothing for
+long). Refused input gets a typed
 ``ErrorReply``; when the framing itself is broken the stream is closed after the reply.
 Per-peer limits (``PeerLimitsConfig``: concurrent streams, request rate, inbound bytes)
 are checked when a stream opens and when a frame's prefix has declared its size, before
@@ -260,18 +262,24 @@ class RpcServer:
             return
         try:
             while True:
+                # Only the first byte may take until the idle timeout; from there the
+                # whole frame, prefix included, must arrive within frame_read_s. The
+                # request itself is not under the idle timeout: it cut handlers that had
+                # begun (a backward whose gradients were in, its caller told "stream
+                # closed") when a pooled stream was reused late in its idle time.
+                first = None
                 with trio.move_on_after(self._idle_wait_s()):
-                    # Only the first byte may take until the idle timeout; from there
-                    # the whole frame, prefix included, must arrive within frame_read_s.
                     first = await read_exactly(stream, 1, started=False)
-                    if first is None:
-                        return
+                if first is None:
+                    return  # idle too long, or closed: the client reconnects when it needs
+                # A bound still, far past any caller's patience (request_s), so that no
+                # handler holds the stream's slot for good.
+                keep = False
+                with trio.move_on_after(self._timeouts.request_s + self._timeouts.stream_idle_s):
                     keep = await self._serve_one(spec, handler, stream, peer_id, bytes(first))
-                    self._release(stream)
-                    if not keep:
-                        return
-                    continue
-                return  # idle for too long: close, the client reconnects when it needs to
+                self._release(stream)
+                if not keep:
+                    return
         except trio.TooSlowError:
             self.stats.count_error("slow_sender")
             logger.info(
@@ -758,7 +766,13 @@ class RpcClient:
         return await self._open(peer, spec), False
 
     def _fresh(self, pooled: _Pooled, now: float) -> bool:
-        return now - pooled.idle_since < self._timeouts.pool_idle_s
+        """Whether a pooled stream may carry the next request. A server whose inbound
+        slots are short closes streams idle for ``connection_idle_s`` (30 s), shorter
+        than the pool's ``pool_idle_s``: a backward (not idempotent, so not tried again
+        on a fresh stream) sent on a stream the server was closing failed "stream
+        closed". So the pool reuses a stream only within half of that."""
+        reuse_s = min(self._timeouts.pool_idle_s, self._timeouts.connection_idle_s / 2)
+        return now - pooled.idle_since < reuse_s
 
     async def _sweep(self) -> None:
         """Close the pooled streams idle for ``pool_idle_s``, every half of that at most.

@@ -174,7 +174,9 @@ class FairStats:
 
 class Lane(Generic[T, R]):
     """One expert's requests of one kind. ``compute`` maps a batch of items to their
-    results, in order; it runs on the device's worker thread."""
+    results, in order; it runs on the device's worker thread. ``on_ran`` is told (on the
+    trio thread) the items of each batch that ran, whether or not their callers still
+    wait: work with an effect (gradients added) follows it up there."""
 
     def __init__(
         self,
@@ -184,11 +186,13 @@ class Lane(Generic[T, R]):
         *,
         merge: bool = True,
         together: Together | None = None,
+        on_ran: Callable[[list[T]], None] | None = None,
     ) -> None:
         self.name = name
         self.compute = compute
         self.merge = merge
         self.together = together
+        self.on_ran = on_ran
         self._batcher = batcher
         self._closed = False
         self._waiting = 0  # submitted, not yet taken into a job
@@ -281,6 +285,8 @@ class Lane(Generic[T, R]):
             self._requests += len(tasks)
             self._samples += sum(t.samples for t in tasks)
             self._batches += 1
+            if self.on_ran is not None:
+                self.on_ran([t.item for t in tasks])
         self._unfinished -= len(tasks)
         for task in tasks:
             task.done.set()
@@ -342,8 +348,9 @@ class DeviceBatcher:
         *,
         merge: bool = True,
         together: Together | None = None,
+        on_ran: Callable[[list[T]], None] | None = None,
     ) -> Lane[T, R]:
-        return Lane(self, name, compute, merge=merge, together=together)
+        return Lane(self, name, compute, merge=merge, together=together, on_ran=on_ran)
 
     def wake(self) -> None:
         """Form a job now even if no request waits (``before_job`` has work)."""

@@ -103,7 +103,11 @@ class _Hosted:
     """One expert's backend and queues."""
 
     def __init__(
-        self, backend: ExpertBackend, batcher: DeviceBatcher, stacking: Stacking | None = None
+        self,
+        backend: ExpertBackend,
+        batcher: DeviceBatcher,
+        stacking: Stacking | None = None,
+        gradients_in: Callable[[_Hosted, float], None] | None = None,
     ) -> None:
         self.backend = backend
         self.step_pending = False
@@ -158,12 +162,30 @@ class _Hosted:
             return stacking.together(self, kind) if stacking is not None else None
 
         self.forward = batcher.lane(f"{uid}/forward", forward, together=together("forward"))
-        self.backward = batcher.lane(f"{uid}/backward", backward, together=together("backward"))
+
+        # Gradients a backward added are the expert's next step's whether or not its
+        # caller still waits for the answer (one cut off by its deadline, or whose
+        # stream closed): ``gradients_in`` makes that step due as each batch ran.
+        # Before, the handler did after its answer: a caller gone left its gradients
+        # in .grad, applied unannounced by whichever backward came next.
+        def loudest(senders: Iterable[Sender]) -> None:
+            if gradients_in is not None:
+                gradients_in(self, max((s.grad_norm for s in senders), default=0.0))
+
+        self.backward = batcher.lane(
+            f"{uid}/backward",
+            backward,
+            together=together("backward"),
+            on_ran=lambda items: loudest(sender for _, sender in items),
+        )
         self.forward_retained = batcher.lane(
             f"{uid}/forward-retained", forward_retained, together=together("forward-retained")
         )
         self.backward_retained = batcher.lane(
-            f"{uid}/backward-retained", backward_retained, together=together("backward-retained")
+            f"{uid}/backward-retained",
+            backward_retained,
+            together=together("backward-retained"),
+            on_ran=lambda items: loudest(item[2] for item in items),
         )
 
     @contextmanager
@@ -239,7 +261,10 @@ class ExpertRuntime:
         self.stacking = Stacking(min_stack) if min_stack else None
         self._experts = {
             uid: _Hosted(
-                ExpertBackend(uid, experts, device, self._max_samples), self.batcher, self.stacking
+                ExpertBackend(uid, experts, device, self._max_samples),
+                self.batcher,
+                self.stacking,
+                self._step_soon,
             )
             for uid in uids
         }
@@ -318,7 +343,7 @@ class ExpertRuntime:
             raise ShuttingDown("the expert runtime is not running")
         if backend.uid in self._experts:
             raise ValueError(f"{backend.uid} is hosted already")
-        hosted = _Hosted(backend, self.batcher, self.stacking)
+        hosted = _Hosted(backend, self.batcher, self.stacking, self._step_soon)
         self._experts[backend.uid] = hosted
         if self.on_experts_changed is not None:
             self.on_experts_changed([backend.uid], [])
@@ -466,7 +491,7 @@ class ExpertRuntime:
                 # the expert being restored): the trainer may retry with the handle
                 self.retained.give_back(kept)
                 raise
-            self._step_soon(hosted, loudest)
+            # its step was made due as the batch ran (``_Hosted``, gradients_in)
             return _reply(result, compression)
         schemas = [*info.inputs, *info.outputs]
         samples = check_against_schema(
@@ -498,12 +523,11 @@ class ExpertRuntime:
             shape_key=shape,
             party=source or peer_id,
         )
-        self._step_soon(hosted, loudest)
         return _reply(grads, compression)
 
     def _step_soon(self, hosted: _Hosted, loudest: float) -> None:
-        """Make the expert's optimizer step due behind the backward just computed (the
-        reply goes out first): the batcher's next job runs it before its batches.
+        """Make the expert's optimizer step due behind the backward batch just computed
+        (its replies go out first): the batcher's next job runs it before its batches.
         Backwards that finish before that job is formed share the step.
 
         A backward whose gradients are all zero (``loudest``: its largest row norm),
