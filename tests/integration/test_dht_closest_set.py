@@ -232,3 +232,22 @@ async def test_withholders_of_a_prefix_alone_are_seen_by_the_announcer(
         await announcer.announce_now()
         assert re.search(r"record for ffn\. (and \S+ )?gave it back", caplog.text)
         assert announcer.withheld
+
+
+async def test_a_writer_with_hundreds_of_keys_stores_them_all_on_a_peer_closest_for_each() -> None:
+    """A daemon sends a storing peer all the keys it is among the closest for in one
+    request of up to 256 records: ~81 KB of header against the receiver's 64 KiB cap, so
+    in a small swarm (or with 128 experts of a 4-D grid) that peer refused every one of
+    the daemon's records, and the daemon said it was cut off. Requests are now cut by
+    bytes too."""
+    async with AsyncExitStack() as stack:
+        boot, writer = await _swarm(1, stack)
+        await in_touch([boot, writer])
+        keys = [f"ffn.{i}.{j}" for i in range(20) for j in range(15)]  # 300 keys
+        records = [
+            sign_record(writer.identity, writer.peer_id, key=k, addrs=writer.addrs, ttl_s=120)
+            for k in keys
+        ]
+        stored = await writer.dht.put(records)
+        assert stored.acks == dict.fromkeys(keys, 2)  # the writer itself and boot
+        assert all(boot.dht.records.get(k) for k in keys)

@@ -73,6 +73,11 @@ R = TypeVar("R", bound=SignedRecord)
 # (64 KiB by default): a key flooded with hundreds of records must not make the whole
 # answer unreadable. Keep it under 48 KiB.
 _FIND_REPLY_BYTES = 48 * 1024
+# A store request is one JSON header too, refused whole over the same cap: 256 records
+# with three addresses each came to ~81 KB, and every storing peer among the closest for
+# more than ~140 of a daemon's keys (a small swarm, 128 experts of a 4-D grid) refused
+# all of that daemon's records. Requests are cut at this many bytes as well as records.
+_STORE_REQUEST_BYTES = 48 * 1024
 _CLOSEST_CACHE_S = 30.0
 # A read-back answer with this many records of the key may have been cut at
 # _FIND_REPLY_BYTES before this node's (records with relay addresses run to ~3 KiB): it
@@ -185,6 +190,27 @@ def fit_reply(
             going.append(records)
         keys = going
     return out
+
+
+def store_chunks(
+    records: Sequence[R], most: int, budget_bytes: int, wire_size_of: Callable[[R], int]
+) -> list[list[R]]:
+    """``records`` in order, cut into requests of at most ``most`` records and
+    ``budget_bytes`` of JSON by the kind's estimate (a record alone over the budget
+    goes alone: the receiver's cap, not this one, decides it)."""
+    chunks: list[list[R]] = []
+    chunk: list[R] = []
+    used = 0
+    for record in records:
+        size = wire_size_of(record)
+        if chunk and (len(chunk) >= most or used + size > budget_bytes):
+            chunks.append(chunk)
+            chunk, used = [], 0
+        chunk.append(record)
+        used += size
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def fit_reply_header(reply: Callable[..., BaseModel], records: Sequence[R]) -> BaseModel:
@@ -689,8 +715,8 @@ class ExpertDHT:
                 for key in keys:
                     outcomes[key][peer_id] = _FOUND if key in accepted else _EMPTY
                 return
-            for start in range(0, len(batch), verbs.store_batch):
-                chunk = batch[start : start + verbs.store_batch]
+            chunks = store_chunks(batch, verbs.store_batch, _STORE_REQUEST_BYTES, kind.wire_size_of)
+            for chunk in chunks:
                 request = PROTOCOLS[verbs.store].request(records=chunk)
                 reply = await self._ask(peer_id, verbs.store, request)
                 if reply is None:
