@@ -278,6 +278,7 @@ class Daemon:
             ):
                 if handlers is not None:  # paused: refused before a byte more is read
                     node.server.refuse_unread = refusal_before_reading(volunteer.gate, accountant)
+                    node.server.refused_early = accountant.refused_early
                 accountant.connected = node.connected_peers  # a full peers table spares them
                 if node.reachability is not None:  # relaying is the volunteer's bandwidth too
                     gate = volunteer.gate

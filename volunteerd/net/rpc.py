@@ -207,6 +207,11 @@ class RpcServer:
         # request before its header and body are read (the volunteer paused: a peer
         # that kept sending made a paused daemon read 3 MB/s and use half a core).
         self.refuse_unread: Callable[[Verb, str], VolunteerdError | None] | None = None
+        # Told (verb, peer id, error) of each request refused before its handler was
+        # called: a per-peer limit, the in-flight budget, a frame too large or malformed
+        # (not ``refuse_unread``'s refusals, which its caller counts). The handlers count
+        # their own. Called on the event loop, once per refusal: it must be cheap.
+        self.refused_early: Callable[[Verb, str, VolunteerdError], None] | None = None
 
     def open_streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
@@ -355,9 +360,11 @@ class RpcServer:
         except WireError as exc:
             # A refused prefix or a truncated frame: its lengths cannot be trusted, so
             # the stream is out of step with the peer. Answer, then close.
+            self._told_early(spec, peer_id, exc)
             await self._refuse(spec, stream, peer_id, exc)
             return False
         self.stats.bytes_in += len(prefix) + len(frame.header) + frame.body.nbytes
+        handled = False  # whether the handler was called (it counts its own refusals)
         try:
             header = decode_header(spec.request, frame.header)
             tensors: list[WireTensor] = []
@@ -369,8 +376,11 @@ class RpcServer:
             elif frame.body.nbytes:
                 raise MalformedFrame(f"{spec.verb} carries no tensors")
             address = address_key(stream.remote_host, loopback=self._peer_limits.limit_loopback)
+            handled = True
             reply = await handler(Request(peer_id, header, tensors, address))
         except VolunteerdError as exc:  # the whole frame was read: the stream is in step
+            if not handled:
+                self._told_early(spec, peer_id, exc)
             await self._refuse(spec, stream, peer_id, exc)
             return True
         except Exception as exc:
@@ -438,8 +448,13 @@ class RpcServer:
         exc: VolunteerdError,
     ) -> None:
         self.stats.count_refused(peer_id, reason)
+        self._told_early(spec, peer_id, exc)
         logger.debug("rate-limited %s from %s: %s", spec.verb, short(peer_id), exc)
         await self._refuse(spec, stream, peer_id, exc)
+
+    def _told_early(self, spec: ProtocolSpec, peer_id: str, exc: VolunteerdError) -> None:
+        if self.refused_early is not None:
+            self.refused_early(spec.verb, peer_id, exc)
 
     async def _refuse(
         self, spec: ProtocolSpec, stream: Stream, peer_id: str, exc: BaseException

@@ -5,7 +5,8 @@
   is recorded with its wire error code as the reason ("paused", "busy", "rejected",
   "bad_shape", ...). The request pipeline (``server.pipeline``) counts each call once:
   through ``counted`` when it reaches the runtime, through ``refused`` when the pause
-  gate turns it away.
+  gate turns it away; a call the RPC server refuses before any handler (a per-peer
+  limit, ``busy``, a frame too large or malformed) comes through ``refused_early``.
 * Once a second ``serve`` adds the experts' compute time (worker seconds, from the
   runtime's counters), the uptime (running or paused) and a sample for the rates;
   every ``flush_s`` it writes the counts to SQLite (in a thread), every hour it folds
@@ -38,7 +39,7 @@ import trio
 from volunteerd.config import StatsConfig
 from volunteerd.control.events import EventSink
 from volunteerd.errors import VolunteerdError, wire_code
-from volunteerd.net import Throttle, short
+from volunteerd.net import Throttle, Verb, short
 from volunteerd.stats import StatsStore, Totals
 from volunteerd.stats.store import NewerStats
 from volunteerd.wire import TensorReply, WireTensor
@@ -79,6 +80,8 @@ class RateSample:
 
 # The expert of refusals for uids this daemon does not host (no uid is empty).
 NOT_HOSTED = ""
+# The verbs whose calls are counted: the expert calls.
+EXPERT_VERBS = frozenset({Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH})
 
 
 def _bytes(buffers: Iterable[bytes | bytearray | memoryview]) -> int:
@@ -192,6 +195,22 @@ class Accountant:
         self.store.reject(uid if hosted else NOT_HOSTED, reason)
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         self._peer(peer_id).refused += 1
+
+    def refused_early(self, verb: Verb, peer_id: str, exc: VolunteerdError) -> None:
+        """For ``RpcServer.refused_early``: an expert call refused before the pipeline
+        saw it (a per-peer limit, the in-flight budget, a frame too large or malformed),
+        counted by its wire code as one refused call of no uid (none was read; a batch
+        counts once). Only the totals, not the per-peer table (the ``peers`` view has
+        the limits' refusals from the server's own counts), and a flood of them costs a
+        counter each, never a write (the store writes its counts every ``flush_s``).
+        They were missing from "Refused": a caller refused 8 times for its rate and once
+        for a garbage frame left today's refusals empty (an outside audit)."""
+        del peer_id  # counted per peer by the server (``RpcStats.refused``)
+        if verb not in EXPERT_VERBS:
+            return
+        reason = wire_code(exc)
+        self.store.reject(NOT_HOSTED, reason)
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     # -- the loop --------------------------------------------------------------------
 

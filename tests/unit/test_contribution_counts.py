@@ -1,0 +1,77 @@
+"""What the volunteer is shown about its contribution: every refused expert call is in
+"Refused". Over the in-memory network, in virtual time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from volunteerd.config import Config, LimitsConfig, StatsConfig
+from volunteerd.errors import RemoteError, UnknownExpert
+from volunteerd.net import Verb
+from volunteerd.net.protocols import PROTOCOLS
+from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
+from volunteerd.net.throttle import Throttle
+from volunteerd.server.contribution import Accountant
+from volunteerd.stats import StatsStore
+from volunteerd.testing.memnet import MemoryNetwork
+from volunteerd.wire import ForwardRequest, InfoRequest, TensorMeta
+
+CONFIG = Config()
+
+
+def _accountant() -> Accountant:
+    store = StatsStore.open(Path(":memory:"))
+    return Accountant(store, None, Throttle(LimitsConfig()), StatsConfig(), serving=lambda: True)
+
+
+async def test_calls_refused_before_the_pipeline_are_counted_as_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def forward(request: Request) -> Reply:
+        raise UnknownExpert("no such expert")  # the pipeline counts what it refuses
+
+    async def info(request: Request) -> Reply:
+        raise UnknownExpert("no such expert")
+
+    accountant = _accountant()
+    limits = CONFIG.peer_limits.model_copy(update={"requests_per_s": 0.001, "request_burst": 2})
+    network = MemoryNetwork()
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        server = RpcServer(
+            server_host,
+            {Verb.FORWARD: forward, Verb.INFO: info},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            limits,
+        )
+        server.refused_early = accountant.refused_early
+        server.install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        try:
+            meta = TensorMeta(dtype="float32", shape=(1, 4))
+            request = ForwardRequest(uid="ffn.0.0", tensors=[meta])
+            codes = []
+            for _ in range(5):
+                with pytest.raises(RemoteError) as refused:
+                    await client.call(server_host.address, Verb.FORWARD, request, [bytes(16)])
+                codes.append(refused.value.code)
+            assert codes == ["unknown_expert"] * 2 + ["rate_limited"] * 3
+            # Not an expert call: not the volunteer's contribution, refused or not.
+            with pytest.raises(RemoteError, match="rate_limited"):
+                await client.call(server_host.address, Verb.INFO, InfoRequest(uid="ffn.0.0"))
+            # A frame that is not one: refused from its prefix.
+            stream = await client_host.open_stream(
+                server_host.address, PROTOCOLS[Verb.FORWARD].protocol_id
+            )
+            await stream.write(b"\x00" * 64)
+            assert b"malformed" in await stream.read(1024)
+            await stream.close()
+        finally:
+            await client.aclose()
+    # The handler's own refusals are the pipeline's to count (it was not wired here).
+    assert accountant.store.current().rejected == {"rate_limited": 3, "malformed": 1}
+    assert accountant.refusals == {"rate_limited": 3, "malformed": 1}
+    assert accountant.peers == {}  # per peer, the server's own counts have them
