@@ -1,5 +1,6 @@
 """What the volunteer is shown about its contribution: every refused expert call is in
-"Refused". Over the in-memory network, in virtual time."""
+"Refused", and time serving is time hosting something. Over the in-memory network, in
+virtual time."""
 
 from __future__ import annotations
 
@@ -75,3 +76,44 @@ async def test_calls_refused_before_the_pipeline_are_counted_as_refused(
     assert accountant.store.current().rejected == {"rate_limited": 3, "malformed": 1}
     assert accountant.refusals == {"rate_limited": 3, "malformed": 1}
     assert accountant.peers == {}  # per peer, the server's own counts have them
+
+
+class _Runtime:
+    """What the accountant asks of an ``ExpertRuntime``: its experts, their counters."""
+
+    def __init__(self) -> None:
+        self.uids: list[str] = []
+
+    def hosts(self, uid: str) -> bool:
+        return uid in self.uids
+
+    def statistics(self) -> list[object]:
+        return []
+
+
+async def test_time_serving_counts_only_while_an_expert_is_hosted(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runtime = _Runtime()
+    serving = True
+    accountant = Accountant(
+        StatsStore.open(Path(":memory:")),
+        runtime,  # type: ignore[arg-type]
+        Throttle(LimitsConfig()),
+        StatsConfig(),
+        serving=lambda: serving,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(accountant.serve)
+        await trio.sleep(10.5)  # serving, hosting nothing
+        assert accountant.store.current().running_s == 0.0
+        runtime.uids.append("ffn.0.0")
+        await trio.sleep(10.0)
+        serving = False
+        await trio.sleep(5.0)
+        runtime.uids.clear()  # paused is paused, whatever is hosted
+        await trio.sleep(5.0)
+        nursery.cancel_scope.cancel()
+    totals = accountant.store.current()
+    assert totals.running_s == pytest.approx(10.0, abs=1.0)
+    assert totals.paused_s == pytest.approx(10.0, abs=1.0)

@@ -200,17 +200,18 @@ async def test_uptime_counts_to_the_moment_accounting_stops(
     tmp_path: Path, autojump_clock: trio.abc.Clock
 ) -> None:
     # Uptime is added once a second; a daemon that stops between two ticks (or runs
-    # less than one) must still count the time since the last one.
+    # less than one) must still count the time since the last one. (Paused: time
+    # serving is counted only while an expert is hosted, and this hosts none.)
     store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7)
     try:
         counts = Accountant(
-            store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True
+            store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: False
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(counts.serve)
             await trio.sleep(2.5)
             nursery.cancel_scope.cancel()
-        assert store.current().running_s == pytest.approx(2.5)
+        assert store.current().paused_s == pytest.approx(2.5)
     finally:
         store.close()
 

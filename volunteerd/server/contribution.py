@@ -8,7 +8,8 @@
   gate turns it away; a call the RPC server refuses before any handler (a per-peer
   limit, ``busy``, a frame too large or malformed) comes through ``refused_early``.
 * Once a second ``serve`` adds the experts' compute time (worker seconds, from the
-  runtime's counters), the uptime (running or paused) and a sample for the rates;
+  runtime's counters), the uptime (serving, while at least one expert is hosted, or
+  paused) and a sample for the rates;
   every ``flush_s`` it writes the counts to SQLite (in a thread), every hour it folds
   old hourly rows into daily ones.
 * Per-peer request and refusal counts live in memory only (for the ``peers`` view);
@@ -226,7 +227,7 @@ class Accountant:
             while True:
                 await trio.sleep(_TICK_S)
                 now = trio.current_time()
-                self.store.tick(now - last, paused=not self._serving())
+                self._tick(now - last)
                 last = now
                 self._count_compute()
                 self._sample()
@@ -239,8 +240,18 @@ class Accountant:
         finally:
             # the time since the last tick counts too (a run shorter than a tick, or the
             # last second of a longer one)
-            self.store.tick(trio.current_time() - last, paused=not self._serving())
+            self._tick(trio.current_time() - last)
             self._count_compute()
+
+    def _tick(self, seconds: float) -> None:
+        """Count ``seconds`` as paused while the volunteer is not serving, as serving
+        while it is and hosts at least one expert, and not at all while it hosts none:
+        a daemon that hosted nothing counted 10 s of "time serving" in its first 10 s
+        (an outside audit)."""
+        if not self._serving():
+            self.store.tick(seconds, paused=True)
+        elif self._runtime is not None and self._runtime.uids:
+            self.store.tick(seconds, paused=False)
 
     def _count_compute(self) -> None:
         if self._runtime is None:
