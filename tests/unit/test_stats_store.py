@@ -414,3 +414,37 @@ async def test_a_run_that_never_could_open_its_statistics_says_at_the_stop_they_
         store.record("ffn.0.0", forward=2)
     said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any("kept in memory only, and are not saved" in m for m in said), said
+
+
+def test_counts_stamped_ahead_of_the_clock_are_counted_once_their_time_comes(
+    tmp_path: Path,
+) -> None:
+    # The clock was three days ahead while these were counted and written, then set right.
+    clock = Clock(START + 3 * DAY + 10)
+    store = StatsStore.open(tmp_path / "stats.sqlite3", clock=clock)
+    store.record("ffn.0.1", forward=1, samples=5)
+    store.flush()
+    for day in range(3):
+        clock.now = START + day * DAY + 10
+        assert store.current(since=START + day * DAY).work.samples == 0
+        assert store.history() == []
+    clock.now = START + 3 * DAY + 10
+    assert store.current(since=START + 3 * DAY).work.samples == 5
+    store.close()
+
+
+def test_counts_made_before_the_clock_was_set_back_are_written_at_now(
+    tmp_path: Path,
+) -> None:
+    clock = Clock(START + 3 * DAY + 10)
+    store = StatsStore.open(tmp_path / "stats.sqlite3", clock=clock)
+    store.record("ffn.0.1", forward=1, samples=5)
+    store.reject("ffn.0.1", "busy")
+    store.tick(2.0, paused=False)
+    clock.now = START + 10  # set right before the flush
+    assert store.current(since=START).work.samples == 5
+    store.flush()
+    today = store.current(since=START)
+    assert (today.work.samples, today.rejected, today.running_s) == (5, {"busy": 1}, 2.0)
+    assert [(bucket - START, size) for bucket, size, _ in store.history()] == [(0, HOUR)]
+    store.close()

@@ -7,6 +7,10 @@ few seconds. SQLite runs in WAL mode with ``synchronous=NORMAL``: a crash, even
 damaged file. Hourly rows older than ``keep_hourly_days`` are rolled up into daily rows,
 so the file stays small (a year of a busy daemon hosting 16 experts: a few MiB).
 
+Counts are stamped with the wall clock, which can be set back: a query counts only the
+buckets that begin by now, and a flush writes counts stamped ahead of now into now's
+bucket (a row stamped three days ahead was counted in "today" on each of those days).
+
 Tables (times are UTC; ``hour`` and ``day`` are Unix seconds at the start of the bucket):
 
 * ``work(bucket, size, expert, forward, backward, samples, compute_s, bytes_in,
@@ -265,6 +269,10 @@ class StatsStore:
         rejected: Counter[tuple[int, str, str]],
         uptime: dict[int, list[float]],
     ) -> None:
+        """Write the counts; those of buckets ahead of now (counted before the clock
+        was set back) into now's: a bucket in the future is in no window until its
+        time comes."""
+        latest = self._hour()
         with self._transaction() as db:
             db.executemany(
                 "INSERT INTO work VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -276,7 +284,7 @@ class StatsStore:
                 "bytes_out = bytes_out + excluded.bytes_out",
                 [
                     (
-                        hour,
+                        min(hour, latest),
                         HOUR,
                         expert,
                         w.forward,
@@ -293,13 +301,13 @@ class StatsStore:
                 "INSERT INTO rejected VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (bucket, size, expert, reason) DO UPDATE SET "
                 "count = count + excluded.count",
-                [(h, HOUR, e, r, n) for (h, e, r), n in rejected.items()],
+                [(min(h, latest), HOUR, e, r, n) for (h, e, r), n in rejected.items()],
             )
             db.executemany(
                 "INSERT INTO uptime VALUES (?, ?, ?, ?) ON CONFLICT (bucket, size) DO UPDATE "
                 "SET running_s = running_s + excluded.running_s, "
                 "paused_s = paused_s + excluded.paused_s",
-                [(h, HOUR, run, pause) for h, (run, pause) in uptime.items()],
+                [(min(h, latest), HOUR, run, pause) for h, (run, pause) in uptime.items()],
             )
 
     def roll_up(self) -> int:
@@ -358,45 +366,51 @@ class StatsStore:
     # -- queries (what was flushed) -------------------------------------------------
 
     def totals(self, since: float = 0.0) -> Totals:
-        """Sums over buckets starting at or after ``since`` (rounded down to its bucket)."""
+        """Sums over the buckets that end after ``since`` and begin by now: a bucket
+        stamped ahead of now (the clock was ahead, then set right) is counted once its
+        time comes, not on each day until then."""
         out = Totals()
+        now = self._clock()
         with self._lock:
             rows = self._db.execute(
                 "SELECT expert, SUM(forward), SUM(backward), SUM(samples), SUM(compute_s), "
-                "SUM(bytes_in), SUM(bytes_out) FROM work WHERE bucket + size > ? "
+                "SUM(bytes_in), SUM(bytes_out) FROM work WHERE bucket + size > ? AND bucket <= ? "
                 "GROUP BY expert",
-                (since,),
+                (since, now),
             ).fetchall()
             for expert, *values in rows:
                 work = Work(*values)
                 out.by_expert[expert] = work
                 out.work.add(work)
             for reason, count in self._db.execute(
-                "SELECT reason, SUM(count) FROM rejected WHERE bucket + size > ? GROUP BY reason",
-                (since,),
+                "SELECT reason, SUM(count) FROM rejected WHERE bucket + size > ? AND bucket <= ? "
+                "GROUP BY reason",
+                (since, now),
             ):
                 out.rejected[reason] = int(count)
             running, paused = self._db.execute(
                 "SELECT COALESCE(SUM(running_s), 0), COALESCE(SUM(paused_s), 0) FROM uptime "
-                "WHERE bucket + size > ?",
-                (since,),
+                "WHERE bucket + size > ? AND bucket <= ?",
+                (since, now),
             ).fetchone()
         out.running_s, out.paused_s = float(running), float(paused)
         return out
 
     def pending(self, since: float = 0.0) -> Totals:
-        """What was counted but not flushed yet, in buckets ending after ``since``."""
+        """What was counted but not flushed yet, in buckets ending after ``since``
+        (those ahead of now as the current one, where ``flush`` writes them)."""
         out = Totals()
+        latest = self._hour()
         with self._lock:
             for (hour, expert), work in self._work.items():
-                if hour + HOUR > since:
+                if min(hour, latest) + HOUR > since:
                     out.by_expert.setdefault(expert, Work()).add(work)
                     out.work.add(work)
             for (hour, _, reason), count in self._rejected.items():
-                if hour + HOUR > since:
+                if min(hour, latest) + HOUR > since:
                     out.rejected[reason] = out.rejected.get(reason, 0) + count
             for hour, (running, paused) in self._uptime.items():
-                if hour + HOUR > since:
+                if min(hour, latest) + HOUR > since:
                     out.running_s += running
                     out.paused_s += paused
         return out
@@ -416,13 +430,15 @@ class StatsStore:
         return out
 
     def history(self, since: float = 0.0) -> list[tuple[int, int, Work]]:
-        """``(bucket, size, work summed over experts)`` per bucket, oldest first."""
+        """``(bucket, size, work summed over experts)`` per bucket that ends after
+        ``since`` and begins by now, oldest first."""
+        now = self._clock()
         with self._lock:
             rows = self._db.execute(
                 "SELECT bucket, size, SUM(forward), SUM(backward), SUM(samples), "
                 "SUM(compute_s), SUM(bytes_in), SUM(bytes_out) FROM work "
-                "WHERE bucket + size > ? GROUP BY bucket, size ORDER BY bucket",
-                (since,),
+                "WHERE bucket + size > ? AND bucket <= ? GROUP BY bucket, size ORDER BY bucket",
+                (since, now),
             ).fetchall()
         return [(bucket, size, Work(*values)) for bucket, size, *values in rows]
 
