@@ -448,3 +448,48 @@ def test_counts_made_before_the_clock_was_set_back_are_written_at_now(
     assert (today.work.samples, today.rejected, today.running_s) == (5, {"busy": 1}, 2.0)
     assert [(bucket - START, size) for bucket, size, _ in store.history()] == [(0, HOUR)]
     store.close()
+
+
+@pytest.mark.parametrize(
+    "offset_min", [330, 345, 570, -210]
+)  # India, Nepal, Adelaide, Newfoundland
+def test_today_in_a_zone_of_half_or_quarter_hours_counts_nothing_of_yesterday(
+    tmp_path: Path, offset_min: int
+) -> None:
+    # Local midnight in a zone at UTC+5:30 is 18:30 UTC: hourly buckets counted the
+    # whole hour from 18:00 UTC, 23:30 to 00:30 local, in "today".
+    midnight = START + DAY - offset_min * 60  # local midnight, as Unix seconds
+    clock = Clock(midnight - 60)  # 23:59 local
+    store = StatsStore.open(tmp_path / "stats.sqlite3", clock=clock)
+    store.record("ffn.0.1", forward=5, samples=5)
+    store.reject("ffn.0.1", "busy")
+    store.tick(60.0, paused=False)
+    store.flush()
+    clock.now = midnight + 60  # 00:01 local
+    store.record("ffn.0.1", forward=2, samples=2)
+    today = store.current(since=midnight)
+    assert (today.work.forward, today.rejected, today.running_s) == (2, {}, 0.0)
+    store.flush()
+    today = store.totals(since=midnight)
+    assert (today.work.forward, today.rejected, today.running_s) == (2, {}, 0.0)
+    assert store.totals().work.forward == 7
+    # The history stays hourly.
+    assert sum(size == HOUR for _, size, _ in store.history()) == len(store.history())
+    store.close()
+
+
+def test_hourly_rows_of_older_files_are_still_read_and_rolled_up(tmp_path: Path) -> None:
+    path = tmp_path / "stats.sqlite3"
+    clock = Clock(START + 10)
+    store = StatsStore.open(path, keep_hourly_days=1, clock=clock)
+    store._db.execute(  # as a version before quarter hours wrote it
+        "INSERT INTO work VALUES (?, ?, 'ffn.0.1', 3, 0, 3, 0, 0, 0)", (START, HOUR)
+    )
+    store.record("ffn.0.1", forward=4, samples=4)
+    store.flush()
+    assert store.totals(since=START).work.forward == 7
+    assert [(b - START, size, w.forward) for b, size, w in store.history()] == [(0, HOUR, 7)]
+    clock.now += 3 * DAY
+    assert store.roll_up() == 2
+    assert [(b - START, size, w.forward) for b, size, w in store.history()] == [(0, DAY, 7)]
+    store.close()

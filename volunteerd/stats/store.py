@@ -11,10 +11,19 @@ Counts are stamped with the wall clock, which can be set back: a query counts on
 buckets that begin by now, and a flush writes counts stamped ahead of now into now's
 bucket (a row stamped three days ahead was counted in "today" on each of those days).
 
-Tables (times are UTC; ``hour`` and ``day`` are Unix seconds at the start of the bucket):
+Counts go into quarter-hour buckets: every UTC offset in use is a whole number of
+quarter hours, so local midnight begins a bucket and "today" counts nothing of
+yesterday. (Hourly buckets, as files written before hold, counted the UTC hour that
+holds local midnight whole in half-hour and 45-minute zones: 5 requests at 23:59 in
+India were in the next day's "today".) "Hourly rows" below are the quarter-hour and
+hourly ones; ``history`` sums them per hour.
+
+Tables (times are UTC; ``bucket`` is Unix seconds at the start of the bucket; daily
+buckets are UTC days):
 
 * ``work(bucket, size, expert, forward, backward, samples, compute_s, bytes_in,
-  bytes_out)`` — ``size`` is 3600 (hourly) or 86400 (daily);
+  bytes_out)`` — ``size`` is 900 (a quarter hour), 3600 (an hour, in files written by
+  versions before) or 86400 (a day);
 * ``rejected(bucket, size, expert, reason, count)`` — ``expert`` is "" for uids the
   daemon did not host (a peer makes those up for free: ``server.contribution``);
 * ``uptime(bucket, size, running_s, paused_s)``.
@@ -37,6 +46,7 @@ from volunteerd.atomic import make_private_dirs
 __all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Work"]
 
 HOUR = 3600
+QUARTER = 900  # the size of a new bucket
 DAY = 86400
 _SCHEMA_VERSION = 1
 _TABLES = ("work", "rejected", "uptime")
@@ -211,9 +221,9 @@ class StatsStore:
 
     # -- counting (in memory) -------------------------------------------------------
 
-    def _hour(self) -> int:
+    def _bucket(self) -> int:
         now = int(self._clock())
-        return now - now % HOUR
+        return now - now % QUARTER
 
     def record(
         self,
@@ -227,17 +237,17 @@ class StatsStore:
         bytes_out: int = 0,
     ) -> None:
         with self._lock:
-            work = self._work.setdefault((self._hour(), expert), Work())
+            work = self._work.setdefault((self._bucket(), expert), Work())
             work.add(Work(forward, backward, samples, compute_s, bytes_in, bytes_out))
 
     def reject(self, expert: str, reason: str, count: int = 1) -> None:
         with self._lock:
-            self._rejected[(self._hour(), expert, reason)] += count
+            self._rejected[(self._bucket(), expert, reason)] += count
 
     def tick(self, seconds: float, *, paused: bool) -> None:
         """Add ``seconds`` of uptime, running or paused, to the current hour."""
         with self._lock:
-            slot = self._uptime.setdefault(self._hour(), [0.0, 0.0])
+            slot = self._uptime.setdefault(self._bucket(), [0.0, 0.0])
             slot[1 if paused else 0] += seconds
 
     # -- persistence ----------------------------------------------------------------
@@ -272,7 +282,7 @@ class StatsStore:
         """Write the counts; those of buckets ahead of now (counted before the clock
         was set back) into now's: a bucket in the future is in no window until its
         time comes."""
-        latest = self._hour()
+        latest = self._bucket()
         with self._transaction() as db:
             db.executemany(
                 "INSERT INTO work VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -285,7 +295,7 @@ class StatsStore:
                 [
                     (
                         min(hour, latest),
-                        HOUR,
+                        QUARTER,
                         expert,
                         w.forward,
                         w.backward,
@@ -301,29 +311,29 @@ class StatsStore:
                 "INSERT INTO rejected VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (bucket, size, expert, reason) DO UPDATE SET "
                 "count = count + excluded.count",
-                [(min(h, latest), HOUR, e, r, n) for (h, e, r), n in rejected.items()],
+                [(min(h, latest), QUARTER, e, r, n) for (h, e, r), n in rejected.items()],
             )
             db.executemany(
                 "INSERT INTO uptime VALUES (?, ?, ?, ?) ON CONFLICT (bucket, size) DO UPDATE "
                 "SET running_s = running_s + excluded.running_s, "
                 "paused_s = paused_s + excluded.paused_s",
-                [(min(h, latest), HOUR, run, pause) for h, (run, pause) in uptime.items()],
+                [(min(h, latest), QUARTER, run, pause) for h, (run, pause) in uptime.items()],
             )
 
     def roll_up(self) -> int:
         """Fold hourly rows older than ``keep_hourly_days`` into daily rows; returns the
         number of hourly rows folded."""
-        cutoff = self._hour() - self._keep_hourly_s
+        cutoff = self._bucket() - self._keep_hourly_s
         cutoff -= cutoff % DAY
         day = f"(bucket - bucket % {DAY})"
         with self._transaction() as db:
             folded = db.execute(
-                "SELECT COUNT(*) FROM work WHERE size = ? AND bucket < ?", (HOUR, cutoff)
+                "SELECT COUNT(*) FROM work WHERE size < ? AND bucket < ?", (DAY, cutoff)
             ).fetchone()[0]
             db.execute(
                 f"INSERT INTO work SELECT {day}, {DAY}, expert, SUM(forward), SUM(backward), "
                 "SUM(samples), SUM(compute_s), SUM(bytes_in), SUM(bytes_out) FROM work "
-                f"WHERE size = {HOUR} AND bucket < ? GROUP BY {day}, expert "
+                f"WHERE size < {DAY} AND bucket < ? GROUP BY {day}, expert "
                 "ON CONFLICT (bucket, size, expert) DO UPDATE SET "
                 "forward = forward + excluded.forward, backward = backward + excluded.backward, "
                 "samples = samples + excluded.samples, "
@@ -334,7 +344,7 @@ class StatsStore:
             )
             db.execute(
                 f"INSERT INTO rejected SELECT {day}, {DAY}, expert, reason, SUM(count) "
-                f"FROM rejected WHERE size = {HOUR} AND bucket < ? "
+                f"FROM rejected WHERE size < {DAY} AND bucket < ? "
                 f"GROUP BY {day}, expert, reason "
                 "ON CONFLICT (bucket, size, expert, reason) DO UPDATE SET "
                 "count = count + excluded.count",
@@ -342,14 +352,14 @@ class StatsStore:
             )
             db.execute(
                 f"INSERT INTO uptime SELECT {day}, {DAY}, SUM(running_s), SUM(paused_s) "
-                f"FROM uptime WHERE size = {HOUR} AND bucket < ? GROUP BY {day} "
+                f"FROM uptime WHERE size < {DAY} AND bucket < ? GROUP BY {day} "
                 "ON CONFLICT (bucket, size) DO UPDATE SET "
                 "running_s = running_s + excluded.running_s, "
                 "paused_s = paused_s + excluded.paused_s",
                 (cutoff,),
             )
             for table in _TABLES:
-                db.execute(f"DELETE FROM {table} WHERE size = ? AND bucket < ?", (HOUR, cutoff))
+                db.execute(f"DELETE FROM {table} WHERE size < ? AND bucket < ?", (DAY, cutoff))
         return int(folded)
 
     @contextmanager
@@ -400,17 +410,17 @@ class StatsStore:
         """What was counted but not flushed yet, in buckets ending after ``since``
         (those ahead of now as the current one, where ``flush`` writes them)."""
         out = Totals()
-        latest = self._hour()
+        latest = self._bucket()
         with self._lock:
             for (hour, expert), work in self._work.items():
-                if min(hour, latest) + HOUR > since:
+                if min(hour, latest) + QUARTER > since:
                     out.by_expert.setdefault(expert, Work()).add(work)
                     out.work.add(work)
             for (hour, _, reason), count in self._rejected.items():
-                if min(hour, latest) + HOUR > since:
+                if min(hour, latest) + QUARTER > since:
                     out.rejected[reason] = out.rejected.get(reason, 0) + count
             for hour, (running, paused) in self._uptime.items():
-                if min(hour, latest) + HOUR > since:
+                if min(hour, latest) + QUARTER > since:
                     out.running_s += running
                     out.paused_s += paused
         return out
@@ -430,14 +440,17 @@ class StatsStore:
         return out
 
     def history(self, since: float = 0.0) -> list[tuple[int, int, Work]]:
-        """``(bucket, size, work summed over experts)`` per bucket that ends after
-        ``since`` and begins by now, oldest first."""
+        """``(bucket, size, work summed over experts)`` per hour or day that has a
+        bucket that ends after ``since`` and begins by now, oldest first: quarter hours
+        are summed per hour (the dashboard's chart is hourly)."""
         now = self._clock()
+        hour = f"CASE WHEN size < {HOUR} THEN bucket - bucket % {HOUR} ELSE bucket END"
+        size = f"MAX(size, {HOUR})"
         with self._lock:
             rows = self._db.execute(
-                "SELECT bucket, size, SUM(forward), SUM(backward), SUM(samples), "
+                f"SELECT {hour} AS b, {size} AS s, SUM(forward), SUM(backward), SUM(samples), "
                 "SUM(compute_s), SUM(bytes_in), SUM(bytes_out) FROM work "
-                "WHERE bucket + size > ? AND bucket <= ? GROUP BY bucket, size ORDER BY bucket",
+                "WHERE bucket + size > ? AND bucket <= ? GROUP BY b, s ORDER BY b",
                 (since, now),
             ).fetchall()
         return [(bucket, size, Work(*values)) for bucket, size, *values in rows]
