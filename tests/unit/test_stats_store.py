@@ -58,8 +58,8 @@ def test_counts_are_exact_and_survive_a_restart(tmp_path: Path) -> None:
 
 def test_old_hours_roll_up_into_days_without_losing_a_count(tmp_path: Path) -> None:
     clock = Clock(START)
-    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=2, clock=clock)
-    for hour in range(24 * 5):  # five days, every hour
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7, clock=clock)
+    for hour in range(24 * 10):  # ten days, every hour
         clock.now = START + hour * HOUR
         store.record("ffn.0", forward=2, samples=10)
         store.reject("ffn.0", "non_finite_input")
@@ -489,7 +489,27 @@ def test_hourly_rows_of_older_files_are_still_read_and_rolled_up(tmp_path: Path)
     store.flush()
     assert store.totals(since=START).work.forward == 7
     assert [(b - START, size, w.forward) for b, size, w in store.history()] == [(0, HOUR, 7)]
-    clock.now += 3 * DAY
+    clock.now += 9 * DAY
     assert store.roll_up() == 2
     assert [(b - START, size, w.forward) for b, size, w in store.history()] == [(0, DAY, 7)]
+    store.close()
+
+
+def test_the_last_7_days_count_no_more_when_hourly_rows_are_kept_fewer_days(
+    tmp_path: Path,
+) -> None:
+    # keep_hourly_days = 1 folded the day the window begins in into one daily row,
+    # counted whole: the last 7 days held up to a day more.
+    clock = Clock(START + HOUR)
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=1, clock=clock)
+    store.record("ffn.0.1", forward=3)  # 01:00 on day 0
+    clock.now = START + 13 * HOUR
+    store.record("ffn.0.1", forward=4)  # 13:00 on day 0
+    store.flush()
+    clock.now = START + 7 * DAY + 12 * HOUR
+    store.roll_up()
+    assert store.totals(since=clock.now - 7 * DAY).work.forward == 4
+    clock.now += 2 * DAY  # past the 7 days: folded then
+    assert store.roll_up() == 2
+    assert store.totals().work.forward == 7
     store.close()

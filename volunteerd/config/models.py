@@ -825,7 +825,10 @@ class StatsConfig(_Model):
         5.0, gt=0, le=300, description="seconds between writes (a crash loses at most this)"
     )
     keep_hourly_days: int = Field(
-        14, ge=1, le=3650, description="hourly rows older than this are folded into daily rows"
+        14,
+        ge=1,
+        le=3650,
+        description="hourly rows older than this (at least 7) are folded into daily rows",
     )
 
 

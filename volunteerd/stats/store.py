@@ -1,11 +1,13 @@
-"""Contribution accounting: what this machine did, per expert and per hour, in SQLite.
+"""Contribution accounting: what this machine did, per expert and per quarter hour, in
+SQLite.
 
 The daemon counts in memory (``record``, ``reject``, ``tick``: cheap, on the event
 loop) and ``flush`` writes the counts since the last flush in one transaction, every
 few seconds. SQLite runs in WAL mode with ``synchronous=NORMAL``: a crash, even
 ``kill -9``, loses at most what was counted since the last flush and never leaves a
-damaged file. Hourly rows older than ``keep_hourly_days`` are rolled up into daily rows,
-so the file stays small (a year of a busy daemon hosting 16 experts: a few MiB).
+damaged file. Hourly rows older than ``keep_hourly_days`` (at least 7, so that the
+last 7 days are summed from them exactly) are rolled up into daily rows, so the file
+stays small (a year of a busy daemon hosting 16 experts: a few MiB).
 
 Counts are stamped with the wall clock, which can be set back: a query counts only the
 buckets that begin by now, and a flush writes counts stamped ahead of now into now's
@@ -47,6 +49,7 @@ __all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Work"]
 
 HOUR = 3600
 QUARTER = 900  # the size of a new bucket
+KEEP_HOURLY_DAYS_AT_LEAST = 7  # whatever ``stats.keep_hourly_days`` says
 DAY = 86400
 _SCHEMA_VERSION = 1
 _TABLES = ("work", "rejected", "uptime")
@@ -146,7 +149,9 @@ class StatsStore:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = db
-        self._keep_hourly_s = keep_hourly_days * DAY
+        # Never fewer than the dashboard's "last 7 days": a daily row only partly in
+        # that window was counted whole (a day too much with keep_hourly_days = 1).
+        self._keep_hourly_s = max(keep_hourly_days, KEEP_HOURLY_DAYS_AT_LEAST) * DAY
         self._clock = clock
         # Reentrant: ``flush`` holds it from taking the counts to committing them, so a
         # query never sees counts that are in neither memory nor the file.
