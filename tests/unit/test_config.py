@@ -293,6 +293,29 @@ def test_cross_field_rules() -> None:
         load_config(None, env={}, overrides=["experts.uids=ffn.[3:1]"])
 
 
+@pytest.mark.parametrize(
+    ("pattern", "prefix", "children"),
+    [
+        ("ffn.[0:300]", "ffn.", 300),
+        ("ffn.[0:2].[0:257]", "ffn.0.", 257),
+        ("ffn.[0:200], ffn.[300:400]", "ffn.", 300),
+    ],
+)
+def test_more_experts_along_one_dimension_than_a_record_lists_is_refused(
+    pattern: str, prefix: str, children: int
+) -> None:
+    """A prefix record lists its next coordinates, and every peer refuses one of more
+    than 256 (dht.max_children_per_record), this node's own store too: hosting
+    "ffn.[0:300]" counted an invalid record each announce round, logged nothing, and
+    none of the 300 experts could be found (outside audit)."""
+    wide = f"{children} experts under {prefix!r}; at most 256 along one grid dimension"
+    with pytest.raises(ConfigError, match=re.escape(wide)) as refused:
+        load_config(None, env={}, overrides=[f"experts.uids={pattern}"])
+    assert "dht.max_children_per_record" in str(refused.value)
+    uncapped = "experiments.max_experts=0"  # the width is checked, not the number
+    assert load_config(None, env={}, overrides=["experts.uids=ffn.[0:256].[0:2]", uncapped])
+
+
 def test_bad_override_syntax() -> None:
     with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(None, env={}, overrides=["network.port"])

@@ -14,8 +14,15 @@ import pytest
 from volunteerd.config import DHTConfig
 from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
 from volunteerd.identity import Identity
+from volunteerd.net.announce import children_by_key
 from volunteerd.net.peers import peer_id_for
-from volunteerd.net.records import MANIFESTS, MAX_MANIFEST_BODY, ManifestRecord
+from volunteerd.net.records import (
+    EXPERT_RECORDS,
+    MANIFESTS,
+    MAX_MANIFEST_BODY,
+    ManifestRecord,
+    sign_record,
+)
 from volunteerd.net.store import SignedRecordStore, Source
 from volunteerd.swarm.manifest import (
     ExperimentManifest,
@@ -291,6 +298,31 @@ def test_a_lifetime_storing_peers_would_refuse_is_an_error_before_publishing(
 def test_grid_too_large_is_refused() -> None:
     with pytest.raises(ValueError, match="at most"):
         manifest(grid=(100, 100))
+
+
+@pytest.mark.parametrize("grid", [[4096], [4, 300], [257, 2]])
+def test_a_grid_dimension_peers_cannot_list_is_refused_before_publishing(
+    tmp_path: Path, grid: list[int]
+) -> None:
+    """Every daemon hosting experts of a dimension over 256 announced a prefix record
+    that every peer refuses (dht.max_children_per_record): no trainer could find them.
+    ``volunteerd publish`` loads the file with load_manifest_file before storing it."""
+    path = tmp_path / "experiment.toml"
+    path.write_text(f'name = "wide"\nhidden_dim = 16\ngrid = {grid}\n')
+    with pytest.raises(ConfigError, match=f"grid dimension of {max(grid)} experts; at most 256"):
+        load_manifest_file(path, owner=OWNER_ID)
+
+
+@pytest.mark.parametrize(("grid", "layers"), [((256,), 0), ((2, 256), 2), ((256, 16), 0)])
+def test_every_record_of_an_accepted_grid_is_one_peers_accept(
+    grid: tuple[int, ...], layers: int
+) -> None:
+    m = manifest(grid=grid, layers=layers)
+    for key, children in children_by_key(m.experts_config().uid_list()).items():
+        record = sign_record(
+            OWNER, OWNER_ID, key=key, addrs=(), children=children, ttl_s=30, now=NOW
+        )
+        EXPERT_RECORDS.validate(record, DHTConfig(), now=NOW)
 
 
 def test_description_homepage_and_owner_name_are_signed_and_round_trip(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from volunteerd.config.loading import (
 )
 from volunteerd.config.models import (
     CONFIG_VERSION,
+    MAX_GRID_DIMENSION,
     CheckpointConfig,
     Config,
     ControlConfig,
@@ -41,6 +42,7 @@ from volunteerd.config.models import (
 __all__ = [
     "CONFIG_VERSION",
     "LIMITS_FILE",
+    "MAX_GRID_DIMENSION",
     "SCHEDULE_FILE",
     "CheckpointConfig",
     "Config",

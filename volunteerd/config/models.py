@@ -19,6 +19,7 @@ from volunteerd.config.addrs import is_dialable_addr, is_ed25519_peer_id, peer_m
 
 __all__ = [
     "CONFIG_VERSION",
+    "MAX_GRID_DIMENSION",
     "CheckpointConfig",
     "Config",
     "DHTConfig",
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 CONFIG_VERSION: Final = 1
+# The next coordinates one prefix record may list, as every peer accepts them by default
+# (``dht.max_children_per_record``): the widest grid dimension experts can be found in.
+# A record of more is refused by storing peers, readers and this node's own store.
+MAX_GRID_DIMENSION: Final = 256
 
 
 class _Model(BaseModel):
@@ -167,7 +172,7 @@ class DHTConfig(_Model):
         100_000, ge=1, description="expert records (so keys) this node stores for others"
     )
     max_children_per_record: int = Field(
-        256,
+        MAX_GRID_DIMENSION,
         ge=1,
         le=4096,
         description="next coordinates one prefix record may list (the largest grid "
@@ -271,7 +276,16 @@ class ExpertsConfig(_Model):
     @field_validator("uids")
     @classmethod
     def _pattern(cls, value: str) -> str:
-        uids.expand_pattern(value)  # raises ValueError naming the bad part
+        # expand_pattern raises ValueError naming the bad part. A prefix over
+        # MAX_GRID_DIMENSION children made a record every peer refused, this node's own
+        # store too, and nothing said so: none of its experts could be found.
+        prefix, children = _widest_prefix(uids.expand_pattern(value))
+        if children > MAX_GRID_DIMENSION:
+            raise ValueError(
+                f"{children} experts under {prefix!r}; at most {MAX_GRID_DIMENSION} along one "
+                f"grid dimension (what peers accept in one DHT record, "
+                "dht.max_children_per_record)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -284,6 +298,22 @@ class ExpertsConfig(_Model):
 
     def uid_list(self) -> list[str]:
         return uids.expand_pattern(self.uids)
+
+
+def _widest_prefix(uid_list: list[str]) -> tuple[str, int]:
+    """The DHT prefix (``"ffn."``, ``"ffn.3."``) with the most next coordinates among
+    ``uid_list``, and how many (0 for no uids)."""
+    children: dict[str, set[int]] = {}
+    for uid in uid_list:
+        name, coords = uids.split_uid(uid)
+        prefix = f"{name}."
+        for coord in coords[:-1]:
+            children.setdefault(prefix, set()).add(coord)
+            prefix = f"{prefix}{coord}."
+        children.setdefault(prefix, set()).add(coords[-1])
+    return max(
+        ((key, len(c)) for key, c in children.items()), key=lambda kc: kc[1], default=("", 0)
+    )
 
 
 class GuardConfig(_Model):

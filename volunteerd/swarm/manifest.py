@@ -52,7 +52,7 @@ import trio
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from volunteerd import uids
-from volunteerd.config import ExpertsConfig, OptimizerConfig
+from volunteerd.config import MAX_GRID_DIMENSION, ExpertsConfig, OptimizerConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError, InvalidRecord, UntrustedManifest
 from volunteerd.identity import Identity
@@ -164,6 +164,13 @@ class ExperimentManifest(BaseModel):
     def _consistent(self) -> Self:
         if any(g < 1 for g in self.grid):
             raise ValueError("every grid dimension needs at least one expert")
+        if max(self.grid) > MAX_GRID_DIMENSION:
+            # Each daemon's record under a prefix then lists more children than peers
+            # accept (dht.max_children_per_record): no trainer could find those experts.
+            raise ValueError(
+                f"a grid dimension of {max(self.grid)} experts; at most {MAX_GRID_DIMENSION} "
+                "(what peers accept in one DHT record, dht.max_children_per_record)"
+            )
         count = max(self.layers, 1)
         for g in self.grid:
             count *= g
