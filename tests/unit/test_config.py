@@ -316,6 +316,25 @@ def test_more_experts_along_one_dimension_than_a_record_lists_is_refused(
     assert load_config(None, env={}, overrides=["experts.uids=ffn.[0:256].[0:2]", uncapped])
 
 
+def test_hosting_more_experts_than_max_experts_is_refused_saying_how_to_raise_it() -> None:
+    """experiments.max_experts capped only joined projects: experts.uids of 4,096 tiny
+    experts started with the default cap of 128 and no message (startup 67 s, /metrics
+    1 MB; outside audit), though docs/security.md says a daemon hosts at most that many."""
+    too_many = "experts.uids names 256 experts, more than experiments.max_experts (128)"
+    with pytest.raises(ConfigError, match=re.escape(too_many)) as refused:
+        load_config(None, env={}, overrides=["experts.uids=ffn.[0:16].[0:16]"])
+    assert "raise experiments.max_experts (0 = no cap)" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"names 3 experts, more than .*max_experts \(2\)"):
+        load_config(None, env={}, overrides=["experts.uids=ffn.[0:3]", "experiments.max_experts=2"])
+    # within the cap, with no cap, or while joining an experiment (which ignores uids)
+    assert load_config(None, env={}, overrides=["experts.uids=ffn.[0:2].[0:64]"])
+    assert load_config(
+        None, env={}, overrides=["experts.uids=ffn.[0:16].[0:16]", "experiments.max_experts=0"]
+    )
+    joining = ["experts.uids=ffn.[0:16].[0:16]", 'experiments.join="demo"']
+    assert load_config(None, env={}, overrides=joining)
+
+
 def test_bad_override_syntax() -> None:
     with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(None, env={}, overrides=["network.port"])
