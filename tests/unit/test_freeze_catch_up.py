@@ -9,6 +9,8 @@ freeze is the clock that counts suspended time jumping ahead of trio's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 import trio
@@ -53,6 +55,9 @@ class Replica:
 
     async def replicas(self, uid: str) -> list[str]:
         return ["replica"] if uid == REPLICATED else []
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(
         self, peer_id: str, uid: str, *, max_bytes: int

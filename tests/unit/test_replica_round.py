@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -70,6 +71,9 @@ class Swarm:
     async def replicas(self, uid: str) -> list[str]:
         self.listed[uid] = [f"silent-{next(self.fresh)}" for _ in range(self.silent)]
         return ["honest", *self.listed[uid], *sorted(self.gone)]
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(self, peer_id: str, uid: str, *, max_bytes: int) -> Reply:
         self.calls[peer_id] += 1
@@ -252,3 +256,46 @@ async def test_a_peer_that_fails_for_several_experts_of_a_round_backs_off_once(
     assert await averager.run_round() == 3
     assert averager._failed["gone"] == (trio.current_time() + 20.0, 2)
     assert swarm.calls["gone"] == 6
+
+
+class FewReplicated(Swarm):
+    """Only ``replicated`` uids have a replica ("honest"); every lookup, of one uid or
+    of many, takes ``LOOKUP_TAKES_S``."""
+
+    def __init__(self, runtime: ExpertRuntime, replicated: set[str]) -> None:
+        super().__init__(runtime, silent=0, honest_s=1.0)
+        self.replicated = replicated
+        self.lookups: list[list[str]] = []  # the uids of each lookup
+
+    async def replicas(self, uid: str) -> list[str]:
+        return (await self.replicas_of([uid]))[uid]
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        self.lookups.append(list(uids))
+        await trio.sleep(LOOKUP_TAKES_S)
+        return {uid: ["honest"] if uid in self.replicated else [] for uid in uids}
+
+
+async def test_experts_without_replicas_take_none_of_a_rounds_time(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A lookup per hosted expert, four at a time, replicated or not: two daemons of 512
+    experts each ran every round out of time (the first after 17 experts; outside
+    audit). Here 64 experts, lookups of 1 s and rounds every 10 s: the two with a
+    replica, last in line, were never reached. Now one round looks all 64 up at once
+    and spends its time on those two only."""
+    runtime = runtime_of(64)
+    replicated = set(runtime.uids[-2:])
+    swarm = FewReplicated(runtime, replicated)
+    averager = ReplicaAverager(
+        runtime,
+        swarm,
+        ReplicasConfig(average_every_s=10.0),
+        clock=trio.current_time,
+        lookup_s=2 * LOOKUP_TAKES_S,
+    )
+    assert await timed_round(averager) == (LOOKUP_TAKES_S + swarm.honest_s, 2)
+    assert swarm.lookups == [list(runtime.uids)]
+    assert set(swarm.fetched) == replicated
+    assert averager._replicated == replicated
+    assert averager.statistics().rounds == 2

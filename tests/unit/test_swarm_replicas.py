@@ -9,7 +9,7 @@ from typing import Any, cast
 import trio
 
 from volunteerd.net.records import ExpertRecord
-from volunteerd.server.replicas import SwarmReplicas
+from volunteerd.server.replicas import LOOKUP_KEYS, SwarmReplicas
 
 UID = "ffn.0.0"
 
@@ -20,16 +20,18 @@ class SlowDHT:
 
     def __init__(self, records: list[ExpertRecord]) -> None:
         self.records, self.hang = records, False
+        self.lookups: list[list[str]] = []  # the keys of each lookup
 
     async def get(self, keys: list[str]) -> dict[str, list[ExpertRecord]]:
+        self.lookups.append(list(keys))
         if self.hang:
             await trio.sleep_forever()
         return {key: [r for r in self.records if r.key == key] for key in keys}
 
 
-def record(peer_id: str) -> ExpertRecord:
+def record(peer_id: str, key: str = UID) -> ExpertRecord:
     return ExpertRecord.model_construct(
-        key=UID, peer_id=peer_id, addrs=("/ip4/127.0.0.1/tcp/1",), issued_at=0.0
+        key=key, peer_id=peer_id, addrs=("/ip4/127.0.0.1/tcp/1",), issued_at=0.0
     )
 
 
@@ -58,3 +60,28 @@ async def test_outside_the_network_hours_no_replica_is_looked_up() -> None:
     assert await replicas.replicas(UID) == ["other"]
     allowed[0] = False
     assert await replicas.replicas(UID) == []
+
+
+async def test_many_uids_are_looked_up_in_a_few_batched_lookups(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The averager looked each hosted uid up on its own, 512 lookups a round for a
+    daemon of 512 experts. ``replicas_of`` asks for ``LOOKUP_KEYS`` uids a lookup, all
+    at once, each bounded by the lookup time; a lookup that times out gives its uids'
+    last answers."""
+    uids = [f"ffn.{i}.{j}" for i in range(3) for j in range(200)]  # 600
+    dht = SlowDHT([record("me", "ffn.0.5"), record("other", "ffn.0.5"), record("b", "ffn.2.9")])
+    replicas = SwarmReplicas(cast(Any, SimpleNamespace(dht=dht, peer_id="me")), lookup_s=5.0)
+    found = await replicas.replicas_of(uids)
+    assert sorted(len(keys) for keys in dht.lookups) == [88, LOOKUP_KEYS, LOOKUP_KEYS]  # at once
+    assert sorted(key for keys in dht.lookups for key in keys) == sorted(uids)
+    assert {uid: peers for uid, peers in found.items() if peers} == {
+        "ffn.0.5": ["other"],
+        "ffn.2.9": ["b"],
+    }
+    assert found.keys() == set(uids)
+    dht.hang = True
+    started = trio.current_time()
+    again = await replicas.replicas_of(uids)
+    assert trio.current_time() - started == 5.0  # the lookups ran at once
+    assert again == found

@@ -1,11 +1,12 @@
 """Replica averaging: daemons hosting the same expert pull their weights together.
 
-Every ``average_every_s`` (jittered ±20%, so replicas do not all ask at once) and for
-each hosted uid, the averager asks the swarm for the other daemons hosting that uid,
-fetches their parameters (the ``params`` verb), drops replies that do not fit (larger
-than its own parameters, refused from their prefix before the rest is read; wrong uid,
-names, dtypes or shapes, non-finite values) and combines the rest with *centered
-clipping* around its own weights, tensor by tensor::
+Every ``average_every_s`` (jittered ±20%, so replicas do not all ask at once) the
+averager asks the swarm which other daemons host each of its uids (``replicas_of``:
+batched DHT lookups), and for each uid that has replicas fetches their parameters (the
+``params`` verb), drops replies that do not fit (larger than its own parameters, refused
+from their prefix before the rest is read; wrong uid, names, dtypes or shapes,
+non-finite values) and combines the rest with *centered clipping* around its own
+weights, tensor by tensor::
 
     new = own + 1/n * sum_i clip(w_i - own, tau)      n = replicas averaged, self included
     clip(v, tau) = v * min(1, tau / |v|)              tau = clip_ratio * max(|own|, 0.01*sqrt numel)
@@ -34,15 +35,19 @@ the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
 How long a round takes: a replica must send its parameters within ``FIRST_REPLY_S``
 (5 s, as trainers' fetches must begin within) plus their size at ``MIN_REPLY_RATE``
 (256 kbit/s), or it is dropped for the round as "timeout" and backs off as a failure; the
-RPC client's ``request_s`` still bounds any one call. The hosted experts are gathered
-concurrently (``CONCURRENT_EXPERTS``, fewer when their replies would hold more than
-``GATHER_BUDGET_BYTES`` together), those averaged longest ago first, and a round ends
-after ``average_every_s`` or the largest expert's fetch bound, whichever is longer: a
-fetch still running then is cut without counting against its peer, replies already
-checked are still averaged, and experts not begun wait for the next round, first in
-line. A record whose address accepts and never answers used to hold each expert for
-all of ``request_s`` in turn: with a fresh such identity per expert, a round of four
-experts took 240 s; now about the fetch bound of the slowest expert.
+RPC client's ``request_s`` still bounds any one call. The hosted experts with replicas
+are gathered concurrently (``CONCURRENT_EXPERTS``, fewer when their replies would hold
+more than ``GATHER_BUDGET_BYTES`` together), those averaged longest ago first; experts
+without replicas take none of the round's time. A round ends after ``average_every_s``
+or one lookup and the largest expert's fetch bound, whichever is longer: a fetch still
+running then is cut without counting against its peer, replies already checked are
+still averaged, and experts not begun wait for the next round, first in line. A record
+whose address accepts and never answers used to hold each expert for all of
+``request_s`` in turn: with a fresh such identity per expert, a round of four experts
+took 240 s; now about the fetch bound of the slowest expert. And a lookup per expert,
+experts with no replica included, ran every round of two daemons of 512 experts each
+out of time (the first after 17 experts; an outside audit): a round looks up all its
+uids at once now.
 
 After a freeze: a daemon that did not run for ``FROZEN_S`` or more (a laptop's suspend,
 SIGSTOP: a 1 s sleep that took that long on the clock that counts suspended time) wakes
@@ -65,7 +70,7 @@ import math
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -121,6 +126,10 @@ class ReplicaSource(Protocol):
 
     async def replicas(self, uid: str) -> list[str]:
         """Peer ids of the other daemons hosting ``uid`` now (not this one)."""
+        ...
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        """``replicas`` of each of ``uids``, in as few lookups as the swarm allows."""
         ...
 
     async def fetch(
@@ -260,16 +269,32 @@ class ReplicaAverager:
     async def run_round(self) -> int:
         """One averaging round for every hosted expert; returns the replicas used.
 
-        Up to ``CONCURRENT_EXPERTS`` experts at once (fewer for large ones), those
-        gathered longest ago first; fetches end by the round's deadline (see ``round_s``),
-        and an expert whose turn has not come by then waits for the next round."""
+        Every hosted uid is looked up at once (``ReplicaSource.replicas_of``); of those
+        with replicas, up to ``CONCURRENT_EXPERTS`` experts at once (fewer for large
+        ones), those gathered longest ago first; fetches end by the round's deadline (see
+        ``round_s``), and an expert whose turn has not come by then waits for the next
+        round."""
         self._rounds_run += 1
         sizes = {uid: self._param_bytes(uid) for uid in self.runtime.uids}
         if not sizes:
             return 0
         self._turns = {uid: n for uid, n in self._turns.items() if uid in sizes}
-        in_turn = sorted(sizes, key=lambda uid: self._turns.get(uid, 0))
         deadline = trio.current_time() + self.round_s(max(sizes.values()))
+        listed: dict[str, list[str]] | None = None
+        with trio.move_on_at(deadline):
+            listed = await self.source.replicas_of(list(sizes))
+        if listed is None:  # out of time already: what has replicas is not known
+            logger.info("averaging round out of time looking up its %d experts", len(sizes))
+            return 0
+        for uid in sizes:
+            if listed.get(uid):
+                self._replicated.add(uid)
+            else:
+                self._replicated.discard(uid)
+        # Only experts with replicas take the round's time.
+        in_turn = sorted(
+            (uid for uid in sizes if listed.get(uid)), key=lambda uid: self._turns.get(uid, 0)
+        )
         per_round = self._config.max_peers * max(max(sizes.values()), 1)
         at_once = max(1, min(CONCURRENT_EXPERTS, GATHER_BUDGET_BYTES // per_round))
         waiting = deque(in_turn)
@@ -281,7 +306,7 @@ class ReplicaAverager:
                 uid = waiting.popleft()
                 self._turns[uid] = self._rounds_run
                 try:
-                    n = await self.average(uid, deadline=deadline)
+                    n = await self.average(uid, deadline=deadline, listed=listed[uid])
                     used += n  # not `used += await ...`: that reads `used` before awaiting
                 except VolunteerdError as exc:
                     logger.info("averaging %s failed: %s", uid, exc)
@@ -306,20 +331,27 @@ class ReplicaAverager:
         and held every round for its whole length (an outside probe)."""
         return max(self._config.average_every_s, self._lookup_s + fetch_bound_s(largest_bytes))
 
-    async def average(self, uid: str, *, deadline: float = math.inf) -> int:
+    async def average(
+        self, uid: str, *, deadline: float = math.inf, listed: list[str] | None = None
+    ) -> int:
         """Average ``uid`` with its replicas once; returns how many replicas went in.
         Fetches end at ``deadline`` (trio's clock) at the latest; the replies checked by
-        then are averaged."""
-        return await self.combine(uid, await self.gather(uid, deadline=deadline))
+        then are averaged. ``listed``: as in ``gather``."""
+        return await self.combine(uid, await self.gather(uid, deadline=deadline, listed=listed))
 
-    async def gather(self, uid: str, *, deadline: float = math.inf) -> list[tuple[str, Params]]:
+    async def gather(
+        self, uid: str, *, deadline: float = math.inf, listed: list[str] | None = None
+    ) -> list[tuple[str, Params]]:
         """The parameters of up to ``max_peers`` other replicas of ``uid`` that fit, by
         peer id; the others are counted as rejected. A replica that has not sent them
         within ``fetch_bound_s`` is dropped as "timeout"; one still being fetched or
-        checked at ``deadline`` (trio's clock) is left out uncounted."""
+        checked at ``deadline`` (trio's clock) is left out uncounted. ``listed``: the
+        replicas a lookup just found (a round looks up all its experts at once); None
+        looks them up."""
         replies: list[tuple[str, Params]] = []
         with trio.move_on_at(deadline):
-            listed = await self.source.replicas(uid)
+            if listed is None:
+                listed = await self.source.replicas(uid)
             if listed:
                 self._replicated.add(uid)
             else:
