@@ -114,7 +114,9 @@ def test_an_invitation_names_the_manifest_its_trusted_owner_and_the_peers() -> N
         # each was accepted and failed later: a traceback, retries, or memory without bound
         ("model", "grid", "[-3, 4]", "model.grid: Value error, every dimension needs at least"),
         ("model", "grid", "[0, 4]", "model.grid: Value error, every dimension needs at least"),
-        ("model", "grid", "[100000, 100000]", "names 10000000000 experts a block"),
+        ("model", "grid", "[256, 256, 256]", "names 16777216 experts a block"),
+        # a daemon's record under the prefix would list more children than peers accept
+        ("model", "grid", "[4096]", "a grid dimension of 4096 experts; at most 256"),
         ("model", "grid", "[64, 64]", "names 4096 experts a block, in 2 blocks; at most 4096"),
         ("model", "forward_timeout_s", "inf", "model.forward_timeout_s: Input should be a finite"),
         ("model", "backward_timeout_s", "inf", "model.backward_timeout_s: Input should be a fin"),

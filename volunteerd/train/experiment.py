@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from volunteerd import uids
-from volunteerd.config import OptimizerConfig
+from volunteerd.config import MAX_GRID_DIMENSION, OptimizerConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
 from volunteerd.swarm.manifest import MAX_EXPERTS
@@ -111,6 +111,13 @@ class ModelConfig(_Model):
         # 0 left the trainer retrying "is the swarm reachable", -3 failed in torch
         if any(g < 1 for g in grid):
             raise ValueError(f"every dimension needs at least one expert, not {list(grid)}")
+        if max(grid, default=0) > MAX_GRID_DIMENSION:
+            # the daemons' record under a prefix would list more children than peers
+            # accept (dht.max_children_per_record): the trainer would find none of them
+            raise ValueError(
+                f"a grid dimension of {max(grid)} experts; at most {MAX_GRID_DIMENSION} "
+                "(what peers accept in one DHT record, dht.max_children_per_record)"
+            )
         return grid
 
     @model_validator(mode="before")
