@@ -333,6 +333,7 @@ class Daemon:
                 task_status.started(running)
                 await self._stop.wait()
                 serving.cancel_scope.cancel()  # withdraws the announcements
+            accountant.count_traffic()  # the node's last words, after the accountant stopped
         logger.info("stopped" + " to restart" * self.restart_requested)
 
     def _log_started(self, running: Running) -> None:

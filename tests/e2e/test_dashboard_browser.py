@@ -223,6 +223,12 @@ def test_dashboard_follows_the_daemon_live_and_its_controls_change_it(
     wait.until(lambda d: value(d, "samples-today") == client.status().today.samples)
     assert client.status().today.samples > 0
     assert value(browser, "requests-today") == client.status().today.requests
+    # All the data sent and received, as the quota counts it (read from the throttle
+    # once a second), and the expert calls' part of it below.
+    assert (value(browser, "up-today") or 0) > 0
+    assert (value(browser, "down-today") or 0) > 0
+    wait.until(lambda d: (value(d, "sent-today") or 0) >= (value(d, "up-today") or 0))
+    wait.until(lambda d: (value(d, "received-today") or 0) >= (value(d, "down-today") or 0))
     forward = '#experts-body tr[data-uid="ffn.0.0"] td:nth-child(2)'
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, forward).text not in ("", "0"))
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#peers-body tr:not(.empty)"))

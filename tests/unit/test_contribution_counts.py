@@ -1,6 +1,6 @@
 """What the volunteer is shown about its contribution: every refused expert call is in
-"Refused", and time serving is time hosting something. Over the in-memory network, in
-virtual time."""
+"Refused", time serving is time hosting something, and data sent and received is all
+the node's traffic. Over the in-memory network, in virtual time."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from volunteerd.net.protocols import PROTOCOLS
 from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
 from volunteerd.net.throttle import Throttle
 from volunteerd.server.contribution import Accountant
-from volunteerd.stats import StatsStore
+from volunteerd.stats import HOUR, StatsStore
+from volunteerd.stats.store import DAY
 from volunteerd.testing.memnet import MemoryNetwork
 from volunteerd.wire import ForwardRequest, InfoRequest, TensorMeta
+from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
 CONFIG = Config()
 
@@ -133,3 +135,95 @@ def test_the_dashboard_says_compute_time_is_wall_clock_time() -> None:
     assert header is not None
     assert "wall clock" in header.group(0)
     assert "not CPU time" in header.group(0)
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_data_sent_and_received_count_all_traffic_not_only_expert_calls(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    # 5 ``params`` replies sent 10.5 MB, which the daily quota counted and "Uploaded
+    # today" did not: it counted only the tensors of expert calls (an outside audit).
+    start = 1_780_000_000 - 1_780_000_000 % DAY + 5 * HOUR
+    wall = _Clock(start)
+    path = tmp_path / "stats.sqlite3"
+    throttle = Throttle(LimitsConfig())
+    accountant = Accountant(
+        StatsStore.open(path, clock=wall),
+        None,
+        throttle,
+        StatsConfig(flush_s=1),
+        serving=lambda: True,
+    )
+    weights = bytes(256 * 256 * 4)  # a hidden-256 expert's weight matrix, float32
+
+    async def params(request: Request) -> Reply:
+        meta = TensorMeta(dtype="float32", shape=(256, 256))
+        header = ParamsReply(uid=request.header.uid, updates=0, names=["w"], tensors=[meta])
+        return Reply(header, [weights])
+
+    network = MemoryNetwork()
+    async with (
+        network.open_host() as server_host,
+        network.open_host() as client_host,
+        trio.open_nursery() as nursery,
+    ):
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            throttle,
+        )
+        server.install()
+        await nursery.start(accountant.serve)
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        try:
+            for _ in range(5):
+                _, buffers = await client.call(
+                    server_host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0")
+                )
+                assert bytes(buffers[0].data) == weights
+        finally:
+            await client.aclose()
+        await trio.sleep(2.5)  # two ticks: counted, and flushed
+        flushed = accountant.store.totals(since=start - start % DAY)
+        nursery.cancel_scope.cancel()
+    sent, received = throttle.bytes_up, throttle.bytes_down
+    # The weights and the frames around them (prefix and header: 123 bytes a reply here);
+    # the requests are what the node received.
+    assert 5 * len(weights) <= sent < 5 * len(weights) + 5 * 1024
+    assert 0 < received < 5 * 1024
+    assert (flushed.traffic.bytes_up, flushed.traffic.bytes_down) == (sent, received)
+    assert throttle.ledger.today == sent + received  # what the daily quota counts
+    assert flushed.work.bytes_out == 0  # no expert call: the tensors of those are apart
+    accountant.store.close()
+
+    # Kept across a restart, and when the hours are rolled up into a day.
+    wall.now += 30 * DAY
+    reopened = StatsStore.open(path, clock=wall)
+    # quarter hours, summed per hour; then the hours rolled up into the day
+    assert [size for _, size in reopened.traffic_history()] == [HOUR]
+    reopened.roll_up()
+    assert [size for _, size in reopened.traffic_history()] == [DAY]
+    assert (reopened.totals().traffic.bytes_up, reopened.totals().traffic.bytes_down) == (
+        sent,
+        received,
+    )
+    reopened.close()
+
+
+def test_a_throttle_that_starts_counting_again_loses_nothing() -> None:
+    accountant = _accountant()
+    accountant._count_traffic(1000, 10)
+    accountant._count_traffic(1500, 10)
+    accountant._count_traffic(300, 40)  # a new node's throttle: all of its counts are new
+    traffic = accountant.store.current().traffic
+    assert (traffic.bytes_up, traffic.bytes_down) == (1800, 50)

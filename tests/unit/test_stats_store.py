@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -244,6 +245,26 @@ def test_a_stats_file_with_our_tables_and_others_besides_is_kept(tmp_path: Path)
     store.close()
     again = StatsStore.open(path, keep_hourly_days=7)
     assert again.totals().work.forward == 3
+    again.close()
+
+
+def test_a_stats_file_from_before_the_traffic_table_is_kept_and_counts_traffic(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "stats.sqlite3"
+    store = StatsStore.open(path)
+    store.record("ffn.0.0", forward=3)
+    store.transferred(up=5)
+    store.close()
+    with sqlite3.connect(path) as db:  # as the version before wrote it
+        db.execute("DROP TABLE traffic")
+    db.close()
+    again = StatsStore.open(path)
+    again.transferred(up=1000, down=20)
+    again.flush()
+    totals = again.totals()
+    assert totals.work.forward == 3
+    assert (totals.traffic.bytes_up, totals.traffic.bytes_down) == (1000, 20)
     again.close()
 
 

@@ -255,8 +255,12 @@ class Totals(_Reply):
     backward: int = 0
     samples: int = 0
     compute_s: float = 0.0
-    bytes_in: int = 0
-    bytes_out: int = 0
+    bytes_in: int = 0  # the tensors of expert calls only (their inputs and gradients)
+    bytes_out: int = 0  # their outputs and gradients
+    # all the bytes this node sent and received, what the transfer quotas count: expert
+    # calls, parameters and shards, replica averaging, relayed circuits, the DHT
+    bytes_sent: int = 0
+    bytes_received: int = 0
     running_s: float = 0.0
     paused_s: float = 0.0
     rejected: dict[str, int] = {}  # reason -> count
@@ -409,6 +413,8 @@ class StatsBucket(_Reply):
     compute_s: float
     bytes_in: int
     bytes_out: int
+    bytes_sent: int = 0  # all traffic, as ``Totals``
+    bytes_received: int = 0
 
 
 class Stats(_Reply):

@@ -163,7 +163,10 @@ def format_status(status: Status) -> str:
         f"up {format_bytes(rates.upload_bytes_per_s)}/s, "
         f"down {format_bytes(rates.download_bytes_per_s)}/s",
         f"today         {today.samples:,} samples in {today.requests:,} requests, "
-        f"{format_duration(today.compute_s)} of compute (wall clock), "
+        f"{format_duration(today.compute_s)} of compute (wall clock)",
+        # all traffic (what the quotas count), then the expert calls' tensors in it
+        f"data today    {format_bytes(today.bytes_sent)} sent, "
+        f"{format_bytes(today.bytes_received)} received; of which expert calls "
         f"{format_bytes(today.bytes_out)} sent, {format_bytes(today.bytes_in)} received",
         f"limits        up {_mbit(status.limits.upload_mbit)}, "
         f"down {_mbit(status.limits.download_mbit)}",

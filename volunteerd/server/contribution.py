@@ -9,7 +9,9 @@
   limit, ``busy``, a frame too large or malformed) comes through ``refused_early``.
 * Once a second ``serve`` adds the experts' compute time (worker seconds, from the
   runtime's counters), the uptime (serving, while at least one expert is hosted, or
-  paused) and a sample for the rates;
+  paused), the bytes the throttle counted since the last second (all the node's
+  traffic, what the transfer quotas count: not only the expert calls' tensors) and a
+  sample for the rates;
   every ``flush_s`` it writes the counts to SQLite (in a thread), every hour it folds
   old hourly rows into daily ones.
 * Per-peer request and refusal counts live in memory only (for the ``peers`` view);
@@ -118,6 +120,8 @@ class Accountant:
         self.refusals: dict[str, int] = {}  # reason -> count, since the daemon started
         self._compute_seen: dict[str, float] = {}
         self._window: deque[tuple[float, int, int, int, int]] = deque()
+        # the throttle's byte counts (since its node started) already in the store
+        self._traffic_seen = (0, 0)
 
     # -- counting --------------------------------------------------------------------
 
@@ -242,6 +246,7 @@ class Accountant:
             # last second of a longer one)
             self._tick(trio.current_time() - last)
             self._count_compute()
+            self.count_traffic()
 
     def _tick(self, seconds: float) -> None:
         """Count ``seconds`` as paused while the volunteer is not serving, as serving
@@ -261,6 +266,22 @@ class Accountant:
             if stats.compute_s > seen:
                 self.store.record(stats.uid, compute_s=stats.compute_s - seen)
                 self._compute_seen[stats.uid] = stats.compute_s
+
+    def count_traffic(self) -> None:
+        """Add to the store the bytes the throttle counted since the last call (each
+        ``serve`` tick calls it). A count lower than the last one is a throttle that
+        started again (a new node): all of its counts, up and down, are new."""
+        stats = self._throttle.statistics()
+        self._count_traffic(stats.bytes_up, stats.bytes_down)
+
+    def _count_traffic(self, up: int, down: int) -> None:
+        seen_up, seen_down = self._traffic_seen
+        if up < seen_up or down < seen_down:
+            seen_up = seen_down = 0
+        new_up, new_down = up - seen_up, down - seen_down
+        self._traffic_seen = (up, down)
+        if new_up or new_down:
+            self.store.transferred(up=new_up, down=new_down)
 
     def _flush(self) -> None:
         _move_to_file(self.store)
@@ -300,6 +321,7 @@ class Accountant:
 
     def _sample(self) -> None:
         throttle = self._throttle.statistics()
+        self._count_traffic(throttle.bytes_up, throttle.bytes_down)
         now = time.monotonic()
         self._window.append(
             (now, self.samples, self.requests, throttle.bytes_up, throttle.bytes_down)

@@ -62,6 +62,7 @@ from volunteerd.server.contribution import Accountant
 from volunteerd.server.pausing import Volunteer
 from volunteerd.shown import short_id
 from volunteerd.stats import Totals as StoreTotals
+from volunteerd.stats import Traffic, Work
 from volunteerd.swarm.invitation import parse_invitation
 from volunteerd.swarm.projects import (
     Project,
@@ -108,8 +109,34 @@ def _tcp_port(addrs: list[str]) -> int | None:
 
 def _totals(t: StoreTotals) -> Totals:
     return Totals(
-        **asdict(t.work), running_s=t.running_s, paused_s=t.paused_s, rejected=dict(t.rejected)
+        **asdict(t.work),
+        running_s=t.running_s,
+        paused_s=t.paused_s,
+        rejected=dict(t.rejected),
+        bytes_sent=t.traffic.bytes_up,
+        bytes_received=t.traffic.bytes_down,
     )
+
+
+def _history(
+    work: list[tuple[int, int, Work]], traffic: dict[tuple[int, int], Traffic]
+) -> list[StatsBucket]:
+    """The store's hours (or days) of expert calls and of traffic as one list, oldest
+    first: an hour of traffic and no expert call (a shard sent) is one too."""
+    by_bucket = {(bucket, size): w for bucket, size, w in work}
+    out = []
+    for key in sorted(by_bucket.keys() | traffic.keys()):
+        t = traffic.get(key, Traffic())
+        out.append(
+            StatsBucket(
+                start=key[0],
+                size_s=key[1],
+                **asdict(by_bucket.get(key, Work())),
+                bytes_sent=t.bytes_up,
+                bytes_received=t.bytes_down,
+            )
+        )
+    return out
 
 
 class ControlView:
@@ -290,15 +317,12 @@ class ControlView:
 
         def read() -> Stats:
             now = time.time()
-            history = store.history(since)
+            history = _history(store.history(since), store.traffic_history(since))
             return Stats(
                 today=_totals(store.current(_local_midnight(now))),
                 week=_totals(store.current(now - 7 * _DAY_S)),
                 all_time=_totals(store.current(0.0)),
-                history=[
-                    StatsBucket(start=bucket, size_s=size, **asdict(w))
-                    for bucket, size, w in history
-                ],
+                history=history,
             )
 
         return await trio.to_thread.run_sync(read)

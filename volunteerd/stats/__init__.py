@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from volunteerd.stats.store import HOUR, StatsStore, Totals, Work
+from volunteerd.stats.store import HOUR, StatsStore, Totals, Traffic, Work
 
-__all__ = ["HOUR", "StatsStore", "Totals", "Work"]
+__all__ = ["HOUR", "StatsStore", "Totals", "Traffic", "Work"]

@@ -28,7 +28,15 @@ buckets are UTC days):
   versions before) or 86400 (a day);
 * ``rejected(bucket, size, expert, reason, count)`` — ``expert`` is "" for uids the
   daemon did not host (a peer makes those up for free: ``server.contribution``);
-* ``uptime(bucket, size, running_s, paused_s)``.
+* ``uptime(bucket, size, running_s, paused_s)``;
+* ``traffic(bucket, size, bytes_up, bytes_down)`` — every byte the throttle counted
+  (``net/throttle.py``, and so the transfer quotas): expert calls, parameters and
+  shards sent to peers, replica averaging, relayed circuits, the DHT. ``work``'s
+  ``bytes_in`` and ``bytes_out`` are only the tensors of expert calls: 5 ``params``
+  requests sent 10.5 MB, which the quota counted and "Uploaded" did not (an outside
+  audit). Files written before have no such table: it is made, and their traffic
+  until then is unknown (0). A version without it ignores it (it reads only its own
+  tables), so the schema version stays 1 and an older volunteerd still opens the file.
 """
 
 from __future__ import annotations
@@ -45,16 +53,16 @@ from pathlib import Path
 
 from volunteerd.atomic import make_private_dirs
 
-__all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Work"]
+__all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Traffic", "Work"]
 
 HOUR = 3600
 QUARTER = 900  # the size of a new bucket
 KEEP_HOURLY_DAYS_AT_LEAST = 7  # whatever ``stats.keep_hourly_days`` says
 DAY = 86400
 _SCHEMA_VERSION = 1
-_TABLES = ("work", "rejected", "uptime")
+_TABLES = ("work", "rejected", "uptime", "traffic")
 # how many of each table's first columns are its primary key (the rest are sums)
-_KEY_COLUMNS = {"work": 3, "rejected": 4, "uptime": 2}
+_KEY_COLUMNS = {"work": 3, "rejected": 4, "uptime": 2, "traffic": 2}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS work (
@@ -72,6 +80,11 @@ CREATE TABLE IF NOT EXISTS rejected (
 CREATE TABLE IF NOT EXISTS uptime (
     bucket INTEGER NOT NULL, size INTEGER NOT NULL,
     running_s REAL NOT NULL DEFAULT 0, paused_s REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (bucket, size)
+);
+CREATE TABLE IF NOT EXISTS traffic (
+    bucket INTEGER NOT NULL, size INTEGER NOT NULL,
+    bytes_up INTEGER NOT NULL DEFAULT 0, bytes_down INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (bucket, size)
 );
 """
@@ -127,6 +140,18 @@ class Work:
 
 
 @dataclass(slots=True)
+class Traffic:
+    """Bytes this node sent and received, all of them (what the quotas count)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    def add(self, other: Traffic) -> None:
+        self.bytes_up += other.bytes_up
+        self.bytes_down += other.bytes_down
+
+
+@dataclass(slots=True)
 class Totals:
     """Everything counted since some time."""
 
@@ -135,6 +160,7 @@ class Totals:
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
     running_s: float = 0.0
     paused_s: float = 0.0
+    traffic: Traffic = field(default_factory=Traffic)
 
 
 class StatsStore:
@@ -159,6 +185,7 @@ class StatsStore:
         self._work: dict[tuple[int, str], Work] = {}
         self._rejected: Counter[tuple[int, str, str]] = Counter()
         self._uptime: dict[int, list[float]] = {}
+        self._traffic: dict[int, Traffic] = {}
         # The file this in-memory store stands in for, while it cannot be opened for the
         # moment (a full disk at the start): ``move_to_file`` tries it again.
         self.waiting_for: Path | None = None
@@ -255,6 +282,11 @@ class StatsStore:
             slot = self._uptime.setdefault(self._bucket(), [0.0, 0.0])
             slot[1 if paused else 0] += seconds
 
+    def transferred(self, up: int = 0, down: int = 0) -> None:
+        """Add bytes sent (``up``) and received (``down``) to the current bucket."""
+        with self._lock:
+            self._traffic.setdefault(self._bucket(), Traffic()).add(Traffic(up, down))
+
     # -- persistence ----------------------------------------------------------------
 
     def flush(self) -> None:
@@ -263,10 +295,11 @@ class StatsStore:
             work, self._work = self._work, {}
             rejected, self._rejected = self._rejected, Counter()
             uptime, self._uptime = self._uptime, {}
-            if not (work or rejected or uptime):
+            traffic, self._traffic = self._traffic, {}
+            if not (work or rejected or uptime or traffic):
                 return
             try:
-                self._write(work, rejected, uptime)
+                self._write(work, rejected, uptime, traffic)
             except BaseException:
                 # Not written (full disk, locked file): keep the counts for the next try.
                 for key, w in work.items():
@@ -276,6 +309,8 @@ class StatsStore:
                     slot = self._uptime.setdefault(hour, [0.0, 0.0])
                     slot[0] += run
                     slot[1] += pause
+                for bucket, t in traffic.items():
+                    self._traffic.setdefault(bucket, Traffic()).add(t)
                 raise
 
     def _write(
@@ -283,6 +318,7 @@ class StatsStore:
         work: dict[tuple[int, str], Work],
         rejected: Counter[tuple[int, str, str]],
         uptime: dict[int, list[float]],
+        traffic: dict[int, Traffic],
     ) -> None:
         """Write the counts; those of buckets ahead of now (counted before the clock
         was set back) into now's: a bucket in the future is in no window until its
@@ -324,6 +360,12 @@ class StatsStore:
                 "paused_s = paused_s + excluded.paused_s",
                 [(min(h, latest), QUARTER, run, pause) for h, (run, pause) in uptime.items()],
             )
+            db.executemany(
+                "INSERT INTO traffic VALUES (?, ?, ?, ?) ON CONFLICT (bucket, size) DO UPDATE "
+                "SET bytes_up = bytes_up + excluded.bytes_up, "
+                "bytes_down = bytes_down + excluded.bytes_down",
+                [(min(h, latest), QUARTER, t.bytes_up, t.bytes_down) for h, t in traffic.items()],
+            )
 
     def roll_up(self) -> int:
         """Fold hourly rows older than ``keep_hourly_days`` into daily rows; returns the
@@ -361,6 +403,14 @@ class StatsStore:
                 "ON CONFLICT (bucket, size) DO UPDATE SET "
                 "running_s = running_s + excluded.running_s, "
                 "paused_s = paused_s + excluded.paused_s",
+                (cutoff,),
+            )
+            db.execute(
+                f"INSERT INTO traffic SELECT {day}, {DAY}, SUM(bytes_up), SUM(bytes_down) "
+                f"FROM traffic WHERE size < {DAY} AND bucket < ? GROUP BY {day} "
+                "ON CONFLICT (bucket, size) DO UPDATE SET "
+                "bytes_up = bytes_up + excluded.bytes_up, "
+                "bytes_down = bytes_down + excluded.bytes_down",
                 (cutoff,),
             )
             for table in _TABLES:
@@ -408,7 +458,13 @@ class StatsStore:
                 "WHERE bucket + size > ? AND bucket <= ?",
                 (since, now),
             ).fetchone()
+            up, down = self._db.execute(
+                "SELECT COALESCE(SUM(bytes_up), 0), COALESCE(SUM(bytes_down), 0) FROM traffic "
+                "WHERE bucket + size > ? AND bucket <= ?",
+                (since, now),
+            ).fetchone()
         out.running_s, out.paused_s = float(running), float(paused)
+        out.traffic = Traffic(int(up), int(down))
         return out
 
     def pending(self, since: float = 0.0) -> Totals:
@@ -428,6 +484,9 @@ class StatsStore:
                 if min(hour, latest) + QUARTER > since:
                     out.running_s += running
                     out.paused_s += paused
+            for hour, traffic in self._traffic.items():
+                if min(hour, latest) + QUARTER > since:
+                    out.traffic.add(traffic)
         return out
 
     def current(self, since: float = 0.0) -> Totals:
@@ -442,6 +501,7 @@ class StatsStore:
             out.rejected[reason] = out.rejected.get(reason, 0) + count
         out.running_s += extra.running_s
         out.paused_s += extra.paused_s
+        out.traffic.add(extra.traffic)
         return out
 
     def history(self, since: float = 0.0) -> list[tuple[int, int, Work]]:
@@ -459,6 +519,20 @@ class StatsStore:
                 (since, now),
             ).fetchall()
         return [(bucket, size, Work(*values)) for bucket, size, *values in rows]
+
+    def traffic_history(self, since: float = 0.0) -> dict[tuple[int, int], Traffic]:
+        """``history``'s buckets for the ``traffic`` table: ``(bucket, size)`` to the
+        bytes sent and received then (an hour with traffic and no expert call too)."""
+        now = self._clock()
+        hour = f"CASE WHEN size < {HOUR} THEN bucket - bucket % {HOUR} ELSE bucket END"
+        size = f"MAX(size, {HOUR})"
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {hour} AS b, {size} AS s, SUM(bytes_up), SUM(bytes_down) FROM traffic "
+                "WHERE bucket + size > ? AND bucket <= ? GROUP BY b, s",
+                (since, now),
+            ).fetchall()
+        return {(bucket, size): Traffic(up, down) for bucket, size, up, down in rows}
 
     def file_rows(self) -> int:
         with self._lock:

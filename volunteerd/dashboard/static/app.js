@@ -26,7 +26,7 @@ const LIMIT_FIELDS = ["upload_mbit", "download_mbit", "monthly_quota_gb", "daily
   "duty_cycle", "cpu_threads", "disk_budget_gb"];
 const SCHEDULE_FIELDS = ["run", "idle_minutes", "on_battery", "compute_hours", "network_hours", "gpu"];
 const TOTAL_FIELDS = ["forward", "backward", "samples", "compute_s", "bytes_in", "bytes_out",
-  "running_s", "paused_s"];
+  "bytes_sent", "bytes_received", "running_s", "paused_s"];
 
 const $ = (id) => document.getElementById(id);
 
@@ -328,7 +328,10 @@ const TOTAL_ROWS = [
   ["samples", (t) => t.samples, fmtCount],
   ["requests", (t) => t.forward + t.backward, fmtCount],
   ["compute", (t) => t.compute_s, fmtDuration],
+  // all traffic (what the quotas count), and the expert calls' tensors in it
+  ["sent", (t) => t.bytes_sent, fmtBytes],
   ["up", (t) => t.bytes_out, fmtBytes],
+  ["received", (t) => t.bytes_received, fmtBytes],
   ["down", (t) => t.bytes_in, fmtBytes],
   ["running", (t) => t.running_s, fmtDuration],
   ["rejected", (t) => sumValues(t.rejected), fmtCount],
@@ -824,8 +827,8 @@ const HISTORY_METRICS = {
   samples: { get: (b) => b.samples, format: fmtCount, label: "samples", floor: 4 },
   requests: { get: (b) => b.forward + b.backward, format: fmtCount, label: "requests", floor: 4 },
   compute_s: { get: (b) => b.compute_s, format: fmtDuration, label: "compute", floor: 4 },
-  bytes_out: { get: (b) => b.bytes_out, format: fmtBytes, label: "uploaded", floor: 4000 },
-  bytes_in: { get: (b) => b.bytes_in, format: fmtBytes, label: "downloaded", floor: 4000 },
+  bytes_sent: { get: (b) => b.bytes_sent, format: fmtBytes, label: "sent", floor: 4000 },
+  bytes_received: { get: (b) => b.bytes_received, format: fmtBytes, label: "received", floor: 4000 },
 };
 
 function drawHistory() {
