@@ -61,6 +61,10 @@ KEEP_HOURLY_DAYS_AT_LEAST = 7  # whatever ``stats.keep_hourly_days`` says
 DAY = 86400
 _SCHEMA_VERSION = 1
 _TABLES = ("work", "rejected", "uptime", "traffic")
+# The history's buckets: quarter hours summed per hour (the dashboard's chart is
+# hourly), daily rows as they are.
+_HOURLY = f"CASE WHEN size < {HOUR} THEN bucket - bucket % {HOUR} ELSE bucket END"
+_HOURLY_SIZE = f"MAX(size, {HOUR})"
 # how many of each table's first columns are its primary key (the rest are sums)
 _KEY_COLUMNS = {"work": 3, "rejected": 4, "uptime": 2, "traffic": 2}
 
@@ -509,11 +513,10 @@ class StatsStore:
         bucket that ends after ``since`` and begins by now, oldest first: quarter hours
         are summed per hour (the dashboard's chart is hourly)."""
         now = self._clock()
-        hour = f"CASE WHEN size < {HOUR} THEN bucket - bucket % {HOUR} ELSE bucket END"
-        size = f"MAX(size, {HOUR})"
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {hour} AS b, {size} AS s, SUM(forward), SUM(backward), SUM(samples), "
+                f"SELECT {_HOURLY} AS b, {_HOURLY_SIZE} AS s, SUM(forward), SUM(backward), "
+                "SUM(samples), "
                 "SUM(compute_s), SUM(bytes_in), SUM(bytes_out) FROM work "
                 "WHERE bucket + size > ? AND bucket <= ? GROUP BY b, s ORDER BY b",
                 (since, now),
@@ -524,11 +527,10 @@ class StatsStore:
         """``history``'s buckets for the ``traffic`` table: ``(bucket, size)`` to the
         bytes sent and received then (an hour with traffic and no expert call too)."""
         now = self._clock()
-        hour = f"CASE WHEN size < {HOUR} THEN bucket - bucket % {HOUR} ELSE bucket END"
-        size = f"MAX(size, {HOUR})"
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {hour} AS b, {size} AS s, SUM(bytes_up), SUM(bytes_down) FROM traffic "
+                f"SELECT {_HOURLY} AS b, {_HOURLY_SIZE} AS s, SUM(bytes_up), SUM(bytes_down) "
+                "FROM traffic "
                 "WHERE bucket + size > ? AND bucket <= ? GROUP BY b, s",
                 (since, now),
             ).fetchall()
