@@ -420,3 +420,37 @@ async def test_a_crowded_server_never_closes_a_stream_the_client_still_reuses(
             assert len(calls) == 5
         finally:
             await client.aclose()
+
+
+async def test_a_backward_on_a_stream_a_server_of_shorter_idle_times_closed_goes_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The pool reckons with this client's own idle times: a crowded server that closes
+    streams idle for 10 s (its connection_idle_s) closed the stream before the backward
+    sent on it after 12 s was read, and the backward failed "stream closed" (a backward
+    is not sent twice). A stream the server closed cleanly before any reply byte carried
+    no request it read: it is sent once more on a fresh stream, and answered once."""
+    calls: list[Request] = []
+
+    async def backward(request: Request) -> Reply:
+        calls.append(request)
+        return await answer_tiny(request)
+
+    hasty = CONFIG.timeouts.model_copy(update={"connection_idle_s": 10.0})
+    network = MemoryNetwork(default=Link(latency_s=0.001))
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        server = RpcServer(
+            server_host, {Verb.BACKWARD: backward}, CONFIG.wire, hasty, CONFIG.peer_limits
+        )
+        server.crowded = lambda: True
+        server.install()
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
+        header = BackwardRequest(uid="ffn.0", tensors=[TINY])
+        try:
+            await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
+            await trio.sleep(12.0)  # fresh for this client (15 s), closed by the server
+            reply, _ = await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
+            assert reply.tensors == [TINY]
+            assert len(calls) == 2
+        finally:
+            await client.aclose()

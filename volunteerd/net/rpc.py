@@ -652,11 +652,17 @@ class RpcClient:
         try:
             try:
                 reply, body = await self._exchange(spec, stream, frame, body_cap)
-            except _StaleStream:
+            except _StaleStream as stale:
                 await _reset(stream)
-                if not (reused and spec.idempotent):
+                # A pooled stream the server had closed: one fresh try for safe verbs,
+                # and for any verb when the server closed it cleanly before a reply byte:
+                # a server closes a stream so only while it waits for a request (idle;
+                # a request that began is answered), so it never read this one. That
+                # covers a server whose idle times are shorter than this client reckons
+                # (``_fresh``). A reset or a broken connection may have cut a request
+                # that ran: a backward is not sent twice then.
+                if not (reused and (spec.idempotent or stale.closed_cleanly)):
                     raise PeerError(f"{verb} to {short(peer.peer_id)}: stream closed") from None
-                # A pooled stream the server had closed: one fresh try for safe verbs.
                 stream = await self._open(peer, spec)
                 try:
                     reply, body = await self._exchange(spec, stream, frame, body_cap)
@@ -720,7 +726,7 @@ class RpcClient:
                 raise PeerError(f"{spec.verb}: bad reply: {read_error}") from None
             if not replying:
                 # No reply byte: maybe a pooled stream the server had closed.
-                raise _StaleStream from read_error
+                raise _StaleStream(closed_cleanly=read_error is None) from read_error
             # The stream or connection broke in the middle of the reply (a reset, EOF):
             # py-libp2p raises its own exceptions; callers see one kind of failure.
             raise PeerError(f"{spec.verb}: stream broke: {read_error!r}") from None
@@ -885,7 +891,12 @@ def _says_ok(header: bytes | memoryview) -> bool:
 
 
 class _StaleStream(Exception):
-    """The stream broke before any reply byte: maybe a pooled stream the server closed."""
+    """The stream broke before any reply byte: maybe a pooled stream the server closed
+    (``closed_cleanly``: it ended, not reset nor broken)."""
+
+    def __init__(self, *, closed_cleanly: bool) -> None:
+        super().__init__()
+        self.closed_cleanly = closed_cleanly
 
 
 class _RemoteErrorKeep(Exception):
