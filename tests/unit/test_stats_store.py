@@ -437,21 +437,30 @@ async def test_a_run_that_never_could_open_its_statistics_says_at_the_stop_they_
     assert any("kept in memory only, and are not saved" in m for m in said), said
 
 
-def test_counts_stamped_ahead_of_the_clock_are_counted_once_their_time_comes(
+def test_counts_written_while_the_clock_was_ahead_are_moved_to_now_at_the_next_flush(
     tmp_path: Path,
 ) -> None:
-    # The clock was three days ahead while these were counted and written, then set right.
-    clock = Clock(START + 3 * DAY + 10)
-    store = StatsStore.open(tmp_path / "stats.sqlite3", clock=clock)
-    store.record("ffn.0.1", forward=1, samples=5)
-    store.flush()
-    for day in range(3):
-        clock.now = START + day * DAY + 10
-        assert store.current(since=START + day * DAY).work.samples == 0
-        assert store.history() == []
-    clock.now = START + 3 * DAY + 10
-    assert store.current(since=START + 3 * DAY).work.samples == 5
-    store.close()
+    """The clock was three days (or a year) ahead while these were counted and written,
+    then set right. Counted in "today" on each of the next days at first (no upper bound
+    on the queries), then hidden from every total, all time included, until the clock
+    caught up with them (a re-check): the next flush now moves them to now."""
+    for ahead in (3 * DAY, 365 * DAY):
+        clock = Clock(START + ahead + 10)
+        store = StatsStore.open(tmp_path / f"stats-{ahead}.sqlite3", clock=clock)
+        store.record("ffn.0.1", forward=1, samples=5)
+        store.flush()
+        clock.now = START + 10  # set right
+        assert store.current(since=START).work.samples == 0  # a bucket not begun yet
+        store.record("ffn.0.1", forward=1, samples=2)
+        store.flush()
+        assert store.current(since=START).work.samples == 7
+        assert store.current().work.samples == 7  # all time
+        assert [(bucket - START, size) for bucket, size, _ in store.history()] == [(0, HOUR)]
+        clock.now = START + DAY + 10
+        assert store.current(since=START + DAY).work.samples == 0  # not "today" again
+        clock.now = START + ahead + 10
+        assert store.current().work.samples == 7  # nor twice when its stamp comes
+        store.close()
 
 
 def test_counts_made_before_the_clock_was_set_back_are_written_at_now(

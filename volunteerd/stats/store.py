@@ -326,9 +326,29 @@ class StatsStore:
     ) -> None:
         """Write the counts; those of buckets ahead of now (counted before the clock
         was set back) into now's: a bucket in the future is in no window until its
-        time comes."""
+        time comes. Rows written ahead of now earlier (the clock was set back after
+        they were written) are moved into now's too: they were in no total, all time
+        included, until the clock caught up with them, a year on for a clock a year
+        ahead (a re-check)."""
         latest = self._bucket()
         with self._transaction() as db:
+            for table, names in _columns().items():
+                keys = names[: _KEY_COLUMNS[table]]
+                rest, values = keys[2:], names[len(keys) :]
+                if db.execute(
+                    f"SELECT 1 FROM {table} WHERE bucket > ? LIMIT 1", (latest,)
+                ).fetchone():
+                    db.execute(
+                        f"INSERT INTO {table} SELECT ?, {QUARTER}"
+                        + "".join(f", {k}" for k in rest)
+                        + "".join(f", SUM({v})" for v in values)
+                        + f" FROM {table} WHERE bucket > ?"
+                        + (f" GROUP BY {', '.join(rest)}" if rest else "")
+                        + f" ON CONFLICT ({', '.join(keys)}) DO UPDATE SET "
+                        + ", ".join(f"{v} = {v} + excluded.{v}" for v in values),
+                        (latest, latest),
+                    )
+                    db.execute(f"DELETE FROM {table} WHERE bucket > ?", (latest,))
             db.executemany(
                 "INSERT INTO work VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (bucket, size, expert) DO UPDATE SET "
