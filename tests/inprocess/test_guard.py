@@ -7,6 +7,7 @@ does the same against a real daemon over libp2p)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -147,13 +148,38 @@ async def test_a_warmed_up_expert_refuses_far_outliers_and_clips_moderate_ones()
 
         grads = ordinary()
         grads[0] *= 50  # a moderate outlier row: clipped to the threshold and applied
-        await backward(trainer, server, "ffn.0.0", x, grads)
+        module = copy.deepcopy(backend.module)  # the weights this backward runs on
+        _, answered = await backward(trainer, server, "ffn.0.0", x, grads)
         await server.runtime.settled()
         assert server.runtime.guard.by_peer()[trainer.peer_id] == {
             "outlier_gradient": 1,
             "clipped": 1,
         }
         assert backend.updates == 5
+        # Clipping guards the expert's weights; the trainer's input gradients are those
+        # of the gradients it sent (they were those of the clipped rows, silently).
+        wanted = x.clone().requires_grad_()
+        module(wanted).backward(grads)
+        assert wanted.grad is not None
+        got = from_wire(answered[0]).float()
+        assert torch.allclose(got, wanted.grad, rtol=1e-4, atol=1e-6)
+        # the same through a kept forward
+        meta, data = to_wire(x)
+        kept, _ = await trainer.rpc.call(
+            server.address,
+            Verb.FORWARD,
+            ForwardRequest(uid="ffn.0.0", tensors=[meta], retain=True),
+            [data],
+        )
+        module = copy.deepcopy(backend.module)
+        mg, bg = to_wire(grads)
+        header = BackwardRequest(uid="ffn.0.0", tensors=[mg], handle=kept.handle)
+        _, answered = await trainer.rpc.call(server.address, Verb.BACKWARD, header, [bg])
+        assert server.runtime.guard.by_peer()[trainer.peer_id]["clipped"] == 2
+        wanted = x.clone().requires_grad_()
+        module(wanted).backward(grads)
+        assert wanted.grad is not None
+        assert torch.allclose(from_wire(answered[0]).float(), wanted.grad, rtol=1e-4, atol=1e-6)
 
 
 async def test_a_peer_whose_step_was_undone_is_banned_on_every_expert() -> None:

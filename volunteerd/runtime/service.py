@@ -467,7 +467,7 @@ class ExpertRuntime:
                     f"{uid}: output gradients of shape {tuple(metas[0].shape)} for a kept "
                     f"forward whose output is {made}"
                 )
-            grads, loudest = self.guard.filter_gradients(
+            grads, loudest, clipped = self.guard.clip_gradients(
                 uid, peer_id, _decode(tensors, [s.dtype for s in info.outputs]), source=source
             )
             # No await since peek: this backward alone takes it (a second one with the
@@ -492,7 +492,7 @@ class ExpertRuntime:
                 self.retained.give_back(kept)
                 raise
             # its step was made due as the batch ran (``_Hosted``, gradients_in)
-            return _reply(result, compression)
+            return _reply(self.guard.unclipped(result, clipped), compression)
         schemas = [*info.inputs, *info.outputs]
         samples = check_against_schema(
             metas,
@@ -514,7 +514,7 @@ class ExpertRuntime:
         shape = tuple(m.shape[1:] for m in metas)
         decoded = _decode(tensors, [s.dtype for s in schemas])
         self.guard.check_inputs(uid, peer_id, decoded[:n_in])
-        decoded[n_in:], loudest = self.guard.filter_gradients(
+        decoded[n_in:], loudest, clipped = self.guard.clip_gradients(
             uid, peer_id, decoded[n_in:], source=source
         )
         grads = await hosted.backward.submit(
@@ -523,7 +523,7 @@ class ExpertRuntime:
             shape_key=shape,
             party=source or peer_id,
         )
-        return _reply(grads, compression)
+        return _reply(self.guard.unclipped(grads, clipped), compression)
 
     def _step_soon(self, hosted: _Hosted, loudest: float) -> None:
         """Make the expert's optimizer step due behind the backward batch just computed
