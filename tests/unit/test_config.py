@@ -316,6 +316,15 @@ def test_more_experts_along_one_dimension_than_a_record_lists_is_refused(
     assert load_config(None, env={}, overrides=["experts.uids=ffn.[0:256].[0:2]", uncapped])
 
 
+def test_more_experts_along_one_dimension_than_this_nodes_own_store_takes_is_refused() -> None:
+    """Checked against 256 alone, a node set to accept fewer children a record hosted a
+    prefix its own store refused (an outside audit, config validate)."""
+    narrow = "dht.max_children_per_record=64"
+    with pytest.raises(ConfigError, match=re.escape("100 experts under 'ffn.', more than dht.max")):
+        load_config(None, env={}, overrides=["experts.uids=ffn.[0:100]", narrow])
+    assert load_config(None, env={}, overrides=["experts.uids=ffn.[0:64]", narrow])
+
+
 def test_hosting_more_experts_than_max_experts_is_refused_saying_how_to_raise_it() -> None:
     """experiments.max_experts capped only joined projects: experts.uids of 4,096 tiny
     experts started with the default cap of 128 and no message (startup 67 s, /metrics

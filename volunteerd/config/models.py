@@ -909,3 +909,19 @@ class Config(_Model):
                 f"({most}): host fewer, or raise experiments.max_experts (0 = no cap)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _own_records_fit_own_store(self) -> Self:
+        # experts.uids is checked against what every peer accepts (256); a node that
+        # accepts fewer children a record refuses its own prefix record as well.
+        own = self.dht.max_children_per_record
+        if self.experiments.join or not self.experts.uids or own >= MAX_GRID_DIMENSION:
+            return self
+        prefix, children = _widest_prefix(self.experts.uid_list())
+        if children > own:
+            raise ValueError(
+                f"experts.uids names {children} experts under {prefix!r}, more than "
+                f"dht.max_children_per_record ({own}): this node would refuse its own "
+                "record of that prefix; host fewer, or raise the setting"
+            )
+        return self
