@@ -11,6 +11,10 @@ long). Refused input gets a typed
 Per-peer limits (``PeerLimitsConfig``: concurrent streams, request rate, inbound bytes)
 are checked when a stream opens and when a frame's prefix has declared its size, before
 its header or body is read; a refusal is a ``rate_limited`` reply and the stream closes.
+``params`` and ``shard`` (small requests, large replies) are answered ``BULK_AT_ONCE``
+at a time, one per caller's address, the others in turn (``busy`` after half of
+``request_s``). A reply still going out ``request_s`` after its request began is
+dropped: its caller gave up.
 
 Both sides pass every stream through the node's ``Throttle`` (``net/throttle.py``): the
 volunteer's upload and download limits, shared by all peers, and the transfer count.
@@ -31,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -92,8 +97,65 @@ _REPLIES_WITH_BODY = frozenset(
 )
 
 
+# The verbs whose small requests ask for large replies: an expert's parameters (~32 MiB
+# at hidden 1024), a shard chunk (up to 4 MiB). Admitted by their request's size, any
+# number were answered at once: two identities sending 24 ``params`` requests every 2 s
+# and never reading held 1,537 MiB of replies against the 1,024 MiB in-flight budget
+# (RSS 0.4 -> 3.6 GiB), and 53 of 94 honest forwards were refused busy (an outside
+# audit). So at most ``BULK_AT_ONCE`` of them are answered at once, from all peers,
+# and one per party (an address as the per-address limits key it, else the peer id);
+# the others wait their turn, in order, for at most half of ``request_s`` (the caller
+# then still hears the refusal, ``busy``, and retries).
+_BULK_VERBS = frozenset({Verb.PARAMS, Verb.SHARD})
+BULK_AT_ONCE = 4
+
+
 class _SlowReader(Exception):
     """The peer did not take a piece of its reply within frame_read_s."""
+
+
+class _CallerGone(Exception):
+    """More than ``request_s`` passed since the request began: its caller gave up."""
+
+
+class _BulkSlots:
+    """Who may be answering a bulk request now: ``at_once`` across all parties and one
+    per party; the rest wait in arrival order (a party waits for all slots only once
+    its own turn came, so no party queues ahead of the others twice)."""
+
+    def __init__(self, at_once: int) -> None:
+        self._all = trio.Semaphore(at_once)
+        self._parties: dict[str, tuple[trio.Lock, int]] = {}  # party -> (its turn, users)
+
+    @property
+    def busy(self) -> int:
+        """Bulk requests being answered now."""
+        return BULK_AT_ONCE - self._all.value
+
+    @contextlib.asynccontextmanager
+    async def slot(self, party: str, deadline: float) -> AsyncIterator[bool]:
+        """Wait for a slot until ``deadline`` (trio's clock); yields whether one came.
+        It is held until the block is left."""
+        turn, users = self._parties.get(party, (trio.Lock(), 0))
+        self._parties[party] = (turn, users + 1)
+        has_turn = has_slot = False
+        try:
+            with trio.move_on_at(deadline):
+                await turn.acquire()
+                has_turn = True
+                await self._all.acquire()
+                has_slot = True
+            yield has_slot
+        finally:
+            if has_slot:
+                self._all.release()
+            if has_turn:
+                turn.release()
+            users = self._parties[party][1] - 1
+            if users:
+                self._parties[party] = (turn, users)
+            else:
+                del self._parties[party]
 
 
 @dataclass(slots=True)
@@ -202,6 +264,7 @@ class RpcServer:
         self._inflight_bytes = 0
         self._inflight_budget = limits.max_inflight_mib << 20
         self._charged: dict[int, int] = {}  # by id(stream): one request at a time each
+        self._bulk = _BulkSlots(BULK_AT_ONCE)
         self._installed = False
         # Asked (verb, peer id) once a request's prefix is read: an error refuses the
         # request before its header and body are read (the volunteer paused: a peer
@@ -297,6 +360,14 @@ class RpcServer:
                 "%s from %s: reply not taken, dropping the stream", spec.verb, short(peer_id)
             )
             await _reset(stream)
+        except _CallerGone:
+            self.stats.count_error("caller_gone")
+            logger.info(
+                "%s from %s: the caller gave up before its reply went out, dropping the stream",
+                spec.verb,
+                short(peer_id),
+            )
+            await _reset(stream)
         except Exception as exc:  # the stream failed under us: nothing to answer
             logger.debug("%s stream from %s ended: %r", spec.verb, short(peer_id), exc)
         finally:
@@ -321,8 +392,10 @@ class RpcServer:
         first: bytes,
     ) -> bool:
         """Answer one request whose first byte was read; False when the stream must be
-        closed afterwards. Raises trio.TooSlowError when the frame is too slow."""
+        closed afterwards. Raises trio.TooSlowError when the frame is too slow, and
+        _SlowReader or _CallerGone when its reply could not go out."""
         self.stats.requests[spec.verb] = self.stats.requests.get(spec.verb, 0) + 1
+        began = trio.current_time()
         try:
             with trio.fail_after(self._timeouts.frame_read_s):
                 rest = await read_exactly(stream, PREFIX.size - 1, started=True)
@@ -364,6 +437,32 @@ class RpcServer:
             await self._refuse(spec, stream, peer_id, exc)
             return False
         self.stats.bytes_in += len(prefix) + len(frame.header) + frame.body.nbytes
+        if spec.verb not in _BULK_VERBS:
+            return await self._answer(spec, handler, stream, peer_id, frame, began)
+        address = address_key(stream.remote_host, loopback=self._peer_limits.limit_loopback)
+        wait_until = began + self._timeouts.request_s / 2
+        async with self._bulk.slot(address or peer_id, wait_until) as slot:
+            if slot:
+                return await self._answer(spec, handler, stream, peer_id, frame, began)
+        refusal = Busy(
+            f"server busy: {self._bulk.busy} params and shard replies going out "
+            f"(at most one per caller, {BULK_AT_ONCE} in all)"
+        )
+        self._told_early(spec, peer_id, refusal)
+        await self._refuse(spec, stream, peer_id, refusal)
+        return True
+
+    async def _answer(
+        self,
+        spec: ProtocolSpec,
+        handler: Handler,
+        stream: Stream,
+        peer_id: str,
+        frame: RawFrame,
+        began: float,
+    ) -> bool:
+        """Call the handler on the request ``frame`` (read whole) and write its reply;
+        False when the stream must be closed afterwards."""
         handled = False  # whether the handler was called (it counts its own refusals)
         try:
             header = decode_header(spec.request, frame.header)
@@ -388,26 +487,45 @@ class RpcServer:
             await self._refuse(spec, stream, peer_id, exc)
             return False
         data = encode_frame(reply.header, reply.buffers)
+        # A large reply to a small request goes out only if it fits the budget beside
+        # what the others hold (on an idle server it always does).
+        others = self._inflight_bytes - self._charged.get(id(stream), 0)
+        if spec.verb in _BULK_VERBS and others and others + len(data) > self._inflight_budget:
+            del data
+            refusal = Busy(f"server busy: {self._inflight_bytes >> 20} MiB of requests in flight")
+            await self._refuse(spec, stream, peer_id, refusal)
+            return True
         self.stats.bytes_out += len(data)
         # The reply's bytes count as in flight until written: replies far larger than
         # their requests (params, shard) must not pile up outside the budget.
         self._charge(stream, len(data))
-        await self._write(stream, data)
+        await self._write(stream, data, began + self._timeouts.request_s)
         return True
 
-    async def _write(self, stream: Stream, data: bytes) -> None:
+    async def _write(self, stream: Stream, data: bytes, deadline: float = math.inf) -> None:
         """Write ``data``, each piece of it within frame_read_s; raises _SlowReader.
+        Raises _CallerGone at ``deadline`` (trio's clock; the request's start plus
+        ``request_s``: its caller gave up by then).
 
         A piece's wait for this node's own upload limit is not counted: it is the
         volunteer's queue, shared by every reply going out, not the reader's slowness.
         With a limit of 1 Mbit/s and a few replies at once, a piece waited over 30 s
-        for its turn and the honest caller's stream was reset."""
+        for its turn and the honest caller's stream was reset. That queue is served a
+        piece per reply in turn, so a reply whose caller is gone is dropped at once
+        rather than keep its turn: with an 8 Mbit/s limit, strangers' ``params``
+        replies outlived their callers and an honest forward's reply was sent after
+        the attack had ended, 60 s late (an outside audit)."""
         view = memoryview(data)
         for start in range(0, len(view), _REPLY_PIECE):
             piece = data if len(view) <= _REPLY_PIECE else bytes(view[start : start + _REPLY_PIECE])
+            if trio.current_time() >= deadline:
+                raise _CallerGone
             out = stream
             if isinstance(stream, ThrottledStream):
-                out = await stream.clear_to_send(len(piece))
+                with trio.move_on_at(deadline) as queued:
+                    out = await stream.clear_to_send(len(piece))
+                if queued.cancelled_caught:
+                    raise _CallerGone
             with trio.move_on_after(self._timeouts.frame_read_s) as waited:
                 await out.write(piece)
             if waited.cancelled_caught:

@@ -1,0 +1,174 @@
+"""Bulk replies (``params``, ``shard``: small requests, large replies) on the real
+RpcServer over memory links, in virtual time: a few are answered at once, one per
+caller, the others wait their turn or are refused ``busy``; and a reply whose caller
+gave up stops going out instead of holding its turn under the upload limit."""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+import trio
+
+from volunteerd.config import Config
+from volunteerd.errors import RemoteError
+from volunteerd.net import PROTOCOLS, Reply, Request, RpcClient, RpcServer, Verb
+from volunteerd.net.rpc import BULK_AT_ONCE
+from volunteerd.net.throttle import BYTES_PER_MBIT, Throttle
+from volunteerd.testing.memnet import MemoryNetwork
+from volunteerd.wire import TensorMeta, encode_frame
+from volunteerd.wire.messages import ParamsReply, ParamsRequest
+
+PARAMS = PROTOCOLS[Verb.PARAMS].protocol_id
+
+
+def params_reply(nbytes: int) -> Reply:
+    meta = TensorMeta(dtype="float32", shape=(nbytes // 4,))
+    return Reply(
+        ParamsReply(uid="ffn.0.0", updates=0, names=["w"], tensors=[meta]), [bytes(nbytes)]
+    )
+
+
+async def test_bulk_replies_go_out_a_few_at_once_and_one_per_caller(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Six callers (addresses) asking three times each at once: at most BULK_AT_ONCE
+    handlers run together, one per caller, and every request is answered in turn.
+    Before, all 18 ran at once (admitted by their ~100-byte requests)."""
+    config = Config.model_validate({})
+    running: Counter[str] = Counter()
+    peaks = {"all": 0, "party": 0}
+
+    async def params(request: Request) -> Reply:
+        running[request.peer_id] += 1
+        peaks["all"] = max(peaks["all"], running.total())
+        peaks["party"] = max(peaks["party"], running[request.peer_id])
+        await trio.sleep(1.0)  # building and sending a large reply
+        running[request.peer_id] -= 1
+        return params_reply(1024)
+
+    network = MemoryNetwork()
+    answered = 0
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host, {Verb.PARAMS: params}, config.wire, config.timeouts, config.peer_limits
+        )
+        server.install()
+
+        async def caller(client: RpcClient) -> None:
+            nonlocal answered
+            reply, _ = await client.call(
+                server_host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0")
+            )
+            assert reply.uid == "ffn.0.0"
+            answered += 1
+
+        async with AsyncExitStack() as stack:
+            clients = []
+            for i in range(6):
+                host = await stack.enter_async_context(network.open_host(ip=f"10.0.0.{i}"))
+                clients.append(RpcClient(host, config.wire, config.timeouts))
+                stack.push_async_callback(clients[-1].aclose)
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    for _ in range(3):
+                        nursery.start_soon(caller, client)
+            took = trio.current_time() - started
+    assert answered == 18
+    assert peaks == {"all": BULK_AT_ONCE, "party": 1}
+    assert took < config.timeouts.request_s / 2  # 18 one-second replies, 4 at a time
+
+
+async def test_bulk_request_refused_busy_after_waiting_half_of_request_s(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A caller's second request waits for its first reply; while that one is stuck it
+    is refused ``busy`` once half of ``request_s`` passed, early enough for the caller
+    to hear it and retry. Before, it ran beside the first (and timed out)."""
+    config = Config.model_validate({})
+    stuck = trio.Event()
+    calls = 0
+
+    async def params(request: Request) -> Reply:
+        nonlocal calls
+        calls += 1
+        await stuck.wait()
+        return params_reply(16)
+
+    network = MemoryNetwork()
+    async with (
+        network.open_host() as server_host,
+        network.open_host(ip="10.0.0.1") as client_host,
+    ):
+        server = RpcServer(
+            server_host, {Verb.PARAMS: params}, config.wire, config.timeouts, config.peer_limits
+        )
+        server.install()
+        client = RpcClient(client_host, config.wire, config.timeouts)
+        outcomes: list[Any] = []
+
+        async def call() -> None:
+            try:
+                await client.call(server_host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"))
+                outcomes.append("ok")
+            except RemoteError as exc:
+                outcomes.append((exc.code, trio.current_time() - started))
+
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await trio.sleep(1)
+            nursery.start_soon(call)
+            await trio.sleep(config.timeouts.request_s / 2 + 5)
+            stuck.set()
+        await client.aclose()
+    assert calls == 1
+    assert outcomes[0][0] == "busy"
+    assert outcomes[0][1] == pytest.approx(1 + config.timeouts.request_s / 2, abs=0.5)
+    assert outcomes[1] == "ok"
+
+
+async def test_reply_stops_going_out_once_its_caller_gave_up(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Under an upload limit, strangers ask for large parameters and never read nor
+    close: their replies stop going out ``request_s`` after each request began, and
+    an honest forward afterwards does not queue behind them. Before, they went on
+    for their whole size (here ~134 s each at 1 Mbit/s), holding their turns."""
+    config = Config.model_validate({"limits": {"upload_mbit": 1}})
+    reply_bytes = 16 << 20
+
+    async def params(request: Request) -> Reply:
+        return params_reply(reply_bytes)
+
+    network = MemoryNetwork()
+    throttle = Throttle(config.limits)
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params},
+            config.wire,
+            config.timeouts,
+            config.peer_limits,
+            throttle,
+        )
+        server.install()
+        frame = encode_frame(ParamsRequest(uid="ffn.0.0"))
+        async with (
+            network.open_host(ip="10.0.0.1") as one,
+            network.open_host(ip="10.0.0.2") as two,
+        ):
+            streams = [await h.open_stream(server_host.address, PARAMS) for h in (one, two)]
+            for stream in streams:
+                await stream.write(frame)  # and never read
+            await trio.sleep(config.timeouts.request_s + 30)
+            sent_by_then = throttle.bytes_up
+            await trio.sleep(120)
+            assert throttle.bytes_up == sent_by_then
+    rate = BYTES_PER_MBIT  # 1 Mbit/s in bytes a second
+    assert server.stats.errors.get("caller_gone") == 2
+    # what the limit let out until the callers' time was up, and a piece each over
+    assert sent_by_then <= rate * config.timeouts.request_s + 3 * 64 * 1024
