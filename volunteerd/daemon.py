@@ -267,7 +267,7 @@ class Daemon:
                 serving=lambda: volunteer.state.serving,
                 events=events,
             )
-            handlers = hosting.handlers(volunteer.gate, accountant) if hosting else None
+            handlers = hosting.handlers(volunteer.gate, accountant, throttle) if hosting else None
             computing: AbstractAsyncContextManager[None] = (
                 hosting.computing() if hosting is not None else nullcontext()
             )

@@ -30,7 +30,7 @@ import torch
 import trio
 
 from volunteerd.config import Config, ExpertsConfig
-from volunteerd.net import Announcer, Handler, Node, ShardServer, Verb
+from volunteerd.net import Announcer, Handler, Node, ShardServer, Throttle, Verb
 from volunteerd.paths import Paths
 from volunteerd.runtime import ExpertRuntime, choose_device
 from volunteerd.runtime.averaging import ReplicaAverager
@@ -39,6 +39,7 @@ from volunteerd.server.contribution import Accountant
 from volunteerd.server.pausing import RequestGate, Volunteer, hold_back
 from volunteerd.server.pipeline import expert_handlers, shard_snapshot
 from volunteerd.server.replicas import SwarmReplicas, WindowedDownloader
+from volunteerd.server.transfers import TransferBudget
 from volunteerd.swarm.download import ShardDownloader
 from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.joiner import Joiner, capacity_for
@@ -69,11 +70,18 @@ class Hosting:
     joiners: list[Joiner] = field(default_factory=list)  # one per project, in order
     hosted: set[str] = field(default_factory=set)  # what to announce, but held-back experts
 
-    def handlers(self, gate: RequestGate, accountant: Accountant) -> dict[Verb, Handler]:
-        """The expert verbs through the request pipeline (pause gate, accounting), those
-        of experts held back after a freeze refused (``RequestGate.held``)."""
+    def handlers(
+        self, gate: RequestGate, accountant: Accountant, throttle: Throttle
+    ) -> dict[Verb, Handler]:
+        """The expert verbs through the request pipeline (pause gate, accounting, the
+        bulk replies' share of ``throttle``'s quotas), those of experts held back after a
+        freeze refused (``RequestGate.held``)."""
         handlers = expert_handlers(
-            self.runtime, gate=gate, accountant=accountant, shards=self.shards
+            self.runtime,
+            gate=gate,
+            accountant=accountant,
+            shards=self.shards,
+            budget=TransferBudget(throttle),
         )
         return hold_back(handlers, gate, accountant)
 

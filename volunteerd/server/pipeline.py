@@ -20,7 +20,10 @@ its reply. Each request passes these stages once, in this order:
    becomes its wire code there.
 
 ``info`` skips the gate and the accounting (it costs nothing); ``params`` and ``shard``
-pass the gate only (they are transfers, counted by the throttle).
+pass the gate, then, while a transfer quota is set, the **bulk budget**
+(``server.transfers.TransferBudget``): a reply a party or all of them together have no
+share of the quota left for is refused (``rate_limited``, ``busy``) rather than sent, so
+that a stranger's tiny requests cannot use up the quota that serving needs.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from volunteerd.net.shard import Snapshot
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.server.contribution import Accountant, Result
 from volunteerd.server.pausing import GATED_VERBS, RequestGate
+from volunteerd.server.transfers import TransferBudget
 from volunteerd.wire import BatchReply, ErrorReply, TensorReply, WireTensor
 from volunteerd.wire.messages import ParamsReply
 
@@ -56,22 +60,42 @@ def expert_handlers(
     gate: RequestGate | None = None,
     accountant: Accountant | None = None,
     shards: ShardServer | None = None,
+    budget: TransferBudget | None = None,
 ) -> dict[Verb, Handler]:
     """The expert verbs of ``runtime`` through the pipeline: ``gate`` (default: one that
     stays open), ``accountant`` (default: none, nothing counted), ``shards`` for the
     ``shard`` verb (default: one of ``shard_snapshot(runtime)``; start its ``serve`` so
-    idle snapshots are freed)."""
+    idle snapshots are freed), ``budget`` for the bulk replies (default: none, no
+    budget; the daemon gives one of its throttle)."""
     pipeline = _Pipeline(runtime, gate or RequestGate(), accountant)
-    shard = (shards or ShardServer(shard_snapshot(runtime))).handle
+    shard: Handler = (shards or ShardServer(shard_snapshot(runtime))).handle
+    params: Handler = pipeline.params
+    if budget is not None:
+        params, shard = _budgeted(params, budget), _budgeted(shard, budget)
     return {
         Verb.FORWARD: pipeline.gated(partial(pipeline.one, "forward"), counted=True),
         Verb.BACKWARD: pipeline.gated(partial(pipeline.one, "backward"), counted=True),
         Verb.FORWARD_BATCH: pipeline.gated(partial(pipeline.batch, "forward"), counted=True),
         Verb.BACKWARD_BATCH: pipeline.gated(partial(pipeline.batch, "backward"), counted=True),
-        Verb.PARAMS: pipeline.gated(pipeline.params, counted=False),
+        Verb.PARAMS: pipeline.gated(params, counted=False),
         Verb.SHARD: pipeline.gated(shard, counted=False),
         Verb.INFO: pipeline.info,
     }
+
+
+def _budgeted(handler: Handler, budget: TransferBudget) -> Handler:
+    """``handler`` (``params``, ``shard``) within ``budget``: its reply counted at its size
+    (a shard chunk as part of its snapshot's ``total``), or refused."""
+
+    async def within_the_budget(request: Request) -> Reply:
+        party = request.address or request.peer_id
+        budget.check(party)  # already over: not worth building the reply
+        reply = await handler(request)
+        size = sum(memoryview(buffer).nbytes for buffer in reply.buffers)
+        budget.take(party, size, max(size, getattr(reply.header, "total", 0)))
+        return reply
+
+    return within_the_budget
 
 
 class _Pipeline:

@@ -48,6 +48,7 @@ from volunteerd.net import (
     PeerAddress,
     RpcClient,
     RpcServer,
+    Throttle,
     Verb,
     children_by_key,
     peer_id_for,
@@ -124,8 +125,11 @@ class InProcessServer:
         handlers: Mapping[Verb, Handler],
         config: Config,
         *,
+        throttle: Throttle | None = None,
         task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Serve ``handlers`` until stopped, every stream through ``throttle`` (default:
+        none, nothing counted) as a daemon's node passes them."""
         try:
             async with network.open_host(self.identity) as host, trio.open_nursery() as nursery:
                 await nursery.start(self.runtime.serve)
@@ -135,6 +139,7 @@ class InProcessServer:
                     config.wire,
                     config.timeouts,
                     config.peer_limits,
+                    throttle,
                 )
                 server.install()
                 self.host, self.rpc_server = host, server

@@ -1,0 +1,74 @@
+"""The bulk replies' budget on its own: shares of the day's allowance, per party and
+for all together, from the throttle's quotas and the ledger's day (an injected clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from volunteerd.config import LimitsConfig
+from volunteerd.errors import Busy, RateLimited
+from volunteerd.net import Throttle
+from volunteerd.net.throttle import TransferLedger
+from volunteerd.server import transfers
+from volunteerd.server.transfers import TransferBudget
+
+NOON = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600
+MB = 1_000_000
+
+
+def budget(now: list[float], **limits: float) -> TransferBudget:
+    ledger = TransferLedger(None, clock=lambda: now[0])
+    return TransferBudget(Throttle(LimitsConfig(**limits), ledger))  # type: ignore[arg-type]
+
+
+def test_without_a_quota_nothing_is_counted_or_refused() -> None:
+    b = budget([NOON])
+    for _ in range(100):
+        b.check("10.0.0.1")
+        b.take("10.0.0.1", 100 * MB, 100 * MB)
+
+
+def test_a_party_gets_its_share_or_one_whole_transfer() -> None:
+    b = budget([NOON], daily_quota_gb=1.0)  # a party's share: 50 MB
+    for _ in range(5):
+        b.take("10.0.0.1", 10 * MB, 10 * MB)
+    with pytest.raises(RateLimited):
+        b.take("10.0.0.1", 10 * MB, 10 * MB)
+    with pytest.raises(RateLimited):
+        b.check("10.0.0.1")  # refused before its reply is built
+    # a shard of 80 MB, in 4 MB chunks, to a joiner: whole, though over the share
+    for _ in range(20):
+        b.take("10.0.0.2", 4 * MB, 80 * MB)
+    with pytest.raises(RateLimited):
+        b.take("10.0.0.2", 4 * MB, 80 * MB)
+
+
+def test_all_parties_together_get_half_the_days_allowance() -> None:
+    b = budget([NOON], daily_quota_gb=1.0)
+    for party in range(10):
+        for _ in range(5):
+            b.take(f"10.0.1.{party}", 10 * MB, 10 * MB)
+    with pytest.raises(Busy):
+        b.check("10.0.2.1")
+    with pytest.raises(Busy):
+        b.take("10.0.2.1", 1, 1)
+
+
+def test_a_monthly_quota_allows_a_thirtieth_a_day_and_a_new_day_starts_afresh() -> None:
+    now = [NOON]
+    b = budget(now, monthly_quota_gb=30.0)  # 1 GB a day: 500 MB of bulk
+    for party in range(10):
+        b.take(f"10.0.1.{party}", 50 * MB, 50 * MB)
+    with pytest.raises(Busy):
+        b.take("10.0.2.1", 1, 1)
+    now[0] += 86400.0
+    b.take("10.0.2.1", 50 * MB, 50 * MB)
+    b.take("10.0.1.0", 50 * MB, 50 * MB)
+
+
+def test_the_party_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfers, "MAX_PARTIES", 8)
+    b = budget([NOON], daily_quota_gb=1000.0)
+    for party in range(100):
+        b.take(f"party-{party}", 1, 1)
+    assert len(b._parties) == 8

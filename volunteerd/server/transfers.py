@@ -1,0 +1,118 @@
+"""The share of a transfer quota that bulk replies (``params``, ``shard``) may use.
+
+Every byte the throttle counts goes into the volunteer's daily and monthly transfer
+quotas (``net.throttle``), and serving stops once one is used up (``server.pausing``).
+A ``params`` or ``shard`` request is a few bytes; its reply is a whole expert (or a
+4 MiB chunk of its state), and anyone may ask. In an outside probe one fresh identity,
+within every per-peer limit, sent 16 ``params`` requests of about 100 bytes to a
+volunteer with a 0.5 GB daily quota and hidden-1024 experts (a reply is ~32 MiB): they
+were answered in 2.7 s, and the volunteer stopped serving until midnight.
+
+So while a quota is set, bulk replies get a budget per day (local time, the day the
+throttle's ledger counts), from the day's allowance: the daily quota, or a thirtieth of
+the monthly quota (the smaller when both are set):
+
+* all bulk replies together, at most ``BULK_SHARE`` (half) of it, so that serving
+  expert calls, the volunteer's contribution, always keeps the rest; over it, ``busy``;
+* one party (``Request.address``, which the identities of one machine share; a caller
+  with no address, over a relay or on loopback, by its peer id), at most the larger of
+  ``PARTY_SHARE`` of it and one whole transfer (a ``params`` reply, a shard's whole
+  snapshot), so that a joiner can still download an expert it joins with and a
+  replica can average; over it, ``rate_limited``.
+
+Both codes tell an honest peer to try later: the shard download retries them with a
+backoff, the replica averager backs off from the peer, and a joiner whose downloads
+all fail seeds the expert. A reply is counted at its real size once the handler has
+built it (before that, a party or the whole already over its budget is refused without
+building one). Without a quota nothing is counted or refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from volunteerd.errors import Busy, RateLimited
+from volunteerd.net.throttle import Throttle
+
+__all__ = ["BULK_SHARE", "DAYS_PER_MONTH", "PARTY_SHARE", "TransferBudget"]
+
+logger = logging.getLogger(__name__)
+
+BULK_SHARE = 0.5  # of the day's allowance, for all bulk replies together
+PARTY_SHARE = 0.05  # of the day's allowance, for one party (or one whole transfer)
+DAYS_PER_MONTH = 30  # a monthly quota's day allowance is this fraction of it
+# Parties counted today; the least recently served are forgotten beyond (their bytes
+# stay in the day's total, which bounds what forgetting can give away).
+MAX_PARTIES = 4096
+
+
+class TransferBudget:
+    """Bulk replies' share of ``throttle``'s quotas (see the module docstring)."""
+
+    def __init__(self, throttle: Throttle) -> None:
+        self._throttle = throttle
+        self._day = ""
+        self._total = 0  # bulk bytes today
+        self._parties: OrderedDict[str, int] = OrderedDict()  # party -> bulk bytes today
+        self._largest = 0  # the largest whole transfer seen (a refusal's estimate)
+        self._told = False  # whether today's "bulk share used" was logged
+
+    def _allowance(self) -> int:
+        """Today's allowance in bytes (0: no quota)."""
+        throttle = self._throttle
+        quotas = [throttle.daily_quota_bytes] if throttle.daily_quota_bytes > 0 else []
+        if throttle.quota_bytes > 0:
+            quotas.append(throttle.quota_bytes // DAYS_PER_MONTH)
+        if not quotas:
+            return 0
+        ledger = throttle.ledger
+        _ = ledger.today  # turns the ledger's day over if it has ended
+        if ledger.day != self._day:
+            self._day, self._total, self._told = ledger.day, 0, False
+            self._parties.clear()
+        return max(1, min(quotas))
+
+    def check(self, party: str) -> None:
+        """Refuse, before its reply is built, a party or the whole already over budget.
+        Raises RateLimited or Busy."""
+        allowance = self._allowance()
+        if allowance:
+            self._refuse(party, allowance, 0, self._largest)
+
+    def take(self, party: str, size: int, whole: int) -> None:
+        """Count a reply of ``size`` bytes to ``party``, part of a transfer of ``whole``
+        bytes (a shard's snapshot; a ``params`` reply is its own whole), or refuse it.
+        Raises RateLimited or Busy."""
+        allowance = self._allowance()
+        if not allowance:
+            return
+        self._largest = max(self._largest, whole)
+        self._refuse(party, allowance, size, whole)
+        self._total += size
+        self._parties[party] = self._parties.get(party, 0) + size
+        self._parties.move_to_end(party)
+        while len(self._parties) > MAX_PARTIES:
+            self._parties.popitem(last=False)
+
+    def _refuse(self, party: str, allowance: int, size: int, whole: int) -> None:
+        bulk = int(allowance * BULK_SHARE)
+        if self._total + size > bulk or (size == 0 and self._total >= bulk):
+            if not self._told:
+                self._told = True
+                logger.info(
+                    "bulk transfers (params, shard) refused until midnight: they used "
+                    "their %d bytes of the day's transfer quota; serving keeps the rest",
+                    bulk,
+                )
+            raise Busy(
+                f"bulk transfers have used their share of this volunteer's transfer "
+                f"quota today ({bulk} bytes); try again tomorrow"
+            )
+        share = max(int(allowance * PARTY_SHARE), whole)
+        used = self._parties.get(party, 0)
+        if used + size > share or (size == 0 and used >= share):
+            raise RateLimited(
+                f"bulk transfers to your address have used their share of this "
+                f"volunteer's transfer quota today ({share} bytes); try again tomorrow"
+            )
