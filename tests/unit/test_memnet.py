@@ -4,14 +4,14 @@ RpcServer and RpcClient. Every duration asserted here is trio's (mock) clock."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import torch
 import trio
 
-from volunteerd.config import Config
+from volunteerd.config import Config, TimeoutsConfig
 from volunteerd.errors import PeerError, PeerUnreachable, RequestTimeout
 from volunteerd.experts import from_wire, to_wire
 from volunteerd.net.peers import PeerAddress
@@ -358,36 +358,51 @@ async def test_a_parked_stream_waits_less_for_its_next_request_while_slots_are_s
             await client.aclose()
 
 
-async def test_a_request_sent_late_in_its_streams_idle_time_is_answered_in_full(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """The server's idle timeout bounded the whole request, not only the wait for its
-    first byte: a backward sent on a pooled stream shortly before that timeout was cut
-    while it ran (its gradients were in, its caller told "stream closed")."""
-    timeouts = CONFIG.timeouts.model_copy(update={"stream_idle_s": 3.0, "pool_idle_s": 2.5})
+@asynccontextmanager
+async def backwards_to(
+    server_timeouts: TimeoutsConfig, *, crowded: bool = False, takes_s: float = 0.0
+) -> AsyncIterator[tuple[Callable[[], Awaitable[TensorReply]], list[float]]]:
+    """A server of ``server_timeouts`` answering backwards (each takes ``takes_s``), and
+    a client of the default timeouts: (send one backward, when each one ran)."""
     ran: list[float] = []
 
-    async def slow_backward(request: Request) -> Reply:
-        await trio.sleep(2.0)  # a backward waiting for its batch, then computing
+    async def backward(request: Request) -> Reply:
+        await trio.sleep(takes_s)  # a backward waiting for its batch, then computing
         ran.append(trio.current_time())
         return await answer_tiny(request)
 
     network = MemoryNetwork(default=Link(latency_s=0.001))
     async with network.open_host() as server_host, network.open_host() as client_host:
         server = RpcServer(
-            server_host, {Verb.BACKWARD: slow_backward}, CONFIG.wire, timeouts, CONFIG.peer_limits
+            server_host, {Verb.BACKWARD: backward}, CONFIG.wire, server_timeouts, CONFIG.peer_limits
         )
+        server.crowded = lambda: crowded
         server.install()
-        client = RpcClient(client_host, CONFIG.wire, timeouts)
+        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
         header = BackwardRequest(uid="ffn.0", tensors=[TINY])
-        try:
-            await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
-            await trio.sleep(2.3)  # the stream is still the pool's (2.5 s), 0.7 s to idle
+
+        async def send() -> TensorReply:
             reply, _ = await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
-            assert reply.tensors == [TINY]
-            assert len(ran) == 2
+            return reply  # type: ignore[no-any-return]
+
+        try:
+            yield send, ran
         finally:
             await client.aclose()
+
+
+async def test_a_request_sent_late_in_its_streams_idle_time_is_answered_in_full(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The server's idle timeout bounded the whole request, not only the wait for its
+    first byte: a backward sent on a pooled stream shortly before that timeout was cut
+    while it ran (its gradients were in, its caller told "stream closed")."""
+    short = CONFIG.timeouts.model_copy(update={"stream_idle_s": 16.0, "pool_idle_s": 15.0})
+    async with backwards_to(short, takes_s=2.0) as (send, ran):
+        await send()
+        await trio.sleep(14.5)  # still fresh for the client (15 s), 1.5 s to the idle end
+        assert (await send()).tensors == [TINY]
+        assert len(ran) == 2
 
 
 async def test_a_crowded_server_never_closes_a_stream_the_client_still_reuses(
@@ -396,30 +411,12 @@ async def test_a_crowded_server_never_closes_a_stream_the_client_still_reuses(
     """While its inbound slots are short a server closes streams idle for
     connection_idle_s (30 s), less than the pool's 60 s: a backward (not tried again on
     a fresh stream) sent after 31 s failed "stream closed" and its gradients were lost."""
-    calls: list[Request] = []
-
-    async def backward(request: Request) -> Reply:
-        calls.append(request)
-        return await answer_tiny(request)
-
-    network = MemoryNetwork(default=Link(latency_s=0.001))
-    async with network.open_host() as server_host, network.open_host() as client_host:
-        server = RpcServer(
-            server_host, {Verb.BACKWARD: backward}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits
-        )
-        server.crowded = lambda: True
-        server.install()
-        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
-        header = BackwardRequest(uid="ffn.0", tensors=[TINY])
-        try:
-            for idle in (1.0, CONFIG.timeouts.connection_idle_s / 2 - 1, 31.0, 59.0):
-                await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
-                await trio.sleep(idle)
-            reply, _ = await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
-            assert reply.tensors == [TINY]
-            assert len(calls) == 5
-        finally:
-            await client.aclose()
+    async with backwards_to(CONFIG.timeouts, crowded=True) as (send, ran):
+        for idle in (1.0, CONFIG.timeouts.connection_idle_s / 2 - 1, 31.0, 59.0):
+            await send()
+            await trio.sleep(idle)
+        assert (await send()).tensors == [TINY]
+        assert len(ran) == 5
 
 
 async def test_a_backward_on_a_stream_a_server_of_shorter_idle_times_closed_goes_again(
@@ -430,27 +427,9 @@ async def test_a_backward_on_a_stream_a_server_of_shorter_idle_times_closed_goes
     sent on it after 12 s was read, and the backward failed "stream closed" (a backward
     is not sent twice). A stream the server closed cleanly before any reply byte carried
     no request it read: it is sent once more on a fresh stream, and answered once."""
-    calls: list[Request] = []
-
-    async def backward(request: Request) -> Reply:
-        calls.append(request)
-        return await answer_tiny(request)
-
     hasty = CONFIG.timeouts.model_copy(update={"connection_idle_s": 10.0})
-    network = MemoryNetwork(default=Link(latency_s=0.001))
-    async with network.open_host() as server_host, network.open_host() as client_host:
-        server = RpcServer(
-            server_host, {Verb.BACKWARD: backward}, CONFIG.wire, hasty, CONFIG.peer_limits
-        )
-        server.crowded = lambda: True
-        server.install()
-        client = RpcClient(client_host, CONFIG.wire, CONFIG.timeouts)
-        header = BackwardRequest(uid="ffn.0", tensors=[TINY])
-        try:
-            await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
-            await trio.sleep(12.0)  # fresh for this client (15 s), closed by the server
-            reply, _ = await client.call(server_host.address, Verb.BACKWARD, header, [bytes(4)])
-            assert reply.tensors == [TINY]
-            assert len(calls) == 2
-        finally:
-            await client.aclose()
+    async with backwards_to(hasty, crowded=True) as (send, ran):
+        await send()
+        await trio.sleep(12.0)  # fresh for this client (15 s), closed by the server
+        assert (await send()).tensors == [TINY]
+        assert len(ran) == 2
