@@ -120,6 +120,9 @@ def test_an_invitation_names_the_manifest_its_trusted_owner_and_the_peers() -> N
         ("model", "grid", "[64, 64]", "names 4096 experts a block, in 2 blocks; at most 4096"),
         ("model", "forward_timeout_s", "inf", "model.forward_timeout_s: Input should be a finite"),
         ("model", "backward_timeout_s", "inf", "model.backward_timeout_s: Input should be a fin"),
+        # servers send no reply later than 60 s after a request: a longer wait got nothing
+        ("model", "forward_timeout_s", "90", "model.forward_timeout_s: Value error, 90 s; at m"),
+        ("model", "backward_timeout_s", "61", "backward_timeout_s: Value error, 61 s; at most 60"),
         ("model", "grace_after_k_min_s", "inf", "model.grace_after_k_min_s: Input should be a f"),
         ("training", "eval_batches", "1000000000", "training.eval_batches: Input should be less"),
         ("averaging", "timeout_s", "inf", "averaging.timeout_s: Input should be a finite"),
@@ -143,7 +146,7 @@ def test_values_out_of_range_are_refused_naming_the_key(
 def test_the_largest_values_allowed_load() -> None:
     experiment = Experiment.model_validate(
         {
-            "model": {"grid": [64, 64], "num_blocks": 1, "forward_timeout_s": 600},
+            "model": {"grid": [64, 64], "num_blocks": 1, "forward_timeout_s": 60},
             "training": {"eval_batches": 1024},
             "averaging": {"max_state_mb": 1 << 20, "timeout_s": 3600},
         }

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from volunteerd.config import TimeoutsConfig
+from volunteerd.moe.layer import RemoteMixtureOfExperts
 from volunteerd.moe.timing import (
     CAP_FACTOR,
     REMEMBERED,
+    REPLY_WINDOW_S,
     STRAGGLER_FACTOR,
     TIMEOUT_FACTOR,
     RoundTrips,
@@ -104,3 +107,23 @@ def test_a_flood_of_peers_forgets_the_least_recently_measured_first() -> None:
     assert len(trips) == REMEMBERED
     assert trips.srtt("regular", "forward") == pytest.approx(0.2)
     assert trips.srtt("stranger-0", "forward") is None
+
+
+def test_no_timeout_is_stretched_past_the_servers_reply_window() -> None:
+    # Peers measured at 25 s a call: 3 x their pace (and 4 x a 30 s floor) is longer than
+    # servers keep a reply (REPLY_WINDOW_S); waiting past it got nothing.
+    trips = RoundTrips()
+    for _ in range(50):
+        trips.observe("slow", "backward", 25.0)
+    assert trips.limits(["slow"], "backward", 30.0, 0.5).timeout_s == REPLY_WINDOW_S
+    assert trips.limits(["slow"], "backward", 10.0, 0.5).timeout_s == 40.0  # 4 x the floor
+    assert TimeoutsConfig().request_s == REPLY_WINDOW_S  # the daemon's own default
+
+
+@pytest.mark.parametrize("key", ["forward_timeout_s", "backward_timeout_s"])
+@pytest.mark.parametrize("seconds", [0.0, 61.0, float("inf")])
+def test_a_layer_refuses_timeouts_past_the_reply_window(key: str, seconds: float) -> None:
+    with pytest.raises(ValueError, match=rf"{key} must be over 0 and at most 60 s"):
+        RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=object(), **{key: seconds})  # type: ignore[arg-type]
+    layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=object(), **{key: 60.0})  # type: ignore[arg-type]
+    assert getattr(layer, key) == 60.0

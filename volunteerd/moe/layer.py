@@ -50,7 +50,7 @@ from volunteerd.moe.checks import (
 from volunteerd.moe.client import TrainerClient
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
-from volunteerd.moe.timing import Limits, RoundTrips
+from volunteerd.moe.timing import REPLY_WINDOW_S, Limits, RoundTrips
 from volunteerd.net import PeerAddress, Verb, short
 from volunteerd.wire import BackwardRequest, Compression, ForwardRequest, on_wire
 
@@ -336,6 +336,15 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         )
         if not 1 <= k_min <= k_best:
             raise ValueError("k_min must be between 1 and k_best")
+        for name, seconds in (
+            ("forward_timeout_s", forward_timeout_s),
+            ("backward_timeout_s", backward_timeout_s),
+        ):
+            if not 0 < seconds <= REPLY_WINDOW_S:
+                raise ValueError(
+                    f"{name} must be over 0 and at most {REPLY_WINDOW_S:g} s (servers send "
+                    f"no reply later than that after a request), not {seconds}"
+                )
         self.k_min = k_min
         self.forward_timeout_s = forward_timeout_s
         self.backward_timeout_s = backward_timeout_s

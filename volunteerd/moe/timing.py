@@ -12,7 +12,8 @@ rttvar) / 4``), and derives a round's limits from the peers it calls:
   lower median: of two, the faster): a peer far slower than the others does not stretch
   the round's waits to its own pace (one 1 Mbit/s uplink among 50 Mbit/s ones stretched
   every round's grace to its 2 s cap, and the timeout to 20 s);
-* ``timeout_s`` = min(``CAP_FACTOR * floor``, max(floor, ``TIMEOUT_FACTOR * expected``));
+* ``timeout_s`` = min(``CAP_FACTOR * floor``, max(floor, ``TIMEOUT_FACTOR * expected``)),
+  and never over ``REPLY_WINDOW_S`` (60 s), past which servers send no reply;
 * ``grace_s`` = min(``CAP_FACTOR * floor``, max(floor, expected - fastest)), where
   ``fastest`` is the smallest ``srtt`` of the round's peers: the k_min answers come from
   the fast ones, and the grace lets a healthy slower one answer after them.
@@ -40,6 +41,7 @@ from volunteerd.bounded import remember
 __all__ = [
     "CAP_FACTOR",
     "REMEMBERED",
+    "REPLY_WINDOW_S",
     "STRAGGLER_FACTOR",
     "TIMEOUT_FACTOR",
     "Limits",
@@ -48,6 +50,10 @@ __all__ = [
 
 TIMEOUT_FACTOR = 3.0
 CAP_FACTOR = 4.0
+# A server drops a reply still going out this long after its request began (the
+# daemon's default ``timeouts.request_s``; net/rpc.py): waiting longer gets nothing, so
+# no timeout is stretched past it and a trainer may not ask for more.
+REPLY_WINDOW_S = 60.0
 # How many times the round's median a peer may take and still be waited for. A peer
 # 1.5x or 2x slower than the others is (and stays in use); one 5x slower (a 1 Mbit/s
 # uplink among 50 Mbit/s ones) is not.
@@ -113,6 +119,6 @@ class RoundTrips:
         expected = min(max(e.expected for e in known), STRAGGLER_FACTOR * median)
         fastest = min(e.srtt for e in known)
         stretched = max(timeout_floor_s, TIMEOUT_FACTOR * expected)
-        timeout_s = min(CAP_FACTOR * timeout_floor_s, stretched)
+        timeout_s = min(CAP_FACTOR * timeout_floor_s, stretched, REPLY_WINDOW_S)
         grace_s = min(CAP_FACTOR * grace_floor_s, max(grace_floor_s, expected - fastest))
         return Limits(timeout_s, grace_s)

@@ -30,6 +30,7 @@ from volunteerd import uids
 from volunteerd.config import MAX_GRID_DIMENSION, OptimizerConfig
 from volunteerd.config.toml_files import read_toml
 from volunteerd.errors import ConfigError
+from volunteerd.moe.timing import REPLY_WINDOW_S
 from volunteerd.swarm.manifest import MAX_EXPERTS
 
 __all__ = [
@@ -91,6 +92,7 @@ class ModelConfig(_Model):
     k_best: int = Field(2, ge=1, le=64)
     k_min: int = Field(1, ge=1, le=64)
     # Finite, as every timeout of the daemon's config: inf was accepted and waited forever.
+    # At most REPLY_WINDOW_S: servers send no reply later than that after a request.
     forward_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False)
     backward_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     grace_after_k_min_s: float = Field(0.5, ge=0, allow_inf_nan=False)
@@ -104,6 +106,18 @@ class ModelConfig(_Model):
     max_output_abs: float = Field(
         1e4, gt=0, description="an expert answer with a larger element is dropped"
     )
+
+    @field_validator("forward_timeout_s", "backward_timeout_s")
+    @classmethod
+    def _within_the_servers_reply_window(cls, seconds: float) -> float:
+        # a longer wait got nothing: a server drops a reply still going out its
+        # timeouts.request_s (60 s) after the request began, and so does the trainer
+        if seconds > REPLY_WINDOW_S:
+            raise ValueError(
+                f"{seconds:g} s; at most {REPLY_WINDOW_S:g} s (servers send no reply "
+                "later than that after a request)"
+            )
+        return seconds
 
     @field_validator("grid")
     @classmethod
