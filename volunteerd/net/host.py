@@ -60,8 +60,10 @@ from volunteerd.net.peerstore import NodePeerStore
 from volunteerd.net.transport import StreamHandler
 
 __all__ = [
+    "DIAL_STAGGER_S",
     "Libp2pStream",
     "Libp2pStreamHost",
+    "dial_in_turn",
     "dialable_addrs",
     "listen_multiaddr",
     "open_host",
@@ -287,6 +289,18 @@ def build_host(
     swarm.retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
     _keep_own_dials(host, peerstore)
     return host
+
+
+def _direct_addrs(addrs: Iterable[str]) -> list[str]:
+    """Those of a peer's announced ``addrs`` to dial in turn when it has several: its
+    direct TCP addresses, once each and at most ``_DIAL_AT_MOST``, loopback ones left
+    out when it has others (as py-libp2p's swarm does: a remote peer's 127.0.0.1 is this
+    computer). Several are common: a volunteer announces the public address peers
+    dialled back first, then its own (a LAN address, an IPv6 one); a trainer on the
+    same LAN, or one without IPv6, reaches only a later one."""
+    endpoints = {a: e for a in addrs if (e := tcp_endpoint(a)) is not None}
+    remote = [a for a, (ip, _) in endpoints.items() if not ipaddress.ip_address(ip).is_loopback]
+    return (remote or list(endpoints))[:_DIAL_AT_MOST]
 
 
 # py-libp2p's connect keeps the addresses it is given for this long before dialling them.
@@ -573,6 +587,53 @@ def _timed_out(exc: BaseException) -> bool:
     return False
 
 
+# A peer's addresses are dialled one after another this far apart (or sooner, as each
+# fails) until one connects: py-libp2p's swarm dials only the first of them.
+DIAL_STAGGER_S = 0.25
+# At most this many of a peer's direct addresses are dialled for one connection.
+_DIAL_AT_MOST = 4
+
+
+async def dial_in_turn(
+    host: IHost, peer: ID, addrs: Sequence[str], within_s: float, stagger_s: float
+) -> tuple[str | None, tuple[str, ...]]:
+    """Dial ``addrs`` in their order, each started ``stagger_s`` after the one before or
+    as soon as it failed, all within ``within_s``; the first connection wins and the
+    dials still under way stop. The address that connected (None: none did), and those
+    that failed or were still under way at the end.
+
+    py-libp2p's swarm dials one address of a peer (one per transport class, and
+    volunteerd has one: TCP), the first in its peer store: the others were never tried
+    however dead the first was."""
+    network: Any = host.get_network()
+    started: list[str] = []
+    failed: list[str] = []
+    won: list[str] = []
+
+    async def attempt(addr: str, done: trio.Event) -> None:
+        try:
+            await network._dial_addr_single_attempt(multiaddr.Multiaddr(addr), peer)
+        except Exception as exc:  # refused, timed out, another peer's key
+            logger.debug("%s at %s: %s", short(str(peer)), addr, exc or type(exc).__name__)
+            failed.append(addr)
+            done.set()
+            return
+        won.append(addr)
+        nursery.cancel_scope.cancel()
+
+    with trio.move_on_after(within_s):
+        async with trio.open_nursery() as nursery:
+            for addr in addrs:
+                done = trio.Event()
+                started.append(addr)
+                nursery.start_soon(attempt, addr, done)
+                with trio.move_on_after(stagger_s):
+                    await done.wait()
+    if won:
+        return won[0], tuple(failed)
+    return None, tuple(a for a in started if a not in failed) + tuple(failed)
+
+
 @dataclass(eq=False, slots=True)
 class _Dialing:
     """The dial of one peer: its lock, and how many callers hold or await it."""
@@ -659,7 +720,18 @@ class Libp2pStreamHost:
                     return
                 info = peer.peer_info()
                 self._prefer_announced(peer_id, list(info.addrs))
-                await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
+                direct = _direct_addrs(peer.addrs)
+                if len(direct) < 2:
+                    await self._host.connect(PeerInfo(peer_id, list(info.addrs)))
+                    return
+                won, _ = await dial_in_turn(self._host, peer_id, direct, math.inf, DIAL_STAGGER_S)
+                if won is None:
+                    raise PeerUnreachable(
+                        f"{short(peer.peer_id)}: none of its {len(direct)} addresses connected"
+                    )
+                self._host.get_peerstore().add_addrs(
+                    peer_id, [multiaddr.Multiaddr(won)], _CONNECT_ADDR_TTL_S
+                )
         finally:
             dialing.users -= 1
             if not dialing.users:

@@ -31,7 +31,7 @@ What differs is what it believes:
   peer (the first of its transport class), so the first referrer's first address was
   the only one ever tried: one that accepts and never speaks hid the real address a
   later referrer gave. A candidate's addresses are dialled in turns (each referrer's
-  first, then each one's second...), one every ``_DIAL_STAGGER_S`` or as soon as the
+  first, then each one's second...), one every ``DIAL_STAGGER_S`` or as soon as the
   one before failed, within the query's time; the first to connect wins, and only it
   is kept in the peer store (handed on in this node's answers).
 * **One dial per address.** Two candidates this node knows nothing about that share an
@@ -81,6 +81,7 @@ from libp2p.utils.varint import (
 )
 
 from volunteerd.net.dialback import tcp_endpoint
+from volunteerd.net.host import DIAL_STAGGER_S, dial_in_turn
 from volunteerd.net.peers import dialable_part, short
 from volunteerd.net.records import is_record_addr
 
@@ -116,9 +117,6 @@ _STRIKES = 3
 _REMEMBERED = 4096
 # Named peers' addresses live in the peerstore this long unless they answer.
 _CANDIDATE_ADDR_TTL_S = 600
-# A stranger's addresses are dialled one after another this far apart (or sooner, as
-# each fails), all within the query's time, until one connects (PeerLookup._dial).
-_DIAL_STAGGER_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,40 +557,13 @@ class PeerLookup:
         return Answer(True, referrals, via, dead)
 
     async def _dial(self, peer: ID, addrs: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
-        """Dial ``addrs`` in their order, each started ``_DIAL_STAGGER_S`` after the one
-        before or as soon as it failed, all within the query's time; the first
-        connection wins and the dials still under way stop. The address that connected
-        (None: none did), and those that failed or were still under way at the end.
+        """Dial ``addrs`` in their order (``dial_in_turn``), all within the query's time:
+        the address that connected (None: none did), and those that failed or were
+        still under way at the end.
 
         py-libp2p's swarm dials one address of a peer (one per transport class, and
         this node has one: TCP), the first in its peer store: one that a stranger named
         first, a port that accepts and never speaks, hid the real one an honest
         referrer gave, which was then held dead with it, and its referrer blamed."""
-        network: Any = self._host.get_network()
-        stagger = min(_DIAL_STAGGER_S, self._timeout_s / 2 / len(addrs))
-        started: list[str] = []
-        failed: list[str] = []
-        won: list[str] = []
-
-        async def attempt(addr: str, done: trio.Event) -> None:
-            try:
-                await network._dial_addr_single_attempt(multiaddr.Multiaddr(addr), peer)
-            except Exception as exc:  # refused, timed out, another peer's key
-                logger.debug("lookup: %s at %s: %s", short(peer), addr, exc or type(exc).__name__)
-                failed.append(addr)
-                done.set()
-                return
-            won.append(addr)
-            nursery.cancel_scope.cancel()
-
-        with trio.move_on_after(self._timeout_s):
-            async with trio.open_nursery() as nursery:
-                for addr in addrs:
-                    done = trio.Event()
-                    started.append(addr)
-                    nursery.start_soon(attempt, addr, done)
-                    with trio.move_on_after(stagger):
-                        await done.wait()
-        if won:
-            return won[0], tuple(failed)
-        return None, tuple(a for a in started if a not in failed) + tuple(failed)
+        stagger = min(DIAL_STAGGER_S, self._timeout_s / 2 / len(addrs))
+        return await dial_in_turn(self._host, peer, addrs, self._timeout_s, stagger)
