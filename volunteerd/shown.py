@@ -3,13 +3,15 @@ character a terminal, a tray or a log would act on rather than show (escape sequ
 line breaks, bidi overrides, zero-width and line/paragraph separators) as its escape
 (``\\x1b``, ``\\n``, ``\\u202e``). The log, the command line's status, the tray and the
 dashboard's activity line all show such text. ``short_id`` is a peer id as people see
-it (the dashboard's ``shortId``, the tray's)."""
+it (the dashboard's ``shortId``, the tray's); ``clock_time`` a moment to come (a snooze's
+end) as the tray and the activity line say it."""
 
 from __future__ import annotations
 
+import time
 import unicodedata
 
-__all__ = ["escaped", "one_line", "short_id"]
+__all__ = ["clock_time", "escaped", "one_line", "short_id"]
 
 # What is acted on rather than shown: control, format (bidi, zero-width), surrogates,
 # line and paragraph separators.
@@ -35,3 +37,14 @@ def short_id(peer_id: str) -> str:
     """``peer_id`` as people see it: its first 8 and last 6 characters (every Ed25519
     peer id starts "12D3KooW", so the end tells two apart)."""
     return f"{peer_id[:8]}…{peer_id[-6:]}" if len(peer_id) > 16 else peer_id
+
+
+def clock_time(when: float, now: float) -> str:
+    """``when`` (``time.time()``) in local time: ``14:05`` today, ``Tue 14:05`` within a
+    week, else ``2025-03-04 14:05``. A bare time of day for a 3-day snooze read as "now"."""
+    then, today = time.localtime(when), time.localtime(now)
+    if then[:3] == today[:3]:
+        return time.strftime("%H:%M", then)
+    if 0 < when - now < 6 * 86400:
+        return time.strftime("%a %H:%M", then)
+    return time.strftime("%Y-%m-%d %H:%M", then)

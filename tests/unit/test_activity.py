@@ -151,6 +151,17 @@ def test_snoozed_says_until_when() -> None:
     assert activity.message == "snoozed until " + time.strftime("%H:%M", time.localtime(until))
 
 
+def test_a_snooze_ending_on_another_day_names_the_day() -> None:
+    # "snoozed until 13:44" for a 3-day snooze read as "now" (an outside audit)
+    for days, shown in ((3, "%a %H:%M"), (10, "%Y-%m-%d %H:%M")):
+        until = NOW + days * 86400
+        activity = decide_activity(signals(mode="snoozed", serving=False, snoozed_until=until))
+        assert activity.message == "snoozed until " + time.strftime(shown, time.localtime(until))
+        joining = {"experts": 0, "projects": (Project("tinylm", "joining"),), "network": False}
+        held = decide_activity(signals(mode="snoozed", snoozed_until=until, **joining))
+        assert time.strftime(shown, time.localtime(until)) in held.message
+
+
 def test_a_used_up_quota_names_it() -> None:
     reason = "the monthly transfer quota of 5 GB is used up"
     activity = decide_activity(signals(mode="quota", serving=False, reason=reason, quota="monthly"))

@@ -21,13 +21,12 @@ passes them in. The first rule that holds decides::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from volunteerd.control.models import Activity, ActivityState
-from volunteerd.shown import one_line
+from volunteerd.shown import clock_time, one_line
 
 __all__ = ["WAITING_AFTER_S", "ProjectSignal", "Signals", "decide_activity"]
 
@@ -161,7 +160,7 @@ def _paused(s: Signals) -> Activity:
             "resume with `volunteerd resume`, the dashboard or the tray",
         )
     if s.mode == "snoozed" and s.snoozed_until is not None:
-        until = time.strftime("%H:%M", time.localtime(s.snoozed_until))
+        until = clock_time(s.snoozed_until, s.now)
         return _activity(
             "paused",
             f"snoozed until {until}",
@@ -190,7 +189,7 @@ def _held_join(s: Signals) -> tuple[str, str]:
             "its experts download once it resumes: `volunteerd resume`, the dashboard or the tray"
         )
     if s.mode == "snoozed" and s.snoozed_until is not None:
-        until = time.strftime("%H:%M", time.localtime(s.snoozed_until))
+        until = clock_time(s.snoozed_until, s.now)
         return f"snoozed until {until}", (
             "its experts download when the snooze ends; `volunteerd resume` resumes now"
         )

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from volunteerd.control.models import LimitsView, Status
-from volunteerd.shown import one_line
+from volunteerd.shown import clock_time, one_line
 
 __all__ = [
     "DOWNLOAD_PRESETS_MBIT",
@@ -211,7 +211,7 @@ def status_line(seen: Seen, *, now: float | None = None) -> str:
             if status.snoozed_until is None:
                 return "Snoozed"
             now = time.time() if now is None else now
-            return "Snoozed until " + _clock(status.snoozed_until, now)
+            return "Snoozed until " + clock_time(status.snoozed_until, now)
         return f"Paused · {_used_up(status.limits) or 'transfer'} quota used up"
     if seen.link == "starting":
         return "Not connected — starting volunteerd…"
@@ -338,16 +338,6 @@ def _rate(mbit: float) -> str:
 
 def _same(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-
-
-def _clock(until: float, now: float) -> str:
-    """``14:05`` today, ``Tue 14:05`` within a week, else ``2025-03-04 14:05`` (local)."""
-    then, today = time.localtime(until), time.localtime(now)
-    if then[:3] == today[:3]:
-        return time.strftime("%H:%M", then)
-    if 0 < until - now < 6 * 86400:
-        return time.strftime("%a %H:%M", then)
-    return time.strftime("%Y-%m-%d %H:%M", then)
 
 
 def _sentence(text: str) -> str:
