@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -547,3 +549,50 @@ def test_a_project_entry_this_release_refuses_is_shown_and_left_from_the_page(
     assert client.status().projects == []
     assert client.status().started_at == started  # no restart
     assert "old-demo" not in (data / "projects.toml").read_text()
+
+
+@contextmanager
+def static_files() -> Iterator[str]:
+    """The dashboard's static folder served on 127.0.0.1 (no daemon): its address."""
+    folder = Path(__file__).resolve().parents[2] / "volunteerd" / "dashboard" / "static"
+    handler = partial(SimpleHTTPRequestHandler, directory=str(folder))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_success_whose_body_cannot_be_read_counts_as_no_answer(browser: WebDriver) -> None:
+    # A 200 whose body was cut off became ``null`` and renderStatus(null) threw a
+    # TypeError (an outside audit, under 500 concurrent requests); it is "unreachable".
+    with static_files() as base:
+        browser.get(base + "/index.html")
+        outcome = browser.execute_async_script(
+            """
+            const done = arguments[arguments.length - 1];
+            const api = await import("/api.js");
+            const told = [];
+            const on = { answered: () => told.push("answered"), lost: () => told.push("lost"),
+                         refused: () => told.push("refused") };
+            const replies = [new Response('{"started_at": 1', { status: 200 }),
+                             new Response("<html>", { status: 500 }),
+                             new Response('{"started_at": 1}', { status: 200 })];
+            window.fetch = async () => replies.shift();
+            const call = api.connect("token", on);
+            const seen = [];
+            for (let i = 0; i < 3; i++) {
+              try {
+                seen.push(JSON.stringify(await call("GET", "/status")));
+              } catch (err) {
+                seen.push(err.constructor.name);
+              }
+            }
+            done({ seen, told });
+            """
+        )
+    assert outcome["seen"] == ["Unreachable", "ApiError", '{"started_at":1}']
+    assert outcome["told"] == ["lost", "answered", "answered"]

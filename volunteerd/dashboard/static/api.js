@@ -56,7 +56,12 @@ export function connect(token, on) {
         cache: "no-store",
         signal: signal ? AbortSignal.any([signal, timeout]) : timeout,
       });
-      data = await response.json().catch(() => null);
+      // A success whose body cannot be read (cut off, or this call's timeout after the
+      // headers came) is no answer: taken as null, renderStatus(null) threw a TypeError.
+      data = await response.json().catch((err) => {
+        if (response.ok) throw err;
+        return null;
+      });
     } catch (err) {
       if (signal?.aborted) throw err;
       on.lost();
