@@ -231,7 +231,10 @@ async def test_announcements_that_reach_no_other_peer_are_told_once(
         assert len(told) == 1
         assert told[0].levelname == "WARNING"
         async with open_peer(local_config(bootstrap=alone.multiaddrs)) as other:
-            await _until(lambda: other.peer_id in alone.connected_peers())
+            # In its routing table, not merely connected: a store goes only to peers
+            # that answered a lookup or asked a Kademlia question, and the connection
+            # shows before the other's first question (or before identify lets it in).
+            await _until(lambda: _knows(alone, other))
             await announcer.announce_now()
             assert not announcer.unheard
             assert any("reach other peers again" in r.getMessage() for r in caplog.records)
