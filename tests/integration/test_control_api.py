@@ -335,21 +335,33 @@ async def test_pause_through_the_api_withdraws_the_announcements(tmp_path: Path)
             return any(r.peer_id == daemon.node.peer_id for r in records)
 
         await eventually(announced)
-        waiter = trio.Event()
+        polling, waiter = trio.Event(), trio.Event()
         seen: list[str] = []
 
-        async def long_poll() -> None:  # a client waiting for the next event
+        async def long_poll() -> None:  # a client waiting for the next events
             since = (await call(client.events, 0)).next
-            got = await call(client.events, since, wait_s=20)
-            seen.extend(e.message for e in got.events)
+            polling.set()
+            # until the pause: another event (a reachability check that ends late on a
+            # loaded machine) may come first, and returns the request before it
+            while not any(m.startswith("paused") for m in seen):
+                got = await call(client.events, since, wait_s=20)
+                seen.extend(e.message for e in got.events)
+                since = got.next
             waiter.set()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(long_poll)
+            # Paused only once the client holds the events from before: a pause that a
+            # fixed 0.3 s let through first (a loaded machine) was among those, and the
+            # wait for the next event found none. The 0.3 s after that makes it likely
+            # that the pause wakes a waiting request; either way one returns it.
+            with trio.fail_after(30):
+                await polling.wait()
             await trio.sleep(0.3)
             await call(client.pause)
-            with trio.fail_after(10):
+            with trio.move_on_after(10):
                 await waiter.wait()
+            nursery.cancel_scope.cancel()
         assert any(m.startswith("paused") for m in seen), seen
 
         async def withdrawn() -> bool:
