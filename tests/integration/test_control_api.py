@@ -446,7 +446,11 @@ async def test_status_answers_while_the_stats_file_cannot_be_read(
 
     async with (
         open_peer(local_config()) as boot,
-        open_daemon(config_for(boot), tmp_path / "a") as daemon,
+        # No flush while the test runs: one (each second at the tests' flush_s) that
+        # came between the count below and a status wrote the count to the file, where
+        # a status that cannot read the file does not see it (with 1.2 s there, as a
+        # loaded machine may take, 3 samples read as 0).
+        open_daemon(config_for(boot, stats={"flush_s": 300}), tmp_path / "a") as daemon,
     ):
         assert daemon.controls is not None
         store = daemon.controls._accountant.store
