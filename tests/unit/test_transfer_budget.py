@@ -29,18 +29,41 @@ def test_without_a_quota_nothing_is_counted_or_refused() -> None:
 
 
 def test_a_party_gets_its_share_or_one_whole_transfer() -> None:
-    b = budget([NOON], daily_quota_gb=1.0)  # a party's share: 50 MB
-    for _ in range(5):
-        b.take("10.0.0.1", 10 * MB, 10 * MB)
+    b = budget([NOON], daily_quota_gb=1.0)  # a party's share: 5 %, 50 MB
+    for _ in range(500):
+        b.take("10.0.0.1", 100_000, 100_000)  # 8 whole transfers: 0.8 MB
     with pytest.raises(RateLimited):
-        b.take("10.0.0.1", 10 * MB, 10 * MB)
+        b.take("10.0.0.1", 100_000, 100_000)
     with pytest.raises(RateLimited):
         b.check("10.0.0.1")  # refused before its reply is built
-    # a shard of 80 MB, in 4 MB chunks, to a joiner: whole, though over the share
-    for _ in range(20):
-        b.take("10.0.0.2", 4 * MB, 80 * MB)
+    # a shard of 200 MB, in 4 MB chunks, to a joiner: whole, though over a quarter
+    for _ in range(50):
+        b.take("10.0.0.2", 4 * MB, 200 * MB)
     with pytest.raises(RateLimited):
-        b.take("10.0.0.2", 4 * MB, 80 * MB)
+        b.take("10.0.0.2", 4 * MB, 200 * MB)
+
+
+def test_a_joiner_gets_the_experts_it_joins_with() -> None:
+    # Experts of 2.1 MB (an outside audit): at a 0.1 GB daily quota a share of 5 % was
+    # 5 MB, two experts, and every joiner choosing 6 was refused the rest.
+    b = budget([NOON], daily_quota_gb=0.2)  # a party's share: 8 experts, 16.8 MB
+    for _ in range(8):
+        b.take("10.0.0.1", 2_100_000, 2_100_000)
+    with pytest.raises(RateLimited):
+        b.take("10.0.0.1", 2_100_000, 2_100_000)
+    b = budget([NOON], daily_quota_gb=0.1)  # a quarter of the 50 MB bulk half: 12.5 MB
+    for _ in range(5):
+        b.take("10.0.0.1", 2_100_000, 2_100_000)
+    with pytest.raises(RateLimited):
+        b.take("10.0.0.1", 2_100_000, 2_100_000)
+
+
+def test_a_party_gets_at_most_a_quarter_of_the_bulk_half() -> None:
+    b = budget([NOON], daily_quota_gb=1.0)  # bulk half 500 MB, a quarter 125 MB
+    for _ in range(6):
+        b.take("10.0.0.1", 20 * MB, 20 * MB)  # 8 whole transfers would be 160 MB
+    with pytest.raises(RateLimited):
+        b.take("10.0.0.1", 20 * MB, 20 * MB)
 
 
 def test_all_parties_together_get_half_the_days_allowance() -> None:

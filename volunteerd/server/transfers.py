@@ -15,10 +15,16 @@ the monthly quota (the smaller when both are set):
 * all bulk replies together, at most ``BULK_SHARE`` (half) of it, so that serving
   expert calls, the volunteer's contribution, always keeps the rest; over it, ``busy``;
 * one party (``Request.address``, which the identities of one machine share; a caller
-  with no address, over a relay or on loopback, by its peer id), at most the larger of
-  ``PARTY_SHARE`` of it and one whole transfer (a ``params`` reply, a shard's whole
-  snapshot), so that a joiner can still download an expert it joins with and a
-  replica can average; over it, ``rate_limited``.
+  with no address, over a relay or on loopback, by its peer id), at most the largest of
+  ``PARTY_SHARE`` (5 %) of it, ``JOIN_EXPERTS`` (8) whole transfers (a ``params``
+  reply, a shard's whole snapshot) but no more than ``PARTY_MOST`` (a quarter) of the
+  bulk half, and one whole transfer, so that a joiner can download the experts it joins
+  with and a replica can average; over it, ``rate_limited``. The share was the larger
+  of 5 % and one whole transfer: at a 0.1 GB daily quota, 5 MB, two experts of 2.1 MB,
+  and all 8 joiners of an outside audit, each choosing 6 experts (12.6 MB), were
+  refused and seeded the rest from initial weights. Now 12.5 MB there (a quarter of
+  the 50 MB half; 8 such experts would be 16.8 MB), 25 MB at 0.2 GB: one address still
+  takes at most a quarter of what bulk replies may use in a day.
 
 Both codes tell an honest peer to try later: the shard download retries them with a
 backoff, the replica averager backs off from the peer, and a joiner whose downloads
@@ -35,12 +41,21 @@ from collections import OrderedDict
 from volunteerd.errors import Busy, RateLimited
 from volunteerd.net.throttle import Throttle
 
-__all__ = ["BULK_SHARE", "DAYS_PER_MONTH", "PARTY_SHARE", "TransferBudget"]
+__all__ = [
+    "BULK_SHARE",
+    "DAYS_PER_MONTH",
+    "JOIN_EXPERTS",
+    "PARTY_MOST",
+    "PARTY_SHARE",
+    "TransferBudget",
+]
 
 logger = logging.getLogger(__name__)
 
 BULK_SHARE = 0.5  # of the day's allowance, for all bulk replies together
-PARTY_SHARE = 0.05  # of the day's allowance, for one party (or one whole transfer)
+PARTY_SHARE = 0.05  # of the day's allowance, for one party at least...
+JOIN_EXPERTS = 8  # ...or this many whole transfers (a joiner's experts)...
+PARTY_MOST = 0.25  # ...but no more than this of the bulk half (or one whole transfer)
 DAYS_PER_MONTH = 30  # a monthly quota's day allowance is this fraction of it
 # Parties counted today; the least recently served are forgotten beyond (their bytes
 # stay in the day's total, which bounds what forgetting can give away).
@@ -109,7 +124,11 @@ class TransferBudget:
                 f"bulk transfers have used their share of this volunteer's transfer "
                 f"quota today ({bulk} bytes); try again tomorrow"
             )
-        share = max(int(allowance * PARTY_SHARE), whole)
+        share = max(
+            int(allowance * PARTY_SHARE),
+            min(JOIN_EXPERTS * whole, int(bulk * PARTY_MOST)),
+            whole,
+        )
         used = self._parties.get(party, 0)
         if used + size > share or (size == 0 and used >= share):
             raise RateLimited(
