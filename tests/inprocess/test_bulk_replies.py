@@ -16,7 +16,9 @@ from volunteerd.config import Config
 from volunteerd.errors import RemoteError
 from volunteerd.net import PROTOCOLS, Reply, Request, RpcClient, RpcServer, Verb
 from volunteerd.net.rpc import BULK_AT_ONCE
-from volunteerd.net.throttle import BYTES_PER_MBIT, Throttle
+from volunteerd.net.throttle import BYTES_PER_MBIT, Throttle, TransferLedger
+from volunteerd.server.pipeline import _budgeted
+from volunteerd.server.transfers import TransferBudget
 from volunteerd.testing.memnet import MemoryNetwork
 from volunteerd.wire import TensorMeta, encode_frame
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
@@ -172,3 +174,51 @@ async def test_reply_stops_going_out_once_its_caller_gave_up(
     assert server.stats.errors.get("caller_gone") == 2
     # what the limit let out until the callers' time was up, and a piece each over
     assert sent_by_then <= rate * config.timeouts.request_s + 3 * 64 * 1024
+
+
+async def test_the_bulk_budget_counts_only_what_went_out(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Under an upload limit and a daily quota, two strangers ask for large parameters:
+    one never reads (its caller is gone after ``request_s``), the other resets its
+    stream. Their replies' unsent parts go back to the bulk budget. Before, each reply
+    counted whole once built: in an outside audit joiners that got nothing were refused
+    for having used their share."""
+    config = Config.model_validate({"limits": {"upload_mbit": 1, "daily_quota_gb": 1.0}})
+    reply_bytes = 16 << 20
+    now = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600
+
+    async def params(request: Request) -> Reply:
+        return params_reply(reply_bytes)
+
+    network = MemoryNetwork()
+    throttle = Throttle(config.limits, TransferLedger(None, clock=lambda: now))
+    budget = TransferBudget(throttle)
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: _budgeted(params, budget)},
+            config.wire,
+            config.timeouts,
+            config.peer_limits,
+            throttle,
+        )
+        server.install()
+        frame = encode_frame(ParamsRequest(uid="ffn.0.0"))
+        async with (
+            network.open_host(ip="10.0.0.1") as one,
+            network.open_host(ip="10.0.0.2") as two,
+        ):
+            streams = [await h.open_stream(server_host.address, PARAMS) for h in (one, two)]
+            for stream in streams:
+                await stream.write(frame)  # and never read
+            await trio.sleep(10)
+            await streams[1].reset()
+            await trio.sleep(config.timeouts.request_s + 30)
+    assert server.stats.errors.get("caller_gone") == 1
+    sent = throttle.bytes_up
+    assert 0 < sent < reply_bytes
+    # what went out, give or take the pieces cut half-way
+    assert sent - 4 * 64 * 1024 <= budget._total <= sent
+    assert set(budget._parties) == {"10.0.0.1", "10.0.0.2"}
+    assert sum(budget._parties.values()) == budget._total

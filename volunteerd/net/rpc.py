@@ -174,6 +174,10 @@ class Request:
 class Reply:
     header: BaseModel
     buffers: Sequence[bytes | bytearray | memoryview] = ()
+    # Told how many bytes of the reply's frame did not go out, when it was refused after
+    # it was built or its write ended early (the caller gone, a slow reader, the stream
+    # failed or the server stopping): the bulk budget counts only what was written.
+    unsent: Callable[[int], None] | None = None
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
@@ -491,6 +495,8 @@ class RpcServer:
         # what the others hold (on an idle server it always does).
         others = self._inflight_bytes - self._charged.get(id(stream), 0)
         if spec.verb in _BULK_VERBS and others and others + len(data) > self._inflight_budget:
+            if reply.unsent is not None:
+                reply.unsent(len(data))
             del data
             refusal = Busy(f"server busy: {self._inflight_bytes >> 20} MiB of requests in flight")
             await self._refuse(spec, stream, peer_id, refusal)
@@ -499,13 +505,21 @@ class RpcServer:
         # The reply's bytes count as in flight until written: replies far larger than
         # their requests (params, shard) must not pile up outside the budget.
         self._charge(stream, len(data))
-        await self._write(stream, data, began + self._timeouts.request_s)
+        await self._write(stream, data, began + self._timeouts.request_s, reply.unsent)
         return True
 
-    async def _write(self, stream: Stream, data: bytes, deadline: float = math.inf) -> None:
+    async def _write(
+        self,
+        stream: Stream,
+        data: bytes,
+        deadline: float = math.inf,
+        unsent: Callable[[int], None] | None = None,
+    ) -> None:
         """Write ``data``, each piece of it within frame_read_s; raises _SlowReader.
         Raises _CallerGone at ``deadline`` (trio's clock; the request's start plus
-        ``request_s``: its caller gave up by then).
+        ``request_s``: its caller gave up by then). When the write ends early (those,
+        the stream failing, a cancellation) ``unsent`` hears how many bytes did not go
+        out (a piece cut half-way counts as not sent).
 
         A piece's wait for this node's own upload limit is not counted: it is the
         volunteer's queue, shared by every reply going out, not the reader's slowness.
@@ -516,20 +530,29 @@ class RpcServer:
         replies outlived their callers and an honest forward's reply was sent after
         the attack had ended, 60 s late (an outside audit)."""
         view = memoryview(data)
-        for start in range(0, len(view), _REPLY_PIECE):
-            piece = data if len(view) <= _REPLY_PIECE else bytes(view[start : start + _REPLY_PIECE])
-            if trio.current_time() >= deadline:
-                raise _CallerGone
-            out = stream
-            if isinstance(stream, ThrottledStream):
-                with trio.move_on_at(deadline) as queued:
-                    out = await stream.clear_to_send(len(piece))
-                if queued.cancelled_caught:
+        sent = 0
+        try:
+            for start in range(0, len(view), _REPLY_PIECE):
+                piece = (
+                    data if len(view) <= _REPLY_PIECE else bytes(view[start : start + _REPLY_PIECE])
+                )
+                if trio.current_time() >= deadline:
                     raise _CallerGone
-            with trio.move_on_after(self._timeouts.frame_read_s) as waited:
-                await out.write(piece)
-            if waited.cancelled_caught:
-                raise _SlowReader
+                out = stream
+                if isinstance(stream, ThrottledStream):
+                    with trio.move_on_at(deadline) as queued:
+                        out = await stream.clear_to_send(len(piece))
+                    if queued.cancelled_caught:
+                        raise _CallerGone
+                with trio.move_on_after(self._timeouts.frame_read_s) as waited:
+                    await out.write(piece)
+                if waited.cancelled_caught:
+                    raise _SlowReader
+                sent += len(piece)
+        except BaseException:
+            if unsent is not None:
+                unsent(len(view) - sent)
+            raise
 
     def _reserve(self, stream: Stream, declared: int) -> bool:
         """Charge a frame to the in-flight budget shared by all peers until its reply is

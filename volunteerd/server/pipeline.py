@@ -85,7 +85,8 @@ def expert_handlers(
 
 def _budgeted(handler: Handler, budget: TransferBudget) -> Handler:
     """``handler`` (``params``, ``shard``) within ``budget``: its reply counted at its size
-    (a shard chunk as part of its snapshot's ``total``), or refused."""
+    (a shard chunk as part of its snapshot's ``total``), or refused; the part of it the
+    RPC layer could not write (``Reply.unsent``) is given back."""
 
     async def within_the_budget(request: Request) -> Reply:
         party = request.address or request.peer_id
@@ -93,6 +94,8 @@ def _budgeted(handler: Handler, budget: TransferBudget) -> Handler:
         reply = await handler(request)
         size = sum(memoryview(buffer).nbytes for buffer in reply.buffers)
         budget.take(party, size, max(size, getattr(reply.header, "total", 0)))
+        # What does not go out is given back (the frame's tail is the body's).
+        reply.unsent = lambda n: budget.give_back(party, min(n, size))
         return reply
 
     return within_the_budget

@@ -30,7 +30,11 @@ Both codes tell an honest peer to try later: the shard download retries them wit
 backoff, the replica averager backs off from the peer, and a joiner whose downloads
 all fail seeds the expert. A reply is counted at its real size once the handler has
 built it (before that, a party or the whole already over its budget is refused without
-building one). Without a quota nothing is counted or refused.
+building one), and what of it is not written after all (refused for memory, its caller
+gone, a slow reader, the stream reset: ``net.rpc.Reply.unsent``) is given back. Before,
+a reply counted whole as soon as it was built: in an outside audit two joiners that had
+got no expert from a seed were refused for having used their share, and the bulk half
+was used up with ~40 MB of it sent. Without a quota nothing is counted or refused.
 """
 
 from __future__ import annotations
@@ -109,6 +113,17 @@ class TransferBudget:
         self._parties.move_to_end(party)
         while len(self._parties) > MAX_PARTIES:
             self._parties.popitem(last=False)
+
+    def give_back(self, party: str, size: int) -> None:
+        """Uncount ``size`` bytes of a reply to ``party`` that were not sent after all
+        (refused once built, or its write ended early: the caller gone, the stream
+        reset). A reply cut at midnight gives back from the new day's count, never below
+        nothing."""
+        if size <= 0 or not self._allowance():
+            return
+        self._total = max(0, self._total - size)
+        if party in self._parties:
+            self._parties[party] = max(0, self._parties[party] - size)
 
     def _refuse(self, party: str, allowance: int, size: int, whole: int) -> None:
         bulk = int(allowance * BULK_SHARE)
