@@ -69,19 +69,23 @@ class Hosting:
     averager: ReplicaAverager | None = None  # set by start
     joiners: list[Joiner] = field(default_factory=list)  # one per project, in order
     hosted: set[str] = field(default_factory=set)  # what to announce, but held-back experts
+    # The bulk transfers' share of the transfer quotas, one for the daemon: what peers
+    # download from it and what its averager fetches (set by handlers)
+    budget: TransferBudget | None = None
 
     def handlers(
         self, gate: RequestGate, accountant: Accountant, throttle: Throttle
     ) -> dict[Verb, Handler]:
         """The expert verbs through the request pipeline (pause gate, accounting, the
         bulk replies' share of ``throttle``'s quotas), those of experts held back after a
-        freeze refused (``RequestGate.held``)."""
+        freeze refused (``RequestGate.held``). The budget is the averager's too."""
+        self.budget = TransferBudget(throttle)
         handlers = expert_handlers(
             self.runtime,
             gate=gate,
             accountant=accountant,
             shards=self.shards,
-            budget=TransferBudget(throttle),
+            budget=self.budget,
         )
         return hold_back(handlers, gate, accountant)
 
@@ -145,6 +149,7 @@ class Hosting:
             config.replicas,
             on_stale=hold,
             lookup_s=config.timeouts.dht_lookup_s,
+            budget=self.budget,
         )
         self.checkpointer.budget_bytes = lambda: round(volunteer.limits.disk_budget_gb * 1e9)
         set_uids(set(self.runtime.uids))  # experts.uids (none while in a project)

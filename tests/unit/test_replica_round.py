@@ -10,6 +10,7 @@ check runs. Inline, every time below is exact."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Sequence
 
@@ -17,12 +18,15 @@ import pytest
 import torch
 import trio
 
-from volunteerd.config import ExpertsConfig, RuntimeConfig, WireLimits
+from volunteerd.config import ExpertsConfig, LimitsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import ReplicasConfig
 from volunteerd.errors import PeerUnreachable, RequestTimeout
 from volunteerd.experts import to_wire
+from volunteerd.net import Throttle
+from volunteerd.net.throttle import TransferLedger
 from volunteerd.runtime import ExpertRuntime, averaging
 from volunteerd.runtime.averaging import ReplicaAverager
+from volunteerd.server.transfers import TransferBudget
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply
 
@@ -299,3 +303,40 @@ async def test_experts_without_replicas_take_none_of_a_rounds_time(
     assert set(swarm.fetched) == replicated
     assert averager._replicated == replicated
     assert averager.statistics().rounds == 2
+
+
+async def test_averaging_fetches_stay_within_the_quotas_bulk_share(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under a daily quota the averager's own fetches go against the bulk half, at most
+    half of it: fetches that do not fit are skipped, then whole rounds (no lookups),
+    logged once. Before, nothing bounded them: a seed's averaging received 164 MB in
+    ~70 s under a 0.2 GB quota and stopped serving until midnight (an outside audit)."""
+    runtime = runtime_of(4)
+    fetch_bytes = expert_bytes(runtime) + averaging.FETCH_FRAME_BYTES
+    now = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600
+    ledger = TransferLedger(None, clock=lambda: now)
+    # averaging's share (a quarter of the allowance): two and a half fetches
+    allowance = 10 * fetch_bytes
+    throttle = Throttle(LimitsConfig(daily_quota_gb=allowance / 1e9), ledger)
+    budget = TransferBudget(throttle)
+    swarm = Swarm(runtime, silent=0, honest_s=1.0)
+    averager = ReplicaAverager(
+        runtime, swarm, ReplicasConfig(), clock=trio.current_time, budget=budget
+    )
+    with caplog.at_level(logging.WARNING, logger="volunteerd.server.transfers"):
+        assert await averager.run_round() == 2  # two experts; two skipped
+        assert averager.statistics().skipped_for_quota == 2
+        assert budget._total == budget._fetched == 2 * fetch_bytes
+        lookups = len(swarm.listed)
+        swarm.listed.clear()
+        assert await averager.run_round() == 0  # no fetch fits: not even a lookup
+        assert not swarm.listed
+        assert averager.statistics().skipped_for_quota == 3
+    assert lookups == 4
+    assert swarm.calls["honest"] == 2
+    assert budget._total <= allowance // 4
+    skipped = [r for r in caplog.records if "averaging skipped" in r.getMessage()]
+    assert len(skipped) == 1
+    # what peers download keeps the rest of the bulk half
+    budget.take("10.0.0.1", fetch_bytes, fetch_bytes)

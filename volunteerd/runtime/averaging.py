@@ -59,6 +59,16 @@ until they are averaged with at least one replica, this daemon's own stale weigh
 out of the mean (``catch_up``). One whose lookup now lists no replica serves at once;
 after ``CATCH_UP_S`` every expert serves again, caught up or not.
 
+Under a transfer quota: every fetch's bytes (what a replica sends, and a little for the
+request and the reply's header: ``FETCH_FRAME_BYTES``) are asked of ``budget``
+(``server.transfers.TransferBudget``, the one the daemon's bulk replies use) before it
+starts, and given back if it fails before a reply came; a fetch that does not fit is
+skipped, and a round when not even its smallest expert's fetch fits (counted in
+``AveragingStats.skipped_for_quota``; the budget logs it once a day). Before, nothing
+bounded them: an outside audit's seed of 32 experts received 164 MB in ~70 s of
+averaging with the joiners that hosted replicas, used up its 0.2 GB daily quota and
+stopped serving until midnight.
+
 The network is behind ``ReplicaSource`` (the daemon gives the DHT and the RPC client),
 so this module needs no libp2p and its tests can fake the swarm.
 """
@@ -91,7 +101,13 @@ if TYPE_CHECKING:
     # trio's TaskStatus as libp2p's trio-typing stubs spell it
     from trio_typing import TaskStatus
 
-__all__ = ["AveragingStats", "ReplicaAverager", "ReplicaSource", "centered_clip"]
+__all__ = [
+    "AveragingStats",
+    "FetchBudget",
+    "ReplicaAverager",
+    "ReplicaSource",
+    "centered_clip",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +123,9 @@ MIN_REPLY_RATE = 32 << 10
 CONCURRENT_EXPERTS = 4
 # ...fewer while max_peers replies of each would hold more bytes than this (one at least)
 GATHER_BUDGET_BYTES = 512 << 20
+# A fetch's bytes beside the parameters, asked of the budget: its request, the reply's
+# prefix and header (names and tensor metadata)
+FETCH_FRAME_BYTES = 4096
 # A daemon that did not run for this long (its 1 s ticks, ``TICK_S``) holds back its
 # replicated experts until caught up. Twice the default ``average_every_s``: replicas are
 # always up to a round apart, and the round due at waking handles a freeze that short.
@@ -141,6 +160,24 @@ class ReplicaSource(Protocol):
         ...
 
 
+class FetchBudget(Protocol):
+    """What this daemon may receive for its own bulk transfers (a transfer quota's
+    share: ``server.transfers.TransferBudget``)."""
+
+    def fetch(self, size: int) -> bool:
+        """Count ``size`` bytes about to be received; False, counting nothing, when
+        they do not fit."""
+        ...
+
+    def can_fetch(self, size: int) -> bool:
+        """Whether ``size`` bytes would fit (nothing counted)."""
+        ...
+
+    def unfetched(self, size: int) -> None:
+        """Uncount ``size`` bytes of a ``fetch`` that did not come."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class AveragingStats:
     rounds: int  # averaging rounds of one expert that found at least one good replica
@@ -149,6 +186,8 @@ class AveragingStats:
     rejected_by_peer: dict[str, int]
     clipped_by_peer: dict[str, int]  # tensors of a peer's reply that were clipped
     last_shift: dict[str, float]  # uid -> |new - own| / |own| over all tensors, last round
+    # replica fetches (and whole rounds) skipped: the transfer quota's bulk share was used
+    skipped_for_quota: int = 0
 
 
 @dataclass(slots=True)
@@ -159,6 +198,7 @@ class _Counters:
     rejected_by_peer: dict[str, int] = field(default_factory=dict)
     clipped_by_peer: dict[str, int] = field(default_factory=dict)
     last_shift: dict[str, float] = field(default_factory=dict)
+    skipped_for_quota: int = 0
 
 
 class ReplicaAverager:
@@ -175,11 +215,13 @@ class ReplicaAverager:
         awake_clock: Callable[[], float] = awake_time,
         on_stale: Callable[[frozenset[str]], None] = lambda stale: None,
         lookup_s: float = 0.0,
+        budget: FetchBudget | None = None,
     ) -> None:
         self.runtime = runtime
         self.source = source
         self._config = config
         self._lookup_s = lookup_s  # the most ``source.replicas`` takes
+        self._budget = budget  # a transfer quota's share for fetches; None: no quota
         self._rng = rng or random.Random()
         self._clock = clock
         self._counts = _Counters()
@@ -279,6 +321,11 @@ class ReplicaAverager:
         if not sizes:
             return 0
         self._turns = {uid: n for uid, n in self._turns.items() if uid in sizes}
+        budget = self._budget
+        if budget is not None and not budget.can_fetch(min(sizes.values()) + FETCH_FRAME_BYTES):
+            # not even one fetch fits today: no lookups either
+            self._counts.skipped_for_quota += 1
+            return 0
         deadline = trio.current_time() + self.round_s(max(sizes.values()))
         listed: dict[str, list[str]] | None = None
         try:
@@ -381,15 +428,21 @@ class ReplicaAverager:
 
             async def fetch(peer_id: str) -> None:
                 got: tuple[ParamsReply, list[WireTensor]] | None = None
+                counted = max_bytes + FETCH_FRAME_BYTES
+                if not self._fits(counted):
+                    self._counts.skipped_for_quota += 1
+                    return
                 # Only this peer's own bound counts against it: a cut at the round's
                 # deadline (an outer scope) propagates past this one, uncounted.
                 with trio.move_on_after(bound_s):
                     try:
                         got = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
-                    except FrameTooLarge as exc:
+                    except FrameTooLarge as exc:  # refused from its prefix
+                        self._unfetched(counted)
                         self._reject(peer_id, "too_large", str(exc))
                         return
                     except VolunteerdError as exc:
+                        self._unfetched(counted)
                         self._reject(peer_id, "unreachable", str(exc))
                         return
                 if got is None:
@@ -408,6 +461,14 @@ class ReplicaAverager:
                 for peer_id in peers:
                     nursery.start_soon(fetch, peer_id)
         return replies
+
+    def _fits(self, size: int) -> bool:
+        """Whether the budget lets ``size`` bytes be fetched (then counted)."""
+        return self._budget is None or self._budget.fetch(size)
+
+    def _unfetched(self, size: int) -> None:
+        if self._budget is not None:
+            self._budget.unfetched(size)
 
     def _param_bytes(self, uid: str) -> int:
         module = self.runtime.backend(uid).module
@@ -499,6 +560,7 @@ class ReplicaAverager:
             rejected_by_peer=dict(c.rejected_by_peer),
             clipped_by_peer=dict(c.clipped_by_peer),
             last_shift=dict(c.last_shift),
+            skipped_for_quota=c.skipped_for_quota,
         )
 
 

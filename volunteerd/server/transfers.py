@@ -26,6 +26,14 @@ the monthly quota (the smaller when both are set):
   the 50 MB half; 8 such experts would be 16.8 MB), 25 MB at 0.2 GB: one address still
   takes at most a quarter of what bulk replies may use in a day.
 
+This daemon's own bulk fetches, the replica averager's ``params`` requests to other
+replicas (``fetch``), go against the same half: what they receive counts in the quota
+as what is sent does. In an outside audit a seed of 32 experts, once joiners hosted
+replicas, received 164 MB in ~70 s of averaging under a 0.2 GB daily quota and stopped
+serving until midnight. Now its fetches take at most ``AVERAGING_SHARE`` (half) of the
+bulk half, so that joiners downloading from this daemon keep the rest of it, and a
+fetch that does not fit is skipped (logged once a day); serving keeps its half always.
+
 Both codes tell an honest peer to try later: the shard download retries them with a
 backoff, the replica averager backs off from the peer, and a joiner whose downloads
 all fail seeds the expert. A reply is counted at its real size once the handler has
@@ -46,6 +54,7 @@ from volunteerd.errors import Busy, RateLimited
 from volunteerd.net.throttle import Throttle
 
 __all__ = [
+    "AVERAGING_SHARE",
     "BULK_SHARE",
     "DAYS_PER_MONTH",
     "JOIN_EXPERTS",
@@ -60,6 +69,7 @@ BULK_SHARE = 0.5  # of the day's allowance, for all bulk replies together
 PARTY_SHARE = 0.05  # of the day's allowance, for one party at least...
 JOIN_EXPERTS = 8  # ...or this many whole transfers (a joiner's experts)...
 PARTY_MOST = 0.25  # ...but no more than this of the bulk half (or one whole transfer)
+AVERAGING_SHARE = 0.5  # of the bulk half, for this daemon's own averaging fetches
 DAYS_PER_MONTH = 30  # a monthly quota's day allowance is this fraction of it
 # Parties counted today; the least recently served are forgotten beyond (their bytes
 # stay in the day's total, which bounds what forgetting can give away).
@@ -76,6 +86,8 @@ class TransferBudget:
         self._parties: OrderedDict[str, int] = OrderedDict()  # party -> bulk bytes today
         self._largest = 0  # the largest whole transfer seen (a refusal's estimate)
         self._told = False  # whether today's "bulk share used" was logged
+        self._fetched = 0  # bytes of this daemon's own fetches today (in ``_total`` too)
+        self._told_fetch = False  # whether today's "fetches skipped" was logged
 
     def _allowance(self) -> int:
         """Today's allowance in bytes (0: no quota)."""
@@ -89,6 +101,7 @@ class TransferBudget:
         _ = ledger.today  # turns the ledger's day over if it has ended
         if ledger.day != self._day:
             self._day, self._total, self._told = ledger.day, 0, False
+            self._fetched, self._told_fetch = 0, False
             self._parties.clear()
         return max(1, min(quotas))
 
@@ -113,6 +126,48 @@ class TransferBudget:
         self._parties.move_to_end(party)
         while len(self._parties) > MAX_PARTIES:
             self._parties.popitem(last=False)
+
+    def fetch(self, size: int) -> bool:
+        """Count ``size`` bytes this daemon is about to receive for its own bulk transfer
+        (a replica's parameters, the request's and reply header's bytes included), or
+        return False, counting nothing, when they do not fit (``can_fetch``)."""
+        if not self.can_fetch(size):
+            return False
+        if self._allowance():
+            self._total += size
+            self._fetched += size
+        return True
+
+    def can_fetch(self, size: int) -> bool:
+        """Whether ``size`` bytes of this daemon's own fetches fit today: in the bulk
+        half, and in ``AVERAGING_SHARE`` of it. Always True without a quota."""
+        allowance = self._allowance()
+        if not allowance:
+            return True
+        bulk = int(allowance * BULK_SHARE)
+        most = int(bulk * AVERAGING_SHARE)
+        if self._total + size > bulk or self._fetched + size > most:
+            if not self._told_fetch:
+                self._told_fetch = True
+                logger.warning(
+                    "replica averaging skipped until midnight: bulk transfers used their "
+                    "share of the day's transfer quota (%d of %d bytes; averaging %d of "
+                    "its %d); serving keeps the rest",
+                    self._total,
+                    bulk,
+                    self._fetched,
+                    most,
+                )
+            return False
+        return True
+
+    def unfetched(self, size: int) -> None:
+        """Uncount ``size`` bytes of a ``fetch`` that did not come (a refusal, an
+        unreachable peer)."""
+        if size <= 0 or not self._allowance():
+            return
+        self._total = max(0, self._total - size)
+        self._fetched = max(0, self._fetched - size)
 
     def give_back(self, party: str, size: int) -> None:
         """Uncount ``size`` bytes of a reply to ``party`` that were not sent after all
