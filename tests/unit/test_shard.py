@@ -19,6 +19,7 @@ from volunteerd.errors import (
     MalformedFrame,
     PeerUnreachable,
     RemoteError,
+    RequestTimeout,
     ShardError,
     SnapshotExpired,
     UnknownExpert,
@@ -631,3 +632,71 @@ async def test_a_chunk_shorter_than_asked_before_the_end_is_refused(
     honest = FakeRpc(server(Experts(ffn_0_0=DATA[:1500])))
     await download(honest, tmp_path / "y")
     assert (tmp_path / "y").read_bytes() == DATA[:1500]
+
+
+class Queued(FakeRpc):
+    """A replica whose bulk slots are taken: the first request waits ``queue_s`` for
+    its turn, then every chunk comes at once; with ``stall_after``, requests after that
+    many answers wait for ever (a replica that stops sending)."""
+
+    def __init__(self, shards: ShardServer, queue_s: float, stall_after: int = 0) -> None:
+        super().__init__(shards)
+        self.queue_s = queue_s
+        self.stall_after = stall_after
+
+    async def call_raw(
+        self, peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
+    ) -> tuple[Any, memoryview]:
+        if self.calls == 0:
+            await trio.sleep(self.queue_s)
+        elif self.stall_after and self.calls >= self.stall_after:
+            await trio.sleep_forever()
+        return await super().call_raw(peer, verb, header, max_body_bytes=max_body_bytes)
+
+
+def _expert_file() -> tuple[Any, bytes]:
+    from volunteerd.config import ExpertsConfig
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.experts.checkpoint_file import encode_checkpoint
+
+    backend = ExpertBackend("ffn.0.0", ExpertsConfig(hidden_dim=8), torch.device("cpu"), 64)
+    return backend, b"".join(bytes(piece) for piece in encode_checkpoint(backend.state()))
+
+
+@pytest.mark.parametrize("queue_s", [8.0, 20.0])
+async def test_a_newcomer_waits_its_turn_in_a_replicas_queue(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None, queue_s: float
+) -> None:
+    """A seed answers 4 shard requests at once and keeps the others waiting up to half
+    its request_s (30 s); the download's 5 s grace counted that wait, so every joiner
+    beyond the fourth failed at 5 s and seeded its expert (an outside audit: 59 of 72)."""
+    from volunteerd.swarm.download import ShardDownloader
+
+    backend, data = _expert_file()
+    rpc = Queued(server(Experts(ffn_0_0=data)), queue_s)
+    start = trio.current_time()
+    state = await ShardDownloader(rpc, tmp_path, 600).download(PEER, backend)  # type: ignore[arg-type]
+    assert state.uid == "ffn.0.0"
+    assert trio.current_time() - start == pytest.approx(queue_s)
+
+
+async def test_the_pace_counts_from_the_first_reply_and_a_queue_past_its_bound_fails(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """The queue's wait is granted once, before the first reply: a replica still silent
+    after it plus the grace fails, saying it only kept the request waiting (a
+    RequestTimeout as the cause: the joiner tries it again later); one that answered
+    and then stopped sending fails at the pace counted from that answer."""
+    silent = Queued(server(Experts(ffn_0_0=DATA)), 50.0)
+    start = trio.current_time()
+    with pytest.raises(ShardError, match=r"0 bytes in 35\.0 s") as failed:
+        await download(silent, tmp_path / "x", min_rate=1024, grace_s=5.0, queue_s=30.0)
+    assert isinstance(failed.value.__cause__, RequestTimeout)
+    assert trio.current_time() - start == pytest.approx(35.0)
+    stalling = Queued(server(Experts(ffn_0_0=DATA)), 20.0, stall_after=2)
+    start = trio.current_time()
+    with pytest.raises(ShardError, match=r"2048 bytes in 27\.0 s") as failed:
+        await download(stalling, tmp_path / "y", min_rate=1024, grace_s=5.0, queue_s=30.0)
+    # the first reply came at 20 s: 5 s of grace, then 2 KiB at 1 KiB a second
+    assert trio.current_time() - start == pytest.approx(27.0)
+    assert failed.value.__cause__ is None  # it sent bytes: slow, not queued
