@@ -18,6 +18,7 @@ class Project:
     error: str | None = None
     expired_at: float | None = None
     too_big: bool = False
+    waiting: str | None = None
 
 
 def signals(**changes: object) -> Signals:
@@ -62,6 +63,17 @@ def test_a_recorded_project_without_experts_yet_is_joining() -> None:
     )
     assert activity.state == "joining"
     assert activity.message == "joining tinylm"
+
+
+def test_a_join_waiting_for_a_busy_replica_says_so() -> None:
+    # "joining" alone while a crowd queued at a busy seed: the volunteer saw nothing move
+    waiting = "waiting for a busy replica of ffn.3.1, retrying in 40 s"
+    activity = decide_activity(
+        signals(experts=0, projects=(Project("tinylm", "joining", waiting=waiting),))
+    )
+    assert activity.state == "joining"
+    assert activity.message == f"joining tinylm: {waiting}"
+    assert "replicas are serving others" in activity.hint
 
 
 def test_a_join_held_back_waits_and_says_why_and_what_to_do() -> None:

@@ -187,7 +187,7 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered() -> None:
     import torch
 
     from volunteerd.config import ExperimentsConfig, ExpertsConfig
-    from volunteerd.errors import Busy
+    from volunteerd.errors import ShardError
     from volunteerd.experts import ExpertBackend
     from volunteerd.swarm.joiner import Joiner
 
@@ -214,8 +214,8 @@ async def test_a_newcomer_downloads_only_from_replicas_that_answered() -> None:
 
         async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
             asked.append(peer.peer_id)
-            if not self.answering:
-                raise Busy("try later")
+            if not self.answering:  # bad bytes: a busy replica would be asked again
+                raise ShardError("the bytes received do not match their sha256", resumable=False)
             return replica.state()
 
         async def discard(self, uid: str) -> None:

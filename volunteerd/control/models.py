@@ -331,6 +331,9 @@ class ProjectView(_Reply):
     expired_at: float | None = None  # when its manifest expired, if that is why it failed
     # it failed because not even one of its experts fits this computer's memory budget
     too_big: bool = False
+    # what its join waits for now ("waiting for a busy replica of ffn.3.1, retrying in
+    # 40 s"): an expert whose replicas are busy is downloaded later, not seeded
+    waiting: str | None = None
     advice: str = ""  # what the volunteer can do about a project not hosted
 
     @classmethod

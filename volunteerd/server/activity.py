@@ -8,7 +8,8 @@ passes them in. The first rule that holds decides::
     not_in_project  no expert hosted and no project recorded
     joining         no expert hosted yet, a project recorded (its experts on the way;
                     waiting, and why, while bulk transfers are held: paused, a quota,
-                    the network hours; or the join failed: the message says why)
+                    the network hours, or a replica busy serving others; or the join
+                    failed: the message says why)
     paused          not serving by choice or rule: paused, snoozed, a quota, the schedule
     no_peers        no peer connected
     unreachable     peers cannot dial this node and no relay carries its connections
@@ -54,6 +55,8 @@ class ProjectSignal(Protocol):
     def expired_at(self) -> float | None: ...  # its manifest's, when that is why it failed
     @property
     def too_big(self) -> bool: ...  # its experts do not fit this computer's memory budget
+    @property
+    def waiting(self) -> str | None: ...  # "waiting for a busy replica of ffn.3.1, ..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,14 @@ def _joining(s: Signals) -> Activity:
         # Not "downloading": nothing is, until the hold ends (a daily quota: midnight).
         why, remedy = _held_join(s)
         return _activity("joining", f"joining {', '.join(on_the_way)}: waiting, {why}", remedy)
+    busy = next((p for p in projects if p.state != "failed" and p.waiting), None)
+    if busy is not None:
+        return _activity(
+            "joining",
+            f"joining {busy.name}: {busy.waiting}",
+            "its experts' replicas are serving others first; it downloads them in turn "
+            "(its trained weights, not a fresh start)",
+        )
     if on_the_way:
         return _activity(
             "joining",

@@ -743,4 +743,5 @@ def _project_view(project: Project, joiner: Joiner | None) -> ProjectView:
         error=joiner.error if joiner is not None else None,
         expired_at=joiner.expired_at if joiner is not None else None,
         too_big=joiner.too_big if joiner is not None else False,
+        waiting=joiner.waiting if joiner is not None else None,
     )

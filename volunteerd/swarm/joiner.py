@@ -21,7 +21,9 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    replica's current state (downloaded, from replicas that answered first), else the
    seeded weights of the manifest (when its checkpoints were all damaged, an error
    says which of the two it got: ``Checkpointer.damaged``); then host it and announce
-   it;
+   it. An expert whose replicas were only busy (they answered ``busy``, ``paused`` or
+   ``rate_limited``, or kept the download waiting in their queue) is not seeded: it is
+   not hosted until a later try downloads it (``waiting`` says so meanwhile);
 4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
    the DHT first, finish their queued work, and are saved for a later return;
 5. at those rounds, every ``manifest_check_every_s`` (5 min), look the manifest up
@@ -53,7 +55,9 @@ import trio
 from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
 from volunteerd.errors import (
     ConfigError,
+    RequestTimeout,
     ResourceUnavailable,
+    ShardError,
     UnknownExpert,
     UntrustedManifest,
     VolunteerdError,
@@ -88,6 +92,19 @@ _SEED_LOOKUPS = 3
 # that answered `info` and sent bad bytes in 3 of 12 experts (an outside probe): seeded,
 # their weights forked from the trained ones.
 _MAX_DOWNLOADS = 16
+# A replica that answers one of these has the expert, or kept the download waiting in
+# its queue (a RequestTimeout): it will give the expert later. Seeding it instead
+# forked it from the trained weights: 59 of 72 experts of 12 joiners that started
+# together at one seed (an outside audit; in a second wave, the seed's used-up quota,
+# ``paused``, seeded every one). Such an expert is tried again after _BUSY_FIRST_S,
+# doubling up to _BUSY_MOST_S, each +-50 % (joiners that queued together come back
+# apart), for _BUSY_WAIT_S in a round; still not downloaded then, the next rebalance
+# chooses again. (The seed's queue serves 4 at once: 48 experts of 2.1 MB take ~100 s
+# at 8 Mbit/s.)
+_LATER_CODES = frozenset({"busy", "paused", "rate_limited"})
+_BUSY_FIRST_S = 10.0
+_BUSY_MOST_S = 60.0
+_BUSY_WAIT_S = 300.0
 
 # While a join adds experts, the announcer is woken at most once every
 # ``announce_gap_s`` (the daemon's dht.announce_period_s: 15 s by default), the first
@@ -265,10 +282,23 @@ class Joiner:
         # the last attempt failed for this computer's room (its memory), not the network
         self.too_big = False
         self.joins = 0  # times it reached "joined"
+        # (uid, trio time of the next try) while an expert waits for a busy replica
+        self._busy_retry: tuple[str, float] | None = None
 
     @property
     def name(self) -> str:
         return self._config.join
+
+    @property
+    def waiting(self) -> str | None:
+        """What the join waits for now, for the volunteer ("waiting for a busy replica
+        of ffn.3.1, retrying in 40 s"); None when it waits for nothing."""
+        if self._busy_retry is None:
+            return None
+        uid, at = self._busy_retry
+        left = at - trio.current_time()
+        when = f"retrying in {left:.0f} s" if left >= 1 else "trying it now"
+        return f"waiting for a busy replica of {uid}, {when}"
 
     def _now(self) -> float:
         """The swarm's time: what records' ``issued_at`` and ``expires_at`` are read on."""
@@ -630,26 +660,65 @@ class Joiner:
         try:
             async with trio.open_nursery() as nursery:  # the wake-ups beside the loop
                 nursery.start_soon(wakes.serve)
-                for uid in uids:
-                    backend = await trio.to_thread.run_sync(
-                        self._runtime.make_backend, uid, experts
-                    )
-                    if self.manifest is not None:  # whose weights its checkpoints will hold
-                        backend.experiment = f"{self.manifest.owner}/{self.manifest.name}"
-                    self.sources[uid] = await self._initial_state(backend, replicas.get(uid, []))
-                    await self._runtime.add_expert(backend)
-                    self.hosted[uid] = trio.current_time()
-                    # Served soon after it is ready, not after the others: each may take
-                    # its replicas' downloads (a newcomer with room for many served none
-                    # meanwhile).
-                    wakes.request()
+                await self._add_in_turn(uids, replicas, experts, wakes)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # only the loop raises (the wake-ups do not): its error, as rebalance's
             # callers and ``error`` knew it, not a group of one
             raise group.exceptions[0] from None
         finally:
+            self._busy_retry = None
             wakes.flush()
+
+    async def _add_in_turn(
+        self,
+        uids: Sequence[str],
+        replicas: Mapping[str, list[PeerAddress]],
+        experts: ExpertsConfig,
+        wakes: _Wakes,
+    ) -> None:
+        """Host ``uids`` one after another; those whose replicas were busy are tried
+        again after the others, with backoff (``_BUSY_WAIT_S`` in all), and are left
+        for the next rebalance if they still are."""
+        pending, delay, since = list(uids), _BUSY_FIRST_S, trio.current_time()
+        while True:
+            busy: list[str] = []
+            for uid in pending:
+                backend = await trio.to_thread.run_sync(self._runtime.make_backend, uid, experts)
+                if self.manifest is not None:  # whose weights its checkpoints will hold
+                    backend.experiment = f"{self.manifest.owner}/{self.manifest.name}"
+                try:
+                    source = await self._initial_state(backend, replicas.get(uid, []))
+                except _ReplicasBusy:
+                    busy.append(uid)
+                    continue
+                self.sources[uid] = source
+                await self._runtime.add_expert(backend)
+                self.hosted[uid] = trio.current_time()
+                # Served soon after it is ready, not after the others: each may take its
+                # replicas' downloads (a newcomer with room for many served none
+                # meanwhile).
+                wakes.request()
+            if not busy:
+                return
+            wait = delay * self._rng.uniform(0.5, 1.5)
+            if trio.current_time() + wait - since > _BUSY_WAIT_S:
+                logger.warning(
+                    "not hosting %s for now: their replicas stayed busy for %.0f s; "
+                    "chosen again at the next rebalance",
+                    ",".join(busy),
+                    trio.current_time() - since,
+                )
+                return
+            self._busy_retry = (busy[0], trio.current_time() + wait)
+            logger.info(
+                "%d experts wait for busy replicas (%s); trying again in %.0f s",
+                len(busy),
+                ",".join(busy),
+                wait,
+            )
+            await trio.sleep(wait)
+            pending, delay = busy, min(2 * delay, _BUSY_MOST_S)
 
     def _download_order(self, uid: str, replicas: Sequence[PeerAddress]) -> list[PeerAddress]:
         """The replicas to try, at most ``_MAX_DOWNLOADS``: only those that answered for
@@ -685,7 +754,8 @@ class Joiner:
 
     async def _fetched_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
         """Load ``backend``'s state from a live replica, else keep its seeded weights;
-        returns where it came from."""
+        returns where it came from. Raises _ReplicasBusy when no replica gave it and
+        one of them was only busy (``_later``): the expert exists and is not seeded."""
         uid = backend.uid
         for attempt in range(_SEED_LOOKUPS):
             if replicas:
@@ -699,6 +769,7 @@ class Joiner:
             if replicas and self._checks is not None:
                 replicas = (await self._checks.real({uid: replicas}))[uid]
         tried = self._download_order(uid, replicas)
+        busy: list[str] = []
         for peer in tried:
             try:
                 state = await self._downloader.download(peer, backend)
@@ -707,6 +778,10 @@ class Joiner:
                 logger.warning("could not download %s from %s: too slow", uid, peer)
                 continue
             except (VolunteerdError, OSError) as exc:
+                if _later(exc):
+                    logger.info("%s: replica %s is busy: %s", uid, peer, exc)
+                    busy.append(str(exc))
+                    continue
                 logger.warning("could not download %s from %s: %s", uid, peer, exc)
                 continue
             except Exception as exc:  # a stranger's bytes met a bug: that replica's failure
@@ -716,6 +791,8 @@ class Joiner:
                 continue
             logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
             return f"replica {peer.peer_id}"
+        if busy:  # what its downloads left is resumed on the next try
+            raise _ReplicasBusy(f"{uid}: {len(busy)} of its replicas were busy ({busy[0]})")
         await self._downloader.discard(uid)
         if tried:
             logger.warning(
@@ -725,6 +802,21 @@ class Joiner:
                 len(tried),
             )
         return "seed"
+
+
+class _ReplicasBusy(Exception):
+    """No replica of an expert gave its state, and one of them was only busy: the
+    expert exists, to be downloaded later rather than seeded."""
+
+
+def _later(exc: BaseException) -> bool:
+    """Whether a download failed only because its replica was busy: it answered
+    ``busy``, ``paused`` or ``rate_limited`` (``Busy``, ``Paused``, ``RateLimited`` or
+    their ``RemoteError``), or kept the request waiting (a RequestTimeout; a
+    ShardError of retries or of the pace, caused by one of those)."""
+    if isinstance(exc, ShardError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return isinstance(exc, RequestTimeout) or getattr(exc, "code", None) in _LATER_CODES
 
 
 def _expired(expires_at: float) -> str:
