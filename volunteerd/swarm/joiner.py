@@ -680,7 +680,7 @@ class Joiner:
         """Host ``uids`` one after another; those whose replicas were busy are tried
         again after the others, with backoff (``_BUSY_WAIT_S`` in all), and are left
         for the next rebalance if they still are."""
-        pending, delay, since = list(uids), _BUSY_FIRST_S, trio.current_time()
+        pending, delay, since = list(uids), _BUSY_FIRST_S, None
         while True:
             busy: list[str] = []
             for uid in pending:
@@ -701,6 +701,7 @@ class Joiner:
                 wakes.request()
             if not busy:
                 return
+            since = trio.current_time() if since is None else since  # the first refusal
             wait = delay * self._rng.uniform(0.5, 1.5)
             if trio.current_time() + wait - since > _BUSY_WAIT_S:
                 logger.warning(
