@@ -218,6 +218,13 @@ function projectItem(project) {
     error.textContent = project.error;
     main.append(error);
   }
+  if (project.waiting) {
+    // "waiting for a busy replica of ffn.3.1, retrying in 40 s": downloaded in turn
+    const waiting = document.createElement("div");
+    waiting.className = "muted project-waiting";
+    waiting.textContent = project.waiting;
+    main.append(waiting);
+  }
   if (project.advice) {
     const advice = document.createElement("div");
     advice.className = "muted project-advice";
