@@ -158,3 +158,33 @@ async def test_an_expert_without_replicas_or_with_broken_ones_is_still_seeded(
     await joiner._add(["ffn.0.0", "ffn.0.1"], {"ffn.0.1": [SEED]}, CONFIG)
     assert joiner.sources == {"ffn.0.0": "seed", "ffn.0.1": "seed"}
     assert [uid for _, uid in replica.asked] == ["ffn.0.1"]
+
+
+async def test_the_room_of_an_expert_busy_all_round_goes_to_another_for_a_while(
+    autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """A seed whose quota's share for bulk transfers is used refuses until midnight:
+    the expert it alone holds is left out of the next choices for a while, and the
+    joiner hosts another one that can be downloaded now (from another joiner)."""
+    from volunteerd.swarm.assignment import tie_break
+
+    uids = [f"ffn.0.{i}" for i in range(4)]
+    first, stubborn, *others = sorted(uids, key=lambda uid: tie_break("me", uid))
+    replica = Replica({stubborn: [RemoteError("busy", "quota's share used")] * 1000})
+    joiner = joiner_with(replica)
+    joiner._node = types.SimpleNamespace(peer_id="me")  # type: ignore[assignment]
+    joiner.manifest = types.SimpleNamespace(  # type: ignore[assignment]
+        uids=lambda: uids, replication=2, experts_config=lambda: CONFIG, owner="o", name="n"
+    )
+    joiner.capacity = 2
+
+    async def all_on_the_seed(asked: list[str]) -> dict[str, list[PeerAddress]]:
+        return {uid: [SEED] for uid in asked}
+
+    joiner.live_replicas = all_on_the_seed  # type: ignore[method-assign]
+    await joiner.rebalance()
+    assert set(joiner.hosted) == {first}  # the stubborn one neither hosted nor seeded
+    assert stubborn not in joiner.sources
+    await joiner.rebalance()
+    assert set(joiner.hosted) == {first, others[0]}
+    assert joiner.sources[others[0]] == "replica seed"

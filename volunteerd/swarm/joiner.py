@@ -98,9 +98,10 @@ _MAX_DOWNLOADS = 16
 # together at one seed (an outside audit; in a second wave, the seed's used-up quota,
 # ``paused``, seeded every one). Such an expert is tried again after _BUSY_FIRST_S,
 # doubling up to _BUSY_MOST_S, each +-50 % (joiners that queued together come back
-# apart), for _BUSY_WAIT_S in a round; still not downloaded then, the next rebalance
-# chooses again. (The seed's queue serves 4 at once: 48 experts of 2.1 MB take ~100 s
-# at 8 Mbit/s.)
+# apart), for _BUSY_WAIT_S in a round; still not downloaded then, rebalances choose
+# other experts in its place for _BUSY_WAIT_S, then it is a candidate again. (A seed
+# serves 4 at once: 48 experts of 2.1 MB take ~100 s at 8 Mbit/s; its quota's share
+# for bulk transfers, once used, refuses them until midnight.)
 _LATER_CODES = frozenset({"busy", "paused", "rate_limited"})
 _BUSY_FIRST_S = 10.0
 _BUSY_MOST_S = 60.0
@@ -284,6 +285,7 @@ class Joiner:
         self.joins = 0  # times it reached "joined"
         # (uid, trio time of the next try) while an expert waits for a busy replica
         self._busy_retry: tuple[str, float] | None = None
+        self._busy_until: dict[str, float] = {}  # uid -> trio time: left out of choices
 
     @property
     def name(self) -> str:
@@ -599,8 +601,13 @@ class Joiner:
         others = {uid: peers | self._seen_before.get(uid, set()) for uid, peers in seen.items()}
         self._seen_before = seen
         logger.debug("live replicas: %s", {uid: len(peers) for uid, peers in others.items()})
+        # Experts whose replicas stayed busy all the last round's wait are left out of
+        # this choice (hosted ones aside) for as long again: the room goes to experts
+        # that can be downloaded now, not to a seed's refusals until its quota resets.
+        now = trio.current_time()
+        self._busy_until = {u: at for u, at in self._busy_until.items() if at > now}
         choice = choose_experts(
-            uids,
+            [uid for uid in uids if uid in self.hosted or uid not in self._busy_until],
             others,
             self.hosted,
             capacity=self.capacity,
@@ -706,10 +713,12 @@ class Joiner:
             if trio.current_time() + wait - since > _BUSY_WAIT_S:
                 logger.warning(
                     "not hosting %s for now: their replicas stayed busy for %.0f s; "
-                    "chosen again at the next rebalance",
+                    "other experts are chosen in their place for a while",
                     ",".join(busy),
                     trio.current_time() - since,
                 )
+                for uid in busy:
+                    self._busy_until[uid] = trio.current_time() + _BUSY_WAIT_S
                 return
             self._busy_retry = (busy[0], trio.current_time() + wait)
             logger.info(
