@@ -455,11 +455,11 @@ async def test_status_answers_while_the_stats_file_cannot_be_read(
         assert daemon.controls is not None
         store = daemon.controls._accountant.store
         store.record("ffn.0.0", forward=1, samples=3)  # counted, not written yet
-        store.totals = disk_error  # type: ignore[method-assign]
+        store._sums = disk_error  # type: ignore[method-assign]
         client = client_of(daemon, tmp_path / "a")
         for _ in range(2):
             assert (await call(client.status)).today.samples == 3
-        del store.totals
+        del store._sums
     failed = [r for r in caplog.records if "could not read the statistics" in r.getMessage()]
     assert [r.exc_info for r in failed] == [None, None]
     assert "GET /api/v1/status failed" not in caplog.text
@@ -745,9 +745,9 @@ async def test_uptime_counts_on_the_monotonic_clock_not_the_wall_clock(
     monkeypatch.setattr(control_view, "time", wall)
     async with open_daemon(local_config(uids="ffn.0.0"), tmp_path / "a") as daemon:
         assert daemon.controls is not None
-        started_at = daemon.controls.status().started_at
+        started_at = (await daemon.controls.status()).started_at
         for off_s in (-5 * 3600.0, 3 * 86400.0):
             wall.off_s = off_s
-            status = daemon.controls.status()
+            status = await daemon.controls.status()
             assert 0 <= status.uptime_s < 60
             assert status.started_at == started_at

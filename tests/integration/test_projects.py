@@ -127,7 +127,7 @@ async def test_two_projects_share_the_room_and_each_hosts_only_its_own(tmp_path:
             assert set(running.runtime.uids) == {*by_name["small"].hosted, *by_name["big"].hosted}
 
             assert running.controls is not None
-            status = running.controls.status()
+            status = await running.controls.status()
             views = {p.name: p for p in status.projects}
             assert views["big"].state == "joined"
             assert views["big"].experts == 3
@@ -175,7 +175,7 @@ async def test_a_project_that_cannot_be_joined_fails_alone(tmp_path: Path) -> No
             assert "another experiment" in (failed.error or "")
             assert failed.hosted == {}
             assert running.controls is not None
-            views = {p.name: p for p in running.controls.status().projects}
+            views = {p.name: p for p in (await running.controls.status()).projects}
             assert views["ghost"].state == "failed"
             assert views["ghost"].error is not None
 
@@ -203,7 +203,7 @@ async def test_an_older_releases_projects_file_still_hosts_what_it_can(tmp_path:
             (joiner,) = running.joiners
             await until(lambda: joiner.state == "joined")
             assert running.controls is not None
-            status = running.controls.status()
+            status = await running.controls.status()
             # the entry set aside is listed too (the dashboard and `projects --json` showed
             # only the error event), and it makes no "joining" state
             assert [(p.name, p.state) for p in status.projects] == [
@@ -221,7 +221,7 @@ async def test_an_older_releases_projects_file_still_hosts_what_it_can(tmp_path:
             assert left is not None
             assert not left.restarting  # it was not hosted
             assert not daemon.restart_requested
-            assert [p.name for p in running.controls.status().projects] == ["vmix"]
+            assert [p.name for p in (await running.controls.status()).projects] == ["vmix"]
         assert [p.name for p in load_projects(tmp_path / "projects.toml")] == ["vmix"]
 
 
@@ -236,7 +236,7 @@ async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path:
         async with serving(config, tmp_path, me) as (daemon, running, returned):
             assert running.hosting is None
             assert running.controls is not None
-            status = running.controls.status()
+            status = await running.controls.status()
             assert (status.projects, status.experts, status.device) == ([], [], "none")
             with pytest.raises(ConfigError, match="not a valid invitation"):
                 await running.controls.join_project(ProjectJoin(invitation="volunteerd://x"))
@@ -272,7 +272,7 @@ async def test_joining_and_leaving_through_the_api_restarts_the_daemon(tmp_path:
         configured = daemon_config(boot.multiaddrs, join="tiny", trusted_owners=[manifest.owner])
         async with serving(configured, tmp_path, me) as (daemon, running, returned):
             assert running.controls is not None
-            (view,) = running.controls.status().projects
+            (view,) = (await running.controls.status()).projects
             assert view.state == "joined"
             with pytest.raises(ConfigError, match="config file"):
                 await running.controls.leave_project("tiny")
@@ -323,7 +323,7 @@ async def test_a_daemon_follows_its_projects_manifest_until_it_expires(tmp_path:
             await until(lambda: joiner.state == "failed", 30)
             assert runtime.uids == []
             assert running.controls is not None
-            status = running.controls.status()
+            status = await running.controls.status()
             (view,) = status.projects
             assert view.expired_at == newer.expires_at
             assert "manifest expired on" in (view.error or "")

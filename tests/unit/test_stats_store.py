@@ -7,10 +7,14 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 
 from volunteerd.stats import HOUR, StatsStore, Work
 from volunteerd.stats.store import DAY
@@ -342,13 +346,13 @@ def test_status_counts_what_is_in_memory_when_the_file_cannot_be_read(
     store.record("ffn.0.0", forward=4, samples=8)
     store.flush()
     store.record("ffn.0.0", forward=1, samples=2)
-    assert counts.counted_since(0.0).work.forward == 5
-    store.totals = broken  # type: ignore[method-assign]
-    assert counts.counted_since(0.0).work.samples == 2
+    assert trio.run(counts.counted_since, 0.0).work.forward == 5
+    store._sums = broken  # type: ignore[method-assign]
+    assert trio.run(counts.counted_since, 0.0).work.samples == 2
     [line] = [r for r in caplog.records if r.levelname == "ERROR"]
     assert line.exc_info is None
     assert "could not read the statistics (disk I/O error)" in line.getMessage()
-    del store.totals
+    del store._sums
     store.close()
 
 
@@ -542,4 +546,180 @@ def test_the_last_7_days_count_no_more_when_hourly_rows_are_kept_fewer_days(
     clock.now += 2 * DAY  # past the 7 days: folded then
     assert store.roll_up() == 2
     assert store.totals().work.forward == 7
+    store.close()
+
+
+class _Gate:
+    """Holds a query in ``thread`` inside SQLite until ``release``: every connection
+    the store opens gets a progress handler that waits, once, in that thread only
+    (any thread but the one that made the gate while ``thread`` is None): in the
+    first statement that holds ``at`` (the one that reads the ``rejected`` table is
+    ``totals``' second: its snapshot of the file is taken by then), or in the first
+    statement at all (before any snapshot) for ``at=None``. The query is made slow on
+    purpose, not by the file's size."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: str | None = None) -> None:
+        self.thread: threading.Thread | None = None
+        self.home = threading.current_thread()
+        self.at = at
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        connect = sqlite3.connect
+
+        def gated(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+            db = connect(*args, **kwargs)
+            db.set_trace_callback(self._arm)
+            db.set_progress_handler(self._wait, 1)
+            return db
+
+        monkeypatch.setattr("volunteerd.stats.store.sqlite3.connect", gated)
+
+    def _ours(self) -> bool:
+        here = threading.current_thread()
+        return here is self.thread if self.thread is not None else here is not self.home
+
+    def _arm(self, statement: str) -> None:
+        if (self.at is None or self.at in statement) and self._ours():
+            self.armed = True
+
+    def _wait(self) -> int:
+        if self.armed and not self.entered.is_set() and self._ours():
+            self.entered.set()
+            self.release.wait(30)
+        return 0
+
+    def start(self, query: Callable[[], object]) -> list[object]:
+        """Run ``query`` in a thread and return once it waits inside SQLite."""
+        result: list[object] = []
+        self.thread = threading.Thread(target=lambda: result.append(query()))
+        self.thread.start()
+        assert self.entered.wait(10), "the query never reached SQLite"
+        return result
+
+
+def test_counting_and_flushing_do_not_wait_for_a_query(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``record`` and ``tick`` run on the daemon's event loop, once a second and once an
+    answered call. They took the lock that a query held for its whole run: on a file of
+    718k rows, one open dashboard's ``/stats`` (2-3 s) stalled every expert call as
+    long (an outside audit)."""
+    gate = _Gate(monkeypatch, at="FROM rejected")
+    store = StatsStore.open(tmp_path / "stats.sqlite3")
+    store.record("ffn.0.0", forward=1)
+    store.flush()
+    read = gate.start(lambda: store.totals().work.forward)
+
+    def count() -> None:
+        store.record("ffn.0.0", forward=2)
+        store.tick(1.0, paused=False)
+        store.transferred(up=5)
+        store.reject("ffn.0.0", "busy")
+        store.flush()  # a writer beside the reader (WAL)
+
+    counting = threading.Thread(target=count)
+    counting.start()
+    try:
+        counting.join(10)
+        assert not counting.is_alive(), "counting waited for the query"
+        assert gate.thread is not None
+        assert gate.thread.is_alive()  # still held
+    finally:
+        gate.release.set()
+        counting.join()
+        assert gate.thread is not None
+        gate.thread.join()
+    assert read == [1]  # the snapshot it began with
+    assert store.current().work.forward == 3
+    store.close()
+
+
+def test_a_flush_during_a_read_neither_loses_nor_doubles_a_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``current`` adds the file's sums and the counts not written yet; a flush that
+    writes the counts after the read took them from memory and before it took its
+    snapshot of the file moves them from one to the other."""
+    gate = _Gate(monkeypatch)
+    store = StatsStore.open(tmp_path / "stats.sqlite3")
+    store.record("ffn.0.0", forward=1)
+    store.flush()
+    store.record("ffn.0.0", forward=10)  # in memory while the read begins
+    read = gate.start(lambda: store.current().work.forward)
+    # written before the read takes its snapshot, so in it, and in memory no longer
+    flushing = threading.Thread(target=store.flush)
+    flushing.start()
+    flushing.join(10)
+    store.record("ffn.0.0", forward=100)
+    gate.release.set()
+    flushing.join()
+    assert store.totals().work.forward == 11
+    gate.thread.join()  # type: ignore[union-attr]
+    assert read == [111]
+    assert store.current().work.forward == 111
+    store.close()
+
+
+def test_queries_read_only_the_rows_of_their_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bucket + size > since`` cannot bound the primary key's range from below:
+    every query read the table from its first row (718k rows for "today")."""
+    seen: list[str] = []
+    connect = sqlite3.connect
+
+    def traced(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        db = connect(*args, **kwargs)
+        db.set_trace_callback(seen.append)
+        return db
+
+    monkeypatch.setattr("volunteerd.stats.store.sqlite3.connect", traced)
+    clock = Clock(START + 30 * DAY)
+    store = StatsStore.open(tmp_path / "stats.sqlite3", clock=clock)
+    store.record("ffn.0.0", forward=1)
+    store.flush()
+    seen.clear()
+    store.current(since=clock.now - DAY)
+    store.history(since=clock.now - DAY)
+    store.traffic_history(since=clock.now - DAY)
+    queries = [q for q in seen if q.startswith("SELECT") and "sqlite_master" not in q]
+    assert len(queries) == 6
+    plain = connect(tmp_path / "stats.sqlite3")
+    for query in queries:
+        plan = " ".join(row[3] for row in plain.execute(f"EXPLAIN QUERY PLAN {query}"))
+        # from the window's start, not from the file's first row up to now
+        assert "(bucket>? AND bucket<?)" in plan, (query, plan)
+    plain.close()
+    store.close()
+
+
+async def test_status_reads_today_in_a_thread_while_the_loop_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /status`` read "today" on the event loop: 1.9 s a call on a file of 718k
+    rows, every expert call waiting as long (an outside audit)."""
+    from volunteerd.config import Config, LimitsConfig
+    from volunteerd.net import Throttle
+    from volunteerd.server.contribution import Accountant
+
+    gate = _Gate(monkeypatch, at="FROM rejected")
+    store = StatsStore.open(tmp_path / "stats.sqlite3")
+    counts = Accountant(store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True)
+    store.record("ffn.0.0", forward=1)
+    store.flush()
+    read: list[int] = []
+
+    async def status() -> None:
+        read.append((await counts.counted_since(0.0)).work.forward)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(status)
+        await trio.to_thread.run_sync(gate.entered.wait, 10)
+        store.record("ffn.0.0", forward=2)  # the loop goes on while the query waits
+        await trio.sleep(0.01)
+        assert read == []
+        gate.release.set()
+    assert read == [1]  # as it was when the read began
+    assert store.current().work.forward == 3
     store.close()

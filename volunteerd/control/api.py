@@ -82,7 +82,7 @@ class Controls(Protocol):
 
     events: EventLog
 
-    def status(self) -> Status: ...
+    async def status(self) -> Status: ...
     def experts(self) -> list[ExpertView]: ...
     def peers(self) -> list[PeerView]: ...
     async def stats(self, since: float) -> Stats: ...
@@ -94,7 +94,7 @@ class Controls(Protocol):
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
     async def snooze(self, seconds: float) -> None: ...
-    def metrics(self) -> str: ...
+    async def metrics(self) -> str: ...
     def shutdown(self) -> None: ...
     async def join_project(self, body: ProjectJoin) -> ProjectJoined: ...
     async def leave_project(self, name: str) -> ProjectLeft | None: ...
@@ -248,7 +248,7 @@ async def health(request: Request, controls: Controls) -> Response:
 
 
 async def status(request: Request, controls: Controls) -> Response:
-    return _json(controls.status())
+    return _json(await controls.status())
 
 
 async def experts(request: Request, controls: Controls) -> Response:
@@ -289,19 +289,19 @@ async def set_schedule(request: Request, controls: Controls) -> Response:
 async def pause(request: Request, controls: Controls) -> Response:
     await _body(request, _Empty)
     await controls.pause()
-    return _json(controls.status())
+    return _json(await controls.status())
 
 
 async def resume(request: Request, controls: Controls) -> Response:
     await _body(request, _Empty)
     await controls.resume()
-    return _json(controls.status())
+    return _json(await controls.status())
 
 
 async def snooze(request: Request, controls: Controls) -> Response:
     body = await _body(request, SnoozeBody)
     await controls.snooze(body.seconds)
-    return _json(controls.status())
+    return _json(await controls.status())
 
 
 async def events(request: Request, controls: Controls) -> Response:
@@ -335,7 +335,7 @@ async def leave_project(request: Request, controls: Controls) -> Response:
 
 
 async def metrics(request: Request, controls: Controls) -> Response:
-    return PlainTextResponse(controls.metrics(), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(await controls.metrics(), media_type="text/plain; version=0.0.4")
 
 
 class _Empty(BaseModel):

@@ -190,7 +190,9 @@ class ControlView:
 
     # -- snapshots -------------------------------------------------------------------
 
-    def status(self) -> Status:
+    async def status(self) -> Status:
+        # first, in a thread: the rest is a snapshot of the loop's state after it
+        today = _totals(await self._accountant.counted_since(_local_midnight(time.time())))
         state = self._volunteer.state
         now = time.time()
         reach = self._node.reachability
@@ -233,7 +235,7 @@ class ControlView:
                 upload_bytes_per_s=rates.upload_bytes_per_s,
                 download_bytes_per_s=rates.download_bytes_per_s,
             ),
-            today=_totals(self._accountant.counted_since(_local_midnight(now))),
+            today=today,
             schedule=self._schedule_status(),
             staleness=self._staleness(),
         )
@@ -366,9 +368,9 @@ class ControlView:
             **limits.model_dump(), month_bytes=throttle.month_bytes, day_bytes=throttle.day_bytes
         )
 
-    def metrics(self) -> str:
+    async def metrics(self) -> str:
         """Prometheus text format (version 0.0.4)."""
-        status = self.status()
+        status = await self.status()
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
