@@ -304,6 +304,9 @@ async def test_a_relayed_node_reserves_again_soon_after_its_only_relay_restarts(
             with trio.fail_after(20):
                 while hidden.reachability.mode != "unreachable":  # noqa: ASYNC110
                     await trio.sleep(0.1)
+            # Meanwhile it announces the circuit, not its own addresses (undialable
+            # behind NAT: trainers that tried them banned it).
+            assert hidden.addrs == circuit
             boot = await restarts.start()
             with trio.fail_after(25):
                 while hidden.reachability.mode != "relayed":  # noqa: ASYNC110

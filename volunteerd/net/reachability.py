@@ -114,6 +114,10 @@ _RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to
 # reservation is then renewed after _UNSURE_RESERVATION_S.
 _LONGEST_RESERVATION_S = 2 * 3600.0
 _UNSURE_RESERVATION_S = 600.0
+# A relayed node that lost every relay keeps announcing the circuits it had, while it
+# tries its relays again, for this long (on the awake clock): its own addresses are
+# the ones peers just failed to dial, and trainers that tried them banned it.
+_KEEP_CIRCUITS_S = 600.0
 
 Mode = Literal["direct", "relayed", "unreachable", "unknown"]
 
@@ -540,6 +544,10 @@ class Reachability:
         self._mode: Mode = "unknown"
         self._direct: tuple[str, ...] = ()
         self._circuit: tuple[str, ...] = ()
+        # The circuits announced before the last relay was lost, and when it was lost
+        # (``_KEEP_CIRCUITS_S``).
+        self._lost_circuit: tuple[str, ...] = ()
+        self._lost_at = -float("inf")
         # the relays holding a reservation for this node, the longest held first
         self._held: tuple[PeerAddress, ...] = ()
         self._renew_at = 0.0  # on the awake clock
@@ -569,11 +577,32 @@ class Reachability:
     def announce_addrs(self) -> list[str]:
         """The addresses to put in expert records: circuit addresses when relayed;
         otherwise the addresses peers dialled back (e.g. the router's public address
-        with a forwarded port) before the ones this node knows itself."""
+        with a forwarded port) before the ones this node knows itself.
+
+        A relayed node that lost its relays (a relay restart) and is trying them again
+        announces the circuits it had for up to ``_KEEP_CIRCUITS_S``: peers found its own
+        addresses undialable, and a trainer calling them banned the node as
+        unreachable, growing on each restart, while a call through a circuit whose
+        relay is down holds that circuit back for seconds and bans nobody (outside
+        probe mini1: its 10 experts in use again 52 s after the relay was back, 113 s
+        in a soak; 24 s with this). The same circuit is announced again once the relay takes the
+        reservation back. A node that found no relay for that long announces its own
+        addresses again, as one that never had a relay does (on a LAN, those work)."""
         if self._mode == "relayed":
             return list(self._circuit)
+        if self._keeps_circuit():
+            return list(self._lost_circuit)
         own = transport_addrs(self._host)
         return list(dict.fromkeys([*self._direct, *own]))[:MAX_ADDRS]
+
+    def _keeps_circuit(self) -> bool:
+        """Relayed until lately, and seeking a relay again (``announce_addrs``)."""
+        return (
+            bool(self._lost_circuit)
+            and self._mode in ("unreachable", "unknown")
+            and self._config.mode != "direct"
+            and awake_time() - self._lost_at < _KEEP_CIRCUITS_S
+        )
 
     def watch_addrs(self, callback: Callable[[list[str]], None]) -> None:
         """Call ``callback(announce_addrs)`` whenever the addresses to announce change
@@ -734,6 +763,7 @@ class Reachability:
         previous = self._mode
         if wanted == "direct" or self._config.mode == "direct":
             self._mode = wanted if wanted == "direct" else "unreachable"
+            self._lost_circuit = ()  # reached directly: no circuit to keep
         else:
             self._mode = "relayed" if await self._ensure_reservation() else "unreachable"
         if self._mode != previous:
@@ -810,7 +840,12 @@ class Reachability:
         return held, renew_at
 
     def _hold(self, held: list[PeerAddress], renew_at: list[float]) -> None:
-        """Announce a circuit through each relay in ``held``."""
+        """Announce a circuit through each relay in ``held``; with none, keep the
+        circuits announced before for a while (``announce_addrs``)."""
+        if self._circuit and not held and self._mode == "relayed":
+            self._lost_circuit, self._lost_at = self._circuit, awake_time()
+        elif held:
+            self._lost_circuit = ()
         self._held = tuple(held)
         self._renew_at = min(renew_at, default=0.0)
         self._circuit = tuple(
@@ -911,7 +946,8 @@ class Reachability:
                     # that one failed too. Take the missing one back meanwhile.
                     tried = True
                     await self._reserve_missing()
-                    self._notify_if_changed()
+                # The circuits kept since the relay was lost (``_KEEP_CIRCUITS_S``) run out.
+                self._notify_if_changed()
             except Exception:  # a failed round must not end the node: the next one retries
                 logger.exception("reachability round failed")
             if not (self._wants_relay() or self._short_of_relays()):
