@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import trio
+import trio.testing
 
 from volunteerd.identity import Identity
 from volunteerd.moe import ExpertDirectory
+from volunteerd.moe import directory as directory_module
 from volunteerd.moe.directory import BAN_MEMORY_S, RELAY_HOLD_S
 from volunteerd.net import ExpertRecord, PeerAddress, peer_id_for
 from volunteerd.net.records import sign_record
@@ -212,3 +214,158 @@ async def test_a_relayed_peer_whose_relay_failed_is_held_off_that_relay_not_bann
     assert not directory.is_banned(peer.peer_id)
     # A peer with a direct address is the caller's to judge.
     assert not directory.relay_failed(PeerAddress(peer.peer_id, ("/ip4/1.2.3.4/tcp/5",)), "x")
+
+
+def test_a_peer_that_could_not_be_dialled_is_not_banned_longer_each_time() -> None:
+    """An honest volunteer that restarted (down ~45 s, once every three hours) failed a
+    call each time. Grown like a liar's, its bans kept it unused for 15 s after it was
+    back the first time, 64 min from the seventh restart on (outside probe
+    ban_escalation); a fresh identity escaped them. A liar's bans still grow."""
+    clock = Clock()
+    directory = ExpertDirectory(FakeDHT(), ban_s=60.0, clock=clock)  # type: ignore[arg-type]
+    lengths = []
+    for _ in range(8):
+        clock.now += 3 * 3600.0
+        start = clock.now
+        directory.ban("peer", "unreachable: ffn.0: no addresses established a connection")
+        directory.ban("peer", "unreachable: ffn.1: no addresses established a connection")
+        lengths.append(directory.banned["peer"] - start)
+    assert lengths == [60.0] * 8
+    assert directory.ban_reasons["unreachable"] == 8
+
+    clock.now += 3 * 3600.0
+    directory.ban("peer", "timeout: test")  # its first offence: unreachable was none
+    assert directory.banned["peer"] - clock.now == 60.0
+    clock.now = directory.banned["peer"]
+    directory.ban("peer", "timeout: test")
+    assert directory.banned["peer"] - clock.now == 120.0
+
+
+def signed_at(identity: Identity, issued_at: float) -> ExpertRecord:
+    return sign_record(
+        identity, str(peer_id_for(identity)), key="ffn.", addrs=["/ip4/127.0.0.1/tcp/1"],
+        children=[0], ttl_s=60, now=issued_at,
+    )  # fmt: skip
+
+
+async def settle() -> None:
+    """Until the directory's background verifications are done."""
+    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+
+
+async def test_a_peer_that_could_not_be_dialled_is_chosen_again_once_it_is_back() -> None:
+    """Banned as unreachable when its call failed (it restarted): a record it signed
+    since, and an ``info`` answer, end the ban before ``ban_s``. Records it signed
+    before (the DHT still holds them) are no sign of it."""
+    server = Identity.generate()
+    pid = str(peer_id_for(server))
+    dht, clock, verify = FakeDHT(), Clock(), Verifier([server])
+    directory = ExpertDirectory(
+        dht, refresh_s=1000.0, ban_s=60.0, verify=verify, clock=clock,  # type: ignore[arg-type]
+    )  # fmt: skip
+    issued = 1_800_000_000.0
+    dht.answers["ffn."] = [signed_at(server, issued)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(directory.serve)
+        assert [p.peer_id for p in (await directory.children(["ffn."]))["ffn."][0]] == [pid]
+        directory.ban(pid, "unreachable: ffn.0: no addresses established a connection")
+        asked = len(verify.asked)
+
+        clock.now += 10.0
+        await directory._fetch(["ffn."])  # the old record again
+        assert (await directory.children(["ffn."]))["ffn."] == {}
+        await settle()
+        assert len(verify.asked) == asked  # not dialled while banned
+
+        dht.answers["ffn."] = [signed_at(server, issued + 50.0)]  # it is back, announcing
+        await directory._fetch(["ffn."])
+        await directory.children(["ffn."])
+        await settle()
+        assert [p.peer_id for p in (await directory.children(["ffn."]))["ffn."][0]] == [pid]
+        assert not directory.is_banned(pid)
+        assert len(verify.asked) == asked + 1
+
+        # Again within the hour (or a peer that answers info and refuses calls): it
+        # waits its ban out, then answers info before it is chosen.
+        clock.now += 60.0
+        directory.ban(pid, "unreachable: ffn.0: no addresses established a connection")
+        dht.answers["ffn."] = [signed_at(server, issued + 120.0)]
+        await directory._fetch(["ffn."])
+        await directory.children(["ffn."])
+        await settle()
+        assert directory.is_banned(pid)
+        clock.now += 60.0
+        await directory.children(["ffn."])
+        await settle()
+        assert [p.peer_id for p in (await directory.children(["ffn."]))["ffn."][0]] == [pid]
+        assert len(verify.asked) == asked + 2
+
+        clock.now += directory_module.EARLY_RETURN_EVERY_S  # an hour on: let back early again
+        directory.ban(pid, "unreachable: ffn.0: no addresses established a connection")
+        dht.answers["ffn."] = [signed_at(server, issued + 4000.0)]
+        await directory._fetch(["ffn."])
+        await directory.children(["ffn."])
+        await settle()
+        assert not directory.is_banned(pid)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_address_is_dialled_in_the_background_once_per_ban_not_by_steps() -> None:
+    """After a ban as unreachable, a peer is offered again only once it has answered
+    ``info``: a record pointing at a dead address costs one background dial per
+    ``ban_s``, and no step calls it."""
+    server = Identity.generate()
+    pid = str(peer_id_for(server))
+    dht, clock, verify = FakeDHT(), Clock(), Verifier([server])
+    directory = ExpertDirectory(
+        dht, refresh_s=1000.0, ban_s=60.0, verify=verify, clock=clock,  # type: ignore[arg-type]
+    )  # fmt: skip
+    dht.answers["ffn."] = [signed_at(server, 1_800_000_000.0)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(directory.serve)
+        await directory.children(["ffn."])
+        directory.ban(pid, "unreachable: ffn.0: no addresses established a connection")
+        verify.honest.clear()  # gone for good
+        asked = len(verify.asked)
+        for _ in range(3):
+            clock.now += 61.0
+            await directory.children(["ffn."])
+            await settle()
+            assert (await directory.children(["ffn."]))["ffn."] == {}
+            clock.now += 30.0
+            await directory.children(["ffn."])
+            await settle()
+            clock.now -= 30.0
+        assert len(verify.asked) == asked + 3
+
+        verify.honest.add(pid)  # back at the same address
+        clock.now += 61.0
+        await directory.children(["ffn."])
+        await settle()
+        assert [p.peer_id for p in (await directory.children(["ffn."]))["ffn."][0]] == [pid]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_banned_for_more_than_a_failed_dial_is_not_let_back_early() -> None:
+    """Unreachable, then a bad answer of the same moment: that ban is a liar's; a fresh
+    record and an ``info`` answer do not end it."""
+    server = Identity.generate()
+    pid = str(peer_id_for(server))
+    dht, clock, verify = FakeDHT(), Clock(), Verifier([server])
+    directory = ExpertDirectory(
+        dht, refresh_s=1000.0, ban_s=60.0, verify=verify, clock=clock,  # type: ignore[arg-type]
+    )  # fmt: skip
+    dht.answers["ffn."] = [signed_at(server, 1_800_000_000.0)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(directory.serve)
+        await directory.children(["ffn."])
+        directory.ban(pid, "unreachable: ffn.0: no addresses established a connection")
+        directory.ban(pid, "bad_shape: ffn.0", 600.0)
+        assert directory.banned[pid] - clock.now == 600.0
+        dht.answers["ffn."] = [signed_at(server, 1_800_000_100.0)]
+        await directory._fetch(["ffn."])
+        await directory.children(["ffn."])
+        await settle()
+        assert directory.is_banned(pid)
+        assert (await directory.children(["ffn."]))["ffn."] == {}
+        nursery.cancel_scope.cancel()

@@ -12,6 +12,18 @@ its last ban's end is banned twice as long as the time before, up to ``BAN_GROWT
 times: one that misbehaved, waited its ban out and misbehaved again cost every ban's
 worth of steps again, for good.
 
+A peer that could not be dialled (``unreachable``) is no liar: a volunteer that
+restarted, or whose router gave it a new address, is one. Its ban does not grow, and it
+ends early when the peer shows it is back: a record it signed after its newest one seen
+at the ban, and an ``info`` answer at the address it announces (at most once per
+``EARLY_RETURN_EVERY_S``). Growing, the bans kept an honest volunteer that restarted
+once every three hours unused for 15 s after it was back the first time, 63 min from
+the seventh on (outside probe ``ban_escalation``), while one that restarted under a
+fresh identity was not. With a ``verify`` function, a
+peer banned so is offered again, after the ban too, only once it has answered ``info``
+again: a record that points at a dead address costs one background dial per ``ban_s``,
+never a step's call.
+
 Anyone can announce anything in the DHT, under as many fresh identities as it likes
 (issue 12: 1,100 of them hid every honest server). So with a ``verify`` function (the
 swarm client passes one that asks the peer ``info``), a peer is offered only after it
@@ -54,6 +66,10 @@ logger = logging.getLogger(__name__)
 BAN_MEMORY_S = 86_400.0
 BAN_GROWTH_MAX = 64
 _MAX_OFFENDERS = 4096
+# A peer banned as unreachable is let back before its ban ends at most this often: a
+# restart is rare, and one that answers ``info`` and then refuses to be dialled for
+# calls would otherwise cost a failed call each time it announced itself (15 s).
+EARLY_RETURN_EVERY_S = 3600.0
 # A call to a relayed peer (one that announces only circuit addresses) that found no way
 # through its relays is no fault of the peer: its relay went down or misbehaves, and the
 # peer moves to another one and announces it within seconds. The peer is not banned;
@@ -137,6 +153,13 @@ class ExpertDirectory:
         self._relay_holds: dict[tuple[str, str], float] = {}
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
+        # it: until it answers ``info`` again (the module docstring)
+        self._unanswered: OrderedDict[str, float] = OrderedDict()
+        # peer -> when it was last let back before its ban ended
+        self._returned: OrderedDict[str, float] = OrderedDict()
+        # peer -> the newest ``issued_at`` of its records seen (its own clock)
+        self._issued: OrderedDict[str, float] = OrderedDict()
         self._verified: OrderedDict[str, float] = OrderedDict()  # peer -> when
         self._failed: OrderedDict[str, float] = OrderedDict()  # peer -> retry after
         self._pending: set[str] = set()
@@ -247,14 +270,48 @@ class ExpertDirectory:
     def _offered(self, peer_id: str) -> bool:
         if peer_id in self._banned:
             return False
-        return self._verify is None or peer_id in self._verified
+        return self._verify is None or self._answered(peer_id)
+
+    def _answered(self, peer_id: str) -> bool:
+        """Verified, and dialled since the last call that could not dial it."""
+        return peer_id in self._verified and peer_id not in self._unanswered
+
+    def _back(self, peer_id: str) -> bool:
+        """Banned as ``unreachable`` and has signed a record since (and was not let
+        back early within ``EARLY_RETURN_EVERY_S``): worth an ``info`` call before its
+        ban ends."""
+        since = self._unanswered.get(peer_id)
+        returned = self._returned.get(peer_id, -math.inf)
+        return (
+            since is not None
+            and self._issued.get(peer_id, -math.inf) > since
+            and self._clock() - returned >= EARLY_RETURN_EVERY_S
+        )
 
     def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
         """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``), or
-        longer for a peer banned again (the module docstring)."""
+        longer for a peer banned again; a peer that could not be dialled (``reason``
+        ``unreachable: ...``) for ``seconds`` at most (the module docstring)."""
         seconds = self._ban_s if seconds is None else seconds
         now = self._clock()
-        if not self.is_banned(peer_id):  # a new offence; failures of the same moment are not
+        unreachable = reason.split(":", 1)[0] == "unreachable"
+        banned = self.is_banned(peer_id)
+        if unreachable and not banned:
+            self._unanswered[peer_id] = self._issued.get(peer_id, -math.inf)
+            self._unanswered.move_to_end(peer_id)
+            while len(self._unanswered) > _MAX_OFFENDERS:
+                self._unanswered.popitem(last=False)
+            logger.info(
+                "not choosing %s for %.0fs, or until it announces itself again and answers: %s",
+                short(peer_id),
+                seconds,
+                reason,
+            )
+            self.ban_reasons["unreachable"] += 1
+        elif not unreachable and (self._unanswered.pop(peer_id, None) is not None or not banned):
+            # A new offence (failures of the same moment are not). A peer still marked
+            # unanswered is banned, if at all, only as unreachable: this is a new offence
+            # too, and it ends that ban's early way out.
             bans, last_end = self._offences.pop(peer_id, (0, -math.inf))
             bans = bans + 1 if now - last_end <= BAN_MEMORY_S else 1
             seconds *= min(2 ** (bans - 1), BAN_GROWTH_MAX)
@@ -295,7 +352,9 @@ class ExpertDirectory:
                     if started >= _CANDIDATES_PER_CHILD:
                         break
                     pid = peer.peer_id
-                    if pid in self._verified or pid in self._banned:
+                    if self._answered(pid):
+                        continue
+                    if self.is_banned(pid) and not self._back(pid):
                         continue
                     if pid in self._pending:
                         started += 1
@@ -329,9 +388,19 @@ class ExpertDirectory:
         finally:
             self._pending.discard(peer.peer_id)
         if ok:
-            self._verified[peer.peer_id] = self._clock()
+            # one verified before keeps its place (verified earliest first)
+            self._verified.setdefault(peer.peer_id, self._clock())
             self._failed.pop(peer.peer_id, None)
             _bound(self._verified)
+            if self._unanswered.pop(peer.peer_id, None) is not None and self.is_banned(
+                peer.peer_id
+            ):
+                del self._banned[peer.peer_id]  # banned only as unreachable: back
+                self._returned[peer.peer_id] = self._clock()
+                self._returned.move_to_end(peer.peer_id)
+                while len(self._returned) > _MAX_OFFENDERS:
+                    self._returned.popitem(last=False)
+                logger.info("%s answers again: chosen again", short(peer.peer_id))
         else:
             self._failed[peer.peer_id] = self._clock() + self._ban_s
             self._failed.move_to_end(peer.peer_id)
@@ -363,7 +432,7 @@ class ExpertDirectory:
             if entry is None:
                 continue
             for peers in entry.children.values():
-                if any(p.peer_id in self._verified for p in peers):
+                if any(self._answered(p.peer_id) for p in peers):
                     continue
                 if any(p.peer_id in self._pending for p in peers):
                     return True
@@ -431,6 +500,9 @@ class ExpertDirectory:
             seen: dict[tuple[int, str], float] = {}
             for record in records.get(key, []):  # in the DHT's order: seen longest first
                 peer = PeerAddress(record.peer_id, tuple(dict.fromkeys(record.addrs)))
+                if record.issued_at > self._issued.get(record.peer_id, -math.inf):
+                    self._issued[record.peer_id] = record.issued_at
+                    self._issued.move_to_end(record.peer_id)
                 for child in record.children:
                     children.setdefault(child, []).append(peer)
                     seen[(child, record.peer_id)] = now
@@ -452,6 +524,7 @@ class ExpertDirectory:
             if children and not answered:
                 self.empty_answers += 1
             self._cache[key] = _Entry(children, now, old.used_at if old else now, seen)
+        _bound(self._issued)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Refresh recently used keys every ``refresh_s`` and verify announced peers in
