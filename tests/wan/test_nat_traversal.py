@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from volunteerd.demo.local_swarm import VOLUNTEERD, child_env
-from volunteerd.testing.wan import LinkSpec, Wan, WanHost, open_wan, wan_available
+from tests.wan.daemons import reachability, volunteerd_on
+from volunteerd.demo.local_swarm import child_env
+from volunteerd.testing.wan import LinkSpec, Wan, open_wan, wan_available
 
 # Three processes on three emulated hosts, each starting in several seconds on a busy
 # machine, then DCUtR's rounds: minutes, not the default two.
@@ -36,7 +33,6 @@ if not _available:
 
 UID = "ffn.0.0"
 HIDDEN = 16
-_START_S = 90.0
 # A link with some latency, as between homes; no loss, so the test waits on nothing
 # but the protocol.
 _LINK = LinkSpec(delay_ms=5.0, down_mbit=100.0, up_mbit=100.0)
@@ -105,43 +101,6 @@ async def main():
 trio.run(main)
 """
 
-_STATUS = r"""
-import json, sys
-from pathlib import Path
-from volunteerd.control.client import ControlClient
-print(ControlClient.for_data_dir(Path(sys.argv[1])).status().reachability.model_dump_json())
-"""
-
-
-@contextmanager
-def _volunteerd(
-    host: WanHost, home: Path, args: list[str], listen_host: str | None = None
-) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
-    """``volunteerd ARGS`` on ``host``; yields the process and its ready file."""
-    home.mkdir(parents=True)
-    ready = home / "ready.json"
-    command = [
-        *VOLUNTEERD, *args,
-        "--listen-host", listen_host or host.address, "--port", "0", "--ready-file", str(ready),
-        "--set", 'logging.level="INFO"', "--set", "control.port=0",
-    ]  # fmt: skip
-    with (home / "log.txt").open("wb") as log:
-        process = host.popen(command, env=child_env(home), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + _START_S
-        while not ready.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                log_text = (home / "log.txt").read_text(errors="replace")[-3000:]
-                pytest.fail(f"volunteerd {args[0]} did not start:\n{log_text}")
-            time.sleep(0.1)
-        yield process, json.loads(ready.read_text())
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
 
 def _swarm_call(wan: Wan, tmp_path: Path, until: str) -> dict[str, Any]:
     """Bootstrap on host 0, daemon on host 1, trainer on host 2; the trainer's report
@@ -152,14 +111,14 @@ def _swarm_call(wan: Wan, tmp_path: Path, until: str) -> dict[str, Any]:
     the trainer, a DHT node too, and a daemon that can dial out would then connect to
     the trainer directly before or instead of the hole punch under test."""
     relay, daemon_host, trainer_host = wan.hosts
-    with _volunteerd(relay, tmp_path / "bootstrap", ["bootstrap"]) as (_, boot):
+    with volunteerd_on(relay, tmp_path / "bootstrap", ["bootstrap"]) as (_, boot):
         bootstrap = next(a for a in boot["multiaddrs"] if relay.public_address in a)
         serve = [
             "serve", "--experts", UID, "--bootstrap", bootstrap,
             "--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"',
             "--set", "dht.announce_period_s=60", "--set", "dht.record_ttl_s=120",
         ]  # fmt: skip
-        with _volunteerd(daemon_host, tmp_path / "daemon", serve):
+        with volunteerd_on(daemon_host, tmp_path / "daemon", serve):
             trainer = trainer_host.run(
                 [sys.executable, "-c", _TRAINER, trainer_host.address, bootstrap, UID,
                  str(HIDDEN), until],
@@ -168,13 +127,9 @@ def _swarm_call(wan: Wan, tmp_path: Path, until: str) -> dict[str, Any]:
             )  # fmt: skip
             if trainer.returncode != 0:
                 pytest.fail(f"trainer failed:\n{trainer.stderr[-3000:]}")
-            status = daemon_host.run(
-                [sys.executable, "-c", _STATUS, str(tmp_path / "daemon" / "data")],
-                env=child_env(tmp_path / "daemon"), capture_output=True, text=True,
-                timeout=60, check=True,
-            )  # fmt: skip
+            daemon = reachability(daemon_host, tmp_path / "daemon")
     report: dict[str, Any] = json.loads(trainer.stdout.strip().splitlines()[-1])
-    report["daemon"] = json.loads(status.stdout)
+    report["daemon"] = daemon
     return report
 
 
@@ -241,7 +196,9 @@ def test_nodes_listening_on_every_interface_announce_their_real_address(tmp_path
     loopback, and the daemon is judged directly reachable there."""
     with open_wan([_LINK, _LINK], seed=4) as wan:
         boot_host, daemon_host = wan.hosts
-        with _volunteerd(boot_host, tmp_path / "bootstrap", ["bootstrap"], "0.0.0.0") as (_, boot):
+        with volunteerd_on(
+            boot_host, tmp_path / "bootstrap", ["bootstrap"], listen_host="0.0.0.0"
+        ) as (_, boot):
             assert [a.split("/p2p/")[0].rsplit("/tcp/")[0] for a in boot["multiaddrs"]] == [
                 f"/ip4/{boot_host.public_address}"
             ]
@@ -249,13 +206,9 @@ def test_nodes_listening_on_every_interface_announce_their_real_address(tmp_path
                 "serve", "--experts", UID, "--bootstrap", boot["multiaddrs"][0],
                 "--set", f"experts.hidden_dim={HIDDEN}", "--set", 'runtime.device="cpu"',
             ]  # fmt: skip
-            with _volunteerd(daemon_host, tmp_path / "daemon", serve, "0.0.0.0") as (_, ready):
-                status = daemon_host.run(
-                    [sys.executable, "-c", _STATUS, str(tmp_path / "daemon" / "data")],
-                    env=child_env(tmp_path / "daemon"), capture_output=True, text=True,
-                    timeout=60, check=True,
-                )  # fmt: skip
-    reach = json.loads(status.stdout)
+            daemon = volunteerd_on(daemon_host, tmp_path / "daemon", serve, listen_host="0.0.0.0")
+            with daemon as (_, ready):
+                reach = reachability(daemon_host, tmp_path / "daemon")
     assert reach["mode"] == "direct"
     assert reach["observed"] == [daemon_host.public_address]
     own = f"/ip4/{daemon_host.public_address}/tcp/"
