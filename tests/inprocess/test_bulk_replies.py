@@ -6,7 +6,8 @@ gave up stops going out instead of holding its turn under the upload limit."""
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -146,30 +147,12 @@ async def test_reply_stops_going_out_once_its_caller_gave_up(
     async def params(request: Request) -> Reply:
         return params_reply(reply_bytes)
 
-    network = MemoryNetwork()
     throttle = Throttle(config.limits)
-    async with network.open_host() as server_host:
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: params},
-            config.wire,
-            config.timeouts,
-            config.peer_limits,
-            throttle,
-        )
-        server.install()
-        frame = encode_frame(ParamsRequest(uid="ffn.0.0"))
-        async with (
-            network.open_host(ip="10.0.0.1") as one,
-            network.open_host(ip="10.0.0.2") as two,
-        ):
-            streams = [await h.open_stream(server_host.address, PARAMS) for h in (one, two)]
-            for stream in streams:
-                await stream.write(frame)  # and never read
-            await trio.sleep(config.timeouts.request_s + 30)
-            sent_by_then = throttle.bytes_up
-            await trio.sleep(120)
-            assert throttle.bytes_up == sent_by_then
+    async with _two_strangers_ask(config, params, throttle) as (server, _):
+        await trio.sleep(config.timeouts.request_s + 30)
+        sent_by_then = throttle.bytes_up
+        await trio.sleep(120)
+        assert throttle.bytes_up == sent_by_then
     rate = BYTES_PER_MBIT  # 1 Mbit/s in bytes a second
     assert server.stats.errors.get("caller_gone") == 2
     # what the limit let out until the callers' time was up, and a piece each over
@@ -191,13 +174,33 @@ async def test_the_bulk_budget_counts_only_what_went_out(
     async def params(request: Request) -> Reply:
         return params_reply(reply_bytes)
 
-    network = MemoryNetwork()
     throttle = Throttle(config.limits, TransferLedger(None, clock=lambda: now))
     budget = TransferBudget(throttle)
+    async with _two_strangers_ask(config, _budgeted(params, budget), throttle) as (server, streams):
+        await trio.sleep(10)
+        await streams[1].reset()
+        await trio.sleep(config.timeouts.request_s + 30)
+    assert server.stats.errors.get("caller_gone") == 1
+    sent = throttle.bytes_up
+    assert 0 < sent < reply_bytes
+    # what went out, give or take the pieces cut half-way
+    assert sent - 4 * 64 * 1024 <= budget._total <= sent
+    assert set(budget._parties) == {"10.0.0.1", "10.0.0.2"}
+    assert sum(budget._parties.values()) == budget._total
+
+
+@asynccontextmanager
+async def _two_strangers_ask(
+    config: Config, params: Any, throttle: Throttle
+) -> AsyncIterator[tuple[RpcServer, list[Any]]]:
+    """A server answering ``params`` under ``throttle``, and two strangers (at 10.0.0.1
+    and 10.0.0.2) that have each sent it a ``params`` request and never read: the
+    server and the strangers' streams."""
+    network = MemoryNetwork()
     async with network.open_host() as server_host:
         server = RpcServer(
             server_host,
-            {Verb.PARAMS: _budgeted(params, budget)},
+            {Verb.PARAMS: params},
             config.wire,
             config.timeouts,
             config.peer_limits,
@@ -212,13 +215,4 @@ async def test_the_bulk_budget_counts_only_what_went_out(
             streams = [await h.open_stream(server_host.address, PARAMS) for h in (one, two)]
             for stream in streams:
                 await stream.write(frame)  # and never read
-            await trio.sleep(10)
-            await streams[1].reset()
-            await trio.sleep(config.timeouts.request_s + 30)
-    assert server.stats.errors.get("caller_gone") == 1
-    sent = throttle.bytes_up
-    assert 0 < sent < reply_bytes
-    # what went out, give or take the pieces cut half-way
-    assert sent - 4 * 64 * 1024 <= budget._total <= sent
-    assert set(budget._parties) == {"10.0.0.1", "10.0.0.2"}
-    assert sum(budget._parties.values()) == budget._total
+            yield server, streams

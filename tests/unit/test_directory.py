@@ -253,16 +253,21 @@ async def settle() -> None:
     await trio.testing.wait_all_tasks_blocked(cushion=0.05)
 
 
-async def test_a_peer_that_could_not_be_dialled_is_chosen_again_once_it_is_back() -> None:
-    """Banned as unreachable when its call failed (it restarted): a record it signed
-    since, and an ``info`` answer, end the ban before ``ban_s``. Records it signed
-    before (the DHT still holds them) are no sign of it."""
+def one_server() -> tuple[Identity, str, FakeDHT, Clock, Verifier, ExpertDirectory]:
+    """A directory (``ban_s`` 60 s, verifying) and the one honest server it will find."""
     server = Identity.generate()
-    pid = str(peer_id_for(server))
     dht, clock, verify = FakeDHT(), Clock(), Verifier([server])
     directory = ExpertDirectory(
         dht, refresh_s=1000.0, ban_s=60.0, verify=verify, clock=clock,  # type: ignore[arg-type]
     )  # fmt: skip
+    return server, str(peer_id_for(server)), dht, clock, verify, directory
+
+
+async def test_a_peer_that_could_not_be_dialled_is_chosen_again_once_it_is_back() -> None:
+    """Banned as unreachable when its call failed (it restarted): a record it signed
+    since, and an ``info`` answer, end the ban before ``ban_s``. Records it signed
+    before (the DHT still holds them) are no sign of it."""
+    server, pid, dht, clock, verify, directory = one_server()
     issued = 1_800_000_000.0
     dht.answers["ffn."] = [signed_at(server, issued)]
     async with trio.open_nursery() as nursery:
@@ -314,12 +319,7 @@ async def test_a_dead_address_is_dialled_in_the_background_once_per_ban_not_by_s
     """After a ban as unreachable, a peer is offered again only once it has answered
     ``info``: a record pointing at a dead address costs one background dial per
     ``ban_s``, and no step calls it."""
-    server = Identity.generate()
-    pid = str(peer_id_for(server))
-    dht, clock, verify = FakeDHT(), Clock(), Verifier([server])
-    directory = ExpertDirectory(
-        dht, refresh_s=1000.0, ban_s=60.0, verify=verify, clock=clock,  # type: ignore[arg-type]
-    )  # fmt: skip
+    server, pid, dht, clock, verify, directory = one_server()
     dht.answers["ffn."] = [signed_at(server, 1_800_000_000.0)]
     async with trio.open_nursery() as nursery:
         await nursery.start(directory.serve)
@@ -349,12 +349,7 @@ async def test_a_dead_address_is_dialled_in_the_background_once_per_ban_not_by_s
 async def test_a_peer_banned_for_more_than_a_failed_dial_is_not_let_back_early() -> None:
     """Unreachable, then a bad answer of the same moment: that ban is a liar's; a fresh
     record and an ``info`` answer do not end it."""
-    server = Identity.generate()
-    pid = str(peer_id_for(server))
-    dht, clock, verify = FakeDHT(), Clock(), Verifier([server])
-    directory = ExpertDirectory(
-        dht, refresh_s=1000.0, ban_s=60.0, verify=verify, clock=clock,  # type: ignore[arg-type]
-    )  # fmt: skip
+    server, pid, dht, clock, _, directory = one_server()
     dht.answers["ffn."] = [signed_at(server, 1_800_000_000.0)]
     async with trio.open_nursery() as nursery:
         await nursery.start(directory.serve)
