@@ -55,7 +55,6 @@ import trio
 from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
 from volunteerd.errors import (
     ConfigError,
-    RequestTimeout,
     ResourceUnavailable,
     ShardError,
     UnknownExpert,
@@ -92,20 +91,26 @@ _SEED_LOOKUPS = 3
 # that answered `info` and sent bad bytes in 3 of 12 experts (an outside probe): seeded,
 # their weights forked from the trained ones.
 _MAX_DOWNLOADS = 16
-# A replica that answers one of these has the expert, or kept the download waiting in
-# its queue (a RequestTimeout): it will give the expert later. Seeding it instead
-# forked it from the trained weights: 59 of 72 experts of 12 joiners that started
-# together at one seed (an outside audit; in a second wave, the seed's used-up quota,
-# ``paused``, seeded every one). Such an expert is tried again after _BUSY_FIRST_S,
-# doubling up to _BUSY_MOST_S, each +-50 % (joiners that queued together come back
-# apart), for _BUSY_WAIT_S in a round; still not downloaded then, rebalances choose
-# other experts in its place for _BUSY_WAIT_S, then it is a candidate again. (A seed
-# serves 4 at once: 48 experts of 2.1 MB take ~100 s at 8 Mbit/s; its quota's share
-# for bulk transfers, once used, refuses them until midnight.)
+# A replica that answers one of these has the expert: it will give it later. Seeding it
+# instead forked it from the trained weights: 59 of 72 experts of 12 joiners that
+# started together at one seed (an outside audit; in a second wave, the seed's used-up
+# quota, ``paused``, seeded every one). Such an expert is tried again after
+# _BUSY_FIRST_S, doubling up to _BUSY_MOST_S, each +-50 % (joiners that queued together
+# come back apart), for _BUSY_WAIT_S in a round; still not downloaded then, rebalances
+# choose other experts in its place for _BUSY_WAIT_S, then it is a candidate again. (A
+# seed serves 4 at once: 48 experts of 2.1 MB take ~100 s at 8 Mbit/s; its quota's share
+# for bulk transfers, once used, refuses them until midnight.) A replica that kept a
+# download waiting past the queue's bound with nothing sent is not queueing it (an
+# honest one answers ``busy`` by then): a real failure, as before. And the waiting is
+# bounded: an expert whose replicas stayed busy through _BUSY_ROUNDS rounds is seeded
+# after all. A stranger that announced every expert and answered ``busy`` (or nothing)
+# to each kept a newcomer from hosting any, for good (a re-check of this change on a
+# simulated hour).
 _LATER_CODES = frozenset({"busy", "paused", "rate_limited"})
 _BUSY_FIRST_S = 10.0
 _BUSY_MOST_S = 60.0
 _BUSY_WAIT_S = 300.0
+_BUSY_ROUNDS = 3
 
 # While a join adds experts, the announcer is woken at most once every
 # ``announce_gap_s`` (the daemon's dht.announce_period_s: 15 s by default), the first
@@ -286,6 +291,7 @@ class Joiner:
         # (uid, trio time of the next try) while an expert waits for a busy replica
         self._busy_retry: tuple[str, float] | None = None
         self._busy_until: dict[str, float] = {}  # uid -> trio time: left out of choices
+        self._busy_rounds: dict[str, int] = {}  # uid -> rounds its replicas stayed busy
 
     @property
     def name(self) -> str:
@@ -719,6 +725,7 @@ class Joiner:
                 )
                 for uid in busy:
                     self._busy_until[uid] = trio.current_time() + _BUSY_WAIT_S
+                    self._busy_rounds[uid] = self._busy_rounds.get(uid, 0) + 1
                 return
             self._busy_retry = (busy[0], trio.current_time() + wait)
             logger.info(
@@ -800,9 +807,21 @@ class Joiner:
                 )
                 continue
             logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
+            self._busy_rounds.pop(uid, None)
             return f"replica {peer.peer_id}"
-        if busy:  # what its downloads left is resumed on the next try
+        if busy and self._busy_rounds.get(uid, 0) < _BUSY_ROUNDS:
+            # what its downloads left is resumed on the next try
             raise _ReplicasBusy(f"{uid}: {len(busy)} of its replicas were busy ({busy[0]})")
+        if busy:
+            logger.warning(
+                "seeding %s: its replicas stayed busy through %d rounds (%s); its weights "
+                "differ from theirs until replica averaging brings them together",
+                uid,
+                _BUSY_ROUNDS,
+                busy[0],
+            )
+            tried = []  # said: not "all failed"
+        self._busy_rounds.pop(uid, None)
         await self._downloader.discard(uid)
         if tried:
             logger.warning(
@@ -822,11 +841,12 @@ class _ReplicasBusy(Exception):
 def _later(exc: BaseException) -> bool:
     """Whether a download failed only because its replica was busy: it answered
     ``busy``, ``paused`` or ``rate_limited`` (``Busy``, ``Paused``, ``RateLimited`` or
-    their ``RemoteError``), or kept the request waiting (a RequestTimeout; a
-    ShardError of retries or of the pace, caused by one of those)."""
+    their ``RemoteError``; a ShardError of retries caused by one of those). One that
+    sent nothing within the queue's bound and the grace (a RequestTimeout) was not
+    queueing the request: an honest replica answers ``busy`` by then."""
     if isinstance(exc, ShardError) and exc.__cause__ is not None:
         exc = exc.__cause__
-    return isinstance(exc, RequestTimeout) or getattr(exc, "code", None) in _LATER_CODES
+    return getattr(exc, "code", None) in _LATER_CODES
 
 
 def _expired(expires_at: float) -> str:
