@@ -340,3 +340,25 @@ async def test_averaging_fetches_stay_within_the_quotas_bulk_share(
     assert len(skipped) == 1
     # what peers download keeps the rest of the bulk half
     budget.take("10.0.0.1", fetch_bytes, fetch_bytes)
+
+
+async def test_a_fetch_that_brought_no_reply_gives_its_bytes_back_to_the_budget(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Beside each honest replica one that never answers: its fetches, cut at their
+    bound, count nothing against the quota's bulk half. Before, they counted whole: half
+    of averaging's share went to fetches that brought nothing (a re-check)."""
+    runtime = runtime_of(4)
+    fetch_bytes = expert_bytes(runtime) + averaging.FETCH_FRAME_BYTES
+    now = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600
+    ledger = TransferLedger(None, clock=lambda: now)
+    throttle = Throttle(LimitsConfig(daily_quota_gb=1000 * fetch_bytes / 1e9), ledger)
+    budget = TransferBudget(throttle)
+    swarm = Swarm(runtime, silent=1)
+    averager = ReplicaAverager(
+        runtime, swarm, ReplicasConfig(), clock=trio.current_time, budget=budget
+    )
+    await averager.run_round()
+    assert swarm.calls["honest"] == 4
+    assert sum(n for peer, n in swarm.calls.items() if peer.startswith("silent")) == 4
+    assert budget._total == budget._fetched == 4 * fetch_bytes

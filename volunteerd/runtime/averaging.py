@@ -433,19 +433,29 @@ class ReplicaAverager:
                     self._counts.skipped_for_quota += 1
                     return
                 # Only this peer's own bound counts against it: a cut at the round's
-                # deadline (an outer scope) propagates past this one, uncounted.
-                with trio.move_on_after(bound_s):
-                    try:
-                        got = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
-                    except FrameTooLarge as exc:  # refused from its prefix
+                # deadline (an outer scope) propagates past this one, uncounted. A fetch
+                # that brought no reply, cut by either, gives its bytes back to the
+                # budget (what did arrive still counts in the throttle's quotas): a
+                # silent replica beside each honest one spent half the averaging share
+                # on nothing (a re-check).
+                try:
+                    with trio.move_on_after(bound_s):
+                        try:
+                            got = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
+                        except FrameTooLarge as exc:  # refused from its prefix
+                            self._unfetched(counted)
+                            self._reject(peer_id, "too_large", str(exc))
+                            return
+                        except VolunteerdError as exc:
+                            self._unfetched(counted)
+                            self._reject(peer_id, "unreachable", str(exc))
+                            return
+                except trio.Cancelled:
+                    if got is None:
                         self._unfetched(counted)
-                        self._reject(peer_id, "too_large", str(exc))
-                        return
-                    except VolunteerdError as exc:
-                        self._unfetched(counted)
-                        self._reject(peer_id, "unreachable", str(exc))
-                        return
+                    raise
                 if got is None:
+                    self._unfetched(counted)
                     self._reject(peer_id, "timeout", f"{uid}: no reply within {bound_s:.3g} s")
                     return
                 reply, tensors = got
