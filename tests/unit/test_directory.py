@@ -226,6 +226,7 @@ def test_a_peer_that_could_not_be_dialled_is_not_banned_longer_each_time() -> No
     lengths = []
     for _ in range(8):
         clock.now += 3 * 3600.0
+        directory._issued["peer"] = clock.now - 60.0  # it announced itself as it restarted
         start = clock.now
         directory.ban("peer", "unreachable: ffn.0: no addresses established a connection")
         directory.ban("peer", "unreachable: ffn.1: no addresses established a connection")
@@ -239,6 +240,23 @@ def test_a_peer_that_could_not_be_dialled_is_not_banned_longer_each_time() -> No
     clock.now = directory.banned["peer"]
     directory.ban("peer", "timeout: test")
     assert directory.banned["peer"] - clock.now == 120.0
+
+
+def test_a_peer_dialled_in_vain_again_without_announcing_itself_anew_is_banned_longer() -> None:
+    """One that answers ``info`` but whose calls cannot dial it, and never signs a newer
+    record: no restart. Its bans grow (a re-check: a ban that never grew cost a step's
+    failed call every ~70 s, for good)."""
+    clock = Clock()
+    directory = ExpertDirectory(FakeDHT(), ban_s=60.0, clock=clock)  # type: ignore[arg-type]
+    directory._issued["peer"] = clock.now
+    lengths = []
+    for _ in range(5):
+        start = clock.now
+        directory.ban("peer", "unreachable: ffn.0: no addresses established a connection")
+        lengths.append(directory.banned["peer"] - start)
+        clock.now = directory.banned["peer"] + 10.0  # verified again, chosen, dialled in vain
+    # the second ban is its first offence as one; from then on they grow
+    assert lengths == [60.0, 60.0, 120.0, 240.0, 480.0]
 
 
 def signed_at(identity: Identity, issued_at: float) -> ExpertRecord:

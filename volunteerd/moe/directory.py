@@ -13,16 +13,17 @@ times: one that misbehaved, waited its ban out and misbehaved again cost every b
 worth of steps again, for good.
 
 A peer that could not be dialled (``unreachable``) is no liar: a volunteer that
-restarted, or whose router gave it a new address, is one. Its ban does not grow, and it
-ends early when the peer shows it is back: a record it signed after its newest one seen
-at the ban, and an ``info`` answer at the address it announces (at most once per
+restarted, or whose router gave it a new address, is one. Its ban does not grow while it
+signs a newer record between such bans (a restart announces itself again; dialled in
+vain again with no newer record, its bans grow as any offence's), and it ends early when
+the peer shows it is back: a record it signed after its newest one seen at the ban, and
+an ``info`` answer at the address it announces (at most once per
 ``EARLY_RETURN_EVERY_S``). Growing, the bans kept an honest volunteer that restarted
-once every three hours unused for 15 s after it was back the first time, 63 min from
-the seventh on (outside probe ``ban_escalation``), while one that restarted under a
-fresh identity was not. With a ``verify`` function, a
-peer banned so is offered again, after the ban too, only once it has answered ``info``
-again: a record that points at a dead address costs one background dial per ``ban_s``,
-never a step's call.
+once every three hours unused for 15 s after it was back the first time, 63 min from the
+seventh on (outside probe ``ban_escalation``), while one that restarted under a fresh
+identity was not. With a ``verify`` function, a peer banned so is offered again, after
+the ban too, only once it has answered ``info`` again: a record that points at a dead
+address costs one background dial per ``ban_s``, never a step's call.
 
 Anyone can announce anything in the DHT, under as many fresh identities as it likes
 (issue 12: 1,100 of them hid every honest server). So with a ``verify`` function (the
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from volunteerd.bounded import remember
 from volunteerd.errors import PeerError, RemoteError
 from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, short
 from volunteerd.net.peers import parse_circuit_addr
@@ -156,6 +158,9 @@ class ExpertDirectory:
         # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
         # it: until it answers ``info`` again (the module docstring)
         self._unanswered: OrderedDict[str, float] = OrderedDict()
+        # peer -> the ``issued_at`` of its newest record seen at its last ban as
+        # unreachable: dialled in vain again with none newer, its bans grow
+        self._undialled: OrderedDict[str, float] = OrderedDict()
         # peer -> when it was last let back before its ban ended
         self._returned: OrderedDict[str, float] = OrderedDict()
         # peer -> the newest ``issued_at`` of its records seen (its own clock)
@@ -297,14 +302,25 @@ class ExpertDirectory:
         unreachable = reason.split(":", 1)[0] == "unreachable"
         banned = self.is_banned(peer_id)
         if unreachable and not banned:
-            self._unanswered[peer_id] = self._issued.get(peer_id, -math.inf)
+            issued = self._issued.get(peer_id, -math.inf)
+            before = self._undialled.get(peer_id)
+            remember(self._undialled, peer_id, issued, _MAX_OFFENDERS)
+            self._unanswered[peer_id] = issued
             self._unanswered.move_to_end(peer_id)
             while len(self._unanswered) > _MAX_OFFENDERS:
                 self._unanswered.popitem(last=False)
+            # Dialled in vain again with no newer record since the last time: not a
+            # restart. Its bans grow as any offence's (one that answered ``info`` and
+            # whose calls failed cost a step's call every ~70 s, for good; a re-check).
+            again = ""
+            if before is not None and issued <= before:
+                seconds, bans = self._grown(peer_id, seconds, now)
+                again = f" (dialled in vain {bans} times in a row)" if bans > 1 else ""
             logger.info(
-                "not choosing %s for %.0fs, or until it announces itself again and answers: %s",
+                "not choosing %s for %.0fs%s, or until it announces itself again and answers: %s",
                 short(peer_id),
                 seconds,
+                again,
                 reason,
             )
             self.ban_reasons["unreachable"] += 1
@@ -312,12 +328,7 @@ class ExpertDirectory:
             # A new offence (failures of the same moment are not). A peer still marked
             # unanswered is banned, if at all, only as unreachable: this is a new offence
             # too, and it ends that ban's early way out.
-            bans, last_end = self._offences.pop(peer_id, (0, -math.inf))
-            bans = bans + 1 if now - last_end <= BAN_MEMORY_S else 1
-            seconds *= min(2 ** (bans - 1), BAN_GROWTH_MAX)
-            self._offences[peer_id] = (bans, now + seconds)
-            while len(self._offences) > _MAX_OFFENDERS:
-                self._offences.popitem(last=False)
+            seconds, bans = self._grown(peer_id, seconds, now)
             again = f" (banned {bans} times in a row)" if bans > 1 else ""
             logger.info("not choosing %s for %.0fs%s: %s", short(peer_id), seconds, again, reason)
             self.ban_reasons[reason.split(":", 1)[0]] += 1
@@ -325,6 +336,18 @@ class ExpertDirectory:
         self._banned[peer_id] = until
         if peer_id in self._offences:  # its memory counts from the ban's real end
             self._offences[peer_id] = (self._offences[peer_id][0], until)
+
+    def _grown(self, peer_id: str, seconds: float, now: float) -> tuple[float, int]:
+        """``seconds`` grown for a peer banned again within ``BAN_MEMORY_S`` of its last
+        ban's end (twice the time before, up to ``BAN_GROWTH_MAX`` times), and the bans
+        in a row; remembered."""
+        bans, last_end = self._offences.pop(peer_id, (0, -math.inf))
+        bans = bans + 1 if now - last_end <= BAN_MEMORY_S else 1
+        seconds *= min(2 ** (bans - 1), BAN_GROWTH_MAX)
+        self._offences[peer_id] = (bans, now + seconds)
+        while len(self._offences) > _MAX_OFFENDERS:
+            self._offences.popitem(last=False)
+        return seconds, bans
 
     def is_banned(self, peer_id: str) -> bool:
         until = self._banned.get(peer_id)
