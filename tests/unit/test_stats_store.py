@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from volunteerd.stats import HOUR, StatsStore, Work
-from volunteerd.stats.store import DAY
+from volunteerd.stats.store import DAY, IDLE_READERS
 
 
 class Clock:
@@ -723,3 +723,25 @@ async def test_status_reads_today_in_a_thread_while_the_loop_counts(
     assert read == [1]  # as it was when the read began
     assert store.current().work.forward == 3
     store.close()
+
+
+def test_a_burst_of_readers_keeps_at_most_a_few_connections_open(tmp_path: Path) -> None:
+    """Each query runs on a connection of its own; a burst of them at once (dashboard
+    requests, each in a thread) opens one each, and keeps only ``IDLE_READERS`` for
+    the next: the rest were kept open for the daemon's life."""
+    store = StatsStore.open(tmp_path / "stats.sqlite3")
+    store.record("ffn.0.0", forward=1, samples=4)
+    store.flush()
+    together = threading.Barrier(8)
+
+    def read() -> None:
+        with store._reading() as (db, _):  # eight reads under way at once
+            together.wait()
+            assert db.execute("SELECT SUM(samples) FROM work").fetchone() == (4,)
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(store._readers) <= IDLE_READERS

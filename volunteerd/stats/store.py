@@ -58,7 +58,7 @@ from pathlib import Path
 
 from volunteerd.atomic import make_private_dirs
 
-__all__ = ["HOUR", "NewerStats", "StatsStore", "Totals", "Traffic", "Work"]
+__all__ = ["HOUR", "IDLE_READERS", "NewerStats", "StatsStore", "Totals", "Traffic", "Work"]
 
 HOUR = 3600
 QUARTER = 900  # the size of a new bucket
@@ -207,6 +207,9 @@ class _Counts:
 # off instead.
 _PIN = "SELECT 1 FROM sqlite_master LIMIT 1"
 _PIN_TRIES = 3
+# Idle query connections kept for the next reads; more readers at once (a burst of
+# dashboard requests, each in a thread) open their own and close them after.
+IDLE_READERS = 2
 
 
 class StatsStore:
@@ -581,7 +584,10 @@ class StatsStore:
             db.close()
             raise
         with self._read_lock:
-            self._readers.append(db)
+            if len(self._readers) < IDLE_READERS:
+                self._readers.append(db)
+                return
+        db.close()
 
     def totals(self, since: float = 0.0) -> Totals:
         """Sums over the buckets that end after ``since`` and begin by now: a bucket
