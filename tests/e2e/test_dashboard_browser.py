@@ -7,7 +7,6 @@ has no key or the daemon is gone."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from volunteerd.identity import Identity
 from volunteerd.moe import RemoteExpert
 from volunteerd.net.background import BackgroundNode
 from volunteerd.testing import local_config
+from volunteerd.testing.ports import fixed_port
 
 pytestmark = pytest.mark.slow
 
@@ -193,12 +193,6 @@ def trainer_calling(multiaddrs: list[str], uids: list[str]) -> Iterator[None]:
             raise errors[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_dashboard_follows_the_daemon_live_and_its_controls_change_it(
     spawn: Callable[..., Proc], browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
@@ -296,7 +290,7 @@ def test_dashboard_follows_the_daemon_live_and_its_controls_change_it(
 def test_dashboard_asks_for_the_key_and_rides_out_a_daemon_restart(
     spawn: Callable[..., Proc], browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    port = free_port()  # fixed, so the restarted daemon answers at the same address
+    port = fixed_port()  # fixed, so the restarted daemon answers at the same address
     args = ("serve", "--experts", "ffn.0.0", *SMALL, "--set", f"control.port={port}")
     first = spawn("server", *args)
     first.wait_ready()
@@ -428,7 +422,7 @@ def test_joining_a_published_project_from_the_page_rides_through_the_restart(
     manifest.write_text(MANIFEST)
     invitation = publish(tmp_path / "owner", manifest, address)
 
-    port = free_port()  # fixed: the restarted daemon answers where the page asks
+    port = fixed_port()  # fixed: the restarted daemon answers where the page asks
     volunteer = spawn(
         "volunteer", "serve", "--set", f"control.port={port}",
         "--set", 'runtime.device="cpu"', "--set", "experiments.max_experts=2",

@@ -26,6 +26,7 @@ from volunteerd.net.peers import parse_peer_multiaddr, peer_id_for
 from volunteerd.paths import DataDirLock, LockHolder, lock_holder
 from volunteerd.swarm.invitation import Invitation
 from volunteerd.testing import local_config, open_peer
+from volunteerd.testing.ports import fixed_port
 from volunteerd.wire import ForwardRequest
 
 # Each test starts volunteerd as a process (most, a daemon or a swarm of them).
@@ -35,12 +36,6 @@ SMALL = ["--set", "experts.hidden_dim=32", "--set", 'runtime.device="cpu"']
 # The states a closed socket lingers in on the side that closed first: FIN-WAIT-1/2,
 # CLOSING, TIME-WAIT. Any of them kept a plain bind from succeeding.
 LINGERING = {"04", "05", "06", "0B"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def lingering_on(port: int) -> int | None:
@@ -57,7 +52,7 @@ def lingering_on(port: int) -> int | None:
 
 
 def test_restart_with_a_trainer_connected_binds_the_same_port_at_once(spawn) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
+    port = fixed_port()
     first = spawn("server", "serve", "--experts", "ffn.0.0", *SMALL, port=port)
     address = parse_peer_multiaddr(first.wait_ready()["multiaddrs"][0])
     meta, data = to_wire(torch.randn(2, 32))
@@ -92,7 +87,7 @@ def test_restart_with_a_trainer_connected_binds_the_same_port_at_once(spawn) -> 
 
 
 def test_a_live_daemon_on_the_port_is_still_refused(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
+    port = fixed_port()
     first = spawn("first", "serve", "--experts", "ffn.0.0", *SMALL, port=port)
     first.wait_ready()
     other = run_cli(

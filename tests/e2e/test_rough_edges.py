@@ -21,19 +21,12 @@ from tests.e2e.conftest import cli_env, run_cli
 from volunteerd.control.client import ControlClient
 from volunteerd.detached import IO_CLASS_BEST_EFFORT, IO_LEVEL, io_priority, start_detached
 from volunteerd.errors import ControlError, ExitCode
+from volunteerd.testing.ports import fixed_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
 START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def readme_swarm() -> list[list[str]]:
@@ -76,12 +69,12 @@ def test_the_readmes_three_terminal_swarm_runs_on_one_machine(
     tmp_path: Path, processes: list[subprocess.Popen[str]]
 ) -> None:
     boot_cmd, serve_a, serve_b = readme_swarm()
-    boot_port = str(free_port())
+    boot_port = str(fixed_port())
     env = cli_env(tmp_path)  # one config file for all three, as a user's default would be
     for name in ("VOLUNTEERD_DATA_DIR", "VOLUNTEERD_CACHE_DIR"):
         del env[name]  # the README's --data-dir flags choose
     # the README relies on the default control port: both daemons ask for the same one
-    env["VOLUNTEERD_CONTROL__PORT"] = str(free_port())
+    env["VOLUNTEERD_CONTROL__PORT"] = str(fixed_port())
     env["VOLUNTEERD_EXPERTS__HIDDEN_DIM"] = "32"  # small experts; the commands as written
     env["VOLUNTEERD_RUNTIME__DEVICE"] = "cpu"
 

@@ -10,7 +10,6 @@ nothing, and it counted itself joined for 11 minutes and more.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,17 +25,12 @@ from volunteerd.identity import Identity
 from volunteerd.net import Announcer, Node, PeerAddress, Verb, open_node, reachability
 from volunteerd.net.dialback import DialBackRequest
 from volunteerd.testing import local_config, open_daemon, open_peer
+from volunteerd.testing.ports import fixed_port
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _until(check: Callable[[], bool], within_s: float = 30) -> None:
@@ -84,7 +78,7 @@ async def _bootstrap_node(
     """A bootstrap node at a fixed port (a relay too with ``relay``), to stop with
     ``await stop()`` and start again with the same config and identity."""
     identity = Identity.generate()
-    config = local_config(network={"listen_host": "127.0.0.1", "port": _free_port()})
+    config = local_config(network={"listen_host": "127.0.0.1", "port": fixed_port()})
     async with trio.open_nursery() as nursery:
         stop = _Stop()
         boot: Node = await nursery.start(_run_peer, config, identity, stop, relay)
