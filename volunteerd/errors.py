@@ -4,6 +4,7 @@
 
     VolunteerdError
     ├── ConfigError            bad config file, environment variable or flag
+    │   ├── ConfigUnavailable  ... that cannot be read for now (a drive not mounted)
     │   └── UntrustedManifest  the experiment to join is signed by no trusted owner
     ├── CheckpointError        a checkpoint file is damaged or does not fit
     │   └── NewerCheckpoint    ... because a newer version wrote it (``.version``): not damaged
@@ -56,6 +57,7 @@ __all__ = [
     "Busy",
     "CheckpointError",
     "ConfigError",
+    "ConfigUnavailable",
     "ControlError",
     "DaemonNotAnswering",
     "DaemonNotRunning",
@@ -108,15 +110,32 @@ class UntrustedManifest(ConfigError):
     by owners this daemon was not told to trust. Restarting will not help: trust the
     owner (``experiments.trusted_owners``) or join another experiment."""
 
-    def __init__(self, name: str, owners: list[str]) -> None:
+    def __init__(self, name: str, owners: list[str], *, trainer: bool = False) -> None:
         listed = ", ".join(owners)
+        first = owners[0] if owners else ""
+        # A trainer has no --set and reads its owners from the experiment file's [swarm]
+        # table: the daemon's hint sent researchers to a flag ``train`` refuses.
+        how = (
+            f"add it to swarm.trusted_owners in the experiment file (e.g. "
+            f'trusted_owners = ["{first}"] under [swarm]), or train with --invitation'
+            if trainer
+            else f"add it to experiments.trusted_owners (e.g. "
+            f"--set 'experiments.trusted_owners=[\"{first}\"]')"
+        )
         super().__init__(
             f"experiment {name!r} is signed by {listed}, which is not a trusted owner; "
-            f"to trust it, add it to experiments.trusted_owners (e.g. "
-            f"--set 'experiments.trusted_owners=[\"{owners[0] if owners else ''}\"]')"
+            f"to trust it, {how}"
         )
         self.name = name
         self.owners = owners
+
+
+class ConfigUnavailable(ConfigError):
+    """A configuration file that cannot be read for now: a link to nothing (a drive not
+    mounted yet) or an I/O error of its drive. A ConfigError to the code that keeps the
+    old settings on a bad file, but exit 5 (restarting may help), not 3: the service
+    manager does not restart a 3, and a daemon whose ``projects.toml`` sat on a drive
+    mounted after it started stayed down until the next login."""
 
 
 class IdentityError(VolunteerdError):
@@ -352,6 +371,8 @@ class ExitCode(IntEnum):
 
 def exit_code(exc: BaseException) -> ExitCode:
     """The process exit status for an exception that ended a command."""
+    if isinstance(exc, ConfigUnavailable):
+        return ExitCode.UNAVAILABLE
     if isinstance(exc, ConfigError):
         return ExitCode.CONFIG
     if isinstance(exc, UsageError) or (isinstance(exc, ControlError) and exc.status == 422):

@@ -63,8 +63,13 @@ async def test_the_trainer_takes_the_experts_settings_from_a_trusted_manifest() 
                 assert m.compression == "float16"
                 assert (resolved.experts.name, resolved.experts.lr) == ("sgd", 0.05)
                 assert m.layer_name(2) == "mix2"
-                with pytest.raises(UntrustedManifest, match=owner_id):  # nobody trusted yet
-                    resolve_manifest(experiment("chars", []), client)
+                with pytest.raises(UntrustedManifest, match=owner_id) as untrusted:
+                    resolve_manifest(experiment("chars", []), client)  # nobody trusted yet
+                # The hint is the trainer's (its experiment file, --invitation), not the
+                # daemon's --set, which ``volunteerd train`` does not take.
+                hint = str(untrusted.value)
+                assert ("swarm.trusted_owners" in hint, "--invitation" in hint) == (True, True)
+                assert ("--set" in hint, "experiments.trusted_owners" in hint) == (False, False)
                 # Trusting someone else: the owner's manifest is neither used nor named.
                 with pytest.raises(ConfigError, match="trusted owner") as info:
                     resolve_manifest(experiment("chars", [stranger_id]), client, timeout_s=1)

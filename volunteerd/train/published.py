@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from volunteerd.errors import ConfigError
+from volunteerd.errors import ConfigError, UntrustedManifest
 from volunteerd.moe import SwarmClient
 from volunteerd.swarm.invitation import Invitation
 from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
@@ -96,7 +96,10 @@ def resolve_manifest(
         records = client.run(
             lookup_manifests, client.node.node.dht, swarm.manifest, swarm.trusted_owners
         )
-        manifest = choose_trusted(swarm.manifest, records, swarm.trusted_owners)
+        try:
+            manifest = choose_trusted(swarm.manifest, records, swarm.trusted_owners)
+        except UntrustedManifest as exc:
+            raise UntrustedManifest(exc.name, exc.owners, trainer=True) from None
         if manifest is not None:
             break
         if time.monotonic() > deadline:
