@@ -477,7 +477,10 @@ def _projects(args: argparse.Namespace) -> ExitCode:
         print(f"left {name!r}" + ": volunteerd restarts without it" * left.restarting)
         return ExitCode.OK
     share = _share(args.share)
-    invitation = parse_invitation(args.invitation)  # ConfigError saying what is wrong
+    try:
+        invitation = parse_invitation(args.invitation)
+    except ConfigError as exc:  # an argument typed wrong: exit 2, as any bad argument
+        raise UsageError(str(exc)) from None
     if configured is not None and configured.name == invitation.name:
         raise ConfigError(
             f"project {invitation.name!r} is joined through the config file "

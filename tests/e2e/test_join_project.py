@@ -170,12 +170,12 @@ def test_a_fresh_daemon_joins_a_published_project_serves_it_and_leaves(
     assert idle_rss < IDLE_RSS_BYTES
 
     # Joining asks first; without a terminal it says which flag to add. A bad
-    # invitation is a configuration error, and the daemon keeps running.
+    # invitation is a bad argument (exit 2), and the daemon keeps running.
     asked = volunteerd(env, "join", line)
     assert asked.returncode == ExitCode.USAGE
     assert "--yes" in asked.stderr
     bad = volunteerd(env, "join", line.replace("owner=", "owner=x"), "--yes")
-    assert bad.returncode == ExitCode.CONFIG
+    assert bad.returncode == ExitCode.USAGE
     assert "not a valid invitation" in bad.stderr
     assert status().started_at == idle.started_at
 

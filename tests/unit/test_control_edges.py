@@ -459,13 +459,14 @@ async def test_any_other_failure_in_a_handler_is_a_json_500_with_the_traceback_l
     assert logged[0].exc_info is not None
 
 
-def test_joining_through_a_unix_socket_address_is_a_one_line_config_error(
+def test_joining_through_a_unix_socket_address_is_a_one_line_usage_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # /unix/ takes all that follows as a file path: multiaddr's own error escaped
+    # /unix/ takes all that follows as a file path: multiaddr's own error escaped. A
+    # mistyped invitation is a bad argument: exit 2, not 3 ("invalid configuration").
     peer = "12D3KooWN2cK7Wt448ipDy2ZHnA1dhJcHcwcL4T48AvWZFauku7K"
     invitation = f"volunteerd://join/abc?owner={peer}&peer=%2Funix%2Fa%2Fp2p%2F{peer}"
-    assert cli(monkeypatch, tmp_path, "join", invitation, "--yes") == 3
+    assert cli(monkeypatch, tmp_path, "join", invitation, "--yes") == 2
     err = capsys.readouterr().err
     assert err.startswith("volunteerd: not a valid invitation: the peer '/unix/a/p2p/")
     assert err.count("\n") == 1

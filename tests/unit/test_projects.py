@@ -335,9 +335,9 @@ def test_a_file_with_entries_set_aside_lets_volunteerd_list_leave_and_join(
     assert "left 'dead'" in capsys.readouterr().out
     assert [p.name for p in load_projects(projects_file)] == ["vmix", "new"]
     assert read_projects(projects_file).set_aside == []
-    # an invitation at `join` is still checked strictly
+    # an invitation at `join` is still checked strictly: a bad argument, exit 2
     bad = Invitation("new", OWNER, (PEER,)).url().replace("%2Fip4%2F127.0.0.1", "%2Fdnsaddr%2Fx")
-    assert main(["join", bad, "--yes"]) == ExitCode.CONFIG
+    assert main(["join", bad, "--yes"]) == ExitCode.USAGE
     assert "not a valid invitation" in capsys.readouterr().err
 
 

@@ -21,7 +21,7 @@ import pytest
 from volunteerd.atomic import DanglingLink, read_small
 from volunteerd.config import LimitsConfig, load_config
 from volunteerd.control.auth import is_token_text, load_or_create_token
-from volunteerd.errors import ConfigError, IdentityError
+from volunteerd.errors import ConfigError, ExitCode, IdentityError, exit_code
 from volunteerd.identity import Identity
 from volunteerd.identity.keys import load_or_create_identity
 from volunteerd.net import Throttle
@@ -67,12 +67,21 @@ def test_a_link_to_nothing_is_no_missing_file(tmp_path: Path) -> None:
         read_small(link, 1024)
     assert not isinstance(DanglingLink(errno.ENOENT, "x"), FileNotFoundError)
     # the projects joined, the config: an error naming the link, not "none", "defaults"
-    with pytest.raises(ConfigError, match=r"projects\.toml: cannot read: a link to"):
+    with pytest.raises(ConfigError, match=r"projects\.toml: cannot read: a link to") as dangling:
         load_projects(link)
+    # ...that exits 5, which the service manager restarts (the drive may be mounted by
+    # then), not 3 ("restarting will not help"), as a key file's link to nothing does
+    assert exit_code(dangling.value) == ExitCode.UNAVAILABLE
     config = tmp_path / "config.toml"
     config.symlink_to(tmp_path / "usb" / "config.toml")
-    with pytest.raises(ConfigError, match=r"config\.toml: cannot read: a link to"):
+    with pytest.raises(ConfigError, match=r"config\.toml: cannot read: a link to") as dangling:
         load_config(config, env={})
+    assert exit_code(dangling.value) == ExitCode.UNAVAILABLE
+    folder = tmp_path / "folder.toml"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="cannot read") as unreadable:
+        load_config(folder, env={})
+    assert exit_code(unreadable.value) == ExitCode.CONFIG  # a folder stays a folder
     assert load_config(tmp_path / "absent.toml", env={}) is not None  # none at all: defaults
 
 

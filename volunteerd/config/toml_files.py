@@ -10,16 +10,19 @@ tracebacks: a damaged ``limits.toml`` reloaded on SIGHUP stopped the daemon.
 
 from __future__ import annotations
 
+import errno
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from volunteerd.atomic import read_small
-from volunteerd.errors import ConfigError
+from volunteerd.atomic import DanglingLink, read_small
+from volunteerd.errors import ConfigError, ConfigUnavailable
 
 __all__ = ["parse_toml", "read_toml"]
 
 MAX_BYTES = 16 * 2**20  # every file of ours is a few KiB; a manifest's text is far less
+# A drive's I/O error, a network file system's server gone: may pass on a restart.
+_FOR_NOW = frozenset({errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.ENODEV})
 _NOT_TOML = (ValueError, RecursionError)  # ValueError covers TOMLDecodeError and UnicodeDecodeError
 
 
@@ -33,13 +36,18 @@ def read_toml(path: Path) -> dict[str, Any]:
     else: text that is not TOML or not UTF-8, a folder, a FIFO or device (opened
     without waiting, never read: a FIFO nobody writes to would block forever), a link
     to nothing (read as "no file", a daemon left its projects silently), more than
-    ``MAX_BYTES``, no permission."""
+    ``MAX_BYTES``, no permission. A link to nothing and a drive's I/O error raise
+    ConfigUnavailable, the ConfigError that exits 5 (the service manager restarts it)."""
     try:
         data = read_small(path, MAX_BYTES)
     except FileNotFoundError:
         raise
     except OSError as exc:  # a link to nothing too: not "no file" (a drive not mounted)
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        # Only "for now" (the link's drive, an I/O error) may pass on a restart; a
+        # folder, a FIFO or no permission will not.
+        unavailable = isinstance(exc, DanglingLink) or exc.errno in _FOR_NOW
+        error = ConfigUnavailable if unavailable else ConfigError
+        raise error(f"{path}: cannot read: {exc.strerror}") from None
     try:
         return tomllib.loads(data.decode())
     except _NOT_TOML as exc:
