@@ -42,7 +42,9 @@
     └── Interrupted            the user asked a command to stop (Ctrl-C)
 
 ``wire_code`` maps an exception to the error code sent to a peer (anything not in
-the tree is an internal error and never leaks its message). ``exit_code`` maps an
+the tree is an internal error and never leaks its message), and ``retry_after`` to the
+seconds its reply says to wait, when it says (a ``Busy`` or ``RateLimited`` for a
+transfer quota's share used up until midnight). ``exit_code`` maps an
 exception that ended the process to the exit status that service managers rely on.
 """
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 __all__ = [
+    "RETRY_AFTER_MOST_S",
     "ActivationsExpired",
     "BadDtype",
     "BadShape",
@@ -91,6 +94,7 @@ __all__ = [
     "VolunteerdError",
     "WireError",
     "exit_code",
+    "retry_after",
     "wire_code",
 ]
 
@@ -212,12 +216,24 @@ class UnknownExpert(VolunteerdError):
     code = "unknown_expert"
 
 
-class Busy(VolunteerdError):
+class _Later(VolunteerdError):
+    """A refusal that may say how long until asking again is of use
+    (``retry_after_s``, sent in the ``ErrorReply``): a transfer quota's share for bulk
+    replies, used up until its day ends (``server.transfers``). None: soon, or unknown
+    (a full queue)."""
+
+    def __init__(self, *args: object, retry_after_s: float | None = None) -> None:
+        super().__init__(*args)
+        self.retry_after_s = retry_after_s
+
+
+class Busy(_Later):
     code = "busy"
 
 
-class RateLimited(VolunteerdError):
-    """A peer is over its request rate, inbound byte rate or concurrent stream cap."""
+class RateLimited(_Later):
+    """A peer is over its request rate, inbound byte rate or concurrent stream cap, or
+    its share of the bulk replies' budget (``retry_after_s``)."""
 
     code = "rate_limited"
 
@@ -299,14 +315,17 @@ REMOTE_MESSAGE_CHARS = 300
 
 
 class RemoteError(PeerError):
-    """The peer answered with a typed error reply (its message's start, if long)."""
+    """The peer answered with a typed error reply (its message's start, if long), and
+    maybe how many seconds until asking again is of use (``retry_after_s``, None when
+    it did not say: a peer's claim, bounded by the wire model)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
         if len(message) > REMOTE_MESSAGE_CHARS:
             message = f"{message[:REMOTE_MESSAGE_CHARS]}... ({len(message)} characters)"
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class ReplyTooLarge(FrameTooLarge, PeerError):
@@ -356,6 +375,20 @@ def wire_code(exc: BaseException) -> str:
     if isinstance(exc, VolunteerdError) and exc.code in WIRE_CODES:
         return exc.code
     return "internal"
+
+
+# The longest ``retry_after_s`` an ``ErrorReply`` may carry: a quota's day ends within
+# one (two, with a clock set back across midnight, or a daylight-saving change).
+RETRY_AFTER_MOST_S = 2 * 86400.0
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The ``retry_after_s`` to send to a peer with ``exc``'s error code: a ``Busy``'s
+    or ``RateLimited``'s, within what the wire allows (two days); None for every other
+    error, and when it says none."""
+    if not isinstance(exc, _Later) or exc.retry_after_s is None:
+        return None
+    return min(max(0.0, float(exc.retry_after_s)), RETRY_AFTER_MOST_S)
 
 
 class ExitCode(IntEnum):

@@ -4,14 +4,14 @@ line breaks, bidi overrides, zero-width and line/paragraph separators) as its es
 (``\\x1b``, ``\\n``, ``\\u202e``). The log, the command line's status, the tray and the
 dashboard's activity line all show such text. ``short_id`` is a peer id as people see
 it (the dashboard's ``shortId``, the tray's); ``clock_time`` a moment to come (a snooze's
-end) as the tray and the activity line say it."""
+end) as the tray and the activity line say it, and ``span`` how long until then."""
 
 from __future__ import annotations
 
 import time
 import unicodedata
 
-__all__ = ["clock_time", "escaped", "one_line", "short_id"]
+__all__ = ["clock_time", "escaped", "one_line", "short_id", "span"]
 
 # What is acted on rather than shown: control, format (bidi, zero-width), surrogates,
 # line and paragraph separators.
@@ -48,3 +48,13 @@ def clock_time(when: float, now: float) -> str:
     if 0 < when - now < 6 * 86400:
         return time.strftime("%a %H:%M", then)
     return time.strftime("%Y-%m-%d %H:%M", then)
+
+
+def span(seconds: float) -> str:
+    """A wait as people say it: ``7 h 12 min``, ``12 min``, ``40 s``."""
+    seconds = max(0, round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    if seconds >= 60:
+        return f"{seconds // 60} min"
+    return f"{seconds} s"

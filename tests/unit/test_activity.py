@@ -76,6 +76,18 @@ def test_a_join_waiting_for_a_busy_replica_says_so() -> None:
     assert "replicas are serving others" in activity.hint
 
 
+def test_a_join_waiting_for_spent_replicas_says_until_when() -> None:
+    waiting = (
+        "2 experts wait for replicas whose daily transfer quota is used up, until 00:00 "
+        "(in 7 h 12 min)"
+    )
+    activity = decide_activity(
+        signals(experts=0, projects=(Project("tinylm", "joining", waiting=waiting),))
+    )
+    assert activity.message == f"joining tinylm: {waiting}"
+    assert "used their transfer quota for the day" in activity.hint
+
+
 def test_a_join_held_back_waits_and_says_why_and_what_to_do() -> None:
     # Nothing downloads while bulk transfers are held: "downloading the experts" lasted
     # until midnight for a used-up daily quota.

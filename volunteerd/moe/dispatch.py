@@ -105,7 +105,7 @@ async def _send(
     offset = 0
     for item in reply.items:
         if isinstance(item, ErrorReply):
-            out.append(RemoteError(item.code, item.message))
+            out.append(RemoteError(item.code, item.message, item.retry_after_s))
             continue
         count = len(item.tensors)
         out.append((item, tensors[offset : offset + count]))

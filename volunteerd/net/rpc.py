@@ -60,6 +60,7 @@ from volunteerd.errors import (
     StreamTimedOut,
     VolunteerdError,
     WireError,
+    retry_after,
     wire_code,
 )
 from volunteerd.net.framing import RawFrame, read_exactly, read_frame_rest, read_prefix
@@ -605,7 +606,8 @@ class RpcServer:
         message = str(exc) if isinstance(exc, VolunteerdError) else "internal error"
         if isinstance(exc, WireError):
             logger.info("refused %s from %s: %s", spec.verb, short(peer_id), exc)
-        await self._write(stream, encode_frame(ErrorReply(code=code, message=message[:1000])))
+        reply = ErrorReply(code=code, message=message[:1000], retry_after_s=retry_after(exc))
+        await self._write(stream, encode_frame(reply))
 
 
 def _over(reason: str, host: str | None) -> str:
@@ -881,7 +883,8 @@ class RpcClient:
             # The stream stays usable after a typed error, unless the framing broke or
             # the refusal came before the whole request was written.
             keep = written and reply.code not in _CLOSING_CODES
-            raise _RemoteErrorKeep(RemoteError(reply.code, reply.message), keep)
+            error = RemoteError(reply.code, reply.message, reply.retry_after_s)
+            raise _RemoteErrorKeep(error, keep)
         if not written:
             raise PeerError(f"{spec.verb}: replied before the request was sent") from None
         return reply, raw.body

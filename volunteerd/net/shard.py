@@ -434,7 +434,9 @@ async def download_shard(
 
     A dropped connection, a timeout (the RPC client's ``request_s`` per chunk) or a
     ``busy``/``rate_limited`` answer is retried ``retries`` times in a row, waiting
-    ``backoff_s``, then twice that, and so on. Bound the whole download with
+    ``backoff_s``, then twice that, and so on; one whose ``retry_after_s`` is longer
+    than all those waits left (a quota's share used up until midnight) is not retried
+    (ShardError, its ``__cause__`` the RemoteError). Bound the whole download with
     ``trio.fail_after`` at the call site; on cancellation the partial files stay for a
     later call to resume. With ``min_rate`` (bytes a second), the bytes received must
     keep up with it after ``grace_s``, whatever the replies and retries in between, or
@@ -572,7 +574,8 @@ async def fetch_shard(
     is asked for; memory grows with the bytes received, never with the size a peer
     declares; and the whole SHA-256 is checked at the end.
     A dropped stream, a timeout or a ``busy``/``rate_limited`` answer is retried
-    ``retries`` times in a row; an ``expired`` snapshot starts the download again.
+    ``retries`` times in a row (not one whose ``retry_after_s`` outlasts those retries);
+    an ``expired`` snapshot starts the download again.
     ``on_chunk(received, total)`` is called after each chunk. Bound the whole call with
     ``trio.fail_after``.
 
@@ -697,6 +700,11 @@ async def _backoff(
         raise ShardError(
             f"{where}: failed {failures + 1} times in a row: {exc}", resumable=True
         ) from exc
+    # A refusal that says it lasts longer than every retry left would wait (a quota's
+    # share used up until midnight): retrying only spends requests and time.
+    later = getattr(exc, "retry_after_s", None)
+    if later is not None and later > backoff_s * (2**retries - 2**failures):
+        raise ShardError(f"{where}: {exc} (for {later:.0f} s)", resumable=True) from exc
     logger.info("%s: %s; retrying", where, str(exc) or type(exc).__name__)
     await trio.sleep(backoff_s * 2**failures)
     return failures + 1

@@ -232,6 +232,15 @@ class TransferLedger:
         self._roll()
         return self.day_bytes
 
+    def seconds_left_today(self) -> float:
+        """Seconds until the day counted ends (the local midnight after ``day``), when
+        the daily count starts from zero; 0 when it is already past. After a clock set
+        back across midnight the later day still counts (``_roll``): this is its end."""
+        self._roll()
+        year, month, day = (int(part) for part in self.day.split("-"))
+        end = time.mktime((year, month, day + 1, 0, 0, 0, 0, 0, -1))
+        return max(0.0, end - self._clock())
+
     def save(self) -> None:
         """Write the file atomically (temp file, fsync, rename) if anything changed. May
         run in a worker thread while ``add`` goes on: what it adds meanwhile is saved

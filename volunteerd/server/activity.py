@@ -134,12 +134,15 @@ def _joining(s: Signals) -> Activity:
         return _activity("joining", f"joining {', '.join(on_the_way)}: waiting, {why}", remedy)
     busy = next((p for p in projects if p.state != "failed" and p.waiting), None)
     if busy is not None:
-        return _activity(
-            "joining",
-            f"joining {busy.name}: {busy.waiting}",
-            "its experts' replicas are serving others first; it downloads them in turn "
-            "(its trained weights, not a fresh start)",
+        remedy = (
+            "its experts' replicas have used their transfer quota for the day; it downloads "
+            "them then (their trained weights, not a fresh start), and hosts experts other "
+            "volunteers can give meanwhile"
+            if "quota" in (busy.waiting or "")
+            else "its experts' replicas are serving others first; it downloads them in turn "
+            "(its trained weights, not a fresh start)"
         )
+        return _activity("joining", f"joining {busy.name}: {busy.waiting}", remedy)
     if on_the_way:
         return _activity(
             "joining",

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import trio
 
-from volunteerd.errors import Paused, VolunteerdError, wire_code
+from volunteerd.errors import Paused, VolunteerdError, retry_after, wire_code
 from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.experts.checkpoint_file import encode_checkpoint
 from volunteerd.net import Handler, Reply, Request, ShardServer, Verb, short
@@ -183,7 +183,10 @@ class _Pipeline:
             try:
                 results[i] = await self.call(kind, item, tensors, request.peer_id, request.address)
             except VolunteerdError as exc:
-                results[i] = (ErrorReply(code=wire_code(exc), message=str(exc)[:1000]), [])
+                error = ErrorReply(
+                    code=wire_code(exc), message=str(exc)[:1000], retry_after_s=retry_after(exc)
+                )
+                results[i] = (error, [])
             except Exception:  # a bug, not the peer's error: this item's, not the batch's
                 logger.exception("%s of %s failed for %s", kind, item.uid, short(request.peer_id))
                 results[i] = (ErrorReply(code="internal"), [])

@@ -34,12 +34,19 @@ serving until midnight. Now its fetches take at most ``AVERAGING_SHARE`` (half) 
 bulk half, so that joiners downloading from this daemon keep the rest of it, and a
 fetch that does not fit is skipped (logged once a day); serving keeps its half always.
 
-Both codes tell an honest peer to try later: the shard download retries them with a
-backoff, the replica averager backs off from the peer, and a joiner whose downloads
-all fail seeds the expert. A reply is counted at its real size once the handler has
-built it (before that, a party or the whole already over its budget is refused without
-building one), and what of it is not written after all (refused for memory, its caller
-gone, a slow reader, the stream reset: ``net.rpc.Reply.unsent``) is given back. Before,
+Both codes tell an honest peer to try later, and until when (``retry_after_s``: the
+seconds to the end of the ledger's day, ``TransferLedger.seconds_left_today``): the
+shard download does not retry what lasts longer than its backoff, the replica averager
+backs off from the peer, and a joiner asks this daemon nothing more until then, filling
+its room with experts other replicas hold (``swarm.joiner``); the experts only this
+daemon holds wait, not seeded. Before, joiners asked again every few minutes, their
+choice taking the experts only the spent seed held: in an outside re-check 8 joiners
+held 2-5 of their 6 experts for ~30 min, then seeded the rest.
+
+A reply is counted at its real size once the handler has built it (before that, a
+party or the whole already over its budget is refused without building one), and what
+of it is not written after all (refused for memory, its caller gone, a slow reader,
+the stream reset: ``net.rpc.Reply.unsent``) is given back. Before,
 a reply counted whole as soon as it was built: in an outside audit two joiners that had
 got no expert from a seed were refused for having used their share, and the bulk half
 was used up with ~40 MB of it sent. Without a quota nothing is counted or refused.
@@ -192,7 +199,8 @@ class TransferBudget:
                 )
             raise Busy(
                 f"bulk transfers have used their share of this volunteer's transfer "
-                f"quota today ({bulk} bytes); try again tomorrow"
+                f"quota today ({bulk} bytes); try again tomorrow",
+                retry_after_s=self._throttle.ledger.seconds_left_today(),
             )
         share = max(
             int(allowance * PARTY_SHARE),
@@ -203,5 +211,6 @@ class TransferBudget:
         if used + size > share or (size == 0 and used >= share):
             raise RateLimited(
                 f"bulk transfers to your address have used their share of this "
-                f"volunteer's transfer quota today ({share} bytes); try again tomorrow"
+                f"volunteer's transfer quota today ({share} bytes); try again tomorrow",
+                retry_after_s=self._throttle.ledger.seconds_left_today(),
             )

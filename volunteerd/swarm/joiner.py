@@ -23,7 +23,9 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    says which of the two it got: ``Checkpointer.damaged``); then host it and announce
    it. An expert whose replicas were only busy (they answered ``busy``, ``paused`` or
    ``rate_limited``, or kept the download waiting in their queue) is not seeded: it is
-   not hosted until a later try downloads it (``waiting`` says so meanwhile);
+   not hosted until a later try downloads it (``waiting`` says so meanwhile); one whose
+   replicas are all spent (refused until their transfer quota's day ends:
+   ``_SPENT_MOST_S``) is left out of the choice until then, and the room goes to others;
 4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
    the DHT first, finish their queued work, and are saved for a later return;
 5. at those rounds, every ``manifest_check_every_s`` (5 min), look the manifest up
@@ -68,6 +70,7 @@ from volunteerd.net.records import ManifestRecord
 from volunteerd.runtime import ExpertRuntime
 from volunteerd.runtime.checkpointer import Checkpointer
 from volunteerd.runtime.hardware import capacity, detect
+from volunteerd.shown import clock_time, short_id, span
 from volunteerd.swarm.assignment import Choice, choose_experts
 from volunteerd.swarm.expiries import ManifestExpiries
 from volunteerd.swarm.manifest import ExperimentManifest, choose_trusted, lookup_manifests
@@ -111,6 +114,21 @@ _BUSY_FIRST_S = 10.0
 _BUSY_MOST_S = 60.0
 _BUSY_WAIT_S = 300.0
 _BUSY_ROUNDS = 3
+# A replica that refuses saying how long for (``retry_after_s``), longer than a round's
+# wait, has used its transfer quota's share for bulk replies (or ours of it) until its
+# day ends: it is "spent" for us until then (a stranger's claim: at most _SPENT_MOST_S).
+# Spent replicas are not tried, and an expert whose known replicas are all spent is
+# left out of the choices (not counted as a busy round: it exists, is served, and there
+# is nothing to wait for before that time), so the room goes to experts that can be
+# downloaded now, from others that hold them. Before, the choice (fewest replicas
+# first) kept taking the experts only a spent seed held: 8 joiners at a seed with a
+# 0.1 GB daily quota held 2-5 of their 6 experts for ~30 min, then seeded the rest,
+# while other joiners held experts they could have given (an outside re-check). A peer
+# still refusing after its time passed, _SPENT_CLAIMS times in a row, is only busy from
+# then on (the busy rounds bound it): one that claims every expert could otherwise hold
+# a newcomer's room for good, a day at a time.
+_SPENT_MOST_S = 86400.0
+_SPENT_CLAIMS = 2
 
 # While a join adds experts, the announcer is woken at most once every
 # ``announce_gap_s`` (the daemon's dht.announce_period_s: 15 s by default), the first
@@ -292,6 +310,9 @@ class Joiner:
         self._busy_retry: tuple[str, float] | None = None
         self._busy_until: dict[str, float] = {}  # uid -> trio time: left out of choices
         self._busy_rounds: dict[str, int] = {}  # uid -> rounds its replicas stayed busy
+        self._spent: dict[str, float] = {}  # peer id -> trio time it refuses until
+        self._spent_claims: dict[str, int] = {}  # peer id -> its spent refusals in a row
+        self._spent_out: dict[str, float] = {}  # uid -> trio time a replica of it may give it
 
     @property
     def name(self) -> str:
@@ -300,13 +321,26 @@ class Joiner:
     @property
     def waiting(self) -> str | None:
         """What the join waits for now, for the volunteer ("waiting for a busy replica
-        of ffn.3.1, retrying in 40 s"); None when it waits for nothing."""
-        if self._busy_retry is None:
+        of ffn.3.1, retrying in 40 s"; "2 experts wait for replicas whose daily
+        transfer quota is used up, until Tue 00:00 (in 7 h 12 min)": room left that only
+        spent replicas could fill); None when it waits for nothing."""
+        now = trio.current_time()
+        if self._busy_retry is not None:
+            uid, at = self._busy_retry
+            left = at - now
+            when = f"retrying in {left:.0f} s" if left >= 1 else "trying it now"
+            return f"waiting for a busy replica of {uid}, {when}"
+        ends = [at for at in self._spent_out.values() if at > now]
+        room = self.capacity - len(self.hosted)
+        if not ends or room <= 0:
             return None
-        uid, at = self._busy_retry
-        left = at - trio.current_time()
-        when = f"retrying in {left:.0f} s" if left >= 1 else "trying it now"
-        return f"waiting for a busy replica of {uid}, {when}"
+        count, left = min(room, len(ends)), min(ends) - now
+        experts = "1 expert waits" if count == 1 else f"{count} experts wait"
+        wall = time.time()
+        return (
+            f"{experts} for replicas whose daily transfer quota is used up, until "
+            f"{clock_time(wall + left, wall)} (in {span(left)})"
+        )
 
     def _now(self) -> float:
         """The swarm's time: what records' ``issued_at`` and ``expires_at`` are read on."""
@@ -610,36 +644,93 @@ class Joiner:
         # Experts whose replicas stayed busy all the last round's wait are left out of
         # this choice (hosted ones aside) for as long again: the room goes to experts
         # that can be downloaded now, not to a seed's refusals until its quota resets.
+        # So are those whose replicas are all spent (``_SPENT_MOST_S``), until one may
+        # give them; when adding finds more of them, the choice is made again at once.
         now = trio.current_time()
         self._busy_until = {u: at for u, at in self._busy_until.items() if at > now}
-        choice = choose_experts(
-            [uid for uid in uids if uid in self.hosted or uid not in self._busy_until],
-            others,
-            self.hosted,
-            capacity=self.capacity,
-            peer_id=self._node.peer_id,
-            replication=manifest.replication,
-            now=trio.current_time(),
-            min_stay_s=self._config.min_stay_s,
-            prefer=await self._checkpointed(uids) if not self.rounds else (),
-        )
+        self._spent = {p: at for p, at in self._spent.items() if at > now}
+        prefer = await self._checkpointed(uids) if not self.rounds else ()
         self.rounds += 1
-        if not choice.changed:
-            return choice
+        added: list[str] = []
+        dropped: list[str] = []
+        held: set[str] = set()  # found waiting for a spent replica in this round
+        for _ in range(len(uids) + 1):  # each pass leaves out one more expert at least
+            self._spent_out = self._only_spent(uids, replicas, held)
+            out = self._busy_until.keys() | self._spent_out.keys() | held
+            choice = choose_experts(
+                [uid for uid in uids if uid in self.hosted or uid not in out],
+                others,
+                self.hosted,
+                capacity=self.capacity,
+                peer_id=self._node.peer_id,
+                replication=manifest.replication,
+                now=trio.current_time(),
+                min_stay_s=self._config.min_stay_s,
+                prefer=prefer,
+            )
+            if not choice.changed:
+                break
+            logger.info(
+                "hosting %d experts: +%s -%s",
+                len(choice.applied_to(self.hosted)),
+                ",".join(choice.add) or "none",
+                ",".join(choice.drop) or "none",
+            )
+            if choice.drop:
+                if self.hosted and choice.add:
+                    self.moves += len(choice.drop)
+                await self._drop(choice.drop)
+            added += choice.add
+            dropped += choice.drop
+            # Only replicas that answered for their uid: a record costs nothing, and each
+            # fake one tried for a download cost a newcomer ~30 s of timeouts and retries.
+            spent = await self._add(choice.add, replicas, manifest.experts_config())
+            if not spent:
+                break
+            held.update(spent)
+        self._spent_out = self._only_spent(uids, replicas, held)
+        return Choice(tuple(added), tuple(dropped))
+
+    def _only_spent(
+        self, uids: Sequence[str], replicas: Mapping[str, list[PeerAddress]], held: set[str]
+    ) -> dict[str, float]:
+        """uid -> the trio time one of its spent replicas may give it again, for the
+        experts not hosted here whose known replicas are all spent, or (``held``) whose
+        other replicas failed this round."""
+        spent = self._spent
+        return {
+            uid: min(spent[p.peer_id] for p in peers if p.peer_id in spent)
+            for uid in uids
+            if uid not in self.hosted
+            and (peers := replicas.get(uid, []))
+            and any(p.peer_id in spent for p in peers)
+            and (uid in held or all(p.peer_id in spent for p in peers))
+        }
+
+    def _spend(self, peer: PeerAddress, retry_after_s: float) -> bool:
+        """Count ``peer`` as spent for ``retry_after_s`` (at most ``_SPENT_MOST_S``);
+        False when it has made ``_SPENT_CLAIMS`` such claims in a row already: only
+        busy, then."""
+        peer_id = peer.peer_id
+        now = trio.current_time()
+        if peer_id in self._spent and self._spent[peer_id] > now:
+            return True  # another expert's download, begun before it was found spent
+        claims = self._spent_claims.get(peer_id, 0)
+        if claims >= _SPENT_CLAIMS:
+            return False
+        self._spent_claims[peer_id] = claims + 1
+        left = min(retry_after_s, _SPENT_MOST_S)
+        self._spent[peer_id] = now + left
+        wall = time.time()
         logger.info(
-            "hosting %d experts: +%s -%s",
-            len(choice.applied_to(self.hosted)),
-            ",".join(choice.add) or "none",
-            ",".join(choice.drop) or "none",
+            "replica %s refuses downloads until %s (in %s): its daily transfer quota's "
+            "share for them is used up; experts only it holds wait until then, and others "
+            "are chosen in their place",
+            short_id(peer_id),
+            clock_time(wall + left, wall),
+            span(left),
         )
-        if choice.drop:
-            if self.hosted and choice.add:
-                self.moves += len(choice.drop)
-            await self._drop(choice.drop)
-        # Only replicas that answered for their uid: a record costs nothing, and each
-        # fake one tried for a download cost a newcomer ~30 s of timeouts and retries.
-        await self._add(choice.add, replicas, manifest.experts_config())
-        return choice
+        return True
 
     async def _checkpointed(self, uids: Sequence[str]) -> set[str]:
         """The uids this node has checkpoint files of (from an earlier run)."""
@@ -666,14 +757,17 @@ class Joiner:
 
     async def _add(
         self, uids: Sequence[str], replicas: Mapping[str, list[PeerAddress]], experts: ExpertsConfig
-    ) -> None:
+    ) -> list[str]:
+        """Host ``uids`` (``_add_in_turn``); returns those not hosted because their
+        replicas are all spent."""
         # One at a time: a newcomer fetching many experts at once from the same
         # replicas would slow down their serving (and its own lookups).
         wakes = _Wakes(self._announce, self._announce_gap_s)
+        spent: list[str] = []
         try:
             async with trio.open_nursery() as nursery:  # the wake-ups beside the loop
                 nursery.start_soon(wakes.serve)
-                await self._add_in_turn(uids, replicas, experts, wakes)
+                await self._add_in_turn(uids, replicas, experts, wakes, spent)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # only the loop raises (the wake-ups do not): its error, as rebalance's
@@ -682,6 +776,7 @@ class Joiner:
         finally:
             self._busy_retry = None
             wakes.flush()
+        return spent
 
     async def _add_in_turn(
         self,
@@ -689,10 +784,12 @@ class Joiner:
         replicas: Mapping[str, list[PeerAddress]],
         experts: ExpertsConfig,
         wakes: _Wakes,
+        spent: list[str],
     ) -> None:
         """Host ``uids`` one after another; those whose replicas were busy are tried
         again after the others, with backoff (``_BUSY_WAIT_S`` in all), and are left
-        for the next rebalance if they still are."""
+        for the next rebalance if they still are. Those whose replicas are all spent
+        are put in ``spent``, not tried again."""
         pending, delay, since = list(uids), _BUSY_FIRST_S, None
         while True:
             busy: list[str] = []
@@ -704,6 +801,9 @@ class Joiner:
                     source = await self._initial_state(backend, replicas.get(uid, []))
                 except _ReplicasBusy:
                     busy.append(uid)
+                    continue
+                except _ReplicasSpent:
+                    spent.append(uid)
                     continue
                 self.sources[uid] = source
                 await self._runtime.add_expert(backend)
@@ -742,9 +842,14 @@ class Joiner:
         ``uid`` (``ReplicaChecks``), in a random order (spreading newcomers' downloads
         over them). Listed peers that never answered are not tried: five fake records
         at an address that accepts and never speaks held a newcomer's start for 169 s,
-        and a key holds hundreds of records."""
-        checks = self._checks
-        real = [p for p in replicas if checks is None or checks.verified(p.peer_id, uid)]
+        and a key holds hundreds of records. Nor are spent ones, until their time."""
+        checks, spent, now = self._checks, self._spent, trio.current_time()
+        real = [
+            p
+            for p in replicas
+            if (checks is None or checks.verified(p.peer_id, uid))
+            and spent.get(p.peer_id, 0.0) <= now
+        ]
         return self._rng.sample(real, min(len(real), _MAX_DOWNLOADS))
 
     async def _initial_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
@@ -772,7 +877,8 @@ class Joiner:
     async def _fetched_state(self, backend: ExpertBackend, replicas: Sequence[PeerAddress]) -> str:
         """Load ``backend``'s state from a live replica, else keep its seeded weights;
         returns where it came from. Raises _ReplicasBusy when no replica gave it and
-        one of them was only busy (``_later``): the expert exists and is not seeded."""
+        one of them was only busy (``_later``): the expert exists and is not seeded;
+        _ReplicasSpent when none was busy and one is spent (those are not tried)."""
         uid = backend.uid
         for attempt in range(_SEED_LOOKUPS):
             if replicas:
@@ -786,6 +892,8 @@ class Joiner:
             if replicas and self._checks is not None:
                 replicas = (await self._checks.real({uid: replicas}))[uid]
         tried = self._download_order(uid, replicas)
+        now = trio.current_time()
+        spent = any(self._spent.get(p.peer_id, 0.0) > now for p in replicas)
         busy: list[str] = []
         for peer in tried:
             try:
@@ -795,6 +903,11 @@ class Joiner:
                 logger.warning("could not download %s from %s: too slow", uid, peer)
                 continue
             except (VolunteerdError, OSError) as exc:
+                after = _retry_after(exc)
+                quota = after is not None and after > _BUSY_WAIT_S and _later(exc)
+                if quota and after is not None and self._spend(peer, after):
+                    spent = True
+                    continue
                 if _later(exc):
                     logger.info("%s: replica %s is busy: %s", uid, peer, exc)
                     busy.append(str(exc))
@@ -808,7 +921,11 @@ class Joiner:
                 continue
             logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
             self._busy_rounds.pop(uid, None)
+            self._spent_claims.pop(peer.peer_id, None)  # it gives again: a new day
             return f"replica {peer.peer_id}"
+        if spent and not busy:
+            # what its downloads left is resumed once a replica gives it
+            raise _ReplicasSpent(f"{uid}: its replicas' transfer quotas are used up")
         if busy and self._busy_rounds.get(uid, 0) < _BUSY_ROUNDS:
             # what its downloads left is resumed on the next try
             raise _ReplicasBusy(f"{uid}: {len(busy)} of its replicas were busy ({busy[0]})")
@@ -838,6 +955,11 @@ class _ReplicasBusy(Exception):
     expert exists, to be downloaded later rather than seeded."""
 
 
+class _ReplicasSpent(Exception):
+    """No replica of an expert gave its state, and one of them is spent (none busy):
+    the expert exists, and other experts take its room until a replica may give it."""
+
+
 def _later(exc: BaseException) -> bool:
     """Whether a download failed only because its replica was busy: it answered
     ``busy``, ``paused`` or ``rate_limited`` (``Busy``, ``Paused``, ``RateLimited`` or
@@ -847,6 +969,15 @@ def _later(exc: BaseException) -> bool:
     if isinstance(exc, ShardError) and exc.__cause__ is not None:
         exc = exc.__cause__
     return getattr(exc, "code", None) in _LATER_CODES
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    """How long the refusal behind ``exc`` says to wait (``retry_after_s``), if it
+    said (a ShardError's cause's)."""
+    if isinstance(exc, ShardError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    after = getattr(exc, "retry_after_s", None)
+    return after if isinstance(after, int | float) else None
 
 
 def _expired(expires_at: float) -> str:

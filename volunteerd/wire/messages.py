@@ -9,11 +9,20 @@ outputs.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self, Union
+from typing import Annotated, Any, Literal, Self, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from volunteerd import uids
+from volunteerd.errors import RETRY_AFTER_MOST_S
 from volunteerd.wire.tensors import Compression, TensorMeta, TensorSchema
 
 __all__ = [
@@ -95,9 +104,24 @@ class ExpertInfo(_Wire):
 
 
 class ErrorReply(_Wire):
+    """A typed refusal. ``retry_after_s``: seconds until asking again is of use (a bulk
+    reply refused for a transfer quota's share used up until its day ends); left out
+    of the JSON when None, so every other error reply is the same bytes as before it
+    existed (older peers, whose model forbids extra fields, parse them unchanged)."""
+
     status: Literal["error"] = "error"
     code: Annotated[str, Field(max_length=32)]
     message: Annotated[str, Field(max_length=1000)] = ""
+    retry_after_s: (
+        Annotated[float, Field(ge=0, le=RETRY_AFTER_MOST_S, allow_inf_nan=False)] | None
+    ) = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.retry_after_s is None:
+            data.pop("retry_after_s", None)
+        return data
 
 
 MAX_BATCH_ITEMS = 64
