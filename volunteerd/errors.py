@@ -28,6 +28,7 @@
     │   ├── PeerUnreachable    could not open a stream to the peer
     │   │   └── StreamTimedOut  ... because nothing answered in time (a dead connection?)
     │   ├── RequestTimeout     the peer did not answer in time
+    │   │   └── ReplyTooSlow   ... its reply was arriving, too slowly to be whole in time
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
     │   ├── ReplyTooLarge      a reply declared more than its call asked for (also a FrameTooLarge)
     │   ├── ShardError         a shard download failed (bad bytes, or the peer kept failing)
@@ -80,6 +81,7 @@ __all__ = [
     "Rejected",
     "RemoteError",
     "ReplyTooLarge",
+    "ReplyTooSlow",
     "RequestTimeout",
     "ResourceUnavailable",
     "ShardError",
@@ -307,6 +309,17 @@ class StreamTimedOut(PeerUnreachable):
 
 class RequestTimeout(PeerError):
     code = "timeout"
+
+
+class ReplyTooSlow(RequestTimeout):
+    """The reply had begun (its prefix declared ``declared`` bytes) and ``received`` of
+    them had arrived when the call's deadline cut it: the peer was answering, slower
+    than the deadline allowed, not gone."""
+
+    def __init__(self, message: str, *, received: int, declared: int) -> None:
+        super().__init__(message)
+        self.received = received
+        self.declared = declared
 
 
 # How much of a peer's error message is kept: the wire allows 1,000 characters of any

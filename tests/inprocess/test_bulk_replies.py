@@ -138,9 +138,12 @@ async def test_reply_stops_going_out_once_its_caller_gave_up(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """Under an upload limit, strangers ask for large parameters and never read nor
-    close: their replies stop going out ``request_s`` after each request began, and
-    an honest forward afterwards does not queue behind them. Before, they went on
-    for their whole size (here ~134 s each at 1 Mbit/s), holding their turns."""
+    close: their replies stop going out when their callers gave up, ``request_s`` after
+    each request began and the reply's size at the slowest rate this node's limit gives
+    a bulk reply (its upload shared by BULK_AT_ONCE), and an honest forward afterwards
+    does not queue behind them. Here the volunteer lowers its limit once they began, so
+    they could not be whole by then. Before the cut, they went on for their whole size,
+    holding their turns."""
     config = Config.model_validate({"limits": {"upload_mbit": 1}})
     reply_bytes = 16 << 20
 
@@ -148,25 +151,31 @@ async def test_reply_stops_going_out_once_its_caller_gave_up(
         return params_reply(reply_bytes)
 
     throttle = Throttle(config.limits)
+    per_reply = BYTES_PER_MBIT / BULK_AT_ONCE  # bytes a second, at 1 Mbit/s
+    given_up = config.timeouts.request_s + (reply_bytes + 512) / per_reply
     async with _two_strangers_ask(config, params, throttle) as (server, _):
-        await trio.sleep(config.timeouts.request_s + 30)
+        await trio.sleep(10)
+        throttle.set_rates(0.1, 0)  # too slow now for 2 x 16 MiB by then
+        await trio.sleep(given_up - 10 + 30)
         sent_by_then = throttle.bytes_up
         await trio.sleep(120)
         assert throttle.bytes_up == sent_by_then
-    rate = BYTES_PER_MBIT  # 1 Mbit/s in bytes a second
     assert server.stats.errors.get("caller_gone") == 2
-    # what the limit let out until the callers' time was up, and a piece each over
-    assert sent_by_then <= rate * config.timeouts.request_s + 3 * 64 * 1024
+    # what the limits let out until the callers' time was up, and a piece each over
+    let_out = BYTES_PER_MBIT * 10 + BYTES_PER_MBIT / 10 * (given_up - 10)
+    assert sent_by_then <= let_out + 3 * 64 * 1024
+    assert sent_by_then < 2 * reply_bytes
 
 
 async def test_the_bulk_budget_counts_only_what_went_out(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """Under an upload limit and a daily quota, two strangers ask for large parameters:
-    one never reads (its caller is gone after ``request_s``), the other resets its
-    stream. Their replies' unsent parts go back to the bulk budget. Before, each reply
-    counted whole once built: in an outside audit joiners that got nothing were refused
-    for having used their share."""
+    one never reads (its caller is gone once its reply's deadline passed: the volunteer
+    lowered its limit meanwhile), the other resets its stream. Their replies' unsent
+    parts go back to the bulk budget. Before, each reply counted whole once built: in
+    an outside audit joiners that got nothing were refused for having used their
+    share."""
     config = Config.model_validate({"limits": {"upload_mbit": 1, "daily_quota_gb": 1.0}})
     reply_bytes = 16 << 20
     now = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600
@@ -176,10 +185,12 @@ async def test_the_bulk_budget_counts_only_what_went_out(
 
     throttle = Throttle(config.limits, TransferLedger(None, clock=lambda: now))
     budget = TransferBudget(throttle)
+    given_up = config.timeouts.request_s + reply_bytes / (BYTES_PER_MBIT / BULK_AT_ONCE)
     async with _two_strangers_ask(config, _budgeted(params, budget), throttle) as (server, streams):
         await trio.sleep(10)
         await streams[1].reset()
-        await trio.sleep(config.timeouts.request_s + 30)
+        throttle.set_rates(0.1, 0)
+        await trio.sleep(given_up + 30)
     assert server.stats.errors.get("caller_gone") == 1
     sent = throttle.bytes_up
     assert 0 < sent < reply_bytes

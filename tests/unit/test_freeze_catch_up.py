@@ -60,7 +60,7 @@ class Replica:
         return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
     ) -> tuple[ParamsReply, list[WireTensor]]:
         if self.gone:
             raise PeerUnreachable("replica: gone")

@@ -20,7 +20,7 @@ import trio
 
 from volunteerd.config import ExpertsConfig, LimitsConfig, RuntimeConfig, WireLimits
 from volunteerd.config.models import ReplicasConfig
-from volunteerd.errors import PeerUnreachable, RequestTimeout
+from volunteerd.errors import PeerUnreachable, ReplyTooSlow, RequestTimeout
 from volunteerd.experts import to_wire
 from volunteerd.net import Throttle
 from volunteerd.net.throttle import TransferLedger
@@ -79,7 +79,9 @@ class Swarm:
     async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
         return {uid: await self.replicas(uid) for uid in uids}
 
-    async def fetch(self, peer_id: str, uid: str, *, max_bytes: int) -> Reply:
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+    ) -> Reply:
         self.calls[peer_id] += 1
         if uid not in self.fetched:
             self.fetched.append(uid)
@@ -89,12 +91,14 @@ class Swarm:
         self.most_uids_at_once = max(self.most_uids_at_once, len(+self.in_flight))
         try:
             if peer_id.startswith("silent"):
+                # the stream opened, never answered: cut as the RPC client cuts it
+                waited_s = REQUEST_S if timeout_s is None else min(REQUEST_S, timeout_s)
                 try:
-                    await trio.sleep(REQUEST_S)  # the stream opened, never answered
+                    await trio.sleep(waited_s)
                 except trio.Cancelled:
                     self.silent_cut += 1
                     raise
-                raise RequestTimeout(f"{peer_id}: no reply within {REQUEST_S}s")
+                raise RequestTimeout(f"{peer_id}: no reply within {waited_s}s")
             await trio.sleep(self.honest_s)
             own = self.runtime.backend(uid).parameter_copies()
             return reply_for({k: v + SHIFT for k, v in own.items()}, uid)
@@ -193,7 +197,7 @@ async def test_a_round_ends_by_its_deadline_and_experts_left_out_go_first_next(
     assert set(swarm.fetched[4:]) == set(uids[4:8])
     stats = averager.statistics()
     assert stats.rejected == {"timeout": 4}
-    assert swarm.silent_cut == 8
+    assert swarm.silent_cut == 4  # by the round; the first four ended at their bound
     cut = [p for uid in uids[4:8] for p in swarm.listed[uid]]
     assert not any(p in averager._failed for p in cut)
     assert stats.rounds == 8
@@ -362,3 +366,61 @@ async def test_a_fetch_that_brought_no_reply_gives_its_bytes_back_to_the_budget(
     assert swarm.calls["honest"] == 4
     assert sum(n for peer, n in swarm.calls.items() if peer.startswith("silent")) == 4
     assert budget._total == budget._fetched == 4 * fetch_bytes
+
+
+class SlowAndGone:
+    """Every uid is hosted by "slow", whose reply arrives too slowly (cut at the fetch
+    bound as the RPC client cuts it, ``ReplyTooSlow`` with ``ARRIVED`` bytes in), and by
+    "gone" (no stream opens)."""
+
+    ARRIVED = 3000
+
+    async def replicas(self, uid: str) -> list[str]:
+        return ["slow", "gone"]
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return {uid: await self.replicas(uid) for uid in uids}
+
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+    ) -> Reply:
+        if peer_id == "gone":
+            raise PeerUnreachable(f"{peer_id}: no stream")
+        assert timeout_s == averaging.fetch_bound_s(max_bytes)
+        await trio.sleep(timeout_s)
+        raise ReplyTooSlow(
+            f"params: reply of {max_bytes} bytes not whole",
+            received=self.ARRIVED,
+            declared=max_bytes + 300,
+        )
+
+
+async def test_a_replica_too_slow_to_send_its_parameters_is_told_from_one_gone(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reply cut at its bound while it was arriving is "too_slow", not "unreachable"
+    (before, both were: the audit's replicas were sending at full rate); a WARNING says
+    so once per expert, not every round; and what arrived of it stays counted against
+    the quota's bulk share, only the rest given back."""
+    runtime = runtime_of(2)
+    now = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600
+    ledger = TransferLedger(None, clock=lambda: now)
+    throttle = Throttle(LimitsConfig(daily_quota_gb=1.0), ledger)
+    budget = TransferBudget(throttle)
+    averager = ReplicaAverager(
+        runtime, SlowAndGone(), ReplicasConfig(), clock=trio.current_time, budget=budget
+    )
+    with caplog.at_level(logging.INFO, logger="volunteerd.runtime.averaging"):
+        for _ in range(3):
+            assert await averager.run_round() == 0
+            await trio.sleep(averaging._MAX_BACKOFF_S)  # both peers asked again
+    stats = averager.statistics()
+    assert stats.rejected == {"too_slow": 6, "unreachable": 6}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    size_mb = f"{expert_bytes(runtime) / 1e6:.1f} MB"
+    for uid, message in zip(sorted(runtime.uids), sorted(warnings), strict=True):
+        assert uid in message
+        assert size_mb in message
+        assert "kbit/s" in message
+    assert budget._total == budget._fetched == 6 * SlowAndGone.ARRIVED

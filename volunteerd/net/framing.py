@@ -7,13 +7,19 @@ A clean close between frames is ``None`` and a close inside a frame is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from volunteerd.config import WireLimits
 from volunteerd.errors import MalformedFrame
-from volunteerd.net.transport import Stream
 from volunteerd.wire import PREFIX, parse_prefix
 
-__all__ = ["RawFrame", "read_exactly", "read_frame_rest", "read_prefix"]
+__all__ = ["RawFrame", "Readable", "read_exactly", "read_frame_rest", "read_prefix"]
+
+
+class Readable(Protocol):
+    """What reading frames needs of a stream (``transport.Stream`` has it)."""
+
+    async def read(self, n: int) -> bytes: ...
 
 
 @dataclass(slots=True)
@@ -22,7 +28,7 @@ class RawFrame:
     body: memoryview
 
 
-async def read_exactly(stream: Stream, n: int, *, started: bool) -> bytearray | None:
+async def read_exactly(stream: Readable, n: int, *, started: bool) -> bytearray | None:
     """Exactly ``n`` bytes. If the stream ends before the first byte and ``started`` is
     False, returns None (a clean close); any other early end is a truncated frame.
 
@@ -59,12 +65,12 @@ async def read_exactly(stream: Stream, n: int, *, started: bool) -> bytearray | 
 _LARGE = 16 * 1024  # a piece kept as it came rather than appended
 
 
-async def read_prefix(stream: Stream) -> bytearray | None:
+async def read_prefix(stream: Readable) -> bytearray | None:
     """The next frame's 16-byte prefix, or None if the peer closed between frames."""
     return await read_exactly(stream, PREFIX.size, started=False)
 
 
-async def read_frame_rest(stream: Stream, prefix: bytes, limits: WireLimits) -> RawFrame:
+async def read_frame_rest(stream: Readable, prefix: bytes, limits: WireLimits) -> RawFrame:
     """Header and body of the frame whose prefix was just read (caps checked first)."""
     sizes = parse_prefix(
         prefix, max_header_bytes=limits.max_header_bytes, max_body_bytes=limits.max_body_bytes

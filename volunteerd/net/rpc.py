@@ -14,7 +14,11 @@ its header or body is read; a refusal is a ``rate_limited`` reply and the stream
 ``params`` and ``shard`` (small requests, large replies) are answered ``BULK_AT_ONCE``
 at a time, one per caller's address, the others in turn (``busy`` after half of
 ``request_s``). A reply still going out ``request_s`` after its request began is
-dropped: its caller gave up.
+dropped: its caller gave up; a bulk reply's deadline adds its size at
+``BULK_MIN_RATE`` (256 kbit/s), or at this node's upload limit shared by
+``BULK_AT_ONCE`` replies where that is slower. A reader that stops taking a reply is
+cut sooner, whatever its size: each 64 KiB piece must be taken within
+``frame_read_s``.
 
 Both sides pass every stream through the node's ``Throttle`` (``net/throttle.py``): the
 volunteer's upload and download limits, shared by all peers, and the transfer count.
@@ -25,7 +29,9 @@ reply's body is capped by what the call can use, not by ``wire.max_body_bytes`` 
 none for verbs whose replies carry no body, and ``max_body_bytes`` where the caller knows
 the size (an expert's parameters, a shard chunk). The cap is checked from the reply's
 prefix, before its header or body is read; a reply over it is ``ReplyTooLarge`` and the
-stream is reset.
+stream is reset. A reply must begin within
+``request_s`` and be whole by then, a bulk reply's body its size at ``BULK_MIN_RATE``
+later, or by the caller's own ``timeout_s``; cut while arriving, it is ``ReplyTooSlow``.
 
 Both sides see the network only as a ``StreamHost`` (``net/transport.py``): py-libp2p's
 host in a node, an in-memory one in tests. Times are trio's clock throughout.
@@ -56,6 +62,7 @@ from volunteerd.errors import (
     RateLimited,
     RemoteError,
     ReplyTooLarge,
+    ReplyTooSlow,
     RequestTimeout,
     StreamTimedOut,
     VolunteerdError,
@@ -72,6 +79,7 @@ from volunteerd.net.transport import Stream, StreamHost
 from volunteerd.wire import (
     PREFIX,
     ErrorReply,
+    FrameSizes,
     TensorMeta,
     WireTensor,
     decode_header,
@@ -109,6 +117,15 @@ _REPLIES_WITH_BODY = frozenset(
 # then still hears the refusal, ``busy``, and retries).
 _BULK_VERBS = frozenset({Verb.PARAMS, Verb.SHARD})
 BULK_AT_ONCE = 4
+
+# The slowest a bulk reply may go out and still be waited for (bytes a second: 256
+# kbit/s, the replica averager's ``MIN_REPLY_RATE``): a caller waits ``request_s`` for
+# a bulk reply to begin and then its size at this rate, and the server keeps sending
+# that long, longer where its own upload limit shared by ``BULK_AT_ONCE`` replies is
+# slower. Cut at ``request_s`` whatever their size, an expert's parameters never
+# arrived over a slow uplink: 33.5 MB at 2 Mbit/s take 134 s, and both replicas of an
+# outside audit's two daemons were dropped every round after sending ~60 MB each.
+BULK_MIN_RATE = 32 << 10
 
 
 class _SlowReader(Exception):
@@ -348,8 +365,12 @@ class RpcServer:
                 # A bound still, far past any caller's patience (request_s), so that no
                 # handler holds the stream's slot for good.
                 keep = False
-                with trio.move_on_after(self._timeouts.request_s + self._timeouts.stream_idle_s):
-                    keep = await self._serve_one(spec, handler, stream, peer_id, bytes(first))
+                with trio.move_on_after(
+                    self._timeouts.request_s + self._timeouts.stream_idle_s
+                ) as bound:
+                    keep = await self._serve_one(
+                        spec, handler, stream, peer_id, bytes(first), bound
+                    )
                 self._release(stream)
                 if not keep:
                     return
@@ -395,10 +416,12 @@ class RpcServer:
         stream: Stream,
         peer_id: str,
         first: bytes,
+        bound: trio.CancelScope,
     ) -> bool:
         """Answer one request whose first byte was read; False when the stream must be
         closed afterwards. Raises trio.TooSlowError when the frame is too slow, and
-        _SlowReader or _CallerGone when its reply could not go out."""
+        _SlowReader or _CallerGone when its reply could not go out. ``bound``: the
+        scope that bounds it all, moved on for a bulk reply's deadline."""
         self.stats.requests[spec.verb] = self.stats.requests.get(spec.verb, 0) + 1
         began = trio.current_time()
         try:
@@ -443,12 +466,12 @@ class RpcServer:
             return False
         self.stats.bytes_in += len(prefix) + len(frame.header) + frame.body.nbytes
         if spec.verb not in _BULK_VERBS:
-            return await self._answer(spec, handler, stream, peer_id, frame, began)
+            return await self._answer(spec, handler, stream, peer_id, frame, began, bound)
         address = address_key(stream.remote_host, loopback=self._peer_limits.limit_loopback)
         wait_until = began + self._timeouts.request_s / 2
         async with self._bulk.slot(address or peer_id, wait_until) as slot:
             if slot:
-                return await self._answer(spec, handler, stream, peer_id, frame, began)
+                return await self._answer(spec, handler, stream, peer_id, frame, began, bound)
         refusal = Busy(
             f"server busy: {self._bulk.busy} params and shard replies going out "
             f"(at most one per caller, {BULK_AT_ONCE} in all)"
@@ -465,6 +488,7 @@ class RpcServer:
         peer_id: str,
         frame: RawFrame,
         began: float,
+        bound: trio.CancelScope,
     ) -> bool:
         """Call the handler on the request ``frame`` (read whole) and write its reply;
         False when the stream must be closed afterwards."""
@@ -506,8 +530,21 @@ class RpcServer:
         # The reply's bytes count as in flight until written: replies far larger than
         # their requests (params, shard) must not pile up outside the budget.
         self._charge(stream, len(data))
-        await self._write(stream, data, began + self._timeouts.request_s, reply.unsent)
+        deadline = began + self._timeouts.request_s
+        if spec.verb in _BULK_VERBS:
+            # Its caller waits for the reply's size at BULK_MIN_RATE beyond request_s
+            # (RpcClient); this node's own upload limit may give it less.
+            deadline += len(data) / self._bulk_rate()
+            bound.deadline = max(bound.deadline, deadline + self._timeouts.frame_read_s)
+        await self._write(stream, data, deadline, reply.unsent)
         return True
+
+    def _bulk_rate(self) -> float:
+        """The slowest rate (bytes a second) a bulk reply going out now is waited for:
+        BULK_MIN_RATE, or this node's upload limit shared by ``BULK_AT_ONCE`` replies
+        where that is less (1 Mbit/s: ~256 kbit/s each)."""
+        limit = self._throttle.up.rate if self._throttle is not None else 0.0
+        return min(BULK_MIN_RATE, limit / BULK_AT_ONCE) if limit > 0 else BULK_MIN_RATE
 
     async def _write(
         self,
@@ -517,8 +554,9 @@ class RpcServer:
         unsent: Callable[[int], None] | None = None,
     ) -> None:
         """Write ``data``, each piece of it within frame_read_s; raises _SlowReader.
-        Raises _CallerGone at ``deadline`` (trio's clock; the request's start plus
-        ``request_s``: its caller gave up by then). When the write ends early (those,
+        Raises _CallerGone at ``deadline`` (trio's clock: when its caller gave up, the
+        request's start plus ``request_s``, and for a bulk reply its size at
+        ``_bulk_rate``). When the write ends early (those,
         the stream failing, a cancellation) ``unsent`` hears how many bytes did not go
         out (a piece cut half-way counts as not sent).
 
@@ -687,6 +725,7 @@ class RpcClient:
         buffers: Sequence[bytes | bytearray | memoryview] = (),
         *,
         max_body_bytes: int | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[Any, list[WireTensor]]:
         """Send one request and return the reply header and tensors.
 
@@ -694,15 +733,22 @@ class RpcClient:
         have, when the caller knows what it asked for (``wire.max_body_bytes`` if None;
         a verb whose replies carry no tensors allows no body whatever is given).
 
+        How long it waits: the reply must begin within ``request_s`` and be whole by
+        then, but for ``params`` and ``shard``, whose body may then take its size at
+        ``BULK_MIN_RATE``; ``timeout_s``, when given, is the most the whole call may
+        take instead, the reply still beginning within ``request_s`` (for a caller
+        that knows the size it expects: the replica averager's fetch bound).
+
         Raises RemoteError when the peer answers with an error, RequestTimeout when it
-        does not answer within ``request_s``, PeerUnreachable when no stream opens,
+        does not answer in time (ReplyTooSlow when its reply had begun to arrive),
+        PeerUnreachable when no stream opens,
         ReplyTooLarge when the reply declares more than ``max_body_bytes`` (nothing of
         it beyond its 16-byte prefix is read, and the stream is reset), and PeerError
         when the reply is otherwise malformed.
         """
         spec = PROTOCOLS[verb]
         reply, body = await self.call_raw(
-            peer, verb, header, buffers, max_body_bytes=max_body_bytes
+            peer, verb, header, buffers, max_body_bytes=max_body_bytes, timeout_s=timeout_s
         )
         try:
             tensors = split_body(_tensor_metas(reply), body) if spec.carries_tensors else []
@@ -718,6 +764,7 @@ class RpcClient:
         buffers: Sequence[bytes | bytearray | memoryview] = (),
         *,
         max_body_bytes: int | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[Any, memoryview]:
         """Like ``call``, but the reply's body is returned as it came, uncut: for verbs
         whose body is not tensors (``shard``: pass the chunk length asked for as
@@ -728,8 +775,9 @@ class RpcClient:
         if max_body_bytes is not None:
             body_cap = max(0, min(body_cap, max_body_bytes))
         deadline, started = trio.current_effective_deadline(), trio.current_time()
+        until = math.inf if timeout_s is None else started + timeout_s
         try:
-            result = await self._call_raw(peer, spec, frame, body_cap)
+            result = await self._call_raw(peer, spec, frame, body_cap, until)
         except (RequestTimeout, StreamTimedOut):
             await self._silent(peer.peer_id)
             raise
@@ -788,13 +836,13 @@ class RpcClient:
             logger.warning("%s: closing its connection took over %gs", short(peer_id), _HANG_UP_S)
 
     async def _call_raw(
-        self, peer: PeerAddress, spec: ProtocolSpec, frame: bytes, body_cap: int
+        self, peer: PeerAddress, spec: ProtocolSpec, frame: bytes, body_cap: int, until: float
     ) -> tuple[Any, memoryview]:
         verb = spec.verb
         stream, reused = await self._acquire(peer, spec)
         try:
             try:
-                reply, body = await self._exchange(spec, stream, frame, body_cap)
+                reply, body = await self._exchange(spec, stream, frame, body_cap, until)
             except _StaleStream as stale:
                 await _reset(stream)
                 # A pooled stream the server had closed: one fresh try for safe verbs,
@@ -808,7 +856,7 @@ class RpcClient:
                     raise PeerError(f"{verb} to {short(peer.peer_id)}: stream closed") from None
                 stream = await self._open(peer, spec)
                 try:
-                    reply, body = await self._exchange(spec, stream, frame, body_cap)
+                    reply, body = await self._exchange(spec, stream, frame, body_cap, until)
                 except _StaleStream:
                     raise PeerError(f"{verb} to {short(peer.peer_id)}: stream closed") from None
         except _RemoteErrorKeep as exc:
@@ -824,12 +872,19 @@ class RpcClient:
         return reply, body
 
     async def _exchange(
-        self, spec: ProtocolSpec, stream: Stream, frame: bytes, body_cap: int
+        self, spec: ProtocolSpec, stream: Stream, frame: bytes, body_cap: int, until: float
     ) -> tuple[Any, memoryview]:
+        """One request and its reply on ``stream``. The reply must begin within
+        ``request_s`` and be whole by then, but by ``until`` (trio's clock) where that is
+        finite, and for a bulk verb's body by its size at BULK_MIN_RATE beyond."""
         written = False
         replying = False  # a reply byte arrived
         read_error: Exception | None = None
         raw: RawFrame | None = None
+        began = trio.current_time()
+        waited_s = max(0.0, min(self._timeouts.request_s, until - began))
+        reading = _Counted(stream)
+        declared = 0  # the reply's frame size, once its prefix came
 
         async def send() -> None:
             nonlocal written
@@ -837,30 +892,42 @@ class RpcClient:
                 await stream.write(frame)
                 written = True
 
-        try:
-            with trio.fail_after(self._timeouts.request_s):
-                # The reply is read while the request is written: a server refusing a
-                # frame before reading it (busy, over a limit) answers at once and stops
-                # reading, so a large request's write would wait for window credit that
-                # never comes; its refusal is the answer, not a broken stream.
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(send)
-                    try:
-                        prefix = await read_prefix(stream)
-                        if prefix is not None:
-                            replying = True
-                            raw = await self._read_reply(spec, stream, bytes(prefix), body_cap)
-                    except Exception as exc:
-                        read_error = exc
-                    if not written and (raw is None or not _says_ok(raw.header)):
-                        # Never cancel the writer: cut inside a frame, it would leave
-                        # half a message on the connection every stream shares. A reset
-                        # ends it between frames (py-libp2p's write checks for one).
-                        await _reset(stream)
-        except trio.TooSlowError:
-            raise RequestTimeout(
-                f"{spec.verb}: no reply within {self._timeouts.request_s}s"
-            ) from None
+        with trio.move_on_at(began + waited_s) as scope:
+            # The reply is read while the request is written: a server refusing a
+            # frame before reading it (busy, over a limit) answers at once and stops
+            # reading, so a large request's write would wait for window credit that
+            # never comes; its refusal is the answer, not a broken stream.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                try:
+                    prefix = await read_prefix(reading)
+                    if prefix is not None:
+                        replying = True
+                        sizes = self._check_prefix(spec, bytes(prefix), body_cap)
+                        declared = PREFIX.size + sizes.header_bytes + sizes.body_bytes
+                        if until < math.inf:
+                            scope.deadline = until
+                        elif spec.verb in _BULK_VERBS:
+                            extra_s = sizes.body_bytes / BULK_MIN_RATE
+                            scope.deadline = began + self._timeouts.request_s + extra_s
+                        raw = await read_frame_rest(reading, bytes(prefix), self._limits)
+                except Exception as exc:
+                    read_error = exc
+                if not written and (raw is None or not _says_ok(raw.header)):
+                    # Never cancel the writer: cut inside a frame, it would leave
+                    # half a message on the connection every stream shares. A reset
+                    # ends it between frames (py-libp2p's write checks for one).
+                    await _reset(stream)
+        if scope.cancelled_caught:
+            took_s = trio.current_time() - began
+            if declared:
+                raise ReplyTooSlow(
+                    f"{spec.verb}: reply of {declared} bytes not whole within {took_s:.3g}s "
+                    f"({reading.received} arrived)",
+                    received=reading.received,
+                    declared=declared,
+                ) from None
+            raise RequestTimeout(f"{spec.verb}: no reply within {waited_s:.3g}s") from None
         if raw is None:
             if isinstance(read_error, ReplyTooLarge):
                 # Its prefix alone was read: the stream is out of step (call_raw resets it).
@@ -889,19 +956,16 @@ class RpcClient:
             raise PeerError(f"{spec.verb}: replied before the request was sent") from None
         return reply, raw.body
 
-    async def _read_reply(
-        self, spec: ProtocolSpec, stream: Stream, prefix: bytes, body_cap: int
-    ) -> RawFrame:
-        """The rest of the reply whose ``prefix`` was just read. Raises ReplyTooLarge,
-        before reading any more, when the prefix declares a header over
-        ``wire.max_header_bytes`` or a body over ``body_cap``."""
+    def _check_prefix(self, spec: ProtocolSpec, prefix: bytes, body_cap: int) -> FrameSizes:
+        """The sizes a reply's ``prefix`` declares. Raises ReplyTooLarge, before any more
+        is read, for a header over ``wire.max_header_bytes`` or a body over
+        ``body_cap``."""
         try:
-            parse_prefix(
+            return parse_prefix(
                 prefix, max_header_bytes=self._limits.max_header_bytes, max_body_bytes=body_cap
             )
         except FrameTooLarge as exc:
             raise ReplyTooLarge(f"{spec.verb} reply refused: {exc}") from None
-        return await read_frame_rest(stream, prefix, self._limits)
 
     def _adapter(self, spec: ProtocolSpec) -> TypeAdapter[Any]:
         adapter = self._reply_adapters.get(spec.verb)
@@ -1032,6 +1096,19 @@ def _says_ok(header: bytes | memoryview) -> bool:
     except (ValueError, RecursionError):
         return False
     return isinstance(parsed, dict) and parsed.get("status") == "ok"
+
+
+class _Counted:
+    """A stream's reads, counted: how much of a reply arrived before its deadline."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+        self.received = 0
+
+    async def read(self, n: int) -> bytes:
+        data = await self._stream.read(n)
+        self.received += len(data)
+        return data
 
 
 class _StaleStream(Exception):

@@ -34,8 +34,14 @@ the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
 
 How long a round takes: a replica must send its parameters within ``FIRST_REPLY_S``
 (5 s, as trainers' fetches must begin within) plus their size at ``MIN_REPLY_RATE``
-(256 kbit/s), or it is dropped for the round as "timeout" and backs off as a failure; the
-RPC client's ``request_s`` still bounds any one call. The hosted experts with replicas
+(256 kbit/s), the fetch bound, and backs off as a failure if not: "timeout" when no
+reply began, "too_slow" when one was arriving (a WARNING, once per expert, names the
+size and the rate it came at). The bound is the RPC call's own deadline
+(``ReplicaSource.fetch``'s ``timeout_s``; the reply must still begin within
+``request_s``), and the server keeps such a reply going as long: cut at ``request_s``
+whatever its size, an expert of 33.5 MB over a 2 Mbit/s uplink (134 s) was never
+averaged, its replicas dropped as "unreachable" every round after sending ~60 MB each (an
+outside audit). The hosted experts with replicas
 are gathered concurrently (``CONCURRENT_EXPERTS``, fewer when their replies would hold
 more than ``GATHER_BUDGET_BYTES`` together), those averaged longest ago first; experts
 without replicas take none of the round's time. A round ends after ``average_every_s``
@@ -62,7 +68,8 @@ after ``CATCH_UP_S`` every expert serves again, caught up or not.
 Under a transfer quota: every fetch's bytes (what a replica sends, and a little for the
 request and the reply's header: ``FETCH_FRAME_BYTES``) are asked of ``budget``
 (``server.transfers.TransferBudget``, the one the daemon's bulk replies use) before it
-starts, and given back if it fails before a reply came; a fetch that does not fit is
+starts, and given back if it fails before a reply came (of a reply cut as too slow,
+what did not arrive); a fetch that does not fit is
 skipped, and a round when not even its smallest expert's fetch fits (counted in
 ``AveragingStats.skipped_for_quota``; the budget logs it once a day). Before, nothing
 bounded them: an outside audit's seed of 32 experts received 164 MB in ~70 s of
@@ -90,7 +97,7 @@ import trio
 from volunteerd.awake import awake_time
 from volunteerd.bounded import remember
 from volunteerd.config import ReplicasConfig
-from volunteerd.errors import FrameTooLarge, VolunteerdError
+from volunteerd.errors import FrameTooLarge, ReplyTooSlow, RequestTimeout, VolunteerdError
 from volunteerd.experts import ExpertBackend, from_wire
 from volunteerd.experts.clipping import Params, centered_clip
 from volunteerd.runtime.service import ExpertRuntime
@@ -117,8 +124,13 @@ _MAX_BACKOFF_S = 3600.0  # the longest a failed peer goes unasked
 FIRST_REPLY_S = 5.0
 # ...and send its parameters at this rate at least (bytes a second: 256 kbit/s, below
 # what a volunteer who throttled their upload hard still sends). The averager sees a
-# fetch only whole (``ReplicaSource.fetch``), so the two make one bound.
+# fetch only whole (``ReplicaSource.fetch``), so the two make one bound, which the
+# source is given (``timeout_s``); the RPC client and server keep a bulk reply going
+# as long (``net.rpc.BULK_MIN_RATE``, the same rate).
 MIN_REPLY_RATE = 32 << 10
+# How much longer than the fetch bound the averager waits for the source to keep it
+# itself (its cut says how much had arrived: a ``ReplyTooSlow``), before cutting it.
+_SOURCE_GRACE_S = 0.5
 # experts whose replicas are fetched at once in a round...
 CONCURRENT_EXPERTS = 4
 # ...fewer while max_peers replies of each would hold more bytes than this (one at least)
@@ -152,11 +164,12 @@ class ReplicaSource(Protocol):
         ...
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
     ) -> tuple[ParamsReply, list[WireTensor]]:
         """``peer_id``'s parameters of ``uid``, whose tensors hold at most ``max_bytes``
-        together. Raises VolunteerdError when it fails: FrameTooLarge for a reply over
-        ``max_bytes``, refused before its body is read."""
+        together, within ``timeout_s`` if given. Raises VolunteerdError when it fails:
+        FrameTooLarge for a reply over ``max_bytes``, refused before its body is read;
+        ReplyTooSlow when ``timeout_s`` cut a reply that was arriving."""
         ...
 
 
@@ -232,6 +245,7 @@ class ReplicaAverager:
         self._awake_clock = awake_clock
         self._on_stale = on_stale
         self._replicated: set[str] = set()  # uids whose latest lookup listed replicas
+        self._warned_slow: set[str] = set()  # uids warned of as too slow to fetch
         self.stale: frozenset[str] = frozenset()  # held back until caught up (a freeze)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -438,13 +452,31 @@ class ReplicaAverager:
                 # budget (what did arrive still counts in the throttle's quotas): a
                 # silent replica beside each honest one spent half the averaging share
                 # on nothing (a re-check).
+                began = trio.current_time()
                 try:
-                    with trio.move_on_after(bound_s):
+                    with trio.move_on_after(bound_s + _SOURCE_GRACE_S):
                         try:
-                            got = await self.source.fetch(peer_id, uid, max_bytes=max_bytes)
+                            got = await self.source.fetch(
+                                peer_id, uid, max_bytes=max_bytes, timeout_s=bound_s
+                            )
                         except FrameTooLarge as exc:  # refused from its prefix
                             self._unfetched(counted)
                             self._reject(peer_id, "too_large", str(exc))
+                            return
+                        except ReplyTooSlow as exc:
+                            # It was sending, too slowly: what arrived counts, the rest
+                            # goes back. Before, a reply cut at 60 s was "unreachable"
+                            # and all of it went back, though ~60 MB had come.
+                            self._unfetched(max(0, counted - exc.received))
+                            took_s = trio.current_time() - began
+                            self._warn_slow(
+                                uid, max_bytes, bound_s, exc.received / max(took_s, 1e-3)
+                            )
+                            self._reject(peer_id, "too_slow", str(exc))
+                            return
+                        except RequestTimeout as exc:  # no reply began in time
+                            self._unfetched(counted)
+                            self._reject(peer_id, "timeout", str(exc))
                             return
                         except VolunteerdError as exc:
                             self._unfetched(counted)
@@ -471,6 +503,23 @@ class ReplicaAverager:
                 for peer_id in peers:
                     nursery.start_soon(fetch, peer_id)
         return replies
+
+    def _warn_slow(self, uid: str, size: int, bound_s: float, rate: float) -> None:
+        """Warn, once per expert, that its replicas' parameters do not arrive within
+        their bound at the rate they came."""
+        if uid in self._warned_slow:
+            return
+        self._warned_slow.add(uid)
+        logger.warning(
+            "averaging %s: its replicas' parameters (%.1f MB) cannot arrive within %.0f s: "
+            "they came at %.0f kbit/s, %.0f needed; this expert is not averaged while the "
+            "replicas' uploads (or this node's download limit) stay that slow",
+            uid,
+            size / 1e6,
+            bound_s,
+            rate * 8 / 1000,
+            MIN_REPLY_RATE * 8 / 1000,
+        )
 
     def _fits(self, size: int) -> bool:
         """Whether the budget lets ``size`` bytes be fetched (then counted)."""

@@ -82,16 +82,21 @@ class SwarmReplicas:
         return {uid: list(self._addresses.get(uid, {})) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
     ) -> tuple[ParamsReply, list[WireTensor]]:
         """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before), at most
         ``max_bytes`` of tensors: a reply declaring more is refused from its prefix
-        (ReplyTooLarge, a FrameTooLarge), its body never read."""
+        (ReplyTooLarge, a FrameTooLarge), its body never read. Within ``timeout_s`` (the
+        averager's fetch bound), ReplyTooSlow when that cut a reply that was arriving."""
         address = self._addresses.get(uid, {}).get(peer_id)
         if address is None:  # the uid's lookup since then no longer lists it
             raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
         reply, tensors = await self._node.rpc.call(
-            address, Verb.PARAMS, ParamsRequest(uid=uid), max_body_bytes=max_bytes
+            address,
+            Verb.PARAMS,
+            ParamsRequest(uid=uid),
+            max_body_bytes=max_bytes,
+            timeout_s=timeout_s,
         )
         return reply, tensors
 

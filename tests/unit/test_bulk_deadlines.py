@@ -1,0 +1,184 @@
+"""How long a bulk reply (``params``, ``shard``) is waited for, on both ends: its caller
+waits ``request_s`` for it to begin and then its size at ``BULK_MIN_RATE``; its server
+keeps sending as long, longer where its own upload limit shared by ``BULK_AT_ONCE``
+replies is slower. A reply cut while it was arriving is ``ReplyTooSlow``, saying how
+much came. Over the in-memory network, in virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from volunteerd.config import Config, LimitsConfig, WireLimits
+from volunteerd.errors import ReplyTooSlow, RequestTimeout
+from volunteerd.net import Verb
+from volunteerd.net.rpc import (
+    BULK_AT_ONCE,
+    BULK_MIN_RATE,
+    Handler,
+    Reply,
+    Request,
+    RpcClient,
+    RpcServer,
+)
+from volunteerd.net.throttle import Throttle
+from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork
+from volunteerd.wire import TensorMeta
+from volunteerd.wire.messages import ParamsReply, ParamsRequest
+
+CONFIG = Config()
+REQUEST_S = CONFIG.timeouts.request_s
+PREFIX_BYTES = 16
+
+
+def params_of(nbytes: int) -> Handler:
+    """A ``params`` handler answering one float32 tensor of ``nbytes``."""
+
+    async def params(request: Request) -> Reply:
+        meta = TensorMeta(dtype="float32", shape=(nbytes // 4,))
+        header = ParamsReply(uid=request.header.uid, updates=0, names=["w"], tensors=[meta])
+        return Reply(header, [bytes(nbytes)])
+
+    return params
+
+
+async def never_answers(request: Request) -> Reply:
+    await trio.sleep_forever()
+    raise AssertionError
+
+
+@asynccontextmanager
+async def served(
+    handler: Handler,
+    *,
+    link_bytes_per_s: int = 0,
+    upload_mbit: float = 0.0,
+    client_wire: WireLimits = CONFIG.wire,
+) -> AsyncIterator[tuple[MemoryHost, RpcClient, Throttle]]:
+    """A server answering ``params`` with ``handler`` under an upload limit of
+    ``upload_mbit``, over a link of ``link_bytes_per_s`` to a client whose throttle
+    counts what it read."""
+    network = MemoryNetwork()
+    async with network.open_host() as server_host, network.open_host() as client_host:
+        network.set_link(server_host, client_host, Link(bytes_per_s=link_bytes_per_s))
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: handler},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            Throttle(LimitsConfig(upload_mbit=upload_mbit)),
+        )
+        server.install()
+        throttle = Throttle(LimitsConfig())
+        client = RpcClient(client_host, client_wire, CONFIG.timeouts, throttle=throttle)
+        try:
+            yield server_host, client, throttle
+        finally:
+            await client.aclose()
+
+
+async def test_parameters_slower_than_request_s_arrive_whole(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """8 MiB of parameters over a 64 KiB/s uplink take 128 s, twice ``request_s``: they
+    arrive whole. Before, the call was cut at ``request_s`` whatever the reply's size
+    (an outside audit: 33.5 MB at 2 Mbit/s never arrived)."""
+    size = 8 << 20
+    async with served(params_of(size), link_bytes_per_s=64 << 10) as (host, client, _):
+        started = trio.current_time()
+        _, tensors = await client.call(
+            host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"), max_body_bytes=size
+        )
+        took_s = trio.current_time() - started
+    assert tensors[0].data.nbytes == size
+    assert took_s > 2 * REQUEST_S
+
+
+async def test_a_reply_below_the_bulk_rate_is_too_slow_and_says_how_much_came(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """1 MiB at 8 KiB/s would take 128 s; its caller waits ``request_s`` and the reply's
+    size at ``BULK_MIN_RATE`` (32 s): ReplyTooSlow then, with what had arrived."""
+    size = 1 << 20
+    async with served(params_of(size), link_bytes_per_s=8 << 10) as (host, client, throttle):
+        started = trio.current_time()
+        with pytest.raises(ReplyTooSlow) as caught:
+            await client.call(host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"))
+        took_s = trio.current_time() - started
+        received = throttle.bytes_down
+    assert isinstance(caught.value, RequestTimeout)  # callers that catch that see it
+    assert took_s == pytest.approx(REQUEST_S + size / BULK_MIN_RATE, abs=1)
+    assert caught.value.received == received
+    assert size // 2 < caught.value.received < size < caught.value.declared
+
+
+async def test_a_callers_own_deadline_cuts_a_reply_but_not_its_start(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``timeout_s``: a reply still arriving then is ReplyTooSlow; one that has not begun
+    within ``request_s`` is a RequestTimeout, however long the caller would wait."""
+    size = 1 << 20
+    async with served(params_of(size), link_bytes_per_s=64 << 10) as (host, client, _):
+        started = trio.current_time()
+        with pytest.raises(ReplyTooSlow):
+            await client.call(
+                host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"), timeout_s=10.0
+            )
+        assert trio.current_time() - started == pytest.approx(10.0, abs=0.5)
+    for timeout_s, waited_s in ((3.0, 3.0), (10 * REQUEST_S, REQUEST_S)):
+        async with served(never_answers) as (host, client, _):
+            started = trio.current_time()
+            with pytest.raises(RequestTimeout) as caught:
+                await client.call(
+                    host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"), timeout_s=timeout_s
+                )
+            assert not isinstance(caught.value, ReplyTooSlow)
+            assert trio.current_time() - started == pytest.approx(waited_s, abs=0.5)
+
+
+async def test_replies_going_out_at_the_servers_own_limit_are_not_cut(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A server whose upload is limited to 0.5 Mbit/s sends four 4 MiB replies at once,
+    ~15.6 KB/s each (268 s), to callers that wait 400 s: all arrive whole. The server
+    keeps a bulk reply going for its size at the rate its own limit gives it, below
+    BULK_MIN_RATE here; cut at ``request_s`` (before) or at BULK_MIN_RATE, none did."""
+    size = 4 << 20
+    got: list[int] = []
+    network = MemoryNetwork()
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params_of(size)},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            Throttle(LimitsConfig(upload_mbit=0.5)),
+        )
+        server.install()
+
+        async def caller(i: int) -> None:
+            async with network.open_host(ip=f"10.0.0.{i}") as host:
+                client = RpcClient(host, CONFIG.wire, CONFIG.timeouts)
+                _, tensors = await client.call(
+                    server_host.address,
+                    Verb.PARAMS,
+                    ParamsRequest(uid="ffn.0.0"),
+                    max_body_bytes=size,
+                    timeout_s=400.0,
+                )
+                got.append(tensors[0].data.nbytes)
+                await client.aclose()
+
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(BULK_AT_ONCE):
+                nursery.start_soon(caller, i)
+        took_s = trio.current_time() - started
+    assert got == [size] * BULK_AT_ONCE
+    assert REQUEST_S + size / BULK_MIN_RATE < took_s < 400
+    assert "caller_gone" not in server.stats.errors
