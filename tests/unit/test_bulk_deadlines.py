@@ -2,7 +2,8 @@
 waits ``request_s`` for it to begin and then its size at ``BULK_MIN_RATE``; its server
 keeps sending as long, longer where its own upload limit shared by ``BULK_AT_ONCE``
 replies is slower. A reply cut while it was arriving is ``ReplyTooSlow``, saying how
-much came. Over the in-memory network, in virtual time."""
+much came. And a ``params`` reply's body is capped by the caller's own expert's size,
+over ``wire.max_body_bytes`` if need be. Over the in-memory network, in virtual time."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import trio
 
 from volunteerd.config import Config, LimitsConfig, WireLimits
-from volunteerd.errors import ReplyTooSlow, RequestTimeout
+from volunteerd.errors import ReplyTooLarge, ReplyTooSlow, RequestTimeout
 from volunteerd.net import Verb
 from volunteerd.net.rpc import (
     BULK_AT_ONCE,
@@ -182,3 +183,29 @@ async def test_replies_going_out_at_the_servers_own_limit_are_not_cut(
     assert got == [size] * BULK_AT_ONCE
     assert REQUEST_S + size / BULK_MIN_RATE < took_s < 400
     assert "caller_gone" not in server.stats.errors
+
+
+async def test_a_params_reply_is_capped_by_the_callers_own_size_not_the_wires(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A hidden-4096 expert's 537 MB are over the wire's 256 MiB: its replicas refused
+    each other's parameters every round (an outside audit). The cap of a ``params``
+    reply is the caller's own size when it gives one; a reply declaring more than that
+    is still refused from its prefix. Here the wire's cap is 1 MiB, the expert 2 MiB."""
+    size = 2 << 20
+    small_wire = WireLimits(max_body_bytes=1 << 20)
+    async with served(params_of(size), client_wire=small_wire) as (host, client, throttle):
+        _, tensors = await client.call(
+            host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"), max_body_bytes=size
+        )
+        assert tensors[0].data.nbytes == size
+
+        before = throttle.bytes_down
+        with pytest.raises(ReplyTooLarge, match=rf"cap of {size - 4}\b"):
+            await client.call(
+                host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"), max_body_bytes=size - 4
+            )
+        assert throttle.bytes_down - before == PREFIX_BYTES  # refused from its prefix
+        # A caller that gives no size of its own keeps the wire's cap.
+        with pytest.raises(ReplyTooLarge, match=rf"cap of {1 << 20}\b"):
+            await client.call(host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"))

@@ -70,11 +70,13 @@ async def read_prefix(stream: Readable) -> bytearray | None:
     return await read_exactly(stream, PREFIX.size, started=False)
 
 
-async def read_frame_rest(stream: Readable, prefix: bytes, limits: WireLimits) -> RawFrame:
-    """Header and body of the frame whose prefix was just read (caps checked first)."""
-    sizes = parse_prefix(
-        prefix, max_header_bytes=limits.max_header_bytes, max_body_bytes=limits.max_body_bytes
-    )
+async def read_frame_rest(
+    stream: Readable, prefix: bytes, limits: WireLimits, *, max_body_bytes: int | None = None
+) -> RawFrame:
+    """Header and body of the frame whose prefix was just read (caps checked first: the
+    body's is ``max_body_bytes``, ``limits.max_body_bytes`` if None)."""
+    body_cap = limits.max_body_bytes if max_body_bytes is None else max_body_bytes
+    sizes = parse_prefix(prefix, max_header_bytes=limits.max_header_bytes, max_body_bytes=body_cap)
     rest = await read_exactly(stream, sizes.header_bytes + sizes.body_bytes, started=True)
     if rest is None:  # pragma: no cover - started=True never returns None
         raise MalformedFrame("stream ended inside a frame")

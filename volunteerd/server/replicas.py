@@ -85,9 +85,10 @@ class SwarmReplicas:
         self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
     ) -> tuple[ParamsReply, list[WireTensor]]:
         """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before), at most
-        ``max_bytes`` of tensors: a reply declaring more is refused from its prefix
-        (ReplyTooLarge, a FrameTooLarge), its body never read. Within ``timeout_s`` (the
-        averager's fetch bound), ReplyTooSlow when that cut a reply that was arriving."""
+        ``max_bytes`` of tensors (this node's own copy's size, over ``wire.max_body_bytes``
+        if need be): a reply declaring more is refused from its prefix (ReplyTooLarge, a
+        FrameTooLarge), its body never read. Within ``timeout_s`` (the averager's fetch
+        bound), ReplyTooSlow when that cut a reply that was arriving."""
         address = self._addresses.get(uid, {}).get(peer_id)
         if address is None:  # the uid's lookup since then no longer lists it
             raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
