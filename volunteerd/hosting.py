@@ -13,9 +13,11 @@ announced is every joiner's experts together. The config's project
 failure ends it (exit 3 or 5, as before); a project from ``projects.toml`` is joined
 in the background, and a failure is shown in its state and tried again.
 
-After a freeze the averager holds back the experts with replicas until it has averaged
-them (``runtime.averaging``, ``stale``): their calls are refused (``RequestGate.held``)
-and their records withdrawn meanwhile.
+After a freeze, and when experts are loaded from checkpoints ``FROZEN_S`` old or more
+(at start, or when a joiner takes one from its own checkpoint), the averager holds back
+the experts with replicas until it has averaged them (``runtime.averaging``, ``stale``):
+their calls are refused (``RequestGate.held``) and their records withdrawn (or never
+announced) meanwhile.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class Hosting:
     async def computing(self) -> AsyncIterator[None]:
         """The runtime's batchers while the block runs; on the way out, stop taking
         requests, finish the queued ones (``shutdown_grace_s``) and save the experts
-        whose weights changed (inside the node, so a replica can still be asked)."""
+        whose weights changed (inside the node, so a replica can still be asked), then
+        record that their newest checkpoints held them until now
+        (``Checkpointer.mark_stopped``: a restart in place holds nothing back)."""
         config = self.config
         async with trio.open_nursery() as compute:
             await compute.start(self.runtime.serve)
@@ -109,6 +113,7 @@ class Hosting:
                 if config.checkpoints.enabled:
                     with trio.CancelScope(shield=True):
                         await self.checkpointer.save_changed()
+                        await trio.to_thread.run_sync(self.checkpointer.mark_stopped)
                 compute.cancel_scope.cancel()
 
     async def start(
@@ -134,16 +139,12 @@ class Hosting:
         )
         self.announcer = announcer
 
-        def set_uids(uids: set[str]) -> None:
-            self.hosted = uids
-            announcer.set_uids(uids - volunteer.gate.held)
-
         def hold(stale: frozenset[str]) -> None:
             """Refuse and withdraw ``stale`` experts (serve the others again)."""
             volunteer.gate.held = stale
-            set_uids(self.hosted)
+            announcer.set_uids(self.hosted - stale)
 
-        self.averager = ReplicaAverager(
+        averager = self.averager = ReplicaAverager(
             self.runtime,
             replicas,
             config.replicas,
@@ -151,6 +152,13 @@ class Hosting:
             lookup_s=config.timeouts.dht_lookup_s,
             budget=self.budget,
         )
+
+        def set_uids(uids: set[str]) -> None:
+            self.hosted = uids
+            if config.replicas.enabled:  # loaded from old checkpoints: held, not announced
+                averager.hold_restored(self.checkpointer.take_restored(uids))
+            announcer.set_uids(uids - volunteer.gate.held)
+
         self.checkpointer.budget_bytes = lambda: round(volunteer.limits.disk_budget_gb * 1e9)
         set_uids(set(self.runtime.uids))  # experts.uids (none while in a project)
         if node.reachability is not None:  # moved to or from a relay: re-announce

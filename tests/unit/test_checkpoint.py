@@ -614,3 +614,42 @@ async def test_the_disk_budget_takes_experts_no_longer_hosted_before_skipping_a_
     assert await saver.save_changed() == 1
     assert [len(saver.store.files(uid)) for uid in [UID, *gone]] == [1, 0, 1]
     assert saver.statistics().over_budget == 0
+
+
+async def test_a_restored_experts_age_is_its_headers_or_the_last_graceful_stops(
+    tmp_path: Path,
+) -> None:
+    """What the daemon holds back by (``ReplicaAverager.hold_restored``): the time in
+    the file's header, not its mtime (a backup put back with `cp -r` looks new); the
+    last graceful stop's, for an expert whose newest file was unchanged until then."""
+    experts = ExpertsConfig(hidden_dim=HIDDEN)
+
+    def runtime() -> ExpertRuntime:
+        return ExpertRuntime(
+            ["ffn.0.0", "ffn.0.1"], experts, RuntimeConfig(device="cpu"), WireLimits(),
+            torch.device("cpu"),
+        )  # fmt: skip
+
+    config = CheckpointConfig(every_s=60, keep=2)
+    first = runtime()
+    for uid in first.uids:
+        state = first.backend(uid).state()
+        path = CheckpointStore(tmp_path).save(state)  # written 8 hours ago, copied now
+        path.write_bytes(
+            b"".join(encode_checkpoint(state, saved_at=time.time() - 8 * 3600, version=2))
+        )
+    saver = Checkpointer(first, tmp_path, config)
+    assert sorted(await saver.restore()) == ["ffn.0.0", "ffn.0.1"]
+    ages = {uid: time.time() - at for uid, at in saver.take_restored(first.uids).items()}
+    assert all(8 * 3600 - 5 < age < 8 * 3600 + 5 for age in ages.values())
+    assert ages.keys() == {"ffn.0.0", "ffn.0.1"}
+    assert saver.take_restored(first.uids) == {}  # given once
+
+    await first.with_expert("ffn.0.1", lambda b: train(b, 1, seed=7))  # changed, not saved
+    await trio.to_thread.run_sync(saver.mark_stopped)  # a stop whose last save failed
+    second = runtime()
+    restored = Checkpointer(second, tmp_path, config)
+    await restored.restore()
+    ages = {uid: time.time() - at for uid, at in restored.take_restored(second.uids).items()}
+    assert ages["ffn.0.0"] < 5  # held its weights until the stop: a restart in place
+    assert ages["ffn.0.1"] > 8 * 3600 - 5  # its weights had moved on: the file is old

@@ -191,3 +191,34 @@ async def test_the_gate_refuses_held_experts_alone() -> None:
     gate.held = frozenset()
     await handlers[Verb.FORWARD](Request("p5", one, []))
     assert answered == ["p1", "p4", "p5"]
+
+
+async def test_experts_loaded_from_old_checkpoints_are_held_from_the_start_until_caught_up(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    rt = runtime()
+    own = rt.backend(REPLICATED).parameter_copies()
+    alone = rt.backend(ALONE).parameter_copies()
+    replica = Replica({k: v * (1 + SHIFT) for k, v in own.items()})  # trained overnight
+    averager, _, held = await started(replica, rt)
+    now = averager._wall_clock()
+    averager.hold_restored({REPLICATED: now - 1.0, ALONE: now - 1.0})  # a restart in place
+    assert held == []
+    old = now - 8 * 3600  # the PC was off overnight: no lookup has run yet
+    averager.hold_restored({REPLICATED: old, ALONE: old})
+    assert held == [{REPLICATED, ALONE}]  # at once: before the daemon announces them
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(averager.watch_restored)
+        await trio.sleep(1)
+        assert held == [{REPLICATED, ALONE}, {REPLICATED}]  # no replica: served at once
+        await trio.sleep(30)
+        assert averager.stale == {REPLICATED}  # until a replica answered
+        replica.answering.set()
+        await trio.sleep(averaging.CATCH_UP_S / 2)
+        assert held[-1] == frozenset()
+        nursery.cancel_scope.cancel()
+    after = rt.backend(REPLICATED).parameter_copies()
+    for k in own:  # the replica's weights, own stale weights left out
+        torch.testing.assert_close(after[k], replica.trained[k])
+    for k, v in rt.backend(ALONE).parameter_copies().items():
+        torch.testing.assert_close(v, alone[k])

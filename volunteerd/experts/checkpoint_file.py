@@ -186,6 +186,9 @@ class ExpertState:
     # a trainer's saved state only (volunteerd.train.state): its step count, data
     # position, ...; empty for an expert, and ignored wherever an expert's is read
     progress: dict[str, torch.Tensor] = field(default_factory=dict)
+    # when the file it was read from was written (its header's ``saved_at``, time.time());
+    # None for a state not read from a file. Never written: a save stamps its own time.
+    saved_at: float | None = None
 
     def non_finite(self) -> list[str]:
         """The names (as in the file) of the floating-point tensors holding a NaN or an
@@ -427,6 +430,7 @@ def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> Ex
         optimizer_state=optim,
         experiment=header.experiment,
         progress=progress,
+        saved_at=header.saved_at,
     )
 
 

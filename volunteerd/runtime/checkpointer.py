@@ -6,10 +6,15 @@ an interrupted save left, then loads each expert's newest good checkpoint (damag
 foreign files are skipped and logged, the damaged ones set aside where no pruning
 deletes them; an expert with none says that it starts from its initial weights, with an
 error when its files were damaged: ``damaged``, which a project's joiner calls too,
-saying whether the expert was downloaded from a replica instead). ``serve`` then
-saves, every ``every_s``, each expert whose weights changed since its last save;
-``save_changed`` is also the final save on a graceful stop. A save copies the tensors
-on the device's worker in its turn (between optimizer steps, so the copy is
+saying whether the expert was downloaded from a replica instead). For each expert loaded
+from a file, ``take_restored`` tells until when the file held its weights (the daemon
+holds back experts that far behind their replicas: ``runtime.averaging``,
+``hold_restored``): the time in its header (a backup put back with ``cp -r`` makes old
+files look new), or the last graceful stop's when the file was that expert's newest then
+(``mark_stopped`` writes ``STOPPED_FILE``: an expert nobody trained keeps an old file).
+``serve`` then saves, every ``every_s``, each expert whose weights changed since its
+last save; ``save_changed`` is also the final save on a graceful stop. A save copies the
+tensors on the device's worker in its turn (between optimizer steps, so the copy is
 consistent) and writes the file in another thread, never on the event loop. See
 ``experts.checkpoint`` for the file format.
 
@@ -56,7 +61,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from volunteerd.atomic import STATE_MAX_BYTES, read_small, write_atomic
 from volunteerd.checkpoint_folders import OTHERS_KEPT, damaged, newer_format, unreachable
 from volunteerd.config import CheckpointConfig
 from volunteerd.errors import CheckpointError, ResourceUnavailable, UnknownExpert
@@ -86,6 +93,17 @@ class CheckpointStats:
 
 
 _HEADER_SLACK = 64 << 10  # a new file's header, beyond its tensors' bytes
+# In the checkpoints folder, written at a graceful stop (``mark_stopped``)
+STOPPED_FILE = "stopped.json"
+
+
+class _Stopped(BaseModel):
+    """``STOPPED_FILE``: at ``stopped_at`` (time.time()), the newest checkpoint of each
+    hosted expert (uid -> file name) held the weights it was served with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    stopped_at: float
+    newest: dict[str, str]
 
 
 class Checkpointer:
@@ -121,6 +139,11 @@ class Checkpointer:
         self._refused: dict[str, tuple[int, int]] = {}  # uid -> version found non-finite
         self._restored: dict[str, str] = {}
         self.saved_at: dict[str, float] = {}  # uid -> time.time() of its newest file
+        # uid -> when the checkpoint it was loaded from was written (its header's time,
+        # not the file's: a backup put back with `cp -r` looks new), until the daemon
+        # takes it (``take_restored``) to hold back experts that start far behind
+        self._restored_saved_at: dict[str, float] = {}
+        self._stopped: _Stopped | None = None  # the last graceful stop's STOPPED_FILE
         self._saves = 0
         self._failures = 0
         self._refused_count = 0
@@ -161,6 +184,7 @@ class Checkpointer:
         if problem is not None:
             raise ResourceUnavailable(problem)
         await trio.to_thread.run_sync(self.store.remove_temporaries)
+        self._stopped = await trio.to_thread.run_sync(self._read_stopped)
         loaded: dict[str, Path] = {}
         for uid in self.runtime.uids:
             moved: list[Path] = []
@@ -202,6 +226,7 @@ class Checkpointer:
     async def _restore(self, backend: ExpertBackend, moved_aside: list[Path]) -> Path | None:
         """``restore_into``, appending the damaged files set aside to ``moved_aside``."""
         uid = backend.uid
+        self._restored_saved_at.pop(uid, None)
         found = await trio.to_thread.run_sync(
             partial(
                 self.store.load_newest,
@@ -219,10 +244,60 @@ class Checkpointer:
         await self.runtime.executor.run(partial(ExpertBackend.load_state, backend, state=state))
         self._saved[uid] = (backend.updates, backend.revision)
         self._restored[uid] = str(path)
-        with contextlib.suppress(OSError):
-            self.saved_at[uid] = path.stat().st_mtime
+        if state.saved_at is not None:
+            self.saved_at[uid] = state.saved_at
+            current_at = state.saved_at
+            stopped = self._stopped
+            if stopped is not None and stopped.newest.get(uid) == path.name:
+                current_at = max(current_at, stopped.stopped_at)  # unchanged until the stop
+            self._restored_saved_at[uid] = current_at
         logger.info("loaded checkpoint %s for %s (%d updates)", path, uid, state.updates)
         return path
+
+    def take_restored(self, uids: Iterable[str]) -> dict[str, float]:
+        """Until when the checkpoints that ``uids`` were last loaded from held their
+        weights (``time.time()``): when they were written (their headers' time), or the
+        last graceful stop's time for an expert's newest file then (``mark_stopped``).
+        For those loaded since the last call that took them; each is given once."""
+        return {
+            uid: self._restored_saved_at.pop(uid) for uid in uids if uid in self._restored_saved_at
+        }
+
+    def mark_stopped(self) -> None:
+        """(Blocking; after the final save of a graceful stop.) Record that the newest
+        checkpoint of each hosted expert saved as it is held its weights until now: an
+        expert that did not change for a while (nobody trained it) has an old file, and
+        a restart soon after (a join restarts the daemon within seconds) must not take
+        it for weights that far behind its replicas. A backup put back with an older
+        file, or with this file of an earlier stop, names other files. An OSError is
+        logged: the restart then goes by the files' own times."""
+        newest = {}
+        for uid in list(self.runtime.uids):
+            try:
+                backend = self.runtime.backend(uid)
+            except UnknownExpert:
+                continue
+            files = self.store.files(uid)
+            if files and self._saved.get(uid) == (backend.updates, backend.revision):
+                newest[uid] = files[0].name
+        if not newest:
+            return
+        stopped = _Stopped(stopped_at=time.time(), newest=newest)
+        try:
+            write_atomic(self.store.directory / STOPPED_FILE, stopped.model_dump_json())
+        except OSError as exc:
+            logger.warning("could not record the stop in %s: %s", STOPPED_FILE, exc)
+
+    def _read_stopped(self) -> _Stopped | None:
+        """(Blocking.) ``STOPPED_FILE``, or None when there is none or it is damaged."""
+        path = self.store.directory / STOPPED_FILE
+        try:
+            return _Stopped.model_validate_json(read_small(path, STATE_MAX_BYTES))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValidationError) as exc:
+            logger.warning("ignoring %s: %s", path, exc)
+            return None
 
     def has_checkpoint(self, uid: str) -> bool:
         """Whether a checkpoint file of ``uid`` exists (not checked)."""
