@@ -280,6 +280,7 @@ class Daemon:
                     node.server.refuse_unread = refusal_before_reading(volunteer.gate, accountant)
                     node.server.refused_early = accountant.refused_early
                 accountant.connected = node.connected_peers  # a full peers table spares them
+                node.dht.clones.on_clone = lambda message: events.post("error", message)
                 if node.reachability is not None:  # relaying is the volunteer's bandwidth too
                     gate = volunteer.gate
                     node.reachability.relaying.hold_while(

@@ -378,6 +378,9 @@ class Status(_Reply):
     schedule: ScheduleStatus = ScheduleStatus()
     activity: Activity  # what it does for the volunteer, honestly (server/activity.py)
     staleness: Staleness = Staleness()  # since the daemon started, experts hosted now
+    # another daemon uses this node's identity.key (seen within the last hour): what to
+    # do, with its addresses (net/clones.py); None when none was seen
+    identity_clash: str | None = None
 
 
 class ExpertView(_Reply):

@@ -142,6 +142,7 @@ def format_status(status: Status) -> str:
     lines = [
         f"state         {activity.message}",
         *([f"what to do    {activity.hint}"] if activity.hint else []),
+        *([f"warning       {status.identity_clash}"] if status.identity_clash else []),
         f"peer id       {status.peer_id}",
         f"projects      {_projects_line(status)}",
         f"device        {status.device}",

@@ -6,6 +6,11 @@ every key of every hosted uid and stores them on the closest peers. Leaving
 period, so a cleanly stopped server vanishes from lookups at once; a crashed one
 vanishes when its last records expire, within ``record_ttl_s``. While paused
 (``set_paused``) it announces nothing and withdraws what it had announced.
+
+Each round first asks a holder of one of last round's prefix records (in turn) which
+record under this node's id it holds now (``ExpertDHT.look_for_copies``): another
+daemon using this identity (a copied identity.key) has replaced it since, and is told
+(``net.clones``). The prefixes: copies share them even when they host other experts.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Announcer:
         self.unheard = False  # the last round's records reached no other peer
         self.withheld = False  # the last read-back found no holder giving a record back
         self._read_backs = 0  # rounds read back: which prefix and uid come next
+        self._prefixes: list[str] = []  # the prefix keys announced last round
 
     def set_addrs(self, addrs: Iterable[str]) -> None:
         """Announce these addresses from the next round on (which starts at once); the
@@ -122,9 +128,14 @@ class Announcer:
 
     async def announce_now(self) -> StoreOutcome:
         async with self._lock:
+            if self._prefixes:  # before this round's records replace last round's
+                await self._dht.look_for_copies(
+                    self._prefixes[self._read_backs % len(self._prefixes)]
+                )
             live = self._live()
             withdrawn = self._announced - live
             records = self.records(withdraw=withdrawn)
+            self._prefixes = sorted(r.key for r in records if r.active and r.children)
             outcome = await self._dht.put(records)
             self._announced = set(live)
             self.last_outcome = outcome

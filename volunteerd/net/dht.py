@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from volunteerd.config import DHTConfig, TimeoutsConfig
 from volunteerd.errors import InvalidRecord, PeerError, PeerUnreachable, RequestTimeout
+from volunteerd.net.clones import CloneWatch
 from volunteerd.net.envelope import RecordKind, SignedRecord
 from volunteerd.net.lookup import LookupMemory, PeerLookup
 from volunteerd.net.peers import PeerAddress, dialable_part, short
@@ -334,6 +335,13 @@ class ExpertDHT:
         # records' times are read on the swarm's clock (net/swarm_clock.py); the stores'
         # budgets and memory on the monotonic one (their default)
         self.clock = SwarmClock()
+        # another daemon signing records with this node's key (a copied identity.key)
+        self.clones = CloneWatch(
+            str(self._self_id),
+            started_at=time.time(),
+            margin_s=config.max_clock_skew_s,
+            offset=lambda: self.clock.offset,
+        )
         self.records = SignedRecordStore(EXPERT_RECORDS, config, record_clock=self.clock.now)
         self.manifests = SignedRecordStore(
             MANIFESTS, config, trusted_writers=trusted_owners, record_clock=self.clock.now
@@ -873,6 +881,7 @@ class ExpertDHT:
             if reply is None:
                 continue
             held = [r for r in reply.records if r.key == key]
+            self.clones.check(held)
             if any(r.peer_id == writer for r in held):
                 return True
             # an answer this full may have been cut short before this node's record (a
@@ -880,14 +889,29 @@ class ExpertDHT:
             answered = answered or len(held) < _READ_BACK_FULL
         return False if answered and record.expires_at > self.clock.now() else None
 
+    async def look_for_copies(self, key: str) -> None:
+        """Ask one peer holding this node's record for ``key`` (stored a round ago) for
+        the record under this node's id it holds now, and show it to ``clones``: a
+        daemon using this node's identity too (a copied identity.key) has replaced it
+        there by then. A read-back just after a store gives this node's own back."""
+        holders = [p for p in self._holders.get(key, ()) if p != self._self_id]
+        if not holders:
+            return
+        request = FindRequest.asking([key], str(self._self_id))
+        reply = await self._ask(random.choice(holders), Verb.DHT_FIND, request)
+        if reply is not None:
+            self.clones.check(r for r in reply.records if r.key == key)
+
     async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
         """Store each record on the closest peers to its key; returns the acks per key."""
+        self.clones.signed(records)
         return StoreOutcome(await self._put(_EXPERT_VERBS, records))
 
     async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
         """Active, valid, unexpired records per key, newest per peer, from the closest
         peers, the writers they have seen longest first."""
         found = await self._find(_EXPERT_VERBS, keys)
+        self.clones.check(r for records in found.values() for r in records)
         return {key: [r for r in records if r.active] for key, records in found.items()}
 
     # -- experiment manifests (docs/protocol.md, "Experiment manifests") --------------

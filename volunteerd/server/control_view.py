@@ -238,6 +238,7 @@ class ControlView:
             today=today,
             schedule=self._schedule_status(),
             staleness=self._staleness(),
+            identity_clash=self._node.dht.clones.clash(),
         )
         signals = Signals(
             experts=len(fields["experts"]),
