@@ -1,10 +1,12 @@
 """Over libp2p: a daemon started from checkpoints written long ago (a PC that was off
 overnight, a backup put back) refuses its replicated expert with ``paused`` until it
 has averaged with the replica that kept training, its own weights left out; one
-started from a fresh checkpoint, or whose expert has no replica, serves at once."""
+started from a fresh checkpoint, or whose expert has no replica, serves at once. The
+same when a project's joiner takes experts back from its own old checkpoints."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -15,11 +17,19 @@ import trio
 from volunteerd.checkpoint_folders import FORMAT_VERSION
 from volunteerd.errors import RemoteError
 from volunteerd.experts import to_wire
-from volunteerd.experts.checkpoint_file import CheckpointStore, ExpertState, encode_checkpoint
+from volunteerd.experts.checkpoint_file import (
+    CheckpointStore,
+    ExpertState,
+    encode_checkpoint,
+    read_checkpoint,
+)
+from volunteerd.identity import Identity
 from volunteerd.net import Node, Verb
+from volunteerd.net.peers import peer_id_for
 from volunteerd.paths import Paths
 from volunteerd.runtime.averaging import FROZEN_S
 from volunteerd.server.replicas import SwarmReplicas
+from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
 from volunteerd.testing import local_config, open_daemon, open_peer
 from volunteerd.wire import ForwardRequest
 
@@ -131,3 +141,50 @@ async def test_a_fresh_checkpoint_or_an_expert_without_replicas_serves_at_once(
                 await trio.sleep(1.0)
                 assert not a.volunteer.gate.held
             assert not b.volunteer.gate.held
+
+
+async def test_a_joiner_taking_experts_from_old_checkpoints_holds_them_until_looked_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    owner, me = Identity.generate(), Identity.generate()
+    now = time.time()
+    manifest = ExperimentManifest(
+        name="restore-test", hidden_dim=HIDDEN, uid_prefix="ffn", grid=(1, 2), replication=1,
+        seed=7, owner=str(peer_id_for(owner)), issued_at=now, expires_at=now + 3600,
+    )  # fmt: skip
+    async with open_peer(local_config()) as boot:
+        assert await boot.dht.put_manifest(sign_manifest(manifest, owner)) >= 1
+        config = local_config(
+            bootstrap=boot.multiaddrs,
+            uids="",
+            experts={"hidden_dim": HIDDEN},
+            experiments={
+                "join": manifest.name,
+                "trusted_owners": [manifest.owner],
+                "max_experts": 2,
+                "join_timeout_s": 10.0,
+            },
+            replicas={"average_every_s": 3600.0},
+        )
+        async with open_daemon(config, tmp_path / "d", identity=me) as first:
+            uids = set(first.joiners[0].hosted)
+            for uid in uids:  # trained: its checkpoint is saved at the stop
+                await first.runtime.with_expert(uid, lambda b: b.set_parameters(
+                    {k: v * 1.01 for k, v in b.parameter_copies().items()}
+                ))  # fmt: skip
+        checkpoints = tmp_path / "d" / "checkpoints"
+        (checkpoints / "stopped.json").unlink()  # the computer was off overnight since
+        for uid in uids:
+            path = CheckpointStore(checkpoints).files(uid)[0]
+            state = read_checkpoint(path)
+            old = encode_checkpoint(state, saved_at=time.time() - 8 * 3600, version=FORMAT_VERSION)
+            path.write_bytes(b"".join(old))
+        with caplog.at_level(logging.INFO, logger="volunteerd.runtime.averaging"):
+            async with open_daemon(config, tmp_path / "d", identity=me) as again:
+                assert set(again.joiners[0].sources.values()) == {"checkpoint"}
+                with trio.fail_after(config.timeouts.dht_lookup_s + 5):
+                    while again.volunteer.gate.held:  # noqa: ASYNC110
+                        await trio.sleep(0.05)  # no replica: served once looked up
+                for uid in uids:
+                    await forward(boot, again.node.address, uid)
+        assert "loaded checkpoints up to 8.0 h old; no replica of them" in caplog.text
