@@ -73,10 +73,10 @@ async def test_a_daemon_started_from_old_checkpoints_serves_only_once_caught_up(
             # b's fetches wait for the test: it must be held until they answer
             fetch, asked, answering = SwarmReplicas.fetch, trio.Event(), trio.Event()
 
-            async def held_fetch(self, peer_id: str, uid: str, *, max_bytes: int):  # type: ignore[no-untyped-def]
+            async def held_fetch(self, peer_id: str, uid: str, *, max_bytes: int, timeout_s=None):  # type: ignore[no-untyped-def]
                 asked.set()
                 await answering.wait()
-                return await fetch(self, peer_id, uid, max_bytes=max_bytes)
+                return await fetch(self, peer_id, uid, max_bytes=max_bytes, timeout_s=timeout_s)
 
             monkeypatch.setattr(SwarmReplicas, "fetch", held_fetch)
             with trio.fail_after(15):
