@@ -309,3 +309,52 @@ async def test_an_expert_whose_other_replica_fails_waits_for_the_spent_one_unsee
     assert joiner.sources == {"ffn.0.1": "replica joiner"}
     assert sum(peer == "broken" for peer, _ in swarm.asked) <= 3  # once a round at most
     assert sum(peer == "seed" for peer, _ in swarm.asked) == 1
+
+
+async def test_fresh_identities_claiming_a_spent_quota_hold_an_expert_a_day_at_most(
+    autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """The bound is the expert's, not the peer's: a stranger announcing every expert
+    under a fresh identity every 47 h, each claiming a spent quota for the wire's two
+    days, kept a newcomer's room empty for 10 simulated days (a re-check). An expert
+    waits on spent replicas a day at most; then their refusals are busy rounds."""
+    swarm = Swarm(spent_until=float("inf"))
+    joiner = joiner_in(swarm, capacity=1)
+    start = trio.current_time()
+
+    async def a_fresh_stranger(asked: list[str]) -> dict[str, list[PeerAddress]]:
+        era = int((trio.current_time() - start) // (47 * HOUR))
+        return {uid: [PeerAddress(f"seed{era}", SEED.addrs)] for uid in asked}
+
+    async def refuse_for_two_days(peer: PeerAddress, backend: ExpertBackend) -> object:
+        swarm.asked.append((peer.peer_id, backend.uid))
+        await trio.sleep(1.0)
+        cause = RemoteError("busy", "try again tomorrow")
+        cause.retry_after_s = 2 * 86400.0  # the most the wire carries
+        raise ShardError(f"shard from {peer.peer_id}: {cause}", resumable=True) from cause
+
+    joiner.live_replicas = a_fresh_stranger  # type: ignore[method-assign]
+    swarm.download = refuse_for_two_days  # type: ignore[method-assign]
+    while not joiner.hosted and trio.current_time() - start < 4 * 86400:
+        await joiner.rebalance()
+        await trio.sleep(60.0)
+    waited = trio.current_time() - start
+    assert list(joiner.sources.values()) == ["seed"]
+    busy_wait = joiner_module._BUSY_WAIT_S
+    bound = joiner_module._SPENT_MOST_S + (joiner_module._BUSY_ROUNDS + 1) * 2 * busy_wait
+    assert waited < bound, waited / HOUR
+
+
+async def test_the_spent_peers_remembered_are_bounded(
+    autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """A fresh identity costs a stranger an announcement: what the joiner keeps of
+    each (its spent time, its claims) is bounded, the oldest forgotten first."""
+    swarm = Swarm(spent_until=float("inf"))
+    joiner = joiner_in(swarm, capacity=1)
+    most = joiner_module._SPENT_PEERS
+    for n in range(most + 10):
+        joiner._spend(PeerAddress(f"stranger{n}", SEED.addrs), 86400.0)
+    assert len(joiner._spent) == len(joiner._spent_claims) == most
+    assert "stranger0" not in joiner._spent
+    assert f"stranger{most + 9}" in joiner._spent

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 import trio
 
+from volunteerd.bounded import remember
 from volunteerd.config import Config, ExperimentsConfig, ExpertsConfig
 from volunteerd.errors import (
     ConfigError,
@@ -126,9 +128,14 @@ _BUSY_ROUNDS = 3
 # while other joiners held experts they could have given (an outside re-check). A peer
 # still refusing after its time passed, _SPENT_CLAIMS times in a row, is only busy from
 # then on (the busy rounds bound it): one that claims every expert could otherwise hold
-# a newcomer's room for good, a day at a time.
+# a newcomer's room for good, a day at a time. And an expert waits on spent replicas
+# _SPENT_MOST_S at most, whoever refuses: after that its spent refusals count as busy
+# rounds. Counted per peer alone, a stranger announcing every expert under a fresh
+# identity every 47 h kept a newcomer's room empty for 10 simulated days (a re-check).
+# The peers remembered are bounded (a fresh identity costs an announcement).
 _SPENT_MOST_S = 86400.0
 _SPENT_CLAIMS = 2
+_SPENT_PEERS = 4096
 
 # While a join adds experts, the announcer is woken at most once every
 # ``announce_gap_s`` (the daemon's dht.announce_period_s: 15 s by default), the first
@@ -310,8 +317,9 @@ class Joiner:
         self._busy_retry: tuple[str, float] | None = None
         self._busy_until: dict[str, float] = {}  # uid -> trio time: left out of choices
         self._busy_rounds: dict[str, int] = {}  # uid -> rounds its replicas stayed busy
-        self._spent: dict[str, float] = {}  # peer id -> trio time it refuses until
-        self._spent_claims: dict[str, int] = {}  # peer id -> its spent refusals in a row
+        self._spent: OrderedDict[str, float] = OrderedDict()  # peer id -> refuses until
+        self._spent_claims: OrderedDict[str, int] = OrderedDict()  # -> spent refusals in a row
+        self._spent_since: dict[str, float] = {}  # uid -> when it first waited on spent ones
         self._spent_out: dict[str, float] = {}  # uid -> trio time a replica of it may give it
 
     @property
@@ -648,7 +656,8 @@ class Joiner:
         # give them; when adding finds more of them, the choice is made again at once.
         now = trio.current_time()
         self._busy_until = {u: at for u, at in self._busy_until.items() if at > now}
-        self._spent = {p: at for p, at in self._spent.items() if at > now}
+        for peer_id in [p for p, at in self._spent.items() if at <= now]:
+            del self._spent[peer_id]
         prefer = await self._checkpointed(uids) if not self.rounds else ()
         self.rounds += 1
         added: list[str] = []
@@ -698,14 +707,25 @@ class Joiner:
         experts not hosted here whose known replicas are all spent, or (``held``) whose
         other replicas failed this round."""
         spent = self._spent
-        return {
+        out = {
             uid: min(spent[p.peer_id] for p in peers if p.peer_id in spent)
             for uid in uids
             if uid not in self.hosted
+            and not self._overdue(uid)
             and (peers := replicas.get(uid, []))
             and any(p.peer_id in spent for p in peers)
             and (uid in held or all(p.peer_id in spent for p in peers))
         }
+        now = trio.current_time()
+        for uid in out:
+            self._spent_since.setdefault(uid, now)
+        return out
+
+    def _overdue(self, uid: str) -> bool:
+        """Whether ``uid`` waited on spent replicas ``_SPENT_MOST_S`` already: their
+        refusals are only busy for it from then on."""
+        since = self._spent_since.get(uid)
+        return since is not None and trio.current_time() - since >= _SPENT_MOST_S
 
     def _spend(self, peer: PeerAddress, retry_after_s: float) -> bool:
         """Count ``peer`` as spent for ``retry_after_s`` (at most ``_SPENT_MOST_S``);
@@ -718,9 +738,9 @@ class Joiner:
         claims = self._spent_claims.get(peer_id, 0)
         if claims >= _SPENT_CLAIMS:
             return False
-        self._spent_claims[peer_id] = claims + 1
+        remember(self._spent_claims, peer_id, claims + 1, _SPENT_PEERS)
         left = min(retry_after_s, _SPENT_MOST_S)
-        self._spent[peer_id] = now + left
+        remember(self._spent, peer_id, now + left, _SPENT_PEERS)
         wall = time.time()
         logger.info(
             "replica %s refuses downloads until %s (in %s): its daily transfer quota's "
@@ -844,11 +864,12 @@ class Joiner:
         at an address that accepts and never speaks held a newcomer's start for 169 s,
         and a key holds hundreds of records. Nor are spent ones, until their time."""
         checks, spent, now = self._checks, self._spent, trio.current_time()
+        overdue = self._overdue(uid)
         real = [
             p
             for p in replicas
             if (checks is None or checks.verified(p.peer_id, uid))
-            and spent.get(p.peer_id, 0.0) <= now
+            and (overdue or spent.get(p.peer_id, 0.0) <= now)
         ]
         return self._rng.sample(real, min(len(real), _MAX_DOWNLOADS))
 
@@ -893,7 +914,8 @@ class Joiner:
                 replicas = (await self._checks.real({uid: replicas}))[uid]
         tried = self._download_order(uid, replicas)
         now = trio.current_time()
-        spent = any(self._spent.get(p.peer_id, 0.0) > now for p in replicas)
+        overdue = self._overdue(uid)  # waited a day on spent replicas: they are busy
+        spent = not overdue and any(self._spent.get(p.peer_id, 0.0) > now for p in replicas)
         busy: list[str] = []
         for peer in tried:
             try:
@@ -905,7 +927,7 @@ class Joiner:
             except (VolunteerdError, OSError) as exc:
                 after = _retry_after(exc)
                 quota = after is not None and after > _BUSY_WAIT_S and _later(exc)
-                if quota and after is not None and self._spend(peer, after):
+                if quota and after is not None and not overdue and self._spend(peer, after):
                     spent = True
                     continue
                 if _later(exc):
@@ -921,6 +943,7 @@ class Joiner:
                 continue
             logger.info("downloaded %s from %s (%d updates)", uid, peer, state.updates)
             self._busy_rounds.pop(uid, None)
+            self._spent_since.pop(uid, None)
             self._spent_claims.pop(peer.peer_id, None)  # it gives again: a new day
             return f"replica {peer.peer_id}"
         if spent and not busy:
@@ -939,6 +962,7 @@ class Joiner:
             )
             tried = []  # said: not "all failed"
         self._busy_rounds.pop(uid, None)
+        self._spent_since.pop(uid, None)
         await self._downloader.discard(uid)
         if tried:
             logger.warning(
