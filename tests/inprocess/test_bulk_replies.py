@@ -198,6 +198,8 @@ async def test_the_bulk_budget_counts_only_what_went_out(
     assert sent - 4 * 64 * 1024 <= budget._total <= sent
     assert set(budget._parties) == {"10.0.0.1", "10.0.0.2"}
     assert sum(budget._parties.values()) == budget._total
+    # the server's own count of bytes sent is what went out too, not both replies whole
+    assert sent - 4 * 64 * 1024 <= server.stats.bytes_out <= sent
 
 
 @asynccontextmanager
