@@ -6,6 +6,7 @@ port, its previous run's records still in the DHT, tells nothing."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import trio
 from volunteerd.control.verbs import format_status
 from volunteerd.daemon import Running
 from volunteerd.identity import Identity
+from volunteerd.net.records import sign_record
 from volunteerd.testing import local_config, open_daemon, open_peer
 
 pytestmark = pytest.mark.slow
@@ -93,3 +95,45 @@ async def test_a_daemon_restarted_at_another_port_is_not_its_own_copy(
                 assert told(again) == []
                 assert (await again.controls.status()).identity_clash is None
         assert not any(SAID in r.getMessage() for r in caplog.records)
+
+
+async def test_a_strangers_forgery_under_this_nodes_id_is_no_copy(tmp_path: Path) -> None:
+    """A storing peer that adds to every find answer a record under the node's peer id,
+    signed with another key and issued in the future, made it warn of a copy at an
+    address of the stranger's choosing within 0.2 s (a re-check): find answers are not
+    validated as a whole, and the read-back and the copy check took them as they came."""
+    stranger = Identity.generate()
+    async with open_peer(local_config()) as evil:
+        honest_ranked = evil.dht.records.ranked
+        victim: list[str] = []
+        forged_answers = 0
+
+        def ranked(key, writer=None):  # type: ignore[no-untyped-def]
+            nonlocal forged_answers
+            found = list(honest_ranked(key, writer))
+            if not victim:
+                return found
+            forged_answers += 1
+            forgery = sign_record(
+                stranger,
+                victim[0],
+                key=key,
+                addrs=["/ip4/6.6.6.6/tcp/4001"],
+                children=[0],
+                ttl_s=5.0,
+                now=time.time() + 60,
+            )
+            return [forgery, *(r for r in found if r.peer_id != victim[0])]
+
+        evil.dht.records.ranked = ranked  # type: ignore[method-assign]
+        config = local_config(
+            bootstrap=evil.multiaddrs, uids="ffn.0.[0:2]", replicas={"enabled": False}
+        )
+        async with open_daemon(config, tmp_path / "victim") as running:
+            victim.append(str(running.node.peer_id))
+            with trio.fail_after(60):
+                while forged_answers < 3:  # noqa: ASYNC110 (its read-backs and lookups)
+                    await trio.sleep(0.2)
+            await trio.sleep(1)
+            assert told(running) == []
+            assert (await running.controls.status()).identity_clash is None

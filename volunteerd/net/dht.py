@@ -881,8 +881,12 @@ class ExpertDHT:
             if reply is None:
                 continue
             held = [r for r in reply.records if r.key == key]
-            self.clones.check(held)
-            if any(r.peer_id == writer for r in held):
+            # Records under this node's id count (as held, or as a copy's) only when
+            # signed by its key: a stranger's forgery under this id made the volunteer
+            # warn of a copy at an address of the stranger's choosing (a re-check).
+            mine = self._signed_by_me(held)
+            self.clones.check(mine)
+            if mine:
                 return True
             # an answer this full may have been cut short before this node's record (a
             # prefix many servers share): it shows nothing either way
@@ -900,7 +904,13 @@ class ExpertDHT:
         request = FindRequest.asking([key], str(self._self_id))
         reply = await self._ask(random.choice(holders), Verb.DHT_FIND, request)
         if reply is not None:
-            self.clones.check(r for r in reply.records if r.key == key)
+            self.clones.check(self._signed_by_me(r for r in reply.records if r.key == key))
+
+    def _signed_by_me(self, records: Iterable[ExpertRecord]) -> list[ExpertRecord]:
+        """The valid records (signature, expiry, not from the future) under this node's
+        peer id among ``records``: a find's answer is not validated as a whole."""
+        writer = str(self._self_id)
+        return [r for r in records if r.peer_id == writer and self._valid(EXPERT_RECORDS, r)]
 
     async def put(self, records: Sequence[ExpertRecord]) -> StoreOutcome:
         """Store each record on the closest peers to its key; returns the acks per key."""
