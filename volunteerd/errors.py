@@ -32,6 +32,7 @@
     │   ├── RemoteError        the peer answered with a typed error (``.code``)
     │   ├── ReplyTooLarge      a reply declared more than its call asked for (also a FrameTooLarge)
     │   ├── ShardError         a shard download failed (bad bytes, or the peer kept failing)
+    │   │   └── ShardTooSlow   ... because its bytes came slower than the least rate (``.fetched``)
     │   └── TrainerStateError  another trainer's state is not usable (too large, not a trainer's)
     ├── NoExpertsAvailable     no expert of a layer is alive or answers (a trainer skips the step)
     ├── ModelDiverging         the output checks refused every answer, blaming no peer
@@ -85,6 +86,7 @@ __all__ = [
     "RequestTimeout",
     "ResourceUnavailable",
     "ShardError",
+    "ShardTooSlow",
     "ShuttingDown",
     "SnapshotExpired",
     "StreamTimedOut",
@@ -355,6 +357,16 @@ class ShardError(PeerError):
     def __init__(self, message: str, *, resumable: bool) -> None:
         super().__init__(message)
         self.resumable = resumable
+
+
+class ShardTooSlow(ShardError):
+    """A shard download fell behind its least rate (``download_shard``'s ``min_rate``);
+    the partial file is kept. ``fetched``: the bytes this call received (0: the peer
+    sent nothing, and the ``__cause__`` is a RequestTimeout)."""
+
+    def __init__(self, message: str, *, fetched: int) -> None:
+        super().__init__(message, resumable=True)
+        self.fetched = fetched
 
 
 class TrainerStateError(PeerError):

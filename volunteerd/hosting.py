@@ -176,10 +176,8 @@ class Hosting:
             set_uids(set().union(*(j.hosted for j in self.joiners)))
 
         room = capacity_for(config, self.device)
-        downloader = WindowedDownloader(
-            ShardDownloader.for_node(node.rpc, self.paths.downloads_dir, config.timeouts),
-            volunteer.wait_for_network,
-        )
+        shards = ShardDownloader.for_node(node.rpc, self.paths.downloads_dir, config.timeouts)
+        downloader = WindowedDownloader(shards, volunteer.wait_for_network)
         # Which listed replicas answer as such (shared: the projects' uids differ).
         timeouts = config.timeouts
         checks = ReplicaChecks(
@@ -209,6 +207,7 @@ class Hosting:
                     checks=checks,
                     expiries=expiries,
                     announce_gap_s=config.dht.announce_period_s,
+                    progress=shards.progress,
                 )
             )
         configured: list[Joiner] = []

@@ -1,5 +1,6 @@
 """Shard downloads from a real daemon over libp2p on 127.0.0.1: the bytes are the
-expert's state, and an interrupted download resumes where it stopped."""
+expert's weights and update count (a replica serves no optimizer state), and an
+interrupted download resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ async def train_once(runtime: ExpertRuntime) -> None:
 
 
 async def live_state(runtime: ExpertRuntime) -> ExpertState:
-    return await runtime.with_expert(UID, lambda backend: backend.state())
+    """What a replica serves of its expert: the weights and update count."""
+    return await runtime.with_expert(UID, lambda backend: backend.state(moments=False))
 
 
 def assert_same_state(a: ExpertState, b: ExpertState) -> None:
@@ -196,3 +198,36 @@ async def test_unknown_expert_is_refused(tmp_path: Path, uid: str) -> None:
         with pytest.raises(RemoteError) as caught:
             await download_shard(client.rpc, server.node.address, uid, tmp_path / "x")
         assert caught.value.code == "unknown_expert"
+
+
+async def test_a_big_expert_over_a_slow_uplink_is_not_cut_by_the_whole_bound(
+    tmp_path: Path,
+) -> None:
+    """The whole download was bounded by 10 request timeouts whatever its size: a
+    trained expert of width 2048 was cut at 141 of 384 MiB over 2 Mbit/s (an outside
+    audit). Here the bound's floor is 10 s (request_s 1 s) and the replica's uplink
+    makes the download take ~2.5x that: it completes, within the time its bytes take
+    at the least rate."""
+    from volunteerd.config import TimeoutsConfig
+    from volunteerd.swarm.download import ShardDownloader
+
+    config = local_config(
+        uids=UID,
+        experts={"hidden_dim": HIDDEN},
+        replicas={"enabled": False},
+        limits={"upload_mbit": 0.7},
+    )
+    async with (
+        open_daemon(config, tmp_path / "server") as server,
+        open_peer(local_config()) as client,
+    ):
+        await train_once(server.runtime)
+        backend = ExpertBackend(UID, config.experts, torch.device("cpu"), 64)
+        downloads = tmp_path / "downloads"
+        downloader = ShardDownloader.for_node(client.rpc, downloads, TimeoutsConfig(request_s=1))
+        started = time.perf_counter()
+        state = await downloader.download(server.node.address, backend)
+        elapsed = time.perf_counter() - started
+        logger.info("%d bytes in %.1f s", downloader.results[UID].size, elapsed)
+        assert 20 < elapsed < downloader.download_bound_s(backend)
+        assert_same_state(state, await live_state(server.runtime))

@@ -76,6 +76,16 @@ def test_a_join_waiting_for_a_busy_replica_says_so() -> None:
     assert "replicas are serving others" in activity.hint
 
 
+def test_a_join_downloading_a_big_expert_says_how_far_and_how_long() -> None:
+    # "joining" and a rate for the ~30 min a big expert takes over a slow uplink
+    waiting = "downloading ffn.3.1: 141 of 384 MiB at 2.0 Mbit/s, ~16 min left"
+    activity = decide_activity(
+        signals(experts=0, projects=(Project("tinylm", "joining", waiting=waiting),))
+    )
+    assert activity.message == f"joining tinylm: {waiting}"
+    assert "downloads its experts' trained weights" in activity.hint
+
+
 def test_a_join_waiting_for_spent_replicas_says_until_when() -> None:
     waiting = (
         "2 experts wait for replicas whose daily transfer quota is used up, until 00:00 "

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from volunteerd.config import ExperimentsConfig, ExpertsConfig
-from volunteerd.errors import RemoteError, RequestTimeout, ShardError
+from volunteerd.errors import RemoteError, RequestTimeout, ShardError, ShardTooSlow
 from volunteerd.experts import ExpertBackend
 from volunteerd.net import PeerAddress
 from volunteerd.swarm.joiner import Joiner
@@ -26,9 +26,14 @@ SEED = PeerAddress("seed", ["/ip4/127.0.0.1/tcp/1"])
 
 def queued() -> ShardError:
     """What ``download_shard`` raises when the replica kept it waiting past its queue."""
-    slow = ShardError("0 bytes in 35.0 s, slower than 32768 bytes a second", resumable=True)
+    slow = ShardTooSlow("0 bytes in 35.0 s, slower than 32768 bytes a second", fetched=0)
     slow.__cause__ = RequestTimeout("no reply within 35.0 s")
     return slow
+
+
+def fell_behind() -> ShardError:
+    """What ``download_shard`` raises when the replica sent bytes, then too slowly."""
+    return ShardTooSlow("141 MiB in 602.0 s, slower than 32768 bytes a second", fetched=141 << 20)
 
 
 class Replica:
@@ -38,9 +43,12 @@ class Replica:
     def __init__(self, refusals: dict[str, list[Exception]]) -> None:
         self.refusals = refusals
         self.asked: list[tuple[float, str]] = []
+        self.peers: list[str] = []  # the peer of each try
+        self.discarded: list[str] = []
 
     async def download(self, peer: PeerAddress, backend: ExpertBackend) -> object:
         self.asked.append((trio.current_time(), backend.uid))
+        self.peers.append(peer.peer_id)
         await trio.sleep(1.0)
         refusals = self.refusals.get(backend.uid, [])
         if refusals:
@@ -51,7 +59,7 @@ class Replica:
         return trained.state()
 
     async def discard(self, uid: str) -> None:
-        pass
+        self.discarded.append(uid)
 
 
 def joiner_with(replica: Replica) -> Joiner:
@@ -128,6 +136,60 @@ async def test_an_expert_whose_replica_is_busy_is_downloaded_later_not_seeded(
     expected = "waiting for a busy replica of ffn.0.1, retrying in "
     assert any(w and w.startswith(expected) for w in said), said
     assert joiner.waiting is None  # done waiting
+
+
+@pytest.mark.parametrize(
+    "cut", [fell_behind, trio.TooSlowError], ids=["fell_behind", "past_the_bound"]
+)
+async def test_a_download_cut_for_being_slow_is_resumed_later_not_seeded(
+    autojump_clock: trio.abc.Clock, inline_threads: None, cut: type[Exception]
+) -> None:
+    """A big expert over a slow uplink: the download fell behind the least rate after
+    bytes came, or passed its whole bound. The joiner seeded it (a fork) and deleted
+    the partial file (141 of 384 MiB at 2 Mbit/s; an outside audit); it is now tried
+    again like a busy replica's, and its partial file is kept for that try."""
+    replica = Replica({"ffn.0.1": [cut()]})
+    joiner = joiner_with(replica)
+    await joiner._add(["ffn.0.1"], {"ffn.0.1": [SEED]}, CONFIG)
+    assert joiner.sources == {"ffn.0.1": "replica seed"}
+    assert replica.discarded == []
+    assert replica.peers == ["seed", "seed"]
+
+
+async def test_waiting_says_how_far_a_download_under_way_is(
+    autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """A big expert takes an hour at 256 kbit/s: "joining" and a rate said nothing of
+    how far it was or how long it would take."""
+    from volunteerd.swarm.download import DownloadProgress
+
+    replica = Replica({})
+    joiner = joiner_with(replica)
+    going = DownloadProgress("ffn.0.1", 141 << 20, 384 << 20, 2e6 / 8)
+    joiner._progress = lambda uid: going if uid == "ffn.0.1" else None
+    said: list[str | None] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(joiner._add, ["ffn.0.1"], {"ffn.0.1": [SEED]}, CONFIG)
+        await trio.sleep(0.5)  # within the replica's 1 s
+        said.append(joiner.waiting)
+    assert said == ["downloading ffn.0.1: 141 of 384 MiB at 2.0 Mbit/s, ~16 min left"]
+    assert joiner.waiting is None
+
+
+async def test_a_cut_download_resumes_from_its_own_replica_first(
+    autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """Its partial file is that replica's bytes: another replica's download would start
+    it over. Whatever the random order of the replicas, the cut one comes first."""
+    other = PeerAddress("other", ["/ip4/127.0.0.1/tcp/2"])
+    for seed in range(6):
+        replica = Replica({"ffn.0.1": [fell_behind(), RemoteError("busy", "try later")]})
+        joiner = joiner_with(replica)
+        joiner._rng = random.Random(seed)
+        await joiner._add(["ffn.0.1"], {"ffn.0.1": [SEED, other]}, CONFIG)
+        cut, busy, again = replica.peers
+        assert again == cut != busy, seed
+        assert joiner.sources == {"ffn.0.1": f"replica {cut}"}
 
 
 async def test_a_replica_busy_for_long_leaves_its_expert_to_the_next_round(

@@ -21,6 +21,7 @@ from volunteerd.errors import (
     RemoteError,
     RequestTimeout,
     ShardError,
+    ShardTooSlow,
     SnapshotExpired,
     UnknownExpert,
     VolunteerdError,
@@ -661,6 +662,91 @@ def _expert_file() -> tuple[Any, bytes]:
 
     backend = ExpertBackend("ffn.0.0", ExpertsConfig(hidden_dim=8), torch.device("cpu"), 64)
     return backend, b"".join(bytes(piece) for piece in encode_checkpoint(backend.state()))
+
+
+class Paced(FakeRpc):
+    """A replica on a slow uplink: each chunk takes its bytes at ``rate`` (the first
+    at once with ``fast_start``)."""
+
+    def __init__(self, shards: ShardServer, rate: float, *, fast_start: bool = False) -> None:
+        super().__init__(shards)
+        self.rate = rate
+        self.fast_start = fast_start
+
+    async def call_raw(
+        self, peer: PeerAddress, verb: Verb, header: Any, *, max_body_bytes: int | None = None
+    ) -> tuple[Any, memoryview]:
+        reply, body = await super().call_raw(peer, verb, header, max_body_bytes=max_body_bytes)
+        if not (self.fast_start and self.calls == 1):
+            await trio.sleep(body.nbytes / self.rate)
+        return reply, body
+
+
+async def test_a_big_expert_over_a_slow_uplink_has_the_time_its_bytes_take(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """The whole download was bounded by 10 request timeouts (600 s), whatever its size:
+    a trained expert of width 2048 was cut at 141 of 384 MiB over a 2 Mbit/s uplink, every
+    try (an outside audit). The bound now adds the expert's snapshot at the least rate;
+    a replica below that rate is still cut by the pace."""
+    from volunteerd.config import ExpertsConfig, TimeoutsConfig
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.experts.checkpoint_file import encode_checkpoint
+    from volunteerd.runtime.averaging import MIN_REPLY_RATE
+    from volunteerd.swarm.download import ShardDownloader
+
+    backend = ExpertBackend("ffn.0.0", ExpertsConfig(hidden_dim=256), torch.device("cpu"), 64)
+    data = b"".join(bytes(piece) for piece in encode_checkpoint(backend.state()))  # untrained
+    timeouts = TimeoutsConfig(request_s=1.0)  # 10 s for the whole, before
+    rate = 2 * MIN_REPLY_RATE  # twice the least rate: 2-3x the old bound
+    assert 2 * 10 < len(data) / rate < 4 * 10
+    slow = Paced(server(Experts(ffn_0_0=data)), rate)
+    downloader = ShardDownloader.for_node(slow, tmp_path, timeouts)  # type: ignore[arg-type]
+    start = trio.current_time()
+    state = await downloader.download(PEER, backend)
+    assert state.uid == "ffn.0.0"
+    assert trio.current_time() - start == pytest.approx(len(data) / rate, rel=0.01)
+    assert downloader.download_bound_s(backend) >= 10 + len(data) / MIN_REPLY_RATE
+    # below the least rate: cut by the pace, its bytes kept for the next call
+    slower = Paced(server(Experts(ffn_0_0=data)), MIN_REPLY_RATE / 2, fast_start=True)
+    downloader = ShardDownloader.for_node(slower, tmp_path, timeouts)  # type: ignore[arg-type]
+    with pytest.raises(ShardTooSlow) as cut:
+        await downloader.download(PEER, backend)
+    assert cut.value.fetched > 0
+    assert partial_paths(tmp_path / "ffn.0.0.ckpt")[0].stat().st_size == cut.value.fetched
+
+
+async def test_a_download_under_way_says_how_far_it_is_and_how_long_it_takes(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, inline_threads: None
+) -> None:
+    """For the joiner's ``waiting``: a big expert over a slow uplink takes up to an
+    hour, and the volunteer saw "joining" and a rate."""
+    from volunteerd.config import ExpertsConfig, TimeoutsConfig
+    from volunteerd.experts import ExpertBackend
+    from volunteerd.experts.checkpoint_file import encode_checkpoint
+    from volunteerd.swarm.download import ShardDownloader
+
+    backend = ExpertBackend("ffn.0.0", ExpertsConfig(hidden_dim=512), torch.device("cpu"), 64)
+    data = b"".join(bytes(piece) for piece in encode_checkpoint(backend.state()))  # 8 MiB
+    paced = Paced(server(Experts(ffn_0_0=data)), 1 << 17)  # 1 Mbit/s: a MiB in 8 s
+    downloader = ShardDownloader.for_node(paced, tmp_path, TimeoutsConfig())  # type: ignore[arg-type]
+    shown: list[str | None] = []
+
+    async def watch() -> None:
+        for _ in range(3):
+            await trio.sleep(4.0 if not shown else 8.0)
+            going = downloader.progress("ffn.0.0")
+            shown.append(going.shown() if going is not None else None)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        await downloader.download(PEER, backend)
+    assert shown == [
+        None,  # nothing came yet
+        "downloading ffn.0.0: 1 of 8 MiB",  # one chunk: no rate yet
+        "downloading ffn.0.0: 2 of 8 MiB at 1.0 Mbit/s, ~48 s left",
+    ]
+    assert downloader.progress("ffn.0.0") is None  # none under way
 
 
 @pytest.mark.parametrize("queue_s", [8.0, 20.0])

@@ -521,15 +521,16 @@ class ExpertBackend:
     # State for checkpoints and replicas. Like the compute calls, these run on the
     # device's worker thread inside the executor's turn: no step runs meanwhile.
 
-    def state(self) -> ExpertState:
-        """A copy (on the CPU) of the weights, the optimizer state and the update count."""
+    def state(self, *, moments: bool = True) -> ExpertState:
+        """A copy (on the CPU) of the weights, the optimizer state and the update count;
+        ``moments=False``: without the optimizer state (what a replica serves)."""
         optimizer_state = {
             int(index): {
                 key: value.detach().to("cpu", copy=True)
                 for key, value in entry.items()
                 if isinstance(value, torch.Tensor)
             }
-            for index, entry in self.optimizer.state_dict()["state"].items()
+            for index, entry in (self.optimizer.state_dict()["state"] if moments else {}).items()
         }
         return ExpertState(
             uid=self.uid,
@@ -547,8 +548,11 @@ class ExpertBackend:
         state of at most three times their size (Adam's two moments), plus a MiB for the
         header and the step counts. A replica announcing more is refused before its
         bytes come (a 9 KB expert's replica had a joiner fetch and read 300 MiB)."""
-        weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return 4 * weights + (1 << 20)
+        return 4 * self.weights_bytes() + (1 << 20)
+
+    def weights_bytes(self) -> int:
+        """The bytes of this expert's weights."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
     def parameter_copies(self) -> dict[str, torch.Tensor]:
         """The weights by name, copied to the CPU."""

@@ -1,8 +1,9 @@
 """Shards: an expert's whole state, downloaded from a replica in chunks, verified by
 SHA-256, resumable after a dropped connection or a restart.
 
-A shard is a snapshot of one expert's weights and optimizer state as bytes (a
-checkpoint file, ``volunteerd.experts.checkpoint_file``); this module only moves bytes.
+A shard is a snapshot of an expert's state as bytes (a checkpoint file,
+``volunteerd.experts.checkpoint_file``: a replica's holds its weights, a trainer's its
+optimizer state too); this module only moves bytes.
 
 Server: ``ShardServer(snapshot)`` answers the ``shard`` verb. A request without a
 ``sha256`` gets a fresh snapshot (the callback), which is then kept, keyed by its
@@ -51,6 +52,7 @@ from volunteerd.errors import (
     ReplyTooLarge,
     RequestTimeout,
     ShardError,
+    ShardTooSlow,
     SnapshotExpired,
 )
 from volunteerd.net.peers import PeerAddress, short
@@ -440,16 +442,17 @@ async def download_shard(
     ``trio.fail_after`` at the call site; on cancellation the partial files stay for a
     later call to resume. With ``min_rate`` (bytes a second), the bytes received must
     keep up with it after ``grace_s``, whatever the replies and retries in between, or
-    ShardError (``resumable``): a replica that answered each request with one byte just
-    before the RPC's ``request_s`` held a newcomer's start ten of those, 600 s, for 13
-    bytes (an outside probe), whatever the expert's size. ``queue_s`` is how long the
+    ShardTooSlow (a ``resumable`` ShardError; ``fetched``: the bytes this call got): a
+    replica that answered each request with one byte just before the RPC's
+    ``request_s`` held a newcomer's start ten of those, 600 s, for 13 bytes (an outside
+    probe), whatever the expert's size. ``queue_s`` is how long the
     peer may keep a request waiting for one of its bulk slots before it answers
     (``net.rpc``: half of its ``request_s``): the first reply may take ``queue_s`` plus
     ``grace_s``, and the pace is counted from that reply on, its bytes included. A
     5 s grace that counted the queue failed every download beyond the 4 a seed answers
     at once (an outside audit: 59 of 72 joiners' experts seeded). When the pace fails
-    before any byte came, the ShardError's ``__cause__`` is a RequestTimeout: the peer
-    only kept the request waiting.
+    before any byte came, its ``__cause__`` is a RequestTimeout: the peer only kept the
+    request waiting.
 
     Raises RemoteError (``unknown_expert``: the peer does not host ``uid``;
     ``shutting_down``), and ShardError when the peer keeps failing (``resumable``: the
@@ -542,10 +545,10 @@ async def download_shard(
                 if on_chunk is not None:
                     on_chunk(partial.offset, reply.total)
         waited = trio.current_time() - started
-        slow = ShardError(
+        slow = ShardTooSlow(
             f"{where}: {fetched} bytes in {waited:.1f} s, slower than "
             f"{min_rate:.0f} bytes a second",
-            resumable=True,
+            fetched=fetched,
         )
         if fetched:
             raise slow

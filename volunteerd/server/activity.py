@@ -8,8 +8,9 @@ passes them in. The first rule that holds decides::
     not_in_project  no expert hosted and no project recorded
     joining         no expert hosted yet, a project recorded (its experts on the way;
                     waiting, and why, while bulk transfers are held: paused, a quota,
-                    the network hours, or a replica busy serving others; or the join
-                    failed: the message says why)
+                    the network hours, or a replica busy serving others; how far a
+                    download under way is, and the time left; or the join failed: the
+                    message says why)
     paused          not serving by choice or rule: paused, snoozed, a quota, the schedule
     no_peers        no peer connected
     unreachable     peers cannot dial this node and no relay carries its connections
@@ -134,14 +135,23 @@ def _joining(s: Signals) -> Activity:
         return _activity("joining", f"joining {', '.join(on_the_way)}: waiting, {why}", remedy)
     busy = next((p for p in projects if p.state != "failed" and p.waiting), None)
     if busy is not None:
-        remedy = (
-            "its experts' replicas have used their transfer quota for the day; it downloads "
-            "them then (their trained weights, not a fresh start), and hosts experts other "
-            "volunteers can give meanwhile"
-            if "quota" in (busy.waiting or "")
-            else "its experts' replicas are serving others first; it downloads them in turn "
-            "(its trained weights, not a fresh start)"
-        )
+        waiting = busy.waiting or ""
+        if waiting.startswith("downloading"):
+            remedy = (
+                "it downloads its experts' trained weights from their replicas; it "
+                "contributes once they are ready"
+            )
+        elif "quota" in waiting:
+            remedy = (
+                "its experts' replicas have used their transfer quota for the day; it "
+                "downloads them then (their trained weights, not a fresh start), and hosts "
+                "experts other volunteers can give meanwhile"
+            )
+        else:
+            remedy = (
+                "its experts' replicas are serving others first; it downloads them in turn "
+                "(its trained weights, not a fresh start)"
+            )
         return _activity("joining", f"joining {busy.name}: {busy.waiting}", remedy)
     if on_the_way:
         return _activity(
