@@ -457,6 +457,25 @@ async def test_expired_snapshot_starts_the_download_again(tmp_path: Path) -> Non
     assert (result.sha256, result.resumed_from, result.restarts) == (sha(newer), 0, 1)
 
 
+async def test_a_replica_restarted_with_the_same_state_resumes_the_download(
+    tmp_path: Path,
+) -> None:
+    """Its snapshot is gone (``expired``), but a fresh one is the same bytes (the same
+    state, restored from its checkpoint): the partial file stays, and only the rest is
+    fetched (151 MiB were fetched again after such a restart; an outside audit)."""
+    rpc = FakeRpc(server(Experts(ffn_0_0=DATA)))
+    rpc.fail_from = 5  # four chunks arrive, then the replica is gone
+    dest = tmp_path / "x"
+    with pytest.raises(ShardError):
+        await download(rpc, dest, retries=0)
+    restarted = FakeRpc(server(Experts(ffn_0_0=DATA)))  # nothing kept: a new process
+    result = await download(restarted, dest)
+    assert dest.read_bytes() == DATA
+    assert (result.resumed_from, result.restarts) == (4096, 0)
+    assert result.fetched == len(DATA) - 4096
+    assert restarted.calls == 1 + 1 + (len(DATA) - 4096) // 1024  # expired, fresh, the rest
+
+
 async def test_damaged_partial_file_is_detected_and_downloaded_again(tmp_path: Path) -> None:
     shards = server(Experts(ffn_0_0=DATA))
     rpc = FakeRpc(shards)

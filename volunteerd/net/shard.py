@@ -12,7 +12,10 @@ chunks from the same bytes, so a download never mixes two versions of the weight
 snapshot nobody asked for in ``keep_idle_s`` is dropped; beyond ``max_cache_bytes`` the
 least recently used snapshots go first, but never one still in use (asked for within
 ``in_use_s``): a full cache answers new downloads ``busy`` rather than starve running
-ones. A request for a dropped snapshot gets ``expired`` and the client starts again.
+ones. A request for a dropped snapshot gets ``expired``: the client asks for a fresh
+one and goes on from its partial file if the bytes are the same (same SHA-256 and size:
+a replica restarted with the same state, as ``server.pipeline.shard_snapshot`` makes
+them), else starts again.
 
 Client: ``download_shard`` writes the chunks to ``<dest>.partial`` with a sidecar
 ``<dest>.partial.json`` (uid, sha256, total). A later call for the same ``dest``, after
@@ -426,13 +429,14 @@ async def download_shard(
 
     Chunks of ``chunk_bytes`` (at most 4 MiB and at most the client's
     ``wire.max_body_bytes``) are written to ``<dest>.partial``; a later call resumes from
-    them (see ``partial_paths``) if the peer still keeps the same snapshot, else starts
-    again. At the end the whole file's SHA-256 is checked, the file is fsynced and renamed
-    to ``dest`` (replacing it), and the partial files are gone. With ``expected_sha256``
-    the peer must serve exactly that snapshot; a snapshot over ``max_bytes`` is refused
-    before anything is written. ``on_chunk(received, total)`` is called
-    after each chunk is written. ``dest``'s folder must exist; run one download per
-    ``dest`` at a time.
+    them (see ``partial_paths``) if the peer still keeps the same snapshot, or serves the
+    same bytes again (asked for afresh once it answers ``expired``: a replica restarted
+    with the same state), else starts again (a restart, at most 3 in a call). At the end
+    the whole file's SHA-256 is checked, the file is fsynced and renamed to ``dest``
+    (replacing it), and the partial files are gone. With ``expected_sha256`` the peer
+    must serve exactly that snapshot; a snapshot over ``max_bytes`` is refused before
+    anything is written. ``on_chunk(received, total)`` is called after each chunk is
+    written. ``dest``'s folder must exist; run one download per ``dest`` at a time.
 
     A dropped connection, a timeout (the RPC client's ``request_s`` per chunk) or a
     ``busy``/``rate_limited`` answer is retried ``retries`` times in a row, waiting
@@ -468,6 +472,7 @@ async def download_shard(
     failures = 0
     restarts = 0
     fetched = 0
+    rejoin = False  # the snapshot expired: are the peer's current bytes the same?
     started = trio.current_time()
     pace = trio.CancelScope()  # the deadline ``min_rate`` sets, moved on by each chunk
     try:
@@ -504,13 +509,18 @@ async def download_shard(
                     logger.warning("%s: the partial file was damaged; downloading it again", where)
                     restarts = _restart(restarts, where)
                     continue
-                request = ShardRequest(
-                    uid=uid,
-                    sha256=partial.sha256,
-                    offset=partial.offset,
-                    # Before the size is known, never ask for more than max_bytes.
-                    length=min(chunk_bytes, partial.remaining(max_bytes)),
-                )
+                if rejoin:  # a fresh snapshot's first bytes: its sha256 and total
+                    request = ShardRequest(
+                        uid=uid, offset=0, length=min(FIRST_CHUNK_BYTES, chunk_bytes, max_bytes)
+                    )
+                else:
+                    request = ShardRequest(
+                        uid=uid,
+                        sha256=partial.sha256,
+                        offset=partial.offset,
+                        # Before the size is known, never ask for more than max_bytes.
+                        length=min(chunk_bytes, partial.remaining(max_bytes)),
+                    )
                 try:
                     reply, body = await rpc.call_raw(
                         peer, Verb.SHARD, request, max_body_bytes=request.length
@@ -518,10 +528,8 @@ async def download_shard(
                 except ReplyTooLarge as exc:  # more than asked for: a peer not to retry
                     raise ShardError(f"{where}: {exc}", resumable=True) from exc
                 except RemoteError as exc:
-                    if exc.code == "expired" and partial.sha256 is not None:
-                        logger.info("%s: snapshot expired on the peer; starting again", where)
-                        await trio.to_thread.run_sync(partial.reset)
-                        restarts = _restart(restarts, where)
+                    if exc.code == "expired" and partial.sha256 is not None and not rejoin:
+                        rejoin = True
                         continue
                     if exc.code not in _RETRY_CODES:
                         raise
@@ -530,6 +538,23 @@ async def download_shard(
                 except (PeerError, BaseLibp2pError) as exc:  # a dropped stream or connection
                     failures = await _backoff(failures, retries, backoff_s, where, exc)
                     continue
+                if rejoin:
+                    rejoin = False
+                    if (reply.sha256, reply.total) == (partial.sha256, partial.total):
+                        # The same state gives the same bytes (a replica restarted from
+                        # its checkpoint, or that took it again): the partial file stays.
+                        # 151 MiB were downloaded again after such a restart.
+                        logger.info(
+                            "%s: snapshot expired on the peer, which serves the same bytes "
+                            "again; resuming at %d of %d bytes",
+                            where,
+                            partial.offset,
+                            partial.total,
+                        )
+                        continue
+                    logger.info("%s: snapshot expired on the peer; starting again", where)
+                    await trio.to_thread.run_sync(partial.reset)
+                    restarts = _restart(restarts, where)
                 _check_reply(reply, body, request, partial, where)
                 if partial.sha256 is None:
                     if reply.total > max_bytes:
