@@ -222,3 +222,35 @@ async def test_experts_loaded_from_old_checkpoints_are_held_from_the_start_until
         torch.testing.assert_close(after[k], replica.trained[k])
     for k, v in rt.backend(ALONE).parameter_copies().items():
         torch.testing.assert_close(v, alone[k])
+
+
+def assert_within(after: Params, target: Params, rel: float) -> None:
+    off = sum(float((after[k] - target[k]).norm()) ** 2 for k in target) ** 0.5
+    size = sum(float(target[k].norm()) ** 2 for k in target) ** 0.5
+    assert off <= rel * size, f"{off / size:.1%} off"
+
+
+async def test_a_restored_expert_far_from_its_replica_is_held_until_a_round_is_not_clipped(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """One round moves a held expert by tau at most (clip_ratio of its norm): released
+    after it, a checkpoint x1.5 off its replica served weights 27 % off (a re-check).
+    It is held through further rounds, with the same replicas, until one moves less."""
+    rt = runtime()
+    own = rt.backend(REPLICATED).parameter_copies()
+    replica = Replica({k: v * 1.5 for k, v in own.items()})
+    replica.answering.set()
+    averager, _, held = await started(replica, rt)
+    old = averager._wall_clock() - 600
+    averager.hold_restored({REPLICATED: old})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(averager.watch_restored)
+        await trio.sleep(1)
+        assert averager.stale == {REPLICATED}  # one round done, and clipped
+        assert averager.statistics().rounds >= 1
+        await trio.sleep(averaging.CATCH_UP_S / 2)
+        assert averager.stale == frozenset()
+        nursery.cancel_scope.cancel()
+    assert held == [{REPLICATED}, frozenset()]  # held all along, then served
+    assert averager.statistics().rounds > 2
+    assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 0.01)

@@ -62,7 +62,11 @@ trainers' spot checks see the replicas disagree and may ban the up-to-date one. 
 experts whose last lookup listed replicas are held back (``stale``; ``on_stale`` hears of
 each change: the daemon refuses their calls with ``paused`` and withdraws their records)
 until they are averaged with at least one replica, this daemon's own stale weights left
-out of the mean (``catch_up``). One whose lookup now lists no replica serves at once;
+out of the mean (``catch_up``), in rounds ``_CATCH_UP_ROUND_S`` apart with the same
+replicas until a round moved every tensor by less than tau: one round moves it by tau at
+most, and a checkpoint x1.5 off its replica, released after one, served weights 27 %
+off (a re-check). So one hostile replica, the only one answering, pulls a held expert by
+tau a round for ``CATCH_UP_S``. One whose lookup now lists no replica serves at once;
 after ``CATCH_UP_S`` every expert serves again, caught up or not.
 
 And at start: a daemon whose PC was off overnight, or started from a backup put back,
@@ -110,7 +114,7 @@ from volunteerd.bounded import remember
 from volunteerd.config import ReplicasConfig
 from volunteerd.errors import FrameTooLarge, ReplyTooSlow, RequestTimeout, VolunteerdError
 from volunteerd.experts import ExpertBackend, from_wire
-from volunteerd.experts.clipping import Params, centered_clip
+from volunteerd.experts.clipping import Params, centered_clip, clip_bound
 from volunteerd.runtime.service import ExpertRuntime
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply
@@ -161,6 +165,11 @@ TICK_S = 1.0
 # replicas are gone or silent serves again after it.
 CATCH_UP_S = 120.0
 _CATCH_UP_RETRY_S = 5.0
+# The pause between the rounds of a catch-up whose move was clipped (tau at most a
+# round): a checkpoint 600 s old, x1.5 off its replica, was 27 % off still after one
+# round; about 5 rounds catch it up, x3 about 12. It bounds, with CATCH_UP_S, how often
+# a hostile replica pulls a held expert by tau: 60 rounds at most.
+_CATCH_UP_ROUND_S = 2.0
 
 
 class ReplicaSource(Protocol):
@@ -288,9 +297,9 @@ class ReplicaAverager:
 
     async def catch_up(self, away_s: float) -> None:
         """Hold back the experts whose latest lookup listed replicas (``stale``) and
-        average each with its replicas, its own weights left out of the mean, until one
-        replica went in, its lookup lists none, or ``CATCH_UP_S`` passed; then serve
-        them again. Returns when none of them is held back."""
+        average each with its replicas, its own weights left out of the mean, until a
+        round with replicas was not clipped, its lookup lists none, or ``CATCH_UP_S``
+        passed; then serve them again. Returns when none of them is held back."""
         stale = self._replicated.intersection(self.runtime.uids) - self.stale
         if not stale:
             logger.info("did not run for %.0f s; no expert has replicas to catch up with", away_s)
@@ -375,24 +384,31 @@ class ReplicaAverager:
     ) -> None:
         """Average each of ``stale`` (held back) with its replicas (``listed``: as a
         lookup just found them; None looks each up), its own weights left out, until
-        one replica went in, its lookup lists none, or ``CATCH_UP_S`` passed, and serve
-        it again."""
+        a round moved it by less than tau (the clipping did not hold it back), its
+        lookup lists none, or ``CATCH_UP_S`` passed, and serve it again."""
         caught_up: list[str] = []
 
         async def catch_up_one(uid: str) -> None:
-            first = None if listed is None else listed.get(uid, [])
+            peers = None if listed is None else listed.get(uid, [])
             while uid in self.runtime.uids:
                 try:
-                    replies = await self.gather(uid, listed=first)
+                    replies = await self.gather(uid, listed=peers)
                     if uid not in self._replicated:
                         break
                     if replies:
-                        await self.combine(uid, replies, own_weight=False)
-                        caught_up.append(uid)
-                        break
+                        _, clipped = await self._combine(uid, replies, own_weight=False)
+                        if not clipped:
+                            caught_up.append(uid)
+                            break
+                        # Moved by tau only: further from the replicas than a round
+                        # goes (one round left a checkpoint x1.5 off 27 % off). Held
+                        # still, again with the same replicas.
+                        peers = [peer_id for peer_id, _ in replies]
+                        await trio.sleep(_CATCH_UP_ROUND_S)
+                        continue
                 except Exception as exc:  # a lookup that failed, the expert dropped
                     logger.info("catching up %s failed: %r", uid, exc)
-                first = None
+                peers = None
                 await trio.sleep(_CATCH_UP_RETRY_S)
             self._hold(self.stale - {uid})
 
@@ -653,18 +669,28 @@ class ReplicaAverager:
         applied in the worker's turn; returns how many replicas went in. Without
         ``own_weight`` (weights known to be stale), the mean leaves them out: they move
         by the replicas' clipped mean, by tau at most, instead of tau*n/(n+1)."""
+        return (await self._combine(uid, replies, own_weight=own_weight))[0]
+
+    async def _combine(
+        self, uid: str, replies: list[tuple[str, Params]], *, own_weight: bool = True
+    ) -> tuple[int, bool]:
+        """``combine``, and whether the move was held back by the clipping: some
+        tensor moved by tau (99 % of it: float rounding), so the replicas are further
+        away than one round can go."""
         if not replies:
-            return 0
+            return 0, False
         others = [params for _, params in replies]
         ratio = self._config.clip_ratio
 
-        def apply(b: ExpertBackend) -> tuple[list[int], float]:
+        def apply(b: ExpertBackend) -> tuple[list[int], float, bool]:
             own = b.live_parameters()
             new, clipped = centered_clip(own, others, ratio)
             if not own_weight:  # own + sum/(n+1) -> own + sum/n
                 scale = (len(others) + 1) / len(others)
                 new = {k: own[k] + (new[k] - own[k]) * scale for k in own}
-            moved = math.sqrt(sum(float((new[k] - own[k]).norm()) ** 2 for k in own))
+            moves = {k: float((new[k] - own[k]).norm()) for k in own}
+            at_tau = any(moves[k] >= 0.99 * clip_bound(own[k], ratio) for k in own)
+            moved = math.sqrt(sum(m**2 for m in moves.values()))
             size = math.sqrt(sum(float(own[k].norm()) ** 2 for k in own))
             # Replicas that agree (nobody trained since the last round) move each other
             # by float rounding or nothing: such a round writes nothing. Each write is a
@@ -674,9 +700,9 @@ class ReplicaAverager:
             rounding = max((torch.finfo(t.dtype).eps for t in own.values()), default=0.0)
             if moved > rounding * size:
                 b.set_parameters(new)
-            return clipped, moved / max(size, 1e-12)
+            return clipped, moved / max(size, 1e-12), at_tau
 
-        clipped, shift = await self.runtime.with_expert(uid, apply)
+        clipped, shift, at_tau = await self.runtime.with_expert(uid, apply)
         counts = self._counts
         counts.rounds += 1
         counts.averaged += len(replies)
@@ -687,7 +713,7 @@ class ReplicaAverager:
         logger.debug(
             "averaged %s with %d replicas (moved %.2e of its norm)", uid, len(replies), shift
         )
-        return len(replies)
+        return len(replies), at_tau
 
     def _reject(self, peer_id: str, reason: str, detail: str) -> None:
         counts = self._counts
