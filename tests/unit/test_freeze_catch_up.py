@@ -224,6 +224,23 @@ async def test_experts_loaded_from_old_checkpoints_are_held_from_the_start_until
         torch.testing.assert_close(v, alone[k])
 
 
+class PausedReplica(Replica):
+    """A ``Replica`` whose lookups raise Paused until ``allowed`` is set (the daemon
+    paused, snoozed, outside its network hours or over quota)."""
+
+    def __init__(self, trained: Params) -> None:
+        super().__init__(trained)
+        self.allowed = False
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        if not self.allowed:
+            raise Paused("network use is not allowed now")
+        return {uid: await Replica.replicas(self, uid) for uid in uids}
+
+    async def replicas(self, uid: str) -> list[str]:
+        return (await self.replicas_of([uid]))[uid]
+
+
 def assert_within(after: Params, target: Params, rel: float) -> None:
     off = sum(float((after[k] - target[k]).norm()) ** 2 for k in target) ** 0.5
     size = sum(float(target[k].norm()) ** 2 for k in target) ** 0.5
@@ -254,3 +271,28 @@ async def test_a_restored_expert_far_from_its_replica_is_held_until_a_round_is_n
     assert held == [{REPLICATED}, frozenset()]  # held all along, then served
     assert averager.statistics().rounds > 2
     assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 0.01)
+
+
+async def test_held_experts_stay_held_while_network_use_is_not_allowed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Paused (or outside the network hours, over quota) the lookup found "no replica"
+    and the catch-up served the restored expert un-caught-up (41 % off after resuming;
+    a re-check). Now it stays held, and ``CATCH_UP_S`` counts from when it is allowed."""
+    rt = runtime()
+    own = rt.backend(REPLICATED).parameter_copies()
+    replica = PausedReplica({k: v * (1 + SHIFT) for k, v in own.items()})
+    replica.answering.set()
+    averager, _, held = await started(replica, rt)
+    old = averager._wall_clock() - 600
+    averager.hold_restored({REPLICATED: old, ALONE: old})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(averager.watch_restored)
+        await trio.sleep(averaging.CATCH_UP_S * 3)  # paused for longer than CATCH_UP_S
+        assert averager.stale == {REPLICATED, ALONE}  # whether they have replicas: unknown
+        replica.allowed = True
+        await trio.sleep(averaging.CATCH_UP_S / 2)
+        assert averager.stale == frozenset()
+        nursery.cancel_scope.cancel()
+    assert held == [{REPLICATED, ALONE}, {REPLICATED}, frozenset()]
+    assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 1e-4)

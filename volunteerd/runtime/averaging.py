@@ -67,7 +67,9 @@ replicas until a round moved every tensor by less than tau: one round moves it b
 most, and a checkpoint x1.5 off its replica, released after one, served weights 27 %
 off (a re-check). So one hostile replica, the only one answering, pulls a held expert by
 tau a round for ``CATCH_UP_S``. One whose lookup now lists no replica serves at once;
-after ``CATCH_UP_S`` every expert serves again, caught up or not.
+while network use is not allowed (the lookup raises ``Paused``) held experts stay held,
+and ``CATCH_UP_S`` counts from when it is; after it every expert serves again, caught
+up or not.
 
 And at start: a daemon whose PC was off overnight, or started from a backup put back,
 loads checkpoints hours behind its replicas, and served them from its first second (an
@@ -112,7 +114,13 @@ import trio
 from volunteerd.awake import awake_time
 from volunteerd.bounded import remember
 from volunteerd.config import ReplicasConfig
-from volunteerd.errors import FrameTooLarge, ReplyTooSlow, RequestTimeout, VolunteerdError
+from volunteerd.errors import (
+    FrameTooLarge,
+    Paused,
+    ReplyTooSlow,
+    RequestTimeout,
+    VolunteerdError,
+)
 from volunteerd.experts import ExpertBackend, from_wire
 from volunteerd.experts.clipping import Params, centered_clip, clip_bound
 from volunteerd.runtime.service import ExpertRuntime
@@ -299,7 +307,8 @@ class ReplicaAverager:
         """Hold back the experts whose latest lookup listed replicas (``stale``) and
         average each with its replicas, its own weights left out of the mean, until a
         round with replicas was not clipped, its lookup lists none, or ``CATCH_UP_S``
-        passed; then serve them again. Returns when none of them is held back."""
+        (from when network use is allowed) passed; then serve them again. Returns when
+        none of them is held back."""
         stale = self._replicated.intersection(self.runtime.uids) - self.stale
         if not stale:
             logger.info("did not run for %.0f s; no expert has replicas to catch up with", away_s)
@@ -313,7 +322,8 @@ class ReplicaAverager:
             CATCH_UP_S,
         )
         self._hold(self.stale | stale)
-        await self._catch_up(frozenset(stale))
+        listed = await self._look_up_allowed(sorted(stale))
+        await self._catch_up(frozenset(stale), listed)
 
     def hold_restored(self, saved_at: Mapping[str, float]) -> None:
         """Hold back at once (before they are announced) the experts of ``saved_at``
@@ -348,12 +358,7 @@ class ReplicaAverager:
         first (at start no lookup has run yet), and those whose lookup lists no replica
         serve again at once. A lookup that fails leaves each to its own."""
         uids = [uid for uid in ages if uid in self.runtime.uids]
-        listed: dict[str, list[str]] | None = None
-        try:
-            with trio.move_on_after(self._lookup_s or math.inf):
-                listed = await self.source.replicas_of(uids)
-        except Exception as exc:  # VolunteerdError, or py-libp2p's own (as in run_round)
-            logger.info("looking up the experts loaded from old checkpoints failed: %r", exc)
+        listed = await self._look_up_allowed(uids)
         stale = set(uids)
         if listed is not None:
             for uid in uids:
@@ -378,6 +383,30 @@ class ReplicaAverager:
             CATCH_UP_S,
         )
         await self._catch_up(frozenset(stale), listed)
+
+    async def _look_up_allowed(self, uids: Sequence[str]) -> dict[str, list[str]] | None:
+        """``source.replicas_of(uids)`` once network use is allowed: while it is not
+        (paused, snoozed, outside the network hours, over quota: ``Paused``) the held
+        experts stay held, and ``CATCH_UP_S`` counts from then. Read as "no replica",
+        such a lookup served them un-caught-up (41 % off their replica after resuming;
+        a re-check). None when the lookup failed or took too long."""
+        waited = False
+        while True:
+            try:
+                with trio.move_on_after(self._lookup_s or math.inf):
+                    return await self.source.replicas_of(uids)
+                return None
+            except Paused:
+                if not waited:
+                    logger.info(
+                        "network use is not allowed now: %d experts held back until it is",
+                        len(uids),
+                    )
+                    waited = True
+                await trio.sleep(_CATCH_UP_RETRY_S)
+            except Exception as exc:  # VolunteerdError, or py-libp2p's own (as in run_round)
+                logger.info("looking up the experts to catch up failed: %r", exc)
+                return None
 
     async def _catch_up(
         self, stale: frozenset[str], listed: Mapping[str, list[str]] | None = None
@@ -406,6 +435,8 @@ class ReplicaAverager:
                         peers = [peer_id for peer_id, _ in replies]
                         await trio.sleep(_CATCH_UP_ROUND_S)
                         continue
+                except Paused:  # network use not allowed now: held until it is
+                    pass
                 except Exception as exc:  # a lookup that failed, the expert dropped
                     logger.info("catching up %s failed: %r", uid, exc)
                 peers = None
@@ -457,6 +488,8 @@ class ReplicaAverager:
         try:
             with trio.move_on_at(deadline):
                 listed = await self.source.replicas_of(list(sizes))
+        except Paused:  # network use not allowed now: nothing to average with
+            return 0
         except VolunteerdError as exc:
             logger.info("averaging round: looking up its experts failed: %s", exc)
             return 0

@@ -3,8 +3,9 @@ who else hosts an expert, from the DHT's full-uid records, and their parameters 
 this node's RPC client (the connections already open).
 
 Both kinds of bulk transfer, averaging with replicas and downloading an expert's state
-when joining, wait for the schedule's network hours: ``SwarmReplicas`` finds no
-replica outside them (the round averages nothing), ``WindowedDownloader`` waits.
+when joining, wait for the schedule's network hours: ``SwarmReplicas`` raises Paused
+outside them (the round averages nothing; held experts stay held), ``WindowedDownloader``
+waits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from volunteerd.errors import PeerUnreachable
+from volunteerd.errors import Paused, PeerUnreachable
 from volunteerd.net import Node, PeerAddress, Verb, short
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
@@ -46,7 +47,8 @@ class SwarmReplicas:
         self._addresses: dict[str, dict[str, PeerAddress]] = {}
 
     async def replicas(self, uid: str) -> list[str]:
-        """The other peers announcing ``uid`` (none outside the network hours). A lookup
+        """The other peers announcing ``uid``; Paused while network use is not allowed
+        (``allowed``: paused, outside the network hours, over quota). A lookup
         that takes too long gives the last one's answer: "no replica" would end a
         catch-up after a freeze at once (its first lookups, connections gone stale,
         are the likeliest to time out), and the averager backs off from replicas
@@ -60,7 +62,8 @@ class SwarmReplicas:
         every averaging round of a daemon of 512 experts out of time (outside audit)."""
         uids = list(dict.fromkeys(uids))
         if not self._allowed():
-            return {uid: [] for uid in uids}
+            # Not "no replica": the catch-up served held experts un-caught-up on that.
+            raise Paused("network use is not allowed now")
 
         async def look_up(keys: list[str]) -> None:
             with trio.move_on_after(self._lookup_s):
