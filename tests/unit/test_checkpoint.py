@@ -653,3 +653,15 @@ async def test_a_restored_experts_age_is_its_headers_or_the_last_graceful_stops(
     ages = {uid: time.time() - at for uid, at in restored.take_restored(second.uids).items()}
     assert ages["ffn.0.0"] < 5  # held its weights until the stop: a restart in place
     assert ages["ffn.0.1"] > 8 * 3600 - 5  # its weights had moved on: the file is old
+
+    # a stop recorded in the future (the clock was ahead, set right since): its time
+    # says nothing, the header's goes
+    stopped_file = tmp_path / "stopped.json"
+    stopped = json.loads(stopped_file.read_text())
+    stopped["stopped_at"] = time.time() + 3600
+    stopped_file.write_text(json.dumps(stopped))
+    third = runtime()
+    again = Checkpointer(third, tmp_path, config)
+    await again.restore()
+    ages = {uid: time.time() - at for uid, at in again.take_restored(third.uids).items()}
+    assert ages["ffn.0.0"] > 8 * 3600 - 5

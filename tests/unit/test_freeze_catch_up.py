@@ -296,3 +296,15 @@ async def test_held_experts_stay_held_while_network_use_is_not_allowed(
         nursery.cancel_scope.cancel()
     assert held == [{REPLICATED, ALONE}, {REPLICATED}, frozenset()]
     assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 1e-4)
+
+
+async def test_a_checkpoint_saved_in_the_future_is_held(autojump_clock: trio.abc.Clock) -> None:
+    """A header's time ahead of the clock (a clock that was ahead, set right since) gave
+    a negative age, never held: the checkpoint's real age is unknown."""
+    rt = runtime()
+    averager, _, held = await started(Replica(rt.backend(REPLICATED).parameter_copies()), rt)
+    now = averager._wall_clock()
+    averager.hold_restored({REPLICATED: now + 10.0})  # a little skew: fresh
+    assert held == []
+    averager.hold_restored({REPLICATED: now + 3600})
+    assert held == [{REPLICATED}]

@@ -330,12 +330,14 @@ class ReplicaAverager:
         (uid -> when the checkpoint it was just loaded from was written, time.time())
         whose checkpoint is ``FROZEN_S`` old or more: like a daemon after a freeze, one
         whose PC was off overnight, or that was started from a backup, is that far
-        behind its replicas. ``watch_restored`` looks them up and catches them up."""
+        behind its replicas. A checkpoint written ``FROZEN_S`` or more in the future (by
+        a clock that was ahead, set right since) is of unknown age: held back too, as
+        fresh it served at once. ``watch_restored`` looks them up and catches them up."""
         now = self._wall_clock()
         old = {
             uid: now - at
             for uid, at in saved_at.items()
-            if now - at >= FROZEN_S and uid not in self.stale
+            if abs(now - at) >= FROZEN_S and uid not in self.stale
         }
         if old:
             self._restored.update(old)
@@ -785,7 +787,10 @@ def fetch_bound_s(param_bytes: int) -> float:
 
 
 def _age(seconds: float) -> str:
-    """``seconds`` for a log line: in hours from one hour on."""
+    """``seconds`` for a log line: in hours from one hour on; a negative age (saved in
+    the future) is unknown."""
+    if seconds < 0:
+        return "an unknown time (saved in the future)"
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 

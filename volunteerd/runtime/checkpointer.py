@@ -248,7 +248,13 @@ class Checkpointer:
             self.saved_at[uid] = state.saved_at
             current_at = state.saved_at
             stopped = self._stopped
-            if stopped is not None and stopped.newest.get(uid) == path.name:
+            # A stop in the future (a clock that was ahead, set right since) says
+            # nothing of how old the weights are: the header's time goes.
+            if (
+                stopped is not None
+                and stopped.newest.get(uid) == path.name
+                and stopped.stopped_at <= time.time()
+            ):
                 current_at = max(current_at, stopped.stopped_at)  # unchanged until the stop
             self._restored_saved_at[uid] = current_at
         logger.info("loaded checkpoint %s for %s (%d updates)", path, uid, state.updates)
