@@ -240,6 +240,13 @@ class PausedReplica(Replica):
     async def replicas(self, uid: str) -> list[str]:
         return (await self.replicas_of([uid]))[uid]
 
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        if not self.allowed:
+            raise Paused("network use is not allowed now")
+        return await super().fetch(peer_id, uid, max_bytes=max_bytes, timeout_s=timeout_s)
+
 
 def assert_within(after: Params, target: Params, rel: float) -> None:
     off = sum(float((after[k] - target[k]).norm()) ** 2 for k in target) ** 0.5
@@ -296,6 +303,34 @@ async def test_held_experts_stay_held_while_network_use_is_not_allowed(
         nursery.cancel_scope.cancel()
     assert held == [{REPLICATED, ALONE}, {REPLICATED}, frozenset()]
     assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 1e-4)
+
+
+async def test_a_pause_during_the_catch_up_holds_on_and_counts_the_time_from_the_resume(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Paused between two rounds: the rounds' fetches are not made (no network use
+    then), the expert is held, and ``CATCH_UP_S`` counts from when it is allowed."""
+    rt = runtime()
+    own = rt.backend(REPLICATED).parameter_copies()
+    replica = PausedReplica({k: v * 1.5 for k, v in own.items()})
+    replica.allowed = True
+    replica.answering.set()
+    averager, _, held = await started(replica, rt)
+    averager.hold_restored({REPLICATED: averager._wall_clock() - 600})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(averager.watch_restored)
+        await trio.sleep(1)  # one round, clipped
+        replica.allowed = False
+        rounds = averager.statistics().rounds
+        await trio.sleep(averaging.CATCH_UP_S * 2)
+        assert averager.stale == {REPLICATED}
+        assert averager.statistics().rounds == rounds  # nothing fetched meanwhile
+        replica.allowed = True
+        await trio.sleep(averaging.CATCH_UP_S / 2)
+        assert averager.stale == frozenset()
+        nursery.cancel_scope.cancel()
+    assert held == [{REPLICATED}, frozenset()]
+    assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 0.01)
 
 
 async def test_a_checkpoint_saved_in_the_future_is_held(autojump_clock: trio.abc.Clock) -> None:

@@ -66,6 +66,8 @@ async def test_outside_the_network_hours_no_replica_is_looked_up() -> None:
     with pytest.raises(Paused):
         await replicas.replicas(UID)
     assert len(dht.lookups) == looked_up
+    with pytest.raises(Paused):  # a catch-up's next round fetches without a lookup
+        await replicas.fetch("other", UID, max_bytes=1 << 20)
 
 
 async def test_many_uids_are_looked_up_in_a_few_batched_lookups(

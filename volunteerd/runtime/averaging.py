@@ -437,15 +437,17 @@ class ReplicaAverager:
                         peers = [peer_id for peer_id, _ in replies]
                         await trio.sleep(_CATCH_UP_ROUND_S)
                         continue
-                except Paused:  # network use not allowed now: held until it is
-                    pass
+                except Paused:  # network use not allowed now: held until it is,
+                    # and CATCH_UP_S counted from then (5 s late at most)
+                    window.deadline = max(window.deadline, trio.current_time() + CATCH_UP_S)
                 except Exception as exc:  # a lookup that failed, the expert dropped
                     logger.info("catching up %s failed: %r", uid, exc)
                 peers = None
                 await trio.sleep(_CATCH_UP_RETRY_S)
             self._hold(self.stale - {uid})
 
-        with trio.move_on_after(CATCH_UP_S):
+        window = trio.CancelScope(deadline=trio.current_time() + CATCH_UP_S)
+        with window:
             async with trio.open_nursery() as nursery:
                 for uid in sorted(stale):
                     nursery.start_soon(catch_up_one, uid)
@@ -624,6 +626,9 @@ class ReplicaAverager:
                         except RequestTimeout as exc:  # no reply began in time
                             self._unfetched(counted)
                             self._reject(peer_id, "timeout", str(exc))
+                            return
+                        except Paused:  # network use not allowed now: not the peer's fault
+                            self._unfetched(counted)
                             return
                         except VolunteerdError as exc:
                             self._unfetched(counted)

@@ -91,7 +91,10 @@ class SwarmReplicas:
         ``max_bytes`` of tensors (this node's own copy's size, over ``wire.max_body_bytes``
         if need be): a reply declaring more is refused from its prefix (ReplyTooLarge, a
         FrameTooLarge), its body never read. Within ``timeout_s`` (the averager's fetch
-        bound), ReplyTooSlow when that cut a reply that was arriving."""
+        bound), ReplyTooSlow when that cut a reply that was arriving; Paused while
+        network use is not allowed (a catch-up's rounds fetch without a lookup)."""
+        if not self._allowed():
+            raise Paused("network use is not allowed now")
         address = self._addresses.get(uid, {}).get(peer_id)
         if address is None:  # the uid's lookup since then no longer lists it
             raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
