@@ -280,6 +280,31 @@ async def test_a_restored_expert_far_from_its_replica_is_held_until_a_round_is_n
     assert_within(rt.backend(REPLICATED).parameter_copies(), replica.trained, 0.01)
 
 
+async def test_a_hostile_replica_pulls_a_held_expert_a_few_rounds_at_most(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The catch-up's rounds are bounded (``CATCH_UP_ROUNDS``), not by ``CATCH_UP_S``
+    alone: the only replica, x50 away, made the held expert its copy in 83 s (a
+    re-check). It serves after those rounds, far from the hostile weights still."""
+    rt = runtime()
+    own = rt.backend(REPLICATED).parameter_copies()
+    replica = Replica({k: v * 50 for k, v in own.items()})
+    replica.answering.set()
+    averager, _, held = await started(replica, rt)
+    averager.hold_restored({REPLICATED: averager._wall_clock() - 600})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(averager.watch_restored)
+        await trio.sleep(averaging.CATCH_UP_S / 2)
+        assert averager.stale == frozenset()
+        nursery.cancel_scope.cancel()
+    assert held == [{REPLICATED}, frozenset()]
+    assert averager.statistics().rounds == averaging.CATCH_UP_ROUNDS
+    after = rt.backend(REPLICATED).parameter_copies()
+    moved = sum(float((after[k] - own[k]).norm()) ** 2 for k in own) ** 0.5
+    size = sum(float(own[k].norm()) ** 2 for k in own) ** 0.5
+    assert moved < size  # within its own norm of where it was, not x50
+
+
 async def test_held_experts_stay_held_while_network_use_is_not_allowed(
     autojump_clock: trio.abc.Clock,
 ) -> None:

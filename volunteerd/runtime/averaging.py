@@ -175,9 +175,12 @@ CATCH_UP_S = 120.0
 _CATCH_UP_RETRY_S = 5.0
 # The pause between the rounds of a catch-up whose move was clipped (tau at most a
 # round): a checkpoint 600 s old, x1.5 off its replica, was 27 % off still after one
-# round; about 5 rounds catch it up, x3 about 12. It bounds, with CATCH_UP_S, how often
-# a hostile replica pulls a held expert by tau: 60 rounds at most.
+# round; about 5 rounds catch it up, x3 about 12.
 _CATCH_UP_ROUND_S = 2.0
+# At most this many rounds (then it serves, and the usual rounds go on): they bound how
+# far one hostile replica pulls a held expert, tau a round (its copy, x50 away, in 83 s
+# when only CATCH_UP_S bounded the rounds: a re-check).
+CATCH_UP_ROUNDS = 6
 
 
 class ReplicaSource(Protocol):
@@ -416,11 +419,13 @@ class ReplicaAverager:
         """Average each of ``stale`` (held back) with its replicas (``listed``: as a
         lookup just found them; None looks each up), its own weights left out, until
         a round moved it by less than tau (the clipping did not hold it back), its
-        lookup lists none, or ``CATCH_UP_S`` passed, and serve it again."""
+        lookup lists none, ``CATCH_UP_ROUNDS`` rounds were clipped, or ``CATCH_UP_S``
+        passed, and serve it again."""
         caught_up: list[str] = []
 
         async def catch_up_one(uid: str) -> None:
             peers = None if listed is None else listed.get(uid, [])
+            rounds = 0
             while uid in self.runtime.uids:
                 try:
                     replies = await self.gather(uid, listed=peers)
@@ -428,8 +433,17 @@ class ReplicaAverager:
                         break
                     if replies:
                         _, clipped = await self._combine(uid, replies, own_weight=False)
+                        rounds += 1
                         if not clipped:
                             caught_up.append(uid)
+                            break
+                        if rounds >= CATCH_UP_ROUNDS:
+                            logger.info(
+                                "%s: still further than a round from its replicas after "
+                                "%d rounds; serving it, the usual rounds go on",
+                                uid,
+                                rounds,
+                            )
                             break
                         # Moved by tau only: further from the replicas than a round
                         # goes (one round left a checkpoint x1.5 off 27 % off). Held
