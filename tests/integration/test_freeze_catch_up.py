@@ -12,10 +12,9 @@ import trio
 
 from volunteerd.awake import awake_time
 from volunteerd.errors import RemoteError
-from volunteerd.experts import to_wire
-from volunteerd.net import Node, Verb
+from volunteerd.net import Node
 from volunteerd.testing import local_config, open_daemon, open_peer
-from volunteerd.wire import ForwardRequest
+from volunteerd.testing.clients import call_forward
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +23,7 @@ HIDDEN = 32
 
 
 async def forward(client: Node, address, uid: str = UID) -> None:  # type: ignore[no-untyped-def]
-    meta, data = to_wire(torch.randn(4, HIDDEN))
-    await client.rpc.call(address, Verb.FORWARD, ForwardRequest(uid=uid, tensors=[meta]), [data])
+    await call_forward(client.rpc, address, uid, HIDDEN)
 
 
 async def servers_of(client: Node) -> set[str]:

@@ -16,7 +16,6 @@ import trio
 
 from volunteerd.checkpoint_folders import FORMAT_VERSION
 from volunteerd.errors import RemoteError
-from volunteerd.experts import to_wire
 from volunteerd.experts.checkpoint_file import (
     CheckpointStore,
     ExpertState,
@@ -24,14 +23,14 @@ from volunteerd.experts.checkpoint_file import (
     read_checkpoint,
 )
 from volunteerd.identity import Identity
-from volunteerd.net import Node, Verb
+from volunteerd.net import Node
 from volunteerd.net.peers import peer_id_for
 from volunteerd.paths import Paths
 from volunteerd.runtime.averaging import FROZEN_S
 from volunteerd.server.replicas import SwarmReplicas
 from volunteerd.swarm.manifest import ExperimentManifest, sign_manifest
 from volunteerd.testing import local_config, open_daemon, open_peer
-from volunteerd.wire import ForwardRequest
+from volunteerd.testing.clients import call_forward
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +39,7 @@ HIDDEN = 32
 
 
 async def forward(client: Node, address, uid: str = UID) -> None:  # type: ignore[no-untyped-def]
-    meta, data = to_wire(torch.randn(4, HIDDEN))
-    await client.rpc.call(address, Verb.FORWARD, ForwardRequest(uid=uid, tensors=[meta]), [data])
+    await call_forward(client.rpc, address, uid, HIDDEN)
 
 
 def put_checkpoint(data_dir: Path, state: ExpertState, age_s: float) -> None:

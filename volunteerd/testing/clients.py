@@ -15,10 +15,12 @@ from volunteerd.config import Config, WireLimits
 from volunteerd.identity import Identity
 from volunteerd.net.framing import read_frame_rest, read_prefix
 from volunteerd.net.host import Libp2pStreamHost, open_host
+from volunteerd.net.peers import PeerAddress
+from volunteerd.net.protocols import Verb
 from volunteerd.net.rpc import RpcClient
 from volunteerd.net.transport import Stream
 
-__all__ = ["open_bare_client", "read_reply", "trickle"]
+__all__ = ["call_forward", "open_bare_client", "read_reply", "trickle"]
 
 
 @asynccontextmanager
@@ -70,3 +72,15 @@ async def read_reply(stream: Stream, wire: WireLimits) -> dict[str, Any]:
     frame = await read_frame_rest(stream, bytes(prefix), wire)
     reply: dict[str, Any] = json.loads(frame.header)
     return reply
+
+
+async def call_forward(rpc: RpcClient, address: PeerAddress, uid: str, hidden: int) -> None:
+    """One forward of 4 random rows of width ``hidden`` to ``uid`` at ``address``;
+    raises what the call raises (``paused`` for a held expert)."""
+    import torch
+
+    from volunteerd.experts import to_wire
+    from volunteerd.wire import ForwardRequest
+
+    meta, data = to_wire(torch.randn(4, hidden))
+    await rpc.call(address, Verb.FORWARD, ForwardRequest(uid=uid, tensors=[meta]), [data])
