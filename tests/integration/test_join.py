@@ -174,7 +174,15 @@ async def test_three_joiners_cover_the_grid_and_a_latecomer_downloads_from_repli
                 taken = hosted(late)
                 print(f"latecomer took {sorted(taken)}; replicas before {dict(counts)}")
                 assert len(taken) == CAPACITY
-                assert all(counts[uid] == min(counts.values()) for uid in taken)
+                # The least served, as the latecomer saw them: a replica whose ``info``
+                # check failed (a connection that broke under load) counts as none for
+                # a while, by design (an expert looks less served, never more). One CI
+                # run saw an expert of 3 replicas taken so; allowed only when explained.
+                checks = late.joiners[0]._checks
+                assert checks is not None
+                failed = {uid for _, uid in checks._failed}
+                over = {uid for uid in taken if counts[uid] != min(counts.values())}
+                assert over <= failed, (over, failed)
                 owners = {uid: d for d in daemons for uid in hosted(d)}
                 for uid in taken:
                     source = late.joiners[0].sources[uid]
