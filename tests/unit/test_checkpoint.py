@@ -36,6 +36,14 @@ UID = "ffn.0.1"
 HIDDEN = 16
 
 
+def two_experts(experts: ExpertsConfig) -> ExpertRuntime:
+    """A CPU runtime of ffn.0.0 and ffn.0.1 built from ``experts``."""
+    return ExpertRuntime(
+        ["ffn.0.0", "ffn.0.1"], experts, RuntimeConfig(device="cpu"), WireLimits(),
+        torch.device("cpu"),
+    )  # fmt: skip
+
+
 def backend(optimizer: str = "adam", hidden: int = HIDDEN, uid: str = UID) -> ExpertBackend:
     config = ExpertsConfig(hidden_dim=hidden, optimizer={"name": optimizer, "lr": 0.01})
     return ExpertBackend(uid, config, torch.device("cpu"), 1024)
@@ -304,12 +312,7 @@ async def test_checkpointer_saves_changed_experts_and_restores_them(tmp_path: Pa
     experts = ExpertsConfig(hidden_dim=HIDDEN, optimizer={"name": "adam", "lr": 0.01})
 
     def runtime() -> ExpertRuntime:
-        from volunteerd.config import RuntimeConfig, WireLimits
-
-        return ExpertRuntime(
-            ["ffn.0.0", "ffn.0.1"], experts, RuntimeConfig(device="cpu"), WireLimits(),
-            torch.device("cpu"),
-        )  # fmt: skip
+        return two_experts(experts)
 
     config = CheckpointConfig(every_s=60, keep=2)
     first = runtime()
@@ -625,10 +628,7 @@ async def test_a_restored_experts_age_is_its_headers_or_the_last_graceful_stops(
     experts = ExpertsConfig(hidden_dim=HIDDEN)
 
     def runtime() -> ExpertRuntime:
-        return ExpertRuntime(
-            ["ffn.0.0", "ffn.0.1"], experts, RuntimeConfig(device="cpu"), WireLimits(),
-            torch.device("cpu"),
-        )  # fmt: skip
+        return two_experts(experts)
 
     config = CheckpointConfig(every_s=60, keep=2)
     first = runtime()
