@@ -7,6 +7,7 @@ over ``wire.max_body_bytes`` if need be. Over the in-memory network, in virtual 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,8 +15,8 @@ import pytest
 import trio
 
 from volunteerd.config import Config, LimitsConfig, WireLimits
-from volunteerd.errors import ReplyTooLarge, ReplyTooSlow, RequestTimeout
-from volunteerd.net import Verb
+from volunteerd.errors import RemoteError, ReplyTooLarge, ReplyTooSlow, RequestTimeout
+from volunteerd.net import PROTOCOLS, Verb
 from volunteerd.net.rpc import (
     BULK_AT_ONCE,
     BULK_MIN_RATE,
@@ -26,13 +27,15 @@ from volunteerd.net.rpc import (
     RpcServer,
 )
 from volunteerd.net.throttle import Throttle
+from volunteerd.net.transport import Stream, StreamReset
 from volunteerd.testing.memnet import Link, MemoryHost, MemoryNetwork
-from volunteerd.wire import TensorMeta
+from volunteerd.wire import TensorMeta, encode_frame
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
 
 CONFIG = Config()
 REQUEST_S = CONFIG.timeouts.request_s
 PREFIX_BYTES = 16
+PARAMS = PROTOCOLS[Verb.PARAMS].protocol_id
 
 
 def params_of(nbytes: int) -> Handler:
@@ -102,10 +105,12 @@ async def test_parameters_slower_than_request_s_arrive_whole(
 async def test_a_reply_below_the_bulk_rate_is_too_slow_and_says_how_much_came(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """1 MiB at 8 KiB/s would take 128 s; its caller waits ``request_s`` and the reply's
-    size at ``BULK_MIN_RATE`` (32 s): ReplyTooSlow then, with what had arrived."""
+    """1 MiB from a server whose upload is limited to 64 kbit/s (8 kB/s) would take 131 s;
+    its caller waits ``request_s`` and the reply's size at ``BULK_MIN_RATE`` (32 s):
+    ReplyTooSlow then, with what had arrived. (The server, whose own limit is the slow
+    part, would have gone on: a reader that slow itself is cut by the server, below.)"""
     size = 1 << 20
-    async with served(params_of(size), link_bytes_per_s=8 << 10) as (host, client, throttle):
+    async with served(params_of(size), upload_mbit=0.064) as (host, client, throttle):
         started = trio.current_time()
         with pytest.raises(ReplyTooSlow) as caught:
             await client.call(host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"))
@@ -209,3 +214,131 @@ async def test_a_params_reply_is_capped_by_the_callers_own_size_not_the_wires(
         # A caller that gives no size of its own keeps the wire's cap.
         with pytest.raises(ReplyTooLarge, match=rf"cap of {1 << 20}\b"):
             await client.call(host.address, Verb.PARAMS, ParamsRequest(uid="ffn.0.0"))
+
+
+async def _read_until_cut(stream: Stream) -> int:
+    """Read ``stream`` until it ends or is reset; the bytes that came."""
+    got = 0
+    with contextlib.suppress(StreamReset):
+        while data := await stream.read(1 << 20):
+            got += len(data)
+    return got
+
+
+async def test_a_reader_far_below_the_bulk_rate_is_cut_and_its_slot_goes_to_the_next(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Four strangers from four addresses hold every bulk slot, each taking its 8 MiB of
+    parameters at a tenth of ``BULK_MIN_RATE``: a piece every 20 s, within
+    ``frame_read_s``. Each is cut as a slow reader once it fell behind the rate,
+    ``request_s`` (its grace) and a few pieces after its reply began, and an honest
+    caller asking meanwhile gets a slot then. Before, the strangers held their slots
+    until their replies' deadlines (``request_s`` plus 8 MiB at the rate, 316 s), and
+    the honest caller was refused ``busy`` until then."""
+    size = 8 << 20
+    network = MemoryNetwork()
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params_of(size)},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            Throttle(LimitsConfig()),
+        )
+        server.install()
+        got: list[int] = []
+        cut_at: list[float] = []
+
+        async def stranger(i: int) -> None:
+            async with network.open_host(ip=f"10.0.0.{i}") as host:
+                network.set_link(server_host, host, Link(bytes_per_s=BULK_MIN_RATE / 10))
+                stream = await host.open_stream(server_host.address, PARAMS)
+                await stream.write(encode_frame(ParamsRequest(uid="ffn.0.0")))
+                got.append(await _read_until_cut(stream))
+                cut_at.append(trio.current_time())
+
+        async with (
+            network.open_host(ip="10.0.1.1") as honest_host,
+            trio.open_nursery() as nursery,
+        ):
+            for i in range(BULK_AT_ONCE):
+                nursery.start_soon(stranger, i)
+            await trio.sleep(1)
+            assert server._bulk.busy == BULK_AT_ONCE
+            client = RpcClient(honest_host, CONFIG.wire, CONFIG.timeouts)
+            refused: list[str] = []
+            while True:
+                try:
+                    _, tensors = await client.call(
+                        server_host.address,
+                        Verb.PARAMS,
+                        ParamsRequest(uid="ffn.0.0"),
+                        max_body_bytes=size,
+                    )
+                    break
+                except RemoteError as exc:
+                    refused.append(exc.code)
+            served_at = trio.current_time()
+            await client.aclose()
+    assert tensors[0].data.nbytes == size
+    assert server.stats.errors["slow_reader"] == BULK_AT_ONCE
+    assert all(n < size // 10 for n in got)
+    # behind the rate once request_s and a few 2-second pieces at it had passed
+    assert max(cut_at) < REQUEST_S + 10 < REQUEST_S + size / BULK_MIN_RATE
+    assert served_at < 2 * REQUEST_S
+    assert refused == ["busy"] * len(refused)
+    assert len(refused) <= 2
+
+
+async def test_readers_at_the_bulk_rate_or_behind_the_servers_own_queue_are_not_cut(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Two callers take 8 MiB of parameters: one over a link at exactly
+    ``BULK_MIN_RATE``; one over a fast link from a server whose volunteer lowers its
+    upload limit from 2 Mbit/s to 0.1 Mbit/s a second after the reply began, for two
+    minutes, so that it falls far behind the rate, then catches up. Both arrive whole: the reader's
+    pace is counted without the time a piece waited in this node's own queue."""
+    size = 8 << 20
+    network = MemoryNetwork()
+    throttle = Throttle(LimitsConfig(upload_mbit=2.0))
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params_of(size)},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            throttle,
+        )
+        server.install()
+        took: dict[str, float] = {}
+
+        async def caller(name: str, link: Link) -> None:
+            async with network.open_host(ip=f"10.0.1.{len(took) + 1}") as host:
+                network.set_link(server_host, host, link)
+                client = RpcClient(host, CONFIG.wire, CONFIG.timeouts)
+                started = trio.current_time()
+                _, tensors = await client.call(
+                    server_host.address,
+                    Verb.PARAMS,
+                    ParamsRequest(uid="ffn.0.0"),
+                    max_body_bytes=size,
+                )
+                assert tensors[0].data.nbytes == size
+                took[name] = trio.current_time() - started
+                await client.aclose()
+
+        await caller("at the rate", Link(bytes_per_s=BULK_MIN_RATE, latency_s=0.2))
+        async with trio.open_nursery() as nursery:
+            sent_before = throttle.bytes_up
+            nursery.start_soon(caller, "behind the own queue", Link())
+            await trio.sleep(1)
+            throttle.set_rates(0.1, 0)
+            await trio.sleep(119)
+            behind_by = BULK_MIN_RATE * 120 - (throttle.bytes_up - sent_before)
+            throttle.set_rates(2.0, 0)
+    assert "slow_reader" not in server.stats.errors
+    assert took["at the rate"] == pytest.approx(size / BULK_MIN_RATE, rel=0.05)
+    assert behind_by > BULK_MIN_RATE * REQUEST_S  # counted whole, it fell behind
+    assert took["behind the own queue"] < REQUEST_S + size / BULK_MIN_RATE

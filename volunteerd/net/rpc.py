@@ -18,7 +18,9 @@ dropped: its caller gave up; a bulk reply's deadline adds its size at
 ``BULK_MIN_RATE`` (256 kbit/s), or at this node's upload limit shared by
 ``BULK_AT_ONCE`` replies where that is slower. A reader that stops taking a reply is
 cut sooner, whatever its size: each 64 KiB piece must be taken within
-``frame_read_s``.
+``frame_read_s``; and a bulk reply's reader that falls behind that rate once
+``request_s`` has passed since the reply began to go out (time waiting for this node's
+own upload limit not counted) is cut then, not at the reply's deadline.
 
 Both sides pass every stream through the node's ``Throttle`` (``net/throttle.py``): the
 volunteer's upload and download limits, shared by all peers, and the transfer count.
@@ -130,7 +132,8 @@ BULK_MIN_RATE = 32 << 10
 
 
 class _SlowReader(Exception):
-    """The peer did not take a piece of its reply within frame_read_s."""
+    """The peer did not take a piece of its reply within frame_read_s, or fell behind a
+    bulk reply's pace (the message says which)."""
 
 
 class _CallerGone(Exception):
@@ -381,10 +384,10 @@ class RpcServer:
                 "%s from %s: frame too slow, dropping the stream", spec.verb, short(peer_id)
             )
             await _reset(stream)
-        except _SlowReader:
+        except _SlowReader as slow:
             self.stats.count_error("slow_reader")
             logger.info(
-                "%s from %s: reply not taken, dropping the stream", spec.verb, short(peer_id)
+                "%s from %s: %s, dropping the stream", spec.verb, short(peer_id), slow.args[0]
             )
             await _reset(stream)
         except _CallerGone:
@@ -532,10 +535,13 @@ class RpcServer:
         # their requests (params, shard) must not pile up outside the budget.
         self._charge(stream, len(data))
         deadline = began + self._timeouts.request_s
+        pace = 0.0
         if spec.verb in _BULK_VERBS:
             # Its caller waits for the reply's size at BULK_MIN_RATE beyond request_s
-            # (RpcClient); this node's own upload limit may give it less.
-            deadline += len(data) / self._bulk_rate()
+            # (RpcClient); this node's own upload limit may give it less. And its reader
+            # must keep up with that rate all along, not only by then (``_write``).
+            pace = self._bulk_rate()
+            deadline += len(data) / pace
             bound.deadline = max(bound.deadline, deadline + self._timeouts.frame_read_s)
         given_back = reply.unsent
 
@@ -546,7 +552,7 @@ class RpcServer:
             if given_back is not None:
                 given_back(nbytes)
 
-        await self._write(stream, data, deadline, unsent)
+        await self._write(stream, data, deadline, unsent, pace)
         return True
 
     def _bulk_rate(self) -> float:
@@ -562,6 +568,7 @@ class RpcServer:
         data: bytes,
         deadline: float = math.inf,
         unsent: Callable[[int], None] | None = None,
+        pace: float = 0.0,
     ) -> None:
         """Write ``data``, each piece of it within frame_read_s; raises _SlowReader.
         Raises _CallerGone at ``deadline`` (trio's clock: when its caller gave up, the
@@ -570,8 +577,18 @@ class RpcServer:
         the stream failing, a cancellation) ``unsent`` hears how many bytes did not go
         out (a piece cut half-way counts as not sent).
 
-        A piece's wait for this node's own upload limit is not counted: it is the
-        volunteer's queue, shared by every reply going out, not the reader's slowness.
+        ``pace`` (bytes a second; a bulk reply's ``_bulk_rate``): the reader must keep
+        up with it once ``request_s`` (a slow start) has passed, or _SlowReader: each
+        piece must be taken by the time the bytes before it take at ``pace``, plus
+        ``request_s``, from the write's start. A reader that took each piece just within
+        frame_read_s (~2 KiB/s) held one of the ``BULK_AT_ONCE`` slots until the
+        ``deadline``: ~18 min for 33.6 MB of parameters, and four of them from four
+        addresses left honest callers 1 of 20 requests answered (an outside audit). Its
+        caller gives up on a reply that slow anyway.
+
+        A piece's wait for this node's own upload limit is not counted, neither against
+        frame_read_s nor against the pace: it is the volunteer's queue, shared by every
+        reply going out, not the reader's slowness.
         With a limit of 1 Mbit/s and a few replies at once, a piece waited over 30 s
         for its turn and the honest caller's stream was reset. That queue is served a
         piece per reply in turn, so a reply whose caller is gone is dropped at once
@@ -580,6 +597,9 @@ class RpcServer:
         the attack had ended, 60 s late (an outside audit)."""
         view = memoryview(data)
         sent = 0
+        # When the reader's time began: the write's start, moved on by the time spent
+        # in this node's own upload queue.
+        reader_began = trio.current_time()
         try:
             for start in range(0, len(view), _REPLY_PIECE):
                 piece = (
@@ -589,14 +609,24 @@ class RpcServer:
                     raise _CallerGone
                 out = stream
                 if isinstance(stream, ThrottledStream):
+                    queued_at = trio.current_time()
                     with trio.move_on_at(deadline) as queued:
                         out = await stream.clear_to_send(len(piece))
                     if queued.cancelled_caught:
                         raise _CallerGone
-                with trio.move_on_after(self._timeouts.frame_read_s) as waited:
+                    reader_began += trio.current_time() - queued_at
+                taken_by = trio.current_time() + self._timeouts.frame_read_s
+                behind_at = math.inf
+                if pace > 0:
+                    behind_at = reader_began + self._timeouts.request_s + sent / pace
+                    if trio.current_time() >= behind_at:
+                        raise _SlowReader(_behind(sent, pace))
+                with trio.move_on_at(min(taken_by, behind_at)) as waited:
                     await out.write(piece)
                 if waited.cancelled_caught:
-                    raise _SlowReader
+                    raise _SlowReader(
+                        "reply not taken" if taken_by <= behind_at else _behind(sent, pace)
+                    )
                 sent += len(piece)
         except BaseException:
             if unsent is not None:
@@ -656,6 +686,10 @@ class RpcServer:
             logger.info("refused %s from %s: %s", spec.verb, short(peer_id), exc)
         reply = ErrorReply(code=code, message=message[:1000], retry_after_s=retry_after(exc))
         await self._write(stream, encode_frame(reply))
+
+
+def _behind(sent: int, pace: float) -> str:
+    return f"reply taken slower than {pace * 8 / 1024:.0f} kbit/s ({sent} bytes taken)"
 
 
 def _over(reason: str, host: str | None) -> str:
