@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import trio
 
-from volunteerd.errors import Paused, VolunteerdError, retry_after, wire_code
+from volunteerd.errors import FrameTooLarge, Paused, VolunteerdError, retry_after, wire_code
 from volunteerd.experts import ExpertBackend, to_wire
 from volunteerd.experts.checkpoint_file import encode_checkpoint
 from volunteerd.net import Handler, Reply, Request, ShardServer, Verb, short
@@ -204,6 +204,18 @@ class _Pipeline:
 
     async def params(self, request: Request) -> Reply:
         uid = request.header.uid
+        cap = request.header.max_bytes
+        if cap is not None:
+            # Refused before the copy and its encoding: a replica whose expert is
+            # smaller (another width under the same uid) refused every reply from its
+            # prefix, after this node had built it whole, every round.
+            size = sum(
+                p.numel() * p.element_size() for p in self._runtime.backend(uid).module.parameters()
+            )
+            if size > cap:
+                raise FrameTooLarge(
+                    f"the parameters of {uid} are {size} bytes, over the {cap} asked for"
+                )
 
         def read(backend: ExpertBackend) -> Reply:
             # Encoded in the worker's turn: one consistent copy, between optimizer steps.

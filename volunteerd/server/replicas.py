@@ -10,12 +10,14 @@ waits.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from volunteerd.errors import Paused, PeerUnreachable
+from volunteerd.bounded import remember
+from volunteerd.errors import Paused, PeerUnreachable, RemoteError, ReplyTooLarge
 from volunteerd.net import Node, PeerAddress, Verb, short
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply, ParamsRequest
@@ -30,6 +32,10 @@ __all__ = ["SwarmReplicas", "WindowedDownloader"]
 # Uids one DHT lookup of ``SwarmReplicas.replicas_of`` asks for: a few requests to each
 # storing peer (64 keys a request), so that a lookup is done within its bound.
 LOOKUP_KEYS = 256
+# Replicas remembered as older than ``ParamsRequest.max_bytes`` (asked without it), and
+# for how long before they are asked with it again (they may have been upgraded).
+MAX_OLDER = 1024
+OLDER_RECHECK_S = 3600.0
 
 
 class SwarmReplicas:
@@ -45,6 +51,9 @@ class SwarmReplicas:
         # uid -> peer id -> address, from the latest lookup of that uid only: fresh
         # identities announcing a uid round after round are not all remembered.
         self._addresses: dict[str, dict[str, PeerAddress]] = {}
+        # peer id -> when (trio's clock) it refused a ``params`` request that carried
+        # ``max_bytes`` as malformed (a release older than the field)
+        self._older: OrderedDict[str, float] = OrderedDict()
 
     async def replicas(self, uid: str) -> list[str]:
         """The other peers announcing ``uid``; Paused while network use is not allowed
@@ -90,18 +99,46 @@ class SwarmReplicas:
         """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before), at most
         ``max_bytes`` of tensors (this node's own copy's size, over ``wire.max_body_bytes``
         if need be): a reply declaring more is refused from its prefix (ReplyTooLarge, a
-        FrameTooLarge), its body never read. Within ``timeout_s`` (the averager's fetch
-        bound), ReplyTooSlow when that cut a reply that was arriving; Paused while
+        FrameTooLarge), its body never read. The request says ``max_bytes`` too, and a
+        replica whose parameters are larger refuses before building them (also
+        ReplyTooLarge); one older than that field refuses the request as malformed and
+        is asked again without it (and for ``OLDER_RECHECK_S`` after). Within
+        ``timeout_s`` (the averager's fetch bound; a second ask gets what is left of
+        it), ReplyTooSlow when that cut a reply that was arriving; Paused while
         network use is not allowed (a catch-up's rounds fetch without a lookup)."""
         if not self._allowed():
             raise Paused("network use is not allowed now")
         address = self._addresses.get(uid, {}).get(peer_id)
         if address is None:  # the uid's lookup since then no longer lists it
             raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
+        began = trio.current_time()
+        refused = self._older.get(peer_id)
+        capped = refused is None or began - refused >= OLDER_RECHECK_S
+        try:
+            got = await self._call(address, uid, max_bytes, capped, timeout_s)
+        except RemoteError as exc:
+            if exc.code == "too_large":  # refused from our cap, before it was built
+                raise ReplyTooLarge(f"params of {uid} from {short(peer_id)}: {exc}") from None
+            if not (capped and exc.code == "malformed"):
+                raise
+        else:
+            if capped:
+                self._older.pop(peer_id, None)  # upgraded since
+            return got
+        # A release older than ``max_bytes``: asked again without it (its reply is still
+        # capped from its prefix), and without it for a while.
+        remember(self._older, peer_id, trio.current_time(), MAX_OLDER)
+        if timeout_s is not None:
+            timeout_s = max(0.0, timeout_s - (trio.current_time() - began))
+        return await self._call(address, uid, max_bytes, False, timeout_s)
+
+    async def _call(
+        self, address: PeerAddress, uid: str, max_bytes: int, capped: bool, timeout_s: float | None
+    ) -> tuple[ParamsReply, list[WireTensor]]:
         reply, tensors = await self._node.rpc.call(
             address,
             Verb.PARAMS,
-            ParamsRequest(uid=uid),
+            ParamsRequest(uid=uid, max_bytes=max_bytes if capped else None),
             max_body_bytes=max_bytes,
             timeout_s=timeout_s,
         )

@@ -164,14 +164,32 @@ class BatchReply(_Wire):
 ParamName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.]+$")]
 
 
+ByteCount = Annotated[int, Field(ge=0, le=1 << 40)]
+
+
 class ParamsRequest(_Wire):
-    """Ask a server for one expert's current parameters (replicas average with them)."""
+    """Ask a server for one expert's current parameters (replicas average with them).
+
+    ``max_bytes``: the most bytes of tensors the requester takes (its own copy's size);
+    a server whose parameters are larger refuses ``too_large`` before it builds the
+    reply. Left out of the JSON when None, so a request without it is the same bytes as
+    before it existed: releases older than the field refuse a request that carries it
+    (``malformed``: their model forbids unknown fields), and a requester that hears
+    that asks them again without it (``server.replicas.SwarmReplicas``)."""
 
     uid: Uid
+    max_bytes: ByteCount | None = None
 
     @property
     def tensors(self) -> list[TensorMeta]:
         return []
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.max_bytes is None:
+            data.pop("max_bytes", None)
+        return data
 
 
 class ParamsReply(_Wire):
@@ -194,7 +212,6 @@ class ParamsReply(_Wire):
 # A shard chunk is at most this many bytes; servers may send less.
 MAX_SHARD_CHUNK = 4 << 20
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-ByteCount = Annotated[int, Field(ge=0, le=1 << 40)]
 
 
 class ShardRequest(_Wire):
