@@ -46,8 +46,9 @@
 ``wire_code`` maps an exception to the error code sent to a peer (anything not in
 the tree is an internal error and never leaks its message), and ``retry_after`` to the
 seconds its reply says to wait, when it says (a ``Busy`` or ``RateLimited`` for a
-transfer quota's share used up until midnight). ``exit_code`` maps an
-exception that ended the process to the exit status that service managers rely on.
+transfer quota's share used up until midnight, a ``Paused`` for the quota itself).
+``exit_code`` maps an exception that ended the process to the exit status that service
+managers rely on.
 """
 
 from __future__ import annotations
@@ -266,9 +267,11 @@ class InvalidRecord(VolunteerdError):
     code = "invalid_record"
 
 
-class Paused(VolunteerdError):
-    """The volunteer paused serving (or the monthly quota is used up): choose another
-    expert; this one may come back later."""
+class Paused(_Later):
+    """The volunteer paused serving (or a transfer quota is used up): choose another
+    expert; this one may come back later. ``retry_after_s``: when serving resumes, where
+    that is known (a used-up quota's day or month ending; sent to ``params`` and
+    ``shard`` callers only, ``server.pausing``); None for a volunteer's pause."""
 
     code = "paused"
 
@@ -408,9 +411,9 @@ RETRY_AFTER_MOST_S = 2 * 86400.0
 
 
 def retry_after(exc: BaseException) -> float | None:
-    """The ``retry_after_s`` to send to a peer with ``exc``'s error code: a ``Busy``'s
-    or ``RateLimited``'s, within what the wire allows (two days); None for every other
-    error, and when it says none."""
+    """The ``retry_after_s`` to send to a peer with ``exc``'s error code: a ``Busy``'s,
+    ``RateLimited``'s or ``Paused``'s, within what the wire allows (two days); None for
+    every other error, and when it says none."""
     if not isinstance(exc, _Later) or exc.retry_after_s is None:
         return None
     return min(max(0.0, float(exc.retry_after_s)), RETRY_AFTER_MOST_S)

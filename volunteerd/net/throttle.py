@@ -241,6 +241,14 @@ class TransferLedger:
         end = time.mktime((year, month, day + 1, 0, 0, 0, 0, 0, -1))
         return max(0.0, end - self._clock())
 
+    def seconds_left_this_month(self) -> float:
+        """Seconds until the month counted ends (local midnight of the next month's
+        first day), when the monthly count starts from zero; 0 when already past."""
+        self._roll()
+        year, month = (int(part) for part in self.month.split("-"))
+        end = time.mktime((year, month + 1, 1, 0, 0, 0, 0, 0, -1))
+        return max(0.0, end - self._clock())
+
     def save(self) -> None:
         """Write the file atomically (temp file, fsync, rename) if anything changed. May
         run in a worker thread while ``add`` goes on: what it adds meanwhile is saved

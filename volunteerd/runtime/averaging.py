@@ -29,8 +29,11 @@ backoff. A peer whose fetch failed or whose reply was
 refused is not asked again for a while, twice as long after each failure in a row
 (``average_every_s`` doubled up to an hour). So fake records cost a round at most its
 ``max_peers`` calls, each fake is tried once per backoff, and an honest replica found
-once keeps being averaged with however many fakes are listed. What is remembered, and
-the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
+once keeps being averaged with however many fakes are listed. A replica that refuses
+saying until when (``retry_after_s``: its transfer quota, or its bulk replies' share of
+it, used up) is not asked until then, a day at most, and stays a good replica: logged
+once ("quota used up until 14:05"), not dropped as unreachable every backoff. What is
+remembered, and the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
 
 How long a round takes: a replica must send its parameters within ``FIRST_REPLY_S``
 (5 s, as trainers' fetches must begin within) plus their size at ``MIN_REPLY_RATE``
@@ -117,6 +120,7 @@ from volunteerd.config import ReplicasConfig
 from volunteerd.errors import (
     FrameTooLarge,
     Paused,
+    RemoteError,
     ReplyTooSlow,
     RequestTimeout,
     VolunteerdError,
@@ -124,6 +128,7 @@ from volunteerd.errors import (
 from volunteerd.experts import ExpertBackend, from_wire
 from volunteerd.experts.clipping import Params, centered_clip, clip_bound
 from volunteerd.runtime.service import ExpertRuntime
+from volunteerd.shown import clock_time, span
 from volunteerd.wire import WireTensor
 from volunteerd.wire.messages import ParamsReply
 
@@ -143,6 +148,13 @@ logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED = 4096  # peers remembered as good, as failed, and in each per-peer counter
 _MAX_BACKOFF_S = 3600.0  # the longest a failed peer goes unasked
+# A replica that refuses saying until when (``retry_after_s``: its transfer quota, or
+# its bulk replies' share of it, used up until the quota's day or month ends) is not
+# asked until then, a stranger's claim held to a day at most, and said so once: it was
+# logged "dropped (unreachable): busy: ..." and asked again after every backoff. The
+# codes such a refusal comes with (as the joiner's ``_LATER_CODES``).
+_SPENT_CODES = frozenset({"busy", "rate_limited", "paused"})
+_SPENT_MOST_S = 86400.0
 # A replica must begin to answer within this (trainers' ``FIRST_REPLY_S``)...
 FIRST_REPLY_S = 5.0
 # ...and send its parameters at this rate at least (bytes a second: 256 kbit/s, below
@@ -272,6 +284,7 @@ class ReplicaAverager:
         self._counts = _Counters()
         self._good: OrderedDict[str, float] = OrderedDict()  # peer -> when last used
         self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
+        self._spent: OrderedDict[str, float] = OrderedDict()  # peer -> not asked until
         self._rounds_run = 0
         self._turns: dict[str, int] = {}  # hosted uid -> the round it was last gathered in
         self._awake_clock = awake_clock
@@ -646,7 +659,11 @@ class ReplicaAverager:
                             return
                         except VolunteerdError as exc:
                             self._unfetched(counted)
-                            self._reject(peer_id, "unreachable", str(exc))
+                            until = _spent_for(exc)
+                            if until is not None:
+                                self._spend(peer_id, until)
+                            else:
+                                self._reject(peer_id, "unreachable", str(exc))
                             return
                 except trio.Cancelled:
                     if got is None:
@@ -705,7 +722,11 @@ class ReplicaAverager:
         kept for a new peer while there is one), then new ones in the listed order, those
         never asked before those asked again after a backoff."""
         now, limit = self._clock(), self._config.max_peers
-        usable = [p for p in dict.fromkeys(listed) if self._failed.get(p, (0.0, 0))[0] <= now]
+        usable = [
+            p
+            for p in dict.fromkeys(listed)
+            if self._failed.get(p, (0.0, 0))[0] <= now and self._spent.get(p, 0.0) <= now
+        ]
         good = [p for p in usable if p in self._good]
         # never asked first, then those whose backoff is over (fewest failures first)
         new = sorted(
@@ -769,6 +790,23 @@ class ReplicaAverager:
         )
         return len(replies), at_tau
 
+    def _spend(self, peer_id: str, retry_after_s: float) -> None:
+        """Leave ``peer_id`` unasked for ``retry_after_s`` (a day at most): its quota
+        for bulk replies is used up. Not a failure: it stays a good replica, and its
+        backoff is not lengthened. Logged once, not each round."""
+        now = self._clock()
+        if self._spent.get(peer_id, 0.0) > now:
+            return  # another expert's fetch of the same round: said already
+        left = min(retry_after_s, _SPENT_MOST_S)
+        remember(self._spent, peer_id, now + left, _MAX_REMEMBERED)
+        wall = self._wall_clock()
+        logger.info(
+            "replica %s: quota used up until %s (in %s); not asked until then",
+            peer_id[-8:],
+            clock_time(wall + left, wall),
+            span(left),
+        )
+
     def _reject(self, peer_id: str, reason: str, detail: str) -> None:
         counts = self._counts
         counts.rejected[reason] = counts.rejected.get(reason, 0) + 1
@@ -797,6 +835,14 @@ class ReplicaAverager:
             last_shift=dict(c.last_shift),
             skipped_for_quota=c.skipped_for_quota,
         )
+
+
+def _spent_for(exc: VolunteerdError) -> float | None:
+    """How long a replica's refusal says it gives nothing (``retry_after_s`` with a
+    ``busy``, ``rate_limited`` or ``paused``); None for any other failure."""
+    if isinstance(exc, RemoteError) and exc.code in _SPENT_CODES and exc.retry_after_s:
+        return exc.retry_after_s
+    return None
 
 
 def fetch_bound_s(param_bytes: int) -> float:

@@ -25,12 +25,14 @@ the daemon did not run for a while) are refused the same way, each on its own, w
 the rest serve on (``hold_back``).
 
 Stopping to serve: expert requests (forward, backward, their batches, params, shard)
-are refused at once with ``Paused``, which trainers treat as "choose another expert";
-the announcer withdraws this node's records so lookups stop returning it; requests
-already in flight finish (bounded by ``timeouts.shutdown_grace_s``); the experts move
-off the device (``runtime.residency``). The node stays connected: DHT, bootstrap,
-info. Serving again reverses it: experts back on the device, requests accepted,
-records announced (done when ``resume`` returns).
+are refused at once with ``Paused``, which trainers treat as "choose another expert"
+(a ``params`` or ``shard`` refusal while a transfer quota is used up says until when:
+``retry_after_s``, to the end of the quota's day or month; joiners and replicas leave
+the node alone until then); the announcer withdraws this node's records so lookups
+stop returning it; requests already in flight finish (bounded by
+``timeouts.shutdown_grace_s``); the experts move off the device (``runtime.residency``).
+The node stays connected: DHT, bootstrap, info. Serving again reverses it: experts back
+on the device, requests accepted, records announced (done when ``resume`` returns).
 
 The choice is kept in ``state.json`` in the data folder (written atomically), so a
 restarted daemon comes back paused, or snoozed until the same time. Limits changed at
@@ -103,6 +105,8 @@ class VolunteerState:
 GATED_VERBS = frozenset(
     {Verb.FORWARD, Verb.BACKWARD, Verb.FORWARD_BATCH, Verb.BACKWARD_BATCH, Verb.PARAMS, Verb.SHARD}
 )
+# Of those, the bulk transfers: their refusals say until when, where known.
+BULK_VERBS = frozenset({Verb.PARAMS, Verb.SHARD})
 
 
 class RequestGate:
@@ -115,13 +119,23 @@ class RequestGate:
         self.in_flight = 0
         # experts refused while the gate is open: stale after a freeze, until averaged
         self.held: frozenset[str] = frozenset()
+        # Seconds until the gate opens again, where that is known (a used-up transfer
+        # quota: to the end of its day or month); None otherwise. Set by ``Volunteer``.
+        self.opens_in: Callable[[], float | None] = lambda: None
         self._idle = trio.Event()
         self._idle.set()
 
-    def refusal(self) -> Paused | None:
-        """What to refuse a request with now: None while open."""
+    def refusal(self, *, bulk: bool = False) -> Paused | None:
+        """What to refuse a request with now: None while open. A ``bulk`` request's
+        (``params``, ``shard``) says until when, where known (``opens_in``): joiners
+        and replicas then leave this node alone until then. Only theirs: releases older
+        than ``retry_after_s`` refuse a reply that carries it, and a trainer's forward
+        refused so would read as a broken server, not a paused one."""
         if self.closed:
-            return Paused(f"this volunteer is not serving: {self.reason}")
+            return Paused(
+                f"this volunteer is not serving: {self.reason}",
+                retry_after_s=self.opens_in() if bulk else None,
+            )
         return None
 
     def refusal_of(self, uids: Iterable[str]) -> Paused | None:
@@ -164,7 +178,7 @@ def refusal_before_reading(
     def refuse(verb: Verb, peer_id: str) -> VolunteerdError | None:
         if verb not in GATED_VERBS:
             return None
-        refusal = gate.refusal()
+        refusal = gate.refusal(bulk=verb in BULK_VERBS)
         if refusal is not None and accountant is not None and verb in _COUNTED_VERBS:
             accountant.refused("", peer_id, refusal)
         return refusal
@@ -243,6 +257,7 @@ class Volunteer:
         self._clock = clock
         self._ticking: Callable[[], float] = time.monotonic
         self.gate = RequestGate()
+        self.gate.opens_in = self._quota_ends_in
         self.limits = limits
         self._changing_limits = trio.Lock()
         self._choice = _Choice()
@@ -562,6 +577,16 @@ class Volunteer:
             and not self._throttle.quota_exhausted
             and self._schedule.serving
         )
+
+    def _quota_ends_in(self) -> float | None:
+        """Seconds until the used-up transfer quota starts afresh (its day's or month's
+        end), unless the volunteer paused too (then nobody knows when): the gate's
+        ``opens_in``. The schedule may hold serving longer; asking again then is cheap."""
+        quota = self._throttle.exhausted_quota
+        if self._choice.paused or quota is None:
+            return None
+        ledger = self._throttle.ledger
+        return ledger.seconds_left_today() if quota == "daily" else ledger.seconds_left_this_month()
 
     def _reason(self) -> str:
         if self._choice.paused:

@@ -77,8 +77,8 @@ def expert_handlers(
         Verb.BACKWARD: pipeline.gated(partial(pipeline.one, "backward"), counted=True),
         Verb.FORWARD_BATCH: pipeline.gated(partial(pipeline.batch, "forward"), counted=True),
         Verb.BACKWARD_BATCH: pipeline.gated(partial(pipeline.batch, "backward"), counted=True),
-        Verb.PARAMS: pipeline.gated(params, counted=False),
-        Verb.SHARD: pipeline.gated(shard, counted=False),
+        Verb.PARAMS: pipeline.gated(params, counted=False, bulk=True),
+        Verb.SHARD: pipeline.gated(shard, counted=False, bulk=True),
         Verb.INFO: pipeline.info,
     }
 
@@ -111,9 +111,12 @@ class _Pipeline:
 
     # -- stage 2: the pause gate ---------------------------------------------------------
 
-    def gated(self, handler: Handler, *, counted: bool) -> Handler:
+    def gated(self, handler: Handler, *, counted: bool, bulk: bool = False) -> Handler:
+        """``handler`` behind the gate; ``counted``: its refusals are refused expert
+        calls; ``bulk``: they say until when, where known (``RequestGate.refusal``)."""
+
         async def through_the_gate(request: Request) -> Reply:
-            refusal = self._gate.refusal()
+            refusal = self._gate.refusal(bulk=bulk)
             if refusal is not None:
                 if counted:
                     self._refused(request, refusal)

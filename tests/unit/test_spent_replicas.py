@@ -1,0 +1,234 @@
+"""A replica whose transfer quota is used up says until when (``retry_after_s``), and
+the replica averager leaves it alone until then, saying so once; a node paused for a
+used-up quota says until when too, to its ``params`` and ``shard`` callers only.
+
+The averager in virtual time with its checks run inline (``inline_threads``), as in
+``test_replica_round``; the pause over the in-memory network."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+import trio
+
+from volunteerd.config import Config, ExpertsConfig, LimitsConfig, RuntimeConfig, WireLimits
+from volunteerd.config.models import ReplicasConfig
+from volunteerd.errors import RETRY_AFTER_MOST_S, RemoteError
+from volunteerd.experts import to_wire
+from volunteerd.net import Throttle, Verb
+from volunteerd.net.rpc import Reply, Request, RpcClient, RpcServer
+from volunteerd.net.throttle import TransferLedger
+from volunteerd.runtime import ExpertRuntime
+from volunteerd.runtime.averaging import ReplicaAverager
+from volunteerd.server.pausing import Volunteer, refusal_before_reading
+from volunteerd.shown import clock_time
+from volunteerd.testing.memnet import MemoryNetwork
+from volunteerd.wire import ForwardRequest, TensorMeta, WireTensor
+from volunteerd.wire.messages import ParamsReply, ParamsRequest, ShardRequest
+
+HOUR = 3600.0
+ROUND_S = 600.0  # average_every_s
+NOON = 1_700_000_000.0 - 1_700_000_000.0 % 86400 + 12 * 3600  # some day's noon, UTC
+
+
+def to_local_midnight(now: float) -> float:
+    t = time.localtime(now)
+    return time.mktime((t.tm_year, t.tm_mon, t.tm_mday + 1, 0, 0, 0, 0, 0, -1)) - now
+
+
+class Swarm:
+    """Every uid has two replicas: "honest" answers (its weights + 1e-4), "spent"
+    refuses as a node whose bulk share of its quota is used up does (``code``, with
+    ``retry_after_s``)."""
+
+    def __init__(self, runtime: ExpertRuntime, code: str, retry_after_s: float) -> None:
+        self.runtime = runtime
+        self.code = code
+        self.retry_after_s = retry_after_s
+        self.calls: Counter[str] = Counter()
+
+    async def replicas(self, uid: str) -> list[str]:
+        return ["honest", "spent"]
+
+    async def replicas_of(self, uids: Sequence[str]) -> dict[str, list[str]]:
+        return {uid: await self.replicas(uid) for uid in uids}
+
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        self.calls[peer_id] += 1
+        await trio.lowlevel.checkpoint()
+        if peer_id == "spent":
+            raise RemoteError(self.code, "quota's share used", self.retry_after_s)
+        own = self.runtime.backend(uid).parameter_copies()
+        encoded = [to_wire(t + 1e-4) for t in own.values()]
+        header = ParamsReply(uid=uid, updates=0, names=list(own), tensors=[m for m, _ in encoded])
+        tensors = [WireTensor(m.dtype, m.shape, memoryview(bytearray(d))) for m, d in encoded]
+        return header, tensors
+
+
+@pytest.mark.usefixtures("inline_threads")
+@pytest.mark.parametrize("code", ["busy", "rate_limited", "paused"])
+async def test_a_replica_whose_quota_is_used_up_is_left_alone_until_then_and_said_once(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, code: str
+) -> None:
+    """Two experts, each with a replica that gives and one that refuses for five hours:
+    one line says until when, the refusing replica is not asked again until then (nor
+    counted as rejected), and it is asked again after. Before, it was "dropped
+    (unreachable): busy: ..." for each expert, and asked again every backoff."""
+    runtime = ExpertRuntime(
+        ["ffn.0.0", "ffn.0.1"],
+        ExpertsConfig(hidden_dim=16),
+        RuntimeConfig(device="cpu"),
+        WireLimits(),
+        torch.device("cpu"),
+    )
+    swarm = Swarm(runtime, code, retry_after_s=5 * HOUR)
+    now = [1000.0]
+    averager = ReplicaAverager(
+        runtime,
+        swarm,
+        ReplicasConfig(average_every_s=ROUND_S),
+        clock=lambda: now[0],
+        wall_clock=lambda: NOON,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.serve)
+        with caplog.at_level(logging.INFO, logger="volunteerd.runtime.averaging"):
+            assert await averager.run_round() == 2  # the honest replica, for each expert
+            assert swarm.calls == {"honest": 2, "spent": 2}
+            for _ in range(4):  # rounds within the five hours
+                now[0] += ROUND_S
+                assert await averager.run_round() == 2
+            assert swarm.calls == {"honest": 10, "spent": 2}
+            now[0] += 5 * HOUR - 4 * ROUND_S
+            await averager.run_round()
+            assert swarm.calls["spent"] == 4  # its time is up: asked again
+        nursery.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records if "spent" in r.getMessage()]
+    until = clock_time(NOON + 5 * HOUR, NOON)
+    assert said == [
+        f"replica spent: quota used up until {until} (in 5 h 0 min); not asked until then",
+        f"replica spent: quota used up until {until} (in 5 h 0 min); not asked until then",
+    ]  # once for each time it refused: at the first round and when asked again
+    assert "unreachable" not in caplog.text
+    assert averager.statistics().rejected == {}
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_strangers_claim_of_a_long_quota_is_held_to_a_day(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runtime = ExpertRuntime(
+        ["ffn.0.0"],
+        ExpertsConfig(hidden_dim=16),
+        RuntimeConfig(device="cpu"),
+        WireLimits(),
+        torch.device("cpu"),
+    )
+    swarm = Swarm(runtime, "busy", retry_after_s=RETRY_AFTER_MOST_S)
+    now = [1000.0]
+    averager = ReplicaAverager(
+        runtime, swarm, ReplicasConfig(average_every_s=ROUND_S), clock=lambda: now[0]
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.serve)
+        await averager.run_round()
+        now[0] += 24 * HOUR - 1
+        await averager.run_round()
+        assert swarm.calls["spent"] == 1
+        now[0] += 1
+        await averager.run_round()
+        assert swarm.calls["spent"] == 2
+        nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------- a paused node says until when
+
+
+async def test_a_node_paused_for_its_quota_tells_bulk_callers_until_when(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A used-up daily quota pauses the node until midnight: a ``params`` or ``shard``
+    request refused from its prefix says so (``retry_after_s``, as a spent share's
+    refusal does), a forward's refusal says nothing (releases older than the field
+    refuse a reply that carries it, and trainers need no time). Paused by the volunteer,
+    nobody knows when: no time either. A used-up monthly quota says the month's end,
+    held to what the wire allows (two days)."""
+    now = [NOON]
+    ledger = TransferLedger(None, clock=lambda: now[0])
+    throttle = Throttle(LimitsConfig(daily_quota_gb=0.001), ledger)
+    ledger.add(up=2_000_000)
+    volunteer = Volunteer(
+        None,
+        throttle,
+        LimitsConfig(daily_quota_gb=0.001),
+        state_file=None,
+        limits_file=None,
+        grace_s=1,
+    )
+
+    async def never(request: Request) -> Reply:
+        raise AssertionError("a paused node answered")
+
+    config = Config()
+    network = MemoryNetwork()
+    async with (
+        network.open_host() as server_host,
+        network.open_host() as client_host,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(volunteer.serve)
+        assert volunteer.gate.closed
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: never, Verb.SHARD: never, Verb.FORWARD: never},
+            config.wire,
+            config.timeouts,
+            config.peer_limits,
+        )
+        server.refuse_unread = refusal_before_reading(volunteer.gate, None)
+        server.install()
+        client = RpcClient(client_host, config.wire, config.timeouts)
+        meta = TensorMeta(dtype="float32", shape=(1, 8))
+        requests = {
+            Verb.PARAMS: (ParamsRequest(uid="ffn.0.0"), []),
+            Verb.SHARD: (ShardRequest(uid="ffn.0.0"), []),
+            Verb.FORWARD: (ForwardRequest(uid="ffn.0.0", tensors=[meta]), [bytes(32)]),
+        }
+
+        async def refused() -> dict[Verb, tuple[str, float | None]]:
+            told = {}
+            for verb, (header, body) in requests.items():
+                with pytest.raises(RemoteError) as caught:
+                    await client.call_raw(server_host.address, verb, header, body)
+                told[verb] = (caught.value.code, caught.value.retry_after_s)
+            return told
+
+        left = to_local_midnight(NOON)
+        told = await refused()
+        assert told[Verb.FORWARD] == ("paused", None)
+        for verb in (Verb.PARAMS, Verb.SHARD):
+            assert told[verb][0] == "paused"
+            assert told[verb][1] == pytest.approx(left)
+        # the handlers' own gate (a request read before the pause) says the same
+        assert volunteer.gate.refusal(bulk=True).retry_after_s == pytest.approx(left)
+
+        await volunteer.pause()
+        assert all(told == ("paused", None) for told in (await refused()).values())
+        await volunteer.resume()  # the quota still holds it
+
+        throttle.apply(LimitsConfig(monthly_quota_gb=0.001))  # the month's, now
+        told = await refused()
+        assert told[Verb.PARAMS] == (
+            "paused",
+            min(ledger.seconds_left_this_month(), RETRY_AFTER_MOST_S),
+        )
+        assert told[Verb.FORWARD] == ("paused", None)
+        await client.aclose()
+        nursery.cancel_scope.cancel()
