@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from volunteerd import __version__
+from volunteerd import __version__, localtime
 from volunteerd.atomic import write_atomic
 from volunteerd.config import Config, Flag, dump_toml, load_config
 from volunteerd.config.loading import check_limits_overlay
@@ -920,7 +920,7 @@ def _hardware(args: argparse.Namespace, config: Config, paths: Paths) -> ExitCod
         f"experts   {e.type} hidden {e.hidden_dim}: {room.per_expert_bytes / (1 << 20):,.0f} MiB "
         f"each with {e.optimizer.name} state, {room.experts} fit"
     )
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(speed.measured_at))
+    when = localtime.strftime("%Y-%m-%d %H:%M", speed.measured_at)
     print(
         f"speed     {speed.samples_per_s:,.0f} samples/s per expert, forward + backward + "
         f"step (batch {speed.batch}; {'cached, measured' if speed.cached else 'measured'} {when})"

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
+from volunteerd import localtime
 from volunteerd.shown import escaped
 
 __all__ = ["configure_logging", "tame_third_party"]
@@ -187,7 +188,10 @@ class _OwnRepeats(logging.Filter):
 
 class _NotingFormatter(logging.Formatter):
     """Adds ``_OwnRepeats``' note, if the record has one, to the end of its line (before
-    a traceback), and escapes what the line shows (``_escaped``): one record, one line."""
+    a traceback), and escapes what the line shows (``_escaped``): one record, one line.
+    Its times follow a change of the machine's time zone (``localtime``)."""
+
+    converter = staticmethod(localtime.local)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = _capped(escaped(super().formatMessage(record)))

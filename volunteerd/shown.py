@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 import unicodedata
 
+from volunteerd import localtime
+
 __all__ = ["clock_time", "escaped", "one_line", "short_id", "span"]
 
 # What is acted on rather than shown: control, format (bidi, zero-width), surrogates,
@@ -42,7 +44,7 @@ def short_id(peer_id: str) -> str:
 def clock_time(when: float, now: float) -> str:
     """``when`` (``time.time()``) in local time: ``14:05`` today, ``Tue 14:05`` within a
     week, else ``2025-03-04 14:05``. A bare time of day for a 3-day snooze read as "now"."""
-    then, today = time.localtime(when), time.localtime(now)
+    then, today = localtime.local(when), localtime.local(now)
     if then[:3] == today[:3]:
         return time.strftime("%H:%M", then)
     if 0 < when - now < 6 * 86400:

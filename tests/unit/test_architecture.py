@@ -17,6 +17,7 @@ LEAVES = {
     "shown",
     "checkpoint_folders",
     "awake",
+    "localtime",
 }
 # layer -> the internal layers it may import (leaves are always allowed)
 ALLOWED: dict[str, set[str]] = {
@@ -29,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "shown": set(),
     "checkpoint_folders": set(),
     "awake": set(),
+    "localtime": set(),
     "paths": set(),
     "stats": set(),
     "logs": set(),

@@ -5,9 +5,9 @@ what they print for people."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Sequence
 
+from volunteerd import localtime
 from volunteerd.control.models import (
     LimitsView,
     ProjectJoined,
@@ -180,7 +180,7 @@ def describe_change(status: Status) -> str:
     if status.state == "running":
         return "volunteerd is contributing again"
     if status.state == "snoozed" and status.snoozed_until is not None:
-        until = time.strftime("%Y-%m-%d %H:%M", time.localtime(status.snoozed_until))
+        until = localtime.strftime("%Y-%m-%d %H:%M", status.snoozed_until)
         return f"volunteerd is snoozed until {until}"
     if status.state == "paused":
         return "volunteerd is paused (until `volunteerd resume`)"

@@ -16,7 +16,6 @@ again from the files, not written).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import trio
 from pydantic import ValidationError
 
+from volunteerd import localtime
 from volunteerd.atomic import write_atomic
 from volunteerd.config import ScheduleConfig, run_time_changes, updated_overlay_toml
 from volunteerd.config.words import changes_in_words
@@ -64,7 +64,7 @@ class ScheduleState:
 
 
 def _minute_now() -> int:
-    now = time.localtime()
+    now = localtime.local()
     return now.tm_hour * 60 + now.tm_min
 
 

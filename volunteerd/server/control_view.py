@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from volunteerd import __version__
+from volunteerd import __version__, localtime
 from volunteerd.control.events import EventLog
 from volunteerd.control.models import (
     ExpertView,
@@ -92,11 +92,6 @@ HISTORY_WINDOW_S = 600.0
 HISTORY_EVERY_S = 2.0
 _DAY_S = 86400.0
 _STOP_AFTER_S = 0.2  # lets the reply to a shutdown request leave first
-
-
-def _local_midnight(now: float) -> float:
-    t = time.localtime(now)
-    return time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
 
 
 def _tcp_port(addrs: list[str]) -> int | None:
@@ -192,7 +187,7 @@ class ControlView:
 
     async def status(self) -> Status:
         # first, in a thread: the rest is a snapshot of the loop's state after it
-        today = _totals(await self._accountant.counted_since(_local_midnight(time.time())))
+        today = _totals(await self._accountant.counted_since(localtime.day_start(time.time())))
         state = self._volunteer.state
         now = time.time()
         reach = self._node.reachability
@@ -322,7 +317,7 @@ class ControlView:
             now = time.time()
             history = _history(store.history(since), store.traffic_history(since))
             return Stats(
-                today=_totals(store.current(_local_midnight(now))),
+                today=_totals(store.current(localtime.day_start(now))),
                 week=_totals(store.current(now - 7 * _DAY_S)),
                 all_time=_totals(store.current(0.0)),
                 history=history,

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 from pydantic import ValidationError
 
+from volunteerd import localtime
 from volunteerd.atomic import STATE_MAX_BYTES, read_small, write_atomic
 from volunteerd.config import LimitsConfig, run_time_changes, updated_overlay_toml
 from volunteerd.config.toml_files import MAX_BYTES as TOML_MAX_BYTES
@@ -609,7 +610,7 @@ class Volunteer:
             return "running"
         if until is None:
             return "paused"
-        return "snoozed until " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(until))
+        return "snoozed until " + localtime.strftime("%Y-%m-%d %H:%M:%S", until)
 
     async def _reconcile(self) -> None:
         """Make serving match the wanted state (one transition at a time)."""

@@ -1,0 +1,132 @@
+"""Local time as a daemon that runs for weeks reads it: it follows a change of the
+machine's time zone, finds where a local day starts where midnight happens twice or
+not at all."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from volunteerd import localtime, logs
+from volunteerd.schedule import service
+from volunteerd.shown import clock_time
+
+SetZone = Callable[..., None]
+
+
+@pytest.fixture
+def set_zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[SetZone]:
+    """``set_zone(name)``: the process's zone is ``name`` (TZ and tzset);
+    ``set_zone(name, tzset=False)``: the machine's zone changes under a running
+    process, which the C library notices only when asked (as when /etc/localtime is
+    replaced: localtime_r reads neither again)."""
+
+    def set_zone(name: str, *, tzset: bool = True) -> None:
+        if not Path("/usr/share/zoneinfo", name).is_file():
+            pytest.skip(f"no time zone data for {name}")
+        monkeypatch.setenv("TZ", name)
+        if tzset:
+            time.tzset()
+
+    yield set_zone
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.fixture
+def follow_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reading reads the zone again (as one does ``FOLLOW_EVERY_S`` later)."""
+    monkeypatch.setattr(localtime, "FOLLOW_EVERY_S", 0.0)
+
+
+def at(zone: str, *when: int, fold: int = 0) -> float:
+    return dt.datetime(*when, tzinfo=ZoneInfo(zone), fold=fold).timestamp()  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------ a zone that changes
+
+
+def test_the_schedules_minute_follows_a_change_of_the_machines_zone(
+    set_zone: SetZone, follow_at_once: None
+) -> None:
+    """The scheduler went by the old zone for 121 s and more after `timedatectl
+    set-timezone` (an outside probe: glibc's localtime_r never reads the zone again)."""
+    set_zone("Europe/Berlin")
+    assert service._minute_now() == _minute_in("Europe/Berlin")
+    set_zone("America/New_York", tzset=False)
+    assert service._minute_now() == _minute_in("America/New_York")
+
+
+def _minute_in(zone: str) -> int:
+    now = dt.datetime.now(ZoneInfo(zone))
+    return now.hour * 60 + now.minute
+
+
+def test_the_log_and_the_times_shown_follow_a_change_of_zone(
+    set_zone: SetZone, follow_at_once: None
+) -> None:
+    when = at("UTC", 2026, 12, 8, 12, 0)
+    set_zone("Europe/Berlin")
+    record = logging.LogRecord("volunteerd", logging.INFO, __file__, 1, "x", None, None)
+    record.created = when
+    formatter = logs._NotingFormatter("%(asctime)s %(message)s", "%H:%M")
+    assert formatter.formatTime(record, "%H:%M") == "13:00"
+    assert clock_time(when, when) == "13:00"
+    set_zone("Asia/Kathmandu", tzset=False)
+    assert formatter.formatTime(record, "%H:%M") == "17:45"
+    assert clock_time(when, when) == "17:45"
+
+
+def test_the_zone_is_read_again_at_most_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stat of the zone file per reading would be wasted: once in FOLLOW_EVERY_S."""
+    calls: list[None] = []
+    monkeypatch.setattr(time, "tzset", lambda: calls.append(None), raising=False)
+    monkeypatch.setattr(localtime, "_followed_at", None)
+    for _ in range(100):
+        localtime.local()
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ where a day starts
+
+
+@pytest.mark.parametrize(
+    ("zone", "day"),
+    [
+        ("Atlantic/Azores", (2026, 10, 25)),  # 01:00 +00 -> 00:00 -01
+        ("America/Havana", (2026, 11, 1)),  # 01:00 CDT -> 00:00 CST
+        ("Europe/Berlin", (2026, 10, 25)),  # back at 03:00: one midnight
+        ("UTC", (2026, 12, 8)),
+    ],
+)
+def test_today_starts_at_the_first_of_two_midnights(
+    set_zone: SetZone, zone: str, day: tuple[int, int, int]
+) -> None:
+    """Where midnight happens twice, "today" (the status, the dashboard) began at the
+    second one after any earlier mktime call had guessed winter time: the day's first
+    hour was missing from it (an outside probe)."""
+    set_zone(zone)
+    first = at(zone, *day, 0, 0, fold=0)
+    for instant in (first, first + 1800, at(zone, *day, 0, 30, fold=1), at(zone, *day, 12, 0)):
+        time.mktime((*day, 12, 0, 0, 0, 0, 0))  # glibc's guess: winter time
+        assert localtime.day_start(instant) == first
+    before = at(zone, *day, 0, 0) - 3 * 3600
+    assert localtime.next_day_start(before) == first
+
+
+def test_a_day_whose_midnight_is_skipped_starts_at_the_jump(set_zone: SetZone) -> None:
+    """Havana's clocks jump from 00:00 to 01:00 (2026-03-08): the day starts at 01:00."""
+    set_zone("America/Havana")
+    jump = at("America/Havana", 2026, 3, 8, 1, 0)
+    assert time.localtime(jump - 1).tm_mday == 7
+    assert localtime.day_start(at("America/Havana", 2026, 3, 8, 12, 0)) == jump
+    assert localtime.next_day_start(at("America/Havana", 2026, 3, 7, 12, 0)) == jump
+    assert localtime.next_day_start(jump) == at("America/Havana", 2026, 3, 9, 0, 0)
