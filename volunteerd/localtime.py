@@ -27,6 +27,7 @@ __all__ = [
     "local",
     "next_day_start",
     "strftime",
+    "utc_offset_s",
 ]
 
 FOLLOW_EVERY_S = 5.0
@@ -57,6 +58,11 @@ def local(when: float | None = None) -> time.struct_time:
 def strftime(format: str, when: float | None = None) -> str:
     """``when`` (default: now) formatted in the machine's current time zone."""
     return time.strftime(format, local(when))
+
+
+def utc_offset_s(when: float | None = None) -> int:
+    """How far local time is ahead of UTC at ``when``, in seconds (west: negative)."""
+    return local(when).tm_gmtoff
 
 
 def _first_instant(after: float, before: float, date: tuple[int, int, int]) -> float:

@@ -3,10 +3,13 @@ stream wrapper's pacing and splitting, and the monthly and daily ledger."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 import trio
@@ -290,6 +293,105 @@ def test_ledger_reads_the_day_right_at_every_instant(zone: str) -> None:
         else:
             os.environ["TZ"] = before
         time.tzset()
+
+
+@pytest.fixture
+def zones(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """``zones(name)``: the machine's zone is ``name`` from now on (TZ and tzset)."""
+
+    def set_zone(name: str) -> None:
+        if not Path(f"/usr/share/zoneinfo/{name}").exists():
+            pytest.skip(f"no time zone data for {name}")
+        monkeypatch.setenv("TZ", name)
+        time.tzset()
+
+    yield set_zone
+    monkeypatch.undo()
+    time.tzset()
+
+
+def zoned(zone: str, *when: int) -> float:
+    return dt.datetime(*when, tzinfo=ZoneInfo(zone)).timestamp()  # type: ignore[misc]
+
+
+HOUR = 3600.0
+
+
+def test_flying_west_the_day_counted_ends_at_the_new_zones_midnight(
+    tmp_path: Path, zones: Callable[[str], None]
+) -> None:
+    """Berlin -> New York at Tuesday 03:00 (Monday 21:00 there): the daily count went
+    on until Wednesday 00:00 New York time, 30 h; Tokyo -> Honolulu 43 h (an outside
+    probe). It ends at the next midnight of the zone the machine is in now, and a
+    restart agrees (it gave a fresh quota at once)."""
+    path = tmp_path / "transfer.json"
+    zones("Europe/Berlin")
+    now = [zoned("Europe/Berlin", 2026, 12, 8, 2, 59)]
+    ledger = TransferLedger(path, clock=lambda: now[0])
+    ledger.add(up=900)
+    ledger.save()
+    zones("America/New_York")
+    now[0] = zoned("Europe/Berlin", 2026, 12, 8, 3, 0)
+    midnight = zoned("America/New_York", 2026, 12, 8, 0, 0)
+    assert ledger.today == 900
+    assert ledger.seconds_left_today() == pytest.approx(3 * HOUR)
+    ledger.save()
+    restarted = TransferLedger(path, clock=lambda: now[0])
+    assert restarted.today == 900
+    assert restarted.seconds_left_today() == pytest.approx(3 * HOUR)
+    for counted in (ledger, restarted):
+        now[0] = midnight - 1
+        assert counted.today == 900
+        now[0] = midnight
+        assert counted.today == 0
+        assert counted.seconds_left_today() == pytest.approx(24 * HOUR)
+
+
+def test_flying_east_a_new_date_starts_a_new_day_at_once(
+    tmp_path: Path, zones: Callable[[str], None]
+) -> None:
+    path = tmp_path / "transfer.json"
+    zones("America/New_York")
+    now = [zoned("America/New_York", 2026, 12, 7, 18, 59)]
+    ledger = TransferLedger(path, clock=lambda: now[0])
+    ledger.add(down=700)
+    ledger.save()
+    zones("Europe/Berlin")
+    now[0] = zoned("Europe/Berlin", 2026, 12, 8, 1, 0)  # New York Monday 19:00
+    restarted = TransferLedger(path, clock=lambda: now[0])
+    for counted in (ledger, restarted):
+        assert counted.today == 0
+        assert counted.day == "2026-12-08"
+        assert counted.seconds_left_today() == pytest.approx(23 * HOUR)
+
+
+def test_summer_time_keeps_the_days_end(zones: Callable[[str], None]) -> None:
+    zones("Europe/Berlin")
+    now = [zoned("Europe/Berlin", 2026, 10, 24, 23, 0)]
+    ledger = TransferLedger(None, clock=lambda: now[0])
+    now[0] = zoned("Europe/Berlin", 2026, 10, 25, 0, 30)
+    ledger.add(up=5)
+    now[0] += 3 * HOUR  # past 03:00 CEST -> 02:00 CET: a day of 25 hours
+    assert ledger.today == 5
+    assert ledger.seconds_left_today() == pytest.approx(25 * HOUR - 3.5 * HOUR)
+
+
+def test_a_ledger_saved_before_the_days_end_was_kept_keeps_todays_count(
+    tmp_path: Path, zones: Callable[[str], None]
+) -> None:
+    zones("Europe/Berlin")
+    path = tmp_path / "transfer.json"
+    now = zoned("Europe/Berlin", 2026, 3, 10, 12, 0)
+    older = {"month": "2026-03", "bytes_up": 7, "bytes_down": 3}
+    path.write_text(json.dumps({**older, "day": "2026-03-10", "day_bytes": 10}))
+    ledger = TransferLedger(path, clock=lambda: now)
+    assert (ledger.total, ledger.today) == (10, 10)
+    assert ledger.seconds_left_today() == pytest.approx(12 * HOUR)
+    ledger.add(up=1)
+    ledger.save()
+    saved = json.loads(path.read_text())
+    assert saved["day_end"] == zoned("Europe/Berlin", 2026, 3, 11, 0, 0)
+    assert saved["utc_offset_s"] == 3600
 
 
 async def test_a_crash_loses_at_most_a_few_seconds_of_the_count(

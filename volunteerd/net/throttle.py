@@ -13,8 +13,9 @@ second's worth (at least 64 KiB), so a measured transfer keeps to the rate withi
 few percent over seconds.
 
 The ``TransferLedger`` counts the bytes of the current calendar month and of the
-current day (local time), up and down together, in a small JSON file in the data
-folder (``transfer.json``), saved every ``_SAVE_EVERY_S`` and when the node stops.
+current day (local time, following a change of the machine's time zone), up and down
+together, in a small JSON file in the data folder (``transfer.json``), saved every
+``_SAVE_EVERY_S`` and when the node stops.
 There is a monthly and a daily quota, 0 meaning none; the throttle only reports which
 one is used up (``exhausted_quota``): pausing is the volunteer controls' job.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
+from volunteerd import localtime
 from volunteerd.atomic import STATE_MAX_BYTES, read_small, write_atomic
 from volunteerd.config import LimitsConfig
 from volunteerd.net.transport import Stream
@@ -111,25 +114,17 @@ class TokenBucket:
 
 
 def _month(now: float) -> str:
-    return time.strftime("%Y-%m", time.localtime(now))
+    return localtime.strftime("%Y-%m", now)
 
 
 def _day(now: float) -> str:
-    return time.strftime("%Y-%m-%d", time.localtime(now))
+    return localtime.strftime("%Y-%m-%d", now)
 
 
-def _same_day(now: float) -> tuple[float, float]:
-    """A span around ``now`` within its local day: from its midnight to the next one,
-    or an hour on (whichever is sooner, so a time zone's odd midnight costs at most an
-    hour of lateness). The month and the day are read again only outside it."""
-    t = time.localtime(now)
-    start = time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
-    end = time.mktime((t.tm_year, t.tm_mon, t.tm_mday + 1, 0, 0, 0, 0, 0, -1))
-    if not start <= now < end:  # a clock or zone mktime cannot place: read every time
-        return now, now
-    return start, min(end, now + 3600.0)
-
-
+# Every read and write counts here: the date and the zone are read again (strftime and
+# localtime cost microseconds) only this long after the last time, or at the day's end.
+_RECHECK_S = 5.0
+_DAY_S = 86400.0
 # A clock set back by less than this is a correction within the day or month counted:
 # they are not started again. Further back, the clock was wrong before (a year ahead),
 # and counting starts afresh rather than wait for the wrong date.
@@ -138,7 +133,15 @@ _SET_BACK_S = 2 * 86400.0
 
 class TransferLedger:
     """Bytes sent and received in the current calendar month, and today, kept in
-    ``path`` (no file: counted in memory only). A new month, or day, starts from zero."""
+    ``path`` (no file: counted in memory only). A new month, or day, starts from zero.
+
+    The day counted ends at ``day_end`` (``time.time()`` seconds): the next local
+    midnight when it began. A change of the machine's time zone (or a clock jump
+    across summer time) ends it no later than the new zone's next midnight, and at
+    once where the new zone's date is already a later one: flying west from Berlin at
+    Tuesday 03:00 the day counted until Wednesday 00:00 New York time, 30-49 h. A
+    clock set back across midnight keeps the later day and month (the quotas could be
+    passed by setting the clock back an hour and forward again)."""
 
     def __init__(self, path: Path | None, clock: Callable[[], float] = time.time) -> None:
         self.path = path
@@ -146,22 +149,28 @@ class TransferLedger:
         now = clock()
         self.month = _month(now)
         self.day = _day(now)
+        self.day_end = localtime.next_day_start(now)
         self.bytes_up = 0
         self.bytes_down = 0
         self.day_bytes = 0  # up + down today
         self._dirty = False
-        # Every read and write counts here: the month and the day are read from the
-        # clock only when it leaves this span (strftime and localtime cost microseconds).
-        self._within = _same_day(now)
+        self._offset = localtime.utc_offset_s(now)  # when the date was last read
+        self._latest = now  # the clock's latest reading
+        self._checked = (now, min(self.day_end, now + _RECHECK_S))
         if path is not None:
-            self._load(path)
+            self._load(path, now)
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, now: float) -> None:
         try:
             data: Any = json.loads(read_small(path, STATE_MAX_BYTES))
             month, up, down = data["month"], int(data["bytes_up"]), int(data["bytes_down"])
             # files written before the daily count have no day: today counts from zero
             day, day_bytes = data.get("day"), int(data.get("day_bytes", 0))
+            # nor before the day's end was kept: the day is the date's
+            day_end = None if data.get("day_end") is None else float(data["day_end"])
+            offset = None if data.get("utc_offset_s") is None else int(data["utc_offset_s"])
+            if day_end is not None and not math.isfinite(day_end):
+                raise ValueError(f"day_end is {day_end}")
         except FileNotFoundError:
             return
         except OSError as exc:  # a folder, a FIFO, a link to nothing: nothing to keep
@@ -188,30 +197,58 @@ class TransferLedger:
                 aside,
             )
             return
-        if month == self.month:
-            self.bytes_up, self.bytes_down = max(0, up), max(0, down)
-        if day == self.day:
-            self.day_bytes = max(0, day_bytes)
+        if day_end is None:
+            keep_day = day == self.day
+        else:  # as a running ledger would have gone on (``_roll``)
+            keep_day = (
+                isinstance(day, str)
+                and now < day_end <= now + _SET_BACK_S + _DAY_S
+                and not self.day > day
+            )
+        if month == self.month or (keep_day and isinstance(month, str) and month > self.month):
+            self.month, self.bytes_up, self.bytes_down = month, max(0, up), max(0, down)
+        if keep_day:
+            self.day, self.day_bytes = day, max(0, day_bytes)
+            if day_end is not None:
+                self.day_end = day_end
+                if offset is not None and offset != self._offset:
+                    self.day_end = min(day_end, localtime.next_day_start(now))
+            self._checked = (now, min(self.day_end, now + _RECHECK_S))
 
     def _roll(self) -> None:
         now = self._clock()
-        start, end = self._within
-        if start <= now < end:
+        since, until = self._checked
+        if since <= now < until:
             return
+        offset = localtime.utc_offset_s(now)
         month, day = _month(now), _day(now)
-        if (month, day) < (self.month, self.day) and start - now < _SET_BACK_S:
-            # The clock was set back (NTP, by hand) across a midnight: the later day and
-            # month still count. Starting them afresh let the quotas be passed by
-            # setting the clock back an hour and forward again.
-            return
-        self._within = _same_day(now)
-        if month != self.month:
-            logger.info("a new month (%s): the transfer count starts from zero", month)
-            self.month, self.bytes_up, self.bytes_down = month, 0, 0
-            self._dirty = True
-        if day != self.day:
-            self.day, self.day_bytes = day, 0
-            self._dirty = True
+        if self._latest - now >= _SET_BACK_S:  # the dates counted were wrong
+            self._latest = now
+            self._new_day(now, day)
+            if month != self.month:
+                self._new_month(month)
+        else:
+            went_back = now < self._latest
+            self._latest = max(self._latest, now)
+            if now >= self.day_end or day > self.day:
+                self._new_day(now, day)
+            elif offset != self._offset and not went_back:
+                # the zone changed (or the clock ran into summer time): the day counted
+                # ends by the new zone's next midnight
+                self.day_end = min(self.day_end, localtime.next_day_start(now))
+            if month > self.month:
+                self._new_month(month)
+        self._offset = offset
+        self._checked = (now, min(self.day_end, now + _RECHECK_S))
+
+    def _new_day(self, now: float, day: str) -> None:
+        self.day, self.day_bytes, self.day_end = day, 0, localtime.next_day_start(now)
+        self._dirty = True
+
+    def _new_month(self, month: str) -> None:
+        logger.info("a new month (%s): the transfer count starts from zero", month)
+        self.month, self.bytes_up, self.bytes_down = month, 0, 0
+        self._dirty = True
 
     def add(self, up: int = 0, down: int = 0) -> None:
         self._roll()
@@ -233,13 +270,11 @@ class TransferLedger:
         return self.day_bytes
 
     def seconds_left_today(self) -> float:
-        """Seconds until the day counted ends (the local midnight after ``day``), when
-        the daily count starts from zero; 0 when it is already past. After a clock set
-        back across midnight the later day still counts (``_roll``): this is its end."""
+        """Seconds until the day counted ends (``day_end``), when the daily count starts
+        from zero; 0 when it is already past. After a clock set back across midnight the
+        later day still counts (``_roll``): this is its end."""
         self._roll()
-        year, month, day = (int(part) for part in self.day.split("-"))
-        end = time.mktime((year, month, day + 1, 0, 0, 0, 0, 0, -1))
-        return max(0.0, end - self._clock())
+        return max(0.0, self.day_end - self._clock())
 
     def seconds_left_this_month(self) -> float:
         """Seconds until the month counted ends (local midnight of the next month's
@@ -262,6 +297,11 @@ class TransferLedger:
             "bytes_down": self.bytes_down,
             "day": self.day,
             "day_bytes": self.day_bytes,
+            # the day counted ends then, and the zone's offset it was read in: a restart
+            # after a change of zone goes on as the running ledger would (older
+            # releases ignore both)
+            "day_end": self.day_end,
+            "utc_offset_s": self._offset,
         }
         try:
             write_atomic(self.path, json.dumps(data) + "\n")
