@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from volunteerd import __version__
+from volunteerd import __version__, localtime
 from volunteerd.checkpoint_folders import OTHERS_KEPT, trim_others
 from volunteerd.config import Config
 from volunteerd.control.events import EventLog
@@ -360,6 +360,15 @@ class Daemon:
             )
         for addr in node.multiaddrs:
             logger.info("reachable at %s", addr)
+        now = localtime.local()
+        logger.info(
+            "local time: %s (%s, %s), which the schedule's hours and the daily quota's day go by",
+            localtime.zone_name(),
+            now.tm_zone,
+            localtime.offset_words(now.tm_gmtoff),
+        )
+        if warning := localtime.zone_warning():
+            logger.warning("%s", warning)
 
 
 async def bootstrap_only(

@@ -14,11 +14,19 @@ midnight (Atlantic/Azores, America/Havana) 00:00 happens twice, and the day star
 the first; where they jump forward at midnight it starts at 01:00. ``day_start`` and
 ``next_day_start`` find the instant the local date changes; ``time.mktime`` with
 ``isdst=-1`` picked either midnight by a guess left over from its last call.
+
+``zone_name``, ``utc_offset_s`` and ``zone_warning`` say which zone the daemon goes
+by, and when ``TZ`` is set to something that silently means UTC or the wrong side
+of it (a misspelt name, ``UTC+14``).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
+import zoneinfo
+from pathlib import Path
 
 __all__ = [
     "FOLLOW_EVERY_S",
@@ -26,8 +34,11 @@ __all__ = [
     "follow_zone",
     "local",
     "next_day_start",
+    "offset_words",
     "strftime",
     "utc_offset_s",
+    "zone_name",
+    "zone_warning",
 ]
 
 FOLLOW_EVERY_S = 5.0
@@ -35,6 +46,10 @@ _followed_at: float | None = None
 # the farthest two instants of one local date can be apart from a moment of it (the
 # widest zone offsets are 26 h apart; a day of a zone that changed its offset by a day)
 _DAY_REACH_S = 50 * 3600
+_LOCALTIME = Path("/etc/localtime")
+# A POSIX TZ string: a name of three letters or more (or <...>) and an offset.
+_POSIX_TZ = re.compile(r"(<[^>]+>|[A-Za-z]{3,})[+-]?\d")
+_UTC_PLUS = re.compile(r"(?:UTC|GMT|UT)([+-])(\d{1,2})(?::?(\d{2}))?", re.IGNORECASE)
 
 
 def follow_zone() -> None:
@@ -96,3 +111,68 @@ def next_day_start(when: float) -> float:
     after = time.localtime(time.mktime((t.tm_year, t.tm_mon, t.tm_mday + 1, 12, 0, 0, 0, 0, -1)))
     date = (after.tm_year, after.tm_mon, after.tm_mday)
     return _first_instant(when, when + _DAY_REACH_S, date)
+
+
+def zone_name() -> str:
+    """The time zone the machine's local time goes by: ``TZ`` when set, else the zone
+    that ``/etc/localtime`` links to (``Europe/Berlin``), else its abbreviation now
+    (``CET``; a zone file copied rather than linked names no zone)."""
+    tz = os.environ.get("TZ")
+    if tz is not None:
+        return tz.removeprefix(":") or "UTC"
+    try:
+        target = os.readlink(_LOCALTIME)
+    except OSError:
+        pass
+    else:
+        if "zoneinfo/" in target:
+            return target.rsplit("zoneinfo/", 1)[1]
+    return local().tm_zone
+
+
+def _zone_file_exists(name: str) -> bool:
+    if name.startswith("/"):
+        return Path(name).is_file()
+    if ".." in Path(name).parts:
+        return False
+    folders = [os.environ.get("TZDIR") or "/usr/share/zoneinfo", *zoneinfo.TZPATH]
+    return any(Path(folder, name).is_file() for folder in folders)
+
+
+def offset_words(offset_s: int) -> str:
+    """An offset from UTC as people read it: ``UTC+05:45``, ``UTC-03:00``."""
+    sign = "+" if offset_s >= 0 else "-"
+    hours, rest = divmod(abs(offset_s), 3600)
+    return f"UTC{sign}{hours:02d}:{rest // 60:02d}"
+
+
+def zone_warning(tz: str | None = None) -> str | None:
+    """What is wrong with ``tz`` (default: the ``TZ`` variable), or None. glibc takes a
+    name with no zone file as UTC, silently (``TZ=Europe/Berln``), and a POSIX string
+    counts its offset westward: ``TZ=UTC+14`` is 14 hours behind UTC."""
+    if tz is None:
+        tz = os.environ.get("TZ")
+    if not tz:  # unset: the machine's zone; empty: UTC, as asked
+        return None
+    name = tz.removeprefix(":")
+    if plus := _UTC_PLUS.fullmatch(name):
+        sign, hours, minutes = plus.groups()
+        offset_s = (int(hours) * 3600 + int(minutes or 0) * 60) * (-1 if sign == "+" else 1)
+        if offset_s == 0:
+            return None
+        meant = -offset_s
+        hours_meant, minutes_meant = divmod(abs(meant) // 60, 60)
+        east = "+" if meant > 0 else "-"
+        posix = f"<{east}{hours_meant:02d}{minutes_meant:02d}>{'-' if meant > 0 else ''}"
+        posix += f"{hours_meant}" + (f":{minutes_meant:02d}" if minutes_meant else "")
+        return (
+            f"TZ={tz} is a POSIX time zone, whose offset counts westward: local time is "
+            f"{offset_words(offset_s)}, not {offset_words(meant)}; for "
+            f"{offset_words(meant)} set TZ={posix} or a zone's name"
+        )
+    if _zone_file_exists(name) or _POSIX_TZ.match(name):
+        return None
+    return (
+        f"TZ={tz} names no time zone here (no such zone file): local time is UTC "
+        "(the schedule's hours and the daily quota's day go by UTC)"
+    )

@@ -19,6 +19,7 @@ import pytest
 import torch
 import trio
 
+from volunteerd import localtime
 from volunteerd.control.api import ROUTES
 from volunteerd.control.client import ControlClient
 from volunteerd.daemon import Running
@@ -155,7 +156,10 @@ async def test_every_route_answers_with_the_token(tmp_path: Path) -> None:
         assert (await call(client.schedule)).on_battery
         assert (tmp_path / "a" / "schedule.toml").exists()
         await call(client.set_schedule, compute_hours=[])
-        assert (await call(client.status)).schedule.computing
+        now = (await call(client.status)).schedule
+        assert now.computing
+        # the zone its hours go by, and its offset now
+        assert (now.zone, now.utc_offset_s) == (localtime.zone_name(), localtime.utc_offset_s())
 
         paused = await call(client.pause)
         assert paused.state == "paused"

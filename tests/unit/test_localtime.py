@@ -1,6 +1,6 @@
 """Local time as a daemon that runs for weeks reads it: it follows a change of the
 machine's time zone, finds where a local day starts where midnight happens twice or
-not at all."""
+not at all, and says which zone it goes by (and when TZ silently means UTC)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from volunteerd import localtime, logs
+from volunteerd.control.models import ScheduleStatus, ScheduleView
+from volunteerd.control.verbs import format_schedule
 from volunteerd.schedule import service
 from volunteerd.shown import clock_time
 
@@ -130,3 +132,64 @@ def test_a_day_whose_midnight_is_skipped_starts_at_the_jump(set_zone: SetZone) -
     assert localtime.day_start(at("America/Havana", 2026, 3, 8, 12, 0)) == jump
     assert localtime.next_day_start(at("America/Havana", 2026, 3, 7, 12, 0)) == jump
     assert localtime.next_day_start(jump) == at("America/Havana", 2026, 3, 9, 0, 0)
+
+
+# ------------------------------------------------------------------ which zone, and TZ's traps
+
+
+@pytest.mark.parametrize(
+    "tz", ["Europe/Berlin", ":Europe/Berlin", "UTC0", "EST5EDT", "<+0545>-5:45", "UTC", ""]
+)
+def test_a_zone_name_or_a_posix_string_is_not_warned_about(tz: str) -> None:
+    assert localtime.zone_warning(tz) is None
+
+
+def test_a_name_with_no_zone_file_is_warned_about_as_utc() -> None:
+    warning = localtime.zone_warning("Europe/Berln")
+    assert warning is not None
+    assert warning.startswith("TZ=Europe/Berln names no time zone")
+    assert "local time is UTC" in warning
+
+
+@pytest.mark.parametrize(
+    ("tz", "is_", "meant", "fix"),
+    [
+        ("UTC+14", "UTC-14:00", "UTC+14:00", "<+1400>-14"),
+        ("GMT-3", "UTC+03:00", "UTC-03:00", "<-0300>3"),
+        ("UTC+5:45", "UTC-05:45", "UTC+05:45", "<+0545>-5:45"),
+    ],
+)
+def test_utc_plus_n_is_warned_about_its_reversed_sign(
+    monkeypatch: pytest.MonkeyPatch, tz: str, is_: str, meant: str, fix: str
+) -> None:
+    """TZ=UTC+14 is 14 hours behind UTC (POSIX counts westward), silently."""
+    warning = localtime.zone_warning(tz)
+    assert warning is not None
+    assert f"local time is {is_}, not {meant}" in warning
+    assert f"TZ={fix}" in warning
+    try:  # the fix it names means what was meant
+        monkeypatch.setenv("TZ", fix)
+        time.tzset()
+        assert localtime.offset_words(time.localtime().tm_gmtoff) == meant
+        monkeypatch.setenv("TZ", tz)
+        time.tzset()
+        assert localtime.offset_words(time.localtime().tm_gmtoff) == is_
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_schedule_shows_the_zone_its_hours_go_by() -> None:
+    view = ScheduleView(
+        run="always",
+        idle_minutes=5,
+        on_battery=True,
+        compute_hours=["18:00-23:00"],
+        network_hours=[],
+        gpu="always",
+    )
+    now = ScheduleStatus(zone="Asia/Kathmandu", utc_offset_s=20700)
+    assert "time zone     Asia/Kathmandu (UTC+05:45)" in format_schedule(view, now).splitlines()
+    older = ScheduleStatus.model_validate({"computing": True})  # an older daemon's
+    assert older.zone is None
+    assert "time zone" not in format_schedule(view, older)

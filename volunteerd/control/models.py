@@ -213,6 +213,10 @@ class ScheduleStatus(_Reply):
     reason: str | None = None  # what holds the daemon back ("computer in use", ...)
     idle_s: float | None = None  # since the last input (None: unknown here)
     on_battery: bool | None = None  # None: unknown
+    # The time zone the hours go by (Europe/Berlin, or an abbreviation where the zone
+    # file names none) and how far ahead of UTC it is now; None: an older daemon.
+    zone: str | None = None
+    utc_offset_s: int | None = None
 
 
 class Reachability(_Reply):

@@ -121,6 +121,7 @@ def format_schedule(schedule: ScheduleView, now: ScheduleStatus | None = None) -
         f"compute hours {', '.join(schedule.compute_hours) or 'any time'}",
         f"network hours {', '.join(schedule.network_hours) or 'any time'}",
         f"GPU           {gpu}",
+        *_zone_line(now),
     ]
     if now is not None:
         state = "computing" if now.computing and now.network else f"waiting: {now.reason}"
@@ -132,6 +133,14 @@ def format_schedule(schedule: ScheduleView, now: ScheduleStatus | None = None) -
             f"on battery    {battery}",
         ]
     return "\n".join(lines)
+
+
+def _zone_line(now: ScheduleStatus | None) -> list[str]:
+    """The time zone the daemon's hours and days go by (an older daemon's: none)."""
+    if now is None or now.zone is None:
+        return []
+    offset = "" if now.utc_offset_s is None else f" ({localtime.offset_words(now.utc_offset_s)})"
+    return [f"time zone     {escaped(now.zone)}{offset}"]
 
 
 def format_status(status: Status) -> str:
@@ -171,6 +180,7 @@ def format_status(status: Status) -> str:
         f"{format_bytes(today.bytes_out)} sent, {format_bytes(today.bytes_in)} received",
         f"limits        up {_mbit(status.limits.upload_mbit)}, "
         f"down {_mbit(status.limits.download_mbit)}",
+        *_zone_line(status.schedule),
     ]
     return _lines(lines)
 

@@ -332,7 +332,7 @@ class ControlView:
 
     def _schedule_status(self) -> ScheduleStatus:
         if self._scheduler is None:
-            return ScheduleStatus()
+            return ScheduleStatus(zone=localtime.zone_name(), utc_offset_s=localtime.utc_offset_s())
         scheduled = self._scheduler.state()
         seen = scheduled.observation
         return ScheduleStatus(
@@ -341,6 +341,8 @@ class ControlView:
             reason=scheduled.decision.reason,
             idle_s=seen.idle_s if seen is not None else None,
             on_battery=seen.on_battery if seen is not None else None,
+            zone=localtime.zone_name(),
+            utc_offset_s=localtime.utc_offset_s(),
         )
 
     def schedule(self) -> ScheduleView:

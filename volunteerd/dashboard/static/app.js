@@ -464,7 +464,17 @@ function renderScheduleNow(now) {
   if (now.reason) parts.push(now.reason);
   if (now.idle_s != null) parts.push(`idle for ${fmtDuration(now.idle_s)}`);
   if (now.on_battery) parts.push("on battery");
+  if (now.zone) parts.push(`hours in ${now.zone}${fmtUtcOffset(now.utc_offset_s)}`);
   setText("schedule-now", parts.join(" · "));
+}
+
+/** " (UTC+05:45)" for an offset in seconds; "" for none (an older daemon). */
+function fmtUtcOffset(seconds) {
+  if (typeof seconds !== "number") return "";
+  const minutes = Math.round(Math.abs(seconds) / 60);
+  const hh = String(Math.floor(minutes / 60)).padStart(2, "0");
+  const mm = String(minutes % 60).padStart(2, "0");
+  return ` (UTC${seconds < 0 ? "-" : "+"}${hh}:${mm})`;
 }
 
 function fieldError(field, message) {
