@@ -13,7 +13,9 @@ A day does not always start at 00:00, nor last 24 hours: where clocks go back at
 midnight (Atlantic/Azores, America/Havana) 00:00 happens twice, and the day starts at
 the first; where they jump forward at midnight it starts at 01:00. ``day_start`` and
 ``next_day_start`` find the instant the local date changes; ``time.mktime`` with
-``isdst=-1`` picked either midnight by a guess left over from its last call.
+``isdst=-1`` picked either midnight by a guess left over from its last call. Where the
+clocks go back, ``minute_of_day`` reads the repeated time as the minute before it, so
+that a schedule's window is not shut and opened again in the middle of the night.
 
 ``zone_name``, ``utc_offset_s`` and ``zone_warning`` say which zone the daemon goes
 by, and when ``TZ`` is set to something that silently means UTC or the wrong side
@@ -33,6 +35,7 @@ __all__ = [
     "day_start",
     "follow_zone",
     "local",
+    "minute_of_day",
     "next_day_start",
     "offset_words",
     "strftime",
@@ -46,6 +49,8 @@ _followed_at: float | None = None
 # the farthest two instants of one local date can be apart from a moment of it (the
 # widest zone offsets are 26 h apart; a day of a zone that changed its offset by a day)
 _DAY_REACH_S = 50 * 3600
+# the most the clocks go back at once (Antarctica/Troll: 2 h)
+_REPEAT_REACH_S = 3 * 3600
 _LOCALTIME = Path("/etc/localtime")
 # A POSIX TZ string: a name of three letters or more (or <...>) and an offset.
 _POSIX_TZ = re.compile(r"(<[^>]+>|[A-Za-z]{3,})[+-]?\d")
@@ -78,6 +83,29 @@ def strftime(format: str, when: float | None = None) -> str:
 def utc_offset_s(when: float | None = None) -> int:
     """How far local time is ahead of UTC at ``when``, in seconds (west: negative)."""
     return local(when).tm_gmtoff
+
+
+def minute_of_day(when: float | None = None) -> int:
+    """The minute of the local day (0..1439) as the schedule reads it. Where the clocks
+    go back, the time they repeat reads as the last minute before they went back (02:59
+    in Berlin, for the hour after 03:00 CEST became 02:00 CET): a window open then stays
+    open until its end comes round, one shut stays shut. Read plainly, "02:30-06:00"
+    shut at 02:00 CET and opened again 30 minutes later, and "22:00-02:30" opened again
+    for 30 minutes."""
+    now = time.time() if when is None else when
+    t = local(now)
+    drop = time.localtime(now - _REPEAT_REACH_S).tm_gmtoff - t.tm_gmtoff
+    if drop > 0 and time.localtime(now - drop).tm_gmtoff > t.tm_gmtoff:
+        # the clocks went back less than ``drop`` ago: find when, to the second
+        lo, hi = int(now - drop), int(now)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if time.localtime(mid).tm_gmtoff > t.tm_gmtoff:
+                lo = mid
+            else:
+                hi = mid
+        t = time.localtime(lo)
+    return t.tm_hour * 60 + t.tm_min
 
 
 def _first_instant(after: float, before: float, date: tuple[int, int, int]) -> float:

@@ -17,6 +17,7 @@ from volunteerd import localtime, logs
 from volunteerd.control.models import ScheduleStatus, ScheduleView
 from volunteerd.control.verbs import format_schedule
 from volunteerd.schedule import service
+from volunteerd.schedule.policy import in_windows
 from volunteerd.shown import clock_time
 
 SetZone = Callable[..., None]
@@ -132,6 +133,48 @@ def test_a_day_whose_midnight_is_skipped_starts_at_the_jump(set_zone: SetZone) -
     assert localtime.day_start(at("America/Havana", 2026, 3, 8, 12, 0)) == jump
     assert localtime.next_day_start(at("America/Havana", 2026, 3, 7, 12, 0)) == jump
     assert localtime.next_day_start(jump) == at("America/Havana", 2026, 3, 9, 0, 0)
+
+
+# ------------------------------------------------------------------ the schedule's minutes
+
+
+def openings(zone: str, window: str, day: tuple[int, int, int]) -> list[str]:
+    """When ``window`` opens (+) and shuts (-), a minute at a time from noon to noon."""
+    start = at(zone, *day, 12, 0)
+    changes, was = [], False
+    for minute in range(25 * 60):
+        t = start + 60 * minute
+        now = in_windows([window], localtime.minute_of_day(t))
+        if now != was:
+            local = dt.datetime.fromtimestamp(t, ZoneInfo(zone))
+            changes.append(f"{local:%H:%M%Z}{'+' if now else '-'}")
+            was = now
+    return changes
+
+
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        # open when the clocks go back at 03:00 CEST: it stays open (it shut 02:00-02:30 CET)
+        ("02:30-06:00", ["02:30CEST+", "06:00CET-"]),
+        # shut by then: it does not open again for the repeated half hour
+        ("22:00-02:30", ["22:00CEST+", "02:30CEST-"]),
+        ("02:00-02:45", ["02:00CEST+", "02:45CEST-"]),
+        ("03:00-04:00", ["03:00CET+", "04:00CET-"]),
+        ("22:00-07:00", ["22:00CEST+", "07:00CET-"]),
+    ],
+)
+def test_a_window_opens_and_shuts_once_in_the_night_the_clocks_go_back(
+    set_zone: SetZone, window: str, expected: list[str]
+) -> None:
+    set_zone("Europe/Berlin")
+    assert openings("Europe/Berlin", window, (2026, 10, 24)) == expected
+
+
+def test_a_window_in_the_skipped_hour_stays_shut(set_zone: SetZone) -> None:
+    set_zone("Europe/Berlin")
+    assert openings("Europe/Berlin", "02:00-02:45", (2026, 3, 28)) == []
+    assert openings("Europe/Berlin", "01:30-02:30", (2026, 3, 28)) == ["01:30CET+", "03:00CEST-"]
 
 
 # ------------------------------------------------------------------ which zone, and TZ's traps

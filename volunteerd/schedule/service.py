@@ -64,8 +64,7 @@ class ScheduleState:
 
 
 def _minute_now() -> int:
-    now = localtime.local()
-    return now.tm_hour * 60 + now.tm_min
+    return localtime.minute_of_day()
 
 
 class Scheduler:
