@@ -3,6 +3,11 @@ for all together, from the throttle's quotas and the ledger's day (an injected c
 
 from __future__ import annotations
 
+import datetime as dt
+import time
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
 import pytest
 
 from volunteerd.config import LimitsConfig
@@ -95,3 +100,38 @@ def test_the_party_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for party in range(100):
         b.take(f"party-{party}", 1, 1)
     assert len(b._parties) == 8
+
+
+def test_a_day_ended_early_by_flying_west_starts_the_bulk_share_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Berlin -> New York at Tuesday 03:00: the ledger's day ends at New York's
+    midnight, 3 h later, and the next one has the same date (Tuesday). The bulk share
+    was keyed on the date and stayed spent until Wednesday, 24 h more, while its
+    refusals said "retry in 3 h" (a re-check)."""
+    if not all(
+        Path(f"/usr/share/zoneinfo/{z}").exists() for z in ("Europe/Berlin", "America/New_York")
+    ):
+        pytest.skip("no time zone data")
+    berlin = dt.datetime(2026, 12, 8, 2, 0, tzinfo=ZoneInfo("Europe/Berlin")).timestamp()
+    ny_midnight = dt.datetime(2026, 12, 8, 0, 0, tzinfo=ZoneInfo("America/New_York")).timestamp()
+    try:
+        monkeypatch.setenv("TZ", "Europe/Berlin")
+        time.tzset()
+        now = [berlin]
+        b = budget(now, daily_quota_gb=1.0)
+        for party in range(10):
+            b.take(f"10.0.1.{party}", 50 * MB, 50 * MB)
+        with pytest.raises(Busy):
+            b.take("10.0.2.1", 1, 1)
+        monkeypatch.setenv("TZ", "America/New_York")
+        time.tzset()
+        now[0] = berlin + 3600.0
+        with pytest.raises(Busy) as refused:
+            b.take("10.0.2.1", 1, 1)
+        assert refused.value.retry_after_s == pytest.approx(ny_midnight - now[0], abs=1.0)
+        now[0] = ny_midnight + 1.0
+        b.take("10.0.2.1", 50 * MB, 50 * MB)
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -153,6 +153,9 @@ class TransferLedger:
         self.bytes_up = 0
         self.bytes_down = 0
         self.day_bytes = 0  # up + down today
+        # Days begun since this ledger was made: what tells a new day from the old one
+        # where its date is the same (a day ended early by flying west).
+        self.days_begun = 0
         self._dirty = False
         self._offset = localtime.utc_offset_s(now)  # when the date was last read
         self._latest = now  # the clock's latest reading
@@ -243,6 +246,7 @@ class TransferLedger:
 
     def _new_day(self, now: float, day: str) -> None:
         self.day, self.day_bytes, self.day_end = day, 0, localtime.next_day_start(now)
+        self.days_begun += 1
         self._dirty = True
 
     def _new_month(self, month: str) -> None:

@@ -88,7 +88,7 @@ class TransferBudget:
 
     def __init__(self, throttle: Throttle) -> None:
         self._throttle = throttle
-        self._day = ""
+        self._day: tuple[str, int] = ("", -1)  # the ledger day counted: date, days begun
         self._total = 0  # bulk bytes today
         self._parties: OrderedDict[str, int] = OrderedDict()  # party -> bulk bytes today
         self._largest = 0  # the largest whole transfer seen (a refusal's estimate)
@@ -106,8 +106,9 @@ class TransferBudget:
             return 0
         ledger = throttle.ledger
         _ = ledger.today  # turns the ledger's day over if it has ended
-        if ledger.day != self._day:
-            self._day, self._total, self._told = ledger.day, 0, False
+        # (a day ended early by a change of time zone westward has the next one's date)
+        if (ledger.day, ledger.days_begun) != self._day:
+            self._day, self._total, self._told = (ledger.day, ledger.days_begun), 0, False
             self._fetched, self._told_fetch = 0, False
             self._parties.clear()
         return max(1, min(quotas))
