@@ -97,6 +97,11 @@ async def test_a_light_party_waits_for_no_batch_of_a_heavy_one_begun_after_it_as
     lanes = [device.lane(name, costly(name, log, device)) for name in ("a", "b")]
     stop = trio.Event()
     waited: list[int] = []  # per call of B: A's batches begun after it asked, before it ran
+    # per call of B: jobs handed to the worker after the one under way when it asked,
+    # before the one that ran it (a job formed before B asked may start its batches
+    # after: on a loaded machine the worker thread starts late, and two of A's batches
+    # of that one job were counted, one per lane)
+    jobs_before: list[int] = []
 
     async with trio.open_nursery() as nursery:
         await nursery.start(device.serve)
@@ -104,16 +109,18 @@ async def test_a_light_party_waits_for_no_batch_of_a_heavy_one_begun_after_it_as
             nursery.start_soon(flood, lanes[i % 2], "A", 10, stop)
         await trio.sleep(0.3)  # A's use builds up: ~0.3 s of worker time
         for i in range(8):
-            asked = len(log)
+            asked, under_way = len(log), device.jobs
             assert await call(lanes[i % 2], "B", 1) == "B"
             ran = next(n for n, (_, parties, _) in enumerate(log) if n >= asked and "B" in parties)
             waited.append(sum(1 for _, parties, _ in log[asked:ran] if "B" not in parties))
+            jobs_before.append(log[ran][2] - under_way)
         stop.set()
         device.close()
 
     later = waited[1:]  # the first call may meet a job A formed alone
     if fair:
-        assert max(later) <= 1, waited
+        # B runs in the job after the one under way when it asked, or in that one
+        assert max(jobs_before[1:]) <= 1, (jobs_before, waited)
         assert device.statistics().deferred > 0
     else:
         assert max(later) >= 3, waited
@@ -215,6 +222,12 @@ async def test_a_heavy_party_s_small_requests_still_share_a_job() -> None:
             stop.set()
         usage = device.statistics().usage
         assert usage["A"] > HEAVY_RATIO * usage["B"] + HEAVY_SLACK_S  # A is heavy
+        # The budget a job of heavy parties' holds adapts to how long such jobs took on
+        # the wall clock: on a loaded machine the flood's jobs ran slow and it fell
+        # below 8 (two jobs). What is asserted is that requests for many experts
+        # count together against it: held at 8 samples, 8 one-sample requests fit.
+        device._heavy_budget = 8
+        device._adapt = lambda samples, seconds: None  # type: ignore[method-assign]
         log.clear()
         async with trio.open_nursery() as clients:
             for lane in lanes:
