@@ -241,6 +241,66 @@ def test_a_stats_file_whose_tables_have_other_columns_is_moved_aside(
     kept.close()
 
 
+def test_a_stats_file_whose_schema_has_a_byte_not_utf8_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One byte of the schema text changed to 0xA2: SQLite's "malformed database
+    schema" message quotes it, Python's sqlite3 raised ``UnicodeDecodeError`` (no
+    ``sqlite3.Error``) and the daemon did not start, on every restart (a fuzzing
+    audit)."""
+    from volunteerd.server.contribution import open_stats
+
+    path = tmp_path / "stats.sqlite3"
+    made = StatsStore.open(path, keep_hourly_days=7)
+    made.record("ffn.0.0", forward=3)
+    made.close()
+    data = bytearray(path.read_bytes())
+    at = data.find(b"DEFAULT")
+    data[at + 3] = 0xA2  # "DEF\xa2ULT"
+    path.write_bytes(bytes(data))
+    with pytest.raises(sqlite3.DatabaseError, match="malformed database schema"):
+        StatsStore.open(path, keep_hourly_days=7)
+    store = open_stats(path, keep_hourly_days=7)
+    assert store.waiting_for is None  # the file's again, not counting in memory
+    store.record("ffn.0.0", forward=2)
+    store.close()
+    [aside] = tmp_path.glob("stats.sqlite3.unreadable-*[0-9]")
+    assert aside.read_bytes() == bytes(data)  # moved, not deleted
+    assert f"moved to {aside}, counting afresh" in caplog.text
+    again = StatsStore.open(path, keep_hourly_days=7)
+    assert again.totals().work.forward == 2
+    again.close()
+
+
+def test_a_stats_file_whose_schema_is_damaged_while_running_fails_queries_as_sqlite_errors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A query's connection opened after the schema got a byte that is not UTF-8
+    raised ``UnicodeDecodeError``, which ``/status`` (it answers without the file's
+    counts when they cannot be read) and ``/stats`` did not catch."""
+    from volunteerd.config import Config, LimitsConfig
+    from volunteerd.net import Throttle
+    from volunteerd.server.contribution import Accountant
+
+    store = StatsStore.open(tmp_path / "stats.sqlite3", keep_hourly_days=7)
+    counts = Accountant(store, None, Throttle(LimitsConfig()), Config().stats, serving=lambda: True)
+    store.record("ffn.0.0", forward=4)
+    store.flush()
+    other = sqlite3.connect(tmp_path / "stats.sqlite3", isolation_level=None)
+    other.execute("PRAGMA writable_schema=ON")
+    other.execute(
+        "UPDATE sqlite_master SET sql = replace(sql, 'DEFAULT', CAST(X'444546A2554C54' AS TEXT)) "
+        "WHERE name = 'traffic'"
+    )
+    other.close()
+    store.record("ffn.0.0", forward=1)
+    with pytest.raises(sqlite3.DatabaseError, match="malformed database schema"):
+        store.totals()
+    assert trio.run(counts.counted_since, 0.0).work.forward == 1  # what is in memory
+    assert "could not read the statistics (malformed database schema" in caplog.text
+    store.close()
+
+
 def test_a_stats_file_with_our_tables_and_others_besides_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "stats.sqlite3"
     store = StatsStore.open(path, keep_hourly_days=7)

@@ -58,7 +58,16 @@ from pathlib import Path
 
 from volunteerd.atomic import make_private_dirs
 
-__all__ = ["HOUR", "IDLE_READERS", "NewerStats", "StatsStore", "Totals", "Traffic", "Work"]
+__all__ = [
+    "HOUR",
+    "IDLE_READERS",
+    "MalformedStats",
+    "NewerStats",
+    "StatsStore",
+    "Totals",
+    "Traffic",
+    "Work",
+]
 
 HOUR = 3600
 QUARTER = 900  # the size of a new bucket
@@ -130,6 +139,30 @@ def _check_columns(db: sqlite3.Connection) -> None:
 class NewerStats(RuntimeError):
     """The file was written by a newer volunteerd (a higher schema): not damaged, not
     ours to change."""
+
+
+class MalformedStats(sqlite3.DatabaseError):
+    """SQLite's error message quoted bytes of the file that are not UTF-8 (a schema
+    damaged in one byte: 'malformed database schema (traffic) - near "DEF\\xa2ULT"'),
+    which Python's ``sqlite3`` raises as ``UnicodeDecodeError``, no ``sqlite3.Error``:
+    the daemon, which sets a damaged file aside, failed to start on every restart (a
+    fuzzing audit). SQLite's own messages that quote nothing of the file (a full disk,
+    a lock) are plain text, so such bytes come from the file: it is damaged
+    (``SQLITE_CORRUPT``)."""
+
+    sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+    sqlite_errorname = "SQLITE_CORRUPT"
+
+
+@contextmanager
+def _decoded_errors() -> Iterator[None]:
+    """Raise ``MalformedStats`` for a ``UnicodeDecodeError`` of SQL run inside, with
+    the message's bytes that are not UTF-8 replaced."""
+    try:
+        yield
+    except UnicodeDecodeError as exc:
+        raw = exc.object if isinstance(exc.object, bytes) else bytes(exc.object)
+        raise MalformedStats(raw.decode("utf-8", "replace")) from exc
 
 
 @dataclass(slots=True)
@@ -256,7 +289,8 @@ class StatsStore:
         """Open (or make) the store at ``path``. Raises ``RuntimeError`` for a file that
         is not one this version can use (emptied, from a newer version, tables with
         other columns), ``sqlite3.DatabaseError`` for one that is not a database, and
-        ``OSError`` or ``sqlite3.Error`` for one that cannot be opened for now."""
+        ``OSError`` or ``sqlite3.Error`` for one that cannot be opened for now. (So do
+        writes and queries: none raises ``UnicodeDecodeError``, see ``MalformedStats``.)"""
         make_private_dirs(path.parent)
         if str(path) != ":memory:" and path.is_file() and path.stat().st_size == 0:
             # SQLite takes an empty file for a new database and deletes its WAL, where
@@ -264,6 +298,11 @@ class StatsStore:
             # 0 bytes and the totals restarted from zero, without a word in the log. A
             # file this store made has its first page from the next line on (WAL mode).
             raise RuntimeError("it is empty: 0 bytes")
+        with _decoded_errors():
+            return cls._open(path, **kwargs)
+
+    @classmethod
+    def _open(cls, path: Path, **kwargs: object) -> StatsStore:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=WAL")
@@ -513,7 +552,7 @@ class StatsStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._write_lock:
+        with self._write_lock, _decoded_errors():
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -526,6 +565,13 @@ class StatsStore:
 
     @contextmanager
     def _reading(self, since: float | None = None) -> Iterator[tuple[sqlite3.Connection, Totals]]:
+        """``_snapshot``, its errors and its queries' ``sqlite3.Error``s (see
+        ``MalformedStats``): a reader opened on a file damaged since the start."""
+        with _decoded_errors(), self._snapshot(since) as reading:
+            yield reading
+
+    @contextmanager
+    def _snapshot(self, since: float | None = None) -> Iterator[tuple[sqlite3.Connection, Totals]]:
         """A connection to query, in a read transaction (one snapshot of the file),
         that no write or other query uses meanwhile (an idle one of the readers, or a
         new one), and ``pending(since)`` as it was at that snapshot (empty for
