@@ -161,7 +161,9 @@ def stated_version(magic_bytes: bytes, header: bytes | None = None) -> int | Non
     if magic_bytes[7:] != b"\n" or not magic_bytes[6]:
         return None
     version = magic_bytes[6]
-    with contextlib.suppress(ValueError):  # not JSON: the strict check says why
+    # not JSON, or nested past Python's recursion limit (a RecursionError, which left
+    # decode_checkpoint untyped): the strict check says why
+    with contextlib.suppress(ValueError, RecursionError):
         fields = json.loads(header) if header is not None else None
         stated = fields.get("version") if isinstance(fields, dict) else None
         if isinstance(stated, int) and not isinstance(stated, bool):

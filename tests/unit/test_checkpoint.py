@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -495,6 +497,56 @@ def test_a_tensor_of_no_bytes_and_an_absurd_dimension_is_refused(shape: list[int
     prefix = checkpoint_file._PREFIX.pack(magic, len(raw), hashlib.sha256(raw).digest())
     with pytest.raises(CheckpointError, match="bad header: tensors"):
         decode_checkpoint(b"".join([prefix, raw, *(bytes(p) for p in pieces[2:])]))
+
+
+def _with_header(data: bytes, change: Callable[[dict[str, Any]], object]) -> bytes:
+    """A checkpoint's bytes with its header changed by ``change``, its checksum right."""
+    prefix = checkpoint_file._PREFIX
+    magic, size, _ = prefix.unpack_from(data)
+    header = json.loads(data[prefix.size : prefix.size + size])
+    change(header)
+    raw = json.dumps(header).encode()
+    return (
+        prefix.pack(magic, len(raw), hashlib.sha256(raw).digest())
+        + raw
+        + data[prefix.size + size :]
+    )
+
+
+@pytest.mark.parametrize("digit", ["\u00b2", "\u0660"])  # superscript two, Arabic-Indic zero
+def test_an_optimizer_index_of_digits_not_ascii_is_a_damaged_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, digit: str
+) -> None:
+    """``str.isdigit()`` takes "²", which ``int()`` refuses: the ValueError left
+    ``load_newest``, which sets aside only CheckpointErrors (a fuzzing audit)."""
+
+    def rename(header: dict[str, Any]) -> None:
+        entry = next(e for e in header["tensors"] if e["name"].startswith("optim/0/"))
+        entry["name"] = entry["name"].replace("optim/0/", f"optim/{digit}/")
+
+    store, _, older, newer = saved_twice(tmp_path)
+    newer.write_bytes(_with_header(newer.read_bytes(), rename))
+    with pytest.raises(CheckpointError, match="unexpected tensor name"):
+        read_checkpoint(newer)
+    with caplog.at_level(logging.WARNING):
+        found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == older
+    assert f"skipping checkpoint {newer}" in caplog.text
+
+
+@pytest.mark.parametrize("nested", ["header", "field"])
+def test_a_header_nested_past_the_recursion_limit_is_a_checkpoint_error(nested: str) -> None:
+    """Its version was read with ``json.loads`` before the strict check: a header of
+    100k brackets, checksum right, raised RecursionError, no CheckpointError."""
+    data = b"".join(bytes(p) for p in encode_checkpoint(backend().state()))
+    prefix = checkpoint_file._PREFIX
+    deep = b"[" * 100_000 + b"]" * 100_000
+    raw = deep if nested == "header" else b'{"version": 1, "x": ' + deep + b"}"
+    magic = data[:8]
+    bad = prefix.pack(magic, len(raw), hashlib.sha256(raw).digest()) + raw
+    with pytest.raises(CheckpointError, match="bad header"):
+        decode_checkpoint(bad)
 
 
 def test_a_checkpoint_of_another_projects_expert_of_the_same_name_is_refused(

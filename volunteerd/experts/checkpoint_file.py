@@ -58,6 +58,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -108,6 +109,7 @@ MAGIC = magic(FORMAT_VERSION)
 _PREFIX = PREFIX
 _MAX_HEADER_BYTES = MAX_HEADER_BYTES
 _TEMP_SUFFIX = ".tmp"
+_INDEX = re.compile(r"[0-9]+")  # an optimizer state's parameter index
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -374,7 +376,14 @@ def decode_checkpoint(data: bytes | bytearray, name: str = "checkpoint") -> Expe
         raise CheckpointError(f"{name}: tensor sizes do not add up to the payload")
     if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
         raise CheckpointError(f"{name}: payload checksum mismatch")
-    return _state_from(header, payload, name)
+    try:
+        return _state_from(header, payload, name)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, OverflowError, RuntimeError) as exc:
+        # a header its model took that still builds no state: damaged all the same (the
+        # caller sets aside a CheckpointError's file, and any other error stopped it)
+        raise CheckpointError(f"{name}: {type(exc).__name__}: {exc}") from None
 
 
 def _newer(name: str, version: int) -> NewerCheckpoint:
@@ -416,7 +425,14 @@ def _state_from(header: CheckpointHeader, payload: memoryview, where: str) -> Ex
             progress[rest] = tensor
             continue
         index, _, key = rest.partition("/")
-        if kind == "optim" and index.isdigit() and key and key not in optim.get(int(index), {}):
+        # ASCII digits only: str.isdigit() takes "²", which int() refuses (a ValueError,
+        # no CheckpointError, left load_newest: a fuzzing audit)
+        if (
+            kind == "optim"
+            and _INDEX.fullmatch(index)
+            and key
+            and key not in optim.get(int(index), {})
+        ):
             optim.setdefault(int(index), {})[key] = tensor
             continue
         raise CheckpointError(f"{where}: unexpected tensor name {entry.name!r}")
