@@ -125,6 +125,14 @@ async def test_dialback_refuses_another_peers_addresses_and_dials_only_the_obser
             DialBackRequest(addrs=[f"{a.addrs[0]}/p2p/{a.peer_id}"]),
         )
         assert reply == DialBackReply(reachable=a.addrs[0], dialled=1, observed="127.0.0.1")
+        # A port int() takes and multiaddr does not: refused as such, not an "internal"
+        # error with a traceback in the dialling peer's log (its reply failed its pattern)
+        head, port = a.addrs[0].rsplit("/", 1)
+        arabic = "".join(chr(0x660 + int(d)) for d in port)
+        for odd in [f"{head}/ {port}", f"{head}/{arabic}"]:
+            with pytest.raises(RemoteError) as refused:
+                await a.rpc.call(b.address, Verb.DIALBACK, DialBackRequest(addrs=[odd]))
+            assert refused.value.code == "rejected"
 
 
 class _ConnectionsOf(INotifee):

@@ -18,6 +18,7 @@ from volunteerd.net.dialback import (
     DialBackReply,
     DialBackRequest,
     dialable_addrs,
+    tcp_endpoint,
 )
 from volunteerd.net.peers import dialable_part, parse_circuit_addr, peer_id_for
 from volunteerd.net.records import EXPERT_RECORDS, sign_record
@@ -53,6 +54,28 @@ def test_another_peers_id_or_a_non_tcp_address_is_refused() -> None:
             dialable_addrs([bad], ME, ["127.0.0.1"])
     own = f"/ip4/127.0.0.1/tcp/5000/p2p/{ME}"
     assert dialable_addrs([own], ME, ["127.0.0.1"]) == ["/ip4/127.0.0.1/tcp/5000"]
+
+
+@pytest.mark.parametrize(
+    "port", [" 4001", "+4001", "40_01", "4001 ", "\u0664\u0660\u0660\u0661", "004001", "0", "65536"]
+)
+def test_a_port_of_anything_but_a_few_ascii_digits_is_refused(port: str) -> None:
+    """``int()`` takes " 4001", "+4001", "40_01" and Arabic-Indic digits: dial-back
+    echoed such an address, and its reply then failed its pattern inside the handler
+    (an "internal" error and a traceback in the log, a fuzzing audit)."""
+    assert tcp_endpoint(f"/ip4/203.0.113.9/tcp/{port}") is None
+    with pytest.raises(Rejected):
+        dialable_addrs([f"/ip4/203.0.113.9/tcp/{port}"], ME, ["203.0.113.9"])
+
+
+def test_dialled_addresses_are_written_anew_from_what_was_parsed() -> None:
+    assert tcp_endpoint("/ip6/fe80::1%eth0/tcp/4001") is None  # no multiaddr has a scope
+    sent = ["/ip6/2001:DB8:0:0::7/tcp/04001", "/ip4/127.0.0.5/tcp/5000"]
+    out = dialable_addrs(sent, ME, ["2001:db8::7", "127.0.0.1"])
+    assert out == ["/ip6/2001:db8::7/tcp/4001", "/ip4/127.0.0.5/tcp/5000"]
+    for addr in out:
+        assert str(Multiaddr(addr)) == addr
+        DialBackReply(reachable=addr)
 
 
 def test_a_dialback_request_carries_few_addresses() -> None:

@@ -30,6 +30,7 @@ CIRCUIT_SUFFIX = "/p2p-circuit"
 # as six-byte escapes) is no address a node announces.
 _ADDR_CHARS = re.compile(r"[A-Za-z0-9./:-]+")
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]+")
+_PORT = re.compile(r"[0-9]{1,5}")
 _BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 _HOSTNAME = re.compile(
     r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*"
@@ -43,16 +44,24 @@ _MAX_PEER_ID_LENGTH = 128  # as an invitation's (swarm.invitation)
 
 
 def tcp_endpoint(addr: str) -> tuple[str, int] | None:
-    """``/ip4/1.2.3.4/tcp/38400`` -> ("1.2.3.4", 38400); None for any other shape."""
+    """``/ip4/1.2.3.4/tcp/38400`` -> ("1.2.3.4", 38400); None for any other shape. The
+    port is 1 to 5 ASCII digits: ``int()`` also takes " 38400", "+38400", "38_400" and
+    Arabic-Indic digits, which multiaddr and the wire's patterns do not (dial-back
+    echoed them and failed inside its handler: a fuzzing audit); the IP has no scope
+    (``fe80::1%eth0``: no multiaddr)."""
     parts = addr.split("/")
     if len(parts) != 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
         return None
+    if not _PORT.fullmatch(parts[4]):
+        return None
     try:
         ip = ipaddress.ip_address(parts[2])
-        port = int(parts[4])
     except ValueError:
         return None
+    port = int(parts[4])
     if (parts[1] == "ip4") != (ip.version == 4) or not 0 < port < 65536:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
         return None
     return str(ip), port
 

@@ -82,11 +82,11 @@ def dialable_addrs(
         same_family = [o for o in observed if o.version == ip.version]
         if not same_family:
             continue
-        if ip in same_family or (ip.is_loopback and any(o.is_loopback for o in same_family)):
-            out.append(transport)
-        else:
-            family = "ip4" if ip.version == 4 else "ip6"
-            out.append(f"/{family}/{same_family[0]}/tcp/{endpoint[1]}")
+        if not (ip in same_family or (ip.is_loopback and any(o.is_loopback for o in same_family))):
+            ip = same_family[0]
+        # written anew from what was parsed, never the requester's text as it came
+        family = "ip4" if ip.version == 4 else "ip6"
+        out.append(f"/{family}/{ip}/tcp/{endpoint[1]}")
     return list(dict.fromkeys(out))
 
 
