@@ -90,13 +90,14 @@ FORMAT_VERSION = 2
 
 SUFFIX = ".ckpt"
 # "<sequence>.ckpt" (format 1) or "<sequence>.v<format>.ckpt"
-_NAME = re.compile(r"^(\d{1,12})(?:\.v([1-9]\d{0,5}))?\.ckpt$")
+# (ASCII digits, the whole name: "\d" takes "٣" and "$" a name's trailing newline)
+_NAME = re.compile(r"([0-9]{1,12})(?:\.v([1-9][0-9]{0,5}))?\.ckpt")
 
 DAMAGED_SUFFIX = ".damaged"
 DAMAGED_KEPT = 2
 """Files set aside as damaged that each expert keeps (its newest): for a person to look
 at, bounded so that a disk that keeps damaging them cannot fill up."""
-_DAMAGED_NAME = re.compile(r"^(\d{1,12})(?:\.v([1-9]\d{0,5}))?\.ckpt\.damaged$")
+_DAMAGED_NAME = re.compile(r"([0-9]{1,12})(?:\.v([1-9][0-9]{0,5}))?\.ckpt\.damaged")
 
 # A file's first bytes: the magic (b"VCKPT\x00", the format version, b"\n"), the
 # header's length and the header's SHA-256 (experts.checkpoint_file has the rest).
@@ -133,7 +134,7 @@ def numbered(folder: Path) -> list[Entry]:
         return []
     found = []
     for entry in entries:
-        match = _NAME.match(entry.name)
+        match = _NAME.fullmatch(entry.name)
         if match:
             try:
                 regular = entry.is_file(follow_symlinks=False)
@@ -176,7 +177,7 @@ def newer_format(path: Path) -> int | None:
     ``FORMAT_VERSION``, by its name, its magic or its header (with a matching checksum);
     None when it is not above, or the file cannot be read. Whoever deletes checkpoints
     asks first: a newer version's file is not ours to delete."""
-    match = _NAME.match(path.name) or _DAMAGED_NAME.match(path.name)
+    match = _NAME.fullmatch(path.name) or _DAMAGED_NAME.fullmatch(path.name)
     if match and int(match.group(2) or 1) > FORMAT_VERSION:
         return int(match.group(2))
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -210,7 +211,7 @@ def damaged(folder: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in entries:
-        match = _DAMAGED_NAME.match(entry.name)
+        match = _DAMAGED_NAME.fullmatch(entry.name)
         if not match or int(match.group(2) or 1) > FORMAT_VERSION:
             continue
         with contextlib.suppress(OSError):

@@ -53,8 +53,10 @@ _DAY_REACH_S = 50 * 3600
 _REPEAT_REACH_S = 3 * 3600
 _LOCALTIME = Path("/etc/localtime")
 # A POSIX TZ string: a name of three letters or more (or <...>) and an offset.
-_POSIX_TZ = re.compile(r"(<[^>]+>|[A-Za-z]{3,})[+-]?\d")
-_UTC_PLUS = re.compile(r"(?:UTC|GMT|UT)([+-])(\d{1,2})(?::?(\d{2}))?", re.IGNORECASE)
+# ASCII digits: "\d" takes Arabic-Indic ones, which glibc does not: TZ=UTC+5 in them is UTC,
+# not UTC-05:00
+_POSIX_TZ = re.compile(r"(<[^>]+>|[A-Za-z]{3,})[+-]?[0-9]")
+_UTC_PLUS = re.compile(r"(?:UTC|GMT|UT)([+-])([0-9]{1,2})(?::?([0-9]{2}))?", re.IGNORECASE)
 
 
 def follow_zone() -> None:

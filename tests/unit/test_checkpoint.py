@@ -535,6 +535,25 @@ def test_an_optimizer_index_of_digits_not_ascii_is_a_damaged_file(
     assert f"skipping checkpoint {newer}" in caplog.text
 
 
+@pytest.mark.parametrize("name", ["9.v2.ckpt\n", "\u0669.v2.ckpt"])
+def test_a_file_named_like_a_checkpoint_but_for_a_newline_or_its_digits_is_none(
+    tmp_path: Path, name: str
+) -> None:
+    """``^\\d...$`` took a name ending in a newline, and Arabic-Indic digits (which
+    ``int()`` reads): such a file was loaded before the newest of ours, or deleted as
+    one of ours."""
+    store, _, _, newer = saved_twice(tmp_path)
+    odd = newer.with_name(name)
+    odd.write_bytes(newer.read_bytes())
+    found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == newer
+    for _ in range(4):  # past checkpoints.keep (3): the oldest of ours are deleted
+        store.save(backend().state())
+    assert not newer.exists()
+    assert odd.exists()
+
+
 @pytest.mark.parametrize("nested", ["header", "field"])
 def test_a_header_nested_past_the_recursion_limit_is_a_checkpoint_error(nested: str) -> None:
     """Its version was read with ``json.loads`` before the strict check: a header of

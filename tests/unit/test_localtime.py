@@ -194,6 +194,25 @@ def test_a_name_with_no_zone_file_is_warned_about_as_utc() -> None:
     assert "local time is UTC" in warning
 
 
+@pytest.mark.parametrize("tz", ["UTC+\u0665", "EST\u0665"])  # Arabic-Indic five
+def test_an_offset_in_digits_glibc_does_not_read_is_warned_about_as_utc(
+    tz: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``\\d`` takes them: "UTC+5" in Arabic-Indic was said to be UTC-05:00, "EST5" a
+    POSIX string."""
+    warning = localtime.zone_warning(tz)
+    assert warning is not None
+    assert "names no time zone" in warning
+    assert "local time is UTC" in warning
+    try:  # and so it is
+        monkeypatch.setenv("TZ", tz)
+        time.tzset()
+        assert time.localtime().tm_gmtoff == 0
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 @pytest.mark.parametrize(
     ("tz", "is_", "meant", "fix"),
     [

@@ -127,7 +127,9 @@ def test_the_first_rule_that_holds_back_gives_the_reason() -> None:
     ]
 
 
-@pytest.mark.parametrize("bad", ["7:00-8:00", "24:00-01:00", "10:60-11:00", "22:00", "x"])
+@pytest.mark.parametrize(
+    "bad", ["7:00-8:00", "24:00-01:00", "10:60-11:00", "22:00", "x", "08:00-09:00\n"]
+)
 def test_a_malformed_window_is_refused_by_the_config_and_the_api(bad: str) -> None:
     with pytest.raises(ValueError, match="not a time window"):
         rules(compute_hours=[bad])

@@ -830,7 +830,7 @@ class ScheduleConfig(_Model):
     @classmethod
     def _windows(cls, values: list[str]) -> list[str]:
         for value in values:
-            if not re.match(_WINDOW, value):
+            if not re.fullmatch(_WINDOW, value):
                 raise ValueError(f'not a time window: {value!r} (expected "HH:MM-HH:MM")')
             start, end = value.split("-")
             if start == end:

@@ -145,7 +145,7 @@ def _a_window(window: str) -> str:
     # be one the config accepts, or the daemon refuses it late (409, and in the CLI
     # only after asking the daemon). Its message too: pydantic's own for a pattern
     # showed the regular expression (`volunteerd schedule --compute-hours 7:00-8:00`).
-    if not re.match(TIME_WINDOW, window):
+    if not re.fullmatch(TIME_WINDOW, window):
         raise ValueError(f'not a time window: {window!r} (expected "HH:MM-HH:MM")')
     start, end = window.split("-")
     if start == end:
