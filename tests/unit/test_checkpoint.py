@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -533,6 +534,23 @@ def test_an_optimizer_index_of_digits_not_ascii_is_a_damaged_file(
     assert found is not None
     assert found[1] == older
     assert f"skipping checkpoint {newer}" in caplog.text
+
+
+@pytest.mark.parametrize("saved_at", [math.nan, math.inf, -math.inf, -1e308])
+def test_a_header_saved_at_no_time_is_damaged(tmp_path: Path, saved_at: float) -> None:
+    """A NaN ``saved_at`` is in no comparison of ages: an expert restored from an old
+    file was not held back until caught up, and served at once (a fuzzing audit)."""
+
+    def stamp(header: dict[str, Any]) -> None:
+        header["saved_at"] = saved_at
+
+    store, _, older, newer = saved_twice(tmp_path)
+    newer.write_bytes(_with_header(newer.read_bytes(), stamp))
+    with pytest.raises(CheckpointError, match="saved_at"):
+        read_checkpoint(newer)
+    found = store.load_newest(UID, backend().check_state)
+    assert found is not None
+    assert found[1] == older
 
 
 @pytest.mark.parametrize("name", ["9.v2.ckpt\n", "\u0669.v2.ckpt"])

@@ -160,7 +160,9 @@ class CheckpointHeader(_Header):
     hidden_dim: Annotated[int, Field(ge=1)]
     optimizer: Annotated[str, Field(max_length=32)]
     updates: Annotated[int, Field(ge=0, le=MAX_UPDATES)]
-    saved_at: float
+    # time.time() at the save (0 in a replica's state); finite: a NaN was in no age's
+    # comparison, and an expert restored from an old file served at once (a fuzzing audit)
+    saved_at: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     tensors: Annotated[list[TensorEntry], Field(max_length=4096)]
     payload_bytes: Annotated[int, Field(ge=0)]
     payload_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
