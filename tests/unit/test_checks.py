@@ -7,10 +7,14 @@ the round fails reports a diverging model and bans nobody.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
 import pytest
 import torch
+import trio
 
-from volunteerd.errors import RequestTimeout
+from volunteerd.errors import RemoteError, RequestTimeout
 from volunteerd.experts import to_wire
 from volunteerd.moe import RemoteMixtureOfExperts
 from volunteerd.moe.checks import (
@@ -21,9 +25,13 @@ from volunteerd.moe.checks import (
     agree,
     judge_round,
 )
+from volunteerd.moe.client import TrainerClient
+from volunteerd.moe.directory import ExpertDirectory
 from volunteerd.moe.dispatch import Call, Outcome
-from volunteerd.net import PeerAddress, Verb
+from volunteerd.net import PeerAddress, RpcClient, Verb
 from volunteerd.wire import WireTensor
+
+T = TypeVar("T")
 
 CHECKS = OutputChecks(max_abs=100.0, max_ratio=1000.0, max_growth=10.0)
 
@@ -249,7 +257,9 @@ class _Client:
         self.directory = _Directory()
         self.hung_up: list[str] = []
 
-    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+    def ban(
+        self, peer_id: str, reason: str, seconds: float | None = None, *, grow: bool = True
+    ) -> None:
         self.directory.banned[peer_id] = reason
 
     def hang_up(self, peer_id: str) -> None:
@@ -340,3 +350,102 @@ def test_the_layer_bans_a_peer_whose_answer_does_not_fit_the_rows_sent() -> None
     ys, _ = alone._accept(Verb.BACKWARD, calls, outcomes, {"d", "e"})
     assert ys == [None]
     assert list(alone_client.directory.banned) == ["d"]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _DirectoryClient(TrainerClient):
+    """A layer's client whose bans go to a real ``ExpertDirectory`` (nothing is looked
+    up: the layer is handed its rounds), on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.clock = _Clock()
+        self._directory = ExpertDirectory(None, ban_s=60.0, clock=self.clock)  # type: ignore[arg-type]
+        self._rpc = _HangUps()
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return trio.run(fn, *args)
+
+    @property
+    def rpc(self) -> RpcClient:
+        return self._rpc  # type: ignore[return-value]
+
+    @property
+    def directory(self) -> ExpertDirectory:
+        return self._directory
+
+
+class _HangUps:
+    async def hang_up(self, peer_id: str) -> None:
+        pass
+
+
+def _refused(code: str, retry_after_s: float | None = None) -> Outcome:
+    return Outcome(error=RemoteError(code, "not now", retry_after_s))
+
+
+def _ban_lengths(
+    outcome: Callable[[], Outcome], times: int, streak: int
+) -> tuple[list[float], RemoteMixtureOfExperts, _DirectoryClient]:
+    """The length of each of ``times`` bans of peer "a", each earned by ``streak``
+    rounds in a row of ``outcome`` ("b" and "c" answering), each waited out."""
+    client = _DirectoryClient()
+    layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+    lengths = []
+    for _ in range(times):
+        for _ in range(streak):
+            assert not directory.is_banned("a")
+            calls, outcomes = _round(answers(1.0, 3), "abc")
+            outcomes[0] = outcome()
+            layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+        assert directory.is_banned("a"), "banned after a streak"
+        lengths.append(directory.banned["a"] - client.clock.now)
+        client.clock.now = directory.banned["a"]  # waited out
+    return lengths, layer, client
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        lambda: Outcome(late=True),
+        lambda: _refused("paused"),
+        lambda: _refused("busy"),
+        lambda: _refused("rate_limited"),
+        lambda: _refused("rejected", retry_after_s=30.0),
+    ],
+    ids=["late", "paused", "busy", "rate_limited", "retry_after_s"],
+)
+def test_a_peer_slow_or_loaded_streak_after_streak_is_banned_for_ban_s_each_time(
+    outcome: Callable[[], Outcome],
+) -> None:
+    """A volunteer slowed by its own upload limit, paused or over its quota is not lying:
+    its bans grew 60 s, 120 s, ... 64 min, remembered for a day, and kept it unused
+    15-25 min after it had recovered (a 45-minute soak). Each such ban is ``ban_s``,
+    however often; it still is one, so a peer late on purpose costs a streak per ban."""
+    lengths, _layer, client = _ban_lengths(outcome, times=8, streak=8)
+    assert lengths == [60.0] * 8
+    # Nor do they count toward a real offence's growth: a first lie is a first ban.
+    calls, outcomes = _round(answers(1.0, 3), "abc")
+    outcomes[0] = Outcome(error=RequestTimeout("no answer in time"))
+    _layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+    assert client.directory.banned["a"] - client.clock.now == 60.0
+
+
+def test_a_peer_refusing_what_it_should_take_or_lying_is_still_banned_longer_each_time() -> None:
+    # A streak with a refusal that does not say "later" grows as before...
+    lengths, _, _ = _ban_lengths(lambda: _refused("rejected"), times=4, streak=8)
+    assert lengths == [60.0, 120.0, 240.0, 480.0]
+    # ... as does a peer whose answers fail the checks (NaN, the odd one out).
+    nan = Outcome(
+        reply=object(),
+        tensors=[_round([torch.full((4, 8), float("nan"))], "a")[1][0].tensors[0]],
+    )
+    lengths, _, _ = _ban_lengths(lambda: nan, times=3, streak=1)
+    assert lengths == [CHECKS.ban_s, 2 * CHECKS.ban_s, 4 * CHECKS.ban_s]

@@ -51,11 +51,13 @@ class TrainerClient(ABC):
         """``children`` from a fresh DHT lookup (see ExpertDirectory.look_again)."""
         return self.run(self.directory.look_again, list(prefixes))
 
-    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+    def ban(
+        self, peer_id: str, reason: str, seconds: float | None = None, *, grow: bool = True
+    ) -> None:
         """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""
 
         async def ban() -> None:
-            self.directory.ban(peer_id, reason, seconds)
+            self.directory.ban(peer_id, reason, seconds, grow=grow)
 
         self.run(ban)
 

@@ -10,7 +10,13 @@ call are banned for ``ban_s``: their experts are not offered to the beam search 
 next step on, whatever the DHT still says. A peer banned again within ``BAN_MEMORY_S`` of
 its last ban's end is banned twice as long as the time before, up to ``BAN_GROWTH_MAX``
 times: one that misbehaved, waited its ban out and misbehaved again cost every ban's
-worth of steps again, for good.
+worth of steps again, for good. A ban for being slow or loaded (``grow=False``: calls
+cut off late, or refused with "later", round after round) does not grow, nor count
+toward a later offence's growth: such a peer is not lying, only unhelpful for now
+(its own upload limit, a pause, a quota), and a grown ban kept a volunteer that had
+recovered unused for up to 64 bans' length (a 45-minute soak: 15-25 min). It still
+lasts ``ban_s`` each time, so a peer late or refusing on purpose costs a streak of
+rounds per ban, no more.
 
 A peer that could not be dialled (``unreachable``) is no liar: a volunteer that
 restarted, or whose router gave it a new address, is one. Its ban does not grow while it
@@ -293,10 +299,14 @@ class ExpertDirectory:
             and self._clock() - returned >= EARLY_RETURN_EVERY_S
         )
 
-    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+    def ban(
+        self, peer_id: str, reason: str, seconds: float | None = None, *, grow: bool = True
+    ) -> None:
         """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``), or
         longer for a peer banned again; a peer that could not be dialled (``reason``
-        ``unreachable: ...``) for ``seconds`` at most (the module docstring)."""
+        ``unreachable: ...``) for ``seconds`` at most (the module docstring). Not
+        ``grow``: for ``seconds`` however often, neither grown nor growing the next
+        offence's ban (a peer too slow or too loaded for now: the module docstring)."""
         seconds = self._ban_s if seconds is None else seconds
         now = self._clock()
         unreachable = reason.split(":", 1)[0] == "unreachable"
@@ -328,13 +338,15 @@ class ExpertDirectory:
             # A new offence (failures of the same moment are not). A peer still marked
             # unanswered is banned, if at all, only as unreachable: this is a new offence
             # too, and it ends that ban's early way out.
-            seconds, bans = self._grown(peer_id, seconds, now)
-            again = f" (banned {bans} times in a row)" if bans > 1 else ""
+            again = ""
+            if grow:
+                seconds, bans = self._grown(peer_id, seconds, now)
+                again = f" (banned {bans} times in a row)" if bans > 1 else ""
             logger.info("not choosing %s for %.0fs%s: %s", short(peer_id), seconds, again, reason)
             self.ban_reasons[reason.split(":", 1)[0]] += 1
         until = max(now + seconds, self._banned.get(peer_id, -math.inf))
         self._banned[peer_id] = until
-        if peer_id in self._offences:  # its memory counts from the ban's real end
+        if grow and peer_id in self._offences:  # its memory counts from the ban's real end
             self._offences[peer_id] = (self._offences[peer_id][0], until)
 
     def _grown(self, peer_id: str, seconds: float, now: float) -> tuple[float, int]:

@@ -89,6 +89,11 @@ _NOT_BANNED = frozenset(
 )
 # ... of which these refuse the call itself (``expired`` only sends a backward stateless).
 _REFUSALS = _NOT_BANNED - {"expired"}
+# ... of which these say "not now" (as does any refusal with a ``retry_after_s``): a
+# streak of them only, like a streak of late rounds, bans for ``ban_s`` every time,
+# never growing (a volunteer paused, over its quota or loaded is back later; grown,
+# its bans kept it unused 15-25 min after it was, in a 45-minute soak).
+_LATER = frozenset({"busy", "paused", "rate_limited", "shutting_down"})
 
 
 def grid_uids(name: str, grid_size: Sequence[int]) -> list[str]:
@@ -367,6 +372,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self._late_streak: dict[str, int] = {}
         # peer -> rounds in a row it refused, with no answer from it in between
         self._refusal_streak: dict[str, int] = {}
+        # peers whose refusal streak holds a refusal that is not "later" (``_LATER``)
+        self._firm_refusals: set[str] = set()
         # Makes autograd call our backward even when the inputs need no gradient.
         self._dummy = torch.empty(0, requires_grad=True)
 
@@ -474,15 +481,25 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                     self.round_trips.observe(call.peer.peer_id, verb.value, outcome.seconds)
                     self._late_streak.pop(call.peer.peer_id, None)
                     self._refusal_streak.pop(call.peer.peer_id, None)
+                    self._firm_refusals.discard(call.peer.peer_id)
             return outcomes
 
         return self.client.run(run)
 
-    def _ban(self, peer_id: str, reason: str, seconds: float | None, usable: set[str]) -> bool:
+    def _ban(
+        self,
+        peer_id: str,
+        reason: str,
+        seconds: float | None,
+        usable: set[str],
+        *,
+        grow: bool = True,
+    ) -> bool:
         """Ban ``peer_id`` unless no other peer in ``usable`` (those the step could use)
         is left unbanned: a layer that bans its last peer cannot train at all, and
         whatever fails every peer is more likely the trainer's side. Returns whether
-        the peer is banned."""
+        the peer is banned. Not ``grow``: never longer than ``seconds`` (slow or loaded,
+        not lying: ExpertDirectory.ban)."""
         directory = self.client.directory
         if not any(p != peer_id and not directory.is_banned(p) for p in usable):
             self.stats.bans_held_back += 1
@@ -491,7 +508,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                 self.name, short(peer_id), reason,
             )  # fmt: skip
             return False
-        self.client.ban(peer_id, reason, seconds)
+        self.client.ban(peer_id, reason, seconds, grow=grow)
         return True
 
     def _note_failure(self, call: Call, outcome: Outcome, usable: set[str]) -> None:
@@ -545,29 +562,39 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         no fault once, but a peer whose every call is late (one that answers ``info``
         and stalls every forward) cost each step that chose it the whole grace, for
         good, and was never banned. ``LATE_STREAK_BAN`` such rounds in a row with no
-        answer from it in between: banned for the client's ``ban_s``."""
+        answer from it in between: banned for the client's ``ban_s``, never longer
+        however often (a volunteer slowed by its own upload limit is not lying)."""
         peer_id = call.peer.peer_id
         streak = _one_more(self._late_streak, peer_id, LATE_STREAK_BAN)
         if streak is None:
             return
         self.stats.failures["late"] += 1
-        if self._ban(peer_id, f"late {streak} times in a row: {call.uid}", None, usable):
+        why = f"late {streak} times in a row: {call.uid}"
+        if self._ban(peer_id, why, None, usable, grow=False):
             # Calls cut off late never time out on their own, so the RPC client's rule
             # for silent connections never saw them: a connection whose other end is
             # gone (a new address, a network that dropped) would be taken again when
             # the ban ends. The next call dials afresh.
             self.client.hang_up(peer_id)
 
-    def _refused_again(self, call: Call, usable: set[str]) -> None:
+    def _refused_again(self, call: Call, usable: set[str], *, later: bool) -> None:
         """A round in which ``call``'s peer refused (each refusal alone is no fault):
         ``REFUSAL_STREAK_BAN`` such rounds in a row with no answer from it in between,
-        and it is banned for the client's ``ban_s``."""
+        and it is banned for the client's ``ban_s``; never longer when every refusal of
+        the streak said "later" (``later``: paused, busy, a ``retry_after_s``...)."""
         peer_id = call.peer.peer_id
+        if not later:
+            self._firm_refusals.add(peer_id)
         streak = _one_more(self._refusal_streak, peer_id, REFUSAL_STREAK_BAN)
         if streak is None:
+            if len(self._firm_refusals) > _MAX_LATE_PEERS:  # those still counted
+                self._firm_refusals &= self._refusal_streak.keys()
             return
+        firm = peer_id in self._firm_refusals
+        self._firm_refusals.discard(peer_id)
         self.stats.failures["refused"] += 1
-        self._ban(peer_id, f"refused {streak} rounds in a row: {call.uid}", None, usable)
+        why = f"refused {streak} rounds in a row: {call.uid}"
+        self._ban(peer_id, why, None, usable, grow=firm)
 
     def _misbehaved(self, peer: PeerAddress, uid: str, reason: str, usable: set[str]) -> None:
         """A peer sent what its peers did not: drop it for ``checks.ban_s``."""
@@ -610,13 +637,14 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         late = {c.peer.peer_id: c for c, o in zip(calls, outcomes, strict=True) if o.late}
         for call in late.values():  # once a round, however many of its calls it had
             self._late_again(call, usable)
-        refused = {
-            c.peer.peer_id: c
-            for c, o in zip(calls, outcomes, strict=True)
-            if isinstance(o.error, RemoteError) and o.error.code in _REFUSALS
-        }
-        for call in refused.values():
-            self._refused_again(call, usable)
+        refused: dict[str, tuple[Call, bool]] = {}  # peer -> a call, all said "later"
+        for c, o in zip(calls, outcomes, strict=True):
+            if isinstance(o.error, RemoteError) and o.error.code in _REFUSALS:
+                later = o.error.code in _LATER or o.error.retry_after_s is not None
+                before = refused.get(c.peer.peer_id, (c, True))[1]
+                refused[c.peer.peer_id] = (c, before and later)
+        for call, later in refused.values():
+            self._refused_again(call, usable, later=later)
         for i, (call, outcome) in enumerate(zip(calls, outcomes, strict=True)):
             reason = verdict.reasons[i]
             if malformed[i]:
