@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +33,8 @@ from volunteerd.net.records import (
     ExpertRecord,
     FindReply,
     FindRequest,
+    ManifestFindReply,
+    ManifestRecord,
     sign_record,
 )
 from volunteerd.net.store import SignedRecordStore, Source, ip_prefix
@@ -337,3 +340,78 @@ async def test_a_bootstrap_peer_that_does_not_answer_is_named_with_a_reason(
     (warning,) = [r.getMessage() for r in caplog.records if "bootstrap peer" in r.getMessage()]
     assert reason in warning
     assert not warning.endswith(": ")
+
+
+class _Answers:
+    """An RPC client whose every find is answered with ``records``."""
+
+    def __init__(self, reply: Any) -> None:
+        self.reply = reply
+        self.asked: list[str] = []
+
+    async def call(self, peer: PeerAddress, verb: Verb, request: Any) -> Any:
+        self.asked.append(peer.peer_id)
+        return self.reply, []
+
+    def forget(self, peer_id: str) -> None:
+        pass
+
+
+def _fresh_reader(reply: Any) -> tuple[ExpertDHT, list[ID]]:
+    """A node just started, with 4 peers (4 voters: each from its own /24) that answer
+    every find with ``reply``; its swarm clock estimates at every sample."""
+    peers = [ID.from_base58(str(peer_id_for(Identity.generate()))) for _ in range(4)]
+    host = _Host({p: [_Conn(f"203.0.{i}.7")] for i, p in enumerate(peers)})
+    dht, _ = _dht(host, _Answers(reply))  # type: ignore[arg-type]
+    ticks = iter(range(1000, 10**6, 2))
+    dht.clock._ticking = lambda: float(next(ticks))  # 2 s between samples: each estimates
+
+    async def candidates(key: str) -> list[ID]:
+        return list(peers)
+
+    dht._candidates = candidates  # type: ignore[method-assign]
+    return dht, peers
+
+
+async def test_a_manifest_days_old_found_first_does_not_set_a_fresh_nodes_clock() -> None:
+    """A manifest's ``issued_at`` is its owner's publish time, found with the same
+    signature for its whole lifetime: a fresh node whose first finds brought a 3-day-old
+    one read every answering peer's clock as 3 days behind, took an offset of
+    -259,200 s ("this computer's clock is ... ahead of the swarm's") and refused fresh
+    records as from the future (a 45-minute soak: 6 of ~17 starts). Only expert
+    records, signed afresh every announce period, are samples of a peer's clock."""
+    owner = Identity.generate()
+    issued = time.time() - 3 * 86400
+    manifest = ManifestRecord(
+        name="exp",
+        owner=str(peer_id_for(owner)),
+        body='{"a":1}',
+        issued_at=issued,
+        expires_at=issued + 7 * 86400,
+    ).signed(owner)
+    dht, peers = _fresh_reader(ManifestFindReply(records=[manifest]))
+    assert await dht.get_manifests("exp") == [manifest]
+    assert len(dht._rpc.asked) == 4  # type: ignore[attr-defined]
+    assert dht.clock.agreed is None
+    assert dht.clock.offset == 0.0
+    assert abs(dht.clock.now() - time.time()) < 5
+
+    # Expert records are still samples: 4 peers whose records say this clock is an hour
+    # behind theirs move it.
+    dht, peers = _fresh_reader(None)
+    writers = [Identity.generate() for _ in peers]
+    ahead = [
+        sign_record(
+            w,
+            str(peer_id_for(w)),
+            key="ffn.",
+            addrs=[ADDR],
+            children=[0],
+            ttl_s=30,
+            now=time.time() + 3600,
+        )
+        for w in writers
+    ]
+    dht._rpc.reply = FindReply(records=ahead)  # type: ignore[attr-defined]
+    await dht.get(["ffn."])
+    assert dht.clock.offset == pytest.approx(3600, abs=30)

@@ -103,11 +103,25 @@ class _Verbs(Generic[R]):
     store_batch: int
     find_batch: int
     explains: bool = False  # store replies say why records were refused (``refused``)
+    # Its records' ``issued_at`` reads their sender's clock (the swarm clock's samples):
+    # expert records, signed afresh every announce period. Not a manifest's, the
+    # owner's publish time, stored and found with the same signature for up to its
+    # lifetime: a fresh node whose first finds were of a 3-day-old manifest took its
+    # clock to be 3 days ahead of the swarm's, and refused every fresh record as one
+    # from the future.
+    clock_samples: bool = True
 
 
 _EXPERT_VERBS = _Verbs(EXPERT_RECORDS, Verb.DHT_STORE, Verb.DHT_FIND, FindRequest, 256, 64)
 _MANIFEST_VERBS = _Verbs(
-    MANIFESTS, Verb.MANIFEST_STORE, Verb.MANIFEST_FIND, ManifestFindRequest, 4, 1, True
+    MANIFESTS,
+    Verb.MANIFEST_STORE,
+    Verb.MANIFEST_FIND,
+    ManifestFindRequest,
+    4,
+    1,
+    explains=True,
+    clock_samples=False,
 )
 
 # The store's refusal reasons (net/store.py) as ``StoreReply.refused`` names them; every
@@ -381,10 +395,11 @@ class ExpertDHT:
             source = self._source(request.peer_id)
             # a peer storing its own records sends them as it signs them: its clock
             writer_of = verbs.kind.writer_of
-            self.clock.observe(
-                _voter(source),
-                (r.issued_at for r in records if writer_of(r) == request.peer_id),
-            )
+            if verbs.clock_samples:
+                self.clock.observe(
+                    _voter(source),
+                    (r.issued_at for r in records if writer_of(r) == request.peer_id),
+                )
             # A record repeated within one request is offered once and its outcome
             # counted for every copy (a second copy would be a repeat of the stored
             # record, or refused again): a forged record sent 196 times in one request
@@ -818,9 +833,10 @@ class ExpertDHT:
                 if reply is None:
                     _failed(outcomes, peer_id, peer_keys)
                     return
-                self.clock.observe(
-                    _voter(self._source(str(peer_id))), (r.issued_at for r in reply.records)
-                )
+                if verbs.clock_samples:
+                    self.clock.observe(
+                        _voter(self._source(str(peer_id))), (r.issued_at for r in reply.records)
+                    )
                 wanted = set(chunk)
                 take(
                     peer_id,

@@ -8,19 +8,21 @@ clock battery, a dual boot that keeps local time in the hardware clock, automati
 turned off) dropped out of the swarm without a word: every record it signed was refused
 by everyone, and it refused theirs as expired or future ones.
 
-Every record a node receives (a peer's store, the answer to a find) is a sample of the
-sender's clock: ``issued_at`` minus this node's wall time now. A peer that stores its
-own records sends them as they are made; a find's answer holds records up to an
-announce period old, so a *voter* (the peer a record came from; on a public network the
-/24 or /48 it connects from, so that a thousand identities behind one address are one
-voter) counts with the newest it sent in the last ``WINDOW_S``. The offset is taken
-only where a strict majority of at least ``MIN_AGREEING`` voters agree on it within
-``AGREE_S``, and it is more than ``ADJUST_OVER_S`` from this clock (a clock within the
-records' own tolerance is left alone: NTP keeps most within a second). Beyond
-``MAX_OFFSET_S`` it is not followed, only reported: a clock days off is for its owner to
-set. The offset is logged as a warning whenever it is taken or changes, naming by how
-much this computer's clock is off. A jump of the wall clock since the last estimate is
-seen by ``now()`` itself, which estimates again at once.
+Every expert record a node receives (a peer's store, the answer to a find) is a sample
+of the sender's clock (not a manifest, whose ``issued_at`` is its owner's publish time,
+up to its lifetime old: ``net/dht.py``, ``_Verbs.clock_samples``): ``issued_at`` minus
+this node's wall time now. A peer that stores its own records sends them as they are
+made; a find's answer holds records up to an announce period old, so a *voter* (the peer
+a record came from; on a public network the /24 or /48 it connects from, so that a
+thousand identities behind one address are one voter) counts with the newest it sent in
+the last ``WINDOW_S``. The offset is taken only where a strict majority of at least
+``MIN_AGREEING`` voters agree on it within ``AGREE_S``, and it is more than
+``ADJUST_OVER_S`` from this clock (a clock within the records' own tolerance is left
+alone: NTP keeps most within a second). Beyond ``MAX_OFFSET_S`` it is not followed, only
+reported: a clock days off is for its owner to set. The offset is logged as a warning
+whenever it is taken or changes, naming by how much this computer's clock is off. A jump
+of the wall clock since the last estimate is seen by ``now()`` itself, which estimates
+again at once.
 
 Samples are kept on a clock that counts a suspend (``awake.awake_time``; Linux's
 ``CLOCK_BOOTTIME``). On ``time.monotonic``, which stops while a laptop sleeps, a night's
