@@ -7,7 +7,7 @@ the round fails reports a diverging model and bans nobody.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -16,6 +16,7 @@ import trio
 
 from volunteerd.errors import RemoteError, RequestTimeout
 from volunteerd.experts import to_wire
+from volunteerd.identity import Identity
 from volunteerd.moe import RemoteMixtureOfExperts
 from volunteerd.moe.checks import (
     BAD_SHAPE,
@@ -26,9 +27,9 @@ from volunteerd.moe.checks import (
     judge_round,
 )
 from volunteerd.moe.client import TrainerClient
-from volunteerd.moe.directory import ExpertDirectory
+from volunteerd.moe.directory import ExpertDirectory, RecordLookup
 from volunteerd.moe.dispatch import Call, Outcome
-from volunteerd.net import PeerAddress, RpcClient, Verb
+from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, peer_id_for, sign_record
 from volunteerd.wire import WireTensor
 
 T = TypeVar("T")
@@ -364,9 +365,9 @@ class _DirectoryClient(TrainerClient):
     """A layer's client whose bans go to a real ``ExpertDirectory`` (nothing is looked
     up: the layer is handed its rounds), on a clock the test moves."""
 
-    def __init__(self) -> None:
+    def __init__(self, dht: RecordLookup | None = None) -> None:
         self.clock = _Clock()
-        self._directory = ExpertDirectory(None, ban_s=60.0, clock=self.clock)  # type: ignore[arg-type]
+        self._directory = ExpertDirectory(dht, ban_s=60.0, clock=self.clock)  # type: ignore[arg-type]
         self._rpc = _HangUps()
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -449,3 +450,57 @@ def test_a_peer_refusing_what_it_should_take_or_lying_is_still_banned_longer_eac
     )
     lengths, _, _ = _ban_lengths(lambda: nan, times=3, streak=1)
     assert lengths == [CHECKS.ban_s, 2 * CHECKS.ban_s, 4 * CHECKS.ban_s]
+
+
+class _Records:
+    """The DHT's answer: each of ``servers`` announces experts 0 and 1 of ``ffn.``."""
+
+    def __init__(self, servers: list[Identity]) -> None:
+        self.servers = servers
+
+    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
+        return {
+            key: [
+                sign_record(
+                    s,
+                    str(peer_id_for(s)),
+                    key=key,
+                    addrs=["/ip4/127.0.0.1/tcp/1"],
+                    children=[0, 1],
+                    ttl_s=30,
+                )
+                for s in self.servers
+            ]
+            for key in keys
+        }
+
+
+def test_an_unknown_expert_answer_drops_that_expert_of_the_peer_not_the_peer() -> None:
+    """A volunteer that re-balanced onto other experts answers ``unknown_expert`` for
+    the ones it left until its new records replace the old: the peer was banned for it,
+    all its experts unused, and longer each time. Now only that expert of that peer is
+    left out (for ``ban_s``, never longer: one announcing an expert it does not serve
+    costs a call per ``ban_s``), and its records are looked up again."""
+    servers = [Identity.generate() for _ in range(2)]
+    a, b = (str(peer_id_for(s)) for s in servers)
+    dht = _Records(servers)
+    client = _DirectoryClient(dht)
+    layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+
+    def offered() -> dict[int, list[str]]:
+        found = client.run(directory.children, ["ffn."])["ffn."]
+        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
+
+    assert offered() == {0: [a, b], 1: [a, b]}
+    for _ in range(4):
+        good = answers(1.0, 1)[0]
+        calls, outcomes = _round([good, good], "ab")
+        calls[0] = Call("ffn.0", PeerAddress(a, ()), None, [], calls[0].rows)
+        outcomes[0] = _refused("unknown_expert")
+        layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+        assert not directory.is_banned(a), "its other experts are still chosen"
+        assert offered() == {0: [b], 1: [a, b]}
+        client.clock.now += 60.0  # held for ban_s each time, never longer
+        assert offered() == {0: [a, b], 1: [a, b]}
+    assert layer.stats.failures["unknown_expert"] == 4

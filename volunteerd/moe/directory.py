@@ -159,6 +159,9 @@ class ExpertDirectory:
         # (peer id, relay id) -> until when that peer's circuits through that relay are
         # left out (RELAY_HOLD_S)
         self._relay_holds: dict[tuple[str, str], float] = {}
+        # (peer id, uid) -> until when that peer is not offered for that expert
+        # (``expert_gone``)
+        self._expert_holds: dict[tuple[str, str], float] = {}
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
@@ -208,16 +211,20 @@ class ExpertDirectory:
         now = self._clock()
         self._banned = {p: t for p, t in self._banned.items() if t > now}
         self._relay_holds = {k: t for k, t in self._relay_holds.items() if t > now}
+        self._expert_holds = {k: t for k, t in self._expert_holds.items() if t > now}
         out: dict[str, Children] = {}
         for prefix in wanted:
             entry = self._cache[prefix]
             entry.used_at = now
             out[prefix] = {}
             for child, peers in entry.children.items():
+                uid = f"{prefix}{child}" if prefix.endswith(".") else prefix
                 alive = [
                     q
                     for q in map(self._without_held_relays, peers)
-                    if q is not None and self._offered(q.peer_id)
+                    if q is not None
+                    and self._offered(q.peer_id)
+                    and (q.peer_id, uid) not in self._expert_holds
                 ]
                 if self._verify is not None:
                     alive.sort(key=lambda p: self._verified[p.peer_id])
@@ -277,6 +284,30 @@ class ExpertDirectory:
             reason,
         )
         return True
+
+    def expert_gone(self, peer_id: str, uid: str, reason: str) -> None:
+        """``peer_id`` answered that it does not host ``uid`` (``unknown_expert``): offer
+        it for that expert no more for ``ban_s`` (its other experts stay offered), and
+        look the records listing it up again beside the next ``children``. A volunteer
+        that re-balanced onto other experts announces that within an announce period,
+        and its new records no longer list ``uid``; banned for it, it went unused
+        whole, and longer each time. One that keeps announcing an expert it does not
+        serve costs a call for that expert per ``ban_s``, never growing (no lie about
+        answers: it refuses)."""
+        self._expert_holds[(peer_id, uid)] = self._clock() + self._ban_s
+        while len(self._expert_holds) > _MAX_OFFENDERS:
+            del self._expert_holds[next(iter(self._expert_holds))]
+        for entry in self._cache.values():
+            if any(p.peer_id == peer_id for ps in entry.children.values() for p in ps):
+                entry.fetched_at = -math.inf  # refreshed beside the next step
+        self.ban_reasons["unknown_expert"] += 1
+        logger.info(
+            "not choosing %s for %s for %.0fs (its other experts still are): %s",
+            short(peer_id),
+            uid,
+            self._ban_s,
+            reason,
+        )
 
     def _offered(self, peer_id: str) -> bool:
         if peer_id in self._banned:

@@ -525,6 +525,12 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                 # alive, just loaded (or forgetful, or refusing what we sent): choose it
                 # again later
                 return
+            if error.code == "unknown_expert":
+                # It does not host that expert (any more: a volunteer that re-balanced
+                # onto others, its new records on the way): not chosen for it for a
+                # while, its other experts still are (ExpertDirectory.expert_gone).
+                self._expert_gone(call.peer.peer_id, call.uid, f"{error}")
+                return
             reason = error.code
         elif isinstance(error, RequestTimeout):
             reason = "timeout"
@@ -550,6 +556,12 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             # the ban ended, and the peer banned for twice as long (an outside probe:
             # 3 min 15 s without its experts). The next call dials afresh.
             self.client.hang_up(call.peer.peer_id)
+
+    def _expert_gone(self, peer_id: str, uid: str, reason: str) -> None:
+        async def gone() -> None:
+            self.client.directory.expert_gone(peer_id, uid, reason)
+
+        self.client.run(gone)
 
     def _relay_failed(self, peer: PeerAddress, reason: str, every_circuit: bool) -> bool:
         async def hold() -> bool:

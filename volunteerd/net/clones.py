@@ -5,7 +5,7 @@ A data folder copied to a second computer (or a lab imaging one PC onto twenty) 
 tells them apart: storing peers keep one record per (key, writer), so the copies'
 records overwrite each other; a trainer's one connection per peer id reaches whichever
 copy it dialled, and its calls for the other copies' experts fail with
-``unknown_expert`` until the shared id is banned, every copy's experts with it; copies
+``unknown_expert`` (each such expert left out by the trainer for a while); copies
 hosting the same expert never average with each other (a node's own records are left
 out of its replica lookups), and one that stops withdraws the records of the others.
 An outside audit saw all of it, and nothing told the volunteer.
