@@ -81,6 +81,95 @@ async def test_a_new_rate_applies_to_waiters_at_once(autojump_clock: trio.abc.Cl
     assert done_at == [start + 1]
 
 
+PIECE = 64 * 1024
+
+
+async def test_a_dht_message_waits_one_bulk_piece_not_the_whole_queue(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """2 Mbit/s up, 32 replies going out in 64 KiB pieces: a ~2 KB DHT store waited for
+    every piece queued ahead of it (32 x 0.26 s; past the DHT's 5 s its peer was
+    forgotten, and the node said its announcements reached no other peer). Urgent, it
+    waits for one piece at most; the bulk bytes keep the rate."""
+    throttle = Throttle(LimitsConfig(upload_mbit=2))  # 250,000 bytes a second
+    bucket = throttle.up
+    bulk_bytes = 0
+
+    async def reply() -> None:
+        nonlocal bulk_bytes
+        while True:
+            await bucket.consume(PIECE)
+            bulk_bytes += PIECE
+
+    waited = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(32):
+            nursery.start_soon(reply)
+        await trio.sleep(5.0)  # the queue is full
+        for _ in range(10):
+            start = trio.current_time()
+            await throttle.sent(2000, urgent=True)
+            waited.append(trio.current_time() - start)
+            await trio.sleep(1.0)
+        stream = ThrottledStream(FakeStream(), throttle, urgent=True)  # type: ignore[arg-type]
+        start = trio.current_time()
+        await stream.write(b"s" * 2000)
+        waited.append(trio.current_time() - start)
+        nursery.cancel_scope.cancel()
+    piece_s = PIECE / bucket.rate
+    assert max(waited) <= piece_s + 0.01, waited
+    elapsed = trio.current_time()
+    # everything that went out kept to the rate (the first burst aside)
+    assert bulk_bytes + 11 * 2000 <= bucket.rate * elapsed + bucket.burst + PIECE
+
+
+async def test_bulk_bytes_get_every_other_turn_however_many_urgent_ones_come(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Urgent waiters take turns with bulk ones, not precedence: a flood of them (peers
+    asking this node's DHT for 48 KB answers) still leaves bulk replies half the turns."""
+    bucket = TokenBucket(250_000)
+    took = {"bulk": 0, "urgent": 0}
+
+    async def pump_forever(urgent: bool, n: int) -> None:
+        while True:
+            await bucket.consume(n, urgent=urgent)
+            took["urgent" if urgent else "bulk"] += n
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(16):
+            nursery.start_soon(pump_forever, True, 48_000)
+        nursery.start_soon(pump_forever, False, PIECE)
+        await trio.sleep(20.0)
+        nursery.cancel_scope.cancel()
+    total = took["bulk"] + took["urgent"]
+    assert total <= 250_000 * 20 + bucket.burst + PIECE, "the rate holds for both together"
+    assert took["bulk"] >= 0.5 * total, took  # 64 KB a turn against 48 KB
+
+
+async def test_a_cancelled_waiter_gives_its_turn_to_the_other_class(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    bucket = TokenBucket(250_000)
+    await bucket.consume(int(bucket.burst))  # empty, and the urgent class's turn next
+    done: list[float] = []
+
+    async def urgent_then_gone() -> None:
+        with trio.move_on_after(0.05):
+            await bucket.consume(PIECE, urgent=True)
+
+    async def bulk() -> None:
+        await trio.sleep(0.001)
+        await bucket.consume(1000)
+        done.append(trio.current_time())
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(urgent_then_gone)
+        nursery.start_soon(bulk)
+    assert done[0] - start <= 0.06, "not a whole piece's time (0.26 s) later"
+
+
 class FakeStream:
     """Just enough of an INetStream for the wrapper."""
 

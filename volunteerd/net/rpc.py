@@ -120,6 +120,12 @@ _REPLIES_WITH_BODY = frozenset(
 # then still hears the refusal, ``busy``, and retries).
 _BULK_VERBS = frozenset({Verb.PARAMS, Verb.SHARD})
 BULK_AT_ONCE = 4
+# Verbs whose streams take turns with bulk bytes under an upload or download limit
+# rather than queue behind them (``net/throttle.py``, ``TokenBucket``): the DHT's record
+# messages, small, and what keeps this node findable and its peers known. Behind every
+# reply piece going out at 2 Mbit/s, a store timed out, its peer was forgotten, and a
+# volunteer with 7 peers connected said its announcements reached none.
+URGENT_VERBS = frozenset({Verb.DHT_STORE, Verb.DHT_FIND, Verb.MANIFEST_STORE, Verb.MANIFEST_FIND})
 
 # The slowest a bulk reply may go out and still be waited for (bytes a second: 256
 # kbit/s, the replica averager's ``MIN_REPLY_RATE``): a caller waits ``request_s`` for
@@ -332,7 +338,7 @@ class RpcServer:
 
         async def on_stream(stream: Stream) -> None:
             if self._throttle is not None:
-                stream = self._throttle.wrap(stream)
+                stream = self._throttle.wrap(stream, urgent=verb in URGENT_VERBS)
             await self._serve_stream(spec, stream)
 
         self._host.set_stream_handler(spec.protocol_id, on_stream)
@@ -1095,7 +1101,9 @@ class RpcClient:
             raise StreamTimedOut(
                 f"{short(peer.peer_id)}: no stream within {self._timeouts.connect_s}s"
             ) from None
-        return stream if self._throttle is None else self._throttle.wrap(stream)
+        if self._throttle is None:
+            return stream
+        return self._throttle.wrap(stream, urgent=spec.verb in URGENT_VERBS)
 
     async def connect(self, peer: PeerAddress) -> None:
         """Open a connection to ``peer`` (no stream) unless one is open. Raises
