@@ -272,3 +272,26 @@ def test_idle_and_unheard_is_cut_off_not_waiting_for_work() -> None:
     assert decide_activity(signals(unheard=True)).state == "contributing"
     # no peer at all says so first
     assert decide_activity(signals(connected_peers=0, unheard=True)).message == "no peers"
+
+
+def test_with_an_upload_limit_idle_and_unheard_names_the_limit_not_the_connection() -> None:
+    """A volunteer limited to 2 Mbit/s up, 7 peers connected, whose DHT stores timed out
+    behind its replies: "cut off ... check the internet connection" (a soak)."""
+    idle = NOW - WAITING_AFTER_S - 1
+    activity = decide_activity(
+        signals(last_answered_at=idle, unheard=True, connected_peers=7, upload_mbit=2.0)
+    )
+    assert activity.state == "no_peers"
+    assert activity.message == "its announcements reach no other peer"
+    assert "upload limit (2 Mbit/s)" in activity.hint
+    assert "volunteerd limit --up" in activity.hint
+    assert "internet connection" in activity.hint  # it may still be that
+
+
+def test_waiting_for_work_with_an_upload_limit_says_trainers_may_pass_it_over() -> None:
+    idle = NOW - WAITING_AFTER_S - 1
+    activity = decide_activity(signals(last_answered_at=idle, upload_mbit=0.5))
+    assert (activity.state, activity.message) == ("waiting", "waiting for work")
+    assert "upload limit of 0.5 Mbit/s" in activity.hint
+    assert "slow" in activity.hint
+    assert "slow" not in decide_activity(signals(last_answered_at=idle)).hint

@@ -16,8 +16,10 @@ passes them in. The first rule that holds decides::
     unreachable     peers cannot dial this node and no relay carries its connections
     no_peers        no expert call answered in the last ``WAITING_AFTER_S`` and the
                     last announcements reached no other peer ("cut off": connections
-                    that died with the network, or no bootstrap peers)
+                    that died with the network, or no bootstrap peers; with an upload
+                    limit set, that limit may be why, and it is named first)
     waiting         serving, but no expert call answered in the last ``WAITING_AFTER_S``
+                    (with an upload limit set: trainers may pass slow experts over)
     contributing    otherwise
 """
 
@@ -80,6 +82,7 @@ class Signals:
     # download only then, so a join waits while the daemon is held back.
     network: bool = True
     quota: str | None = None  # the quota used up: "monthly" or "daily" (mode "quota")
+    upload_mbit: float = 0.0  # the volunteer's upload limit (0: none)
 
 
 def decide_activity(s: Signals) -> Activity:
@@ -108,6 +111,20 @@ def decide_activity(s: Signals) -> Activity:
     if not s.serving:
         return _activity("waiting", "resuming", "the experts are being put back to work")
     idle = s.last_answered_at is None or s.now - s.last_answered_at > WAITING_AFTER_S
+    limited = f"{s.upload_mbit:g} Mbit/s" if s.upload_mbit > 0 else ""
+    if idle and s.unheard and limited:
+        # Peers connected and an upload limit: its messages may be what is slow (they
+        # wait their turn among the replies going out), not the network. "Cut off"
+        # blamed the internet connection of a volunteer with 7 peers connected.
+        return _activity(
+            "no_peers",
+            "its announcements reach no other peer",
+            "trainers find experts through other peers, and none keeps its records now: "
+            f"its upload limit ({limited}) may be too low for what it hosts (raise it "
+            "with `volunteerd limit --up MBIT` or in the dashboard's limits); if not, "
+            "check the internet connection (it joins through its bootstrap peers again "
+            "by itself)",
+        )
     if idle and s.unheard:
         return _activity(
             "no_peers",
@@ -117,11 +134,17 @@ def decide_activity(s: Signals) -> Activity:
             "itself); without bootstrap peers, only trainers that dial it directly find it",
         )
     if idle:
+        slow = (
+            f" (with its upload limit of {limited}, trainers may pass its experts over "
+            "as slow for a while)"
+            if limited
+            else ""
+        )
         return _activity(
             "waiting",
             "waiting for work",
             f"ready with {_experts(s.experts)} and {s.connected_peers} peers; no trainer "
-            f"has called them in the last {WAITING_AFTER_S / 60:g} minutes",
+            f"has called them in the last {WAITING_AFTER_S / 60:g} minutes{slow}",
         )
     return _activity("contributing", "contributing")
 

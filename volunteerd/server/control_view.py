@@ -251,6 +251,7 @@ class ControlView:
             unheard=self._unheard(),
             network=self._volunteer.network_allowed,
             quota=state.quota,
+            upload_mbit=self._volunteer.limits.upload_mbit,
         )
         return Status(**fields, activity=decide_activity(signals))
 
