@@ -56,7 +56,7 @@ _LOCALTIME = Path("/etc/localtime")
 # ASCII digits: "\d" takes Arabic-Indic ones, which glibc does not: TZ=UTC+5 in them is UTC,
 # not UTC-05:00
 _POSIX_TZ = re.compile(r"(<[^>]+>|[A-Za-z]{3,})[+-]?[0-9]")
-_UTC_PLUS = re.compile(r"(?:UTC|GMT|UT)([+-])([0-9]{1,2})(?::?([0-9]{2}))?", re.IGNORECASE)
+_UTC_PLUS = re.compile(r"(?:UTC|GMT)([+-])([0-9]{1,2})(?::?([0-9]{2}))?", re.IGNORECASE)
 
 
 def follow_zone() -> None:
@@ -161,12 +161,21 @@ def zone_name() -> str:
 
 
 def _zone_file_exists(name: str) -> bool:
-    if name.startswith("/"):
-        return Path(name).is_file()
-    if ".." in Path(name).parts:
-        return False
+    """Whether ``name`` is a zone file (an absolute path, or under the zone folders),
+    as glibc would find it. A name the file system cannot take (300 characters: "File
+    name too long", a folder the daemon may not read) is none: it stopped the daemon
+    at start (a re-check)."""
     folders = [os.environ.get("TZDIR") or "/usr/share/zoneinfo", *zoneinfo.TZPATH]
-    return any(Path(folder, name).is_file() for folder in folders)
+    paths = [Path(name)] if name.startswith("/") else [Path(folder, name) for folder in folders]
+    return any(_is_zone_file(path) for path in paths)
+
+
+def _is_zone_file(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            return file.read(4) == b"TZif"  # what every zone file begins with
+    except (OSError, ValueError):
+        return False
 
 
 def offset_words(offset_s: int) -> str:

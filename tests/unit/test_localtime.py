@@ -187,6 +187,20 @@ def test_a_zone_name_or_a_posix_string_is_not_warned_about(tz: str) -> None:
     assert localtime.zone_warning(tz) is None
 
 
+@pytest.mark.parametrize("tz", ["/etc/passwd", "UT+1", "x" * 300, "Europe/" + "x" * 5000])
+def test_what_is_no_zone_file_is_warned_about_and_stops_nothing(tz: str) -> None:
+    """A file that is no zone file, a name glibc does not read as POSIX ("UT" is two
+    letters: UTC+0 with no name, not UTC-01:00), and names too long for the file
+    system ("File name too long" stopped the daemon at start, exit 5: a re-check)."""
+    warning = localtime.zone_warning(tz)
+    assert warning is not None
+    assert "names no time zone" in warning
+
+
+def test_a_zone_path_through_dot_dot_is_a_zone_as_glibc_reads_it() -> None:
+    assert localtime.zone_warning("Europe/../Europe/Berlin") is None
+
+
 def test_a_name_with_no_zone_file_is_warned_about_as_utc() -> None:
     warning = localtime.zone_warning("Europe/Berln")
     assert warning is not None
