@@ -148,6 +148,59 @@ async def test_a_strangers_claim_of_a_long_quota_is_held_to_a_day(
         nursery.cancel_scope.cancel()
 
 
+class Fakes(Swarm):
+    """Eight fake replicas, listed first (announcing longer), refuse "busy" with a short
+    ``retry_after_s``; "honest", listed last, answers."""
+
+    FAKES = [f"fake{i}" for i in range(8)]  # max_peers of them
+
+    async def replicas(self, uid: str) -> list[str]:
+        return [*self.FAKES, "honest"]
+
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        return await super().fetch(
+            "spent" if peer_id.startswith("fake") else peer_id, uid, max_bytes=max_bytes
+        )
+
+
+@pytest.mark.usefixtures("inline_threads")
+@pytest.mark.parametrize("retry_after_s", [0.001, 1.0])
+async def test_short_spent_claims_do_not_keep_an_honest_newcomer_out(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, retry_after_s: float
+) -> None:
+    """A short claim holds a peer off for a failure's backoff at least, a peer that
+    refused sorts after never-asked ones, and after two claims in a row a refusal is a
+    failure. Believed for any time and counted as nothing, 8 fakes answering "busy" for
+    1 s were never-asked peers every round and took all 8 places: the honest replica
+    was averaged in 0 of 24 rounds, and the claims logged 192 times."""
+    runtime = ExpertRuntime(
+        ["ffn.0.0"],
+        ExpertsConfig(hidden_dim=16),
+        RuntimeConfig(device="cpu"),
+        WireLimits(),
+        torch.device("cpu"),
+    )
+    swarm = Fakes(runtime, "busy", retry_after_s)
+    now = [1000.0]
+    averager = ReplicaAverager(
+        runtime, swarm, ReplicasConfig(average_every_s=ROUND_S), clock=lambda: now[0]
+    )
+    averaged = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.serve)
+        with caplog.at_level(logging.INFO, logger="volunteerd.runtime.averaging"):
+            for _ in range(12):  # two hours
+                averaged.append(await averager.run_round())
+                now[0] += ROUND_S
+        nursery.cancel_scope.cancel()
+    assert averaged == [0] + [1] * 11  # the fakes had the first round's 8 places
+    claims = [r.getMessage() for r in caplog.records if "quota used up" in r.getMessage()]
+    assert len(claims) == 2 * len(Fakes.FAKES)  # each believed twice in a row, then failing
+    assert averager.statistics().rejected["unreachable"] >= len(Fakes.FAKES)
+
+
 # ----------------------------------------------------- a paused node says until when
 
 

@@ -31,8 +31,10 @@ refused is not asked again for a while, twice as long after each failure in a ro
 ``max_peers`` calls, each fake is tried once per backoff, and an honest replica found
 once keeps being averaged with however many fakes are listed. A replica that refuses
 saying until when (``retry_after_s``: its transfer quota, or its bulk replies' share of
-it, used up) is not asked until then, a day at most, and stays a good replica: logged
-once ("quota used up until 14:05"), not dropped as unreachable every backoff. What is
+it, used up) is not asked until then, a day at most and a failure's backoff at least, and
+stays a good replica: logged once ("quota used up until 14:05"), not dropped as
+unreachable every backoff. Such a claim is believed twice in a row (``_SPENT_CLAIMS``),
+then counts as a failure, and a peer that made one sorts after never-asked ones. What is
 remembered, and the per-peer counters, are bounded (``_MAX_REMEMBERED`` peers each).
 
 How long a round takes: a replica must send its parameters within ``FIRST_REPLY_S``
@@ -155,6 +157,13 @@ _MAX_BACKOFF_S = 3600.0  # the longest a failed peer goes unasked
 # codes such a refusal comes with (as the joiner's ``_LATER_CODES``).
 _SPENT_CODES = frozenset({"busy", "rate_limited", "paused"})
 _SPENT_MOST_S = 86400.0
+# Such a claim holds a peer off for the backoff a failure would get at least, and is
+# believed _SPENT_CLAIMS times in a row (until it gives parameters again, as the joiner's
+# ``_SPENT_CLAIMS``): after that a refusal is a failure. Believed for any time, with no
+# failure counted, 8 fake replicas refusing "busy" for 1 s were never-asked peers each
+# round, listed before an honest newcomer, and took all 8 places: it was averaged in 0 of
+# 24 rounds, and the claims were logged 192 times (a re-check).
+_SPENT_CLAIMS = 2
 # A replica must begin to answer within this (trainers' ``FIRST_REPLY_S``)...
 FIRST_REPLY_S = 5.0
 # ...and send its parameters at this rate at least (bytes a second: 256 kbit/s, below
@@ -285,6 +294,7 @@ class ReplicaAverager:
         self._good: OrderedDict[str, float] = OrderedDict()  # peer -> when last used
         self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
         self._spent: OrderedDict[str, float] = OrderedDict()  # peer -> not asked until
+        self._spent_claims: OrderedDict[str, int] = OrderedDict()  # -> such refusals in a row
         self._rounds_run = 0
         self._turns: dict[str, int] = {}  # hosted uid -> the round it was last gathered in
         self._awake_clock = awake_clock
@@ -660,9 +670,7 @@ class ReplicaAverager:
                         except VolunteerdError as exc:
                             self._unfetched(counted)
                             until = _spent_for(exc)
-                            if until is not None:
-                                self._spend(peer_id, until)
-                            else:
+                            if until is None or not self._spend(peer_id, until):
                                 self._reject(peer_id, "unreachable", str(exc))
                             return
                 except trio.Cancelled:
@@ -679,6 +687,7 @@ class ReplicaAverager:
                     self._reject(peer_id, params, f"{uid}: {params}")
                     return
                 self._failed.pop(peer_id, None)
+                self._spent_claims.pop(peer_id, None)  # it gives again: a new day
                 remember(self._good, peer_id, self._clock(), _MAX_REMEMBERED)
                 replies.append((peer_id, params))
 
@@ -720,7 +729,7 @@ class ReplicaAverager:
         """Up to ``max_peers`` of the peers the DHT lists for a uid (in its order): not
         those failing lately; replicas used before first (a random choice, one place
         kept for a new peer while there is one), then new ones in the listed order, those
-        never asked before those asked again after a backoff."""
+        never asked before those asked again after a backoff or a spent refusal."""
         now, limit = self._clock(), self._config.max_peers
         usable = [
             p
@@ -728,9 +737,11 @@ class ReplicaAverager:
             if self._failed.get(p, (0.0, 0))[0] <= now and self._spent.get(p, 0.0) <= now
         ]
         good = [p for p in usable if p in self._good]
-        # never asked first, then those whose backoff is over (fewest failures first)
+        # never asked first, then those whose backoff or claimed time is over (fewest
+        # failures and spent refusals in a row first)
         new = sorted(
-            (p for p in usable if p not in self._good), key=lambda p: self._failed.get(p, (0, 0))[1]
+            (p for p in usable if p not in self._good),
+            key=lambda p: self._failed.get(p, (0, 0))[1] + self._spent_claims.get(p, 0),
         )
         known = self._rng.sample(good, min(len(good), limit - 1 if new and limit > 1 else limit))
         chosen = known + new[: limit - len(known)]
@@ -790,14 +801,21 @@ class ReplicaAverager:
         )
         return len(replies), at_tau
 
-    def _spend(self, peer_id: str, retry_after_s: float) -> None:
-        """Leave ``peer_id`` unasked for ``retry_after_s`` (a day at most): its quota
-        for bulk replies is used up. Not a failure: it stays a good replica, and its
-        backoff is not lengthened. Logged once, not each round."""
+    def _spend(self, peer_id: str, retry_after_s: float) -> bool:
+        """Leave ``peer_id`` unasked for ``retry_after_s`` (a day at most; at least the
+        backoff a failure would get): its quota for bulk replies is used up. Not a
+        failure: it stays a good replica, and its backoff is not lengthened. Logged once
+        a claim, not each round. False when it has made ``_SPENT_CLAIMS`` such claims in
+        a row already (a failure, then)."""
         now = self._clock()
         if self._spent.get(peer_id, 0.0) > now:
-            return  # another expert's fetch of the same round: said already
-        left = min(retry_after_s, _SPENT_MOST_S)
+            return True  # another expert's fetch of the same round: said already
+        claims = self._spent_claims.get(peer_id, 0)
+        if claims >= _SPENT_CLAIMS:
+            return False
+        remember(self._spent_claims, peer_id, claims + 1, _MAX_REMEMBERED)
+        failures = self._failed.get(peer_id, (0.0, 0))[1]
+        left = max(min(retry_after_s, _SPENT_MOST_S), self._backoff_s(failures + 1))
         remember(self._spent, peer_id, now + left, _MAX_REMEMBERED)
         wall = self._wall_clock()
         logger.info(
@@ -806,6 +824,11 @@ class ReplicaAverager:
             clock_time(wall + left, wall),
             span(left),
         )
+        return True
+
+    def _backoff_s(self, failures: int) -> float:
+        """How long a peer goes unasked after ``failures`` failures in a row."""
+        return min(_MAX_BACKOFF_S, self._config.average_every_s * 2 ** min(failures - 1, 20))
 
     def _reject(self, peer_id: str, reason: str, detail: str) -> None:
         counts = self._counts
@@ -820,8 +843,9 @@ class ReplicaAverager:
             logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
             return
         failures += 1
-        backoff = min(_MAX_BACKOFF_S, self._config.average_every_s * 2 ** min(failures - 1, 20))
-        remember(self._failed, peer_id, (now + backoff, failures), _MAX_REMEMBERED)
+        remember(
+            self._failed, peer_id, (now + self._backoff_s(failures), failures), _MAX_REMEMBERED
+        )
         logger.info("replica %s dropped (%s): %s", peer_id[-8:], reason, detail[:200])
 
     def statistics(self) -> AveragingStats:
