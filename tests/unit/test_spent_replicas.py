@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -285,3 +285,67 @@ async def test_a_node_paused_for_its_quota_tells_bulk_callers_until_when(
         assert told[Verb.FORWARD] == ("paused", None)
         await client.aclose()
         nursery.cancel_scope.cancel()
+
+
+class QuotaUntil(Swarm):
+    """One replica, "spent", whose quota is used up until a wall-clock time."""
+
+    def __init__(self, runtime: ExpertRuntime, wall: Callable[[], float], until: float) -> None:
+        super().__init__(runtime, "busy", 0.0)
+        self.wall, self.until = wall, until
+
+    async def replicas(self, uid: str) -> list[str]:
+        return ["spent"]
+
+    async def fetch(
+        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+    ) -> tuple[ParamsReply, list[WireTensor]]:
+        self.retry_after_s = self.until - self.wall()
+        if self.retry_after_s <= 0:
+            self.calls[peer_id] += 1
+            return await super().fetch("honest", uid, max_bytes=max_bytes)
+        return await super().fetch(peer_id, uid, max_bytes=max_bytes)
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_a_spent_replicas_time_counts_the_night_the_laptop_slept(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A replica's quota is used up at 18:00 until midnight; this laptop sleeps 18:00 to
+    08:00 and catches up on waking with that replica. On time.monotonic (stopped in the
+    sleep) the replica was skipped 14 h more and the expert served un-caught-up after
+    CATCH_UP_S; the averager's deadlines go by the clock that counts the sleep."""
+    runtime = ExpertRuntime(
+        ["ffn.0.0"],
+        ExpertsConfig(hidden_dim=16),
+        RuntimeConfig(device="cpu"),
+        WireLimits(),
+        torch.device("cpu"),
+    )
+    slept = [0.0]
+    t0 = trio.current_time()
+    wall0 = NOON + 6 * HOUR  # 18:00
+
+    def awake() -> float:  # CLOCK_BOOTTIME: counts the sleep
+        return 1000.0 + trio.current_time() - t0 + slept[0]
+
+    def wall() -> float:
+        return wall0 + trio.current_time() - t0 + slept[0]
+
+    swarm = QuotaUntil(runtime, wall, until=wall0 + 6 * HOUR)
+    averager = ReplicaAverager(
+        runtime,
+        swarm,
+        ReplicasConfig(average_every_s=ROUND_S),
+        awake_clock=awake,
+        wall_clock=wall,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.serve)
+        assert await averager.run_round() == 0  # 18:00: refused until midnight
+        assert swarm.calls == {"spent": 1}
+        slept[0] = 14 * HOUR  # 18:00 -> 08:00
+        await averager.catch_up(14 * HOUR)  # what watch_freezes does on waking
+        nursery.cancel_scope.cancel()
+    assert swarm.calls["honest"] >= 1  # it gave: asked again, not skipped till 14:00
+    assert averager.statistics().averaged >= 1

@@ -275,7 +275,7 @@ class ReplicaAverager:
         source: ReplicaSource,
         config: ReplicasConfig,
         rng: random.Random | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         *,
         awake_clock: Callable[[], float] = awake_time,
         wall_clock: Callable[[], float] = time.time,
@@ -289,7 +289,10 @@ class ReplicaAverager:
         self._lookup_s = lookup_s  # the most ``source.replicas`` takes
         self._budget = budget  # a transfer quota's share for fetches; None: no quota
         self._rng = rng or random.Random()
-        self._clock = clock
+        # Backoffs and spent replicas' deadlines: ``awake_clock`` unless given. On
+        # time.monotonic, which stops while the machine sleeps, a replica whose quota
+        # was used up until midnight was skipped 14 h more after a 14 h suspend.
+        self._clock = clock or awake_clock
         self._counts = _Counters()
         self._good: OrderedDict[str, float] = OrderedDict()  # peer -> when last used
         self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
