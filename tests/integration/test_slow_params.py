@@ -12,11 +12,12 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from volunteerd.config import WireLimits
 from volunteerd.net import PROTOCOLS, Verb
 from volunteerd.net.framing import read_prefix
 from volunteerd.net.host import Libp2pStream
 from volunteerd.testing import local_config, open_daemon, open_peer
-from volunteerd.wire import encode_frame
+from volunteerd.wire import encode_frame, parse_prefix
 from volunteerd.wire.messages import ParamsRequest
 
 # Real libp2p nodes on loopback, in wall-clock time.
@@ -104,3 +105,46 @@ async def test_a_reader_that_stops_reading_big_parameters_is_cut(tmp_path: Path)
             assert rpc.inflight_bytes == 0
             assert "caller_gone" not in rpc.stats.errors
             await stream.reset()
+
+
+async def test_a_reader_at_40_kib_s_takes_a_params_reply_whole(tmp_path: Path) -> None:
+    """A peer reads ~1 MB of parameters at 40 KiB/s (above the bulk rate, 32 KiB/s): it
+    gets them whole. Its Yamux gives credit once per 256 KiB read, ~6.4 s apart; the
+    library's writer gave up after 5 s without credit, so every reader slower than ~52
+    KiB/s was reset at ~640 KiB (a re-check: a volunteer downloading at 0.3-0.45 Mbit/s
+    could not average a 2.1 MB expert)."""
+    rate = 40 << 10
+    async with open_peer(local_config()) as boot:
+        config = local_config(
+            bootstrap=boot.multiaddrs, uids=UID, experts={"hidden_dim": 176}, replicas=NO_TIMER
+        )
+        async with (
+            open_daemon(config, tmp_path / "d") as server,
+            open_peer(local_config(bootstrap=boot.multiaddrs)) as reader,
+        ):
+            size = sum(
+                p.numel() * p.element_size()
+                for p in server.runtime.backend(UID).module.parameters()
+            )
+            assert size > 900_000
+            stream = await reader.host.new_stream(
+                ID.from_base58(server.node.peer_id),
+                [TProtocol(PROTOCOLS[Verb.PARAMS].protocol_id)],
+            )
+            await stream.write(encode_frame(ParamsRequest(uid=UID)))
+            with trio.fail_after(size / rate + 120):  # a hang guard only
+                prefix = await read_prefix(Libp2pStream(stream))
+                assert prefix is not None
+                limits = WireLimits()
+                sizes = parse_prefix(
+                    prefix,
+                    max_header_bytes=limits.max_header_bytes,
+                    max_body_bytes=limits.max_body_bytes,
+                )
+                assert sizes.body_bytes == size
+                left = sizes.header_bytes + sizes.body_bytes
+                while left:  # reset by the server before: StreamEOF
+                    data = await stream.read(min(8192, left))
+                    left -= len(data)
+                    await trio.sleep(len(data) / rate)  # 40 KiB/s at most
+            assert server.node.server.stats.errors == {}
