@@ -342,3 +342,41 @@ async def test_readers_at_the_bulk_rate_or_behind_the_servers_own_queue_are_not_
     assert took["at the rate"] == pytest.approx(size / BULK_MIN_RATE, rel=0.05)
     assert behind_by > BULK_MIN_RATE * REQUEST_S  # counted whole, it fell behind
     assert took["behind the own queue"] < REQUEST_S + size / BULK_MIN_RATE
+
+
+async def test_the_pace_follows_an_upload_limit_lifted_during_the_reply(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A stranger asks for 8 MiB of parameters while the volunteer's upload limit is
+    0.1 Mbit/s (the pace: a quarter of it), the limit is lifted a second later, and the
+    stranger reads at 4 KiB/s: it is cut as a slow reader about ``request_s`` after its
+    reply began, as on a reply begun without a limit. With the pace taken once, at the
+    reply's start, it held its bulk slot 2168 s."""
+    size = 8 << 20
+    network = MemoryNetwork()
+    throttle = Throttle(LimitsConfig(upload_mbit=0.1))
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params_of(size)},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            throttle,
+        )
+        server.install()
+        async with network.open_host(ip="10.0.0.9") as host, trio.open_nursery() as nursery:
+            network.set_link(server_host, host, Link(bytes_per_s=4 << 10))
+            began = trio.current_time()
+            stream = await host.open_stream(server_host.address, PARAMS)
+            await stream.write(encode_frame(ParamsRequest(uid="ffn.0.0")))
+            nursery.start_soon(_read_until_cut, stream)
+            await trio.sleep(1)
+            throttle.set_rates(0, 0)
+            with trio.fail_after(3 * REQUEST_S):
+                while server._bulk.busy:  # noqa: ASYNC110
+                    await trio.sleep(1)
+            held_s = trio.current_time() - began
+            nursery.cancel_scope.cancel()
+    assert server.stats.errors["slow_reader"] == 1
+    assert held_s < 2 * REQUEST_S

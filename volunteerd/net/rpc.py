@@ -590,7 +590,10 @@ class RpcServer:
         frame_read_s (~2 KiB/s) held one of the ``BULK_AT_ONCE`` slots until the
         ``deadline``: ~18 min for 33.6 MB of parameters, and four of them from four
         addresses left honest callers 1 of 20 requests answered (an outside audit). Its
-        caller gives up on a reply that slow anyway.
+        caller gives up on a reply that slow anyway. The rate is the faster of ``pace``
+        and ``_bulk_rate()`` now, read again for each piece: taken once, a reply begun
+        under an upload limit of 0.1 Mbit/s that was lifted a second later let a 4 KiB/s
+        reader hold its slot 2168 s (a re-check).
 
         A piece's wait for this node's own upload limit is not counted, neither against
         frame_read_s nor against the pace: it is the volunteer's queue, shared by every
@@ -623,15 +626,16 @@ class RpcServer:
                     reader_began += trio.current_time() - queued_at
                 taken_by = trio.current_time() + self._timeouts.frame_read_s
                 behind_at = math.inf
-                if pace > 0:
-                    behind_at = reader_began + self._timeouts.request_s + sent / pace
+                rate = max(pace, self._bulk_rate()) if pace > 0 else 0.0
+                if rate > 0:
+                    behind_at = reader_began + self._timeouts.request_s + sent / rate
                     if trio.current_time() >= behind_at:
-                        raise _SlowReader(_behind(sent, pace))
+                        raise _SlowReader(_behind(sent, rate))
                 with trio.move_on_at(min(taken_by, behind_at)) as waited:
                     await out.write(piece)
                 if waited.cancelled_caught:
                     raise _SlowReader(
-                        "reply not taken" if taken_by <= behind_at else _behind(sent, pace)
+                        "reply not taken" if taken_by <= behind_at else _behind(sent, rate)
                     )
                 sent += len(piece)
         except BaseException:
