@@ -20,6 +20,7 @@ from volunteerd.net import PROTOCOLS, Verb
 from volunteerd.net.rpc import (
     BULK_AT_ONCE,
     BULK_MIN_RATE,
+    RELAYED_BULK_AT_ONCE,
     Handler,
     Reply,
     Request,
@@ -380,3 +381,59 @@ async def test_the_pace_follows_an_upload_limit_lifted_during_the_reply(
             nursery.cancel_scope.cancel()
     assert server.stats.errors["slow_reader"] == 1
     assert held_s < 2 * REQUEST_S
+
+
+async def test_relayed_callers_hold_at_most_two_bulk_slots_together(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Four identities of one machine behind a relay (no address: each its own party)
+    ask for parameters over a slow link: they hold ``RELAYED_BULK_AT_ONCE`` of the
+    slots, and a caller from an address of its own still gets one at once. Before, they
+    held all ``BULK_AT_ONCE``, and that caller was refused ``busy``."""
+    size = 8 << 20
+    network = MemoryNetwork()
+    async with network.open_host() as server_host:
+        server = RpcServer(
+            server_host,
+            {Verb.PARAMS: params_of(size)},
+            CONFIG.wire,
+            CONFIG.timeouts,
+            CONFIG.peer_limits,
+            Throttle(LimitsConfig()),
+        )
+        server.install()
+        async with trio.open_nursery() as nursery:
+            for _ in range(BULK_AT_ONCE):
+                relayed = await nursery.start(_asks_and_stalls, network, server_host, None)
+                assert relayed.ip is None  # its streams come from no known address
+            await trio.sleep(1)
+            assert server._bulk.busy == RELAYED_BULK_AT_ONCE
+            async with network.open_host(ip="10.0.1.1") as honest_host:
+                client = RpcClient(honest_host, CONFIG.wire, CONFIG.timeouts)
+                with trio.fail_after(5):  # at once, not after a stalled reader is cut
+                    _, tensors = await client.call(
+                        server_host.address,
+                        Verb.PARAMS,
+                        ParamsRequest(uid="ffn.0.0"),
+                        max_body_bytes=size,
+                    )
+                await client.aclose()
+            nursery.cancel_scope.cancel()
+    assert tensors[0].data.nbytes == size
+
+
+async def _asks_and_stalls(
+    network: MemoryNetwork,
+    server_host: MemoryHost,
+    ip: str | None,
+    *,
+    task_status: trio.TaskStatus[MemoryHost] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A host at ``ip`` that asks ``server_host`` for parameters over a slow link and
+    reads nothing."""
+    async with network.open_host(ip=ip) as host:
+        network.set_link(server_host, host, Link(bytes_per_s=BULK_MIN_RATE))
+        stream = await host.open_stream(server_host.address, PARAMS)
+        await stream.write(encode_frame(ParamsRequest(uid="ffn.0.0")))
+        task_status.started(host)
+        await trio.sleep_forever()

@@ -120,6 +120,10 @@ _REPLIES_WITH_BODY = frozenset(
 # then still hears the refusal, ``busy``, and retries).
 _BULK_VERBS = frozenset({Verb.PARAMS, Verb.SHARD})
 BULK_AT_ONCE = 4
+# Of those, callers whose address is unknown (over a relay: keyed by their peer id, a
+# free identity each) hold at most this many together: one machine behind a relay
+# held all 4 slots under 4 identities (a re-check).
+RELAYED_BULK_AT_ONCE = 2
 # Verbs whose streams take turns with bulk bytes under an upload or download limit
 # rather than queue behind them (``net/throttle.py``, ``TokenBucket``): the DHT's record
 # messages, small, and what keeps this node findable and its peers known. Behind every
@@ -147,12 +151,14 @@ class _CallerGone(Exception):
 
 
 class _BulkSlots:
-    """Who may be answering a bulk request now: ``at_once`` across all parties and one
-    per party; the rest wait in arrival order (a party waits for all slots only once
-    its own turn came, so no party queues ahead of the others twice)."""
+    """Who may be answering a bulk request now: ``at_once`` across all parties,
+    ``unknown_at_once`` across those of unknown address, and one per party; the rest
+    wait in arrival order (a party waits for all slots only once its own turn came, so
+    no party queues ahead of the others twice)."""
 
-    def __init__(self, at_once: int) -> None:
+    def __init__(self, at_once: int, unknown_at_once: int) -> None:
         self._all = trio.Semaphore(at_once)
+        self._unknown = trio.Semaphore(unknown_at_once)
         self._parties: dict[str, tuple[trio.Lock, int]] = {}  # party -> (its turn, users)
 
     @property
@@ -161,22 +167,30 @@ class _BulkSlots:
         return BULK_AT_ONCE - self._all.value
 
     @contextlib.asynccontextmanager
-    async def slot(self, party: str, deadline: float) -> AsyncIterator[bool]:
+    async def slot(
+        self, party: str, deadline: float, *, unknown: bool = False
+    ) -> AsyncIterator[bool]:
         """Wait for a slot until ``deadline`` (trio's clock); yields whether one came.
-        It is held until the block is left."""
+        It is held until the block is left. ``unknown``: the party is a peer whose
+        address is not known (relayed)."""
         turn, users = self._parties.get(party, (trio.Lock(), 0))
         self._parties[party] = (turn, users + 1)
-        has_turn = has_slot = False
+        has_turn = has_unknown = has_slot = False
         try:
             with trio.move_on_at(deadline):
                 await turn.acquire()
                 has_turn = True
+                if unknown:
+                    await self._unknown.acquire()
+                    has_unknown = True
                 await self._all.acquire()
                 has_slot = True
             yield has_slot
         finally:
             if has_slot:
                 self._all.release()
+            if has_unknown:
+                self._unknown.release()
             if has_turn:
                 turn.release()
             users = self._parties[party][1] - 1
@@ -296,7 +310,7 @@ class RpcServer:
         self._inflight_bytes = 0
         self._inflight_budget = limits.max_inflight_mib << 20
         self._charged: dict[int, int] = {}  # by id(stream): one request at a time each
-        self._bulk = _BulkSlots(BULK_AT_ONCE)
+        self._bulk = _BulkSlots(BULK_AT_ONCE, RELAYED_BULK_AT_ONCE)
         self._installed = False
         # Asked (verb, peer id) once a request's prefix is read: an error refuses the
         # request before its header and body are read (the volunteer paused: a peer
@@ -479,12 +493,14 @@ class RpcServer:
             return await self._answer(spec, handler, stream, peer_id, frame, began, bound)
         address = address_key(stream.remote_host, loopback=self._peer_limits.limit_loopback)
         wait_until = began + self._timeouts.request_s / 2
-        async with self._bulk.slot(address or peer_id, wait_until) as slot:
+        unknown = stream.remote_host is None  # relayed: keyed by a free peer id
+        async with self._bulk.slot(address or peer_id, wait_until, unknown=unknown) as slot:
             if slot:
                 return await self._answer(spec, handler, stream, peer_id, frame, began, bound)
         refusal = Busy(
             f"server busy: {self._bulk.busy} params and shard replies going out "
-            f"(at most one per caller, {BULK_AT_ONCE} in all)"
+            f"(at most one per caller, {RELAYED_BULK_AT_ONCE} to relayed callers, "
+            f"{BULK_AT_ONCE} in all)"
         )
         self._told_early(spec, peer_id, refusal)
         await self._refuse(spec, stream, peer_id, refusal)
