@@ -36,6 +36,14 @@ async def test_a_daemon_in_no_project_says_so_and_how_to_join(tmp_path: Path) ->
         shown = format_status(status)
         assert "state         not in a project\n" in shown
         assert "volunteerd join <invitation>" in shown
+        assert "limits        up unlimited, down unlimited\n" in shown
+        # a quota that is set is on the limits line (a soak: only the rates were)
+        limits = status.limits.model_copy(update={"daily_quota_gb": 2.0, "day_bytes": 5 * 10**8})
+        shown = format_status(status.model_copy(update={"limits": limits}))
+        assert (
+            "limits        up unlimited, down unlimited; daily quota 2 GB (500.0 MB used)\n"
+            in shown
+        )
 
 
 async def test_a_daemon_whose_announcements_reach_nobody_says_it_is_cut_off(

@@ -92,6 +92,17 @@ def _quota(gb: float, used: int) -> str:
     return "none" if gb == 0 else f"{gb:g} GB ({format_bytes(used)} used)"
 
 
+def _quotas_said(limits: LimitsView) -> str:
+    """The quotas that are set, for the status's limits line ("" when none is): a
+    volunteer whose traffic stopped at midnight's quota saw only the rates there."""
+    said = []
+    if limits.daily_quota_gb:
+        said.append(f"daily quota {_quota(limits.daily_quota_gb, limits.day_bytes)}")
+    if limits.monthly_quota_gb:
+        said.append(f"monthly quota {_quota(limits.monthly_quota_gb, limits.month_bytes)}")
+    return "".join(f"; {quota}" for quota in said)
+
+
 def format_limits(limits: LimitsView) -> str:
     return "\n".join(
         [
@@ -179,7 +190,7 @@ def format_status(status: Status) -> str:
         f"{format_bytes(today.bytes_received)} received; of which expert calls "
         f"{format_bytes(today.bytes_out)} sent, {format_bytes(today.bytes_in)} received",
         f"limits        up {_mbit(status.limits.upload_mbit)}, "
-        f"down {_mbit(status.limits.download_mbit)}",
+        f"down {_mbit(status.limits.download_mbit)}" + _quotas_said(status.limits),
         *_zone_line(status.schedule),
     ]
     return _lines(lines)
