@@ -29,6 +29,7 @@ from volunteerd.moe.checks import (
 from volunteerd.moe.client import TrainerClient
 from volunteerd.moe.directory import ExpertDirectory, RecordLookup
 from volunteerd.moe.dispatch import Call, Outcome
+from volunteerd.moe.layer import LATE_STREAK_BAN
 from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, peer_id_for, sign_record
 from volunteerd.wire import WireTensor
 
@@ -392,10 +393,11 @@ def _refused(code: str, retry_after_s: float | None = None) -> Outcome:
 
 
 def _ban_lengths(
-    outcome: Callable[[], Outcome], times: int, streak: int
+    outcome: Callable[[], Outcome], times: int, streak: int, answers_between: int = 0
 ) -> tuple[list[float], RemoteMixtureOfExperts, _DirectoryClient]:
     """The length of each of ``times`` bans of peer "a", each earned by ``streak``
-    rounds in a row of ``outcome`` ("b" and "c" answering), each waited out."""
+    rounds in a row of ``outcome`` ("b" and "c" answering), each waited out and followed
+    by ``answers_between`` calls "a" answered."""
     client = _DirectoryClient()
     layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
     directory = client.directory
@@ -409,6 +411,8 @@ def _ban_lengths(
         assert directory.is_banned("a"), "banned after a streak"
         lengths.append(directory.banned["a"] - client.clock.now)
         client.clock.now = directory.banned["a"]  # waited out
+        if answers_between:
+            layer._answered(["a"] * answers_between)
     return lengths, layer, client
 
 
@@ -429,8 +433,9 @@ def test_a_peer_slow_or_loaded_streak_after_streak_is_banned_for_ban_s_each_time
     """A volunteer slowed by its own upload limit, paused or over its quota is not lying:
     its bans grew 60 s, 120 s, ... 64 min, remembered for a day, and kept it unused
     15-25 min after it had recovered (a 45-minute soak). Each such ban is ``ban_s``,
-    however often; it still is one, so a peer late on purpose costs a streak per ban."""
-    lengths, _layer, client = _ban_lengths(outcome, times=8, streak=8)
+    however often once it answered again in between; it still is one, so a peer late on
+    purpose costs a streak per ban."""
+    lengths, _layer, client = _ban_lengths(outcome, times=8, streak=8, answers_between=8)
     assert lengths == [60.0] * 8
     # Nor do they count toward a real offence's growth: a first lie is a first ban.
     calls, outcomes = _round(answers(1.0, 3), "abc")
@@ -504,3 +509,54 @@ def test_an_unknown_expert_answer_drops_that_expert_of_the_peer_not_the_peer() -
         client.clock.now += 60.0  # held for ban_s each time, never longer
         assert offered() == {0: [a, b], 1: [a, b]}
     assert layer.stats.failures["unknown_expert"] == 4
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [lambda: Outcome(late=True), lambda: _refused("busy"), lambda: _refused("rate_limited", 30.0)],
+    ids=["late", "busy", "rate_limited"],
+)
+def test_a_peer_that_never_answers_on_time_between_its_bans_is_banned_longer_each_time(
+    outcome: Callable[[], Outcome],
+) -> None:
+    """One that answers ``info`` and then stalls or refuses every call "later" has not
+    recovered between its bans: banned ``ban_s`` each time, it cost the grace of a
+    streak per ban forever (57 bans an hour, 6.3 % of steps' grace). Its bans grow."""
+    lengths, _, _ = _ban_lengths(outcome, times=5, streak=8)
+    assert lengths == [60.0, 60.0, 120.0, 240.0, 480.0]
+    # A few answers in between are not a recovery...
+    lengths, _, _ = _ban_lengths(outcome, times=3, streak=8, answers_between=LATE_STREAK_BAN - 1)
+    assert lengths == [60.0, 60.0, 120.0]
+
+
+def test_a_peer_late_in_most_rounds_but_not_all_in_a_row_is_banned() -> None:
+    """On time once in 8 rounds broke the streak: never banned, it made steps ~10x
+    slower. Late in LATE_WINDOW_BAN of its last LATE_STREAK_BAN rounds, it is banned;
+    not having recovered in between, longer each time. One late in half its rounds is
+    not banned."""
+    client = _DirectoryClient()
+    layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+
+    def rounds(pattern: str) -> None:
+        for r in pattern:
+            if r == "L":
+                calls, outcomes = _round(answers(1.0, 3), "abc")
+                outcomes[0] = Outcome(late=True)
+                layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+            else:
+                layer._answered(["a"])
+
+    rounds("LOLOLOLO" * 4 + "LLOLOLLO" * 4)  # 4 of 8, 5 of 8
+    assert not directory.is_banned("a")
+    rounds("O" * 8 + "LLLLLLLO")
+    assert not directory.is_banned("a")
+    rounds("L")
+    assert directory.is_banned("a"), "late 7 of its last 8 rounds"
+    assert directory.banned["a"] - client.clock.now == 60.0
+    client.clock.now = directory.banned["a"]
+    rounds("LLLLLLLO" + "L")
+    assert directory.banned["a"] - client.clock.now == 60.0, "grown: 60 s, 60 s, 120 s..."
+    client.clock.now = directory.banned["a"]
+    rounds("LLOLLOLL")
+    assert directory.banned["a"] - client.clock.now == 120.0, "6 of 8"

@@ -72,10 +72,15 @@ _WARN_EVERY_S = 60.0
 # before NoExpertsAvailable: one lookup on a loaded machine may reach too few nodes.
 _LOOKUPS_AGAIN = 3
 _LOOK_AGAIN_AFTER_S = 1.0
-# Rounds in a row that cut one peer off late, no answer from it in between, before it
-# is banned: an honest peer slower than its round-mates still answers now and then
-# (and a ban ends); one that answers info and stalls every call does not.
+# A peer cut off late in LATE_WINDOW_BAN of its last LATE_STREAK_BAN rounds is banned:
+# an honest peer slower than its round-mates still answers on time now and then (and a
+# ban ends); one that answers info and stalls every call does not, nor does one on time
+# once in 8 rounds to break a streak (never banned, it made steps ~10x slower: 0.48 s vs
+# 0.05 s, one replica of 3). A peer banned so (or for "later" refusals) that answered
+# fewer than LATE_STREAK_BAN calls on time since its last such ban has not shown it
+# recovered: its bans grow (a black hole was banned ban_s each time: 57 bans an hour).
 LATE_STREAK_BAN = 8
+LATE_WINDOW_BAN = 6
 _MAX_LATE_PEERS = 4096
 # Rounds in a row in which one peer refused every call it got (busy, paused, rejected,
 # ...: ``_REFUSALS``), no answer from it in between, before it is banned: a loaded server
@@ -368,8 +373,12 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self._warned_at: dict[str, float] = {}
         # measured call durations per peer: the rounds' timeouts and grace follow them
         self.round_trips = RoundTrips()
-        # peer -> calls in a row cut off late, with no answer from it in between
-        self._late_streak: dict[str, int] = {}
+        # peer -> its last rounds, late (1) or on time (0), as bits behind a leading 1;
+        # only peers with a late round among them (``_late_window``)
+        self._late_rounds: dict[str, int] = {}
+        # peer -> calls it answered since its last ban for being late or "later", while
+        # fewer than LATE_STREAK_BAN (then forgotten: it recovered)
+        self._answers_since_ban: dict[str, int] = {}
         # peer -> rounds in a row it refused, with no answer from it in between
         self._refusal_streak: dict[str, int] = {}
         # peers whose refusal streak holds a refusal that is not "later" (``_LATER``)
@@ -479,12 +488,36 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             for call, outcome in zip(calls, outcomes, strict=True):
                 if outcome.ok:
                     self.round_trips.observe(call.peer.peer_id, verb.value, outcome.seconds)
-                    self._late_streak.pop(call.peer.peer_id, None)
-                    self._refusal_streak.pop(call.peer.peer_id, None)
-                    self._firm_refusals.discard(call.peer.peer_id)
+            self._answered([c.peer.peer_id for c, o in zip(calls, outcomes, strict=True) if o.ok])
             return outcomes
 
         return self.client.run(run)
+
+    def _answered(self, peer_ids: Sequence[str]) -> None:
+        """A round's answers (one per call answered): each ends its peer's refusal
+        streak, counts as a round on time (once a round) and toward showing it recovered
+        from a ban for being slow or loaded."""
+        for peer_id in peer_ids:
+            count = self._answers_since_ban.pop(peer_id, None)
+            if count is not None and count + 1 < LATE_STREAK_BAN:
+                self._answers_since_ban[peer_id] = count + 1  # re-inserted last: newest
+        for peer_id in set(peer_ids):
+            self._refusal_streak.pop(peer_id, None)
+            self._firm_refusals.discard(peer_id)
+            _late_window(self._late_rounds, peer_id, late=False)
+
+    def _slow_ban(self, peer_id: str, why: str, usable: set[str], *, firm: bool = False) -> bool:
+        """Ban ``peer_id`` for being late or refusing "later" round after round: for
+        ``ban_s`` when it showed it recovered since its last such ban (LATE_STREAK_BAN
+        answers), else growing, as when ``firm`` (a refusal that was not "later")."""
+        recovered = peer_id not in self._answers_since_ban
+        if not self._ban(peer_id, why, None, usable, grow=firm or not recovered):
+            return False
+        self._answers_since_ban.pop(peer_id, None)
+        self._answers_since_ban[peer_id] = 0
+        if len(self._answers_since_ban) > _MAX_LATE_PEERS:  # forgotten: taken as recovered
+            del self._answers_since_ban[next(iter(self._answers_since_ban))]
+        return True
 
     def _ban(
         self,
@@ -573,16 +606,17 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         """A round that cut ``call``'s peer off late (its rows' other experts answered):
         no fault once, but a peer whose every call is late (one that answers ``info``
         and stalls every forward) cost each step that chose it the whole grace, for
-        good, and was never banned. ``LATE_STREAK_BAN`` such rounds in a row with no
-        answer from it in between: banned for the client's ``ban_s``, never longer
-        however often (a volunteer slowed by its own upload limit is not lying)."""
+        good, and was never banned. Late in ``LATE_WINDOW_BAN`` of its last
+        ``LATE_STREAK_BAN`` rounds: banned for the client's ``ban_s`` if it recovered
+        since its last such ban (a volunteer slowed for a while by its own upload limit
+        is not lying), growing if not (``_slow_ban``)."""
         peer_id = call.peer.peer_id
-        streak = _one_more(self._late_streak, peer_id, LATE_STREAK_BAN)
-        if streak is None:
+        late = _late_window(self._late_rounds, peer_id, late=True)
+        if late is None:
             return
         self.stats.failures["late"] += 1
-        why = f"late {streak} times in a row: {call.uid}"
-        if self._ban(peer_id, why, None, usable, grow=False):
+        why = f"late {late} of its last {LATE_STREAK_BAN} rounds: {call.uid}"
+        if self._slow_ban(peer_id, why, usable):
             # Calls cut off late never time out on their own, so the RPC client's rule
             # for silent connections never saw them: a connection whose other end is
             # gone (a new address, a network that dropped) would be taken again when
@@ -593,7 +627,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         """A round in which ``call``'s peer refused (each refusal alone is no fault):
         ``REFUSAL_STREAK_BAN`` such rounds in a row with no answer from it in between,
         and it is banned for the client's ``ban_s``; never longer when every refusal of
-        the streak said "later" (``later``: paused, busy, a ``retry_after_s``...)."""
+        the streak said "later" (``later``: paused, busy, a ``retry_after_s``...) and it
+        recovered since its last such ban (``_slow_ban``)."""
         peer_id = call.peer.peer_id
         if not later:
             self._firm_refusals.add(peer_id)
@@ -606,7 +641,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         self._firm_refusals.discard(peer_id)
         self.stats.failures["refused"] += 1
         why = f"refused {streak} rounds in a row: {call.uid}"
-        self._ban(peer_id, why, None, usable, grow=firm)
+        self._slow_ban(peer_id, why, usable, firm=firm)
 
     def _misbehaved(self, peer: PeerAddress, uid: str, reason: str, usable: set[str]) -> None:
         """A peer sent what its peers did not: drop it for ``checks.ban_s``."""
@@ -869,6 +904,27 @@ def _one_more(streaks: dict[str, int], peer_id: str, ban_at: int) -> int | None:
     streaks[peer_id] = streak
     if len(streaks) > _MAX_LATE_PEERS:
         del streaks[next(iter(streaks))]
+    return None
+
+
+def _late_window(windows: dict[str, int], peer_id: str, *, late: bool) -> int | None:
+    """Count a round of ``peer_id``'s, ``late`` or on time, in its window of the last
+    ``LATE_STREAK_BAN``: for a late round that fills it with ``LATE_WINDOW_BAN`` or more
+    late, their number (and it is forgotten), else None. A peer with no late round in its window
+    is not kept; the ``_MAX_LATE_PEERS`` peers counted most recently are."""
+    bits = windows.pop(peer_id, 1 if late else 0)  # re-inserted last: newest
+    if not bits:
+        return None
+    bits = (bits << 1) | late
+    if bits >> (LATE_STREAK_BAN + 1):  # full: the oldest round out
+        bits = (bits & ((1 << LATE_STREAK_BAN) - 1)) | (1 << LATE_STREAK_BAN)
+    count = bits.bit_count() - 1
+    if late and bits >> LATE_STREAK_BAN and count >= LATE_WINDOW_BAN:
+        return count
+    if count:
+        windows[peer_id] = bits
+        if len(windows) > _MAX_LATE_PEERS:
+            del windows[next(iter(windows))]
     return None
 
 
