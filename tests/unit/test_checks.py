@@ -27,7 +27,7 @@ from volunteerd.moe.checks import (
     judge_round,
 )
 from volunteerd.moe.client import TrainerClient
-from volunteerd.moe.directory import ExpertDirectory, RecordLookup
+from volunteerd.moe.directory import EXPERTS_GONE_BAN, ExpertDirectory, RecordLookup
 from volunteerd.moe.dispatch import Call, Outcome
 from volunteerd.moe.layer import LATE_STREAK_BAN
 from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, peer_id_for, sign_record
@@ -460,8 +460,9 @@ def test_a_peer_refusing_what_it_should_take_or_lying_is_still_banned_longer_eac
 class _Records:
     """The DHT's answer: each of ``servers`` announces experts 0 and 1 of ``ffn.``."""
 
-    def __init__(self, servers: list[Identity]) -> None:
+    def __init__(self, servers: list[Identity], children: list[int] | None = None) -> None:
         self.servers = servers
+        self.children = [0, 1] if children is None else children
 
     async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
         return {
@@ -471,7 +472,7 @@ class _Records:
                     str(peer_id_for(s)),
                     key=key,
                     addrs=["/ip4/127.0.0.1/tcp/1"],
-                    children=[0, 1],
+                    children=self.children,
                     ttl_s=30,
                 )
                 for s in self.servers
@@ -560,3 +561,31 @@ def test_a_peer_late_in_most_rounds_but_not_all_in_a_row_is_banned() -> None:
     client.clock.now = directory.banned["a"]
     rounds("LLOLLOLL")
     assert directory.banned["a"] - client.clock.now == 120.0, "6 of 8"
+
+
+def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seldom() -> None:
+    """``unknown_expert`` for every expert announced cost a failed call and a DHT lookup
+    each (568 calls and 760 lookups in 40 s, ban_s 1 s, where a ban costs 33 and 9):
+    its records are looked up again at most once per ``refresh_s``, and more than
+    EXPERTS_GONE_BAN experts held out at once ban the peer whole, growing."""
+    servers = [Identity.generate() for _ in range(2)]
+    a, b = (str(peer_id_for(s)) for s in servers)
+    client = _DirectoryClient(_Records(servers, children=list(range(8))))
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+    client.run(directory.children, ["ffn."])
+    lookups = directory.lookups
+    for uid in range(EXPERTS_GONE_BAN):
+        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "ab")
+        calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
+        outcomes[0] = _refused("unknown_expert")
+        layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+        client.run(directory.children, ["ffn."])
+        assert not directory.is_banned(a)
+    assert directory.lookups == lookups + 1, "once per refresh_s"
+    calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "ab")
+    calls[0] = Call(f"ffn.{EXPERTS_GONE_BAN}", PeerAddress(a, ()), None, [], calls[0].rows)
+    outcomes[0] = _refused("unknown_expert")
+    layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+    assert directory.is_banned(a), "more than EXPERTS_GONE_BAN at once: whole"
+    assert not directory.is_banned(b)
