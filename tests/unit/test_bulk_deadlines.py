@@ -50,6 +50,15 @@ def params_of(nbytes: int) -> Handler:
     return params
 
 
+def params_server(host: MemoryHost, handler: Handler, throttle: Throttle) -> RpcServer:
+    """An installed RPC server of ``params`` on ``host``, under ``throttle``."""
+    server = RpcServer(
+        host, {Verb.PARAMS: handler}, CONFIG.wire, CONFIG.timeouts, CONFIG.peer_limits, throttle
+    )
+    server.install()
+    return server
+
+
 async def never_answers(request: Request) -> Reply:
     await trio.sleep_forever()
     raise AssertionError
@@ -69,15 +78,7 @@ async def served(
     network = MemoryNetwork()
     async with network.open_host() as server_host, network.open_host() as client_host:
         network.set_link(server_host, client_host, Link(bytes_per_s=link_bytes_per_s))
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: handler},
-            CONFIG.wire,
-            CONFIG.timeouts,
-            CONFIG.peer_limits,
-            Throttle(LimitsConfig(upload_mbit=upload_mbit)),
-        )
-        server.install()
+        params_server(server_host, handler, Throttle(LimitsConfig(upload_mbit=upload_mbit)))
         throttle = Throttle(LimitsConfig())
         client = RpcClient(client_host, client_wire, CONFIG.timeouts, throttle=throttle)
         try:
@@ -158,15 +159,9 @@ async def test_replies_going_out_at_the_servers_own_limit_are_not_cut(
     got: list[int] = []
     network = MemoryNetwork()
     async with network.open_host() as server_host:
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: params_of(size)},
-            CONFIG.wire,
-            CONFIG.timeouts,
-            CONFIG.peer_limits,
-            Throttle(LimitsConfig(upload_mbit=0.5)),
+        server = params_server(
+            server_host, params_of(size), Throttle(LimitsConfig(upload_mbit=0.5))
         )
-        server.install()
 
         async def caller(i: int) -> None:
             async with network.open_host(ip=f"10.0.0.{i}") as host:
@@ -239,15 +234,7 @@ async def test_a_reader_far_below_the_bulk_rate_is_cut_and_its_slot_goes_to_the_
     size = 8 << 20
     network = MemoryNetwork()
     async with network.open_host() as server_host:
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: params_of(size)},
-            CONFIG.wire,
-            CONFIG.timeouts,
-            CONFIG.peer_limits,
-            Throttle(LimitsConfig()),
-        )
-        server.install()
+        server = params_server(server_host, params_of(size), Throttle(LimitsConfig()))
         got: list[int] = []
         cut_at: list[float] = []
 
@@ -304,15 +291,7 @@ async def test_readers_at_the_bulk_rate_or_behind_the_servers_own_queue_are_not_
     network = MemoryNetwork()
     throttle = Throttle(LimitsConfig(upload_mbit=2.0))
     async with network.open_host() as server_host:
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: params_of(size)},
-            CONFIG.wire,
-            CONFIG.timeouts,
-            CONFIG.peer_limits,
-            throttle,
-        )
-        server.install()
+        server = params_server(server_host, params_of(size), throttle)
         took: dict[str, float] = {}
 
         async def caller(name: str, link: Link) -> None:
@@ -357,15 +336,7 @@ async def test_the_pace_follows_an_upload_limit_lifted_during_the_reply(
     network = MemoryNetwork()
     throttle = Throttle(LimitsConfig(upload_mbit=0.1))
     async with network.open_host() as server_host:
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: params_of(size)},
-            CONFIG.wire,
-            CONFIG.timeouts,
-            CONFIG.peer_limits,
-            throttle,
-        )
-        server.install()
+        server = params_server(server_host, params_of(size), throttle)
         async with network.open_host(ip="10.0.0.9") as host, trio.open_nursery() as nursery:
             network.set_link(server_host, host, Link(bytes_per_s=4 << 10))
             began = trio.current_time()
@@ -393,15 +364,7 @@ async def test_relayed_callers_hold_at_most_two_bulk_slots_together(
     size = 8 << 20
     network = MemoryNetwork()
     async with network.open_host() as server_host:
-        server = RpcServer(
-            server_host,
-            {Verb.PARAMS: params_of(size)},
-            CONFIG.wire,
-            CONFIG.timeouts,
-            CONFIG.peer_limits,
-            Throttle(LimitsConfig()),
-        )
-        server.install()
+        server = params_server(server_host, params_of(size), Throttle(LimitsConfig()))
         async with trio.open_nursery() as nursery:
             for _ in range(BULK_AT_ONCE):
                 relayed = await nursery.start(_asks_and_stalls, network, server_host, None)

@@ -124,6 +124,17 @@ async def test_a_dht_message_waits_one_bulk_piece_not_the_whole_queue(
     assert bulk_bytes + 11 * 2000 <= bucket.rate * elapsed + bucket.burst + PIECE
 
 
+async def pump_forever(
+    bucket: TokenBucket, took: dict[str, int] | None, urgent: bool, n: int
+) -> None:
+    """Consume ``n`` bytes at a time from ``bucket`` as a stranger, adding them to
+    ``took["urgent"]`` or ``took["bulk"]``."""
+    while True:
+        await bucket.consume(n, urgent=urgent, party="stranger")
+        if took is not None:
+            took["urgent" if urgent else "bulk"] += n
+
+
 async def test_an_urgent_flood_of_large_writes_waits_as_bulk(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -134,15 +145,10 @@ async def test_an_urgent_flood_of_large_writes_waits_as_bulk(
     bucket = TokenBucket(250_000)
     took = {"bulk": 0, "urgent": 0}
 
-    async def pump_forever(urgent: bool, n: int) -> None:
-        while True:
-            await bucket.consume(n, urgent=urgent, party="stranger")
-            took["urgent" if urgent else "bulk"] += n
-
     async with trio.open_nursery() as nursery:
         for _ in range(32):
-            nursery.start_soon(pump_forever, False, PIECE)
-        nursery.start_soon(pump_forever, True, 23_800)
+            nursery.start_soon(pump_forever, bucket, took, False, PIECE)
+        nursery.start_soon(pump_forever, bucket, took, True, 23_800)
         await trio.sleep(60.0)
         nursery.cancel_scope.cancel()
     total = took["bulk"] + took["urgent"]
@@ -159,15 +165,10 @@ async def test_small_urgent_writes_keep_to_their_share_while_bulk_waits(
     bucket = TokenBucket(250_000)
     took = {"bulk": 0, "urgent": 0}
 
-    async def pump_forever(urgent: bool, n: int) -> None:
-        while True:
-            await bucket.consume(n, urgent=urgent, party="stranger")
-            took["urgent" if urgent else "bulk"] += n
-
     async with trio.open_nursery() as nursery:
         for _ in range(16):
-            nursery.start_soon(pump_forever, True, 4000)
-        nursery.start_soon(pump_forever, False, 4000)
+            nursery.start_soon(pump_forever, bucket, took, True, 4000)
+        nursery.start_soon(pump_forever, bucket, took, False, 4000)
         await trio.sleep(20.0)
         nursery.cancel_scope.cancel()
     total = took["bulk"] + took["urgent"]
@@ -196,15 +197,11 @@ async def test_one_partys_urgent_flood_holds_anothers_store_one_turn(
     bucket = TokenBucket(250_000)
     waited = []
 
-    async def pump_forever(urgent: bool, n: int) -> None:
-        while True:
-            await bucket.consume(n, urgent=urgent, party="stranger")
-
     async with trio.open_nursery() as nursery:
         for _ in range(32):
-            nursery.start_soon(pump_forever, False, PIECE)
+            nursery.start_soon(pump_forever, bucket, None, False, PIECE)
         for _ in range(128):
-            nursery.start_soon(pump_forever, True, 8000)
+            nursery.start_soon(pump_forever, bucket, None, True, 8000)
         await trio.sleep(5.0)  # the queues are full
         for _ in range(10):
             start = trio.current_time()
