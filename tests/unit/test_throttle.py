@@ -567,3 +567,23 @@ async def test_a_crash_loses_at_most_a_few_seconds_of_the_count(
         await trio.sleep(30)  # nothing changed: nothing written
         assert path.stat().st_mtime_ns == saved
         nursery.cancel_scope.cancel()
+
+
+def test_urgent_turns_go_by_address_and_relayed_callers_are_one_party() -> None:
+    """The urgent class's turns are one party at a time. Keyed by the raw host or, with
+    none, the peer id, 128 identities behind a relay (or one host's /64) were 128
+    parties and held another peer's 2 KB store 38 s (a re-check): relayed callers are
+    one party together, an IPv6 /64 is one, an IPv4-mapped address is its IPv4 one."""
+    throttle = Throttle(LimitsConfig(upload_mbit=2))
+
+    def party(host: str | None, peer: str) -> object:
+        inner = FakeStream()
+        inner.remote_host, inner.remote_peer_id = host, peer  # type: ignore[assignment]
+        return ThrottledStream(inner, throttle, urgent=True)._party  # type: ignore[arg-type]
+
+    assert party(None, "QmA") == party(None, "QmB")
+    assert party("2001:db8::1", "QmA") == party("2001:db8::ffff:2", "QmB")
+    assert party("2001:db8::1", "QmA") != party("2001:db8:0:1::1", "QmA")
+    assert party("::ffff:10.0.0.2", "QmA") == party("10.0.0.2", "QmB")
+    assert party("10.0.0.2", "QmA") != party("10.0.0.3", "QmA")
+    assert party("10.0.0.2", "QmA") != party(None, "QmA")

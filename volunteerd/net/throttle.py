@@ -40,6 +40,7 @@ import trio
 from volunteerd import localtime
 from volunteerd.atomic import STATE_MAX_BYTES, read_small, write_atomic
 from volunteerd.config import LimitsConfig
+from volunteerd.net.limits import address_key
 from volunteerd.net.transport import Stream
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ _SAVE_EVERY_S = 5.0
 # finds take 43 % of a 2 Mbit/s upload and cut forward replies from 3.73 to 2.13 a
 # second (a re-check).
 URGENT_MAX_BYTES = 8 * 1024
+# The urgent-class party of callers with no address of their own (relayed).
+_RELAYED = "relayed"
 # ... and while bulk waiters wait, urgent bytes take turns only within this share of
 # the rate (with a second's worth of it as their burst); bulk ones take the turns left.
 URGENT_SHARE = 0.2
@@ -564,11 +567,14 @@ class ThrottledStream:
         self._stream = stream
         self._throttle = throttle
         self._urgent = urgent
-        # whose bytes, for the urgent class's turns: the peer's address (one host's
-        # many identities are one party), its id where there is none
+        # whose bytes, for the urgent class's turns: the peer's address as the
+        # per-address limits key it (one host's many identities are one party, an IPv6
+        # /64 one host), and every caller with none (over a relay: a free identity
+        # each) one party together: 128 identities behind a relay, a party each, held
+        # another peer's store 38 s (a re-check)
         self._party: Hashable = None
         if urgent:
-            self._party = stream.remote_host or stream.remote_peer_id
+            self._party = address_key(stream.remote_host, loopback=True) or _RELAYED
 
     @property
     def remote_peer_id(self) -> str:
