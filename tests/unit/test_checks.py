@@ -27,7 +27,12 @@ from volunteerd.moe.checks import (
     judge_round,
 )
 from volunteerd.moe.client import TrainerClient
-from volunteerd.moe.directory import EXPERTS_GONE_BAN, ExpertDirectory, RecordLookup
+from volunteerd.moe.directory import (
+    EXPERTS_GONE_BAN,
+    SLOW_BAN_GROWTH_MAX,
+    ExpertDirectory,
+    RecordLookup,
+)
 from volunteerd.moe.dispatch import Call, Outcome
 from volunteerd.moe.layer import LATE_STREAK_BAN
 from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, peer_id_for, sign_record
@@ -260,7 +265,13 @@ class _Client:
         self.hung_up: list[str] = []
 
     def ban(
-        self, peer_id: str, reason: str, seconds: float | None = None, *, grow: bool = True
+        self,
+        peer_id: str,
+        reason: str,
+        seconds: float | None = None,
+        *,
+        grow: bool = True,
+        most: int = 64,
     ) -> None:
         self.directory.banned[peer_id] = reason
 
@@ -522,9 +533,12 @@ def test_a_peer_that_never_answers_on_time_between_its_bans_is_banned_longer_eac
 ) -> None:
     """One that answers ``info`` and then stalls or refuses every call "later" has not
     recovered between its bans: banned ``ban_s`` each time, it cost the grace of a
-    streak per ban forever (57 bans an hour, 6.3 % of steps' grace). Its bans grow."""
-    lengths, _, _ = _ban_lengths(outcome, times=5, streak=8)
-    assert lengths == [60.0, 60.0, 120.0, 240.0, 480.0]
+    streak per ban forever (57 bans an hour, 6.3 % of steps' grace). Its bans grow, to
+    SLOW_BAN_GROWTH_MAX times (grown to 64 times, one honestly late in half its rounds
+    sat out 32-64 min: a re-check)."""
+    lengths, _, _ = _ban_lengths(outcome, times=7, streak=8)
+    assert lengths == [60.0, 60.0, 120.0, 240.0, 240.0, 240.0, 240.0]
+    assert SLOW_BAN_GROWTH_MAX * 60.0 == 240.0
     # A few answers in between are not a recovery...
     lengths, _, _ = _ban_lengths(outcome, times=3, streak=8, answers_between=LATE_STREAK_BAN - 1)
     assert lengths == [60.0, 60.0, 120.0]
@@ -589,3 +603,13 @@ def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seld
     layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
     assert directory.is_banned(a), "more than EXPERTS_GONE_BAN at once: whole"
     assert not directory.is_banned(b)
+    # Growing to SLOW_BAN_GROWTH_MAX times at most: every volunteer of a project whose
+    # owner changed its build drops all its experts at once, and grown to 64 times an
+    # honest one was left out up to 64 min (a re-check).
+    lengths = [directory.banned[a] - client.clock.now]
+    for _ in range(5):
+        client.clock.now = directory.banned[a] + 1
+        for uid in range(EXPERTS_GONE_BAN + 1):
+            directory.expert_gone(a, f"ffn.{uid}", "unknown_expert: test")
+        lengths.append(directory.banned[a] - client.clock.now)
+    assert lengths == [60.0, 120.0, 240.0, 240.0, 240.0, 240.0]

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from volunteerd.config import Config
 from volunteerd.identity import Identity
-from volunteerd.moe.directory import Children, ExpertDirectory, info_verifier
+from volunteerd.moe.directory import BAN_GROWTH_MAX, Children, ExpertDirectory, info_verifier
 from volunteerd.net import RpcClient
 from volunteerd.net.background import BackgroundNode
 
@@ -52,12 +52,18 @@ class TrainerClient(ABC):
         return self.run(self.directory.look_again, list(prefixes))
 
     def ban(
-        self, peer_id: str, reason: str, seconds: float | None = None, *, grow: bool = True
+        self,
+        peer_id: str,
+        reason: str,
+        seconds: float | None = None,
+        *,
+        grow: bool = True,
+        most: int = BAN_GROWTH_MAX,
     ) -> None:
         """Choose none of ``peer_id``'s experts for a while (see ExpertDirectory.ban)."""
 
         async def ban() -> None:
-            self.directory.ban(peer_id, reason, seconds, grow=grow)
+            self.directory.ban(peer_id, reason, seconds, grow=grow, most=most)
 
         self.run(ban)
 

@@ -10,13 +10,14 @@ call are banned for ``ban_s``: their experts are not offered to the beam search 
 next step on, whatever the DHT still says. A peer banned again within ``BAN_MEMORY_S`` of
 its last ban's end is banned twice as long as the time before, up to ``BAN_GROWTH_MAX``
 times: one that misbehaved, waited its ban out and misbehaved again cost every ban's
-worth of steps again, for good. A ban for being slow or loaded (``grow=False``: calls
-cut off late, or refused with "later", round after round) does not grow, nor count
-toward a later offence's growth: such a peer is not lying, only unhelpful for now
-(its own upload limit, a pause, a quota), and a grown ban kept a volunteer that had
-recovered unused for up to 64 bans' length (a 45-minute soak: 15-25 min). It still
-lasts ``ban_s`` each time, so a peer late or refusing on purpose costs a streak of
-rounds per ban, no more.
+worth of steps again, for good. A ban for being slow or loaded (calls cut off late, or
+refused with "later", round after round) is ``ban_s`` (``grow=False``: neither grown
+nor counted toward a later offence's growth) for a peer that answered since its last
+such ban (the layer judges), and grows to ``SLOW_BAN_GROWTH_MAX`` times at most for one
+that did not: such a peer is not lying, only unhelpful for now (its own upload limit, a
+pause, a quota). Grown to 64 times, a ban kept a volunteer that had recovered unused
+15-25 min (a 45-minute soak), and one honestly late in half its rounds 32-64 min (a
+re-check); never grown, a peer that answers nothing cost 57 bans' streaks an hour.
 
 A peer that could not be dialled (``unreachable``) is no liar: a volunteer that
 restarted, or whose router gave it a new address, is one. Its ban does not grow while it
@@ -83,6 +84,10 @@ EARLY_RETURN_EVERY_S = 3600.0
 # that re-balanced leaves a few experts, one announcing experts it never serves lists
 # them all (16 of them: 568 failed calls in 40 s, ban_s 1 s, where a ban costs 33).
 EXPERTS_GONE_BAN = 4
+# The most a ban for being slow or loaded (and for ``unknown_expert`` of many experts:
+# every volunteer of a project whose owner changed its build drops them all at once)
+# grows: 4 minutes at the default ``ban_s``.
+SLOW_BAN_GROWTH_MAX = 4
 # A call to a relayed peer (one that announces only circuit addresses) that found no way
 # through its relays is no fault of the peer: its relay went down or misbehaves, and the
 # peer moves to another one and announces it within seconds. The peer is not banned;
@@ -301,7 +306,9 @@ class ExpertDirectory:
         ``uid``; banned for it, it went unused whole, and longer each time. One that
         keeps announcing an expert it does not serve costs a call for that expert per
         ``ban_s``; one saying so of more than ``EXPERTS_GONE_BAN`` experts held out at
-        once announces what it never serves, and is banned whole, growing (each
+        once announces what it never serves, or dropped them all (a project whose owner
+        changed its build), and is banned whole, growing to ``SLOW_BAN_GROWTH_MAX``
+        times (each
         ``unknown_expert`` forced a DHT lookup and cost a call: 760 lookups and 568
         failed calls in 40 s where a ban costs 9 and 33)."""
         now = self._clock()
@@ -311,7 +318,11 @@ class ExpertDirectory:
         self.ban_reasons["unknown_expert"] += 1
         held = sum(1 for (p, _), t in self._expert_holds.items() if p == peer_id and t > now)
         if held > EXPERTS_GONE_BAN:
-            self.ban(peer_id, f"false_records: unknown_expert for {held} experts it announces")
+            self.ban(
+                peer_id,
+                f"false_records: unknown_expert for {held} experts it announces",
+                most=SLOW_BAN_GROWTH_MAX,
+            )
             return
         logger.info(
             "not choosing %s for %s for %.0fs (its other experts still are): %s",
@@ -349,13 +360,20 @@ class ExpertDirectory:
         )
 
     def ban(
-        self, peer_id: str, reason: str, seconds: float | None = None, *, grow: bool = True
+        self,
+        peer_id: str,
+        reason: str,
+        seconds: float | None = None,
+        *,
+        grow: bool = True,
+        most: int = BAN_GROWTH_MAX,
     ) -> None:
         """Offer none of ``peer_id``'s experts for ``seconds`` (default ``ban_s``), or
         longer for a peer banned again; a peer that could not be dialled (``reason``
         ``unreachable: ...``) for ``seconds`` at most (the module docstring). Not
         ``grow``: for ``seconds`` however often, neither grown nor growing the next
-        offence's ban (a peer too slow or too loaded for now: the module docstring)."""
+        offence's ban (a peer too slow or too loaded for now: the module docstring);
+        growing, to ``most`` times at most."""
         seconds = self._ban_s if seconds is None else seconds
         now = self._clock()
         unreachable = reason.split(":", 1)[0] == "unreachable"
@@ -389,7 +407,7 @@ class ExpertDirectory:
             # too, and it ends that ban's early way out.
             again = ""
             if grow:
-                seconds, bans = self._grown(peer_id, seconds, now)
+                seconds, bans = self._grown(peer_id, seconds, now, most)
                 again = f" (banned {bans} times in a row)" if bans > 1 else ""
             logger.info("not choosing %s for %.0fs%s: %s", short(peer_id), seconds, again, reason)
             self.ban_reasons[reason.split(":", 1)[0]] += 1
@@ -398,13 +416,15 @@ class ExpertDirectory:
         if grow and peer_id in self._offences:  # its memory counts from the ban's real end
             self._offences[peer_id] = (self._offences[peer_id][0], until)
 
-    def _grown(self, peer_id: str, seconds: float, now: float) -> tuple[float, int]:
+    def _grown(
+        self, peer_id: str, seconds: float, now: float, most: int = BAN_GROWTH_MAX
+    ) -> tuple[float, int]:
         """``seconds`` grown for a peer banned again within ``BAN_MEMORY_S`` of its last
-        ban's end (twice the time before, up to ``BAN_GROWTH_MAX`` times), and the bans
+        ban's end (twice the time before, up to ``most`` times), and the bans
         in a row; remembered."""
         bans, last_end = self._offences.pop(peer_id, (0, -math.inf))
         bans = bans + 1 if now - last_end <= BAN_MEMORY_S else 1
-        seconds *= min(2 ** (bans - 1), BAN_GROWTH_MAX)
+        seconds *= min(2 ** min(bans - 1, 30), most)
         self._offences[peer_id] = (bans, now + seconds)
         while len(self._offences) > _MAX_OFFENDERS:
             self._offences.popitem(last=False)

@@ -48,6 +48,7 @@ from volunteerd.moe.checks import (
     judge_round,
 )
 from volunteerd.moe.client import TrainerClient
+from volunteerd.moe.directory import BAN_GROWTH_MAX, SLOW_BAN_GROWTH_MAX
 from volunteerd.moe.dispatch import Call, Outcome, call_many
 from volunteerd.moe.routing import Route, beam_search
 from volunteerd.moe.timing import REPLY_WINDOW_S, Limits, RoundTrips
@@ -509,9 +510,11 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
     def _slow_ban(self, peer_id: str, why: str, usable: set[str], *, firm: bool = False) -> bool:
         """Ban ``peer_id`` for being late or refusing "later" round after round: for
         ``ban_s`` when it showed it recovered since its last such ban (LATE_STREAK_BAN
-        answers), else growing, as when ``firm`` (a refusal that was not "later")."""
+        answers), else growing to SLOW_BAN_GROWTH_MAX times, and as any offence's when
+        ``firm`` (a refusal that was not "later")."""
         recovered = peer_id not in self._answers_since_ban
-        if not self._ban(peer_id, why, None, usable, grow=firm or not recovered):
+        most = BAN_GROWTH_MAX if firm else SLOW_BAN_GROWTH_MAX
+        if not self._ban(peer_id, why, None, usable, grow=firm or not recovered, most=most):
             return False
         self._answers_since_ban.pop(peer_id, None)
         self._answers_since_ban[peer_id] = 0
@@ -527,6 +530,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         usable: set[str],
         *,
         grow: bool = True,
+        most: int = BAN_GROWTH_MAX,
     ) -> bool:
         """Ban ``peer_id`` unless no other peer in ``usable`` (those the step could use)
         is left unbanned: a layer that bans its last peer cannot train at all, and
@@ -541,7 +545,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
                 self.name, short(peer_id), reason,
             )  # fmt: skip
             return False
-        self.client.ban(peer_id, reason, seconds, grow=grow)
+        self.client.ban(peer_id, reason, seconds, grow=grow, most=most)
         return True
 
     def _note_failure(self, call: Call, outcome: Outcome, usable: set[str]) -> None:
