@@ -41,6 +41,17 @@ def to_local_midnight(now: float) -> float:
     return time.mktime((t.tm_year, t.tm_mon, t.tm_mday + 1, 0, 0, 0, 0, 0, -1)) - now
 
 
+def small_runtime(*uids: str) -> ExpertRuntime:
+    """A runtime of small experts (default: ffn.0.0) on the CPU."""
+    return ExpertRuntime(
+        list(uids) or ["ffn.0.0"],
+        ExpertsConfig(hidden_dim=16),
+        RuntimeConfig(device="cpu"),
+        WireLimits(),
+        torch.device("cpu"),
+    )
+
+
 class Swarm:
     """Every uid has two replicas: "honest" answers (its weights + 1e-4), "spent"
     refuses as a node whose bulk share of its quota is used up does (``code``, with
@@ -81,13 +92,7 @@ async def test_a_replica_whose_quota_is_used_up_is_left_alone_until_then_and_sai
     one line says until when, the refusing replica is not asked again until then (nor
     counted as rejected), and it is asked again after. Before, it was "dropped
     (unreachable): busy: ..." for each expert, and asked again every backoff."""
-    runtime = ExpertRuntime(
-        ["ffn.0.0", "ffn.0.1"],
-        ExpertsConfig(hidden_dim=16),
-        RuntimeConfig(device="cpu"),
-        WireLimits(),
-        torch.device("cpu"),
-    )
+    runtime = small_runtime("ffn.0.0", "ffn.0.1")
     swarm = Swarm(runtime, code, retry_after_s=5 * HOUR)
     now = [1000.0]
     averager = ReplicaAverager(
@@ -124,13 +129,7 @@ async def test_a_replica_whose_quota_is_used_up_is_left_alone_until_then_and_sai
 async def test_a_strangers_claim_of_a_long_quota_is_held_to_a_day(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    runtime = ExpertRuntime(
-        ["ffn.0.0"],
-        ExpertsConfig(hidden_dim=16),
-        RuntimeConfig(device="cpu"),
-        WireLimits(),
-        torch.device("cpu"),
-    )
+    runtime = small_runtime()
     swarm = Swarm(runtime, "busy", retry_after_s=RETRY_AFTER_MOST_S)
     now = [1000.0]
     averager = ReplicaAverager(
@@ -175,13 +174,7 @@ async def test_short_spent_claims_do_not_keep_an_honest_newcomer_out(
     failure. Believed for any time and counted as nothing, 8 fakes answering "busy" for
     1 s were never-asked peers every round and took all 8 places: the honest replica
     was averaged in 0 of 24 rounds, and the claims logged 192 times."""
-    runtime = ExpertRuntime(
-        ["ffn.0.0"],
-        ExpertsConfig(hidden_dim=16),
-        RuntimeConfig(device="cpu"),
-        WireLimits(),
-        torch.device("cpu"),
-    )
+    runtime = small_runtime()
     swarm = Fakes(runtime, "busy", retry_after_s)
     now = [1000.0]
     averager = ReplicaAverager(
@@ -315,13 +308,7 @@ async def test_a_spent_replicas_time_counts_the_night_the_laptop_slept(
     08:00 and catches up on waking with that replica. On time.monotonic (stopped in the
     sleep) the replica was skipped 14 h more and the expert served un-caught-up after
     CATCH_UP_S; the averager's deadlines go by the clock that counts the sleep."""
-    runtime = ExpertRuntime(
-        ["ffn.0.0"],
-        ExpertsConfig(hidden_dim=16),
-        RuntimeConfig(device="cpu"),
-        WireLimits(),
-        torch.device("cpu"),
-    )
+    runtime = small_runtime()
     slept = [0.0]
     t0 = trio.current_time()
     wall0 = NOON + 6 * HOUR  # 18:00
