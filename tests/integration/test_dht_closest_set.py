@@ -20,6 +20,7 @@ from volunteerd.net.node import Node, open_node
 from volunteerd.net.peers import peer_id_for
 from volunteerd.net.records import FindReply, FindRequest, sign_record
 from volunteerd.net.rpc import Reply, Request
+from volunteerd.net.throttle import URGENT_MAX_BYTES
 from volunteerd.testing import local_config, open_peer
 from volunteerd.testing.clients import open_bare_client
 
@@ -251,3 +252,35 @@ async def test_a_writer_with_hundreds_of_keys_stores_them_all_on_a_peer_closest_
         stored = await writer.dht.put(records)
         assert stored.acks == dict.fromkeys(keys, 2)  # the writer itself and boot
         assert all(boot.dht.records.get(k) for k in keys)
+
+
+async def test_a_limited_writer_cuts_its_stores_into_requests_that_take_turns_with_bulk() -> None:
+    """Under an upload limit a request of at most ``URGENT_MAX_BYTES`` takes turns with the
+    bulk reply pieces going out, and a larger one queues behind them: a limited
+    volunteer's store of 25 records or more (one ~50 KB request) waited out the DHT's
+    deadline behind its own replies. Its stores are cut to fit the urgent class now."""
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_peer(local_config(dht=DHT)))
+        limited = local_config(bootstrap=boot.multiaddrs, dht=DHT, limits={"upload_mbit": 50})
+        writer = await stack.enter_async_context(open_peer(limited))
+        await in_touch([boot, writer])
+        keys = [f"ffn.{i}.{j}" for i in range(6) for j in range(10)]
+        records = [
+            sign_record(writer.identity, writer.peer_id, key=k, addrs=writer.addrs, ttl_s=120)
+            for k in keys
+        ]
+        assert sum(len(r.model_dump_json()) for r in records) > 2 * URGENT_MAX_BYTES
+        writes: list[tuple[int, bool]] = []
+        consume = writer.throttle.up.consume
+
+        async def counted(n: int, *, urgent: bool = False, party: object = None) -> None:
+            writes.append((n, urgent))
+            await consume(n, urgent=urgent, party=party)
+
+        writer.throttle.up.consume = counted  # type: ignore[method-assign]
+        stored = await writer.dht.put(records)
+        assert stored.acks == dict.fromkeys(keys, 2)  # the writer itself and boot
+        assert all(boot.dht.records.get(k) for k in keys)
+        urgent = [n for n, u in writes if u]
+        assert len(urgent) >= 3, writes  # the store went as several requests
+        assert max(urgent) <= URGENT_MAX_BYTES, writes  # each within the urgent class

@@ -56,6 +56,7 @@ from volunteerd.net.records import (
 from volunteerd.net.rpc import Handler, Reply, Request, RpcClient
 from volunteerd.net.store import SignedRecordStore, Source, StoreStatistics, ip_prefix
 from volunteerd.net.swarm_clock import SwarmClock
+from volunteerd.net.throttle import URGENT_MAX_BYTES
 
 __all__ = [
     "UNEXPLAINED",
@@ -79,6 +80,12 @@ _FIND_REPLY_BYTES = 48 * 1024
 # more than ~140 of a daemon's keys (a small swarm, 128 experts of a 4-D grid) refused
 # all of that daemon's records. Requests are cut at this many bytes as well as records.
 _STORE_REQUEST_BYTES = 48 * 1024
+# Under an upload limit a request's frame of at most URGENT_MAX_BYTES takes turns with
+# the bulk reply pieces going out (net/throttle.py) and a larger one queues behind them:
+# a limited volunteer's 25-record store (~50 KB in one request) waited out the DHT's
+# deadline behind its own replies, and its records reached nobody. Cut smaller then,
+# with room for the frame's prefix, the request's fields and an estimate's slack.
+_LIMITED_STORE_REQUEST_BYTES = URGENT_MAX_BYTES - 1024
 _CLOSEST_CACHE_S = 30.0
 # A read-back answer with this many records of the key may have been cut at
 # _FIND_REPLY_BYTES before this node's (records with relay addresses run to ~3 KiB): it
@@ -738,7 +745,10 @@ class ExpertDHT:
                 for key in keys:
                     outcomes[key][peer_id] = _FOUND if key in accepted else _EMPTY
                 return
-            chunks = store_chunks(batch, verbs.store_batch, _STORE_REQUEST_BYTES, kind.wire_size_of)
+            budget = (
+                _LIMITED_STORE_REQUEST_BYTES if self._rpc.upload_limited else _STORE_REQUEST_BYTES
+            )
+            chunks = store_chunks(batch, verbs.store_batch, budget, kind.wire_size_of)
             for chunk in chunks:
                 request = PROTOCOLS[verbs.store].request(records=chunk)
                 reply = await self._ask(peer_id, verbs.store, request)

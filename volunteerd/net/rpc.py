@@ -787,6 +787,11 @@ class RpcClient:
         self._silences: OrderedDict[str, int] = OrderedDict()
         self.hung_up = 0  # connections closed after SILENCES_BEFORE_HANG_UP such calls
 
+    @property
+    def upload_limited(self) -> bool:
+        """Whether this node's upload is limited (its requests are paced)."""
+        return self._throttle is not None and self._throttle.up.rate > 0
+
     async def call(
         self,
         peer: PeerAddress,
