@@ -404,11 +404,15 @@ def _refused(code: str, retry_after_s: float | None = None) -> Outcome:
 
 
 def _ban_lengths(
-    outcome: Callable[[], Outcome], times: int, streak: int, answers_between: int = 0
+    outcome: Callable[[], Outcome],
+    times: int,
+    streak: int,
+    answers_between: int = 0,
+    calls_per_round: int = 1,
 ) -> tuple[list[float], RemoteMixtureOfExperts, _DirectoryClient]:
     """The length of each of ``times`` bans of peer "a", each earned by ``streak``
     rounds in a row of ``outcome`` ("b" and "c" answering), each waited out and followed
-    by ``answers_between`` calls "a" answered."""
+    by ``answers_between`` rounds in which "a" answered ``calls_per_round`` calls."""
     client = _DirectoryClient()
     layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
     directory = client.directory
@@ -422,8 +426,8 @@ def _ban_lengths(
         assert directory.is_banned("a"), "banned after a streak"
         lengths.append(directory.banned["a"] - client.clock.now)
         client.clock.now = directory.banned["a"]  # waited out
-        if answers_between:
-            layer._answered(["a"] * answers_between)
+        for _ in range(answers_between):
+            layer._answered(["a"] * calls_per_round)
     return lengths, layer, client
 
 
@@ -542,6 +546,19 @@ def test_a_peer_that_never_answers_on_time_between_its_bans_is_banned_longer_eac
     # A few answers in between are not a recovery...
     lengths, _, _ = _ban_lengths(outcome, times=3, streak=8, answers_between=LATE_STREAK_BAN - 1)
     assert lengths == [60.0, 60.0, 120.0]
+
+
+def test_recovery_from_a_slow_ban_counts_rounds_on_time_not_calls() -> None:
+    """Counted per call answered, a slow peer serving 4 of a step's calls showed it
+    recovered after 2 rounds on time, and its next ban was ban_s again: a peer late
+    in 6 of every 8 rounds never grew. Each round counts once, however many calls."""
+    late = lambda: Outcome(late=True)  # noqa: E731
+    lengths, _, _ = _ban_lengths(late, times=3, streak=8, answers_between=2, calls_per_round=4)
+    assert lengths == [60.0, 60.0, 120.0], "2 rounds on time are no recovery"
+    lengths, _, _ = _ban_lengths(
+        late, times=3, streak=8, answers_between=LATE_STREAK_BAN, calls_per_round=4
+    )
+    assert lengths == [60.0] * 3, "LATE_STREAK_BAN rounds on time are"
 
 
 def test_a_peer_late_in_most_rounds_but_not_all_in_a_row_is_banned() -> None:

@@ -78,7 +78,7 @@ _LOOK_AGAIN_AFTER_S = 1.0
 # ban ends); one that answers info and stalls every call does not, nor does one on time
 # once in 8 rounds to break a streak (never banned, it made steps ~10x slower: 0.48 s vs
 # 0.05 s, one replica of 3). A peer banned so (or for "later" refusals) that answered
-# fewer than LATE_STREAK_BAN calls on time since its last such ban has not shown it
+# on time in fewer than LATE_STREAK_BAN rounds since its last such ban has not shown it
 # recovered: its bans grow (a black hole was banned ban_s each time: 57 bans an hour).
 LATE_STREAK_BAN = 8
 LATE_WINDOW_BAN = 6
@@ -377,8 +377,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         # peer -> its last rounds, late (1) or on time (0), as bits behind a leading 1;
         # only peers with a late round among them (``_late_window``)
         self._late_rounds: dict[str, int] = {}
-        # peer -> calls it answered since its last ban for being late or "later", while
-        # fewer than LATE_STREAK_BAN (then forgotten: it recovered)
+        # peer -> rounds in which it answered since its last ban for being late or
+        # "later", while fewer than LATE_STREAK_BAN (then forgotten: it recovered)
         self._answers_since_ban: dict[str, int] = {}
         # peer -> rounds in a row it refused, with no answer from it in between
         self._refusal_streak: dict[str, int] = {}
@@ -495,22 +495,23 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         return self.client.run(run)
 
     def _answered(self, peer_ids: Sequence[str]) -> None:
-        """A round's answers (one per call answered): each ends its peer's refusal
-        streak, counts as a round on time (once a round) and toward showing it recovered
-        from a ban for being slow or loaded."""
-        for peer_id in peer_ids:
+        """A round's answers (one per call answered): each peer that answered, once a
+        round however many of its calls answered, ends its refusal streak, has a round
+        on time and one more toward showing it recovered from a ban for being slow or
+        loaded (counted per call, a slow peer serving 4 of a step's calls recovered
+        after 2 rounds on time, not LATE_STREAK_BAN)."""
+        for peer_id in dict.fromkeys(peer_ids):
             count = self._answers_since_ban.pop(peer_id, None)
             if count is not None and count + 1 < LATE_STREAK_BAN:
                 self._answers_since_ban[peer_id] = count + 1  # re-inserted last: newest
-        for peer_id in set(peer_ids):
             self._refusal_streak.pop(peer_id, None)
             self._firm_refusals.discard(peer_id)
             _late_window(self._late_rounds, peer_id, late=False)
 
     def _slow_ban(self, peer_id: str, why: str, usable: set[str], *, firm: bool = False) -> bool:
         """Ban ``peer_id`` for being late or refusing "later" round after round: for
-        ``ban_s`` when it showed it recovered since its last such ban (LATE_STREAK_BAN
-        answers), else growing to SLOW_BAN_GROWTH_MAX times, and as any offence's when
+        ``ban_s`` when it showed it recovered since its last such ban (answers in
+        LATE_STREAK_BAN rounds), else growing to SLOW_BAN_GROWTH_MAX times, and as any offence's when
         ``firm`` (a refusal that was not "later")."""
         recovered = peer_id not in self._answers_since_ban
         most = BAN_GROWTH_MAX if firm else SLOW_BAN_GROWTH_MAX
