@@ -516,8 +516,8 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
     def _slow_ban(self, peer_id: str, why: str, usable: set[str], *, firm: bool = False) -> bool:
         """Ban ``peer_id`` for being late or refusing "later" round after round: for
         ``ban_s`` when it showed it recovered since its last such ban (answers in
-        LATE_STREAK_BAN rounds), else growing to SLOW_BAN_GROWTH_MAX times, and as any offence's when
-        ``firm`` (a refusal that was not "later")."""
+        LATE_STREAK_BAN rounds), else growing to SLOW_BAN_GROWTH_MAX times, and as any
+        offence's when ``firm`` (a refusal that was not "later")."""
         recovered = peer_id not in self._answers_since_ban
         most = BAN_GROWTH_MAX if firm else SLOW_BAN_GROWTH_MAX
         if not self._ban(peer_id, why, None, usable, grow=firm or not recovered, most=most):
