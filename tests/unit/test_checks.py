@@ -634,6 +634,77 @@ def test_a_replica_often_late_is_chosen_only_when_no_other_is_left() -> None:
     assert chosen({"ffn.0": {"c"}}) == {"a"}, "the least often late of the often late"
 
 
+class _Announced:
+    """The DHT's answer: each server announces the experts of ``ffn.`` it lists now."""
+
+    def __init__(self, children: dict[Identity, list[int]]) -> None:
+        self.children = children
+
+    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
+        return {
+            key: [
+                sign_record(
+                    s,
+                    str(peer_id_for(s)),
+                    key=key,
+                    addrs=["/ip4/127.0.0.1/tcp/1"],
+                    children=children,
+                    ttl_s=30,
+                )
+                for s, children in self.children.items()
+            ]
+            for key in keys
+        }
+
+
+def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() -> None:
+    """More than EXPERTS_GONE_BAN experts held out at once banned the peer whole on
+    the count alone: a volunteer that re-balanced, or whose project owner changed the
+    build, answers ``unknown_expert`` for all its old experts within a step or two and
+    was banned, longer each time. Only records looked up after its first such answer
+    that still list those experts ban it; a liar's still do, within one lookup."""
+    honest, liar, other = (Identity.generate() for _ in range(3))
+    a, c, b = (str(peer_id_for(s)) for s in (honest, liar, other))
+    everything = list(range(8))
+    dht = _Announced({honest: everything, liar: everything, other: everything})
+    client = _DirectoryClient(dht)
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+
+    def offered() -> dict[int, list[str]]:
+        found = client.run(directory.children, ["ffn."])["ffn."]
+        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
+
+    def unknown(peer: str, uid: int) -> None:
+        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+        calls[0] = Call(f"ffn.{uid}", PeerAddress(peer, ()), None, [], calls[0].rows)
+        outcomes[0] = _refused("unknown_expert")
+        layer._accept(Verb.FORWARD, calls, outcomes, {a, b, c})
+
+    offered()
+    dht.children[honest] = [6, 7]  # re-balanced: announced anew
+    for uid in range(EXPERTS_GONE_BAN + 2):  # two steps' calls
+        unknown(a, uid)
+        if uid == EXPERTS_GONE_BAN // 2:
+            offered()
+    assert not directory.is_banned(a)
+    for _ in range(2):
+        found = offered()
+        assert [child for child, peers in found.items() if a in peers] == [6, 7]
+    assert "false_records" not in directory.ban_reasons
+    # One that keeps announcing them all: not banned on the count before a lookup...
+    lookups = directory.lookups
+    for uid in range(EXPERTS_GONE_BAN + 1):
+        unknown(c, uid)
+    assert not directory.is_banned(c)
+    offered()  # ... and banned by the lookup that still lists them
+    assert directory.is_banned(c)
+    assert directory.ban_reasons["false_records"] == 1
+    assert directory.lookups == lookups + 1
+    assert not directory.is_banned(a)
+    assert not directory.is_banned(b)
+
+
 def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seldom() -> None:
     """``unknown_expert`` for every expert announced cost a failed call and a DHT lookup
     each (568 calls and 760 lookups in 40 s, ban_s 1 s, where a ban costs 33 and 9):
@@ -668,5 +739,7 @@ def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seld
         client.clock.now = directory.banned[a] + 1
         for uid in range(EXPERTS_GONE_BAN + 1):
             directory.expert_gone(a, f"ffn.{uid}", "unknown_expert: test")
+        assert not directory.is_banned(a), "not on the count alone"
+        client.run(directory.children, ["ffn."])  # looked up again: still listed
         lengths.append(directory.banned[a] - client.clock.now)
     assert lengths == [60.0, 120.0, 240.0, 240.0, 240.0, 240.0]

@@ -80,9 +80,10 @@ _MAX_OFFENDERS = 4096
 # calls would otherwise cost a failed call each time it announced itself (15 s).
 EARLY_RETURN_EVERY_S = 3600.0
 # A peer answering ``unknown_expert`` for more than this many of the experts it announces
-# at once (each held out for ``ban_s``) is banned whole, growing as a liar's: a volunteer
-# that re-balanced leaves a few experts, one announcing experts it never serves lists
-# them all (16 of them: 568 failed calls in 40 s, ban_s 1 s, where a ban costs 33).
+# at once (each held out for ``ban_s``) is banned whole, growing, once its records looked
+# up since still list one of them: one announcing experts it never serves lists them all
+# (16 of them: 568 failed calls in 40 s, ban_s 1 s, where a ban costs 33); a volunteer
+# that re-balanced, or dropped them all (a new build), announced so (``expert_gone``).
 EXPERTS_GONE_BAN = 4
 # The most a ban for being slow or loaded (and for ``unknown_expert`` of many experts:
 # every volunteer of a project whose owner changed its build drops them all at once)
@@ -174,6 +175,11 @@ class ExpertDirectory:
         self._expert_holds: dict[tuple[str, str], float] = {}
         # peer -> when its records were last looked up again for ``expert_gone``
         self._relooked: OrderedDict[str, float] = OrderedDict()
+        # peer -> when it first answered ``unknown_expert`` of the experts held out for
+        # it now, and key -> the uids its records list in the last lookup of that key
+        # begun since (``expert_gone``)
+        self._gone_since: OrderedDict[str, float] = OrderedDict()
+        self._listed_since: dict[str, dict[str, set[str]]] = {}
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
@@ -305,24 +311,27 @@ class ExpertDirectory:
         announces that within an announce period, and its new records no longer list
         ``uid``; banned for it, it went unused whole, and longer each time. One that
         keeps announcing an expert it does not serve costs a call for that expert per
-        ``ban_s``; one saying so of more than ``EXPERTS_GONE_BAN`` experts held out at
-        once announces what it never serves, or dropped them all (a project whose owner
-        changed its build), and is banned whole, growing to ``SLOW_BAN_GROWTH_MAX``
-        times (each
-        ``unknown_expert`` forced a DHT lookup and cost a call: 760 lookups and 568
-        failed calls in 40 s where a ban costs 9 and 33)."""
+        ``ban_s``. One with more than ``EXPERTS_GONE_BAN`` experts held out at once
+        whose records, looked up after its first such answer, still list one of them
+        announces what it does not serve, and is banned whole, growing to
+        ``SLOW_BAN_GROWTH_MAX`` times (each ``unknown_expert`` forced a DHT lookup and
+        cost a call: 760 lookups and 568 failed calls in 40 s where a ban costs 9 and
+        33). Banned on the count alone, a volunteer that dropped its experts at once (a
+        project whose owner changed its build) was banned too, its new records
+        notwithstanding."""
         now = self._clock()
+        if not any(p == peer_id and t > now for (p, _), t in self._expert_holds.items()):
+            remember(self._gone_since, peer_id, now, _MAX_OFFENDERS)  # a new episode
+            self._listed_since.pop(peer_id, None)
+            self._listed_since = {
+                p: u for p, u in self._listed_since.items() if p in self._gone_since
+            }
         self._expert_holds[(peer_id, uid)] = now + self._ban_s
         while len(self._expert_holds) > _MAX_OFFENDERS:
             del self._expert_holds[next(iter(self._expert_holds))]
         self.ban_reasons["unknown_expert"] += 1
-        held = sum(1 for (p, _), t in self._expert_holds.items() if p == peer_id and t > now)
-        if held > EXPERTS_GONE_BAN:
-            self.ban(
-                peer_id,
-                f"false_records: unknown_expert for {held} experts it announces",
-                most=SLOW_BAN_GROWTH_MAX,
-            )
+        held = {u for (p, u), t in self._expert_holds.items() if p == peer_id and t > now}
+        if self._ban_gone(peer_id, held):
             return
         logger.info(
             "not choosing %s for %s for %.0fs (its other experts still are): %s",
@@ -337,6 +346,26 @@ class ExpertDirectory:
         for entry in self._cache.values():
             if any(p.peer_id == peer_id for ps in entry.children.values() for p in ps):
                 entry.fetched_at = -math.inf  # refreshed beside the next step
+
+    def _ban_gone(self, peer_id: str, held: set[str]) -> bool:
+        """Ban ``peer_id`` whole (``false_records``) when more than ``EXPERTS_GONE_BAN``
+        of its experts are ``held`` out and records of it looked up since its first
+        ``unknown_expert`` of them still list one (``expert_gone``)."""
+        if len(held) <= EXPERTS_GONE_BAN or self.is_banned(peer_id):
+            return False
+        listed = set().union(*self._listed_since.get(peer_id, {}).values())
+        still = held & listed
+        if not still:
+            return False
+        self.ban(
+            peer_id,
+            f"false_records: unknown_expert for {len(held)} experts it announces, "
+            f"{len(still)} of them in records looked up since",
+            most=SLOW_BAN_GROWTH_MAX,
+        )
+        self._gone_since.pop(peer_id, None)
+        self._listed_since.pop(peer_id, None)
+        return True
 
     def _offered(self, peer_id: str) -> bool:
         if peer_id in self._banned:
@@ -593,6 +622,7 @@ class ExpertDirectory:
 
     async def _lookup(self, keys: list[str]) -> None:
         self.lookups += 1
+        started = self._clock()
         records = await self._dht.get(keys)
         if self._refresh_misses >= REFRESH_MISSES_WARNED:
             logger.info("refreshing DHT keys works again")
@@ -628,7 +658,33 @@ class ExpertDirectory:
             if children and not answered:
                 self.empty_answers += 1
             self._cache[key] = _Entry(children, now, old.used_at if old else now, seen)
+            self._note_listed(key, records.get(key, []), started)
         _bound(self._issued)
+        if self._gone_since:
+            held: dict[str, set[str]] = {}
+            for (peer_id, uid), until in self._expert_holds.items():
+                if until > now and peer_id in self._gone_since:
+                    held.setdefault(peer_id, set()).add(uid)
+            for peer_id in list(self._gone_since):
+                if peer_id not in held:  # its holds ended: so did the episode
+                    del self._gone_since[peer_id]
+                    self._listed_since.pop(peer_id, None)
+                elif self._gone_since[peer_id] <= started:
+                    self._ban_gone(peer_id, held[peer_id])
+
+    def _note_listed(self, key: str, records: Sequence[ExpertRecord], started: float) -> None:
+        """What a lookup of ``key`` begun at ``started`` lists of each peer that answered
+        ``unknown_expert`` before it began (``expert_gone``)."""
+        if not self._gone_since:
+            return
+        listed: dict[str, set[str]] = {}
+        for record in records:
+            if record.peer_id in self._gone_since:
+                uids = {f"{key}{c}" if key.endswith(".") else key for c in record.children}
+                listed.setdefault(record.peer_id, set()).update(uids)
+        for peer_id, since in self._gone_since.items():
+            if since <= started:
+                self._listed_since.setdefault(peer_id, {})[key] = listed.get(peer_id, set())
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Refresh recently used keys every ``refresh_s`` and verify announced peers in
