@@ -180,6 +180,9 @@ class ExpertDirectory:
         # begun since (``expert_gone``)
         self._gone_since: OrderedDict[str, float] = OrderedDict()
         self._listed_since: dict[str, dict[str, set[str]]] = {}
+        # peers with more than EXPERTS_GONE_BAN experts held out, not offered until a
+        # lookup begun since says whether their records still list them
+        self._gone_suspects: set[str] = set()
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
@@ -230,6 +233,8 @@ class ExpertDirectory:
         self._banned = {p: t for p, t in self._banned.items() if t > now}
         self._relay_holds = {k: t for k, t in self._relay_holds.items() if t > now}
         self._expert_holds = {k: t for k, t in self._expert_holds.items() if t > now}
+        if self._gone_suspects:
+            self._gone_suspects &= {p for p, _ in self._expert_holds}
         out: dict[str, Children] = {}
         for prefix in wanted:
             entry = self._cache[prefix]
@@ -333,6 +338,11 @@ class ExpertDirectory:
         held = {u for (p, u), t in self._expert_holds.items() if p == peer_id and t > now}
         if self._ban_gone(peer_id, held):
             return
+        if len(held) > EXPERTS_GONE_BAN and peer_id not in self._gone_suspects:
+            # Not offered until its records are looked up again (beside the next step):
+            # offered meanwhile, a liar's other experts cost a call each per ``ban_s``.
+            self._gone_suspects.add(peer_id)
+            self._relooked.pop(peer_id, None)
         logger.info(
             "not choosing %s for %s for %.0fs (its other experts still are): %s",
             short(peer_id),
@@ -365,10 +375,11 @@ class ExpertDirectory:
         )
         self._gone_since.pop(peer_id, None)
         self._listed_since.pop(peer_id, None)
+        self._gone_suspects.discard(peer_id)
         return True
 
     def _offered(self, peer_id: str) -> bool:
-        if peer_id in self._banned:
+        if peer_id in self._banned or peer_id in self._gone_suspects:
             return False
         return self._verify is None or self._answered(peer_id)
 
@@ -671,6 +682,7 @@ class ExpertDirectory:
                     self._listed_since.pop(peer_id, None)
                 elif self._gone_since[peer_id] <= started:
                     self._ban_gone(peer_id, held[peer_id])
+                    self._gone_suspects.discard(peer_id)  # banned, or its records moved on
 
     def _note_listed(self, key: str, records: Sequence[ExpertRecord], started: float) -> None:
         """What a lookup of ``key`` begun at ``started`` lists of each peer that answered
