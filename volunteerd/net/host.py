@@ -30,6 +30,7 @@ from libp2p import new_host
 from libp2p.abc import ConnectionType, IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.io import trio as _io
 from libp2p.network import swarm as _swarm_module
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
@@ -67,6 +68,7 @@ __all__ = [
     "dialable_addrs",
     "listen_multiaddr",
     "open_host",
+    "peer_endpoint",
     "transport_addrs",
 ]
 
@@ -180,6 +182,43 @@ async def _close_without_nap(self: Yamux, error_code: int = _yamux.GO_AWAY_NORMA
 
 
 Yamux.close = _close_without_nap  # type: ignore[method-assign]
+
+
+# py-libp2p 0.8.1's TrioTCPStream.get_remote_address gives None unless the socket's
+# getpeername() is a 2-tuple, and an IPv6 socket's is (host, port, flowinfo, scope_id):
+# no IPv6 peer had an address, so every limit kept by address let it by (connection
+# slots, per_address budgets, the pacers, relay reservations, the DHT store's /48
+# quota, the swarm clock's vote by /48: 100 identities from one IPv6 address kept 100
+# connections where one IPv4 address keeps 64), and its calls were taken for relayed
+# ones. Everything here and in the library reads a peer's address through this one
+# method (remote_host, direct_ips, the slots per address, the relay's reservations),
+# so it is mended once, here: an IPv6 peer's (host, port) is the first two, and an
+# IPv4 peer of a "::" listener ('::ffff:a.b.c.d') is the IPv4 address it is.
+# tests/integration/test_ipv6.py checks both on real sockets.
+def peer_endpoint(peer: object) -> tuple[str, int] | None:
+    """``(host, port)`` of a socket's ``getpeername()`` of either family; an
+    IPv4-mapped IPv6 host as its IPv4 address, a link-local one without its scope."""
+    if not isinstance(peer, tuple) or len(peer) < 2:
+        return None
+    host = str(peer[0]).split("%", 1)[0]
+    with contextlib.suppress(ValueError):
+        ip = ipaddress.ip_address(host)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            host = str(ip.ipv4_mapped)
+    return host, int(peer[1])
+
+
+def _remote_address(self: _io.TrioTCPStream) -> tuple[str, int] | None:
+    if self._cached_remote_address is None:
+        try:
+            self._cached_remote_address = peer_endpoint(self.stream.socket.getpeername())
+        except (AttributeError, OSError):  # no socket, or a closed one: not known
+            return None
+    return self._cached_remote_address
+
+
+_io.TrioTCPStream.get_remote_address = _remote_address  # type: ignore[method-assign]
+
 
 # A relay copies each circuit's bytes in reads of up to 65535 bytes, each written on in
 # one piece: a full read left as a full Yamux frame and a 28-byte one. Reads of one
