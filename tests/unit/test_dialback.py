@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from volunteerd.errors import InvalidRecord, Rejected
 from volunteerd.identity import Identity
-from volunteerd.net import host
+from volunteerd.net import interfaces
 from volunteerd.net.dialback import (
     MAX_DIALBACK_ADDRS,
     DialBackReply,
@@ -119,21 +119,29 @@ def test_records_carry_circuit_addresses_but_not_other_p2p_addresses() -> None:
             EXPERT_RECORDS.decode(record(bad))
 
 
-def test_wildcard_listen_address_is_announced_as_the_interface_addresses(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    interfaces = [Multiaddr("/ip4/192.0.2.10/tcp/4001"), Multiaddr("/ip4/198.51.100.3/tcp/4001")]
-    monkeypatch.setattr(host, "get_thin_waist_addresses", lambda addr: interfaces)
+def test_wildcard_listen_address_is_announced_as_the_interface_addresses() -> None:
+    found = {4: ["192.0.2.10", "198.51.100.3", "127.0.0.1"], 6: ["::1", "fe80::1"]}
+
+    def expand(addrs: list[Multiaddr]) -> list[str]:
+        out = interfaces.expand_wildcards(
+            addrs, interfaces=lambda family: found[family], ipv4_on_ipv6=False, if_inet6=None
+        )
+        return [str(a) for a in out]
+
     wildcard, fixed = Multiaddr("/ip4/0.0.0.0/tcp/4001"), Multiaddr("/ip4/203.0.113.9/tcp/7")
-    assert host.dialable_addrs([wildcard, fixed]) == [*interfaces, fixed]
+    assert expand([wildcard, fixed]) == [
+        "/ip4/192.0.2.10/tcp/4001",
+        "/ip4/198.51.100.3/tcp/4001",
+        "/ip4/203.0.113.9/tcp/7",
+    ]
     # Only a machine with no other interface offers loopback.
-    monkeypatch.setattr(host, "get_thin_waist_addresses", lambda addr: [])
-    assert [str(a) for a in host.dialable_addrs([wildcard])] == ["/ip4/127.0.0.1/tcp/4001"]
-    assert [str(a) for a in host.dialable_addrs([Multiaddr("/ip6/::/tcp/9")])] == ["/ip6/::1/tcp/9"]
+    found[4] = ["127.0.0.1"]
+    assert expand([wildcard]) == ["/ip4/127.0.0.1/tcp/4001"]
+    assert expand([Multiaddr("/ip6/::/tcp/9")]) == ["/ip6/::1/tcp/9"]
 
 
 def test_interface_addresses_leave_out_loopback_and_link_local() -> None:
-    addrs = host.dialable_addrs([Multiaddr("/ip4/0.0.0.0/tcp/4001")])
+    addrs = interfaces.dialable_addrs([Multiaddr("/ip4/0.0.0.0/tcp/4001")])
     ips = [ipaddress.ip_address(a.value_for_protocol("ip4")) for a in addrs]
     assert ips
     assert not any(ip.is_unspecified or ip.is_link_local for ip in ips)

@@ -87,7 +87,9 @@ class NetworkConfig(_Model):
     """Where this node listens and how it joins the swarm."""
 
     listen_host: str = Field(
-        "0.0.0.0", description="IP address to listen on (0.0.0.0 = every interface)"
+        "0.0.0.0",
+        description="IP address to listen on (0.0.0.0 = every IPv4 interface; :: = every "
+        "interface of both families, where IPv6 sockets take IPv4 too, Linux's default)",
     )
     port: int = Field(38400, ge=0, le=65535, description="TCP port; 0 picks a free one")
     max_connections: int = Field(

@@ -48,13 +48,13 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
-from multiaddr.utils import get_thin_waist_addresses
 
 from volunteerd.errors import PeerUnreachable, ResourceUnavailable, StreamTimedOut
 from volunteerd.identity import Identity
 from volunteerd.net import connections
 from volunteerd.net import flow as _flow  # patches Yamux's flow and TCP's reads and writes
 from volunteerd.net.dialback import tcp_endpoint
+from volunteerd.net.interfaces import dialable_addrs
 from volunteerd.net.limits import MessagePacer
 from volunteerd.net.peers import PeerAddress, is_circuit_addr, key_pair_for, short
 from volunteerd.net.peerstore import NodePeerStore
@@ -65,7 +65,6 @@ __all__ = [
     "Libp2pStream",
     "Libp2pStreamHost",
     "dial_in_turn",
-    "dialable_addrs",
     "listen_multiaddr",
     "open_host",
     "peer_endpoint",
@@ -519,25 +518,6 @@ def _track_connections(host: IHost) -> weakref.WeakSet[Any]:
 def transport_addrs(host: IHost) -> list[str]:
     """The host's dialable addresses without the /p2p/ suffix."""
     return list(dict.fromkeys(str(addr).split("/p2p/")[0] for addr in host.get_addrs()))
-
-
-def dialable_addrs(candidates: Sequence[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-    """What the host advertises (to identify, Kademlia and our records) for its listen
-    addresses: a wildcard one (``0.0.0.0``, ``::``) is no address a peer can dial, but
-    stands for this machine's interface addresses, one entry each, leaving out loopback
-    and link-local ones (another machine to a peer). A machine with no other address
-    offers its loopback address."""
-    out: list[multiaddr.Multiaddr] = []
-    for addr in candidates:
-        endpoint = tcp_endpoint(str(addr))
-        ip = ipaddress.ip_address(endpoint[0]) if endpoint else None
-        if endpoint is None or ip is None or not ip.is_unspecified:
-            out.append(addr)
-            continue
-        loopback = "/ip4/127.0.0.1" if ip.version == 4 else "/ip6/::1"
-        expanded = get_thin_waist_addresses(addr)
-        out.extend(expanded or [multiaddr.Multiaddr(f"{loopback}/tcp/{endpoint[1]}")])
-    return list({str(a): a for a in out}.values())
 
 
 class Libp2pStream:
