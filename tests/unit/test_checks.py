@@ -7,6 +7,7 @@ the round fails reports a diverging model and bans nobody.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -34,7 +35,7 @@ from volunteerd.moe.directory import (
     RecordLookup,
 )
 from volunteerd.moe.dispatch import Call, Outcome
-from volunteerd.moe.layer import LATE_STREAK_BAN, _Group
+from volunteerd.moe.layer import _LATE_AGE_ROUNDS, LATE_STREAK_BAN, _Group
 from volunteerd.moe.routing import Route
 from volunteerd.net import ExpertRecord, PeerAddress, RpcClient, Verb, peer_id_for, sign_record
 from volunteerd.wire import WireTensor
@@ -703,6 +704,69 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     assert directory.lookups == lookups + 1
     assert not directory.is_banned(a)
     assert not directory.is_banned(b)
+
+
+def test_a_replica_late_twice_shares_the_load_again_after_the_layers_rounds() -> None:
+    """Counted in its own rounds, a replica late twice was never called again (those
+    rounds moved only when it was called): with rare hiccups the load of 3 replicas
+    ended on one. Its late rounds age in the layer's rounds: back to its share
+    _LATE_AGE_ROUNDS rounds later; one late again soon after stays last longer (its
+    own last rounds often late: 4 times as many rounds for each)."""
+    client = _DirectoryClient()
+    layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
+    replicas = [PeerAddress(p, ()) for p in "abc"]
+    route = Route(torch.zeros(4, 1, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool),
+                  {"ffn.0": replicas}, "ffn")  # fmt: skip
+    group = {"ffn.0": _Group(rows=[0, 1, 2, 3], slots=[0] * 4, candidates=[0] * 4)}
+    x = torch.zeros(4, 8)
+
+    def chosen() -> set[str]:
+        return {
+            c.peer.peer_id
+            for _ in range(200)
+            for c in layer._plan_forward(group, route, {}, x, False)[0]
+        }
+
+    def step() -> None:
+        """A round through the layer, the replica it chooses on time."""
+        calls, _ = layer._plan_forward(group, route, {}, x, False)
+        peers = "".join(c.peer.peer_id for c in calls) + "bc"  # b, c: other experts'
+        calls, outcomes = _round(answers(1.0, 3), peers)
+        layer._answered(list(peers))
+        layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+
+    for _ in range(2):  # a home-link hiccup
+        calls, outcomes = _round(answers(1.0, 3), "abc")
+        outcomes[0] = Outcome(late=True)
+        layer._accept(Verb.FORWARD, calls, outcomes, {"a", "b", "c"})
+    assert chosen() == {"b", "c"}
+    for _ in range(_LATE_AGE_ROUNDS):
+        step()
+    assert chosen() == {"a", "b", "c"}, "back to its share"
+    picks = Counter()
+    for _ in range(300):
+        step()
+        picks.update(c.peer.peer_id for c in layer._plan_forward(group, route, {}, x, False)[0])
+    assert min(picks.values()) > 60, picks  # about 100 each, never all on one
+
+    layer._accept(Verb.FORWARD, *_late_round("a"), {"a", "b", "c"})
+    layer._accept(Verb.FORWARD, *_late_round("a"), {"a", "b", "c"})
+    for _ in range(_LATE_AGE_ROUNDS):
+        step()
+    layer._accept(Verb.FORWARD, *_late_round("a"), {"a", "b", "c"})
+    assert chosen() == {"b", "c"}, "late again soon after its share came back: last again"
+    for _ in range(2 * _LATE_AGE_ROUNDS):
+        step()
+    assert chosen() == {"b", "c"}, "3 late of its own last 8: 4 times as many rounds"
+    for _ in range(2 * _LATE_AGE_ROUNDS):
+        step()
+    assert chosen() == {"a", "b", "c"}
+
+
+def _late_round(peer: str) -> tuple[list[Call], list[Outcome]]:
+    calls, outcomes = _round(answers(1.0, 3), "abc")
+    outcomes["abc".index(peer)] = Outcome(late=True)
+    return calls, outcomes
 
 
 def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seldom() -> None:

@@ -82,11 +82,19 @@ _LOOK_AGAIN_AFTER_S = 1.0
 # recovered: its bans grow (a black hole was banned ban_s each time: 57 bans an hour).
 LATE_STREAK_BAN = 8
 LATE_WINDOW_BAN = 6
-# A replica late in this many of its last LATE_STREAK_BAN rounds or more is called only
-# when no replica of the expert less often late is left this round (fewest first): one
-# late 7 rounds of every 8 made steps ~3x slower between its bans (0.15 s vs 0.05 s,
-# one replica of 3), chosen as often as the others.
+# A replica late in this many of the layer's last _LATE_AGE_ROUNDS rounds or more is
+# called only when no replica of the expert less often late is left this round (fewest
+# first): one late 7 rounds of every 8 made steps ~3x slower between its bans (0.15 s vs
+# 0.05 s, one replica of 3), chosen as often as the others. Counted in the layer's
+# rounds, not the replica's own: those move only when it is called, and an honest
+# replica late twice (a hiccup) was never called again, the load all on one replica.
+# Each more late round among its own last LATE_STREAK_BAN quadruples the rounds looked
+# back, to _LATE_AGE_ROUNDS << _LATE_AGE_SHIFT_MAX: one late 7 of 8, late again each time
+# it is called, stays last longer each time (back after 32 rounds each time, it made
+# steps 0.060 s against 0.048 s).
 _OFTEN_LATE = 2
+_LATE_AGE_ROUNDS = 32
+_LATE_AGE_SHIFT_MAX = 8
 _MAX_LATE_PEERS = 4096
 # Rounds in a row in which one peer refused every call it got (busy, paused, rejected,
 # ...: ``_REFUSALS``), no answer from it in between, before it is banned: a loaded server
@@ -382,6 +390,10 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         # peer -> its last rounds, late (1) or on time (0), as bits behind a leading 1;
         # only peers with a late round among them (``_late_window``)
         self._late_rounds: dict[str, int] = {}
+        # rounds this layer judged (``_accept``), and peer -> the numbers of its last
+        # LATE_STREAK_BAN late rounds among them (``_lateness``)
+        self._round = 0
+        self._late_at: dict[str, list[int]] = {}
         # peer -> rounds in which it answered since its last ban for being late or
         # "later", while fewer than LATE_STREAK_BAN (then forgotten: it recovered)
         self._answers_since_ban: dict[str, int] = {}
@@ -621,6 +633,10 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         since its last such ban (a volunteer slowed for a while by its own upload limit
         is not lying), growing if not (``_slow_ban``)."""
         peer_id = call.peer.peer_id
+        rounds = self._late_at.pop(peer_id, [])  # re-inserted last: newest
+        self._late_at[peer_id] = [*rounds[1 - LATE_STREAK_BAN :], self._round]
+        if len(self._late_at) > _MAX_LATE_PEERS:
+            del self._late_at[next(iter(self._late_at))]
         late = _late_window(self._late_rounds, peer_id, late=True)
         if late is None:
             return
@@ -670,6 +686,7 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
         """The first tensor of each answer that passes the output checks, else None, and
         the peers whose answers the checks dropped without blaming them. Failures are
         noted, convicted peers banned, a diverging model reported."""
+        self._round += 1
         tensors = [self._decode(o) for o in outcomes]
         # An answer of another shape than the rows sent, or of another dtype than the
         # one asked for, is no honest mistake: it is refused and its peer banned before
@@ -817,16 +834,24 @@ class RemoteMixtureOfExperts(MixtureOfExperts):
             and p.peer_id not in late
             and not directory.is_banned(p.peer_id)
         ]
-        if self._late_rounds:
+        if self._late_at:
             peers.sort(key=lambda p: self._lateness(p.peer_id))  # stable
         return peers
 
     def _lateness(self, peer_id: str) -> int:
-        """How often ``peer_id`` was late lately: its late rounds among its last
-        ``LATE_STREAK_BAN``, or 0 when fewer than ``_OFTEN_LATE`` (an honest replica
-        cut off now and then still shares the load)."""
+        """How often ``peer_id`` was late lately: its late rounds among the layer's last
+        ``_LATE_AGE_ROUNDS`` (4 times as many for each late round past ``_OFTEN_LATE``
+        among its own last ``LATE_STREAK_BAN``), or 0 when fewer than ``_OFTEN_LATE`` (an honest
+        replica cut off now and then still shares the load, and one late twice is back
+        to its share ``_LATE_AGE_ROUNDS`` rounds later)."""
+        rounds = self._late_at.get(peer_id)
+        if not rounds:
+            return 0
         bits = self._late_rounds.get(peer_id, 0)
-        late = bits.bit_count() - 1 if bits else 0
+        own = bits.bit_count() - 1 if bits else 0
+        shift = min(2 * max(own - _OFTEN_LATE, 0), _LATE_AGE_SHIFT_MAX)
+        since = self._round - (_LATE_AGE_ROUNDS << shift)
+        late = sum(1 for r in rounds if r > since)
         return late if late >= _OFTEN_LATE else 0
 
     def _plan_forward(
