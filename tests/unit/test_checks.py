@@ -706,6 +706,50 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     assert not directory.is_banned(b)
 
 
+def test_a_liar_withdrawing_its_records_while_held_out_is_banned_announcing_them_again() -> None:
+    """A liar withdrew its records right after its ``unknown_expert`` answers (the
+    lookup they forced found none listing them) and announced them all again once its
+    holds ended: 928 failed calls an hour and never banned. Records issued since that
+    list more than EXPERTS_GONE_BAN of them again ban it; one that re-balanced does not
+    announce what it dropped."""
+    honest, liar, other = (Identity.generate() for _ in range(3))
+    a, c, b = (str(peer_id_for(s)) for s in (honest, liar, other))
+    everything = list(range(8))
+    dht = _Announced({honest: everything, liar: everything, other: everything})
+    client = _DirectoryClient(dht)
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+
+    def offered() -> dict[int, list[str]]:
+        found = client.run(directory.children, ["ffn."])["ffn."]
+        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
+
+    def unknown(peer: str, uid: int) -> None:
+        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+        calls[0] = Call(f"ffn.{uid}", PeerAddress(peer, ()), None, [], calls[0].rows)
+        outcomes[0] = _refused("unknown_expert")
+        layer._accept(Verb.FORWARD, calls, outcomes, {a, b, c})
+
+    offered()
+    for uid in range(EXPERTS_GONE_BAN + 2):
+        unknown(c, uid)
+        unknown(a, uid)
+    dht.children[liar] = []  # withdrawn while held out
+    dht.children[honest] = [6, 7]  # re-balanced
+    offered()
+    assert not directory.is_banned(c)
+    assert not directory.is_banned(a)
+    client.clock.now += 61.0  # the holds ended
+    offered()
+    dht.children[liar] = everything  # announced again
+    client.clock.now += 16.0  # stale: the next step looks it up
+    offered()
+    assert directory.is_banned(c)
+    assert directory.ban_reasons["false_records"] == 1
+    assert not directory.is_banned(a)
+    assert not directory.is_banned(b)
+
+
 def test_a_replica_late_twice_shares_the_load_again_after_the_layers_rounds() -> None:
     """Counted in its own rounds, a replica late twice was never called again (those
     rounds moved only when it was called): with rare hiccups the load of 3 replicas

@@ -183,6 +183,10 @@ class ExpertDirectory:
         # peers with more than EXPERTS_GONE_BAN experts held out, not offered until a
         # lookup begun since says whether their records still list them
         self._gone_suspects: set[str] = set()
+        # peer -> (when it began, the experts, the newest ``issued_at`` of its records
+        # then) of its last episode of more than EXPERTS_GONE_BAN experts held out, for
+        # EARLY_RETURN_EVERY_S: newer records listing them again ban it (``_relisted``)
+        self._disowned: OrderedDict[str, tuple[float, frozenset[str], float]] = OrderedDict()
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
@@ -338,6 +342,11 @@ class ExpertDirectory:
         held = {u for (p, u), t in self._expert_holds.items() if p == peer_id and t > now}
         if self._ban_gone(peer_id, held):
             return
+        if len(held) > EXPERTS_GONE_BAN:
+            began = self._gone_since.get(peer_id, now)
+            last = self._disowned.get(peer_id)
+            issued = last[2] if last and last[0] == began else self._issued.get(peer_id, -math.inf)
+            remember(self._disowned, peer_id, (began, frozenset(held), issued), _MAX_OFFENDERS)
         if len(held) > EXPERTS_GONE_BAN and peer_id not in self._gone_suspects:
             # Not offered until its records are looked up again (beside the next step):
             # offered meanwhile, a liar's other experts cost a call each per ``ban_s``.
@@ -670,6 +679,8 @@ class ExpertDirectory:
                 self.empty_answers += 1
             self._cache[key] = _Entry(children, now, old.used_at if old else now, seen)
             self._note_listed(key, records.get(key, []), started)
+        if self._disowned:
+            self._relisted(records, started, now)
         _bound(self._issued)
         if self._gone_since:
             held: dict[str, set[str]] = {}
@@ -683,6 +694,38 @@ class ExpertDirectory:
                 elif self._gone_since[peer_id] <= started:
                     self._ban_gone(peer_id, held[peer_id])
                     self._gone_suspects.discard(peer_id)  # banned, or its records moved on
+
+    def _relisted(
+        self, records: Mapping[str, Sequence[ExpertRecord]], started: float, now: float
+    ) -> None:
+        """Ban as ``false_records`` (growing, as ``_ban_gone``) a peer whose records
+        issued since its last episode of more than ``EXPERTS_GONE_BAN`` experts held out
+        list more than that many of them again. Withdrawing its records right after its
+        ``unknown_expert`` answers and announcing them again once its holds ended, a
+        liar was never banned (928 failed calls an hour, 272 and 17 bans when it kept
+        them); a volunteer that re-balanced does not announce what it just dropped."""
+        while self._disowned:
+            first = next(iter(self._disowned))
+            if now - self._disowned[first][0] < EARLY_RETURN_EVERY_S:
+                break
+            del self._disowned[first]
+        listed: dict[str, set[str]] = {}
+        for key, found in records.items():
+            for record in found:
+                episode = self._disowned.get(record.peer_id)
+                if episode is None or episode[0] > started or record.issued_at <= episode[2]:
+                    continue  # looked up before, or older than the episode
+                uids = {f"{key}{c}" if key.endswith(".") else key for c in record.children}
+                listed.setdefault(record.peer_id, set()).update(uids & episode[1])
+        for peer_id, uids in listed.items():
+            if len(uids) <= EXPERTS_GONE_BAN or self.is_banned(peer_id):
+                continue
+            self.ban(
+                peer_id,
+                f"false_records: announces again {len(uids)} experts it said it does not host",
+                most=SLOW_BAN_GROWTH_MAX,
+            )
+            del self._disowned[peer_id]
 
     def _note_listed(self, key: str, records: Sequence[ExpertRecord], started: float) -> None:
         """What a lookup of ``key`` begun at ``started`` lists of each peer that answered
