@@ -142,7 +142,7 @@ def test_unknown_section_and_bad_toml_are_refused(tmp_path: Path) -> None:
 DAMAGED = {
     "an integer of 5,000 digits": ("[limits]\nupload_mbit = 1" + "0" * 5000, "4300 digits"),
     "arrays nested 3,000 deep": ("[limits]\nupload_mbit = " + "[" * 3000 + "]" * 3000, "nested"),
-    "bytes that are not UTF-8": ("[limits]\nupload_mbit = 1 # \udcff", "utf-8"),
+    "bytes that are not UTF-8": ("[limits]\nupload_mbit = 1 # \udcff", "UTF-8"),
 }
 
 
@@ -172,6 +172,50 @@ def test_every_toml_file_read_refuses_damage_with_a_config_error(
         with pytest.raises(ConfigError, match=f"not valid TOML: .*{why}") as error:
             read()
         assert len(str(error.value)) < 400, name
+
+
+NOTEPAD = {
+    "a UTF-8 byte order mark": lambda text: b"\xef\xbb\xbf" + text.encode(),
+    "UTF-16 LE with its mark": lambda text: text.encode("utf-16"),  # Notepad's "Unicode"
+    "UTF-16 BE with its mark": lambda text: b"\xfe\xff" + text.encode("utf-16-be"),
+    "a Ctrl-Z at the end": lambda text: text.encode() + b"\x1a",
+    "CRLF, a mark and a Ctrl-Z": lambda text: (
+        b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode() + b"\x1a"
+    ),
+}
+
+
+@pytest.mark.parametrize("saved", NOTEPAD, ids=list(NOTEPAD))
+def test_every_toml_file_reads_as_windows_notepad_saves_it(tmp_path: Path, saved: str) -> None:
+    """A byte order mark read as "Invalid statement (at line 1, column 1)", UTF-16 as
+    "'utf-8' codec can't decode byte 0xff in position 0", a trailing Ctrl-Z as an
+    invalid statement on the last line; a projects.toml with a mark stopped the daemon
+    (exit 3, which systemd does not restart)."""
+    from volunteerd.swarm.projects import read_projects
+
+    encode = NOTEPAD[saved]
+    text = "# Müller's settings — überall\n[limits]\nupload_mbit = 3\n"
+    (tmp_path / "config.toml").write_bytes(encode(text))
+    assert load_config(tmp_path / "config.toml", env={}).limits.upload_mbit == 3
+    (tmp_path / "limits.toml").write_bytes(encode(text.replace("3", "7")))
+    assert load_config(None, run_time_dir=tmp_path, env={}).limits.upload_mbit == 7
+    (tmp_path / "projects.toml").write_bytes(encode("# joined by José\n"))
+    assert read_projects(tmp_path / "projects.toml").projects == []
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_line_and_column(tmp_path: Path) -> None:
+    """A Latin-1 "ü" in a comment was reported as a byte offset in a codec's words."""
+    path = tmp_path / "config.toml"
+    path.write_bytes("[limits]\n# für dich\nupload_mbit = 3\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    assert str(error.value) == (
+        f"{path}: not valid TOML: byte 0xfc at line 2, column 4 is not UTF-8: "
+        "save the file as UTF-8"
+    )
+    path.write_bytes(b"\xff\xfe[\x00l\x00i")  # UTF-16 cut in the middle of a letter
+    with pytest.raises(ConfigError, match="saved as UTF-16 but damaged: save it as UTF-8"):
+        load_config(path, env={})
 
 
 def test_a_fifo_a_folder_or_a_huge_file_is_refused_without_waiting(tmp_path: Path) -> None:

@@ -6,10 +6,18 @@ for an integer of more than 4,300 digits (Python's limit on converting them) and
 ``RecursionError`` for arrays nested a few thousand deep; a file that is not UTF-8
 raises ``UnicodeDecodeError``. Caught by type one at a time, the rare ones escaped as
 tracebacks: a damaged ``limits.toml`` reloaded on SIGHUP stopped the daemon.
+
+Files as Windows Notepad (and older editors) save them are read too: a UTF-8 byte
+order mark, a UTF-16 file with its mark, a Ctrl-Z (``\\x1a``) at the end. They read as
+"Invalid statement (at line 1, column 1)" or "can't decode byte 0xff in position 0",
+errors nobody could act on, and a ``projects.toml`` with a mark stopped the daemon.
+Other bytes that are not UTF-8 (a Latin-1 "ü" in a comment) are named by line and
+column, with what to do: save the file as UTF-8.
 """
 
 from __future__ import annotations
 
+import codecs
 import errno
 import tomllib
 from pathlib import Path
@@ -49,9 +57,41 @@ def read_toml(path: Path) -> dict[str, Any]:
         error = ConfigUnavailable if unavailable else ConfigError
         raise error(f"{path}: cannot read: {exc.strerror}") from None
     try:
-        return tomllib.loads(data.decode())
+        return tomllib.loads(_text(data))
     except _NOT_TOML as exc:
         raise ConfigError(f"{path}: not valid TOML: {_why(exc)}") from None
+
+
+_UTF16_MARKS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def _text(data: bytes) -> str:
+    """A file's bytes as text: UTF-8, after a byte order mark if there is one, or
+    UTF-16 with its mark (Notepad's "Unicode"); a Ctrl-Z after the end (DOS's end of
+    file, some Windows editors still write it) left out. Raises ValueError naming
+    the line and column of a byte that is not UTF-8."""
+    if data.startswith(_UTF16_MARKS):
+        try:
+            text = data.decode("utf-16")  # reads the mark and drops it
+        except UnicodeDecodeError:
+            raise ValueError("saved as UTF-16 but damaged: save it as UTF-8") from None
+    else:
+        try:
+            text = data.removeprefix(codecs.BOM_UTF8).decode()
+        except UnicodeDecodeError as exc:
+            raise ValueError(_where_not_utf8(exc)) from None
+    return text.rstrip("\x1a")
+
+
+def _where_not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where the first byte that is not UTF-8 is, as an editor counts (line and
+    column from 1), for a person to find it: not a byte offset."""
+    data = bytes(exc.object)
+    start = data.rfind(b"\n", 0, exc.start) + 1
+    line = data.count(b"\n", 0, exc.start) + 1
+    column = len(data[start : exc.start].decode("utf-8", "replace")) + 1
+    byte = data[exc.start]
+    return f"byte 0x{byte:02x} at line {line}, column {column} is not UTF-8: save the file as UTF-8"
 
 
 def parse_toml(text: str, what: str) -> dict[str, Any]:
