@@ -32,6 +32,14 @@ def test_commented_default_file_is_exactly_the_defaults() -> None:
     assert Config.model_validate(data) == Config()
 
 
+def test_the_default_file_is_ascii_so_any_code_page_writes_it_alike() -> None:
+    """`volunteerd config default > config.toml` on Windows wrote its em dash in the
+    console's code page, and the daemon refused the file as not UTF-8."""
+    from volunteerd.config.schema import commented_default_toml
+
+    assert commented_default_toml().isascii()
+
+
 def test_generated_schema_is_up_to_date() -> None:
     on_disk = json.loads((ROOT / "config" / "schema.json").read_text())
     assert on_disk == Config.model_json_schema(), "run: python -m volunteerd.config.schema"

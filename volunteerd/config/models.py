@@ -534,7 +534,7 @@ class ReplicasConfig(_Model):
 
     enabled: bool = Field(True, description="average with other daemons hosting the same uid")
     average_every_s: float = Field(
-        30.0, gt=0, le=86400, description="how often each expert averages (jittered ±20%)"
+        30.0, gt=0, le=86400, description="how often each expert averages (jittered +/-20%)"
     )
     clip_ratio: float = Field(
         0.1,

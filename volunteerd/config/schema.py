@@ -19,7 +19,7 @@ from volunteerd.config.models import Config
 __all__ = ["commented_default_toml", "json_schema"]
 
 _HEADER = """\
-# volunteerd configuration — every key with its default value.
+# volunteerd configuration - every key with its default value.
 #
 # Copy this file to the path `volunteerd config path` prints and change what you need;
 # keys you leave out keep their defaults. Any key can also be set for one run with
@@ -71,8 +71,8 @@ def commented_default_toml() -> str:
 def main(argv: list[str]) -> int:
     root = Path(argv[1]) if len(argv) > 1 else Path("config")
     root.mkdir(parents=True, exist_ok=True)
-    (root / "default.toml").write_text(commented_default_toml())
-    (root / "schema.json").write_text(json.dumps(json_schema(), indent=2) + "\n")
+    (root / "default.toml").write_text(commented_default_toml(), encoding="utf-8")
+    (root / "schema.json").write_text(json.dumps(json_schema(), indent=2) + "\n", encoding="utf-8")
     print(f"wrote {root / 'default.toml'} and {root / 'schema.json'}")
     return 0
 
