@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -99,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("default", "print every key with its default and a comment (a starting file)"),
     ):
         _common(config_sub.add_parser(name, help=text))
+    config_sub.choices["default"].add_argument(
+        "--out",
+        metavar="FILE",
+        help="write it to FILE as UTF-8 (a new file) instead: on Windows, `>` writes the "
+        "console's code page, which volunteerd refuses",
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -668,23 +675,91 @@ def _paths(args: argparse.Namespace) -> Paths:
     return Paths.resolve(config_file=args.config, data_dir=args.data_dir)
 
 
+def _standard_streams() -> None:
+    """Standard input, output and error usable whatever this program was started with.
+
+    A descriptor 0-2 left closed (``serve <&- >&- 2>&-``) was taken by the next file
+    opened: the data folder's lock became standard input, a socket standard error.
+    Each closed one is opened on the null device first. Text a stream's encoding
+    cannot hold (an em dash on a Latin-1 terminal, a file name that is not UTF-8) is
+    written as a backslash escape: it raised UnicodeEncodeError, a traceback for
+    ``volunteerd status`` on a German ISO-8859-1 console."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself
+            if null != fd:  # only were a thread opening files meanwhile
+                os.dup2(null, fd)
+                os.close(null)
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:  # closed when Python started: None, output lost
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # not a text file (a test's)
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has gone (``| head -1``): a
+    BrokenPipeError from there is no error of ours, one from a socket is."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+    except (AttributeError, OSError, ValueError):  # no poll on Windows
+        return sys.platform == "win32"
+    poll.register(fd, 0)  # POLLERR is reported without asking: a pipe with no reader
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _standard_streams()  # before anything opens a file
     # Before any thread exists: every thread's allocations from glibc's main arena, where
     # the experts' freed gradients are reused instead of faulted in anew (volunteerd.malloc).
     one_arena()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(_dispatch(args))
+        code = int(_dispatch(args))
+        sys.stdout.flush()  # here, where a reader gone is handled: not at exit
+        return code
     except BaseException as exc:
         # Errors raised inside a nursery arrive wrapped in exception groups.
         inner = _single(exc)
+        if isinstance(inner, BrokenPipeError) and _stdout_gone():
+            # The reader of our output is done with it: stop quietly, as a program
+            # killed by SIGPIPE would. What is still buffered goes to the null device
+            # (Python's advice): flushed at exit, it raised the same error again.
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+            return 128 + signal.SIGPIPE if hasattr(signal, "SIGPIPE") else 1
         if isinstance(inner, VolunteerdError | OSError):
             print(f"volunteerd: {inner}", file=sys.stderr)
             return int(exit_code(inner))
         if isinstance(inner, KeyboardInterrupt):
             return int(ExitCode.INTERRUPTED)
         raise
+
+
+def _default_config(out: str | None) -> ExitCode:
+    """``volunteerd config default``: printed, or written to ``out`` as UTF-8 (never
+    over a file: it would be somebody's configuration)."""
+    from volunteerd.config.schema import commented_default_toml
+
+    text = commented_default_toml()
+    if out is None:
+        sys.stdout.write(text)
+        return ExitCode.OK
+    try:
+        with open(out, "x", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except FileExistsError:
+        raise UsageError(
+            f"--out {out}: the file exists; give a new name or remove it first"
+        ) from None
+    print(f"wrote {out}", file=sys.stderr)
+    return ExitCode.OK
 
 
 def _single(exc: BaseException) -> BaseException:
@@ -699,6 +774,8 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
     if args.command == "config" and args.config_command == "path":
         print(_paths(args).config_file)
         return ExitCode.OK
+    if args.command == "config" and args.config_command == "default":
+        return _default_config(args.out)  # needs no configuration, nor a valid one
     if args.command == "paths":
         for name, value in _paths(args).as_dict().items():
             print(f"{name:16} {value}")
@@ -731,11 +808,7 @@ def _dispatch(args: argparse.Namespace) -> ExitCode:
 
         notes += filter(None, [raise_open_file_limit(config.network.max_connections)])
     if args.command == "config":
-        if args.config_command == "default":
-            from volunteerd.config.schema import commented_default_toml
-
-            sys.stdout.write(commented_default_toml())
-        elif args.config_command == "validate":
+        if args.config_command == "validate":
             where = paths.config_file if paths.config_file.exists() else "defaults"
             print(f"configuration is valid ({where})")
         else:

@@ -145,3 +145,100 @@ def test_daemon_log_has_no_third_party_noise(spawn) -> None:  # type: ignore[no-
         # Every line is ours: "HH:MM:SS LEVEL volunteerd.<module>: message"
         assert " volunteerd." in line[:40], line
     assert any("bootstrap peer" in line and "did not answer" in line for line in lines)
+
+
+def test_output_a_console_cannot_encode_is_escaped_not_a_traceback(tmp_path: Path) -> None:
+    """An em dash on a Latin-1 console (LC_ALL=de_DE.ISO-8859-1) and a file name that
+    is not UTF-8 (a Latin-1 home on a UTF-8 system) raised UnicodeEncodeError: a
+    traceback for `volunteerd status`, `config default`, `paths`."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import cli_env
+
+    data_dir = tmp_path / "Jos\udce9 — data"  # the byte 0xe9, as Python reads it
+    result = subprocess.run(
+        [sys.executable, "-m", "volunteerd", "paths", "--data-dir", str(data_dir)],
+        env={**cli_env(tmp_path), "PYTHONIOENCODING": "latin-1"},
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode("latin-1")
+    assert b"Jos\\udce9 \\u2014 data" in result.stdout
+    default = run_cli(tmp_path, "config", "default")
+    assert default.returncode == 0
+    assert default.stdout.isascii()  # what `>` writes in any code page
+
+
+def test_config_default_out_writes_utf8_and_never_over_a_file(tmp_path: Path) -> None:
+    """On Windows `volunteerd config default > config.toml` wrote the console's code
+    page, which the daemon then refused: --out writes UTF-8, and only a new file."""
+    out = tmp_path / "new config.toml"
+    (tmp_path / "config.toml").write_text("[network\n")  # damaged: needs no valid config
+    written = run_cli(tmp_path, "config", "default", "--out", str(out))
+    assert written.returncode == 0, written.stderr
+    assert written.stdout == ""
+    assert out.read_bytes() == run_cli(tmp_path, "config", "default").stdout.encode()
+    assert run_cli(tmp_path, "config", "validate", "--config", str(out)).returncode == 0
+    again = run_cli(tmp_path, "config", "default", "--out", str(out))
+    assert again.returncode == ExitCode.USAGE
+    assert "the file exists" in again.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path: Path) -> None:
+    """`volunteerd status | head -1` printed "volunteerd: [Errno 32] Broken pipe" and
+    exited 5 (or 120, "Exception ignored", when the pipe broke at exit)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import cli_env
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `head` has read its line and gone
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "volunteerd", "paths"],
+            env=cli_env(tmp_path),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 128 + signal.SIGPIPE  # as a C program killed by SIGPIPE
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_daemon_started_with_closed_standard_streams_gets_the_null_device(
+    tmp_path: Path,
+) -> None:
+    """`serve <&- >&- 2>&-` started with descriptor 0 = the data folder's lock file and
+    2 = a socket: what was written to standard error went to a peer."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import cli_env
+
+    ready = tmp_path / "ready.json"
+    process = subprocess.Popen(
+        ["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-', sys.executable, "-m", "volunteerd",
+         "serve", "--listen-host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+         *SMALL],
+        env=cli_env(tmp_path),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180  # a hang guard: torch's import on a busy machine
+        while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), f"exited {process.poll()} or not ready"
+        opened = [os.readlink(f"/proc/{process.pid}/fd/{fd}") for fd in (0, 1, 2)]
+        assert opened == [os.devnull] * 3
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(90) == ExitCode.INTERRUPTED  # as for any SIGTERM
