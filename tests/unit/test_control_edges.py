@@ -577,3 +577,32 @@ async def test_a_daemon_whose_control_json_cannot_be_written_serves_on_and_write
             assert json.loads(control_file.read_text()) == {"url": url, "pid": os.getpid()}
             nursery.cancel_scope.cancel()
     assert not control_file.exists()  # removed on the way out, as before
+
+
+async def test_a_file_name_that_is_not_utf8_never_makes_a_reply_fail(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A path with a Latin-1 byte (a home on a UTF-8 system) reads as a surrogate,
+    which UTF-8 cannot encode: after one reload error naming it, GET /api/v1/events
+    answered 500 for good (a 35-line traceback a poll), and a failing limits change
+    a bare "HTTP 500" in place of what failed."""
+    from volunteerd.control.events import EventLog
+
+    name = "/home/Jos\udce9/.local/share/volunteerd/limits.toml"
+
+    class Damaged(_Controls):
+        async def set_limits(self, change: LimitsChange) -> Any:
+            raise OSError(5, "Input/output error", name)
+
+    controls = Damaged()
+    controls.events = EventLog()
+    controls.events.post("error", f"{name}: not valid TOML")
+    app = app_of(controls)
+    code, _, found = await ask(app, "GET", "/api/v1/events", {"since": "0"})
+    assert code == 200
+    assert found["events"][0]["message"] == name + ": not valid TOML"  # the same surrogate
+    code, _, error = await ask(app, "PATCH", "/api/v1/limits", body={"upload_mbit": 7})
+    assert code == 500
+    assert error["error"].endswith(f"[Errno 5] Input/output error: {name!r}")
+    assert not [r for r in caplog.records if "non-finite" in r.getMessage()]
+

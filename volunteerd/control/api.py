@@ -123,9 +123,14 @@ class _JSONReply(JSONResponse):
 
 
 def _dumps(content: Any) -> bytes:
+    # A file name that is not UTF-8 (a Latin-1 home on a UTF-8 system) holds surrogates
+    # (Python's surrogateescape), which UTF-8 cannot encode: the UnicodeEncodeError, a
+    # ValueError, went on to fail the same way in the handler of non-finite numbers,
+    # and the reply holding it (the events, for good) was a 500. Escaped, it is the
+    # JSON escape "\\udce9" of that surrogate: valid JSON, read as U+FFFD by a browser.
     return json.dumps(
         content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    ).encode("utf-8")
+    ).encode("utf-8", "backslashreplace")
 
 
 def _finite(value: Any, path: str, bad: list[str]) -> Any:
