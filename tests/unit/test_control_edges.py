@@ -606,3 +606,23 @@ async def test_a_file_name_that_is_not_utf8_never_makes_a_reply_fail(
     assert error["error"].endswith(f"[Errno 5] Input/output error: {name!r}")
     assert not [r for r in caplog.records if "non-finite" in r.getMessage()]
 
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_stale_control_json_whose_pid_has_a_name_cut_inside_a_letter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/proc/PID/stat read as UTF-8: a reused pid whose name the kernel cut at 15 bytes
+    inside a letter made `volunteerd status`, `pause`, `dashboard` exit 1 with a
+    UnicodeDecodeError, every login."""
+    import shutil
+
+    cut = tmp_path / ("a" * 14 + "é")
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", cut)
+    program = subprocess.Popen([cut, "60"])
+    try:
+        record(tmp_path / "data", "http://127.0.0.1:9", program.pid)
+        assert cli(monkeypatch, tmp_path, "status") == ExitCode.UNAVAILABLE
+        assert capsys.readouterr().err.startswith("volunteerd: ")
+    finally:
+        program.kill()
+        program.wait(10)

@@ -334,3 +334,20 @@ def test_max_experts_caps_a_project_of_tiny_experts_by_default(
     assert room_on(monkeypatch, 32, 28)(tiny) == 128
     assert room_on(monkeypatch, 32, 28, experiments={"max_experts": 4})(tiny) == 4
     assert room_on(monkeypatch, 32, 28, experiments={"max_experts": 0})(tiny) > 100_000
+
+
+def test_a_mount_path_that_is_not_utf8_is_read(tmp_path: Path) -> None:
+    """/proc/self/mountinfo read as UTF-8: a mounted folder with a Latin-1 byte in its
+    name (a USB stick named on an older system) made `volunteerd hardware`, and a
+    joiner, stop with UnicodeDecodeError."""
+    cgroup, mounts, files, (total, available, limit) = CGROUPS["v2"]
+    root = fake_linux(tmp_path, cgroup, mounts, files)
+    stick = b"52 31 8:17 / /media/Jos\xe9/USB rw,relatime - vfat /dev/sdb1 rw\n"
+    with (root / "proc/self/mountinfo").open("ab") as f:
+        f.write(stick)
+    found = detect(root=root)
+    assert (found.memory_bytes, found.available_bytes, found.memory_limit) == (
+        total,
+        available,
+        limit,
+    )

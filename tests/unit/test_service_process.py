@@ -359,3 +359,31 @@ with DataDirLock(Path(sys.argv[1])):  # as the daemon does, first thing
     print("locked", flush=True)
     time.sleep(60)
 """
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_stale_tray_pid_of_a_program_named_in_another_encoding_is_no_tray(
+    tmp_path: Path,
+) -> None:
+    """A pid in a stale tray.pid reused by a program whose name the kernel cut at 15
+    bytes inside a letter, or one with a Latin-1 byte in its arguments, raised
+    UnicodeDecodeError from /proc: `volunteerd tray`, `service uninstall` exited 1,
+    every login."""
+    import shutil
+
+    cut = tmp_path / ("a" * 14 + "é")  # its comm: 14 a's and the first byte of "é"
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", cut)
+    latin1 = [sys.executable, "-c", "import time; time.sleep(60)", b"Jos\xe9"]
+    programs = [subprocess.Popen([cut, "60"]), subprocess.Popen(latin1)]
+    try:
+        paths = paths_in(tmp_path)
+        for program in programs:
+            name_in_tray_pid(paths, program.pid)
+            assert tray_pid(paths) is None
+            assert not paths.tray_pid_file.exists()  # the stale file is cleared
+            assert stop_tray(paths) is None
+            assert program.poll() is None  # and the program never signalled
+    finally:
+        for program in programs:
+            program.kill()
+            program.wait(10)

@@ -124,8 +124,9 @@ def _alive(pid: int) -> bool:
     except OSError:  # PermissionError: it runs, as another user
         return True
     with contextlib.suppress(OSError, IndexError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        # bytes: a name cut at 15 bytes inside a letter is no UTF-8 (a reused pid's)
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
     return True
 
 

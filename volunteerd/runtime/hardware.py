@@ -117,11 +117,24 @@ def detect(*, root: Path = Path("/")) -> Hardware:
     )
 
 
+def _lines(path: Path) -> list[str]:
+    """A ``/proc`` file's lines. Their bytes are the kernel's, not UTF-8 text: a mount
+    path or a CPU's name may hold any byte (a Latin-1 folder name raised
+    UnicodeDecodeError, a traceback for `volunteerd hardware` and for a joiner). Such a
+    byte reads as Python reads file names, so a path from here opens the same file."""
+    return path.read_bytes().decode("utf-8", "surrogateescape").splitlines()
+
+
 def cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in _lines(Path("/proc/cpuinfo")):
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                return (
+                    line.split(":", 1)[1]
+                    .strip()
+                    .encode(errors="surrogateescape")
+                    .decode(errors="replace")
+                )
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
@@ -183,8 +196,8 @@ def _cgroup_room(root: Path, total: int) -> tuple[int, int, str, int] | None:
     (not Linux). A level whose files are missing, unreadable or say "max" limits
     nothing."""
     try:
-        memberships = (root / "proc/self/cgroup").read_text().splitlines()
-        mounts = (root / "proc/self/mountinfo").read_text().splitlines()
+        memberships = _lines(root / "proc/self/cgroup")
+        mounts = _lines(root / "proc/self/mountinfo")
     except OSError:
         return None
     paths: dict[str, str] = {}  # version -> the process's cgroup path in that hierarchy

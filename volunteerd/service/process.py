@@ -242,9 +242,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    with contextlib.suppress(OSError, IndexError):
+        # bytes: a name cut at 15 bytes inside a letter is no UTF-8 (a reused pid's)
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
     return True
 
 
@@ -256,15 +257,18 @@ def _is_volunteerd(pid: int) -> bool:
 
 
 def _command_line(pid: int) -> str:
-    """``pid``'s command line, words separated by spaces ("" if it cannot be read)."""
+    """``pid``'s command line, words separated by spaces ("" if it cannot be read); a
+    byte that is not UTF-8 (another program's Latin-1 argument) read as U+FFFD."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        return line.decode("utf-8", "replace")
     except OSError:
         try:
             return subprocess.run(
                 ["ps", "-o", "command=", "-p", str(pid)],
                 capture_output=True,
                 text=True,
+                errors="replace",
                 timeout=REQUEST_TIMEOUT_S,
                 check=False,
             ).stdout
