@@ -2,7 +2,8 @@
 
 Exit codes (``errors.ExitCode``): 0 ok, 1 unexpected error, 2 bad usage (also a value
 the control API refused), 3 invalid configuration, 5 a needed resource is unavailable
-(also: no daemon running, for the control verbs), 130 stopped by a signal.
+(also: no daemon running, for the control verbs), 130 stopped by a signal,
+141 the reader of the output went (``| head -1``), as for a program killed by SIGPIPE.
 """
 
 from __future__ import annotations
