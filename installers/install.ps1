@@ -250,8 +250,12 @@ $Version = (& $Volunteerd --version)
 
 # The command: a one-line shim in a folder of its own on the user's PATH (the
 # environment's Scripts folder would put its python.exe and pip.exe there too).
+# cmd reads a .cmd file in the OEM code page, and -Encoding ASCII turns every other
+# letter into "?": the shim names the program through %LOCALAPPDATA% (where $Base
+# always is; cmd expands it when the shim runs), so the line is ASCII whatever letters
+# the user's folder has (an accented or Cyrillic user name).
 New-Item -ItemType Directory -Force $BinDir | Out-Null
-Set-Content -Path $Shim -Encoding ASCII -Value "@`"$Volunteerd`" %*"
+Set-Content -Path $Shim -Encoding ASCII -Value '@"%LOCALAPPDATA%\volunteerd\env\Scripts\volunteerd.exe" %*'
 $userPath = [Environment]::GetEnvironmentVariable("Path", "User")
 $entries = @()
 if ($userPath) { $entries = @($userPath -split ";" | Where-Object { $_ }) }

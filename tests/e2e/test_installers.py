@@ -618,6 +618,33 @@ def test_powershell_scripts_parse_and_are_ascii() -> None:
         assert errors(broken), f"a broken {script.name} parses: the check checks nothing"
 
 
+def test_the_windows_command_shim_names_no_absolute_path() -> None:
+    """cmd reads ``volunteerd.cmd`` in the OEM code page, and ``Set-Content -Encoding
+    ASCII`` writes "?" for every other letter: a shim naming the environment's full path
+    fails under ``C:\\Users\\José Müller``. It names the program through
+    %LOCALAPPDATA% (cmd expands it), where the script puts the environment; and no
+    ASCII or ANSI write anywhere in the scripts interpolates a path."""
+    source = (INSTALLERS / "install.ps1").read_text()
+    every = "\n".join(script.read_text() for script in POWERSHELL_SCRIPTS)
+    writes = re.findall(r"^.*(?:Set-Content|Add-Content|Out-File).*$", every, re.MULTILINE)
+    assert writes, "install.ps1 writes no shim: the check checks nothing"
+    for line in writes:
+        encoding = re.search(r"-Encoding\s+(\w+)", line)
+        assert encoding, f"no -Encoding (Windows PowerShell 5.1 picks one): {line}"
+        if encoding[1].lower() in {"ascii", "default", "oem"}:
+            value = re.search(r"-Value\s+'[^'$]*'\s*$", line)
+            assert value, f"not a literal in an {encoding[1]} write: {line}"
+    (shim,) = [line for line in writes if "$Shim" in line]
+    text = re.search(r"-Value '([^']*)'", shim)
+    assert text, shim
+    assert text[1] == '@"%LOCALAPPDATA%\\volunteerd\\env\\Scripts\\volunteerd.exe" %*'
+    assert re.search(r"[A-Za-z]:\\", text[1]) is None
+    # ...which is where the script installs it
+    assert '$Base = Join-Path $env:LOCALAPPDATA "volunteerd"' in source
+    assert '$EnvDir = Join-Path $Base "env"' in source
+    assert '$Volunteerd = Join-Path $EnvDir "Scripts\\volunteerd.exe"' in source
+
+
 def dpkg(*args: str) -> subprocess.CompletedProcess[str]:
     """dpkg, waiting while another package manager holds its lock."""
     deadline = time.monotonic() + 300
