@@ -11,9 +11,11 @@ missing or refuses is told to the user, who can still start volunteerd by hand.
 
 from __future__ import annotations
 
+import locale
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,20 +44,30 @@ class Outcome:
     output: str = ""
 
 
+def output_encoding(platform: str = sys.platform) -> str:
+    """How a manager's output is read. On Windows, ``schtasks`` writes to a pipe in the
+    console's OEM code page (cp857 on a Turkish Windows, cp850 on a German one), not
+    the ANSI one Python would pick; elsewhere the locale's encoding."""
+    return "oem" if platform == "win32" else locale.getencoding()
+
+
 def run(argv: Sequence[str]) -> Outcome:
-    """Run a manager's command; a missing program or a timeout is a failed outcome."""
+    """Run a manager's command; a missing program or a timeout is a failed outcome.
+    Its output is read as bytes and decoded with ``output_encoding``, bytes that do not
+    fit it replaced: its words are only shown, never worth a traceback."""
     try:
         done = subprocess.run(
             list(argv),
             stdin=subprocess.DEVNULL,
             capture_output=True,
-            text=True,
             timeout=COMMAND_TIMEOUT_S,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Outcome(False, str(exc))
-    output = (done.stdout + done.stderr).strip()
+    encoding = output_encoding()
+    output = (done.stdout + done.stderr).decode(encoding, errors="replace")
+    output = output.replace("\r\n", "\n").strip()  # as text=True read Windows' lines
     logger.debug("%s -> %d %s", " ".join(argv), done.returncode, output)
     return Outcome(done.returncode == 0, output)
 
