@@ -182,6 +182,34 @@ def test_install_refuses_set_because_the_service_would_not_keep_it(home: Path) -
     assert not (home / UNIT).exists()
 
 
+@pytest.mark.parametrize(
+    ("folder", "words"),
+    [
+        ("data\nevil", "has a control character"),
+        ("data\tevil", "has a control character"),
+        # Latin-1 bytes on a UTF-8 system: "Jos\xe9" as the file system names it
+        (os.fsdecode(b"Jos\xe9 M\xfcller"), "is not named in UTF-8 on disk"),
+    ],
+    ids=["newline", "tab", "latin-1"],
+)
+def test_install_refuses_a_data_folder_no_autostart_file_can_name(
+    home: Path, tmp_path: Path, folder: str, words: str
+) -> None:
+    data = tmp_path / folder
+    done = service(home, "install", "--no-start", "--data-dir", str(data))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"the data folder {str(data)!r} {words}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (home / UNIT).exists()
+    assert not (home / TRAY).exists()
+    assert not data.exists()
+    # a folder with letters outside ASCII, a percent sign and a dollar sign is fine
+    fine = tmp_path / "Jos\u00e9 M\u00fcller 100% $USER"
+    done = service(home, "install", "--no-start", "--no-tray", "--data-dir", str(fine))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"VOLUNTEERD_DATA_DIR={fine}".replace("%", "%%") in (home / UNIT).read_text()
+
+
 def test_a_daemon_with_its_control_api_off_is_seen_kept_single_and_stopped(home: Path) -> None:
     """With ``control.enabled = false`` there is no control.json: ``status`` said "not
     running" while the daemon ran, a second ``install`` started another (which died:

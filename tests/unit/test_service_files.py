@@ -305,3 +305,58 @@ def test_render_writes_a_placeholder_interpreter_by_default(tmp_path: Path) -> N
     assert main(["service", "render", "--platform", "macos", "--out", str(tmp_path)]) == 0
     agent = plistlib.loads((tmp_path / "org.volunteerd.daemon.plist").read_bytes())
     assert agent["ProgramArguments"] == [*PLACEHOLDER_ARGV["macos"], "serve"]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_launches_whose_paths_no_autostart_file_can_hold_are_told(platform: Platform) -> None:
+    python = ("/usr/bin/python3", "-m", "volunteerd")
+    for fine in (
+        "/home/Jos\u00e9 M\u00fcller/data",
+        "/home/\u0130lkay I\u015f\u0131k",
+        str(AWKWARD),
+    ):
+        assert Launch(argv=python, data_dir=Path(fine)).unwritable(platform) is None
+    split = Launch(argv=("/opt/v\nenv/bin/python", "-m", "volunteerd"))
+    assert "the program '/opt/v\\nenv/bin/python' has a control character" in str(
+        split.unwritable(platform)
+    )
+    tab = Launch(argv=python, config_file=Path("/etc/v\tcfg.toml"))
+    assert "the configuration file '/etc/v\\tcfg.toml' has a control" in str(
+        tab.unwritable(platform)
+    )
+    # Latin-1 bytes read on a UTF-8 system: they cannot be written in a UTF-8 file
+    latin1 = Launch(argv=python, cache_dir=Path("/home/" + "Jos\udce9"))
+    assert "the cache folder '/home/Jos\\udce9' is not named in UTF-8" in str(
+        latin1.unwritable(platform)
+    )
+    # the log folder is launchd's alone
+    logs = Launch(argv=python, log_dir=Path("/Users/a\nb/Library/Logs/volunteerd"))
+    assert (logs.unwritable(platform) is None) == (platform != "macos")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux locale")
+def test_a_latin1_systems_folder_with_accents_is_refused_not_misnamed(tmp_path: Path) -> None:
+    """On a system whose file names are Latin-1, "Jos\u00e9" is the bytes 4a 6f 73 e9 on
+    disk: written into the UTF-8 unit it would be c3 a9, a folder that does not exist."""
+    if (
+        "de_DE.iso88591"
+        not in subprocess.run(
+            ["locale", "-a"], capture_output=True, text=True, check=False
+        ).stdout.split()
+    ):
+        pytest.skip("no de_DE.ISO-8859-1 locale (localedef -f ISO-8859-1 -i de_DE ...)")
+    code = (
+        "import sys; from pathlib import Path; from volunteerd.service.files import Launch\n"
+        "d = Path(sys.argv[1])\n"
+        "print(sys.getfilesystemencoding(), Launch(argv=('/p',), data_dir=d).unwritable('linux'))"
+    )
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "de_DE.ISO-8859-1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, bytes(tmp_path) + "/Jos\u00e9".encode("latin-1")],
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(b"iso8859-1 the data folder"), done.stdout
+    assert b"is not named in UTF-8 on disk" in done.stdout

@@ -23,8 +23,10 @@ gives the same bytes, so installing twice changes nothing.
 from __future__ import annotations
 
 import math
+import os
 import plistlib
 import subprocess
+import unicodedata
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path, PureWindowsPath
@@ -103,6 +105,38 @@ class Launch:
     user: str = PLACEHOLDER_USER
     log_dir: Path = PLACEHOLDER_LOG_DIR
     low_priority: bool = True
+
+    def unwritable(self, platform: Platform) -> str | None:
+        """Why an autostart file cannot name one of the paths it would hold (a sentence
+        for the user), or None. A control character (a newline, a tab) splits or ends
+        the line naming it: systemd would drop the variable, the tray entry would be
+        invalid. A path whose bytes on disk are not UTF-8 (Latin-1 letters, on a UTF-8
+        system or a Latin-1 one) cannot be written in these UTF-8 files at all, or comes
+        out naming a folder that does not exist."""
+        named: list[tuple[str, Path | None]] = [
+            ("the program", Path(self.argv[0]) if self.argv else None),
+            ("the configuration file", self.config_file),
+            ("the data folder", self.data_dir),
+            ("the cache folder", self.cache_dir),
+            ("the log folder", self.log_dir if platform == "macos" else None),
+        ]
+        for what, path in named:
+            if path is None:
+                continue
+            text = str(path)
+            if any(unicodedata.category(c) == "Cc" for c in text):
+                return (
+                    f"{what} {text!r} has a control character (a newline or a tab) in its "
+                    "path, which an autostart file cannot hold: choose one without"
+                )
+            try:
+                os.fsencode(text).decode("utf-8")
+            except UnicodeDecodeError:
+                return (
+                    f"{what} {text!r} is not named in UTF-8 on disk, and the autostart "
+                    "files are UTF-8: rename it, or choose one whose name is"
+                )
+        return None
 
     def environment(self) -> dict[str, str]:
         """The environment variables the daemon and the tray are started with."""

@@ -120,11 +120,11 @@ def install(
             f"note: {', '.join(ignored)} apply to this shell only; the autostarted daemon "
             f"reads {paths.config_file}"
         )
+    manager = manager_for(platform)
+    launch = _launch(platform, paths, chosen, config, manager)
     made = paths.make_data_dir()  # 0700, before the daemon or `volunteerd id` fills it
     if made:
         out(made)
-    manager = manager_for(platform)
-    launch = _launch(platform, paths, chosen, config, manager)
     where = manager.locations(paths)
     written: dict[str, str] = {}
     daemon_changed = False
@@ -322,7 +322,7 @@ def _launch(
     def explicit(flag: bool, variable: str, value: Path) -> Path | None:
         return value.absolute() if flag or environ.get(variable) else None
 
-    return Launch(
+    launch = Launch(
         argv=argv,
         stop_timeout_s=stop_timeout_s(config.timeouts),
         config_file=explicit(chosen.config_flag, ENV_CONFIG, paths.config_file),
@@ -333,6 +333,10 @@ def _launch(
         log_dir=Path.home() / "Library" / "Logs" / "volunteerd",
         low_priority=config.runtime.priority == "low",
     )
+    problem = launch.unwritable(platform)
+    if problem:
+        raise UsageError(problem)
+    return launch
 
 
 def _windows_account(environ: Mapping[str, str]) -> str:
