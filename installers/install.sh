@@ -143,6 +143,17 @@ if [ "$torch_choice" = rocm ] && [ "$(uname -m)" != x86_64 ]; then
     die "--torch rocm: PyTorch's ROCm builds are for x86_64 Linux only"
 fi
 env_dir=$data_dir/env
+# pip writes the environment's launchers (bin/pip, bin/volunteerd) as a /bin/sh line
+# that names the environment's Python in double quotes when the path has a space or is
+# long (always on macOS: "Application Support"): a $, ", ` or \ in it there is shell
+# syntax, and the launcher fails ("exec: ... not found"). Spaces and letters outside
+# ASCII are fine.
+case $env_dir in
+*'$'* | *'"'* | *'`'* | *\\* | *'
+'*)
+    die "the environment would be '$env_dir': a \$, \", \` or \\ (or a line break) in its path breaks the launchers pip writes there; set XDG_DATA_HOME (Linux) to a folder without them"
+    ;;
+esac
 bin_dir=$HOME/.local/bin
 link=$bin_dir/volunteerd
 

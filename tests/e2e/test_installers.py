@@ -432,6 +432,22 @@ def test_install_refuses_what_it_cannot_install(tmp_path: Path) -> None:
     assert not (tmp_path / "home").exists()
 
 
+@pytest.mark.parametrize("char", ["$", '"', "`", "\\", "\n"])
+def test_install_refuses_a_folder_whose_launchers_could_not_run(tmp_path: Path, char: str) -> None:
+    """pip writes the environment's launchers as ``exec "<its python>"`` for /bin/sh when
+    the path has a space (macOS: always), where these characters are shell syntax."""
+    tools = fake_machine(tmp_path / "bin", system="Linux", machine="x86_64", gpu=False)
+    env = user_environment(tmp_path / "home", path_prefix=tools)
+    env["XDG_DATA_HOME"] = str(tmp_path / f"Jos\u00e9 {char}HOME")
+    error = refused(INSTALL, "--dry-run", "--torch", "cpu", env=env)
+    assert f"the environment would be '{env['XDG_DATA_HOME']}/volunteerd/env'" in error
+    assert "breaks the launchers pip writes there" in error
+    # spaces and letters outside ASCII: installed there
+    env["XDG_DATA_HOME"] = str(tmp_path / "Jos\u00e9 M\u00fcller 100%")
+    plan = run_script(INSTALL, "--dry-run", "--torch", "cpu", env=env).stdout
+    assert f"would create the environment {env['XDG_DATA_HOME']}/volunteerd/env " in plan
+
+
 FAKE_PYTHON = r"""#!/bin/sh
 [ "$1" = -m ] || exec "REAL" "$@"
 printf 'python %s\n' "$*" >>"$FAKE_LOG"
