@@ -63,6 +63,15 @@ lifetime_days = 1
 
 @pytest.fixture
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
+    yield from chromium(tmp_path_factory)
+
+
+def chromium(
+    tmp_path_factory: pytest.TempPathFactory, *, lang: str | None = None
+) -> Iterator[webdriver.Chrome]:
+    """Headless Chromium; its pages' Intl formats in the locale ``lang`` (e.g. "de"):
+    headless Chromium on Linux keeps en-US whatever --lang, LANGUAGE or LANG say, so the
+    DevTools protocol sets it."""
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
         pytest.skip(f"needs {' and '.join(missing)} (apt install chromium chromium-driver)")
@@ -77,6 +86,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chro
     service = Service(executable_path=str(CHROMEDRIVER), env={**os.environ, "TMPDIR": str(scratch)})
     driver = webdriver.Chrome(service=service, options=options)
     try:
+        if lang is not None:
+            driver.execute_cdp_cmd("Emulation.setLocaleOverride", {"locale": lang})
         yield driver
     finally:
         driver.quit()
@@ -377,8 +388,11 @@ def test_schedule_and_the_new_limits_round_trip_through_the_form(
     Select(browser.find_element(By.ID, "schedule-gpu")).select_by_value("when_idle")
     type_into(browser, "daily-quota-gb", "2")
     type_into(browser, "cpu-threads", "1")
+    # a decimal comma, in an English browser too (a number field read "2,5" as 25)
+    type_into(browser, "upload-mbit", "2,5")
     click(browser, "save-limits")
     wait.until(lambda d: text(d, "limits-status") == "Saved.")
+    assert client.limits().upload_mbit == 2.5
     schedule = client.schedule()
     assert schedule.run == "when_idle"
     assert schedule.idle_minutes == 5
@@ -388,6 +402,14 @@ def test_schedule_and_the_new_limits_round_trip_through_the_form(
     assert not schedule.on_battery
     limits = client.limits()
     assert (limits.daily_quota_gb, limits.cpu_threads) == (2, 1)
+
+    # Both marks at once could be a thousands separator: refused, not guessed.
+    type_into(browser, "upload-mbit", "1,234.5")
+    click(browser, "save-limits")
+    wait.until(lambda d: text(d, "upload-mbit-error"))
+    assert "one decimal mark" in text(browser, "upload-mbit-error")
+    assert client.limits().upload_mbit == 2.5
+    type_into(browser, "upload-mbit", "2.5")
 
     # A bad window is refused next to its field, and nothing of it is applied.
     type_into(browser, "network-hours", "25:00-26:00")
@@ -590,3 +612,41 @@ def test_a_success_whose_body_cannot_be_read_counts_as_no_answer(browser: WebDri
         )
     assert outcome["seen"] == ["Unreachable", "ApiError", '{"started_at":1}']
     assert outcome["told"] == ["lost", "answered", "answered"]
+
+
+# What format.js makes of numbers in the browser's language: (typed or shown, expected).
+LOCALE_NUMBERS = {
+    "en-US": {"rate": "12.5", "bytes": "1.25 MB", "duration": "8.5 s", "input": "2.5"},
+    "de": {"rate": "12,5", "bytes": "1,25 MB", "duration": "8,5 s", "input": "2,5"},
+}
+
+
+@pytest.mark.parametrize("lang", sorted(LOCALE_NUMBERS))
+def test_numbers_are_read_and_shown_in_the_browsers_language(
+    tmp_path_factory: pytest.TempPathFactory, lang: str
+) -> None:
+    # A German page showed "12.5" and "1.25 MB" beside "1.234" (Intl), and a number
+    # field in an English browser read "2,5" as 25.
+    with static_files() as base:
+        for driver in chromium(tmp_path_factory, lang=lang):
+            driver.get(base + "/index.html")
+            seen = driver.execute_async_script(
+                """
+                const done = arguments[arguments.length - 1];
+                const f = await import("/format.js");
+                done({
+                  rate: f.fmtRate(12.5), bytes: f.fmtBytes(1.25e6), duration: f.fmtDuration(8.5),
+                  input: f.fmtInput(2.5),
+                  read: ["2,5", "2.5", " 2,5 ", ",5", "0"].map((t) => f.parseDecimal(t).value),
+                  empty: f.parseDecimal("").value,
+                  refused: ["1,234.5", "1.234,5", "2 5", "abc", "1e999"].map(
+                    (t) => f.parseDecimal(t).error ?? null),
+                  typeOfUpload: document.getElementById("upload-mbit").type,
+                });
+                """
+            )
+    assert {k: seen[k] for k in LOCALE_NUMBERS[lang]} == LOCALE_NUMBERS[lang]
+    assert seen["read"] == [2.5, 2.5, 2.5, 0.5, 0]
+    assert seen["empty"] is None
+    assert all(seen["refused"]), seen["refused"]
+    assert seen["typeOfUpload"] == "text"

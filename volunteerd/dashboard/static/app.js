@@ -7,8 +7,8 @@
 import { ApiError, Unreachable, connect, forgetToken, takeToken } from "./api.js";
 import { barChart, lineChart, placeholder, timeTicks } from "./charts.js";
 import {
-  fmtAgo, fmtBytes, fmtClock, fmtCount, fmtDuration, fmtFull, fmtRate, fmtSpan,
-  sameDay, shortId,
+  fmtAgo, fmtBytes, fmtClock, fmtCount, fmtDuration, fmtFull, fmtInput, fmtNumber, fmtRate,
+  fmtSpan, parseDecimal, sameDay, shortId,
 } from "./format.js";
 import { focusJoin, renderProjects, setupProjects } from "./projects.js";
 
@@ -299,7 +299,7 @@ function setBytesRate(id, bytesPerS) {
 }
 
 function limitNote(mbit) {
-  return mbit > 0 ? `limit ${mbit} Mbit/s (${fmtBytes((mbit * 1e6) / 8)}/s)` : "no limit";
+  return mbit > 0 ? `limit ${fmtNumber(mbit)} Mbit/s (${fmtBytes((mbit * 1e6) / 8)}/s)` : "no limit";
 }
 
 function renderReachability(reach) {
@@ -382,11 +382,11 @@ function renderTotals(today) {
 function renderQuota(limits) {
   const used = fmtBytes(limits.month_bytes);
   const text = limits.monthly_quota_gb > 0
-    ? `${used} of ${limits.monthly_quota_gb} GB used this month `
+    ? `${used} of ${fmtNumber(limits.monthly_quota_gb)} GB used this month `
       + `(${Math.min(100, (100 * limits.month_bytes) / (limits.monthly_quota_gb * 1e9)).toFixed(0)} %)`
     : `${used} sent and received this month`;
   const today = limits.daily_quota_gb > 0 && limits.day_bytes != null
-    ? `; ${fmtBytes(limits.day_bytes)} of ${limits.daily_quota_gb} GB today` : "";
+    ? `; ${fmtBytes(limits.day_bytes)} of ${fmtNumber(limits.daily_quota_gb)} GB today` : "";
   setText("quota-use", text + today);
 }
 
@@ -416,7 +416,7 @@ function showLimits(limits, { force = false } = {}) {
     const el = input(field);
     el.closest(".field").hidden = limits[field] === undefined;
     if (limits[field] === undefined) continue;
-    if (el.value === "" || Number(el.value) !== limits[field]) el.value = String(limits[field]);
+    if (parseDecimal(el.value).value !== limits[field]) el.value = fmtInput(limits[field]);
   }
   limitsShown = { ...limits };
   limitsEdited = false;
@@ -446,6 +446,7 @@ function showSchedule(schedule, { force = false } = {}) {
     const value = schedule[field];
     if (el.type === "checkbox") el.checked = Boolean(value);
     else if (field.endsWith("_hours")) el.value = hoursText(value ?? []);
+    else if (field === "idle_minutes") el.value = fmtInput(value);
     else el.value = String(value);
   }
   input("idle_minutes").disabled = schedule.run !== "when_idle" && schedule.gpu !== "when_idle";
@@ -508,19 +509,14 @@ function limitsChange() {
   for (const field of LIMIT_FIELDS) {
     const el = input(field);
     if (el.closest(".field").hidden) continue;
-    if (el.validity.badInput) {
-      fieldError(field, "not a number");
+    // a text field: "2,5" is 2.5 (a number field read it as 25 in an English browser)
+    const { value, error } = parseDecimal(el.value);
+    if (error) {
+      fieldError(field, error);
       el.focus();
       return null;
     }
-    if (el.value.trim() === "") continue;
-    const value = Number(el.value);
-    if (!Number.isFinite(value)) {
-      // JSON.stringify would send 1e999 as null, which the daemon reads as "no change"
-      fieldError(field, "must be a finite number");
-      el.focus();
-      return null;
-    }
+    if (value === null) continue;
     if (value !== limitsShown?.[field]) change[field] = value;
   }
   return change;
@@ -532,12 +528,13 @@ function scheduleChange() {
   for (const field of SCHEDULE_FIELDS) {
     let value = scheduleValue(field);
     if (field === "idle_minutes") {
-      if (value.trim() === "" || input(field).validity.badInput) {
-        fieldError(field, "not a number");
+      const parsed = parseDecimal(value);
+      if (parsed.value == null) {
+        fieldError(field, parsed.error ?? "not a number");
         input(field).focus();
         return null;
       }
-      value = Number(value);
+      value = parsed.value;
     }
     if (JSON.stringify(value) !== JSON.stringify(scheduleShown[field])) change[field] = value;
   }

@@ -4,6 +4,51 @@
 const intFormat = new Intl.NumberFormat();
 const compactFormat = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
 const BYTE_UNITS = ["B", "kB", "MB", "GB", "TB", "PB"];
+const fixedFormats = new Map();
+// What a number field shows: the browser's decimal mark, no grouping (parseDecimal
+// reads it back), float noise cut.
+const inputFormat = new Intl.NumberFormat(undefined, { useGrouping: false, maximumFractionDigits: 10 });
+const plainFormat = new Intl.NumberFormat(undefined, { maximumFractionDigits: 3 });
+
+/** ``digits`` decimals in the browser's locale: 12.5 (en), 12,5 (de). */
+function fixed(n, digits) {
+  let format = fixedFormats.get(digits);
+  if (format === undefined) {
+    format = new Intl.NumberFormat(undefined, { minimumFractionDigits: digits, maximumFractionDigits: digits });
+    fixedFormats.set(digits, format);
+  }
+  return format.format(n);
+}
+
+/** A setting as the page says it: 2.5 (en), 2,5 (de), up to three decimals. */
+export function fmtNumber(n) {
+  if (n == null || !Number.isFinite(n)) return "—";
+  return plainFormat.format(n);
+}
+
+/** A number for a field the user edits; parseDecimal reads it back. */
+export function fmtInput(n) {
+  return n == null || !Number.isFinite(n) ? "" : inputFormat.format(n);
+}
+
+/**
+ * A number typed in a field: "2.5" and "2,5" are both 2.5, whatever the browser's
+ * language (a type="number" field read "2,5" as 25 in an English browser). One decimal
+ * mark, no thousands separators: "1,234.5" is refused rather than guessed.
+ * ``{ value }`` (null for an empty field) or ``{ error }``, a sentence for the field.
+ */
+export function parseDecimal(text) {
+  const typed = text.trim();
+  if (typed === "") return { value: null };
+  if ((typed.match(/[.,]/g) ?? []).length > 1) {
+    return { error: "one decimal mark and no thousands separators, e.g. 1234.5 or 1234,5" };
+  }
+  if (!/^[+-]?(\d+[.,]?\d*|[.,]\d+)$/.test(typed)) return { error: "not a number" };
+  const value = Number(typed.replace(",", "."));
+  // JSON.stringify would send 1e999 as null, which the daemon reads as "no change"
+  if (!Number.isFinite(value)) return { error: "must be a finite number" };
+  return { value };
+}
 
 /** 1,234 up to a million, then 1.2M. */
 export function fmtCount(n) {
@@ -15,7 +60,7 @@ export function fmtCount(n) {
 export function fmtRate(n) {
   if (n == null || !Number.isFinite(n)) return "—";
   if (n === 0) return "0";
-  return n >= 100 ? intFormat.format(Math.round(n)) : n.toFixed(1);
+  return n >= 100 ? intFormat.format(Math.round(n)) : fixed(n, 1);
 }
 
 /** Decimal units, three significant digits: 812 B, 1.25 MB, 12.5 GB, 125 GB. */
@@ -27,13 +72,13 @@ export function fmtBytes(b) {
     i += 1;
   }
   const digits = i === 0 ? 0 : b < 10 ? 2 : b < 100 ? 1 : 0;
-  return `${b.toFixed(digits)} ${BYTE_UNITS[i]}`;
+  return `${fixed(b, digits)} ${BYTE_UNITS[i]}`;
 }
 
 /** 0.42 s, 8.5 s, 42 s, 3 min 20 s, 42 min, 5 h 12 min, 3 d 4 h. */
 export function fmtDuration(s) {
   if (s == null || !Number.isFinite(s)) return "—";
-  if (s < 10) return s === 0 ? "0 s" : `${s.toFixed(s < 1 ? 2 : 1)} s`;
+  if (s < 10) return s === 0 ? "0 s" : `${fixed(s, s < 1 ? 2 : 1)} s`;
   if (s < 60) return `${Math.round(s)} s`;
   const m = Math.floor(s / 60);
   if (m < 10) return `${m} min ${Math.floor(s % 60)} s`;

@@ -10,7 +10,7 @@
 // through the few seconds without an API.
 
 import { ApiError, Unreachable } from "./api.js";
-import { shortId } from "./format.js";
+import { fmtNumber, parseDecimal, shortId } from "./format.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -136,9 +136,10 @@ async function check(event) {
 async function confirmJoin() {
   if (!previewed) return;
   const shareField = $("join-share");
-  const share = shareField.value.trim() === "" ? 1 : Number(shareField.value);
+  const parsed = parseDecimal(shareField.value);
+  const share = parsed.error ? NaN : (parsed.value ?? 1);
   if (!Number.isFinite(share)) {
-    fieldError("join-share", "must be a number (1: as much as each other project)");
+    fieldError("join-share", `${parsed.error} (1: as much as each other project)`);
     shareField.focus();
     return;
   }
@@ -209,7 +210,7 @@ function projectItem(project) {
   badge.className = `badge ${project.state === "joined" ? "ok" : bad ? "bad" : "info"}`;
   // joining, joined, failed, or "not hosted": an entry of projects.toml this release refuses
   badge.textContent = notHosted ? "not hosted" : project.state;
-  facts.append(badge, notHosted ? ` ${project.name}` : ` ${project.name} · share ${project.share}`
+  facts.append(badge, notHosted ? ` ${project.name}` : ` ${project.name} · share ${fmtNumber(project.share)}`
     + ` · ${project.experts} expert${project.experts === 1 ? "" : "s"} here`);
   main.append(facts);
   if (project.error) {
