@@ -17,6 +17,18 @@ def test_an_ipv6_socket_peer_has_an_address_and_its_slash_64_is_its_key() -> Non
     assert peer_endpoint(("fe80::1%eth0", 4001, 0, 2)) == ("fe80::1", 4001)
 
 
+def test_machines_of_one_lan_keep_a_key_each_over_ipv6_as_over_ipv4() -> None:
+    """A LAN's unique-local (fc00::/7) and link-local addresses share a /64 (one per
+    link): keyed by it, a lab's machines shared one budget of connections, requests and
+    relay reservations, where over private IPv4 each has its own."""
+    assert address_key("fd41:1::3") == "fd41:1::3"
+    assert address_key("fd41:1::6") == "fd41:1::6"
+    assert address_key("fe80::1") != address_key("fe80::2")
+    assert address_key("192.168.1.3") != address_key("192.168.1.6")
+    # a public /64 is still one key: one host is routinely given the whole of it
+    assert address_key("2a01:4f8:1:2::3") == address_key("2a01:4f8:1:2::6")
+
+
 def test_an_ipv4_peer_of_an_ipv6_listener_is_its_ipv4_address() -> None:
     assert peer_endpoint(("::ffff:198.51.100.7", 4001, 0, 0)) == ("198.51.100.7", 4001)
     assert peer_endpoint(("198.51.100.7", 4001)) == ("198.51.100.7", 4001)

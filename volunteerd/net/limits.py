@@ -91,9 +91,11 @@ class TokenBucket:
 @functools.lru_cache(maxsize=4096)  # asked per message by the pacers: parse each once
 def address_key(host: str | None, *, loopback: bool = False) -> str | None:
     """The key an address's budget is kept under: an IPv4 address (IPv4-mapped IPv6
-    ones too) as it is, an IPv6 address's /64 (a single host is routinely given a
-    whole /64); None (no budget by address) for None, an unparsable host, and a
-    loopback address unless ``loopback``."""
+    ones too) as it is, a public IPv6 address's /64 (a single host is routinely given
+    a whole /64), a unique-local or link-local IPv6 address as it is (machines of one
+    LAN share its /64, as private IPv4 ones do not share a key); None (no budget by
+    address) for None, an unparsable host, and a loopback address unless
+    ``loopback``."""
     if host is None:
         return None
     try:
@@ -104,9 +106,13 @@ def address_key(host: str | None, *, loopback: bool = False) -> str | None:
         address = address.ipv4_mapped
     if address.is_loopback and not loopback:
         return None
-    if address.version == 4:
+    if address.version == 4 or address in _LAN_V6 or address.is_link_local:
         return str(address)
     return str(ipaddress.ip_network(f"{address}/64", strict=False))
+
+
+# Unique-local IPv6 (fc00::/7): a LAN's own addresses, never routed from the internet.
+_LAN_V6 = ipaddress.ip_network("fc00::/7")
 
 
 @dataclass(slots=True)
