@@ -695,3 +695,41 @@ async def test_a_node_that_no_peer_could_judge_checks_again_soon(
             with trio.fail_after(20):
                 while alone.reachability.report().mode != "direct":  # noqa: ASYNC110
                     await trio.sleep(0.1)
+
+
+@pytest.mark.parametrize("bootstrap", ["relay", "none"])
+async def test_a_relay_listed_by_two_addresses_is_announced_and_dialled_at_the_one_that_works(
+    bootstrap: str,
+) -> None:
+    """A relay listed by two addresses, one of them unreachable from the node (as an
+    IPv4 address is from an IPv6-only network; here a closed port on 127.0.0.1 beside
+    the relay's ::1). The node announces the circuit it reserved over first, and a fresh
+    caller given the unreachable circuit first still gets through the other one. The
+    node reserves whether it was connected to the relay already (its bootstrap peer) or
+    dials it itself.
+
+    Before, each listed address was a relay of its own: the node announced the circuit
+    through the first listed (the unreachable one) only, and a caller that had tried a
+    relay's dead address dialled that one again for its good circuit too (py-libp2p
+    dials the first address its peer store holds)."""
+    v6 = local_config(network={"listen_host": "::1", "port": 0, "bootstrap_peers": []})
+    async with open_node(Identity.generate(), v6, relay=True) as relay:
+        good = next(a for a in relay.multiaddrs if a.startswith("/ip6/::1/"))
+        dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{relay.peer_id}"
+        config = local_config(
+            bootstrap=[good] if bootstrap == "relay" else [],
+            reachability={"mode": "relay", "listen": False, "relays": [dead, good]},
+        )
+        async with open_peer(config) as hidden:
+            good_circuit = f"{good}/p2p-circuit"
+            dead_circuit = f"{dead}/p2p-circuit"
+            assert hidden.addrs == [good_circuit, dead_circuit]
+            for order in ([good_circuit, dead_circuit], [dead_circuit, good_circuit]):
+                async with open_peer(local_config()) as caller:
+                    with trio.fail_after(20):
+                        reply, _ = await caller.rpc.call(
+                            PeerAddress(hidden.peer_id, tuple(order)),
+                            Verb.DIALBACK,
+                            DialBackRequest(addrs=caller.addrs),
+                        )
+                    assert reply == DialBackReply(reachable=None, dialled=0)

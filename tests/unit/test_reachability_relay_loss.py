@@ -59,6 +59,9 @@ class _Relaying:
     def holds_reservation(self, peer_id: ID) -> bool:
         return self.up
 
+    def reserved_over(self, peer_id: ID) -> str | None:
+        return None  # the relay's addresses are announced in their listed order
+
 
 class _Clock:
     def __init__(self) -> None:

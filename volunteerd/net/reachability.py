@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -53,7 +54,7 @@ from volunteerd.net.dialback import (
     tcp_endpoint,
 )
 from volunteerd.net.holepunching import HolePunching, UpgradeStats, direct_ips
-from volunteerd.net.host import transport_addrs
+from volunteerd.net.host import DIAL_STAGGER_S, dial_in_turn, transport_addrs
 from volunteerd.net.peers import (
     CIRCUIT_SUFFIX,
     PeerAddress,
@@ -107,6 +108,7 @@ _UNKNOWN_RECHECK_S = 30.0
 # A circuit to a peer that failed is tried after the peer's other circuits this long.
 _FAILED_VIA_S = 300.0
 _MAX_FAILED_VIA = 4096
+_RELAY_ADDR_TTL_S = 3600.0  # how long a relay's address that connected stays in the peer store
 _RELAYS_HELD = 2  # relays a relayed node reserves on and announces, where it knows two
 _RENEW_BEFORE_S = 120.0  # re-reserve when the reservation has less than this to live
 # A relay's reservation says when it ends on the relay's wall clock. A lifetime read on
@@ -225,6 +227,27 @@ def _routable_from(addr: str, peer_ips: list[str]) -> bool:
 def _ip_of(addr: str) -> str | None:
     endpoint = tcp_endpoint(addr)
     return None if endpoint is None else endpoint[0]
+
+
+def _family(ip: str | None) -> int | None:
+    """4 or 6 for an IP address; None for anything else."""
+    try:
+        return ipaddress.ip_address(ip or "").version
+    except ValueError:
+        return None
+
+
+def _by_peer(relays: Sequence[PeerAddress]) -> tuple[PeerAddress, ...]:
+    """``relays`` with the addresses of each peer id in one entry, in the order given:
+    a relay listed once by its IPv4 and once by its IPv6 address is one relay. Listed
+    apart, a node announced the circuit through the first address listed whichever the
+    reservation was made over (outside probe verify40b: an IPv6-only node announced
+    the relay's IPv4 circuit only)."""
+    addrs: dict[str, list[str]] = {}
+    for relay in relays:
+        known = addrs.setdefault(relay.peer_id, [])
+        known.extend(a for a in relay.addrs if a not in known)
+    return tuple(PeerAddress(peer_id, tuple(a)) for peer_id, a in addrs.items())
 
 
 def _is_ip(text: str | None) -> bool:
@@ -397,7 +420,7 @@ class Relaying:
                 unblock = getattr(network, "unblock_peer", None)
                 if unblock is not None:
                     unblock(relay_id)
-                await self._host.connect(relay.peer_info())
+                await self._dial_relay(relay_id, relay.addrs)
             stream = await self._host.new_stream(relay_id, [HOP_PROTOCOL_ID])
         except Exception as exc:
             raise PeerUnreachable(f"relay {short(relay.peer_id)}: {exc}") from None
@@ -462,6 +485,34 @@ class Relaying:
             f"{short(peer.peer_id)}: no relay circuit opened ({'; '.join(errors)})"
         )
 
+    async def _dial_relay(self, relay_id: ID, addrs: Sequence[str]) -> None:
+        """Connect to relay ``relay_id`` at ``addrs``, in their order, and at no other.
+
+        ``host.connect`` adds the addresses it is given to those the peer store holds
+        and py-libp2p dials only the first of them: a caller that had tried a relay's
+        IPv4 address (no route from an IPv6-only network) then dialled that one again
+        for the relay's IPv6 circuit, and every call failed ("unable to connect"; outside
+        probe verify40b: 0 of 8 calls from a fresh IPv6-only caller, 3 of 3 through the
+        IPv6 circuit alone)."""
+        if not addrs:
+            await self._host.connect(PeerInfo(relay_id, []))
+            return
+        won, failed = await dial_in_turn(self._host, relay_id, addrs, math.inf, DIAL_STAGGER_S)
+        if won is None:
+            raise PeerUnreachable(f"relay {short(str(relay_id))}: none of {', '.join(failed)}")
+        self._host.get_peerstore().add_addrs(
+            relay_id, [multiaddr.Multiaddr(won)], _RELAY_ADDR_TTL_S
+        )
+
+    def reserved_over(self, relay_id: ID) -> str | None:
+        """The relay's IP the reservation on it was made over (None: not known)."""
+        get_remote = getattr(self._reserved_on.get(relay_id), "get_remote_address", None)
+        try:
+            remote = get_remote() if get_remote is not None else None
+        except Exception:  # a closing connection, or one that does not say
+            return None
+        return str(remote[0]) if remote else None
+
     async def _dial_circuit(self, addr: str, peer_id: ID) -> None:
         """Connect to ``peer_id`` through circuit address ``addr`` and no other.
 
@@ -484,7 +535,7 @@ class Relaying:
             unblock = getattr(network, "unblock_peer", None)
             if unblock is not None:
                 unblock(relay_id)
-            await self._host.connect(PeerInfo(relay_id, [relay_ma]))
+            await self._dial_relay(relay_id, [str(relay_ma).split("/p2p/")[0]])
         raw = await self._transport._dial_via_circuit_addr(circuit, PeerInfo(peer_id, [circuit]))
         try:
             await self._host.upgrade_outbound_connection(raw, peer_id)
@@ -539,7 +590,7 @@ class Reachability:
         self._relaying = relaying
         self._config = config
         self._timeouts = timeouts
-        self._relays = tuple(parse_peer_multiaddr(a) for a in config.relays) or bootstrap
+        self._relays = _by_peer([parse_peer_multiaddr(a) for a in config.relays] or bootstrap)
         self._port = port
         self._mode: Mode = "unknown"
         self._direct: tuple[str, ...] = ()
@@ -851,9 +902,19 @@ class Reachability:
         self._circuit = tuple(
             circuit
             for relay in held
-            for a in relay.addrs
+            for a in self._reserved_first(relay)
             if parse_circuit_addr(circuit := f"{a}/p2p/{relay.peer_id}{CIRCUIT_SUFFIX}")
         )[:MAX_ADDRS]
+
+    def _reserved_first(self, relay: PeerAddress) -> list[str]:
+        """``relay``'s addresses, those in the address family its reservation was made
+        over first: that one is known to reach it. Each address is a circuit a caller of
+        its family can use (the relay bridges the families), so the others stay."""
+        over = self._relaying.reserved_over(ID.from_base58(relay.peer_id))
+        family = _family(over)
+        return sorted(
+            relay.addrs, key=lambda a: family is not None and _family(_ip_of(a)) != family
+        )
 
     def _wants_relay(self) -> bool:
         """Unreachable for want of a relay (not by ``mode = "direct"``), with relays to
