@@ -706,12 +706,13 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     assert not directory.is_banned(b)
 
 
-def test_a_liar_withdrawing_its_records_while_held_out_is_banned_announcing_them_again() -> None:
+def test_a_liar_withdrawing_its_records_while_held_out_is_banned_failing_them_again() -> None:
     """A liar withdrew its records right after its ``unknown_expert`` answers (the
     lookup they forced found none listing them) and announced them all again once its
     holds ended: 928 failed calls an hour and never banned. Records issued since that
-    list more than EXPERTS_GONE_BAN of them again ban it; one that re-balanced does not
-    announce what it dropped."""
+    list more than EXPERTS_GONE_BAN of them again, and another ``unknown_expert`` for
+    more than that many of them, ban it; one that re-balanced and took them back serves
+    them."""
     honest, liar, other = (Identity.generate() for _ in range(3))
     a, c, b = (str(peer_id_for(s)) for s in (honest, liar, other))
     everything = list(range(8))
@@ -742,12 +743,71 @@ def test_a_liar_withdrawing_its_records_while_held_out_is_banned_announcing_them
     client.clock.now += 61.0  # the holds ended
     offered()
     dht.children[liar] = everything  # announced again
+    dht.children[honest] = everything  # took them back
     client.clock.now += 16.0  # stale: the next step looks it up
     offered()
+    assert sorted(offered()) == everything
+    assert not directory.is_banned(c)  # not yet: so does the honest one
+    for uid in range(EXPERTS_GONE_BAN + 1):
+        unknown(c, uid)  # and does not serve them
     assert directory.is_banned(c)
     assert directory.ban_reasons["false_records"] == 1
     assert not directory.is_banned(a)
     assert not directory.is_banned(b)
+    client.clock.now += 61.0  # its ban ended; its records still list them
+    assert c in offered()[0]
+    for uid in range(EXPERTS_GONE_BAN + 1):
+        unknown(c, uid)
+    assert directory.is_banned(c)  # again, at once, and longer
+    assert directory.ban_reasons["false_records"] == 2
+    client.clock.now += 61.0
+    assert directory.is_banned(c)
+
+
+@pytest.mark.parametrize("back_s", [60.0, 300.0, 1800.0, 3500.0])
+def test_a_volunteer_that_takes_back_experts_it_dropped_is_not_banned(back_s: float) -> None:
+    """A volunteer re-balanced (``unknown_expert`` for 6 of its 8 experts, for calls
+    already planned) and announced them again minutes later (its capacity back; the
+    Fill rule prefers experts it has checkpoints of): it was banned as
+    ``false_records`` for announcing again what it said it does not host, whenever
+    within the hour. It serves them: it is not banned, and is offered for all of them."""
+    honest, other = Identity.generate(), Identity.generate()
+    a, b = str(peer_id_for(honest)), str(peer_id_for(other))
+    everything = list(range(8))
+    dht = _Announced({honest: everything, other: everything})
+    client = _DirectoryClient(dht)
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+    directory = client.directory
+
+    def offered() -> dict[int, list[str]]:
+        found = client.run(directory.children, ["ffn."])["ffn."]
+        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
+
+    offered()
+    dht.children[honest] = [6, 7]  # re-balanced
+    for uid in range(EXPERTS_GONE_BAN + 2):
+        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+        calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
+        outcomes[0] = _refused("unknown_expert")
+        layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+        if uid == EXPERTS_GONE_BAN // 2:
+            offered()  # the lookup that answer forced: its new records
+    began = client.clock.now
+    while client.clock.now - began < back_s:
+        client.clock.now += 5.0
+        offered()
+    dht.children[honest] = everything  # took them back
+    for _ in range(24):  # two minutes of steps; its calls answered
+        client.clock.now += 5.0
+        found = offered()
+        for uid, peers in found.items():
+            if a in peers:
+                calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+                calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
+                layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+    assert not directory.is_banned(a)
+    assert directory.ban_reasons["false_records"] == 0
+    assert all(a in peers for peers in offered().values())
 
 
 def test_a_replica_late_twice_shares_the_load_again_after_the_layers_rounds() -> None:
@@ -826,14 +886,14 @@ def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seld
     client.run(directory.children, ["ffn."])
     lookups = directory.lookups
     for uid in range(EXPERTS_GONE_BAN):
-        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "ab")
+        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
         calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
         outcomes[0] = _refused("unknown_expert")
         layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
         client.run(directory.children, ["ffn."])
         assert not directory.is_banned(a)
     assert directory.lookups == lookups + 1, "once per refresh_s"
-    calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "ab")
+    calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
     calls[0] = Call(f"ffn.{EXPERTS_GONE_BAN}", PeerAddress(a, ()), None, [], calls[0].rows)
     outcomes[0] = _refused("unknown_expert")
     layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
@@ -843,11 +903,12 @@ def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seld
     # owner changed its build drops all its experts at once, and grown to 64 times an
     # honest one was left out up to 64 min (a re-check).
     lengths = [directory.banned[a] - client.clock.now]
-    for _ in range(5):
+    for again in range(5):
         client.clock.now = directory.banned[a] + 1
         for uid in range(EXPERTS_GONE_BAN + 1):
             directory.expert_gone(a, f"ffn.{uid}", "unknown_expert: test")
-        assert not directory.is_banned(a), "not on the count alone"
+        # not on the count alone; once records since listed them, again at once
+        assert directory.is_banned(a) == (again > 0)
         client.run(directory.children, ["ffn."])  # looked up again: still listed
         lengths.append(directory.banned[a] - client.clock.now)
     assert lengths == [60.0, 120.0, 240.0, 240.0, 240.0, 240.0]

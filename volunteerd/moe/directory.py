@@ -138,6 +138,20 @@ def info_verifier(rpc: RpcClient, timeout_s: float) -> Verify:
 
 
 @dataclass(slots=True)
+class _Disowned:
+    """An episode of more than ``EXPERTS_GONE_BAN`` experts of a peer held out at once
+    (``ExpertDirectory._ban_relisted``)."""
+
+    began: float
+    uids: frozenset[str]  # held out
+    issued: float  # the newest ``issued_at`` of the peer's records seen when it began
+    # experts held out in earlier episodes (each within the hour of the next) that newer
+    # records listed again: held out again, they ban the peer
+    earlier: frozenset[str]
+    relisted: frozenset[str] = frozenset()  # of ``uids``, listed again since
+
+
+@dataclass(slots=True)
 class _Entry:
     children: Children
     fetched_at: float
@@ -183,10 +197,10 @@ class ExpertDirectory:
         # peers with more than EXPERTS_GONE_BAN experts held out, not offered until a
         # lookup begun since says whether their records still list them
         self._gone_suspects: set[str] = set()
-        # peer -> (when it began, the experts, the newest ``issued_at`` of its records
-        # then) of its last episode of more than EXPERTS_GONE_BAN experts held out, for
-        # EARLY_RETURN_EVERY_S: newer records listing them again ban it (``_relisted``)
-        self._disowned: OrderedDict[str, tuple[float, frozenset[str], float]] = OrderedDict()
+        # peer -> its last episode of more than EXPERTS_GONE_BAN experts held out, for
+        # EARLY_RETURN_EVERY_S: newer records listing them again mark them (``_relisted``),
+        # and another such episode of those bans it (``expert_gone``)
+        self._disowned: OrderedDict[str, _Disowned] = OrderedDict()
         # peer -> (bans in a row, when the last ends): for growing bans
         self._offences: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # peer -> the ``issued_at`` of its newest record seen when a call failed to dial
@@ -340,13 +354,8 @@ class ExpertDirectory:
             del self._expert_holds[next(iter(self._expert_holds))]
         self.ban_reasons["unknown_expert"] += 1
         held = {u for (p, u), t in self._expert_holds.items() if p == peer_id and t > now}
-        if self._ban_gone(peer_id, held):
+        if self._ban_gone(peer_id, held) or self._ban_relisted(peer_id, held, now):
             return
-        if len(held) > EXPERTS_GONE_BAN:
-            began = self._gone_since.get(peer_id, now)
-            last = self._disowned.get(peer_id)
-            issued = last[2] if last and last[0] == began else self._issued.get(peer_id, -math.inf)
-            remember(self._disowned, peer_id, (began, frozenset(held), issued), _MAX_OFFENDERS)
         if len(held) > EXPERTS_GONE_BAN and peer_id not in self._gone_suspects:
             # Not offered until its records are looked up again (beside the next step):
             # offered meanwhile, a liar's other experts cost a call each per ``ban_s``.
@@ -380,6 +389,45 @@ class ExpertDirectory:
             peer_id,
             f"false_records: unknown_expert for {len(held)} experts it announces, "
             f"{len(still)} of them in records looked up since",
+            most=SLOW_BAN_GROWTH_MAX,
+        )
+        self._gone_since.pop(peer_id, None)
+        self._listed_since.pop(peer_id, None)
+        self._gone_suspects.discard(peer_id)
+        return True
+
+    def _ban_relisted(self, peer_id: str, held: set[str], now: float) -> bool:
+        """Remember an episode of more than ``EXPERTS_GONE_BAN`` experts ``held`` out
+        for ``EARLY_RETURN_EVERY_S``, and ban ``peer_id`` whole (``false_records``,
+        growing as ``_ban_gone``) when more than that many of them were held out in an
+        earlier episode and listed again since by newer records (``_relisted``): it
+        took them back and again does not serve them.
+
+        A liar that withdrew its records right after its ``unknown_expert`` answers and
+        announced them all again once its holds ended was never banned (928 failed
+        calls an hour). Banned for announcing them again, an honest volunteer was too:
+        one that re-balanced and took its experts back within the hour (capacity lowered
+        then raised, a manifest republished; the Fill rule prefers experts it has
+        checkpoints of). It serves them once back, and never answers ``unknown_expert``
+        for them again."""
+        if len(held) <= EXPERTS_GONE_BAN or self.is_banned(peer_id):
+            return False
+        began = self._gone_since.get(peer_id, now)
+        last = self._disowned.get(peer_id)
+        if last is not None and now - last.began >= EARLY_RETURN_EVERY_S:
+            last = None
+        if last is not None and last.began == began:
+            last.uids = frozenset(held)  # the same episode, grown
+        else:
+            earlier = last.earlier | last.relisted if last is not None else frozenset()
+            last = _Disowned(began, frozenset(held), self._issued.get(peer_id, -math.inf), earlier)
+            remember(self._disowned, peer_id, last, _MAX_OFFENDERS)
+        again = held & last.earlier
+        if len(again) <= EXPERTS_GONE_BAN:
+            return False
+        self.ban(
+            peer_id,
+            f"false_records: unknown_expert again for {len(again)} experts it announced again",
             most=SLOW_BAN_GROWTH_MAX,
         )
         self._gone_since.pop(peer_id, None)
@@ -698,34 +746,24 @@ class ExpertDirectory:
     def _relisted(
         self, records: Mapping[str, Sequence[ExpertRecord]], started: float, now: float
     ) -> None:
-        """Ban as ``false_records`` (growing, as ``_ban_gone``) a peer whose records
-        issued since its last episode of more than ``EXPERTS_GONE_BAN`` experts held out
-        list more than that many of them again. Withdrawing its records right after its
-        ``unknown_expert`` answers and announcing them again once its holds ended, a
-        liar was never banned (928 failed calls an hour, 272 and 17 bans when it kept
-        them); a volunteer that re-balanced does not announce what it just dropped."""
+        """Mark the experts of a peer's last episode of more than ``EXPERTS_GONE_BAN``
+        held out that its records issued since list again, in a lookup begun since:
+        another such episode of more than that many of them bans it
+        (``_ban_relisted``)."""
         while self._disowned:
             first = next(iter(self._disowned))
-            if now - self._disowned[first][0] < EARLY_RETURN_EVERY_S:
+            if now - self._disowned[first].began < EARLY_RETURN_EVERY_S:
                 break
             del self._disowned[first]
-        listed: dict[str, set[str]] = {}
         for key, found in records.items():
             for record in found:
                 episode = self._disowned.get(record.peer_id)
-                if episode is None or episode[0] > started or record.issued_at <= episode[2]:
+                if episode is None or episode.began > started or record.issued_at <= episode.issued:
                     continue  # looked up before, or older than the episode
                 uids = {f"{key}{c}" if key.endswith(".") else key for c in record.children}
-                listed.setdefault(record.peer_id, set()).update(uids & episode[1])
-        for peer_id, uids in listed.items():
-            if len(uids) <= EXPERTS_GONE_BAN or self.is_banned(peer_id):
-                continue
-            self.ban(
-                peer_id,
-                f"false_records: announces again {len(uids)} experts it said it does not host",
-                most=SLOW_BAN_GROWTH_MAX,
-            )
-            del self._disowned[peer_id]
+                again = (uids & episode.uids) - episode.relisted
+                if again:
+                    episode.relisted = episode.relisted | again
 
     def _note_listed(self, key: str, records: Sequence[ExpertRecord], started: float) -> None:
         """What a lookup of ``key`` begun at ``started`` lists of each peer that answered
