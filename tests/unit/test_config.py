@@ -186,6 +186,8 @@ NOTEPAD = {
     "a UTF-8 byte order mark": lambda text: b"\xef\xbb\xbf" + text.encode(),
     "UTF-16 LE with its mark": lambda text: text.encode("utf-16"),  # Notepad's "Unicode"
     "UTF-16 BE with its mark": lambda text: b"\xfe\xff" + text.encode("utf-16-be"),
+    "UTF-32 LE with its mark": lambda text: text.encode("utf-32"),
+    "UTF-32 BE with its mark": lambda text: b"\x00\x00\xfe\xff" + text.encode("utf-32-be"),
     "a Ctrl-Z at the end": lambda text: text.encode() + b"\x1a",
     "CRLF, a mark and a Ctrl-Z": lambda text: (
         b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode() + b"\x1a"
@@ -223,6 +225,24 @@ def test_a_byte_that_is_not_utf8_is_named_by_line_and_column(tmp_path: Path) -> 
     )
     path.write_bytes(b"\xff\xfe[\x00l\x00i")  # UTF-16 cut in the middle of a letter
     with pytest.raises(ConfigError, match="saved as UTF-16 but damaged: save it as UTF-8"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("codec", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+def test_utf16_or_utf32_without_a_mark_is_named(tmp_path: Path, codec: str) -> None:
+    """UTF-16 without a byte order mark read as "Invalid initial character for a key
+    part (at line 1, column 2)": nothing said the file was saved in the wrong encoding."""
+    path = tmp_path / "config.toml"
+    path.write_bytes("[limits]\nupload_mbit = 3\n".encode(codec))
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    assert str(error.value) == (
+        f"{path}: not valid TOML: looks like UTF-16 or UTF-32 without a byte order mark: "
+        "save it as UTF-8"
+    )
+    # one stray NUL in UTF-8 text is not mistaken for UTF-16: tomllib names its place
+    path.write_bytes(b"[limits]\nupload_mbit = 3\n# \x00\n")
+    with pytest.raises(ConfigError, match=r"invalid character .* \(at line 3, column 3\)"):
         load_config(path, env={})
 
 

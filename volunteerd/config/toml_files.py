@@ -11,8 +11,10 @@ Files as Windows Notepad (and older editors) save them are read too: a UTF-8 byt
 order mark, a UTF-16 file with its mark, a Ctrl-Z (``\\x1a``) at the end. They read as
 "Invalid statement (at line 1, column 1)" or "can't decode byte 0xff in position 0",
 errors nobody could act on, and a ``projects.toml`` with a mark stopped the daemon.
-Other bytes that are not UTF-8 (a Latin-1 "ü" in a comment) are named by line and
-column, with what to do: save the file as UTF-8.
+UTF-32 with its mark is read too. UTF-16 or UTF-32 without a mark (NUL bytes between
+the letters) is refused as such ("Invalid initial character for a key part" said
+nothing), and other bytes that are not UTF-8 (a Latin-1 "ü" in a comment) are named
+by line and column, with what to do: save the file as UTF-8.
 """
 
 from __future__ import annotations
@@ -62,24 +64,37 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {_why(exc)}") from None
 
 
-_UTF16_MARKS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+# UTF-32's marks first: UTF-32 LE's begins with UTF-16 LE's.
+_MARKS = (
+    ((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "utf-32"),
+    ((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE), "utf-16"),
+)
+_SNIFF_BYTES = 512
 
 
 def _text(data: bytes) -> str:
     """A file's bytes as text: UTF-8, after a byte order mark if there is one, or
-    UTF-16 with its mark (Notepad's "Unicode"); a Ctrl-Z after the end (DOS's end of
-    file, some Windows editors still write it) left out. Raises ValueError naming
-    the line and column of a byte that is not UTF-8."""
-    if data.startswith(_UTF16_MARKS):
-        try:
-            text = data.decode("utf-16")  # reads the mark and drops it
-        except UnicodeDecodeError:
-            raise ValueError("saved as UTF-16 but damaged: save it as UTF-8") from None
-    else:
-        try:
-            text = data.removeprefix(codecs.BOM_UTF8).decode()
-        except UnicodeDecodeError as exc:
-            raise ValueError(_where_not_utf8(exc)) from None
+    UTF-16 or UTF-32 with its mark (Notepad's "Unicode"); a Ctrl-Z after the end
+    (DOS's end of file, some Windows editors still write it) left out. Raises
+    ValueError naming the line and column of a byte that is not UTF-8, or saying the
+    file looks like UTF-16 or UTF-32 without a mark."""
+    for marks, codec in _MARKS:
+        if data.startswith(marks):
+            try:
+                text = data.decode(codec)  # reads the mark and drops it
+            except UnicodeDecodeError:
+                name = codec.upper()
+                raise ValueError(f"saved as {name} but damaged: save it as UTF-8") from None
+            return text.rstrip("\x1a")
+    head = data[:_SNIFF_BYTES]
+    # TOML allows no NUL anywhere; UTF-16 of ASCII text has one in every other byte,
+    # UTF-32 three in four. One stray NUL is left to tomllib, which names its line.
+    if head.count(0) * 4 >= len(head) > 0:
+        raise ValueError("looks like UTF-16 or UTF-32 without a byte order mark: save it as UTF-8")
+    try:
+        text = data.removeprefix(codecs.BOM_UTF8).decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(_where_not_utf8(exc)) from None
     return text.rstrip("\x1a")
 
 
