@@ -752,15 +752,33 @@ def _default_config(out: str | None) -> ExitCode:
     if out is None:
         sys.stdout.write(text)
         return ExitCode.OK
+    if not out:
+        raise UsageError("--out: give the name of a new file, e.g. --out config.toml")
     try:
         with open(out, "x", encoding="utf-8", newline="") as f:
             f.write(text)
-    except FileExistsError:
+    except (FileExistsError, IsADirectoryError, FileNotFoundError, NotADirectoryError):
+        raise UsageError(f"--out {out}: {_why_not_new(Path(out))}") from None
+    except PermissionError:
         raise UsageError(
-            f"--out {out}: the file exists; give a new name or remove it first"
+            f"--out {out}: no permission to write there; choose a folder of yours"
         ) from None
     print(f"wrote {out}", file=sys.stderr)
     return ExitCode.OK
+
+
+def _why_not_new(path: Path) -> str:
+    """Why a new file ``path`` could not be made, in words (not "[Errno 2]")."""
+    if path.is_dir():
+        return "is a folder; give the name of a new file in it"
+    if path.exists() or path.is_symlink():
+        return "the file exists; give a new name or remove it first"
+    folder = path.parent
+    if folder.is_dir():
+        return f"cannot make a file in {folder}; choose another folder"
+    if folder.exists():
+        return f"{folder} is not a folder"
+    return f"the folder {folder} does not exist; make it first"
 
 
 def _single(exc: BaseException) -> BaseException:

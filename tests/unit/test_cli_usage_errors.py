@@ -4,6 +4,7 @@ flag or the experiment file, is a configuration error (exit 3), as for a daemon.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,3 +181,45 @@ def test_a_summary_json_that_cannot_be_written_is_a_usage_error_before_training(
         assert main(argv) == ExitCode.USAGE
         assert capsys.readouterr() == ("", f"volunteerd: --summary-json {summary}: {says}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["experiment.toml"]
+
+
+def test_config_default_out_where_no_file_can_be_made_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a folder said "the file exists"; a missing folder or an empty name printed
+    # "[Errno 2] No such file or directory" and exited 5, as if the daemon had failed
+    (tmp_path / "file").write_text("")
+    cases = {
+        str(tmp_path): "is a folder; give the name of a new file in it",
+        str(
+            tmp_path / "nope" / "c.toml"
+        ): f"the folder {tmp_path / 'nope'} does not exist; make it first",
+        str(tmp_path / "file" / "c.toml"): f"{tmp_path / 'file'} is not a folder",
+        str(tmp_path / "file"): "the file exists; give a new name or remove it first",
+    }
+    for out, why in cases.items():
+        assert main(["config", "default", "--out", out]) == ExitCode.USAGE, out
+        assert capsys.readouterr() == ("", f"volunteerd: --out {out}: {why}\n")
+    assert main(["config", "default", "--out", ""]) == ExitCode.USAGE
+    assert capsys.readouterr().err == (
+        "volunteerd: --out: give the name of a new file, e.g. --out config.toml\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_config_default_out_without_permission_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # [Errno 13] Permission denied, exit 5; root may write anywhere but in /sys
+    if os.geteuid() == 0:
+        out = Path("/sys/c.toml")
+        if os.access("/sys", os.W_OK) is False or not Path("/sys").is_dir():
+            pytest.skip("root, and /sys is mounted read-only here")  # EROFS, not EACCES
+    else:
+        (tmp_path / "read-only").mkdir(mode=0o555)
+        out = tmp_path / "read-only" / "c.toml"
+    assert main(["config", "default", "--out", str(out)]) == ExitCode.USAGE
+    assert capsys.readouterr() == (
+        "",
+        f"volunteerd: --out {out}: no permission to write there; choose a folder of yours\n",
+    )
