@@ -618,6 +618,36 @@ def test_a_success_whose_body_cannot_be_read_counts_as_no_answer(browser: WebDri
 LOCALE_NUMBERS = {
     "en-US": {"rate": "12.5", "bytes": "1.25 MB", "duration": "8.5 s", "input": "2.5"},
     "de": {"rate": "12,5", "bytes": "1,25 MB", "duration": "8,5 s", "input": "2,5"},
+    # the page in Arabic digits, the fields in Latin ones (parseDecimal reads both)
+    "ar-EG": {
+        "rate": "\u0661\u0662\u066b\u0665",  # 12.5 in Arabic digits and decimal mark
+        "bytes": "\u0661\u066b\u0662\u0665 MB",
+        "duration": "\u0668\u066b\u0665 s",
+        "input": "2.5",
+    },
+}
+# what a daemon may hold: each must come back from its field unchanged, or Save fails
+# on a field nobody touched (2.5 in Arabic digits was "not a number"; "1.125" reads
+# two ways)
+HELD = [0, 2.5, 1.125, 999.999, 100, 1500, 0.001, -1]
+# typed in any browser language: read as
+TYPED = {
+    "2,5": 2.5,
+    "2.5": 2.5,
+    " 2,5 ": 2.5,
+    ",5": 0.5,
+    "0": 0,
+    "\u0661\u066b\u0665": 1.5,  # Arabic digits and decimal mark
+    "\u06f2\u066b\u06f5": 2.5,  # Persian
+    "\u0968.\u096b": 2.5,  # Devanagari
+    "\u200e-1": -1,  # as Intl writes -1 in Arabic
+    "\u22121": -1,  # and in Swedish
+    "1e3": 1000,
+    "2,5e-1": 0.25,
+    "1,0": 1,
+    "0,125": 0.125,
+    "1234,567": 1234.567,
+    "1,2500": 1.25,
 }
 
 
@@ -625,28 +655,41 @@ LOCALE_NUMBERS = {
 def test_numbers_are_read_and_shown_in_the_browsers_language(
     tmp_path_factory: pytest.TempPathFactory, lang: str
 ) -> None:
-    # A German page showed "12.5" and "1.25 MB" beside "1.234" (Intl), and a number
-    # field in an English browser read "2,5" as 25.
+    # A German page showed "12.5" and "1.25 MB" beside "1.234" (Intl), a number field
+    # in an English browser read "2,5" as 25, an Arabic one showed 2.5 in Arabic digits
+    # and refused them, and "1,000" (GB) was read as 1.
     with static_files() as base:
         for driver in chromium(tmp_path_factory, lang=lang):
             driver.get(base + "/index.html")
             seen = driver.execute_async_script(
                 """
-                const done = arguments[arguments.length - 1];
+                const [typed, held, done] = arguments;
                 const f = await import("/format.js");
                 done({
                   rate: f.fmtRate(12.5), bytes: f.fmtBytes(1.25e6), duration: f.fmtDuration(8.5),
                   input: f.fmtInput(2.5),
-                  read: ["2,5", "2.5", " 2,5 ", ",5", "0"].map((t) => f.parseDecimal(t).value),
+                  read: typed.map((t) => f.parseDecimal(t).value),
                   empty: f.parseDecimal("").value,
                   refused: ["1,234.5", "1.234,5", "2 5", "abc", "1e999"].map(
                     (t) => f.parseDecimal(t).error ?? null),
+                  twoWays: ["1,000", "1.000", "10,000", "2,500"].map(
+                    (t) => f.parseDecimal(t).error ?? null),
+                  held: held.map((v) => f.parseDecimal(f.fmtInput(v)).value),
                   typeOfUpload: document.getElementById("upload-mbit").type,
                 });
-                """
+                """,
+                list(TYPED),
+                HELD,
             )
     assert {k: seen[k] for k in LOCALE_NUMBERS[lang]} == LOCALE_NUMBERS[lang]
-    assert seen["read"] == [2.5, 2.5, 2.5, 0.5, 0]
+    assert dict(zip(TYPED, seen["read"], strict=True)) == TYPED
     assert seen["empty"] is None
     assert all(seen["refused"]), seen["refused"]
+    assert seen["twoWays"] == [
+        '1,000 reads two ways: write 1000, or 1,0 if "," is the decimal mark',
+        '1.000 reads two ways: write 1000, or 1.0 if "." is the decimal mark',
+        '10,000 reads two ways: write 10000, or 10,0 if "," is the decimal mark',
+        '2,500 reads two ways: write 2500, or 2,5 if "," is the decimal mark',
+    ]
+    assert seen["held"] == HELD
     assert seen["typeOfUpload"] == "text"

@@ -5,9 +5,12 @@ const intFormat = new Intl.NumberFormat();
 const compactFormat = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
 const BYTE_UNITS = ["B", "kB", "MB", "GB", "TB", "PB"];
 const fixedFormats = new Map();
-// What a number field shows: the browser's decimal mark, no grouping (parseDecimal
-// reads it back), float noise cut.
-const inputFormat = new Intl.NumberFormat(undefined, { useGrouping: false, maximumFractionDigits: 10 });
+// What a number field shows: the browser's decimal mark, Latin digits (parseDecimal
+// reads it back: Arabic's ٢٫٥ is 2.5 there too, but a person may type either), no
+// grouping, float noise cut.
+const inputFormat = new Intl.NumberFormat(undefined, {
+  numberingSystem: "latn", useGrouping: false, maximumFractionDigits: 10,
+});
 const plainFormat = new Intl.NumberFormat(undefined, { maximumFractionDigits: 3 });
 
 /** ``digits`` decimals in the browser's locale: 12.5 (en), 12,5 (de). */
@@ -26,24 +29,75 @@ export function fmtNumber(n) {
   return plainFormat.format(n);
 }
 
-/** A number for a field the user edits; parseDecimal reads it back. */
+/**
+ * A number for a field the user edits, in Latin digits; parseDecimal reads it back.
+ * Exactly three decimals get a fourth, a zero: "1.125" is refused as ambiguous (a
+ * thousand and 125?), "1.1250" is not.
+ */
 export function fmtInput(n) {
-  return n == null || !Number.isFinite(n) ? "" : inputFormat.format(n);
+  if (n == null || !Number.isFinite(n)) return "";
+  const text = inputFormat.format(n);
+  return ambiguous(text) ? `${text}0` : text;
+}
+
+// Unicode's decimal digits (Arabic ٢, Persian ۲, Devanagari २, fullwidth ２, …) and
+// marks typed on other keyboards, as parseDecimal reads them.
+const OTHER_DIGIT = /[^\P{Nd}0-9]/gu;
+const OTHER_MARKS = { "\u066b": ".", "\uff0e": ".", "\uff0c": ",", "\u2212": "-", "\uff0d": "-", "\uff0b": "+" };
+const OTHER_MARK = /[\u066b\uff0e\uff0c\u2212\uff0d\uff0b]/g;
+// Direction marks Intl puts before a minus in Arabic and Persian ("\u200e-1").
+const BIDI_MARKS = /[\u061c\u200e\u200f]/g;
+const ISDIGIT = /\p{Nd}/u;
+
+/** "٢" -> "2": Unicode puts every set of decimal digits in a run 0 to 9, so a digit's
+ * value is its distance from the start of the run of digits it is in, modulo ten. */
+function latinDigit(digit) {
+  const code = digit.codePointAt(0);
+  let start = code;
+  while (ISDIGIT.test(String.fromCodePoint(start - 1))) start -= 1;
+  return String((code - start) % 10);
+}
+
+function latin(text) {
+  return text.replace(BIDI_MARKS, "").replace(OTHER_DIGIT, latinDigit)
+    .replace(OTHER_MARK, (mark) => OTHER_MARKS[mark]);
+}
+
+// One mark after one to three digits, not all zeros, then exactly three: "1,000" is a
+// thousand in English and one in German; "2,5", "0,125", "1234,567" and "1,0000" are not.
+const AMBIGUOUS = /^([+-]?)(\d{1,3})([.,])(\d{3})([eE][+-]?\d+)?$/;
+
+function ambiguous(text) {
+  const parts = AMBIGUOUS.exec(text);
+  return parts !== null && Number(parts[2]) !== 0 ? parts : null;
 }
 
 /**
  * A number typed in a field: "2.5" and "2,5" are both 2.5, whatever the browser's
- * language (a type="number" field read "2,5" as 25 in an English browser). One decimal
- * mark, no thousands separators: "1,234.5" is refused rather than guessed.
- * ``{ value }`` (null for an empty field) or ``{ error }``, a sentence for the field.
+ * language (a type="number" field read "2,5" as 25 in an English browser); digits of
+ * any script ("١٫٥"), an exponent ("1e3"). One decimal mark, no thousands separators:
+ * "1,234.5" is refused rather than guessed, and so is "1,000" (a thousand in English,
+ * one in German: an English 1,000 GB quota was read as 1 GB), with the two ways to
+ * write it. ``{ value }`` (null for an empty field) or ``{ error }``, a sentence for
+ * the field.
  */
 export function parseDecimal(text) {
-  const typed = text.trim();
+  const typed = latin(text).trim();
   if (typed === "") return { value: null };
   if ((typed.match(/[.,]/g) ?? []).length > 1) {
     return { error: "one decimal mark and no thousands separators, e.g. 1234.5 or 1234,5" };
   }
-  if (!/^[+-]?(\d+[.,]?\d*|[.,]\d+)$/.test(typed)) return { error: "not a number" };
+  if (!/^[+-]?(\d+[.,]?\d*|[.,]\d+)([eE][+-]?\d+)?$/.test(typed)) return { error: "not a number" };
+  const parts = ambiguous(typed);
+  if (parts) {
+    const [, sign, whole, mark, decimals, exponent = ""] = parts;
+    const shortest = decimals.replace(/0+$/, "");
+    const fraction = shortest === "" ? "0" : shortest.length === 3 ? `${shortest}0` : shortest;
+    return {
+      error: `${typed} reads two ways: write ${sign}${whole}${decimals}${exponent}, `
+        + `or ${sign}${whole}${mark}${fraction}${exponent} if "${mark}" is the decimal mark`,
+    };
+  }
   const value = Number(typed.replace(",", "."));
   // JSON.stringify would send 1e999 as null, which the daemon reads as "no change"
   if (!Number.isFinite(value)) return { error: "must be a finite number" };
