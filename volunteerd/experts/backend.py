@@ -26,6 +26,7 @@ the update count are exactly what they were before it.
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -220,6 +221,15 @@ class ExpertBackend:
         # Counts writes to the weights other than optimizer steps (a loaded checkpoint,
         # a replica average): (updates, revision) changes whenever the weights do.
         self.revision = 0
+        # Every write to the weights, optimizer steps included (kept, refused or undone
+        # alike: counting one too many only costs a replica a fetch), after a random
+        # name of this backend: ``weights_version`` changes whenever the weights may
+        # have, and a backend built again under the same uid (a restart, a joiner's
+        # new copy) never repeats an old one. (updates, revision) stops at MAX_UPDATES
+        # and does not see a step that broke the weights before the checkpoint put
+        # them back.
+        self._writes = 0
+        self._weights_name = secrets.token_hex(8)
         self.optimizer_name = config.optimizer.name
         self._snapshot: WeightsSnapshot | None = None
         # Backwards of merged kept forwards: through their graph together, or recomputed
@@ -512,6 +522,7 @@ class ExpertBackend:
         # None, not zeros: the next backward writes its gradients into fresh buffers
         # instead of adding to zeroed ones (one pass over the weights fewer per step).
         self.optimizer.zero_grad(set_to_none=True)
+        self._writes += 1
         # The count stops at the most a checkpoint or a replica's state may say: a
         # replica's 2**53, taken as it was, made the next step's 2**53 + 1, which no save
         # and no download could carry any more (every save refused, the expert lost).
@@ -705,3 +716,11 @@ class ExpertBackend:
                 p.data.copy_(params[name])
         self._snapshot = None  # the next kept forward starts a new generation
         self.revision += 1
+        self._writes += 1
+
+    def weights_version(self) -> str:
+        """An opaque token that changes whenever the weights may have (every optimizer
+        step, every ``set_parameters`` and ``load_state``): a replica's ``params`` reply
+        carries it, and a requester that sends it back gets "unchanged" instead of the
+        weights while it still holds (``wire.messages.ParamsRequest.unless_version``)."""
+        return f"{self._weights_name}.{self._writes}"
