@@ -105,24 +105,31 @@ async def test_a_replica_larger_than_the_cap_refuses_before_building_its_reply()
             assert same_reads == [1]
 
 
+NEW_FIELDS = ("max_bytes", "unless_version")
+
+
 @asynccontextmanager
-async def older_release(world: World) -> AsyncIterator[tuple[InProcessServer, list[bool]]]:
-    """A replica of ``UID`` that answers as a release older than ``max_bytes`` does:
-    a request carrying it is refused ``malformed`` (its model forbids unknown fields:
-    "max_bytes: Extra inputs are not permitted"). Yields it and, per request, whether
-    it carried the field."""
+async def older_release(
+    world: World, knows: tuple[str, ...] = ()
+) -> AsyncIterator[tuple[InProcessServer, list[str]]]:
+    """A replica of ``UID`` that answers as a release older than the ``params``
+    request's fields not in ``knows`` does: a request carrying one is refused
+    ``malformed`` (its model forbids unknown fields: "max_bytes: Extra inputs are not
+    permitted"). Yields it and, per request, the new fields it carried ("+"-joined)."""
     config = world.config
     runtime = ExpertRuntime(
         [UID], config.experts, config.runtime, config.wire, torch.device("cpu"), guard=config.guard
     )
     handlers = expert_handlers(runtime)
-    asked: list[bool] = []
+    asked: list[str] = []
 
     async def params(request: Request) -> Reply:
-        asked.append(request.header.max_bytes is not None)
-        if request.header.max_bytes is not None:
+        sent = [name for name in NEW_FIELDS if getattr(request.header, name) is not None]
+        asked.append("+".join(sent))
+        unknown = [name for name in sent if name not in knows]
+        if unknown:
             raise MalformedFrame(
-                "bad ParamsRequest header: max_bytes: Extra inputs are not permitted"
+                f"bad ParamsRequest header: {unknown[0]}: Extra inputs are not permitted"
             )
         return await handlers[Verb.PARAMS](request)
 
@@ -145,13 +152,14 @@ async def test_a_replica_older_than_the_cap_is_asked_again_without_it() -> None:
         own = await world.add_server(UID)
         async with older_release(world) as (old, asked), world.open_peer(ip="10.0.0.1") as peer:
             averager = averager_of(world, own, peer)
+            # both fields refused, one after the other (the newest first)
             assert await averager.average(UID) == 1
-            assert asked == [True, False]
+            assert asked == ["max_bytes+unless_version", "max_bytes", ""]
             assert await averager.average(UID) == 1
-            assert asked == [True, False, False]
+            assert asked[3:] == [""]
             # an hour later (the runtimes' worker threads rule out a virtual clock)
             replicas = cast(SwarmReplicas, averager.source)
             replicas._older[old.peer_id] -= OLDER_RECHECK_S
             assert await averager.average(UID) == 1
-            assert asked == [True, False, False, True, False]
+            assert asked[4:] == ["max_bytes", ""]
             assert averager.statistics().rejected == {}

@@ -196,7 +196,13 @@ class FakeSwarm:
         return list(self.replies)
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         """As the RPC client does: a reply over ``max_bytes`` is ReplyTooLarge."""
         self.calls[peer_id] += 1

@@ -60,7 +60,13 @@ class Replica:
         return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         if self.gone:
             raise PeerUnreachable("replica: gone")
@@ -241,7 +247,13 @@ class PausedReplica(Replica):
         return (await self.replicas_of([uid]))[uid]
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         if not self.allowed:
             raise Paused("network use is not allowed now")

@@ -80,7 +80,13 @@ class Swarm:
         return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> Reply:
         self.calls[peer_id] += 1
         if uid not in self.fetched:
@@ -382,7 +388,13 @@ class SlowAndGone:
         return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> Reply:
         if peer_id == "gone":
             raise PeerUnreachable(f"{peer_id}: no stream")

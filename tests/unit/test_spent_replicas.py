@@ -70,7 +70,13 @@ class Swarm:
         return {uid: await self.replicas(uid) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         self.calls[peer_id] += 1
         await trio.lowlevel.checkpoint()
@@ -157,7 +163,13 @@ class Fakes(Swarm):
         return [*self.FAKES, "honest"]
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         return await super().fetch(
             "spent" if peer_id.startswith("fake") else peer_id, uid, max_bytes=max_bytes
@@ -291,7 +303,13 @@ class QuotaUntil(Swarm):
         return ["spent"]
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         self.retry_after_s = self.until - self.wall()
         if self.retry_after_s <= 0:

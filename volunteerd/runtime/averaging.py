@@ -98,6 +98,15 @@ bounded them: an outside audit's seed of 32 experts received 164 MB in ~70 s of
 averaging with the joiners that hosted replicas, used up its 0.2 GB daily quota and
 stopped serving until midnight.
 
+When idle: replicas that agree and that nobody trains sent each other every expert
+whole every round (134 MB each way per 30 s for 4 experts of hidden 1024 with one
+replica each, ~16 GB an hour; the rounds wrote nothing). A round that combined an
+expert with its replicas and moved nothing remembers so (``_agreed``); while its own
+weights stay that version, the next rounds ask those replicas ``unless_version`` their
+last reply's version, and one still at it answers "unchanged", without tensors: it is
+combined as these weights (it agreed with them), and a round of only such answers
+writes nothing and fetched ~200 bytes an expert (``gather``).
+
 The network is behind ``ReplicaSource`` (the daemon gives the DHT and the RPC client),
 so this module needs no libp2p and its tests can fake the swarm.
 """
@@ -216,12 +225,21 @@ class ReplicaSource(Protocol):
         ...
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         """``peer_id``'s parameters of ``uid``, whose tensors hold at most ``max_bytes``
         together, within ``timeout_s`` if given. Raises VolunteerdError when it fails:
         FrameTooLarge for a reply over ``max_bytes``, refused before its body is read;
-        ReplyTooSlow when ``timeout_s`` cut a reply that was arriving."""
+        ReplyTooSlow when ``timeout_s`` cut a reply that was arriving.
+        ``unless_version``: the ``version`` of ``peer_id``'s last reply ("" for none):
+        a reply ``unchanged``, without tensors, while its weights are still that one
+        (a peer that does not know the field answers as without it)."""
         ...
 
 
@@ -253,6 +271,8 @@ class AveragingStats:
     last_shift: dict[str, float]  # uid -> |new - own| / |own| over all tensors, last round
     # replica fetches (and whole rounds) skipped: the transfer quota's bulk share was used
     skipped_for_quota: int = 0
+    # fetches answered "unchanged" (no tensors): replicas that agreed, nobody trained since
+    unchanged: int = 0
 
 
 @dataclass(slots=True)
@@ -264,6 +284,12 @@ class _Counters:
     clipped_by_peer: dict[str, int] = field(default_factory=dict)
     last_shift: dict[str, float] = field(default_factory=dict)
     skipped_for_quota: int = 0
+    unchanged: int = 0
+
+
+# A replica's reply "unchanged" in ``gather``'s list: its weights are the ones it sent
+# in the round that agreed with ours (``ReplicaAverager._agreed``).
+_UNCHANGED: Params = {}
 
 
 class ReplicaAverager:
@@ -298,6 +324,12 @@ class ReplicaAverager:
         self._failed: OrderedDict[str, tuple[float, int]] = OrderedDict()  # -> (retry at, n)
         self._spent: OrderedDict[str, float] = OrderedDict()  # peer -> not asked until
         self._spent_claims: OrderedDict[str, int] = OrderedDict()  # -> such refusals in a row
+        # (uid, peer) -> the version its last reply of uid's parameters said it was
+        self._versions: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # uid -> (its weights' version after, the replicas) of the last round that
+        # combined them and moved nothing (they agree): while neither side changes,
+        # the next rounds need none of their bytes (``gather``)
+        self._agreed: dict[str, tuple[str, frozenset[str]]] = {}
         self._rounds_run = 0
         self._turns: dict[str, int] = {}  # hosted uid -> the round it was last gathered in
         self._awake_clock = awake_clock
@@ -454,7 +486,8 @@ class ReplicaAverager:
             rounds = 0
             while uid in self.runtime.uids:
                 try:
-                    replies = await self.gather(uid, listed=peers)
+                    # every replica's weights, whatever it says of them
+                    replies = await self.gather(uid, listed=peers, conditional=False)
                     if uid not in self._replicated:
                         break
                     if replies:
@@ -601,14 +634,29 @@ class ReplicaAverager:
         return await self.combine(uid, await self.gather(uid, deadline=deadline, listed=listed))
 
     async def gather(
-        self, uid: str, *, deadline: float = math.inf, listed: list[str] | None = None
+        self,
+        uid: str,
+        *,
+        deadline: float = math.inf,
+        listed: list[str] | None = None,
+        conditional: bool = True,
     ) -> list[tuple[str, Params]]:
         """The parameters of up to ``max_peers`` other replicas of ``uid`` that fit, by
         peer id; the others are counted as rejected. A replica that has not sent them
         within ``fetch_bound_s`` is dropped as "timeout"; one still being fetched or
         checked at ``deadline`` (trio's clock) is left out uncounted. ``listed``: the
         replicas a lookup just found (a round looks up all its experts at once); None
-        looks them up."""
+        looks them up.
+
+        ``conditional``: a replica of the last round that agreed with this one
+        (``_agreed``), while this one's weights are still what that round left, is
+        asked ``unless_version`` its last reply's version; one that answers
+        "unchanged" is listed as ``_UNCHANGED`` (its weights are ours, as then), with
+        no tensors fetched. Idle replicas (nobody training: between a project's runs, a
+        night without trainers) sent each other every expert whole every round: 33.5
+        MB an expert at hidden 1024, 16 GB an hour each way for 4 experts with one
+        replica each. A replica can say "unchanged" of itself only: a lie leaves its
+        own newer weights out, no other replica's."""
         replies: list[tuple[str, Params]] = []
         with trio.move_on_at(deadline):
             if listed is None:
@@ -628,6 +676,18 @@ class ReplicaAverager:
             # prefix, or a replica could make this node read ~256 MiB (wire.max_body_bytes).
             max_bytes = self._param_bytes(uid)
             bound_s = fetch_bound_s(max_bytes)
+            agreed = self._agreed.get(uid) if conditional else None
+            if agreed is not None and agreed[0] != backend.weights_version():
+                agreed = None  # ours changed since (a step, a write): fetched whole
+
+            def unless_version(peer_id: str) -> str | None:
+                """What ``peer_id`` is asked ``unless_version``: "" (its version is
+                learnt) but for a replica of the agreeing round."""
+                if not conditional:
+                    return None
+                if agreed is not None and peer_id in agreed[1]:
+                    return self._versions.get((uid, peer_id), "")
+                return ""
 
             async def fetch(peer_id: str) -> None:
                 got: tuple[ParamsReply, list[WireTensor]] | None = None
@@ -642,11 +702,16 @@ class ReplicaAverager:
                 # silent replica beside each honest one spent half the averaging share
                 # on nothing (a re-check).
                 began = trio.current_time()
+                unless = unless_version(peer_id)
                 try:
                     with trio.move_on_after(bound_s + _SOURCE_GRACE_S):
                         try:
                             got = await self.source.fetch(
-                                peer_id, uid, max_bytes=max_bytes, timeout_s=bound_s
+                                peer_id,
+                                uid,
+                                max_bytes=max_bytes,
+                                timeout_s=bound_s,
+                                unless_version=unless,
                             )
                         except FrameTooLarge as exc:  # refused from its prefix
                             self._unfetched(counted)
@@ -685,10 +750,26 @@ class ReplicaAverager:
                     self._reject(peer_id, "timeout", f"{uid}: no reply within {bound_s:.3g} s")
                     return
                 reply, tensors = got
-                params = await trio.to_thread.run_sync(_check_reply, uid, expected, reply, tensors)
-                if isinstance(params, str):
-                    self._reject(peer_id, params, f"{uid}: {params}")
-                    return
+                key = (uid, peer_id)
+                params: Params
+                if reply.unchanged and unless and reply.version == unless and reply.uid == uid:
+                    self._unfetched(max_bytes)  # the header came, no tensors
+                    self._counts.unchanged += 1
+                    params = _UNCHANGED
+                else:
+                    # an "unchanged" not asked for has no names: refused as "names"
+                    checked = await trio.to_thread.run_sync(
+                        _check_reply, uid, expected, reply, tensors
+                    )
+                    if isinstance(checked, str):
+                        self._versions.pop(key, None)
+                        self._reject(peer_id, checked, f"{uid}: {checked}")
+                        return
+                    params = checked
+                    if reply.version:
+                        remember(self._versions, key, reply.version, _MAX_REMEMBERED * 4)
+                    else:  # an older release, or no longer known
+                        self._versions.pop(key, None)
                 self._failed.pop(peer_id, None)
                 self._spent_claims.pop(peer_id, None)  # it gives again: a new day
                 remember(self._good, peer_id, self._clock(), _MAX_REMEMBERED)
@@ -768,11 +849,22 @@ class ReplicaAverager:
         away than one round can go."""
         if not replies:
             return 0, False
-        others = [params for _, params in replies]
+        counts = self._counts
+        peers = frozenset(peer_id for peer_id, _ in replies)
+        if all(params is _UNCHANGED for _, params in replies):
+            # They agree, and neither side changed since the round that found so:
+            # that round would write nothing again.
+            counts.rounds += 1
+            counts.averaged += len(replies)
+            counts.last_shift[uid] = 0.0
+            logger.debug("%s: its %d replicas are unchanged, as ours", uid, len(replies))
+            return len(replies), False
         ratio = self._config.clip_ratio
 
-        def apply(b: ExpertBackend) -> tuple[list[int], float, bool]:
+        def apply(b: ExpertBackend) -> tuple[list[int], float, bool, str | None]:
             own = b.live_parameters()
+            # a replica "unchanged" still has what the agreeing round left, ours
+            others = [own if params is _UNCHANGED else params for _, params in replies]
             new, clipped = centered_clip(own, others, ratio)
             if not own_weight:  # own + sum/(n+1) -> own + sum/n
                 scale = (len(others) + 1) / len(others)
@@ -789,10 +881,15 @@ class ReplicaAverager:
             rounding = max((torch.finfo(t.dtype).eps for t in own.values()), default=0.0)
             if moved > rounding * size:
                 b.set_parameters(new)
-            return clipped, moved / max(size, 1e-12), at_tau
+                return clipped, moved / max(size, 1e-12), at_tau, None
+            # Moved nothing: the replicas agree with these weights, as they are now.
+            return clipped, moved / max(size, 1e-12), at_tau, b.weights_version()
 
-        clipped, shift, at_tau = await self.runtime.with_expert(uid, apply)
-        counts = self._counts
+        clipped, shift, at_tau, agreed = await self.runtime.with_expert(uid, apply)
+        if agreed is not None and own_weight:
+            self._agreed[uid] = (agreed, peers)
+        else:
+            self._agreed.pop(uid, None)
         counts.rounds += 1
         counts.averaged += len(replies)
         counts.last_shift[uid] = shift
@@ -861,6 +958,7 @@ class ReplicaAverager:
             clipped_by_peer=dict(c.clipped_by_peer),
             last_shift=dict(c.last_shift),
             skipped_for_quota=c.skipped_for_quota,
+            unchanged=c.unchanged,
         )
 
 

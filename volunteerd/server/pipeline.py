@@ -220,14 +220,32 @@ class _Pipeline:
                     f"the parameters of {uid} are {size} bytes, over the {cap} asked for"
                 )
 
+        unless = request.header.unless_version
+
         def read(backend: ExpertBackend) -> Reply:
             # Encoded in the worker's turn: one consistent copy, between optimizer steps.
+            # The version only to requesters that know the field (``unless_version``):
+            # older ones refuse a reply with a field they do not know.
+            version = None if unless is None else backend.weights_version()
+            if version is not None and version == unless:
+                # Still the weights the requester has: idle replicas sent each other
+                # every expert whole every round (33.5 MB each at hidden 1024).
+                unchanged = ParamsReply(
+                    uid=uid,
+                    updates=backend.updates,
+                    names=[],
+                    tensors=[],
+                    version=version,
+                    unchanged=True,
+                )
+                return Reply(unchanged, [])
             named = [(name, *to_wire(p)) for name, p in backend.live_parameters().items()]
             header = ParamsReply(
                 uid=uid,
                 updates=backend.updates,
                 names=[name for name, _, _ in named],
                 tensors=[meta for _, meta, _ in named],
+                version=version,
             )
             return Reply(header, [data for _, _, data in named])
 

@@ -32,8 +32,9 @@ __all__ = ["SwarmReplicas", "WindowedDownloader"]
 # Uids one DHT lookup of ``SwarmReplicas.replicas_of`` asks for: a few requests to each
 # storing peer (64 keys a request), so that a lookup is done within its bound.
 LOOKUP_KEYS = 256
-# Replicas remembered as older than ``ParamsRequest.max_bytes`` (asked without it), and
-# for how long before they are asked with it again (they may have been upgraded).
+# Replicas remembered as older than ``ParamsRequest.max_bytes`` (asked without it), or
+# than ``unless_version``, and for how long before they are asked with it again (they may
+# have been upgraded).
 MAX_OLDER = 1024
 OLDER_RECHECK_S = 3600.0
 
@@ -54,6 +55,8 @@ class SwarmReplicas:
         # peer id -> when (trio's clock) it refused a ``params`` request that carried
         # ``max_bytes`` as malformed (a release older than the field)
         self._older: OrderedDict[str, float] = OrderedDict()
+        # ... and that refused one carrying ``unless_version`` (a release older than it)
+        self._unversioned: OrderedDict[str, float] = OrderedDict()
 
     async def replicas(self, uid: str) -> list[str]:
         """The other peers announcing ``uid``; Paused while network use is not allowed
@@ -94,7 +97,13 @@ class SwarmReplicas:
         return {uid: list(self._addresses.get(uid, {})) for uid in uids}
 
     async def fetch(
-        self, peer_id: str, uid: str, *, max_bytes: int, timeout_s: float | None = None
+        self,
+        peer_id: str,
+        uid: str,
+        *,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        unless_version: str | None = None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
         """``uid``'s parameters from ``peer_id`` (found by ``replicas`` before), at most
         ``max_bytes`` of tensors (this node's own copy's size, over ``wire.max_body_bytes``
@@ -102,9 +111,11 @@ class SwarmReplicas:
         FrameTooLarge), its body never read. The request says ``max_bytes`` too, and a
         replica whose parameters are larger refuses before building them (also
         ReplyTooLarge); one older than that field refuses the request as malformed and
-        is asked again without it (and for ``OLDER_RECHECK_S`` after). Within
-        ``timeout_s`` (the averager's fetch bound; a second ask gets what is left of
-        it), ReplyTooSlow when that cut a reply that was arriving; Paused while
+        is asked again without it (and for ``OLDER_RECHECK_S`` after). The same for
+        ``unless_version`` (the version of its last reply, "" for none: a reply
+        ``unchanged`` while it holds, see ``ParamsRequest``), a newer field, left out
+        first. Within ``timeout_s`` (the averager's fetch bound; a second ask gets what
+        is left of it), ReplyTooSlow when that cut a reply that was arriving; Paused while
         network use is not allowed (a catch-up's rounds fetch without a lookup)."""
         if not self._allowed():
             raise Paused("network use is not allowed now")
@@ -112,35 +123,58 @@ class SwarmReplicas:
         if address is None:  # the uid's lookup since then no longer lists it
             raise PeerUnreachable(f"{short(peer_id)} no longer announces {uid}")
         began = trio.current_time()
-        refused = self._older.get(peer_id)
-        capped = refused is None or began - refused >= OLDER_RECHECK_S
-        try:
-            got = await self._call(address, uid, max_bytes, capped, timeout_s)
-        except RemoteError as exc:
-            if exc.code == "too_large":  # refused from our cap, before it was built
-                raise ReplyTooLarge(f"params of {uid} from {short(peer_id)}: {exc}") from None
-            if not (capped and exc.code == "malformed"):
-                raise
-        else:
+        capped = not self._is_older(self._older, peer_id, began)
+        versioned = unless_version is not None and not self._is_older(
+            self._unversioned, peer_id, began
+        )
+        while True:
+            spent_s = trio.current_time() - began
+            left_s = None if timeout_s is None else max(0.0, timeout_s - spent_s)
+            try:
+                got = await self._call(
+                    address, uid, max_bytes, capped, unless_version if versioned else None, left_s
+                )
+            except RemoteError as exc:
+                if exc.code == "too_large":  # refused from our cap, before it was built
+                    raise ReplyTooLarge(f"params of {uid} from {short(peer_id)}: {exc}") from None
+                if exc.code != "malformed" or not (capped or versioned):
+                    raise
+                # A release older than the newest field sent: asked again at once
+                # without it (a reply is still capped from its prefix), and without it
+                # for a while.
+                if versioned:
+                    remember(self._unversioned, peer_id, trio.current_time(), MAX_OLDER)
+                    versioned = False
+                else:
+                    remember(self._older, peer_id, trio.current_time(), MAX_OLDER)
+                    capped = False
+                continue
             if capped:
                 self._older.pop(peer_id, None)  # upgraded since
+            if versioned:
+                self._unversioned.pop(peer_id, None)
             return got
-        # A release older than ``max_bytes``: asked again without it (its reply is still
-        # capped from its prefix), and without it for a while.
-        remember(self._older, peer_id, trio.current_time(), MAX_OLDER)
-        if timeout_s is not None:
-            timeout_s = max(0.0, timeout_s - (trio.current_time() - began))
-        return await self._call(address, uid, max_bytes, False, timeout_s)
+
+    @staticmethod
+    def _is_older(older: OrderedDict[str, float], peer_id: str, now: float) -> bool:
+        """Whether ``peer_id`` refused a field lately (within ``OLDER_RECHECK_S``)."""
+        refused = older.get(peer_id)
+        return refused is not None and now - refused < OLDER_RECHECK_S
 
     async def _call(
-        self, address: PeerAddress, uid: str, max_bytes: int, capped: bool, timeout_s: float | None
+        self,
+        address: PeerAddress,
+        uid: str,
+        max_bytes: int,
+        capped: bool,
+        unless_version: str | None,
+        timeout_s: float | None,
     ) -> tuple[ParamsReply, list[WireTensor]]:
+        request = ParamsRequest(
+            uid=uid, max_bytes=max_bytes if capped else None, unless_version=unless_version
+        )
         reply, tensors = await self._node.rpc.call(
-            address,
-            Verb.PARAMS,
-            ParamsRequest(uid=uid, max_bytes=max_bytes if capped else None),
-            max_body_bytes=max_bytes,
-            timeout_s=timeout_s,
+            address, Verb.PARAMS, request, max_body_bytes=max_bytes, timeout_s=timeout_s
         )
         return reply, tensors
 

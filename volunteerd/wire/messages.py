@@ -165,6 +165,9 @@ ParamName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-
 
 
 ByteCount = Annotated[int, Field(ge=0, le=1 << 40)]
+# A server's opaque name for one version of an expert's weights
+# (``ExpertBackend.weights_version``); the empty string names none.
+WeightsVersion = Annotated[str, Field(max_length=64, pattern=r"^[0-9A-Za-z._:-]*$")]
 
 
 class ParamsRequest(_Wire):
@@ -175,10 +178,17 @@ class ParamsRequest(_Wire):
     reply. Left out of the JSON when None, so a request without it is the same bytes as
     before it existed: releases older than the field refuse a request that carries it
     (``malformed``: their model forbids unknown fields), and a requester that hears
-    that asks them again without it (``server.replicas.SwarmReplicas``)."""
+    that asks them again without it (``server.replicas.SwarmReplicas``).
+
+    ``unless_version``: the ``version`` of the last reply the requester had from this
+    server for ``uid`` (or "" when it has none): a server whose weights are still that
+    version answers "unchanged" (``ParamsReply.unchanged``, no tensors), and any
+    server that sees the field says its version in its reply. Left out of the JSON when
+    None, as ``max_bytes``, and older releases refuse it the same way."""
 
     uid: Uid
     max_bytes: ByteCount | None = None
+    unless_version: WeightsVersion | None = None
 
     @property
     def tensors(self) -> list[TensorMeta]:
@@ -187,26 +197,47 @@ class ParamsRequest(_Wire):
     @model_serializer(mode="wrap")
     def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if self.max_bytes is None:
-            data.pop("max_bytes", None)
+        for name in ("max_bytes", "unless_version"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
 class ParamsReply(_Wire):
     """An expert's parameters, one tensor per name in ``names``, in the module's order;
-    ``updates`` is how many optimizer steps the server has applied to them."""
+    ``updates`` is how many optimizer steps the server has applied to them.
+
+    ``version`` (only to a request that carried ``unless_version``): the weights'
+    version (``ExpertBackend.weights_version``). ``unchanged``: they are still the
+    version the request named, and the reply carries no names and no tensors. Both are
+    left out of the JSON when absent (None, False), so a reply to a request without
+    ``unless_version`` is the same bytes as before they existed: older requesters,
+    whose model forbids unknown fields, never see them."""
 
     status: Literal["ok"] = "ok"
     uid: Uid
     updates: Annotated[int, Field(ge=0)]
     names: Annotated[list[ParamName], Field(max_length=64)]
     tensors: TensorList
+    version: WeightsVersion | None = None
+    unchanged: bool = False
 
     @model_validator(mode="after")
     def _one_name_per_tensor(self) -> Self:
         if len(self.names) != len(self.tensors):
             raise ValueError(f"{len(self.names)} names for {len(self.tensors)} tensors")
+        if self.unchanged and (not self.version or self.names):
+            raise ValueError("an unchanged reply names its version and carries no tensors")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.version is None:
+            data.pop("version", None)
+        if not self.unchanged:
+            data.pop("unchanged", None)
+        return data
 
 
 # A shard chunk is at most this many bytes; servers may send less.
