@@ -555,6 +555,7 @@ class ReplicaAverager:
         if not sizes:
             return 0
         self._turns = {uid: n for uid, n in self._turns.items() if uid in sizes}
+        self._agreed = {uid: v for uid, v in self._agreed.items() if uid in sizes}
         budget = self._budget
         if budget is not None and not budget.can_fetch(min(sizes.values()) + FETCH_FRAME_BYTES):
             # not even one fetch fits today: no lookups either
