@@ -277,6 +277,24 @@ async def test_reads_are_counted_and_paced(autojump_clock: trio.abc.Clock) -> No
     assert throttle.statistics().bytes_down == 2 * MB
 
 
+async def test_streams_count_in_the_ledger_only_where_no_host_counts_the_wire() -> None:
+    """A node's host counts every TCP byte (``wire_meter``): its streams' bytes, among
+    them, pace but would count twice. The in-memory test network has no TCP: there the
+    streams' bytes are the count."""
+    unmetered = Throttle(LimitsConfig())
+    await ThrottledStream(FakeStream(), unmetered).write(b"z" * 1000)  # type: ignore[arg-type]
+    assert (unmetered.ledger.total, unmetered.bytes_up) == (1000, 1000)
+    metered = Throttle(LimitsConfig())
+    wire = metered.wire_meter()
+    stream = ThrottledStream(FakeStream([b"y" * 500]), metered)  # type: ignore[arg-type]
+    await stream.write(b"z" * 1000)
+    await stream.read(1000)
+    assert (metered.ledger.total, metered.bytes_up, metered.bytes_down) == (0, 0, 0)
+    wire.add(up=1100, down=560)  # what the TCP connection under it moved
+    assert metered.ledger.total == 1660
+    assert (metered.bytes_up, metered.bytes_down) == (1100, 560)
+
+
 async def test_unlimited_writes_pass_whole() -> None:
     throttle = Throttle(LimitsConfig())
     inner = FakeStream()

@@ -42,6 +42,13 @@ count rather than blame its peers. A write cancelled half-way
 most ``CANCELLED_WRITE_GRACE_S``, or the connection is closed: it is never left out of
 step.
 
+*Every byte a TCP connection moves is metered.* A host built with a meter
+(``net/host.py``: the node's transfer ledger) tags each raw connection before its
+security handshake (``meter``); the reads and writes here add what crossed the socket
+to it, one int add each: multistream negotiation, Noise, Yamux framing, Kademlia,
+identify, ping, relayed circuits, every RPC. The monthly and daily quotas count these
+bytes (the RPC streams alone were ~12 % of an idle node's wire bytes).
+
 *Pings are answered off the reader.* The reader wrote each ping's answer itself, so a
 peer sending pings into a socket it never read blocked it for good. An answer is now
 written by a task of its own, one at a time; pings that come while one is pending go
@@ -61,7 +68,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from libp2p.io import trio as _io
@@ -78,9 +85,11 @@ __all__ = [
     "WATCH_PERIOD_S",
     "WRITE_STALL_S",
     "ZERO_WINDOW_TIMEOUT_S",
+    "WireMeter",
     "abort",
     "counts",
     "held_ahead",
+    "meter",
 ]
 
 logger = logging.getLogger(__name__)
@@ -183,6 +192,24 @@ _yamux.YamuxStream.send_closed = _Waking(  # type: ignore[assignment]
 _yamux.YamuxStream.write = _write  # type: ignore[method-assign]
 
 
+class WireMeter(Protocol):
+    """What counts a connection's bytes (``TransferLedger``): called on the event loop
+    for every TCP read and write, so it must be cheap and never block."""
+
+    def add(self, up: int = 0, down: int = 0) -> None: ...
+
+
+def meter(conn: Any, wire: WireMeter) -> bool:
+    """Count every byte the TCP connection under ``conn`` (a raw connection) reads and
+    writes from now on into ``wire``; False when there is no TCP socket under it (a
+    relayed connection: its bytes cross the relay's connection, counted there)."""
+    tcp = _tcp_of(conn)
+    if tcp is None:
+        return False
+    tcp.__dict__["_vd_meter"] = wire
+    return True
+
+
 class _Ahead:
     """The bytes one connection received ahead and has not handed out yet."""
 
@@ -254,6 +281,9 @@ async def _read_ahead(self: _io.TrioTCPStream, n: int | None = None) -> bytes:
             ) from error
         except trio.ClosedResourceError:
             return b""
+        wire: WireMeter | None = self.__dict__.get("_vd_meter")
+        if wire is not None:
+            wire.add(down=len(data))
         if n is None or len(data) <= n:
             return data
         ahead.data, ahead.at, ahead.left = data, n, len(data) - n
@@ -526,6 +556,9 @@ async def _send_some(tcp: _io.TrioTCPStream, data: memoryview) -> int:
     watchdog closed it (nothing moved for ``WRITE_STALL_S``)."""
     try:
         sent: int = await tcp.stream.socket.send(data)
+        wire: WireMeter | None = tcp.__dict__.get("_vd_meter")
+        if wire is not None:
+            wire.add(up=sent)
         return sent
     except trio.ClosedResourceError:
         pass

@@ -286,13 +286,15 @@ def build_host(
     per_address: connections.AddressSlots | None = None,
     small_frames: MessagePacer | None = None,
     unpaced: Callable[[ID], bool] = lambda peer_id: False,
+    wire: _flow.WireMeter | None = None,
 ) -> IHost:
     """A host that is not yet running; ``max_connections`` bounds inbound and outbound
     connections together (a tenth of them, at least 8, stay free for our own dials),
     ``per_address`` the inbound connections of each IP address (default: 64),
     ``small_frames`` paces the small Yamux frames each peer sends (default: unpaced),
     except from the peers ``unpaced`` names (our relays: their connection carries
-    every circuit's frames)."""
+    every circuit's frames); ``wire`` counts every byte of every TCP connection
+    (``_meter_connections``; default: none counted)."""
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
     reserve = max(8, max_connections // 10)
@@ -326,7 +328,25 @@ def build_host(
     # paid again by every lookup that meets it). Refused is refused: retry once, soon.
     swarm.retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
     _keep_own_dials(host, peerstore)
+    if wire is not None:
+        _meter_connections(swarm, wire)
     return host
+
+
+def _meter_connections(swarm: Swarm, wire: _flow.WireMeter) -> None:
+    """Every raw connection the swarm secures, inbound or outbound (a reachability
+    probe's own dial too), has its TCP bytes counted into ``wire`` from before its
+    security negotiation (``flow.meter``): the quotas count what crosses the wire, not
+    only the RPC streams' payload. A relayed connection has no socket of its own: its
+    bytes are counted on the connection to the relay, once."""
+    upgrader = swarm.upgrader
+    upgrade_security = upgrader.upgrade_security
+
+    async def metered(raw_conn: Any, is_initiator: bool, peer_id: ID | None = None) -> Any:
+        _flow.meter(raw_conn, wire)
+        return await upgrade_security(raw_conn, is_initiator, peer_id)
+
+    upgrader.upgrade_security = metered  # type: ignore[method-assign]
 
 
 def _direct_addrs(addrs: Iterable[str]) -> list[str]:
@@ -455,10 +475,11 @@ async def open_host(
     per_address: connections.AddressSlots | None = None,
     small_frames: MessagePacer | None = None,
     unpaced: Callable[[ID], bool] = lambda peer_id: False,
+    wire: _flow.WireMeter | None = None,
 ) -> AsyncIterator[IHost]:
     """A running host listening on ``listen_addr`` (None: on nothing, a relay-only
-    node); closed when the block exits. ``max_connections``, ``per_address`` and
-    ``small_frames`` and ``unpaced`` as for ``build_host``.
+    node); closed when the block exits. ``max_connections``, ``per_address``,
+    ``small_frames``, ``unpaced`` and ``wire`` as for ``build_host``.
 
     Raises ResourceUnavailable when the port is taken."""
     listen = []
@@ -467,7 +488,9 @@ async def open_host(
         ip = address.value_for_protocol("ip6" if "/ip6/" in listen_addr else "ip4")
         check_port_free(str(ip), int(address.value_for_protocol("tcp")))
         listen.append(address)
-    host = build_host(identity, announce_addrs, max_connections, per_address, small_frames, unpaced)
+    host = build_host(
+        identity, announce_addrs, max_connections, per_address, small_frames, unpaced, wire
+    )
     made = _track_connections(host)
     async with host.run(listen):
         logger.info("listening on %s", ", ".join(transport_addrs(host)))

@@ -485,6 +485,7 @@ class Throttle:
         self.ledger = ledger or TransferLedger(None)
         self.bytes_up = 0
         self.bytes_down = 0
+        self._counts_streams = True  # until a host counts the wire (``wire_meter``)
         self.quota_bytes = 0  # a month
         self.daily_quota_bytes = 0
         self.apply(limits)
@@ -518,14 +519,27 @@ class Throttle:
         queue behind them (``TokenBucket``)."""
         return ThrottledStream(stream, self, urgent=urgent)
 
+    def wire_meter(self) -> Throttle:
+        """This throttle, for a host to count every byte of its TCP connections into
+        (``add``, ``net/host.py``). From then on the streams' bytes only pace: they are
+        among the wire's already."""
+        self._counts_streams = False
+        return self
+
+    def add(self, up: int = 0, down: int = 0) -> None:
+        """Count bytes sent and received: since start and in the ledger."""
+        self.bytes_up += up
+        self.bytes_down += down
+        self.ledger.add(up, down)
+
     async def sent(self, n: int, *, urgent: bool = False, party: Hashable = None) -> None:
-        self.bytes_up += n
-        self.ledger.add(up=n)
+        if self._counts_streams:
+            self.add(up=n)
         await self.up.consume(n, urgent=urgent, party=party)
 
     async def received(self, n: int, *, urgent: bool = False, party: Hashable = None) -> None:
-        self.bytes_down += n
-        self.ledger.add(down=n)
+        if self._counts_streams:
+            self.add(down=n)
         await self.down.consume(n, urgent=urgent, party=party)
 
     def statistics(self) -> ThrottleStats:
