@@ -95,10 +95,16 @@ def make_private_dirs(path: Path) -> None:
     path.mkdir(mode=0o700, exist_ok=True)
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
+def write_atomic(path: Path, data: str | bytes, *, sync_folder: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically (see the module docstring), making its
     folder if need be (``make_private_dirs``). Raises OSError (a full disk, a folder
-    that cannot be written)."""
+    that cannot be written).
+
+    ``sync_folder=False`` leaves out the folder's fsync, for a file rewritten often whose
+    previous content is an acceptable thing to find after a power cut (a counter saved
+    again within a minute): the new content is on disk before the rename, so the name
+    holds the old file or the new one, never a mix or nothing; only the rename may be
+    lost, and a temporary file left beside it, as a crash before the rename leaves one."""
     make_private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -111,7 +117,8 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if sync_folder:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

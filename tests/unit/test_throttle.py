@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo
 import pytest
 import trio
 
+from volunteerd import atomic
 from volunteerd.config import LimitsConfig
 from volunteerd.net.throttle import (
     BYTES_PER_MBIT,
@@ -584,6 +585,70 @@ async def test_a_crash_loses_at_most_a_few_seconds_of_the_count(
         saved = path.stat().st_mtime_ns
         await trio.sleep(30)  # nothing changed: nothing written
         assert path.stat().st_mtime_ns == saved
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_trickle_is_saved_once_a_minute_and_a_folder_fsync_only_at_exit(
+    tmp_path: Path,
+    inline_threads: None,
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any byte moved made a rewrite every 5 s, two fsyncs each: with DHT upkeep always,
+    17,280 rewrites and ~34,560 fsyncs a day on an idle daemon (an outside probe)."""
+    path = tmp_path / "transfer.json"
+    folder_syncs: list[Path] = []
+    fsync_dir = atomic.fsync_dir
+
+    def counted_fsync_dir(folder: Path) -> None:
+        folder_syncs.append(folder)
+        fsync_dir(folder)
+
+    monkeypatch.setattr(atomic, "fsync_dir", counted_fsync_dir)
+    throttle = Throttle(LimitsConfig(), TransferLedger(path))
+    saves: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(throttle.serve)
+        for _ in range(600):  # ten minutes of DHT upkeep: 3 KB a second
+            throttle.ledger.add(up=1_000, down=2_000)
+            await trio.sleep(1)
+            if path.exists() and (saved := json.loads(path.read_text())["bytes_down"]) not in saves:
+                saves.append(saved)
+                # at most a minute of counting is ever unsaved
+                assert throttle.ledger.bytes_down - saved <= 61 * 2_000
+        assert 9 <= len(saves) <= 11
+        assert folder_syncs == []  # a counter's rewrite: the file's fsync only
+        nursery.cancel_scope.cancel()
+    # on the way out: saved, the rename made durable too
+    assert json.loads(path.read_text())["bytes_down"] == 600 * 2_000
+    assert folder_syncs == [tmp_path]
+
+
+@pytest.mark.parametrize(
+    ("limits", "moved"),
+    [
+        (LimitsConfig(), 1_000_000),  # a megabyte
+        (LimitsConfig(daily_quota_gb=0.00065), 6_500),  # 1 % of a 650 KB day
+        (LimitsConfig(monthly_quota_gb=0.1), 1_000_000),  # 1 % of 100 MB
+    ],
+)
+async def test_a_meaningful_count_is_saved_within_seconds(
+    tmp_path: Path,
+    inline_threads: None,
+    autojump_clock: trio.abc.Clock,
+    limits: LimitsConfig,
+    moved: int,
+) -> None:
+    path = tmp_path / "transfer.json"
+    throttle = Throttle(limits, TransferLedger(path))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(throttle.serve)
+        throttle.ledger.add(up=moved - 1)
+        await trio.sleep(30)
+        assert not path.exists()  # less: it waits for the minute
+        throttle.ledger.add(down=1)
+        await trio.sleep(5.5)
+        assert json.loads(path.read_text())["bytes_up"] == moved - 1
         nursery.cancel_scope.cancel()
 
 
