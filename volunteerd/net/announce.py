@@ -5,7 +5,9 @@ every key of every hosted uid and stores them on the closest peers. Leaving
 ``serve`` (cancellation) publishes withdrawn records within a shielded, bounded grace
 period, so a cleanly stopped server vanishes from lookups at once; a crashed one
 vanishes when its last records expire, within ``record_ttl_s``. While paused
-(``set_paused``) it announces nothing and withdraws what it had announced.
+(``set_paused``) it announces nothing and withdraws what it had announced; once that
+withdrawal went out, its rounds (like those of a node hosting nothing) touch the DHT
+not at all.
 
 Each round first asks a holder of one of last round's prefix records (in turn) which
 record under this node's id it holds now (``ExpertDHT.look_for_copies``): another
@@ -127,7 +129,16 @@ class Announcer:
         return out
 
     async def announce_now(self) -> StoreOutcome:
+        """One round: store fresh records of the live uids and withdrawals of those no
+        longer live. A round with neither (paused after its withdrawal went out, or
+        hosting nothing) leaves the DHT alone: a paused daemon ran a read-back and an
+        empty store every ``announce_period_s`` (an outside audit)."""
         async with self._lock:
+            if not self._live() and not self._announced:
+                self._prefixes = []
+                self.last_outcome = outcome = StoreOutcome({})
+                self.unheard = False  # nothing to be heard
+                return outcome
             if self._prefixes:  # before this round's records replace last round's
                 await self._dht.look_for_copies(
                     self._prefixes[self._read_backs % len(self._prefixes)]
