@@ -11,7 +11,9 @@ daemon goes on as it is).
 
 ``ControlView`` implements ``control.api.Controls``. The events it serves are posted
 by the services themselves (``server.events``); its ``serve`` task looks up every
-``_REPLICAS_EVERY_S`` how many other peers announce each hosted expert, and keeps the
+``_REPLICAS_EVERY_S`` how many other peers announce each hosted expert (only while a
+client asked for the experts in the last ``_REPLICAS_WANTED_S`` and network use is
+allowed: a daemon nobody looked at, or a paused one, ran those lookups all day), and keeps the
 rates of the last ``HISTORY_WINDOW_S`` (every ``HISTORY_EVERY_S``) for the dashboard's
 live charts, so that a page opened now shows the last minutes at once.
 """
@@ -19,6 +21,7 @@ live charts, so that a page opened now shows the last minutes at once.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections import deque
@@ -87,6 +90,9 @@ __all__ = ["HISTORY_EVERY_S", "HISTORY_WINDOW_S", "ControlView"]
 logger = logging.getLogger(__name__)
 
 _REPLICAS_EVERY_S = 30.0
+# Replicas are counted only while an API client asked for the experts this recently
+# (the dashboard's table polls them), and only while network use is allowed.
+_REPLICAS_WANTED_S = 300.0
 # The dashboard's live charts: ten minutes, a point as often as the page polls /status.
 HISTORY_WINDOW_S = 600.0
 HISTORY_EVERY_S = 2.0
@@ -180,6 +186,8 @@ class ControlView:
         self.started_at = time.time()
         self._started = time.monotonic()
         self._replicas: dict[str, int] = {}
+        self._replicas_asked = -math.inf  # trio time a client last asked for the experts
+        self._replicas_wanted = trio.Event()  # set when one asks
         self._history: deque[HistorySample] = deque(maxlen=int(HISTORY_WINDOW_S / HISTORY_EVERY_S))
         self._nursery: trio.Nursery | None = None
 
@@ -256,6 +264,13 @@ class ControlView:
         return Status(**fields, activity=decide_activity(signals))
 
     def experts(self) -> list[ExpertView]:
+        """The hosted experts, for a client: their replicas are counted from now on for
+        ``_REPLICAS_WANTED_S`` (at once when they were not being counted)."""
+        self._replicas_asked = trio.current_time()
+        self._replicas_wanted.set()
+        return self._expert_views()
+
+    def _expert_views(self) -> list[ExpertView]:
         now = time.time()
         saved_at = self._checkpointer.saved_at if self._checkpointer is not None else {}
         views = []
@@ -397,7 +412,7 @@ class ControlView:
             [("", float(status.connected_peers))],
         )
         metric("experts_hosted", "gauge", "experts served", [("", float(len(status.experts)))])
-        experts = self.experts()
+        experts = self._expert_views()  # a scraper does not keep replicas counted
         metric(
             "expert_requests_total",
             "counter",
@@ -711,8 +726,26 @@ class ControlView:
             )
             await trio.sleep(HISTORY_EVERY_S)
 
+    def _replicas_due(self) -> bool:
+        """Whether to count the replicas now: some expert hosted, a client asked for
+        them lately, and network use allowed (not paused, within the network hours, no
+        quota used up)."""
+        return (
+            self._runtime is not None
+            and bool(self._runtime.uids)
+            and trio.current_time() - self._replicas_asked < _REPLICAS_WANTED_S
+            and self._volunteer.network_allowed
+        )
+
     async def _count_replicas(self) -> None:
         while True:
+            if not self._replicas_due():
+                # a client asking wakes it; network use allowed again is seen within
+                # a round
+                self._replicas_wanted = trio.Event()
+                with trio.move_on_after(_REPLICAS_EVERY_S):
+                    await self._replicas_wanted.wait()
+                continue
             uids = self._runtime.uids if self._runtime is not None else []
             if uids:
                 try:
