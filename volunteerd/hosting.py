@@ -208,6 +208,7 @@ class Hosting:
                     expiries=expiries,
                     announce_gap_s=config.dht.announce_period_s,
                     progress=shards.progress,
+                    network=volunteer.wait_for_network,
                 )
             )
         configured: list[Joiner] = []

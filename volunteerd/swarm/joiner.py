@@ -29,7 +29,10 @@ project: a failure is shown in ``state`` and ``error`` and tried again):
    replicas are all spent (refused until their transfer quota's day ends:
    ``_SPENT_MOST_S``) is left out of the choice until then, and the room goes to others;
 4. every ``rebalance_every_s`` (±20 %), choose again; dropped experts are withdrawn from
-   the DHT first, finish their queued work, and are saved for a later return;
+   the DHT first, finish their queued work, and are saved for a later return. These
+   rounds, and the manifest's republishing, wait while network use is not allowed
+   (``network``: paused by the volunteer, outside the network hours, a quota used up);
+   the first join does not;
 5. at those rounds, every ``manifest_check_every_s`` (5 min), look the manifest up
    again (one lookup) and follow it: a newer one from a trusted owner is taken, its
    experts re-seated when they are built differently; once the manifest held has
@@ -49,7 +52,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -291,8 +294,12 @@ class Joiner:
         expiries: ManifestExpiries | None = None,
         announce_gap_s: float = _ANNOUNCE_GAP_S,
         progress: Callable[[str], DownloadProgress | None] | None = None,
+        network: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._node = node
+        # returns once network use is allowed (``Volunteer.wait_for_network``): the
+        # rounds after the join wait for it; None: always allowed
+        self._network = network
         self._runtime = runtime
         self._announce = announce
         self._taken = taken
@@ -436,6 +443,7 @@ class Joiner:
             nursery.start_soon(self._republish_loop)
             while True:
                 await trio.sleep(self._config.rebalance_every_s * self._rng.uniform(0.8, 1.2))
+                await self._network_allowed()
                 try:
                     await self._follow_manifest()
                 except Exception as exc:  # the next round looks again
@@ -633,10 +641,19 @@ class Joiner:
     async def _republish_loop(self) -> None:
         while True:
             await trio.sleep(self._config.republish_every_s)
+            await self._network_allowed()
             try:
                 await self.republish()
             except Exception as exc:  # the next round retries
                 logger.info("could not store the manifest again: %r", exc)
+
+    async def _network_allowed(self) -> None:
+        """Return once network use is allowed: a paused daemon, one outside its network
+        hours or with a quota used up, looked every expert of the experiment up at each
+        round (an outside audit: with its replica counts and announce rounds, 7 DHT
+        reads a minute from a daemon its volunteer had paused)."""
+        if self._network is not None:
+            await self._network()
 
     async def live_replicas(self, uids: Sequence[str]) -> dict[str, list[PeerAddress]]:
         """uid -> the other daemons announcing it now."""
