@@ -72,9 +72,10 @@ async def test_a_paused_announcer_withdraws_once_then_leaves_the_dht_alone(
         assert dht.calls[before:] == []
         assert not announcer.unheard
         # Serving again announces at once, and the rounds go on.
-        announcer.set_paused(False)
+        puts = dht.calls.count("put")
+        announcer.set_paused(False)  # wakes a round too: one or two stores
         await announcer.announce_now()
-        assert dht.calls.count("put") == 3
+        assert dht.calls.count("put") > puts
         assert dht.stored[-1].active
         nursery.cancel_scope.cancel()
 
