@@ -577,3 +577,22 @@ def test_a_count_of_the_most_a_state_may_say_stays_storable_after_steps() -> Non
     again = decode_checkpoint(b"".join(encode_checkpoint(b.state())))
     assert again.updates == backend_module.MAX_UPDATES
     assert all(torch.equal(again.params[n], v) for n, v in b.state().params.items())
+
+
+def test_the_weights_version_says_whether_they_changed_and_not_how_often() -> None:
+    """A replica's ``params`` reply carries the token; anyone who fetched once may ask
+    "changed since?" for ~220 bytes. It must tell that much and no more: the count of
+    writes (every step, refused and undone ones too) went out as it was."""
+    a, b = backend(), backend()
+    first = a.weights_version()
+    assert a.weights_version() == first  # nothing written: the same token
+    for _ in range(3):
+        a.set_parameters(a.parameter_copies())
+        b.set_parameters(b.parameter_copies())
+    assert a.weights_version() != first
+    name_a, count_a = a.weights_version().split(".")
+    name_b, count_b = b.weights_version().split(".")
+    assert name_a == first.split(".")[0]
+    assert name_a != name_b
+    assert count_a != "3"  # keyed per backend: no count to read
+    assert count_a != count_b

@@ -25,6 +25,7 @@ the update count are exactly what they were before it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import warnings
@@ -230,6 +231,9 @@ class ExpertBackend:
         # them back.
         self._writes = 0
         self._weights_name = secrets.token_hex(8)
+        # the count goes out keyed: a token tells a replica "changed or not", never how
+        # many steps this expert took (refused and undone ones too) since it started
+        self._weights_key = secrets.token_bytes(16)
         self.optimizer_name = config.optimizer.name
         self._snapshot: WeightsSnapshot | None = None
         # Backwards of merged kept forwards: through their graph together, or recomputed
@@ -723,4 +727,7 @@ class ExpertBackend:
         step, every ``set_parameters`` and ``load_state``): a replica's ``params`` reply
         carries it, and a requester that sends it back gets "unchanged" instead of the
         weights while it still holds (``wire.messages.ParamsRequest.unless_version``)."""
-        return f"{self._weights_name}.{self._writes}"
+        count = hashlib.blake2b(
+            self._writes.to_bytes(8, "little"), key=self._weights_key, digest_size=8
+        ).hexdigest()
+        return f"{self._weights_name}.{count}"
