@@ -628,7 +628,8 @@ async def test_an_idle_trickle_is_saved_once_a_minute_and_a_folder_fsync_only_at
     ("limits", "moved"),
     [
         (LimitsConfig(), 1_000_000),  # a megabyte
-        (LimitsConfig(daily_quota_gb=0.00065), 6_500),  # 1 % of a 650 KB day
+        (LimitsConfig(daily_quota_gb=0.01), 100_000),  # 1 % of a 10 MB day
+        (LimitsConfig(daily_quota_gb=0.00065), 65_536),  # 1 % of 650 KB: the 64 KiB floor
         (LimitsConfig(monthly_quota_gb=0.1), 1_000_000),  # 1 % of 100 MB
     ],
 )
@@ -649,6 +650,65 @@ async def test_a_meaningful_count_is_saved_within_seconds(
         throttle.ledger.add(down=1)
         await trio.sleep(5.5)
         assert json.loads(path.read_text())["bytes_up"] == moved - 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_heavy_traffic_is_saved_as_each_megabyte_is_counted(
+    tmp_path: Path, inline_threads: None, autojump_clock: trio.abc.Clock
+) -> None:
+    """The threshold was looked at every 5 s: a kill -9 after 20 s of forwards at
+    ~32 MB/s lost 60.9 MB of 640.6 (9.5 %), not the promised megabyte (a re-check). The
+    counting path now wakes the saver as it crosses the threshold."""
+    path = tmp_path / "transfer.json"
+    throttle = Throttle(LimitsConfig(), TransferLedger(path))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(throttle.serve)
+        for second in range(1, 21):  # 20 s at 32 MB/s, counted as 64 KB reads
+            for _ in range(500):
+                throttle.add(down=64_000)
+                await trio.sleep(0.002)
+            saved = json.loads(path.read_text())["bytes_down"]
+            # a kill -9 now loses at most the threshold (and the read that crossed it)
+            assert second * 32_000_000 - saved < 1_000_000 + 64_000
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_save_that_fails_is_tried_again_every_few_seconds_not_at_once(
+    tmp_path: Path,
+    inline_threads: None,
+    autojump_clock: trio.abc.Clock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "transfer.json"
+    path.mkdir()  # every save fails
+    throttle = Throttle(LimitsConfig(), TransferLedger(path))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(throttle.serve)
+        throttle.add(up=2_000_000)
+        await trio.sleep(30)
+        nursery.cancel_scope.cancel()
+    failed = [r for r in caplog.records if "cannot save the transfer count" in r.message]
+    assert 2 <= len(failed) <= 8
+
+
+async def test_a_tiny_quota_does_not_make_a_tiny_save_threshold(
+    tmp_path: Path, inline_threads: None, autojump_clock: trio.abc.Clock
+) -> None:
+    """1 % of a 1.6 MB daily quota was 16 KB: DHT upkeep alone (~1.6 KB/s, going on after
+    the quota was used up) rewrote transfer.json 4 times a minute (a re-check). A
+    share of a quota is now at least 64 KiB."""
+    path = tmp_path / "transfer.json"
+    throttle = Throttle(LimitsConfig(daily_quota_gb=0.0016), TransferLedger(path))
+    assert throttle.save_after_bytes() == 64 * 1024
+    saves: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(throttle.serve)
+        for _ in range(600):  # ten minutes of upkeep
+            throttle.add(up=600, down=1_000)
+            await trio.sleep(1)
+            if path.exists() and (saved := json.loads(path.read_text())["bytes_down"]) not in saves:
+                saves.append(saved)
+        assert len(saves) <= 16  # 960 KB in 64 KiB steps; not 60 in 16 KB ones
         nursery.cancel_scope.cancel()
 
 
