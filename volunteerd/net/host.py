@@ -293,8 +293,8 @@ def build_host(
     ``per_address`` the inbound connections of each IP address (default: 64),
     ``small_frames`` paces the small Yamux frames each peer sends (default: unpaced),
     except from the peers ``unpaced`` names (our relays: their connection carries
-    every circuit's frames); ``wire`` counts every byte of every TCP connection
-    (``_meter_connections``; default: none counted)."""
+    every circuit's frames); ``wire`` counts every byte through the socket of every
+    TCP connection, its payload (``_meter_connections``; default: none counted)."""
     key_pair = key_pair_for(identity)
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
     reserve = max(8, max_connections // 10)

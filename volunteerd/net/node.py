@@ -156,7 +156,7 @@ async def open_node(
         per_address,
         small_frames,
         unpaced=our_relay,
-        wire=throttle.wire_meter(),  # the quotas count every byte on the wire
+        wire=throttle.wire_meter(),  # the quotas count every byte through the sockets
     ) as host:
         kad = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
         kademlia = serve_kademlia(host, kad, config)
