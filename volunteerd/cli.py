@@ -37,6 +37,7 @@ from volunteerd.paths import ENV_LOCK_FD, DataDirLock, Paths, lock_holder
 
 if TYPE_CHECKING:
     from volunteerd.control.client import ControlClient
+    from volunteerd.control.models import LimitsView
 
 __all__ = ["main"]
 
@@ -383,6 +384,9 @@ def _control(args: argparse.Namespace, paths: Paths) -> ExitCode:
     elif args.command == "limit":
         limits = client.set_limits(**changes) if changes else client.limits()
         print(commands.format_limits(limits))
+        if {"daily_quota_gb", "monthly_quota_gb"} & changes.keys():
+            for warning in _quota_warnings(limits, _upkeep_gb_a_day(client)):
+                print(f"warning: {warning}", file=sys.stderr)
     elif args.command == "schedule":
         schedule = client.set_schedule(**rules) if rules else client.schedule()
         print(commands.format_schedule(schedule, client.status().schedule))
@@ -601,6 +605,59 @@ def _limit_changes(args: argparse.Namespace) -> dict[str, float]:
             raise UsageError(f"{flag} {raw}: {field}: {exc.errors()[0]['msg']}") from None
         changes[field] = getattr(checked, field)
     return changes
+
+
+# What a joined daemon's own upkeep (the DHT, identify, pings: other peers' traffic
+# reaching it) moves when the stats have too few idle hours to tell: a 6-node test
+# swarm measured 16.1 MB/h serving nothing, 0.39 GB a day (docs/volunteer.md).
+UPKEEP_FLOOR_GB_A_DAY = 0.5
+UPKEEP_FLOOR_GB_A_MONTH = 15.0
+_UPKEEP_MIN_HOURS = 3  # idle hours of the last week to go by
+
+
+def _upkeep_gb_a_day(client: ControlClient) -> float | None:
+    """What the daemon's upkeep moves a day by its own count: the mean of the last
+    week's whole hours in which it served no expert call, times 24; None with fewer
+    than ``_UPKEEP_MIN_HOURS`` of them (or no stats)."""
+    now = time.time()
+    try:
+        stats = client.stats(since=now - 7 * 86400)
+    except VolunteerdError:
+        return None
+    idle = [
+        bucket.bytes_sent + bucket.bytes_received
+        for bucket in stats.history
+        if bucket.size_s == 3600
+        and bucket.start + bucket.size_s <= now
+        and bucket.forward + bucket.backward == 0
+    ]
+    if len(idle) < _UPKEEP_MIN_HOURS:
+        return None
+    return sum(idle) / len(idle) * 24 / 1e9
+
+
+def _quota_warnings(limits: LimitsView, upkeep_gb_a_day: float | None) -> list[str]:
+    """Lines for a daily or monthly quota set below what upkeep alone moves (by the
+    daemon's count, ``_upkeep_gb_a_day``, or else the documented floor): it would be
+    used up without serving, and upkeep goes on after it. A warning: the quota is set."""
+    if upkeep_gb_a_day is None:
+        day, month = UPKEEP_FLOOR_GB_A_DAY, UPKEEP_FLOOR_GB_A_MONTH
+        measured = f"a joined daemon's upkeep moves about {day:g} GB a day"
+    else:
+        day, month = upkeep_gb_a_day, upkeep_gb_a_day * 30
+        measured = f"this daemon's upkeep moved {day:.2g} GB a day while it served nothing"
+    out = []
+    for quota, needed, name in (
+        (limits.daily_quota_gb, day, "daily"),
+        (limits.monthly_quota_gb, month, "monthly"),
+    ):
+        if 0 < quota < needed:
+            out.append(
+                f"the {name} quota of {quota:g} GB is below what upkeep alone uses "
+                f"({measured}): it may be used up without serving a call, and upkeep "
+                "goes on after it (docs/volunteer.md)"
+            )
+    return out
 
 
 def _schedule_changes(args: argparse.Namespace) -> dict[str, Any]:

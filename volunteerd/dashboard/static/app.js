@@ -11,6 +11,7 @@ import {
   fmtSpan, parseDecimal, sameDay, shortId,
 } from "./format.js";
 import { focusJoin, renderProjects, setupProjects } from "./projects.js";
+import { quotaWarnings, upkeepGbADay } from "./quota.js";
 
 const STATUS_EVERY_MS = 2000;
 const DETAILS_EVERY_MS = 5000;
@@ -388,6 +389,9 @@ function renderQuota(limits) {
   const today = limits.daily_quota_gb > 0 && limits.day_bytes != null
     ? `; ${fmtBytes(limits.day_bytes)} of ${fmtNumber(limits.daily_quota_gb)} GB today` : "";
   setText("quota-use", text + today);
+  const warnings = quotaWarnings(limits, upkeepGbADay(lastStats, Date.now() / 1000), fmtNumber);
+  const note = setText("quota-warning", warnings.join(" "));
+  note.hidden = warnings.length === 0;
 }
 
 // -- the limits and schedule form --------------------------------------------------------------
