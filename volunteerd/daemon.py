@@ -279,6 +279,8 @@ class Daemon:
                 if handlers is not None:  # paused: refused before a byte more is read
                     node.server.refuse_unread = refusal_before_reading(volunteer.gate, accountant)
                     node.server.refused_early = accountant.refused_early
+                if hosting is not None:  # a call over the batch cap: its body left unread
+                    node.server.max_request_samples = hosting.runtime.max_samples
                 accountant.connected = node.connected_peers  # a full peers table spares them
                 node.dht.clones.on_clone = lambda message: events.post("error", message)
                 if node.reachability is not None:  # relaying is the volunteer's bandwidth too

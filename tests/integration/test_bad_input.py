@@ -207,3 +207,24 @@ async def test_requests_in_flight_share_one_byte_budget(tmp_path: Path) -> None:
         await stream.close()
         await forward(other, server, small)
         assert server.node.server.inflight_bytes == 0
+
+
+async def test_a_batch_over_the_cap_is_refused_before_its_tensors_are_read(
+    tmp_path: Path,
+) -> None:
+    """610 forwards of 8192 rows against a cap of 2048 were each read whole (~640 MB
+    counted against the quotas) to be refused: refused from the header now."""
+    async with daemon_and_client(tmp_path, runtime={"max_batch_size": 64}) as (server, client):
+        meta = TensorMeta(dtype="float32", shape=(8192, HIDDEN))
+        read_before = server.node.server.stats.bytes_in
+        with pytest.raises(RemoteError, match="8192 samples exceeds the cap of 64") as info:
+            await client.rpc.call(
+                server.node.address,
+                Verb.FORWARD,
+                ForwardRequest(uid="ffn.0.0", tensors=[meta]),
+                [b"\0" * meta.nbytes],
+            )
+        assert info.value.code == "too_large"
+        assert server.node.server.stats.bytes_in == read_before  # its body was never read
+        out = await forward(client, server, torch.randn(2, HIDDEN))  # and it goes on
+        assert out.shape == (2, HIDDEN)

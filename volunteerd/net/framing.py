@@ -6,6 +6,7 @@ A clean close between frames is ``None`` and a close inside a frame is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,12 +72,28 @@ async def read_prefix(stream: Readable) -> bytearray | None:
 
 
 async def read_frame_rest(
-    stream: Readable, prefix: bytes, limits: WireLimits, *, max_body_bytes: int | None = None
+    stream: Readable,
+    prefix: bytes,
+    limits: WireLimits,
+    *,
+    max_body_bytes: int | None = None,
+    check_header: Callable[[bytes], None] | None = None,
 ) -> RawFrame:
     """Header and body of the frame whose prefix was just read (caps checked first: the
-    body's is ``max_body_bytes``, ``limits.max_body_bytes`` if None)."""
+    body's is ``max_body_bytes``, ``limits.max_body_bytes`` if None). ``check_header``
+    is called with the header before the body is read: what it raises leaves the body
+    unread."""
     body_cap = limits.max_body_bytes if max_body_bytes is None else max_body_bytes
     sizes = parse_prefix(prefix, max_header_bytes=limits.max_header_bytes, max_body_bytes=body_cap)
+    if check_header is not None:
+        header = await read_exactly(stream, sizes.header_bytes, started=True)
+        if header is None:  # pragma: no cover - started=True never returns None
+            raise MalformedFrame("stream ended inside a frame")
+        check_header(bytes(header))
+        body = await read_exactly(stream, sizes.body_bytes, started=True)
+        if body is None:  # pragma: no cover
+            raise MalformedFrame("stream ended inside a frame")
+        return RawFrame(header=bytes(header), body=memoryview(body))
     rest = await read_exactly(stream, sizes.header_bytes + sizes.body_bytes, started=True)
     if rest is None:  # pragma: no cover - started=True never returns None
         raise MalformedFrame("stream ended inside a frame")

@@ -321,6 +321,11 @@ class RpcServer:
         # (not ``refuse_unread``'s refusals, which its caller counts). The handlers count
         # their own. Called on the event loop, once per refusal: it must be cheap.
         self.refused_early: Callable[[Verb, str, VolunteerdError], None] | None = None
+        # The most samples an expert call may carry (the experts' batch cap; None: not
+        # checked here). A request whose every call is over it is refused from its
+        # header, before its tensors are read: all 640 MB of 610 forwards of 8192 rows
+        # against a cap of 2048 were read and counted against the quotas, to be refused.
+        self.max_request_samples: int | None = None
 
     def open_streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
@@ -481,7 +486,12 @@ class RpcServer:
                     )
                     await self._refuse_limited(spec, stream, peer_id, reason, refusal)
                     return False
-                frame = await read_frame_rest(stream, prefix, self._limits)
+                check = (
+                    self._check_samples(spec, self.max_request_samples)
+                    if self.max_request_samples is not None and sizes.body_bytes
+                    else None
+                )
+                frame = await read_frame_rest(stream, prefix, self._limits, check_header=check)
         except WireError as exc:
             # A refused prefix or a truncated frame: its lengths cannot be trusted, so
             # the stream is out of step with the peer. Answer, then close.
@@ -505,6 +515,30 @@ class RpcServer:
         self._told_early(spec, peer_id, refusal)
         await self._refuse(spec, stream, peer_id, refusal)
         return True
+
+    @staticmethod
+    def _check_samples(spec: ProtocolSpec, cap: int) -> Callable[[bytes], None] | None:
+        """For ``read_frame_rest``: raises FrameTooLarge when every expert call in a
+        request's header declares a batch over ``cap`` (its first tensor's first
+        dimension, as ``check_against_schema`` reads it): the handler would refuse them
+        all, so the body is left unread. A batch verb with one call within the cap is
+        read and answered item by item as before. None for verbs without tensors."""
+        if spec.verb not in REQUESTS_WITH_TENSORS:
+            return None
+
+        def check(raw: bytes) -> None:
+            try:
+                header = decode_header(spec.request, raw)
+            except MalformedFrame:
+                return  # read whole and refused as before: the stream stays in step
+            calls = getattr(header, "items", None) or [header]
+            batches = [
+                c.tensors[0].shape[0] if c.tensors and c.tensors[0].shape else 0 for c in calls
+            ]
+            if min(batches) > cap:
+                raise FrameTooLarge(f"batch of {batches[0]} samples exceeds the cap of {cap}")
+
+        return check
 
     async def _answer(
         self,

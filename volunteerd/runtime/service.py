@@ -367,6 +367,11 @@ class ExpertRuntime:
         """Wait until every queue is closed and empty (``serve`` has returned)."""
         await self._finished.wait()
 
+    @property
+    def max_samples(self) -> int:
+        """The most samples one expert call may carry (the wire's and the batch cap)."""
+        return self._max_samples
+
     def info(self, uid: str) -> ExpertInfo:
         return self._hosted(uid).backend.info
 
