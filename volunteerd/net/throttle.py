@@ -32,9 +32,10 @@ least ``_MIN_SAVE_BYTES``, 64 KiB) were counted since the last save: the countin
 wakes the saver when it crosses that; otherwise at most every ``_SAVE_AT_MOST_S`` while
 anything was counted, and when the node stops. An idle node (DHT upkeep: a few KB a
 minute) rewrote it every 5 s, two fsyncs each: 17,280 rewrites a day; now ~1,440 with
-one fsync each. A crash loses at most that much counting (and what moved during the
-one save under way, milliseconds' worth); under heavy traffic the threshold was looked
-at only every 5 s, and a kill -9 at ~32 MB/s lost 61 MB.
+one fsync each. Saves are at least ``_SAVE_GAP_S`` (5 s) apart, so a server moving
+32 MB/s rewrites it once every 5 s, not 32 times a second. A crash loses at most that
+much counting: the threshold, or the last 5 s of heavier traffic, or a minute of a
+trickle (and what moved during the one save under way).
 There is a monthly and a daily quota, 0 meaning none; the throttle only reports which
 one is used up (``exhausted_quota``): pausing is the volunteer controls' job.
 """
@@ -90,8 +91,11 @@ _SAVE_BYTES = 1_000_000
 _QUOTA_SHARE = 0.01
 _MIN_SAVE_BYTES = 64 * 1024
 _CHECK_EVERY_S = 5.0
-# ... and otherwise at most this often, while anything at all was counted.
+# ... and otherwise at most this often, while anything at all was counted; but never
+# sooner than this after the last save: saved at each megabyte, a server moving 32 MB/s
+# rewrote the file (an fsync each) 32 times a second.
 _SAVE_AT_MOST_S = 60.0
+_SAVE_GAP_S = 5.0
 # The urgent class is for small messages (a DHT store, ~2 KB): a larger urgent write
 # waits as bulk. Turns are per write, not per byte: a DHT find reply of 24-48 KB each
 # urgent turn against a 64 KiB reply piece each bulk one let one stream of a stranger's
@@ -621,8 +625,9 @@ class Throttle:
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Save the ledger as soon as ``save_after_bytes`` were counted since the last
         save (the counting path wakes it, ``add``; what is counted while a save runs is
-        saved right after it), or ``_SAVE_AT_MOST_S`` after it when anything changed at
-        all (looked at every ``_CHECK_EVERY_S``), and once more on the way out."""
+        saved right after it) but not within ``_SAVE_GAP_S`` of it, or
+        ``_SAVE_AT_MOST_S`` after it when anything changed at all (looked at every
+        ``_CHECK_EVERY_S``), and once more on the way out."""
         task_status.started()
         ledger = self.ledger
         if ledger.path is None:
@@ -640,7 +645,9 @@ class Throttle:
                 now = trio.current_time()
                 if ledger.unsaved < self._save_after and now - saved_at < _SAVE_AT_MOST_S:
                     continue
-                saved_at = now
+                if now - saved_at < _SAVE_GAP_S:
+                    await trio.sleep(saved_at + _SAVE_GAP_S - now)
+                saved_at = trio.current_time()
                 # an fsync: off the event loop; a counter's rewrite need not fsync the
                 # folder (``TransferLedger.save``)
                 if not await trio.to_thread.run_sync(self._save, False):
