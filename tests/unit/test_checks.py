@@ -658,6 +658,43 @@ class _Announced:
         }
 
 
+class _Announcing(_Announced):
+    """``_Announced`` whose servers sign their records on ``clock``, anew when what they
+    list changes and every ``period_s`` (``dht.announce_period_s``), except those
+    ``loading`` (restarted, not announcing yet: their last records stay listed)."""
+
+    def __init__(
+        self,
+        children: dict[Identity, list[int]],
+        clock: Callable[[], float],
+        period_s: float = 15.0,
+    ) -> None:
+        super().__init__(children)
+        self.clock = clock
+        self.period_s = period_s
+        self.loading: set[Identity] = set()
+        self._signed: dict[tuple[Identity, str], tuple[list[int], ExpertRecord]] = {}
+
+    async def get(self, keys: Sequence[str]) -> dict[str, list[ExpertRecord]]:
+        now = self.clock()
+        found: dict[str, list[ExpertRecord]] = {}
+        for key in keys:
+            for s, children in self.children.items():
+                last = self._signed.get((s, key))
+                fresh = last is None or (
+                    s not in self.loading
+                    and (last[0] != children or now - last[1].issued_at >= self.period_s)
+                )
+                if fresh:
+                    record = sign_record(s, str(peer_id_for(s)), key=key, now=now,
+                                         addrs=["/ip4/127.0.0.1/tcp/1"], children=children,
+                                         ttl_s=30)  # fmt: skip
+                    last = self._signed[(s, key)] = (list(children), record)
+                assert last is not None
+                found.setdefault(key, []).append(last[1])
+        return found
+
+
 def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() -> None:
     """More than EXPERTS_GONE_BAN experts held out at once banned the peer whole on
     the count alone: a volunteer that re-balanced, or whose project owner changed the
@@ -698,7 +735,10 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     for uid in range(EXPERTS_GONE_BAN + 1):
         unknown(c, uid)
     assert not directory.is_banned(c)
-    offered()  # ... and banned by the lookup that still lists them
+    found = offered()  # ... nor by the lookup of its records issued since, which list them
+    assert not directory.is_banned(c)
+    assert c in found[EXPERTS_GONE_BAN + 1]
+    unknown(c, EXPERTS_GONE_BAN + 1)  # banned at its next failure of one of them
     assert directory.is_banned(c)
     assert directory.ban_reasons["false_records"] == 1
     assert directory.lookups == lookups + 1
@@ -810,6 +850,113 @@ def test_a_volunteer_that_takes_back_experts_it_dropped_is_not_banned(back_s: fl
     assert all(a in peers for peers in offered().values())
 
 
+@pytest.mark.parametrize("first", ["restart", "rebalance"])
+@pytest.mark.parametrize("kept", [True, False], ids=["records_kept", "records_withdrawn"])
+@pytest.mark.parametrize("gap_s", [60.0, 600.0, 3000.0])
+def test_a_volunteer_restarted_within_the_hour_of_an_episode_is_not_banned(
+    first: str, kept: bool, gap_s: float
+) -> None:
+    """A restarted volunteer answers ``unknown_expert`` for all its experts while it
+    loads: its records from before still list them (or it withdrew them), and it
+    announces them again once loaded. Within the hour of an earlier such episode (a
+    restart, a re-balance taken back) it was banned as ``false_records`` (60 s, 120 s
+    at a second restart): it "took them back and failed them again"; its old records
+    still listing them banned it at the first restart too. Only records issued since
+    an episode began count, and one that served them for ``ban_s`` since starts afresh;
+    it is never banned and is offered for all of them again."""
+    honest, other = Identity.generate(), Identity.generate()
+    a, b = str(peer_id_for(honest)), str(peer_id_for(other))
+    everything = list(range(8))
+    client = _DirectoryClient()
+    dht = _Announcing({honest: everything, other: everything}, client.clock)
+    directory = ExpertDirectory(dht, ban_s=60.0, clock=client.clock)
+    client._directory = directory
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+
+    def offered() -> dict[int, list[str]]:
+        found = client.run(directory.children, ["ffn."])["ffn."]
+        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
+
+    def episode(listed: list[int], loading: bool) -> None:
+        dht.children[honest] = listed
+        if loading:
+            dht.loading.add(honest)  # its last records stay listed meanwhile
+        for uid in range(EXPERTS_GONE_BAN + 2):  # the calls already planned
+            calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+            calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
+            outcomes[0] = _refused("unknown_expert")
+            layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+            if uid == EXPERTS_GONE_BAN // 2:
+                offered()  # the lookup that answer forced
+        assert not directory.is_banned(a)
+
+    def serve(seconds: float) -> None:  # loaded: announced, its calls answered
+        dht.loading.clear()
+        dht.children[honest] = everything
+        began = client.clock.now
+        while client.clock.now - began < seconds:
+            client.clock.now += 5.0
+            for uid, peers in offered().items():
+                if a in peers:
+                    calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+                    calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
+                    layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+            assert not directory.is_banned(a)
+
+    offered()
+    if first == "restart":
+        episode(everything if kept else [], loading=kept)
+    else:
+        episode([6, 7], loading=False)  # re-balanced ...
+        serve(0.0)
+        client.clock.now += 300.0  # ... and took them back
+    serve(120.0 + gap_s)
+    episode(everything if kept else [], loading=kept)  # restarted
+    serve(120.0)
+    assert directory.ban_reasons["false_records"] == 0
+    assert all(a in peers for peers in offered().values())
+
+
+def test_a_liar_announcing_anew_what_it_does_not_serve_is_still_banned() -> None:
+    """Counting only records issued since its ``unknown_expert`` answers, a liar that
+    keeps announcing experts it does not serve (every ``announce_period_s``) is banned
+    at its first ``unknown_expert`` after records issued since list them; again after
+    its ban, at once; one that withdraws and announces them again as its holds end is
+    banned failing them again (the test above)."""
+    liar, other = Identity.generate(), Identity.generate()
+    c, b = str(peer_id_for(liar)), str(peer_id_for(other))
+    everything = list(range(8))
+    client = _DirectoryClient()
+    dht = _Announcing({liar: everything, other: everything}, client.clock)
+    directory = ExpertDirectory(dht, ban_s=60.0, clock=client.clock)
+    client._directory = directory
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+
+    def failing() -> int:
+        """One step: each expert of the liar offered is called and fails; how many."""
+        found = client.run(directory.children, ["ffn."])["ffn."]
+        mine = [child for child, peers in found.items() if any(p.peer_id == c for p in peers)]
+        for uid in mine:
+            calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+            calls[0] = Call(f"ffn.{uid}", PeerAddress(c, ()), None, [], calls[0].rows)
+            outcomes[0] = _refused("unknown_expert")
+            layer._accept(Verb.FORWARD, calls, outcomes, {b, c})
+        return len(mine)
+
+    failed = failing()
+    while not directory.is_banned(c):
+        client.clock.now += 5.0
+        assert client.clock.now <= 1000.0 + 60.0, "banned at once when its holds end"
+        failed += failing()
+    assert failed <= 8 + 8  # each expert once, then once more at most
+    assert directory.ban_reasons["false_records"] == 1
+    client.clock.now = directory.banned[c] + 1.0
+    while not directory.is_banned(c):
+        assert failing() > 0
+    assert directory.ban_reasons["false_records"] == 2
+    assert directory.banned[c] - client.clock.now == 120.0
+
+
 def test_a_replica_late_twice_shares_the_load_again_after_the_layers_rounds() -> None:
     """Counted in its own rounds, a replica late twice was never called again (those
     rounds moved only when it was called): with rare hiccups the load of 3 replicas
@@ -910,5 +1057,6 @@ def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seld
         # not on the count alone; once records since listed them, again at once
         assert directory.is_banned(a) == (again > 0)
         client.run(directory.children, ["ffn."])  # looked up again: still listed
+        directory.expert_gone(a, f"ffn.{EXPERTS_GONE_BAN + 1}", "unknown_expert: test")
         lengths.append(directory.banned[a] - client.clock.now)
     assert lengths == [60.0, 120.0, 240.0, 240.0, 240.0, 240.0]

@@ -80,8 +80,8 @@ _MAX_OFFENDERS = 4096
 # calls would otherwise cost a failed call each time it announced itself (15 s).
 EARLY_RETURN_EVERY_S = 3600.0
 # A peer answering ``unknown_expert`` for more than this many of the experts it announces
-# at once (each held out for ``ban_s``) is banned whole, growing, once its records looked
-# up since still list one of them: one announcing experts it never serves lists them all
+# at once (each held out for ``ban_s``) is banned whole, growing, once it fails one that
+# its records issued since list: one announcing experts it never serves lists them all
 # (16 of them: 568 failed calls in 40 s, ban_s 1 s, where a ban costs 33); a volunteer
 # that re-balanced, or dropped them all (a new build), announced so (``expert_gone``).
 EXPERTS_GONE_BAN = 4
@@ -149,6 +149,8 @@ class _Disowned:
     # records listed again: held out again, they ban the peer
     earlier: frozenset[str]
     relisted: frozenset[str] = frozenset()  # of ``uids``, listed again since
+    relisted_at: float = math.inf  # when a lookup first found some of them listed again
+    held_until: float = -math.inf  # when the holds of its last ``unknown_expert`` end
 
 
 @dataclass(slots=True)
@@ -194,6 +196,10 @@ class ExpertDirectory:
         # begun since (``expert_gone``)
         self._gone_since: OrderedDict[str, float] = OrderedDict()
         self._listed_since: dict[str, dict[str, set[str]]] = {}
+        # peer -> the newest ``issued_at`` of its records seen when that episode began:
+        # only records issued since count in ``_listed_since`` (older ones were signed
+        # before it stopped serving them: a volunteer restarting, still loading)
+        self._gone_issued: dict[str, float] = {}
         # peers with more than EXPERTS_GONE_BAN experts held out, not offered until a
         # lookup begun since says whether their records still list them
         self._gone_suspects: set[str] = set()
@@ -335,8 +341,8 @@ class ExpertDirectory:
         ``uid``; banned for it, it went unused whole, and longer each time. One that
         keeps announcing an expert it does not serve costs a call for that expert per
         ``ban_s``. One with more than ``EXPERTS_GONE_BAN`` experts held out at once
-        whose records, looked up after its first such answer, still list one of them
-        announces what it does not serve, and is banned whole, growing to
+        that fails one its records issued after its first such answer list (found by a
+        lookup begun since) announces what it does not serve, and is banned whole, growing to
         ``SLOW_BAN_GROWTH_MAX`` times (each ``unknown_expert`` forced a DHT lookup and
         cost a call: 760 lookups and 568 failed calls in 40 s where a ban costs 9 and
         33). Banned on the count alone, a volunteer that dropped its experts at once (a
@@ -349,12 +355,16 @@ class ExpertDirectory:
             self._listed_since = {
                 p: u for p, u in self._listed_since.items() if p in self._gone_since
             }
+            self._gone_issued[peer_id] = self._issued.get(peer_id, -math.inf)
+            self._gone_issued = {
+                p: t for p, t in self._gone_issued.items() if p in self._gone_since
+            }
         self._expert_holds[(peer_id, uid)] = now + self._ban_s
         while len(self._expert_holds) > _MAX_OFFENDERS:
             del self._expert_holds[next(iter(self._expert_holds))]
         self.ban_reasons["unknown_expert"] += 1
         held = {u for (p, u), t in self._expert_holds.items() if p == peer_id and t > now}
-        if self._ban_gone(peer_id, held) or self._ban_relisted(peer_id, held, now):
+        if self._ban_gone(peer_id, uid, held) or self._ban_relisted(peer_id, held, now):
             return
         if len(held) > EXPERTS_GONE_BAN and peer_id not in self._gone_suspects:
             # Not offered until its records are looked up again (beside the next step):
@@ -375,24 +385,31 @@ class ExpertDirectory:
             if any(p.peer_id == peer_id for ps in entry.children.values() for p in ps):
                 entry.fetched_at = -math.inf  # refreshed beside the next step
 
-    def _ban_gone(self, peer_id: str, held: set[str]) -> bool:
+    def _ban_gone(self, peer_id: str, uid: str, held: set[str]) -> bool:
         """Ban ``peer_id`` whole (``false_records``) when more than ``EXPERTS_GONE_BAN``
-        of its experts are ``held`` out and records of it looked up since its first
-        ``unknown_expert`` of them still list one (``expert_gone``)."""
+        of its experts are ``held`` out and it just answered ``unknown_expert`` for
+        ``uid``, which its records issued since its first such answer list, in a lookup
+        begun since (``expert_gone``): it announces what it does not serve.
+
+        Records issued before that answer did not count before: a volunteer restarted
+        within their lifetime answers ``unknown_expert`` while loading, and its old
+        records still list those experts (banned 60 s at each restart). Nor does a
+        lookup finding them: loaded, it announces them again within the episode, and
+        serves them. A liar re-announces within a record's lifetime and fails them."""
         if len(held) <= EXPERTS_GONE_BAN or self.is_banned(peer_id):
             return False
         listed = set().union(*self._listed_since.get(peer_id, {}).values())
-        still = held & listed
-        if not still:
+        if uid not in listed:
             return False
         self.ban(
             peer_id,
             f"false_records: unknown_expert for {len(held)} experts it announces, "
-            f"{len(still)} of them in records looked up since",
+            f"{len(held & listed)} of them in records issued since",
             most=SLOW_BAN_GROWTH_MAX,
         )
         self._gone_since.pop(peer_id, None)
         self._listed_since.pop(peer_id, None)
+        self._gone_issued.pop(peer_id, None)
         self._gone_suspects.discard(peer_id)
         return True
 
@@ -409,7 +426,11 @@ class ExpertDirectory:
         one that re-balanced and took its experts back within the hour (capacity lowered
         then raised, a manifest republished; the Fill rule prefers experts it has
         checkpoints of). It serves them once back, and never answers ``unknown_expert``
-        for them again."""
+        for them again. Nor is one that restarts (``unknown_expert`` for them all while
+        it loads) after serving them again: an episode that begins more than ``ban_s``
+        after they were found listed again, and after its last ban, while it was offered
+        all that time, starts afresh (two restarts within the hour were banned 60 s and
+        120 s). A liar fails them as soon as it is offered them."""
         if len(held) <= EXPERTS_GONE_BAN or self.is_banned(peer_id):
             return False
         began = self._gone_since.get(peer_id, now)
@@ -419,9 +440,17 @@ class ExpertDirectory:
         if last is not None and last.began == began:
             last.uids = frozenset(held)  # the same episode, grown
         else:
-            earlier = last.earlier | last.relisted if last is not None else frozenset()
+            earlier: frozenset[str] = frozenset()
+            if last is not None:
+                # offered them since (listed again, neither held out nor banned) longer
+                # than ban_s: it served them, and this is a new start (a restart)
+                last_ban_end = self._offences.get(peer_id, (0, -math.inf))[1]
+                offered_since = max(last.relisted_at, last.held_until, last_ban_end)
+                if began - offered_since <= self._ban_s:
+                    earlier = last.earlier | last.relisted
             last = _Disowned(began, frozenset(held), self._issued.get(peer_id, -math.inf), earlier)
             remember(self._disowned, peer_id, last, _MAX_OFFENDERS)
+        last.held_until = now + self._ban_s
         again = held & last.earlier
         if len(again) <= EXPERTS_GONE_BAN:
             return False
@@ -432,6 +461,7 @@ class ExpertDirectory:
         )
         self._gone_since.pop(peer_id, None)
         self._listed_since.pop(peer_id, None)
+        self._gone_issued.pop(peer_id, None)
         self._gone_suspects.discard(peer_id)
         return True
 
@@ -739,9 +769,11 @@ class ExpertDirectory:
                 if peer_id not in held:  # its holds ended: so did the episode
                     del self._gone_since[peer_id]
                     self._listed_since.pop(peer_id, None)
+                    self._gone_issued.pop(peer_id, None)
                 elif self._gone_since[peer_id] <= started:
-                    self._ban_gone(peer_id, held[peer_id])
-                    self._gone_suspects.discard(peer_id)  # banned, or its records moved on
+                    # offered again: its next ``unknown_expert`` of an expert its records
+                    # issued since list bans it (``_ban_gone``)
+                    self._gone_suspects.discard(peer_id)
 
     def _relisted(
         self, records: Mapping[str, Sequence[ExpertRecord]], started: float, now: float
@@ -764,6 +796,7 @@ class ExpertDirectory:
                 again = (uids & episode.uids) - episode.relisted
                 if again:
                     episode.relisted = episode.relisted | again
+                    episode.relisted_at = min(episode.relisted_at, now)
 
     def _note_listed(self, key: str, records: Sequence[ExpertRecord], started: float) -> None:
         """What a lookup of ``key`` begun at ``started`` lists of each peer that answered
@@ -772,7 +805,7 @@ class ExpertDirectory:
             return
         listed: dict[str, set[str]] = {}
         for record in records:
-            if record.peer_id in self._gone_since:
+            if record.issued_at > self._gone_issued.get(record.peer_id, math.inf):
                 uids = {f"{key}{c}" if key.endswith(".") else key for c in record.children}
                 listed.setdefault(record.peer_id, set()).update(uids)
         for peer_id, since in self._gone_since.items():
