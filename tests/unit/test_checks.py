@@ -7,6 +7,7 @@ the round fails reports a diverging model and bans nobody.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -917,7 +918,8 @@ def test_a_volunteer_restarted_within_the_hour_of_an_episode_is_not_banned(
     assert all(a in peers for peers in offered().values())
 
 
-def test_a_liar_announcing_anew_what_it_does_not_serve_is_still_banned() -> None:
+@pytest.mark.parametrize("period_s", [15.0, math.inf], ids=["announcing", "one_record"])
+def test_a_liar_announcing_anew_what_it_does_not_serve_is_still_banned(period_s: float) -> None:
     """Counting only records issued since its ``unknown_expert`` answers, a liar that
     keeps announcing experts it does not serve (every ``announce_period_s``) is banned
     at its first ``unknown_expert`` after records issued since list them; again after
@@ -927,7 +929,7 @@ def test_a_liar_announcing_anew_what_it_does_not_serve_is_still_banned() -> None
     c, b = str(peer_id_for(liar)), str(peer_id_for(other))
     everything = list(range(8))
     client = _DirectoryClient()
-    dht = _Announcing({liar: everything, other: everything}, client.clock)
+    dht = _Announcing({liar: everything, other: everything}, client.clock, period_s)
     directory = ExpertDirectory(dht, ban_s=60.0, clock=client.clock)
     client._directory = directory
     layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)

@@ -200,6 +200,12 @@ class ExpertDirectory:
         # only records issued since count in ``_listed_since`` (older ones were signed
         # before it stopped serving them: a volunteer restarting, still loading)
         self._gone_issued: dict[str, float] = {}
+        # peer -> (the episode's start, the newest ``issued_at``) of its records issued
+        # before an episode that a lookup in it found listing experts: in a later
+        # episode those count too (``_note_listed``)
+        self._gone_stale: OrderedDict[str, tuple[float, float, set[str]]] = OrderedDict()
+        # peer -> (its episodes' ``_gone_issued``, when the last one's holds end)
+        self._gone_chain: OrderedDict[str, tuple[float, float]] = OrderedDict()
         # peers with more than EXPERTS_GONE_BAN experts held out, not offered until a
         # lookup begun since says whether their records still list them
         self._gone_suspects: set[str] = set()
@@ -355,11 +361,24 @@ class ExpertDirectory:
             self._listed_since = {
                 p: u for p, u in self._listed_since.items() if p in self._gone_since
             }
-            self._gone_issued[peer_id] = self._issued.get(peer_id, -math.inf)
+            # Episodes in a row (the next begins within ``ban_s`` of the last's holds or
+            # ban ending) count records issued since the first began: at a short
+            # ``ban_s`` a liar's episode ends before a lookup finds its next record.
+            anchor, until = self._gone_chain.get(peer_id, (-math.inf, -math.inf))
+            until = max(until, self._offences.get(peer_id, (0, -math.inf))[1])
+            if now - until > self._ban_s:
+                anchor = self._issued.get(peer_id, -math.inf)
+            self._gone_issued[peer_id] = anchor
+            _, stale, uids = self._gone_stale.get(peer_id, (math.inf, -math.inf, set()))
+            if now - until <= self._ban_s and self._issued.get(peer_id, -math.inf) <= stale:
+                # announced nothing since its records listed them a whole episode ago
+                self._listed_since[peer_id] = {"": set(uids)}
             self._gone_issued = {
                 p: t for p, t in self._gone_issued.items() if p in self._gone_since
             }
         self._expert_holds[(peer_id, uid)] = now + self._ban_s
+        anchor = self._gone_issued.get(peer_id, self._issued.get(peer_id, -math.inf))
+        remember(self._gone_chain, peer_id, (anchor, now + self._ban_s), _MAX_OFFENDERS)
         while len(self._expert_holds) > _MAX_OFFENDERS:
             del self._expert_holds[next(iter(self._expert_holds))]
         self.ban_reasons["unknown_expert"] += 1
@@ -805,9 +824,31 @@ class ExpertDirectory:
             return
         listed: dict[str, set[str]] = {}
         for record in records:
-            if record.issued_at > self._gone_issued.get(record.peer_id, math.inf):
-                uids = {f"{key}{c}" if key.endswith(".") else key for c in record.children}
-                listed.setdefault(record.peer_id, set()).update(uids)
+            peer_id = record.peer_id
+            since = self._gone_since.get(peer_id)
+            if since is None or since > started or not record.children:
+                continue
+            old = record.issued_at <= self._gone_issued.get(peer_id, math.inf)
+            if old:
+                # Issued before the episode. Still listed in a later episode, it was not
+                # announced anew since it failed: not a restart (which announces once
+                # loaded, and an honest record lives ``dht.record_ttl_s``, 30 s, less
+                # than ``ban_s``), but a liar signing seldom, long-lived records.
+                # So is one still listed ``ban_s`` into the episode (its peer failing
+                # all along, past an honest record's lifetime).
+                seen_in, stale, were = self._gone_stale.get(peer_id, (math.inf, -math.inf, set()))
+                lasting = started - since > self._ban_s
+                if not lasting and not (seen_in < since and record.issued_at <= stale):
+                    if seen_in != since:
+                        stale, were = -math.inf, set()
+                    stale = max(stale, record.issued_at)
+                    were = were | {
+                        f"{key}{c}" if key.endswith(".") else key for c in record.children
+                    }
+                    remember(self._gone_stale, peer_id, (since, stale, were), _MAX_OFFENDERS)
+                    continue
+            uids = {f"{key}{c}" if key.endswith(".") else key for c in record.children}
+            listed.setdefault(peer_id, set()).update(uids)
         for peer_id, since in self._gone_since.items():
             if since <= started:
                 self._listed_since.setdefault(peer_id, {})[key] = listed.get(peer_id, set())
