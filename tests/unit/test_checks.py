@@ -499,6 +499,29 @@ class _Records:
         }
 
 
+def _offered(client: _DirectoryClient) -> dict[int, list[str]]:
+    """The peers the directory offers now for each expert of ``ffn.``."""
+    found = client.run(client.directory.children, ["ffn."])["ffn."]
+    return {child: [p.peer_id for p in peers] for child, peers in found.items()}
+
+
+def _called(
+    layer: RemoteMixtureOfExperts,
+    peer: str,
+    uid: int,
+    peers: set[str],
+    *,
+    refused: str | None = None,
+) -> None:
+    """A round in which ``peer`` was called for expert ``uid`` of ``ffn.`` (beside
+    another call): answered, or ``refused`` with that error."""
+    calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
+    calls[0] = Call(f"ffn.{uid}", PeerAddress(peer, ()), None, [], calls[0].rows)
+    if refused is not None:
+        outcomes[0] = _refused(refused)
+    layer._accept(Verb.FORWARD, calls, outcomes, peers)
+
+
 def test_an_unknown_expert_answer_drops_that_expert_of_the_peer_not_the_peer() -> None:
     """A volunteer that re-balanced onto other experts answers ``unknown_expert`` for
     the ones it left until its new records replace the old: the peer was banned for it,
@@ -512,11 +535,7 @@ def test_an_unknown_expert_answer_drops_that_expert_of_the_peer_not_the_peer() -
     layer = RemoteMixtureOfExperts(8, (4,), "ffn.", 2, client=client, checks=CHECKS)
     directory = client.directory
 
-    def offered() -> dict[int, list[str]]:
-        found = client.run(directory.children, ["ffn."])["ffn."]
-        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
-
-    assert offered() == {0: [a, b], 1: [a, b]}
+    assert _offered(client) == {0: [a, b], 1: [a, b]}
     for _ in range(4):
         good = answers(1.0, 1)[0]
         calls, outcomes = _round([good, good], "ab")
@@ -524,9 +543,9 @@ def test_an_unknown_expert_answer_drops_that_expert_of_the_peer_not_the_peer() -
         outcomes[0] = _refused("unknown_expert")
         layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
         assert not directory.is_banned(a), "its other experts are still chosen"
-        assert offered() == {0: [b], 1: [a, b]}
+        assert _offered(client) == {0: [b], 1: [a, b]}
         client.clock.now += 60.0  # held for ban_s each time, never longer
-        assert offered() == {0: [a, b], 1: [a, b]}
+        assert _offered(client) == {0: [a, b], 1: [a, b]}
     assert layer.stats.failures["unknown_expert"] == 4
 
 
@@ -710,25 +729,18 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
     directory = client.directory
 
-    def offered() -> dict[int, list[str]]:
-        found = client.run(directory.children, ["ffn."])["ffn."]
-        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
-
     def unknown(peer: str, uid: int) -> None:
-        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-        calls[0] = Call(f"ffn.{uid}", PeerAddress(peer, ()), None, [], calls[0].rows)
-        outcomes[0] = _refused("unknown_expert")
-        layer._accept(Verb.FORWARD, calls, outcomes, {a, b, c})
+        _called(layer, peer, uid, {a, b, c}, refused="unknown_expert")
 
-    offered()
+    _offered(client)
     dht.children[honest] = [6, 7]  # re-balanced: announced anew
     for uid in range(EXPERTS_GONE_BAN + 2):  # two steps' calls
         unknown(a, uid)
         if uid == EXPERTS_GONE_BAN // 2:
-            offered()
+            _offered(client)
     assert not directory.is_banned(a)
     for _ in range(2):
-        found = offered()
+        found = _offered(client)
         assert [child for child, peers in found.items() if a in peers] == [6, 7]
     assert "false_records" not in directory.ban_reasons
     # One that keeps announcing them all: not banned on the count before a lookup...
@@ -736,7 +748,7 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     for uid in range(EXPERTS_GONE_BAN + 1):
         unknown(c, uid)
     assert not directory.is_banned(c)
-    found = offered()  # ... nor by the lookup of its records issued since, which list them
+    found = _offered(client)  # ... nor by the lookup of its records issued since, which list them
     assert not directory.is_banned(c)
     assert c in found[EXPERTS_GONE_BAN + 1]
     unknown(c, EXPERTS_GONE_BAN + 1)  # banned at its next failure of one of them
@@ -762,32 +774,25 @@ def test_a_liar_withdrawing_its_records_while_held_out_is_banned_failing_them_ag
     layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
     directory = client.directory
 
-    def offered() -> dict[int, list[str]]:
-        found = client.run(directory.children, ["ffn."])["ffn."]
-        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
-
     def unknown(peer: str, uid: int) -> None:
-        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-        calls[0] = Call(f"ffn.{uid}", PeerAddress(peer, ()), None, [], calls[0].rows)
-        outcomes[0] = _refused("unknown_expert")
-        layer._accept(Verb.FORWARD, calls, outcomes, {a, b, c})
+        _called(layer, peer, uid, {a, b, c}, refused="unknown_expert")
 
-    offered()
+    _offered(client)
     for uid in range(EXPERTS_GONE_BAN + 2):
         unknown(c, uid)
         unknown(a, uid)
     dht.children[liar] = []  # withdrawn while held out
     dht.children[honest] = [6, 7]  # re-balanced
-    offered()
+    _offered(client)
     assert not directory.is_banned(c)
     assert not directory.is_banned(a)
     client.clock.now += 61.0  # the holds ended
-    offered()
+    _offered(client)
     dht.children[liar] = everything  # announced again
     dht.children[honest] = everything  # took them back
     client.clock.now += 16.0  # stale: the next step looks it up
-    offered()
-    assert sorted(offered()) == everything
+    _offered(client)
+    assert sorted(_offered(client)) == everything
     assert not directory.is_banned(c)  # not yet: so does the honest one
     for uid in range(EXPERTS_GONE_BAN + 1):
         unknown(c, uid)  # and does not serve them
@@ -796,7 +801,7 @@ def test_a_liar_withdrawing_its_records_while_held_out_is_banned_failing_them_ag
     assert not directory.is_banned(a)
     assert not directory.is_banned(b)
     client.clock.now += 61.0  # its ban ended; its records still list them
-    assert c in offered()[0]
+    assert c in _offered(client)[0]
     for uid in range(EXPERTS_GONE_BAN + 1):
         unknown(c, uid)
     assert directory.is_banned(c)  # again, at once, and longer
@@ -820,35 +825,26 @@ def test_a_volunteer_that_takes_back_experts_it_dropped_is_not_banned(back_s: fl
     layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
     directory = client.directory
 
-    def offered() -> dict[int, list[str]]:
-        found = client.run(directory.children, ["ffn."])["ffn."]
-        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
-
-    offered()
+    _offered(client)
     dht.children[honest] = [6, 7]  # re-balanced
     for uid in range(EXPERTS_GONE_BAN + 2):
-        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-        calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
-        outcomes[0] = _refused("unknown_expert")
-        layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+        _called(layer, a, uid, {a, b}, refused="unknown_expert")
         if uid == EXPERTS_GONE_BAN // 2:
-            offered()  # the lookup that answer forced: its new records
+            _offered(client)  # the lookup that answer forced: its new records
     began = client.clock.now
     while client.clock.now - began < back_s:
         client.clock.now += 5.0
-        offered()
+        _offered(client)
     dht.children[honest] = everything  # took them back
     for _ in range(24):  # two minutes of steps; its calls answered
         client.clock.now += 5.0
-        found = offered()
+        found = _offered(client)
         for uid, peers in found.items():
             if a in peers:
-                calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-                calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
-                layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+                _called(layer, a, uid, {a, b})
     assert not directory.is_banned(a)
     assert directory.ban_reasons["false_records"] == 0
-    assert all(a in peers for peers in offered().values())
+    assert all(a in peers for peers in _offered(client).values())
 
 
 @pytest.mark.parametrize("first", ["restart", "rebalance"])
@@ -874,21 +870,14 @@ def test_a_volunteer_restarted_within_the_hour_of_an_episode_is_not_banned(
     client._directory = directory
     layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
 
-    def offered() -> dict[int, list[str]]:
-        found = client.run(directory.children, ["ffn."])["ffn."]
-        return {child: [p.peer_id for p in peers] for child, peers in found.items()}
-
     def episode(listed: list[int], loading: bool) -> None:
         dht.children[honest] = listed
         if loading:
             dht.loading.add(honest)  # its last records stay listed meanwhile
         for uid in range(EXPERTS_GONE_BAN + 2):  # the calls already planned
-            calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-            calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
-            outcomes[0] = _refused("unknown_expert")
-            layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+            _called(layer, a, uid, {a, b}, refused="unknown_expert")
             if uid == EXPERTS_GONE_BAN // 2:
-                offered()  # the lookup that answer forced
+                _offered(client)  # the lookup that answer forced
         assert not directory.is_banned(a)
 
     def serve(seconds: float) -> None:  # loaded: announced, its calls answered
@@ -897,14 +886,12 @@ def test_a_volunteer_restarted_within_the_hour_of_an_episode_is_not_banned(
         began = client.clock.now
         while client.clock.now - began < seconds:
             client.clock.now += 5.0
-            for uid, peers in offered().items():
+            for uid, peers in _offered(client).items():
                 if a in peers:
-                    calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-                    calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
-                    layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+                    _called(layer, a, uid, {a, b})
             assert not directory.is_banned(a)
 
-    offered()
+    _offered(client)
     if first == "restart":
         episode(everything if kept else [], loading=kept)
     else:
@@ -915,7 +902,7 @@ def test_a_volunteer_restarted_within_the_hour_of_an_episode_is_not_banned(
     episode(everything if kept else [], loading=kept)  # restarted
     serve(120.0)
     assert directory.ban_reasons["false_records"] == 0
-    assert all(a in peers for peers in offered().values())
+    assert all(a in peers for peers in _offered(client).values())
 
 
 @pytest.mark.parametrize("period_s", [15.0, math.inf], ids=["announcing", "one_record"])
@@ -936,13 +923,9 @@ def test_a_liar_announcing_anew_what_it_does_not_serve_is_still_banned(period_s:
 
     def failing() -> int:
         """One step: each expert of the liar offered is called and fails; how many."""
-        found = client.run(directory.children, ["ffn."])["ffn."]
-        mine = [child for child, peers in found.items() if any(p.peer_id == c for p in peers)]
+        mine = [child for child, peers in _offered(client).items() if c in peers]
         for uid in mine:
-            calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-            calls[0] = Call(f"ffn.{uid}", PeerAddress(c, ()), None, [], calls[0].rows)
-            outcomes[0] = _refused("unknown_expert")
-            layer._accept(Verb.FORWARD, calls, outcomes, {b, c})
+            _called(layer, c, uid, {b, c}, refused="unknown_expert")
         return len(mine)
 
     failed = failing()
@@ -1035,10 +1018,7 @@ def test_a_peer_announcing_experts_it_does_not_host_is_banned_and_looked_up_seld
     client.run(directory.children, ["ffn."])
     lookups = directory.lookups
     for uid in range(EXPERTS_GONE_BAN):
-        calls, outcomes = _round([answers(1.0, 1)[0]] * 2, "xb")
-        calls[0] = Call(f"ffn.{uid}", PeerAddress(a, ()), None, [], calls[0].rows)
-        outcomes[0] = _refused("unknown_expert")
-        layer._accept(Verb.FORWARD, calls, outcomes, {a, b})
+        _called(layer, a, uid, {a, b}, refused="unknown_expert")
         client.run(directory.children, ["ffn."])
         assert not directory.is_banned(a)
     assert directory.lookups == lookups + 1, "once per refresh_s"
