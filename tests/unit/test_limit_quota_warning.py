@@ -16,6 +16,22 @@ from volunteerd.control.models import LimitsView, Stats, StatsBucket, Totals
 from volunteerd.errors import ControlError
 
 
+def _hour(start: int, *, sent: int, received: int = 0, calls: int = 0) -> StatsBucket:
+    """One hour of the daemon's statistics: ``calls`` forwards served (0: upkeep alone)."""
+    return StatsBucket(
+        start=start,
+        size_s=3600,
+        forward=calls,
+        backward=0,
+        samples=calls,
+        compute_s=1.0 if calls else 0.0,
+        bytes_in=1 if calls else 0,
+        bytes_out=1 if calls else 0,
+        bytes_sent=sent,
+        bytes_received=received,
+    )
+
+
 class FakeClient:
     """The control API's answers (the daemon's side has tests of its own)."""
 
@@ -23,48 +39,12 @@ class FakeClient:
         self.limits_set: dict[str, Any] = {}
         hour = int(time.time() // 3600 * 3600)
         buckets = [
-            StatsBucket(
-                start=hour - 3600 * (i + 1),
-                size_s=3600,
-                forward=0,
-                backward=0,
-                samples=0,
-                compute_s=0.0,
-                bytes_in=0,
-                bytes_out=0,
-                bytes_sent=n // 2,
-                bytes_received=n - n // 2,
-            )
+            _hour(hour - 3600 * (i + 1), sent=n // 2, received=n - n // 2)
             for i, n in enumerate(idle_hour_bytes)
         ]
         if busy_hour_bytes:  # an hour that served calls: not upkeep alone
-            buckets.append(
-                StatsBucket(
-                    start=hour - 3600 * 50,
-                    size_s=3600,
-                    forward=9,
-                    backward=0,
-                    samples=9,
-                    compute_s=1.0,
-                    bytes_in=1,
-                    bytes_out=1,
-                    bytes_sent=busy_hour_bytes,
-                )
-            )
-        # the hour under way: not a whole hour yet
-        buckets.append(
-            StatsBucket(
-                start=hour,
-                size_s=3600,
-                forward=0,
-                backward=0,
-                samples=0,
-                compute_s=0.0,
-                bytes_in=0,
-                bytes_out=0,
-                bytes_sent=1,
-            )
-        )
+            buckets.append(_hour(hour - 3600 * 50, sent=busy_hour_bytes, calls=9))
+        buckets.append(_hour(hour, sent=1))  # the hour under way: not a whole hour yet
         self.answer = Stats(
             today=Totals(),
             week=Totals(),
