@@ -715,6 +715,20 @@ class _Announcing(_Announced):
         return found
 
 
+def _unknown_expert_world(
+    dht: _Announced, peers: set[str]
+) -> tuple[_DirectoryClient, Callable[[str, int], None]]:
+    """A directory over ``dht`` (under a layer of 8 experts), and a round in which one of
+    ``peers`` answers ``unknown_expert`` for one expert."""
+    client = _DirectoryClient(dht)
+    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+
+    def unknown(peer: str, uid: int) -> None:
+        _called(layer, peer, uid, peers, refused="unknown_expert")
+
+    return client, unknown
+
+
 def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() -> None:
     """More than EXPERTS_GONE_BAN experts held out at once banned the peer whole on
     the count alone: a volunteer that re-balanced, or whose project owner changed the
@@ -725,12 +739,8 @@ def test_a_volunteer_that_dropped_many_experts_at_once_is_not_banned_for_it() ->
     a, c, b = (str(peer_id_for(s)) for s in (honest, liar, other))
     everything = list(range(8))
     dht = _Announced({honest: everything, liar: everything, other: everything})
-    client = _DirectoryClient(dht)
-    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+    client, unknown = _unknown_expert_world(dht, {a, b, c})
     directory = client.directory
-
-    def unknown(peer: str, uid: int) -> None:
-        _called(layer, peer, uid, {a, b, c}, refused="unknown_expert")
 
     _offered(client)
     dht.children[honest] = [6, 7]  # re-balanced: announced anew
@@ -770,12 +780,8 @@ def test_a_liar_withdrawing_its_records_while_held_out_is_banned_failing_them_ag
     a, c, b = (str(peer_id_for(s)) for s in (honest, liar, other))
     everything = list(range(8))
     dht = _Announced({honest: everything, liar: everything, other: everything})
-    client = _DirectoryClient(dht)
-    layer = RemoteMixtureOfExperts(8, (8,), "ffn.", 2, client=client, checks=CHECKS)
+    client, unknown = _unknown_expert_world(dht, {a, b, c})
     directory = client.directory
-
-    def unknown(peer: str, uid: int) -> None:
-        _called(layer, peer, uid, {a, b, c}, refused="unknown_expert")
 
     _offered(client)
     for uid in range(EXPERTS_GONE_BAN + 2):
