@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -616,9 +617,11 @@ _UPKEEP_MIN_HOURS = 3  # idle hours of the last week to go by
 
 
 def _upkeep_gb_a_day(client: ControlClient) -> float | None:
-    """What the daemon's upkeep moves a day by its own count: the mean of the last
-    week's whole hours in which it served no expert call, times 24; None with fewer
-    than ``_UPKEEP_MIN_HOURS`` of them (or no stats)."""
+    """What the daemon's upkeep moves a day by its own count: the median of the last
+    week's whole hours in which it served no expert call and moved anything, times 24
+    (a median: an hour of replica averaging or of a download is not upkeep, nor is an
+    hour the daemon ran minutes of); None with fewer than ``_UPKEEP_MIN_HOURS`` of them
+    (or no stats)."""
     now = time.time()
     try:
         stats = client.stats(since=now - 7 * 86400)
@@ -630,10 +633,11 @@ def _upkeep_gb_a_day(client: ControlClient) -> float | None:
         if bucket.size_s == 3600
         and bucket.start + bucket.size_s <= now
         and bucket.forward + bucket.backward == 0
+        and bucket.bytes_sent + bucket.bytes_received > 0
     ]
     if len(idle) < _UPKEEP_MIN_HOURS:
         return None
-    return sum(idle) / len(idle) * 24 / 1e9
+    return statistics.median(idle) * 24 / 1e9
 
 
 def _quota_warnings(limits: LimitsView, upkeep_gb_a_day: float | None) -> list[str]:

@@ -67,3 +67,14 @@ def test_without_enough_idle_hours_the_floor_is_the_mark() -> None:
     ]
     assert "about 0.5 GB a day" in found[0]
     assert warnings({"daily_quota_gb": 0, "monthly_quota_gb": 15}, [hour(1, 10)]) == []
+
+
+def test_an_hour_of_averaging_or_one_barely_run_does_not_set_the_mark() -> None:
+    """As ``volunteerd limit``: the median of the idle hours that moved anything, so an
+    hour of replica averaging (1 GB: 24 GB a day in a mean) or hours the daemon ran
+    minutes of do not set it."""
+    history = [hour(i, 16_100_000) for i in range(1, 6)] + [hour(6, 1_000_000_000)]
+    history += [hour(i, 0) for i in range(7, 13)]
+    assert warnings({"daily_quota_gb": 2, "monthly_quota_gb": 0}, history) == []
+    found = warnings({"daily_quota_gb": 0.2, "monthly_quota_gb": 0}, history)
+    assert "moved 0.39 GB a day while it served nothing" in found[0]

@@ -118,3 +118,16 @@ def test_showing_or_changing_other_limits_warns_of_nothing(
     run_limit(monkeypatch, tmp_path, client)
     run_limit(monkeypatch, tmp_path, client, "--up", "5")
     assert capsys.readouterr().err == ""
+
+
+def test_an_hour_of_averaging_or_one_barely_run_does_not_set_the_mark(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hours without expert calls count as idle: an hour of replica averaging (1 GB)
+    read as 24 GB a day of upkeep in a mean, and hours the daemon ran minutes of as
+    nothing (a re-check). The median of the hours that moved anything is the mark."""
+    client = FakeClient([16_100_000] * 5 + [1_000_000_000, 0, 0, 0, 0, 0, 0])
+    run_limit(monkeypatch, tmp_path, client, "--daily-gb", "2")
+    assert "warning" not in capsys.readouterr().err  # 0.39 GB a day, not 2.4
+    run_limit(monkeypatch, tmp_path, client, "--daily-gb", "0.2")
+    assert "moved 0.39 GB a day while it served nothing" in capsys.readouterr().err

@@ -9,15 +9,20 @@ export const UPKEEP_FLOOR_GB_A_DAY = 0.5;
 export const UPKEEP_FLOOR_GB_A_MONTH = 15;
 const UPKEEP_MIN_HOURS = 3;
 
-/** GB a day by the daemon's own count: the mean of the whole hours in ``stats``
- * (a /stats answer) in which it served no expert call, times 24; null with fewer than
- * three of them or no stats. ``now`` in Unix seconds. */
+/** GB a day by the daemon's own count: the median of the whole hours in ``stats``
+ * (a /stats answer) in which it served no expert call and moved anything, times 24 (an
+ * hour of replica averaging is not upkeep); null with fewer than three of them or no
+ * stats. ``now`` in Unix seconds. */
 export function upkeepGbADay(stats, now) {
   const idle = (stats?.history ?? []).filter((b) => b.size_s === 3600 && b.start + b.size_s <= now
-    && b.forward + b.backward === 0);
+    && b.forward + b.backward === 0)
+    .map((b) => (b.bytes_sent ?? 0) + (b.bytes_received ?? 0))
+    .filter((moved) => moved > 0)
+    .sort((x, y) => x - y);
   if (idle.length < UPKEEP_MIN_HOURS) return null;
-  const bytes = idle.reduce((sum, b) => sum + (b.bytes_sent ?? 0) + (b.bytes_received ?? 0), 0);
-  return (bytes / idle.length) * 24 / 1e9;
+  const mid = Math.floor(idle.length / 2);
+  const median = idle.length % 2 ? idle[mid] : (idle[mid - 1] + idle[mid]) / 2;
+  return median * 24 / 1e9;
 }
 
 /** The warnings for ``limits`` (a /limits answer): a daily or monthly quota below what
