@@ -96,6 +96,7 @@ _CHECK_EVERY_S = 5.0
 # rewrote the file (an fsync each) 32 times a second.
 _SAVE_AT_MOST_S = 60.0
 _SAVE_GAP_S = 5.0
+_SAVE_FAILED_LOG_S = 600.0
 # The urgent class is for small messages (a DHT store, ~2 KB): a larger urgent write
 # waits as bulk. Turns are per write, not per byte: a DHT find reply of 24-48 KB each
 # urgent turn against a 64 KiB reply piece each bulk one let one stream of a stranger's
@@ -539,6 +540,8 @@ class Throttle:
         self._save_after = _SAVE_BYTES  # ``save_after_bytes``, for the counting path
         # set by the counting path once ``_save_after`` bytes are unsaved (``serve``)
         self._save_due: trio.Event | None = None
+        # the last failure to save logged: (its errno, when, on the monotonic clock)
+        self._save_failed: tuple[int | None, float] | None = None
         self.apply(limits)
 
     def apply(self, limits: LimitsConfig) -> None:
@@ -656,11 +659,21 @@ class Throttle:
             self._save()
 
     def _save(self, durable: bool = True) -> bool:
+        """Save the ledger; False when that failed. A failure is logged when it is new
+        (another error than the last) and then once every ``_SAVE_FAILED_LOG_S``: a disk
+        that stays full logged a warning every 5 s, ~17,000 lines a day (a re-check)."""
         try:
             self.ledger.save(durable=durable)
         except OSError as exc:
-            logger.warning("cannot save the transfer count: %s", exc)
+            now = time.monotonic()
+            last = self._save_failed
+            if last is None or last[0] != exc.errno or now - last[1] >= _SAVE_FAILED_LOG_S:
+                self._save_failed = (exc.errno, now)
+                logger.warning("cannot save the transfer count: %s", exc)
             return False
+        if self._save_failed is not None:
+            self._save_failed = None
+            logger.info("the transfer count is saved again")
         return True
 
 
