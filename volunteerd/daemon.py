@@ -281,6 +281,7 @@ class Daemon:
                     node.server.refused_early = accountant.refused_early
                 if hosting is not None:  # a call over the batch cap: its body left unread
                     node.server.max_request_samples = hosting.runtime.max_samples
+                    node.server.hosts = hosting.runtime.hosts
                 accountant.connected = node.connected_peers  # a full peers table spares them
                 node.dht.clones.on_clone = lambda message: events.post("error", message)
                 if node.reachability is not None:  # relaying is the volunteer's bandwidth too

@@ -228,3 +228,13 @@ async def test_a_batch_over_the_cap_is_refused_before_its_tensors_are_read(
         assert server.node.server.stats.bytes_in == read_before  # its body was never read
         out = await forward(client, server, torch.randn(2, HIDDEN))  # and it goes on
         assert out.shape == (2, HIDDEN)
+        # an expert this node does not host is answered as one, whatever the size:
+        # trainers' directories count unknown_expert answers, not too_large ones
+        with pytest.raises(RemoteError) as info:
+            await client.rpc.call(
+                server.node.address,
+                Verb.FORWARD,
+                ForwardRequest(uid="ffn.9.9", tensors=[meta]),
+                [b"\0" * meta.nbytes],
+            )
+        assert info.value.code == "unknown_expert"

@@ -326,6 +326,10 @@ class RpcServer:
         # header, before its tensors are read: all 640 MB of 610 forwards of 8192 rows
         # against a cap of 2048 were read and counted against the quotas, to be refused.
         self.max_request_samples: int | None = None
+        # whether this node hosts an expert: a call to one it does not host is read and
+        # answered ``unknown_expert`` whatever its size (trainers' directories count
+        # those answers), not refused ``too_large`` unread
+        self.hosts: Callable[[str], bool] | None = None
 
     def open_streams(self, peer_id: str) -> int:
         """Inbound streams ``peer_id`` holds open now (idle pooled ones included)."""
@@ -487,7 +491,7 @@ class RpcServer:
                     await self._refuse_limited(spec, stream, peer_id, reason, refusal)
                     return False
                 check = (
-                    self._check_samples(spec, self.max_request_samples)
+                    self._check_samples(spec, self.max_request_samples, self.hosts)
                     if self.max_request_samples is not None and sizes.body_bytes
                     else None
                 )
@@ -517,12 +521,15 @@ class RpcServer:
         return True
 
     @staticmethod
-    def _check_samples(spec: ProtocolSpec, cap: int) -> Callable[[bytes], None] | None:
+    def _check_samples(
+        spec: ProtocolSpec, cap: int, hosts: Callable[[str], bool] | None = None
+    ) -> Callable[[bytes], None] | None:
         """For ``read_frame_rest``: raises FrameTooLarge when every expert call in a
         request's header declares a batch over ``cap`` (its first tensor's first
         dimension, as ``check_against_schema`` reads it): the handler would refuse them
-        all, so the body is left unread. A batch verb with one call within the cap is
-        read and answered item by item as before. None for verbs without tensors."""
+        all, so the body is left unread. A batch verb with one call within the cap, or
+        one call to an expert not ``hosts`` (answered ``unknown_expert``), is read and
+        answered item by item as before. None for verbs without tensors."""
         if spec.verb not in REQUESTS_WITH_TENSORS:
             return None
 
@@ -535,6 +542,8 @@ class RpcServer:
             batches = [
                 c.tensors[0].shape[0] if c.tensors and c.tensors[0].shape else 0 for c in calls
             ]
+            if hosts is not None and not all(hosts(str(getattr(c, "uid", ""))) for c in calls):
+                return  # answered unknown_expert by the handler, as before
             if min(batches) > cap:
                 raise FrameTooLarge(f"batch of {batches[0]} samples exceeds the cap of {cap}")
 
