@@ -55,9 +55,9 @@ async def test_a_frozen_daemon_serves_its_replicated_expert_only_once_caught_up(
             fetch = b.averager.source.fetch
             answering = trio.Event()
 
-            async def held_fetch(peer_id: str, uid: str, *, max_bytes: int, timeout_s=None):  # type: ignore[no-untyped-def]
+            async def held_fetch(peer_id: str, uid: str, **kwargs):  # type: ignore[no-untyped-def]
                 await answering.wait()
-                return await fetch(peer_id, uid, max_bytes=max_bytes, timeout_s=timeout_s)
+                return await fetch(peer_id, uid, **kwargs)
 
             b.averager.source.fetch = held_fetch  # type: ignore[method-assign]
             b.averager._awake_clock = lambda: awake_time() + 300  # b was stopped 5 minutes

@@ -71,10 +71,10 @@ async def test_a_daemon_started_from_old_checkpoints_serves_only_once_caught_up(
             # b's fetches wait for the test: it must be held until they answer
             fetch, asked, answering = SwarmReplicas.fetch, trio.Event(), trio.Event()
 
-            async def held_fetch(self, peer_id: str, uid: str, *, max_bytes: int, timeout_s=None):  # type: ignore[no-untyped-def]
+            async def held_fetch(self, peer_id: str, uid: str, **kwargs):  # type: ignore[no-untyped-def]
                 asked.set()
                 await answering.wait()
-                return await fetch(self, peer_id, uid, max_bytes=max_bytes, timeout_s=timeout_s)
+                return await fetch(self, peer_id, uid, **kwargs)
 
             monkeypatch.setattr(SwarmReplicas, "fetch", held_fetch)
             with trio.fail_after(15):
@@ -103,7 +103,7 @@ async def test_a_daemon_started_from_old_checkpoints_serves_only_once_caught_up(
 async def test_a_fresh_checkpoint_or_an_expert_without_replicas_serves_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def no_fetch(self, peer_id: str, uid: str, *, max_bytes: int):  # type: ignore[no-untyped-def]
+    async def no_fetch(self, peer_id: str, uid: str, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("nothing to catch up with: no fetch")
 
     monkeypatch.setattr(SwarmReplicas, "fetch", no_fetch)
