@@ -654,6 +654,19 @@ async def test_a_meaningful_count_is_saved_within_seconds(
         nursery.cancel_scope.cancel()
 
 
+def _saves_of(throttle: Throttle) -> list[float]:
+    """When each of ``throttle``'s ledger saves was tried (trio's clock), as they come."""
+    saves: list[float] = []
+    save = throttle.ledger.save
+
+    def counted_save(*, durable: bool = True) -> None:
+        saves.append(trio.current_time())
+        save(durable=durable)
+
+    throttle.ledger.save = counted_save  # type: ignore[method-assign]
+    return saves
+
+
 async def test_heavy_traffic_is_saved_as_each_megabyte_is_counted(
     tmp_path: Path, inline_threads: None, autojump_clock: trio.abc.Clock
 ) -> None:
@@ -664,14 +677,7 @@ async def test_heavy_traffic_is_saved_as_each_megabyte_is_counted(
     of heavy traffic, as the docs say now, a megabyte of a lighter one."""
     path = tmp_path / "transfer.json"
     throttle = Throttle(LimitsConfig(), TransferLedger(path))
-    saves: list[float] = []
-    save = throttle.ledger.save
-
-    def counted_save(*, durable: bool = True) -> None:
-        saves.append(trio.current_time())
-        save(durable=durable)
-
-    throttle.ledger.save = counted_save  # type: ignore[method-assign]
+    saves = _saves_of(throttle)
     async with trio.open_nursery() as nursery:
         await nursery.start(throttle.serve)
         start = trio.current_time()
@@ -705,14 +711,7 @@ async def test_a_save_that_fails_is_tried_again_every_few_seconds_not_at_once(
     path = tmp_path / "transfer.json"
     path.mkdir()  # every save fails
     throttle = Throttle(LimitsConfig(), TransferLedger(path))
-    tries: list[float] = []
-    save = throttle.ledger.save
-
-    def counted_save(*, durable: bool = True) -> None:
-        tries.append(trio.current_time())
-        save(durable=durable)
-
-    throttle.ledger.save = counted_save  # type: ignore[method-assign]
+    tries = _saves_of(throttle)
     async with trio.open_nursery() as nursery:
         await nursery.start(throttle.serve)
         throttle.add(up=2_000_000)
